@@ -1,0 +1,95 @@
+"""Find a checkpoint's format from its path and build its index.
+
+Every command takes a path (a folder or a file) and lands here. Detection is by content
+(DCP's .metadata, safetensors headers, torch.save's zip magic), never by trust in a name alone;
+a path nothing recognises gets one sentence saying what was looked for and what was found.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import NotACheckpointError
+from ..index.types import CheckpointIndex
+from ..storage.source import Source, is_url, open_source
+from .dcp import reader as dcp_reader
+from .safetensors import reader as st_reader
+from .torch_save import reader as ts_reader
+from .torch_save.archive import ZIP_MAGIC
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+@dataclass
+class Opened:
+    """A checkpoint ready to be read: its source (for bytes) and its index (for everything else)."""
+
+    source: Source
+    index: CheckpointIndex
+    path: str
+
+
+def _parent_and_name(path: str) -> tuple[str, str]:
+    path = path.rstrip("/")
+    if is_url(path):
+        parent, _, name = path.rpartition("/")
+        return parent, name
+    return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+
+
+def open_checkpoint(path: str, expect: str | None = None) -> Opened:
+    """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp")."""
+    source = open_source(path)
+    if source.isdir(""):
+        opened = _open_folder(path, source)
+    else:
+        opened = _open_file(path)
+    if expect is not None and opened.index.format != expect:
+        raise NotACheckpointError(f"{path}: is a {opened.index.format} checkpoint, expected {expect}")
+    return opened
+
+
+def _open_file(path: str) -> Opened:
+    parent, name = _parent_and_name(path)
+    source = open_source(parent)
+    head = source.read(name, 0, min(8, source.size(name)))
+    if head[:4] == ZIP_MAGIC:
+        index = ts_reader.read_index(source, name)
+    elif name.endswith(".safetensors") or _looks_like_safetensors(source, name):
+        index = st_reader.read_index(source, [name])
+    elif name.endswith(TORCH_SUFFIXES):
+        index = ts_reader.read_index(source, name)  # raises a precise error (legacy / damaged)
+    else:
+        raise NotACheckpointError(f"{path}: not a checkpoint ckptkit recognises "
+                                  f"(not a torch.save archive nor a safetensors file)")
+    index.root = path
+    return Opened(source, index, path)
+
+
+def _looks_like_safetensors(source: Source, name: str) -> bool:
+    size = source.size(name)
+    if size < 10:
+        return False
+    n = int.from_bytes(source.read(name, 0, 8), "little")
+    return 0 < n <= size - 8 and source.read(name, 8, 1) == b"{"
+
+
+def _open_folder(path: str, source: Source) -> Opened:
+    names = source.listdir("")
+    if dcp_reader.detect(source):
+        return Opened(source, dcp_reader.read_index(source), path)
+    if any(n.endswith(".distcp") for n in names):
+        raise NotACheckpointError(f"{path}: has .distcp data files but no .metadata: an incomplete DCP "
+                                  f"checkpoint (the save did not finish)")
+    st_files = st_reader.safetensors_files(source)
+    if st_files:
+        return Opened(source, st_reader.read_index(source, st_files), path)
+    torch_files = [n for n in names if n.endswith(TORCH_SUFFIXES)]
+    if len(torch_files) == 1:
+        index = ts_reader.read_index(source, torch_files[0])
+        return Opened(source, index, path)
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    found = f"found {len(names)} entries ({shown})" if names else "the folder is empty"
+    raise NotACheckpointError(
+        f"{path}: not a checkpoint ckptkit recognises (looked for a DCP .metadata, *.safetensors, "
+        f"or one torch.save file); {found}")

@@ -1,0 +1,99 @@
+"""Write tensors as Hugging Face style safetensors, streaming slab by slab.
+
+The header of every shard is computed up front (shapes and dtypes are known), so each shard
+is written front to back in one pass; shards are written in parallel. Tied tensors are written
+once and recorded under __metadata__["ckptkit.aliases"]; transformers ignores the extra key.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+from ...index.dtypes import itemsize, to_safetensors
+from ...index.types import TensorEntry
+from ...progress import NullProgress, Progress
+from ...runner.executor import run_jobs
+from ...runner.fetch import Fetcher
+from ...runner.stream import stream_tensor
+from ...storage.output import OutputDir
+from .reader import ALIASES_KEY, INDEX_NAME, OBJECTS_KEY
+
+
+@dataclass
+class OutTensor:
+    name: str
+    entry: TensorEntry
+    dtype: str  # output dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.entry.shape) * itemsize(self.dtype)
+
+
+def plan_shards(tensors: list[OutTensor], max_shard_bytes: int) -> list[list[OutTensor]]:
+    """Greedy, in order: a new shard starts when the next tensor would overflow the limit."""
+    shards: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards if shards[0] else []
+
+
+def shard_names(basename: str, count: int) -> list[str]:
+    if count <= 1:
+        return [f"{basename}.safetensors"]
+    return [f"{basename}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def build_header(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": to_safetensors(t.dtype), "shape": list(t.entry.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(out: OutputDir, fetcher: Fetcher, tensors: list[OutTensor], *,
+                      basename: str = "model", max_shard_bytes: int, slab_bytes: int,
+                      workers: int = 4, aliases: dict[str, str] | None = None,
+                      objects: dict | None = None, progress: Progress | None = None,
+                      write_index: bool = True) -> list[str]:
+    """Write `tensors` into one or more shards in `out`; returns the file names written."""
+    progress = progress or NullProgress()
+    shards = plan_shards(tensors, max_shard_bytes) or [[]]
+    names = shard_names(basename, len(shards))
+    base_meta: dict[str, str] = {"format": "pt"}
+    if aliases:
+        base_meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    if objects:
+        base_meta[OBJECTS_KEY] = json.dumps(objects, sort_keys=True, default=str)
+
+    def job(name: str, shard: list[OutTensor]):
+        def run() -> None:
+            with out.open(name) as f:
+                f.write(build_header(shard, base_meta))
+                for t in shard:
+                    for chunk in stream_tensor(fetcher, t.entry, t.dtype, slab_bytes):
+                        f.write(chunk)
+                        progress.advance(len(chunk))
+        return run
+
+    run_jobs([job(n, s) for n, s in zip(names, shards)], workers)
+    if len(shards) > 1 and write_index:
+        weight_map = {t.name: n for n, s in zip(names, shards) for t in s}
+        doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
+        if aliases:
+            doc["metadata"]["ckptkit_aliases"] = aliases
+        out.write_bytes(INDEX_NAME if basename == "model" else f"{basename}.safetensors.index.json",
+                        json.dumps(doc, indent=2, sort_keys=True).encode())
+    return names

@@ -1,0 +1,212 @@
+"""Pure geometry over tensor regions: intersections, flat-range decomposition, coverage.
+
+Everything reduces to boxes: a range of the row-major flattening decomposes into at most
+2*ndim+1 boxes, each of which is itself contiguous in that flattening. So the planner and the
+coverage check only ever intersect boxes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .types import Box, FlatRange, Piece, Region
+
+
+def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when it holds no element."""
+    if a.ndim != b.ndim:
+        raise ValueError(f"cannot intersect boxes of rank {a.ndim} and {b.ndim}")
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    if a.numel == 0 or b.numel == 0:
+        return None
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return all(o <= i and i + s <= o + os_ for o, os_, i, s in
+               zip(outer.offsets, outer.sizes, inner.offsets, inner.sizes))
+
+
+def flat_to_boxes(fr: FlatRange, shape: tuple[int, ...]) -> list[tuple[Box, int]]:
+    """Decompose a flat range into boxes, each paired with its element offset inside the range.
+
+    Every returned box is contiguous in the row-major flattening, so its elements are stored
+    consecutively in the range's bytes starting at the paired offset.
+    """
+    out: list[tuple[Box, int]] = []
+    if fr.length <= 0:
+        return out
+    if len(shape) == 0:
+        return [(Box((), ()), 0)] if fr.start == 0 and fr.length >= 1 else []
+
+    def rec(start: int, end: int, dims: tuple[int, ...], prefix: tuple[int, ...]) -> None:
+        # [start, end) are flat positions inside the sub-tensor of shape `dims` at index `prefix`
+        if start >= end:
+            return
+        inner = math.prod(dims[1:])
+        if len(dims) == 1:
+            out.append((_box(prefix, (start,), (end - start,), shape), 0))
+            return
+        first_row, last_row = start // inner, (end - 1) // inner
+        if start % inner == 0 and end % inner == 0:
+            out.append((_box(prefix, (first_row,) + (0,) * (len(dims) - 1),
+                             (last_row - first_row + 1,) + dims[1:], shape), 0))
+            return
+        if first_row == last_row:
+            rec(start - first_row * inner, end - first_row * inner, dims[1:], prefix + (first_row,))
+            return
+        head_end = (first_row + 1) * inner
+        rec(start - first_row * inner, inner, dims[1:], prefix + (first_row,))
+        mid_lo, mid_hi = first_row + 1, end // inner
+        if mid_hi > mid_lo:
+            out.append((_box(prefix, (mid_lo,) + (0,) * (len(dims) - 1),
+                             (mid_hi - mid_lo,) + dims[1:], shape), 0))
+        tail_start = max(head_end, mid_hi * inner)
+        if end > tail_start:
+            rec(0, end - tail_start, dims[1:], prefix + (end // inner,))
+
+    rec(fr.start, fr.end, tuple(shape), ())
+    # attach each box's offset within the range: boxes come out in row-major order
+    result, pos = [], 0
+    for box, _ in out:
+        result.append((box, pos))
+        pos += box.numel
+    return result
+
+
+def _box(prefix: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+         shape: tuple[int, ...]) -> Box:
+    return Box(prefix + offsets, (1,) * len(prefix) + sizes)
+
+
+def region_boxes(region: Region, shape: tuple[int, ...]) -> list[tuple[Box, int]]:
+    """Boxes making up a region, each with the element offset of its first element in the piece.
+
+    For a Box region the offset is 0 and the piece's own strides apply; for a FlatRange the
+    boxes are consecutive runs of the piece's contiguous data.
+    """
+    if isinstance(region, Box):
+        return [(region, 0)]
+    return flat_to_boxes(region, shape)
+
+
+def in_bounds(region: Region, shape: tuple[int, ...]) -> bool:
+    if isinstance(region, FlatRange):
+        return region.start >= 0 and region.length >= 0 and region.end <= math.prod(shape)
+    if region.ndim != len(shape):
+        return False
+    return all(o >= 0 and s >= 0 and o + s <= d for o, s, d in zip(region.offsets, region.sizes, shape))
+
+
+def subtract(a: Box, b: Box) -> list[Box]:
+    """a minus b as disjoint boxes (at most 2*ndim of them)."""
+    inter = intersect(a, b)
+    if inter is None:
+        return [a] if a.numel else []
+    pieces: list[Box] = []
+    offs, sizes = list(a.offsets), list(a.sizes)
+    for d in range(a.ndim):
+        lo, hi = inter.offsets[d], inter.offsets[d] + inter.sizes[d]
+        if lo > offs[d]:
+            pieces.append(Box(tuple(offs[:d] + [offs[d]] + offs[d + 1:]),
+                              tuple(sizes[:d] + [lo - offs[d]] + sizes[d + 1:])))
+        end = offs[d] + sizes[d]
+        if hi < end:
+            pieces.append(Box(tuple(offs[:d] + [hi] + offs[d + 1:]),
+                              tuple(sizes[:d] + [end - hi] + sizes[d + 1:])))
+        offs[d], sizes[d] = lo, hi - lo
+    return pieces
+
+
+@dataclass
+class Coverage:
+    """How a tensor's pieces cover it: exact when nothing is missing, doubled or out of bounds."""
+
+    missing: list[Box] = field(default_factory=list)
+    doubled: list[Box] = field(default_factory=list)
+    out_of_bounds: list[Region] = field(default_factory=list)
+    missing_elements: int = 0
+
+    @property
+    def exact(self) -> bool:
+        return not (self.missing or self.doubled or self.out_of_bounds)
+
+
+def coverage(shape: tuple[int, ...], regions: list[Region], max_report: int = 16) -> Coverage:
+    """Check that the regions cover every element of a tensor of `shape` exactly once."""
+    cov = Coverage()
+    boxes: list[Box] = []
+    for region in regions:
+        if not in_bounds(region, shape):
+            cov.out_of_bounds.append(region)
+            continue
+        boxes.extend(b for b, _ in region_boxes(region, shape) if b.numel)
+    # doubled: sweep along dim 0 so disjoint row bands are never compared
+    if boxes and boxes[0].ndim:
+        order = sorted(boxes, key=lambda b: b.offsets[0])
+        for i, a in enumerate(order):
+            a_end = a.offsets[0] + a.sizes[0]
+            for b in order[i + 1:]:
+                if b.offsets[0] >= a_end:
+                    break
+                inter = intersect(a, b)
+                if inter is not None and len(cov.doubled) < max_report:
+                    cov.doubled.append(inter)
+    elif len(boxes) > 1:
+        cov.doubled.append(Box((), ()))
+    # missing: the whole tensor minus every box
+    remaining = [Box.whole(tuple(shape))] if math.prod(shape) else []
+    for b in boxes:
+        nxt: list[Box] = []
+        for r in remaining:
+            nxt.extend(subtract(r, b))
+        remaining = nxt
+        if not remaining:
+            break
+    cov.missing_elements = sum(r.numel for r in remaining)
+    cov.missing = remaining[:max_report]
+    return cov
+
+
+def split_rowmajor(box: Box, max_elems: int) -> list[Box]:
+    """Split a box into sub-boxes, in order, each contiguous in the box's row-major layout.
+
+    Used to stream a large target region in slabs that fit the memory budget while still
+    writing the output sequentially.
+    """
+    max_elems = max(1, max_elems)
+    if box.numel <= max_elems or box.ndim == 0:
+        return [box]
+    inner = math.prod(box.sizes[1:])
+    if inner <= max_elems:
+        rows = max(1, max_elems // max(inner, 1))
+        out = []
+        for r in range(0, box.sizes[0], rows):
+            n = min(rows, box.sizes[0] - r)
+            out.append(Box((box.offsets[0] + r,) + box.offsets[1:], (n,) + box.sizes[1:]))
+        return out
+    out = []
+    for r in range(box.sizes[0]):
+        row = Box(box.offsets[1:], box.sizes[1:])
+        for sub in split_rowmajor(row, max_elems):
+            out.append(Box((box.offsets[0] + r,) + sub.offsets, (1,) + sub.sizes))
+    return out
+
+
+def piece_boxes(piece: Piece, shape: tuple[int, ...]) -> list[tuple[Box, int]]:
+    return region_boxes(piece.region, shape)

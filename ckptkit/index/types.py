@@ -1,0 +1,163 @@
+"""The canonical index: what every reader produces and every operation consumes.
+
+A checkpoint is a set of logical tensors (key, dtype, global shape), each made of pieces. A piece
+says which region of the tensor it holds (an N-d box, or a range of the row-major flattening) and
+where its bytes are (file, byte offset, length, encoding). Non-tensor values are objects. Readers
+build an index and never decide what happens to the data; writers turn a layout into files.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .dtypes import itemsize
+
+
+@dataclass(frozen=True)
+class Box:
+    """An N-d box of a tensor in global coordinates (0-d tensors use empty tuples)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in rank")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    @staticmethod
+    def whole(shape: tuple[int, ...]) -> "Box":
+        return Box(tuple(0 for _ in shape), tuple(shape))
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements [start, start+length) of the tensor's row-major flattening (ZeRO partitions)."""
+
+    start: int
+    length: int
+
+    @property
+    def numel(self) -> int:
+        return self.length
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+Region = Union[Box, FlatRange]
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a piece's bytes live.
+
+    encoding:
+      "raw"        elements stored at ``offset`` with element ``stride`` (None = contiguous
+                   row-major over the piece's region; for a FlatRange always contiguous).
+                   ``length`` is the byte span that holds them.
+      "torch_save" [offset, offset+length) is a whole torch.save archive holding the piece as its
+                   only tensor (a DCP item whose stream must be decoded first: ``transforms``).
+    """
+
+    file: str
+    offset: int
+    length: int
+    encoding: str = "raw"
+    stride: tuple[int, ...] | None = None
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    region: Region
+    location: Location
+
+    @property
+    def numel(self) -> int:
+        return self.region.numel
+
+
+@dataclass
+class TensorEntry:
+    """A logical tensor. ``path`` is the original nesting (keys, list indices) when known."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+    path: tuple[Any, ...] | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass
+class ObjectEntry:
+    """A non-tensor value (step, hyperparameter, scheduler state, rng, config).
+
+    ``value`` is the value as the restricted unpickler rebuilt it (plain Python, stand-ins for
+    foreign classes, tensors for small embedded tensors). ``location`` points at the original
+    serialised bytes where a writer can copy them verbatim (a DCP bytes item).
+    """
+
+    key: str
+    value: Any
+    path: tuple[Any, ...] | None = None
+    location: Location | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IntegrityCheck:
+    """A byte range with a checksum the container carries (a zip member's CRC32)."""
+
+    file: str
+    offset: int
+    length: int
+    crc32: int
+    what: str
+
+
+@dataclass
+class CheckpointIndex:
+    """Everything a reader learned about a checkpoint, with no payload loaded."""
+
+    format: str
+    root: str
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    world_size: int | None = None
+    step: int | None = None
+    files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
+    checks: list[IntegrityCheck] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def add_tensor(self, entry: TensorEntry) -> None:
+        self.tensors[entry.key] = entry
+
+    def add_object(self, entry: ObjectEntry) -> None:
+        self.objects[entry.key] = entry
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())

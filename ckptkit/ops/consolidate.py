@@ -1,0 +1,72 @@
+"""`ckptkit consolidate`: any checkpoint -> Hugging Face style safetensors of the model.
+
+Keys are the model's own state_dict keys (the "model" container of {"model":..,"optim":..}
+checkpoints is dropped). Optimizer state only on request, in separate optimizer*.safetensors
+files. Streams slab by slab: memory is bounded by the budget, not the checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import knobs
+from ..errors import UsageError
+from ..formats.registry import open_checkpoint
+from ..formats.safetensors.writer import OutTensor, write_safetensors
+from ..index.dtypes import is_floating
+from ..index.serialize import safe_value
+from ..runner.fetch import Fetcher
+from ..runner.stream import find_aliases
+from ..storage.output import OutputDir
+from .keys import split_roles
+from .options import RunOptions
+
+
+@dataclass
+class ConsolidateResult:
+    out: str
+    source_format: str
+    model_tensors: int
+    model_bytes: int
+    files: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    optimizer_tensors: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
+                include_optimizer: bool = False, options: RunOptions | None = None) -> ConsolidateResult:
+    options = options or RunOptions()
+    opened = open_checkpoint(src)
+    index = opened.index
+    split = split_roles(index)
+    if not split.model:
+        raise UsageError(f"{src}: found no model tensors to consolidate "
+                         f"({len(index.tensors)} tensors, none under a model container)")
+    max_bytes = knobs.parse_size(max_shard_size)
+
+    def out_dtype(key: str) -> str:
+        src_dtype = index.tensors[key].dtype
+        return dtype if dtype and is_floating(src_dtype) else src_dtype
+
+    model_entries = {name: index.tensors[key] for name, key in split.model.items()}
+    aliases = find_aliases(model_entries)
+    model = [OutTensor(name, index.tensors[key], out_dtype(key))
+             for name, key in split.model.items() if name not in aliases]
+    optim = [OutTensor(name, index.tensors[key], index.tensors[key].dtype)
+             for name, key in split.optim.items()] if include_optimizer else []
+    total = sum(t.nbytes for t in model + optim)
+    options.progress.start(total, "consolidate")
+    fetcher = Fetcher(opened.source)
+    files: list[str] = []
+    with OutputDir(out, overwrite=options.overwrite) as target:
+        files += write_safetensors(target, fetcher, model, basename="model", max_shard_bytes=max_bytes,
+                                   slab_bytes=options.slab_bytes, workers=options.workers,
+                                   aliases=aliases, progress=options.progress)
+        if optim:
+            objects = {name: safe_value(index.objects[key].value) for name, key in split.optim_objects.items()}
+            files += write_safetensors(target, fetcher, optim, basename="optimizer",
+                                       max_shard_bytes=max_bytes, slab_bytes=options.slab_bytes,
+                                       workers=options.workers, objects=objects, progress=options.progress)
+    options.progress.close()
+    return ConsolidateResult(out, index.format, len(model_entries), sum(t.nbytes for t in model),
+                             files, aliases, len(optim), list(split.other))

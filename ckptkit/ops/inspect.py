@@ -1,0 +1,97 @@
+"""`ckptkit inspect`: what a checkpoint holds, from its index alone (no payload is read)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..formats.registry import Opened, open_checkpoint
+from ..index.serialize import safe_value, to_json
+from .keys import guess_step, split_roles
+
+
+@dataclass
+class Report:
+    path: str
+    format: str
+    world_size: int | None
+    step: int | None
+    tensor_count: int
+    tensor_bytes: int
+    dtypes: dict[str, int]
+    roles: dict[str, int]
+    objects: dict[str, Any] = field(default_factory=dict)
+    files: int = 0
+    file_bytes: int = 0
+
+
+def inspect(path: str) -> tuple[Opened, Report]:
+    opened = open_checkpoint(path)
+    index = opened.index
+    if index.step is None:
+        index.step = guess_step(index)
+    split = split_roles(index)
+    dtypes = Counter()
+    for t in index.tensors.values():
+        dtypes[t.dtype] += t.nbytes
+    report = Report(
+        path=path, format=index.format, world_size=index.world_size, step=index.step,
+        tensor_count=len(index.tensors), tensor_bytes=index.total_tensor_bytes,
+        dtypes=dict(dtypes.most_common()),
+        roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other)},
+        objects={k: safe_value(o.value) for k, o in index.objects.items()},
+        files=len(index.files), file_bytes=sum(index.files.values()))
+    return opened, report
+
+
+def report_json(opened: Opened, report: Report) -> dict:
+    doc = to_json(opened.index)
+    doc["summary"] = {
+        "format": report.format, "world_size": report.world_size, "step": report.step,
+        "tensors": report.tensor_count, "tensor_bytes": report.tensor_bytes, "dtypes": report.dtypes,
+        "roles": report.roles, "files": report.files, "file_bytes": report.file_bytes,
+    }
+    return doc
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def render(opened: Opened, report: Report, max_rows: int = 40) -> str:
+    """A readable table: header facts, dtypes, tensors (largest first), objects."""
+    lines = [
+        f"checkpoint  {report.path}",
+        f"format      {report.format}",
+        f"world size  {report.world_size if report.world_size is not None else '-'}",
+        f"step        {report.step if report.step is not None else '-'}",
+        f"files       {report.files} ({human_bytes(report.file_bytes)})",
+        f"tensors     {report.tensor_count} ({human_bytes(report.tensor_bytes)}): "
+        f"{report.roles['model']} model, {report.roles['optimizer']} optimizer, {report.roles['other']} other",
+        "dtypes      " + ", ".join(f"{d} {human_bytes(b)}" for d, b in report.dtypes.items()),
+        "",
+    ]
+    tensors = sorted(opened.index.tensors.values(), key=lambda t: (-t.nbytes, t.key))
+    width = min(60, max((len(t.key) for t in tensors), default=10))
+    lines.append(f"{'tensor':<{width}}  {'dtype':<9} {'shape':<18} {'pieces':>6}  {'size':>10}")
+    for t in tensors[:max_rows]:
+        key = t.key if len(t.key) <= width else "..." + t.key[-(width - 3):]
+        alias = f"  (alias of {t.attrs['alias_of']})" if t.attrs.get("alias_of") else ""
+        lines.append(f"{key:<{width}}  {t.dtype:<9} {str(list(t.shape)):<18} {len(t.pieces):>6}  "
+                     f"{human_bytes(t.nbytes):>10}{alias}")
+    if len(tensors) > max_rows:
+        lines.append(f"... and {len(tensors) - max_rows} more tensors (use --json for all)")
+    if report.objects:
+        lines.append("")
+        lines.append("objects")
+        for k, v in list(report.objects.items())[:max_rows]:
+            text = repr(v) if not isinstance(v, str) else v
+            lines.append(f"  {k} = {text[:100]}")
+        if len(report.objects) > max_rows:
+            lines.append(f"  ... and {len(report.objects) - max_rows} more")
+    return "\n".join(lines)

@@ -1,0 +1,19 @@
+"""Options every data-moving operation shares."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import knobs
+from ..progress import NullProgress, Progress
+
+
+@dataclass
+class RunOptions:
+    memory_budget: int = field(default_factory=lambda: knobs.MEMORY_BUDGET)
+    workers: int = field(default_factory=lambda: knobs.WORKERS)
+    progress: Progress = field(default_factory=NullProgress)
+    overwrite: bool = False
+
+    @property
+    def slab_bytes(self) -> int:
+        return knobs.slab_bytes(self.memory_budget, self.workers)

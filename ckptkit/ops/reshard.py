@@ -1,0 +1,49 @@
+"""`ckptkit reshard`: the same format, laid out for a new world size.
+
+DCP: FSDP2's layout at M ranks (torch.chunk on dim 0 for the tensors the source sharded;
+replicated tensors stay whole, written once), one data file per rank, values copied verbatim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UnsupportedError, UsageError
+from ..formats.dcp.writer import write_dcp
+from ..formats.registry import open_checkpoint
+from ..index.layouts import fsdp2_layout
+from ..runner.fetch import Fetcher
+from ..storage.output import OutputDir
+from .options import RunOptions
+
+
+@dataclass
+class ReshardResult:
+    out: str
+    format: str
+    from_world_size: int | None
+    to_world_size: int
+    files: list[str]
+    tensors: int
+    bytes: int
+
+
+def reshard(src: str, out: str, to: int, expect_from: int | None = None,
+            options: RunOptions | None = None) -> ReshardResult:
+    options = options or RunOptions()
+    if to < 1:
+        raise UsageError(f"--to must be at least 1 (got {to})")
+    opened = open_checkpoint(src)
+    index = opened.index
+    if expect_from is not None and index.world_size != expect_from:
+        raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
+    if index.format != "dcp":
+        raise UnsupportedError(f"{src}: a {index.format} checkpoint has no world size to reshard; "
+                               f"use `ckptkit consolidate` or `ckptkit convert`")
+    layout = fsdp2_layout(index, to)
+    options.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
+    with OutputDir(out, overwrite=options.overwrite) as target:
+        files = write_dcp(target, index, Fetcher(opened.source), layout, slab_bytes=options.slab_bytes,
+                          workers=options.workers, source=opened.source, progress=options.progress)
+    options.progress.close()
+    return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),
+                         index.total_tensor_bytes)

@@ -1,0 +1,108 @@
+"""Reading any region of a logical tensor from its pieces, with exact byte-range reads.
+
+`Fetcher.fetch(entry, box)` assembles a contiguous tensor for `box` from whichever pieces
+overlap it: for each overlap it reads only the byte span that holds those elements (one
+positional read), views it with the piece's strides and copies it into place.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ..errors import FormatError
+from ..index import geometry
+from ..index.dtypes import torch_dtype
+from ..index.types import Box, FlatRange, Piece, TensorEntry
+from ..storage.source import Source
+from . import codecs
+
+
+class Fetcher:
+    """Reads tensor regions from one source. Thread-safe; caches a few decoded items."""
+
+    def __init__(self, source: Source, cache_items: int = 4) -> None:
+        self.source = source
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._cache_items = cache_items
+        self._lock = threading.Lock()
+
+    def fetch(self, entry: TensorEntry, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The elements of `box` (default: the whole tensor), contiguous, in the entry's dtype."""
+        box = box or Box.whole(entry.shape)
+        dtype = torch_dtype(entry.dtype)
+        if out is None:
+            out = torch.empty(box.sizes, dtype=dtype)
+        filled = 0
+        for piece in entry.pieces:
+            for sub, elem_offset in geometry.region_boxes(piece.region, entry.shape):
+                inter = geometry.intersect(sub, box)
+                if inter is None:
+                    continue
+                src = self._read(entry, piece, sub, elem_offset, inter)
+                dst = out
+                for d, (o, s) in enumerate(zip(inter.offsets, inter.sizes)):
+                    dst = dst.narrow(d, o - box.offsets[d], s)
+                dst.copy_(src)
+                filled += inter.numel
+        if filled != box.numel:
+            raise FormatError(
+                f"{self.source.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
+                f"is not covered by its pieces ({filled} of {box.numel} elements found)")
+        return out
+
+    def _read(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box) -> torch.Tensor:
+        loc = piece.location
+        dtype = torch_dtype(entry.dtype)
+        item = dtype.itemsize
+        if loc.encoding == "torch_save":
+            whole = self._decoded(entry, piece)
+            view = whole
+            local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
+            for d, (o, s) in enumerate(zip(local, inter.sizes)):
+                view = view.narrow(d, o, s)
+            return view
+        if loc.encoding != "raw":
+            raise FormatError(f"{self.source.label(loc.file)}: unknown piece encoding {loc.encoding!r}")
+        if isinstance(piece.region, FlatRange) or loc.stride is None:
+            strides = geometry.row_major_strides(sub.sizes)
+        else:
+            strides = loc.stride
+        local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
+        first = elem_offset + sum(l * st for l, st in zip(local, strides))
+        last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
+        nbytes = (last - first + 1) * item if inter.numel else 0
+        start = loc.offset + first * item
+        if inter.numel and (first < 0 or (last + 1) * item > loc.length):
+            raise FormatError(f"{self.source.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
+        buf = bytearray(nbytes)
+        self.source.readinto(loc.file, start, memoryview(buf))
+        flat = torch.frombuffer(buf, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+        return flat.as_strided(inter.sizes, strides, 0)
+
+    def _decoded(self, entry: TensorEntry, piece: Piece) -> torch.Tensor:
+        loc = piece.location
+        key = (loc.file, loc.offset)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        from ..formats.torch_save.archive import load_bytes_archive
+
+        raw = self.source.read(loc.file, loc.offset, loc.length)
+        data = codecs.decode(raw, loc.transforms, f"{self.source.label(loc.file)} (item of {entry.key})")
+        tensor = load_bytes_archive(data, f"{self.source.label(loc.file)} (item of {entry.key})")
+        if not isinstance(tensor, torch.Tensor):
+            raise FormatError(f"{self.source.label(loc.file)}: item of {entry.key} does not hold a tensor")
+        if isinstance(piece.region, Box) and tuple(tensor.shape) != piece.region.sizes:
+            raise FormatError(f"{self.source.label(loc.file)}: item of {entry.key} has shape "
+                              f"{tuple(tensor.shape)}, metadata says {piece.region.sizes}")
+        if isinstance(piece.region, FlatRange):
+            tensor = tensor.reshape(-1)
+        with self._lock:
+            self._cache[key] = tensor
+            while len(self._cache) > self._cache_items:
+                self._cache.popitem(last=False)
+        return tensor

@@ -1,0 +1,330 @@
+"""The one place ckptkit unpickles anything.
+
+A restricted unpickler with an explicit allowlist of globals. Tensors are rebuilt by our own
+functions (lazily, as references to storage bytes, or eagerly from bytes we read); the classes a
+checkpoint's metadata references (DCP metadata, DeepSpeed's small state classes) become inert
+stand-ins that only hold data. Any other global raises UnsafePickleError naming the file and the
+global: no checkpoint can run code, and reading needs neither deepspeed nor torch.distributed.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pathlib
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .errors import FormatError, UnsafePickleError
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage of a torch.save archive, not loaded: its member key, dtype and element count."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of a torch.save archive described without loading it (a view of a storage)."""
+
+    storage: StorageRef
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool = False
+
+
+class Inert:
+    """A foreign object rebuilt as plain data: constructor arguments and pickled state only."""
+
+    _qualname = "Inert"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_args"] = args
+        if kwargs:
+            self.__dict__["_kwargs"] = kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+    def __reduce__(self):  # re-emitting a stand-in pickles it as the original class
+        return (_inert_rebuild, (self._qualname, self.__dict__.get("_args", ())), self._public_state())
+
+    def _public_state(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_args", "_kwargs")}
+
+    def to_data(self) -> dict:
+        """A JSON-friendly view: class name, arguments, state."""
+        out: dict[str, Any] = {"__class__": self._qualname}
+        if self.__dict__.get("_args"):
+            out["args"] = list(self.__dict__["_args"])
+        out.update(self._public_state())
+        return out
+
+    def __repr__(self) -> str:
+        args = self.__dict__.get("_args", ())
+        body = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in self._public_state().items()])
+        return f"{self._qualname.rsplit('.', 1)[-1]}({body})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    def __hash__(self) -> int:
+        return hash((self._qualname, self.__dict__.get("_args", ())))
+
+
+def _inert_rebuild(qualname: str, args: tuple) -> Inert:
+    return inert_class(qualname)(*args)
+
+
+_INERT_CLASSES: dict[str, type] = {}
+
+
+def inert_class(qualname: str) -> type:
+    """The stand-in class for a foreign `module.Name` (one class per name, cached)."""
+    cls = _INERT_CLASSES.get(qualname)
+    if cls is None:
+        cls = type(qualname.rsplit(".", 1)[-1], (Inert,), {"_qualname": qualname})
+        _INERT_CLASSES[qualname] = cls
+    return cls
+
+
+# ---- tensor rebuild functions (ours, never torch's) -------------------------------------------
+
+def _make_tensor(storage: Any, dtype: torch.dtype, offset: int, size: tuple, stride: tuple,
+                 requires_grad: bool) -> Any:
+    size, stride = tuple(size), tuple(stride)
+    if isinstance(storage, StorageRef):
+        return TensorRef(storage, dtype, int(offset), size, stride, bool(requires_grad))
+    if isinstance(storage, torch.UntypedStorage):
+        t = torch.empty((0,), dtype=dtype)
+        t.set_(storage, int(offset), size, stride)
+        return t
+    raise FormatError(f"tensor rebuilt from an unexpected storage object {type(storage).__name__}")
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
+                       backward_hooks=None, metadata=None):
+    return _make_tensor(storage.ref if isinstance(storage, _TypedStorage) else storage,
+                        _storage_dtype(storage), storage_offset, size, stride, requires_grad)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks,
+                       dtype, metadata=None):
+    return _make_tensor(storage.ref if isinstance(storage, _TypedStorage) else storage,
+                        dtype, storage_offset, size, stride, requires_grad)
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    return _rebuild_tensor_v2(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, state=None):
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    if func not in (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter):
+        raise UnsafePickleError("a tensor subclass was rebuilt through a function outside the allowlist")
+    return func(*args)
+
+
+@dataclass(frozen=True)
+class _TypedStorage:
+    """What persistent_load returns: the storage plus the dtype its legacy class named."""
+
+    ref: Any
+    dtype: torch.dtype
+
+
+def _storage_dtype(storage: Any) -> torch.dtype:
+    if isinstance(storage, _TypedStorage):
+        return storage.dtype
+    if isinstance(storage, StorageRef):
+        return storage.dtype
+    return torch.uint8
+
+
+class _StorageType:
+    """Stand-in for torch's legacy `torch.FloatStorage`-style classes: only names a dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _storage_types() -> dict[tuple[str, str], Any]:
+    table: dict[tuple[str, str], Any] = {}
+    for dtype, name in torch.storage._dtype_to_storage_type_map().items():
+        table[("torch", name)] = _StorageType(dtype)
+    table[("torch", "UntypedStorage")] = _StorageType(torch.uint8)
+    table[("torch.storage", "UntypedStorage")] = _StorageType(torch.uint8)
+    return table
+
+
+def _get_layout(name: str) -> Any:
+    layouts = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
+    if name not in layouts:
+        raise UnsafePickleError(f"unknown tensor layout {name!r}")
+    return layouts[name]
+
+
+def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
+    """copyreg._reconstructor, allowed only for our stand-ins over `object`."""
+    if not (isinstance(cls, type) and issubclass(cls, Inert)) or base is not object:
+        raise UnsafePickleError("copyreg._reconstructor was asked to build a class outside the allowlist")
+    obj = cls.__new__(cls)
+    if state is not None:
+        obj.__setstate__(state)
+    return obj
+
+
+def _build_allowlist() -> dict[tuple[str, str], Any]:
+    allow: dict[tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+        ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+        ("torch", "Size"): torch.Size,
+        ("torch", "device"): torch.device,
+        ("torch.nn.parameter", "Parameter"): inert_class("torch.nn.parameter.Parameter"),
+        ("torch", "Tensor"): inert_class("torch.Tensor"),
+        ("torch.serialization", "_get_layout"): _get_layout,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("collections", "defaultdict"): _plain_defaultdict,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("builtins", "slice"): slice,
+        ("builtins", "complex"): complex,
+        ("builtins", "bytearray"): bytearray,
+        ("builtins", "range"): range,
+        ("__builtin__", "set"): set,
+        ("copyreg", "_reconstructor"): _reconstructor,
+        ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+        ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+        ("torch", "contiguous_format"): torch.contiguous_format,
+        ("torch", "channels_last"): torch.channels_last,
+        ("torch", "preserve_format"): torch.preserve_format,
+        ("torch", "strided"): torch.strided,
+    }
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            allow[("torch", name)] = value
+    allow.update(_storage_types())
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        allow[(module, "_reconstruct")] = _numpy("_reconstruct")
+        allow[(module, "scalar")] = _numpy("scalar")
+    allow[("numpy", "ndarray")] = _numpy("ndarray")
+    allow[("numpy", "dtype")] = _numpy("dtype")
+    for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        qual = f"torch.distributed.checkpoint.metadata.{cls}"
+        allow[("torch.distributed.checkpoint.metadata", cls)] = inert_class(qual)
+    allow[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = inert_class(
+        "torch.distributed.checkpoint.filesystem._StorageInfo")
+    return allow
+
+
+def _plain_defaultdict(*args: Any) -> dict:
+    return {}
+
+
+def _numpy(name: str) -> Any:
+    def lazy(*args: Any) -> Any:
+        import numpy  # only when a checkpoint holds numpy values
+
+        if name == "_reconstruct":
+            from numpy.core.multiarray import _reconstruct  # type: ignore[attr-defined]
+            return _reconstruct(*args)
+        if name == "scalar":
+            from numpy.core.multiarray import scalar  # type: ignore[attr-defined]
+            return scalar(*args)
+        if name == "dtype":
+            return numpy.dtype(*args)
+        return numpy.ndarray(*args)
+    lazy.__name__ = name
+    return lazy
+
+
+_ALLOWLIST: dict[tuple[str, str], Any] | None = None
+_EXTRA: dict[tuple[str, str], Any] = {}
+
+
+def register_allowed(module: str, name: str, value: Any) -> None:
+    """Let a format add inert stand-ins for its own classes (e.g. DeepSpeed's loss scaler)."""
+    _EXTRA[(module, name)] = value
+
+
+def allowlist() -> dict[tuple[str, str], Any]:
+    global _ALLOWLIST
+    if _ALLOWLIST is None:
+        _ALLOWLIST = _build_allowlist()
+    return {**_ALLOWLIST, **_EXTRA}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: io.BufferedIOBase, file: str,
+                 persistent_load: Callable[[Any], Any] | None) -> None:
+        super().__init__(data, encoding="utf-8")
+        self._file = file
+        self._persistent = persistent_load
+        self._allowed = allowlist()
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"{self._file}: refusing to unpickle global {module}.{name} "
+                f"(not on ckptkit's allowlist; nothing was executed)") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise FormatError(f"{self._file}: pickle references external storage outside a torch.save archive")
+        return self._persistent(pid)
+
+
+def restricted_loads(data: bytes, file: str,
+                     persistent_load: Callable[[Any], Any] | None = None) -> Any:
+    """Unpickle `data` with the allowlist; any failure becomes one sentence naming `file`."""
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data), file, persistent_load).load()
+    except (UnsafePickleError, FormatError):
+        raise
+    except RecursionError:
+        raise FormatError(f"{file}: pickle is nested too deeply to be a checkpoint") from None
+    except Exception as exc:  # malformed pickles raise anything from ValueError to KeyError
+        raise FormatError(f"{file}: cannot read pickle ({type(exc).__name__}: {exc})") from None
+
+
+def storage_pid(pid: Any, file: str) -> tuple[str, torch.dtype, int]:
+    """Decode torch.save's persistent id ('storage', type, key, location, numel)."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+        raise FormatError(f"{file}: unexpected persistent id {pid!r:.80} in a torch.save archive")
+    _, storage_type, key, _location, numel = pid
+    if not isinstance(storage_type, _StorageType):
+        raise FormatError(f"{file}: persistent id names an unknown storage type {storage_type!r:.60}")
+    key = key.decode() if isinstance(key, bytes) else str(key)
+    return key, storage_type.dtype, int(numel)
+
+
+def typed_storage(ref: Any, dtype: torch.dtype) -> _TypedStorage:
+    return _TypedStorage(ref, dtype)

@@ -1,0 +1,128 @@
+"""Writing outputs so that a crash never leaves something that looks complete.
+
+An output folder is built in a hidden temporary sibling and renamed into place only after every
+file was written and flushed; any failure removes the temporary folder. A lock file next to the
+target keeps two runs from writing the same output at once.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from typing import BinaryIO
+
+from ..errors import OutputError
+
+
+class OutputDir:
+    """A folder that appears at `path` complete, or not at all."""
+
+    def __init__(self, path: str, overwrite: bool = False) -> None:
+        if "://" in path and not path.startswith("file://"):
+            raise OutputError(f"{path}: writing to remote storage is not supported yet; write locally and upload")
+        self.path = os.path.abspath(path.removeprefix("file://"))
+        self.overwrite = overwrite
+        parent = os.path.dirname(self.path) or "."
+        name = os.path.basename(self.path)
+        self.tmp = os.path.join(parent, f".{name}.ckptkit-tmp-{uuid.uuid4().hex[:8]}")
+        self._lock_path = os.path.join(parent, f".{name}.ckptkit-lock")
+        self._lock_fd: int | None = None
+        self._files: list[str] = []
+
+    def __enter__(self) -> "OutputDir":
+        parent = os.path.dirname(self.path)
+        if not os.path.isdir(parent):
+            raise OutputError(f"{self.path}: parent folder {parent} does not exist")
+        if os.path.exists(self.path) and not self.overwrite:
+            if not (os.path.isdir(self.path) and not os.listdir(self.path)):
+                raise OutputError(f"{self.path}: output already exists (choose another path or pass --overwrite)")
+        try:
+            self._lock_fd = os.open(self._lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.write(self._lock_fd, str(os.getpid()).encode())
+        except FileExistsError:
+            if not self._stale_lock():
+                raise OutputError(f"{self.path}: another ckptkit run is writing this output "
+                                  f"(lock {self._lock_path}); wait for it or remove the lock") from None
+            os.unlink(self._lock_path)
+            self._lock_fd = os.open(self._lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.write(self._lock_fd, str(os.getpid()).encode())
+        except OSError as exc:
+            raise OutputError(f"{self.path}: cannot create output ({exc.strerror})") from None
+        os.makedirs(self.tmp)
+        return self
+
+    def _stale_lock(self) -> bool:
+        try:
+            pid = int(open(self._lock_path).read().strip() or "0")
+        except (OSError, ValueError):
+            return True
+        if pid <= 0:
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def file_path(self, rel: str) -> str:
+        full = os.path.join(self.tmp, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        return full
+
+    def open(self, rel: str) -> BinaryIO:
+        full = self.file_path(rel)
+        self._files.append(full)
+        return open(full, "wb")
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.open(rel) as f:
+            f.write(data)
+
+    def commit(self) -> None:
+        for full in self._files:
+            if os.path.exists(full):
+                fd = os.open(full, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        if os.path.exists(self.path):
+            old = self.path + f".ckptkit-old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.path, old)
+            os.rename(self.tmp, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(self.tmp, self.path)
+        _fsync_dir(os.path.dirname(self.path))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.commit()
+        finally:
+            if os.path.exists(self.tmp):
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                try:
+                    os.unlink(self._lock_path)
+                except OSError:
+                    pass
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise OutputError(f"{self.path}: no space left on device while writing; nothing was written") from None
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,193 @@
+"""The `ckptkit` command line: inspect, verify, consolidate, reshard, demo.
+
+Every command takes a path and finds the format itself. A CkptkitError becomes one line on
+stderr and a non-zero exit; a traceback appears only with --debug.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import traceback
+from typing import Any, Callable
+
+import click
+
+from ckptkit import knobs
+from ckptkit.errors import CkptkitError
+
+from .progress import make_progress
+
+EXIT_PROBLEMS = 1   # verify found problems
+EXIT_ERROR = 2      # a CkptkitError: bad input, bad options, output not writable
+EXIT_INTERNAL = 3   # a bug in ckptkit
+
+
+class Context:
+    def __init__(self, quiet: bool, debug: bool) -> None:
+        self.quiet, self.debug = quiet, debug
+
+    def say(self, text: str = "") -> None:
+        if not self.quiet:
+            click.echo(text)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context().find_object(Context)
+        debug = bool(ctx and ctx.debug)
+        try:
+            return fn(*args, **kwargs)
+        except CkptkitError as exc:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted; no output was left behind", err=True)
+            sys.exit(130)
+        except click.exceptions.Exit:
+            raise
+        except Exception as exc:  # a bug: say so plainly, keep the traceback for --debug
+            if debug:
+                traceback.print_exc()
+            click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
+                       f"traceback and please report it)", err=True)
+            sys.exit(EXIT_INTERNAL)
+    return wrapper
+
+
+def run_options(fn: Callable) -> Callable:
+    fn = click.option("--memory-budget", default=None, metavar="SIZE",
+                      help="Peak tensor bytes in flight (default 512MB), e.g. 256MB, 2GB.")(fn)
+    fn = click.option("--workers", type=click.IntRange(1, 64), default=None,
+                      help=f"IO threads (default {knobs.WORKERS}).")(fn)
+    fn = click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")(fn)
+    return fn
+
+
+def make_run_options(ctx: Context, memory_budget: str | None, workers: int | None, overwrite: bool):
+    from ckptkit.ops.options import RunOptions
+
+    opts = RunOptions(progress=make_progress(ctx.quiet), overwrite=overwrite)
+    if memory_budget:
+        opts.memory_budget = knobs.parse_size(memory_budget)
+    if workers:
+        opts.workers = workers
+    return opts
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.version_option(package_name="ckptkit")
+@click.pass_context
+def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
+    """Read, verify, consolidate and reshard sharded training checkpoints
+    (torch.distributed.checkpoint / FSDP, torch.save files, safetensors)."""
+    click_ctx.obj = Context(quiet, debug)
+
+
+@cli.command()
+@click.argument("src")
+@click.option("--json", "as_json", is_flag=True, help="Print the full index as JSON (schema ckptkit.index/1).")
+@click.pass_obj
+@handle_errors
+def inspect(ctx: Context, src: str, as_json: bool) -> None:
+    """Show format, world size, step, tensors and objects of SRC."""
+    from ckptkit.ops.inspect import inspect as run_inspect, render, report_json
+
+    opened, report = run_inspect(src)
+    if as_json:
+        click.echo(json.dumps(report_json(opened, report), indent=1))
+    else:
+        click.echo(render(opened, report))
+
+
+@cli.command()
+@click.argument("src")
+@click.option("--deep", is_flag=True, help="Also read every byte and check the CRCs the files carry.")
+@run_options
+@click.pass_obj
+@handle_errors
+def verify(ctx: Context, src: str, deep: bool, memory_budget, workers, overwrite) -> None:
+    """Check that every piece of SRC is present, in bounds and covers its tensor exactly."""
+    from ckptkit.ops.verify import verify as run_verify
+
+    opts = make_run_options(ctx, memory_budget, workers, overwrite)
+    opened, problems = run_verify(src, deep=deep, options=opts)
+    if problems:
+        click.echo(f"{src}: {len(problems)} problem(s) found", err=True)
+        for p in problems:
+            click.echo(f"  - {p}", err=True)
+        sys.exit(EXIT_PROBLEMS)
+    index = opened.index
+    what = "every byte read, CRCs match" if deep else "structure sound"
+    ctx.say(f"ok: {src} ({index.format}, {len(index.tensors)} tensors, {len(index.objects)} objects; {what})")
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out")
+@click.option("--dtype", default=None, help="Cast floating tensors: fp32, bf16 or fp16.")
+@click.option("--max-shard-size", default=knobs.MAX_SHARD_SIZE, show_default=True,
+              help="Largest safetensors shard, e.g. 5GB, 500MB.")
+@click.option("--include-optimizer", is_flag=True, help="Also write optimizer state to optimizer*.safetensors.")
+@run_options
+@click.pass_obj
+@handle_errors
+def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
+                include_optimizer: bool, memory_budget, workers, overwrite) -> None:
+    """Write SRC's model as Hugging Face style safetensors in folder OUT."""
+    from ckptkit.index.dtypes import parse_dtype_option
+    from ckptkit.ops.consolidate import consolidate as run_consolidate
+    from ckptkit.ops.inspect import human_bytes
+
+    opts = make_run_options(ctx, memory_budget, workers, overwrite)
+    res = run_consolidate(src, out, dtype=parse_dtype_option(dtype) if dtype else None,
+                          max_shard_size=max_shard_size, include_optimizer=include_optimizer, options=opts)
+    ctx.say(f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
+            f"from {res.source_format} into {out}: {', '.join(res.files)}")
+    if res.aliases:
+        ctx.say(f"  tied tensors written once: " + ", ".join(f"{a} -> {t}" for a, t in res.aliases.items()))
+    if res.optimizer_tensors:
+        ctx.say(f"  optimizer: {res.optimizer_tensors} tensors")
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out")
+@click.option("--to", "to", type=int, required=True, help="Target world size.")
+@click.option("--from", "from_", type=int, default=None, help="Expected source world size (checked).")
+@run_options
+@click.pass_obj
+@handle_errors
+def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, memory_budget, workers, overwrite) -> None:
+    """Rewrite SRC for world size --to in folder OUT (same format)."""
+    from ckptkit.ops.inspect import human_bytes
+    from ckptkit.ops.reshard import reshard as run_reshard
+
+    opts = make_run_options(ctx, memory_budget, workers, overwrite)
+    res = run_reshard(src, out, to, expect_from=from_, options=opts)
+    ctx.say(f"resharded {res.format} {res.from_world_size} -> {res.to_world_size} ranks: "
+            f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
+
+
+@cli.command()
+@click.option("--out", default="ckptkit-demo", show_default=True, help="Folder for the demo's checkpoints.")
+@click.pass_obj
+@handle_errors
+def demo(ctx: Context, out: str) -> None:
+    """Train a tiny model with FSDP2 on 2 CPU processes, then inspect, reshard, consolidate, verify."""
+    from ckptkit.demo.run import run_demo
+
+    run_demo(out, say=click.echo)
+
+
+def main() -> None:
+    cli(prog_name="ckptkit")
+
+
+if __name__ == "__main__":
+    main()
