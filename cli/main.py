@@ -186,6 +186,9 @@ def demo(ctx: Context, out: str) -> None:
 
 
 def main() -> None:
+    from ckptkit.runner.memory import pin_mmap_threshold
+
+    pin_mmap_threshold()
     cli(prog_name="ckptkit")
 
 

@@ -40,17 +40,47 @@ class Fetcher:
                 inter = geometry.intersect(sub, box)
                 if inter is None:
                     continue
-                src = self._read(entry, piece, sub, elem_offset, inter)
                 dst = out
                 for d, (o, s) in enumerate(zip(inter.offsets, inter.sizes)):
                     dst = dst.narrow(d, o - box.offsets[d], s)
-                dst.copy_(src)
+                if not self._read_direct(entry, piece, sub, elem_offset, inter, dst):
+                    dst.copy_(self._read(entry, piece, sub, elem_offset, inter))
                 filled += inter.numel
         if filled != box.numel:
             raise FormatError(
                 f"{self.source.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
                 f"is not covered by its pieces ({filled} of {box.numel} elements found)")
         return out
+
+    def _span(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int,
+              inter: Box) -> tuple[int, int, tuple[int, ...]]:
+        """(first element, last element, strides) of `inter` inside the piece's raw bytes."""
+        loc = piece.location
+        if isinstance(piece.region, FlatRange) or loc.stride is None:
+            strides = geometry.row_major_strides(sub.sizes)
+        else:
+            strides = loc.stride
+        local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
+        first = elem_offset + sum(l * st for l, st in zip(local, strides))
+        last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
+        item = torch_dtype(entry.dtype).itemsize
+        if inter.numel and (first < 0 or (last + 1) * item > loc.length):
+            raise FormatError(f"{self.source.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
+        return first, last, tuple(strides)
+
+    def _read_direct(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int,
+                     inter: Box, dst: torch.Tensor) -> bool:
+        """Read straight into `dst` when both sides are one contiguous run of bytes."""
+        if piece.location.encoding != "raw" or not inter.numel or not dst.is_contiguous():
+            return False
+        first, last, strides = self._span(entry, piece, sub, elem_offset, inter)
+        dense = geometry.row_major_strides(inter.sizes)
+        if any(n > 1 and st != want for n, st, want in zip(inter.sizes, strides, dense)):
+            return False  # same span, other order (a transposed source)
+        item = dst.element_size()
+        view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
+        self.source.readinto(piece.location.file, piece.location.offset + first * item, view)
+        return True
 
     def _read(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box) -> torch.Tensor:
         loc = piece.location
@@ -65,17 +95,9 @@ class Fetcher:
             return view
         if loc.encoding != "raw":
             raise FormatError(f"{self.source.label(loc.file)}: unknown piece encoding {loc.encoding!r}")
-        if isinstance(piece.region, FlatRange) or loc.stride is None:
-            strides = geometry.row_major_strides(sub.sizes)
-        else:
-            strides = loc.stride
-        local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
-        first = elem_offset + sum(l * st for l, st in zip(local, strides))
-        last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
+        first, last, strides = self._span(entry, piece, sub, elem_offset, inter)
         nbytes = (last - first + 1) * item if inter.numel else 0
         start = loc.offset + first * item
-        if inter.numel and (first < 0 or (last + 1) * item > loc.length):
-            raise FormatError(f"{self.source.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
         buf = bytearray(nbytes)
         self.source.readinto(loc.file, start, memoryview(buf))
         flat = torch.frombuffer(buf, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)

@@ -1,0 +1,73 @@
+"""Shared fixtures: paths to the real checkpoints in fixtures/data and their ground truth."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "fixtures" / "data"
+DCP_FIXTURES = ["fsdp2_w2", "fsdp2_w3", "fsdp1_sharded_w2", "dcp_rank_local_w2", "dcp_zstd_w2"]
+
+
+def has_zstd() -> bool:
+    try:
+        import zstandard  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def dcp_params():
+    out = []
+    for name in DCP_FIXTURES:
+        marks = []
+        if name == "dcp_zstd_w2" and not has_zstd():
+            marks.append(pytest.mark.skip(reason="reading zstd-compressed DCP items needs the zstandard package"))
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+def load_truth(name: str) -> dict:
+    """Ground truth written at save time through torch's full-state-dict APIs (trusted file)."""
+    return torch.load(DATA / f"{name}.truth.pt", weights_only=True)
+
+
+def assert_tensor_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.equal(actual, expected), f"{what}: values differ"
+
+
+def read_all(path) -> tuple:
+    """Open a checkpoint with ckptkit and materialise every tensor (small fixtures only)."""
+    from ckptkit.formats.registry import open_checkpoint
+    from ckptkit.runner.fetch import Fetcher
+
+    opened = open_checkpoint(str(path))
+    fetcher = Fetcher(opened.source)
+    tensors = {k: fetcher.fetch(t) for k, t in opened.index.tensors.items()}
+    objects = {k: o.value for k, o in opened.index.objects.items()}
+    return opened, tensors, objects
+
+
+def torchrun_cmd(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port())]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env

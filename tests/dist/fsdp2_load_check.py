@@ -1,0 +1,239 @@
+"""Multi-process check that a DCP checkpoint loads into FSDP2 with torch's own APIs.
+
+    torchrun --nproc_per_node M tests/dist/fsdp2_load_check.py \
+        --ckpt DIR --truth TRUTH.pt --result OUT.json
+
+M may differ from the world size the checkpoint was saved at (DCP reshards on
+load).  Every rank builds ``fixtures/models.py``'s ToyModel (from a DIFFERENT
+seed, with its buffers scrambled, so nothing can pass by accident), applies
+FSDP2 exactly like the fixture generator, builds AdamW with the same two param
+groups, then:
+
+1. ``msd, osd = get_state_dict(model, optim)`` -- in torch 2.13 this also
+   initialises the (lazy) AdamW state through ``_init_optim_state``: a step with
+   zero grads and lr temporarily 0, so ``optim.state`` holds DTensor
+   ``exp_avg``/``exp_avg_sq`` and ``step`` for DCP to load into;
+2. ``dcp.load({"model": msd, "optim": osd}, checkpoint_id=DIR)``;
+3. ``set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)``;
+4. gathers ``get_state_dict(..., full_state_dict=True, cpu_offload=True)``,
+   flattens it with DCP's ``flatten_state_dict`` and compares every ``model.*`` and
+   ``optim.*`` entry of the truth file bit for bit (dtype, shape, torch.equal;
+   plain values with ==, including param_groups lr/betas/eps/weight_decay);
+5. runs one more training step (all ranks) to show the loaded state is usable.
+
+Rank 0 writes ``{"ok", "world_size", "compared", "mismatches", "trained_step", ...}``.
+Exit status: 0 when the check ran to the end (the verdict is in the JSON, ``ok``
+may be false); 1 when it crashed (rank 0 still tries to write the JSON with
+``"error"``); 124 when the --deadline watchdog fired.  Never hangs: the process
+group has a timeout, a watchdog thread kills the process after --deadline
+seconds, and workers leave with ``os._exit`` after a final barrier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "fixtures"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import models  # noqa: E402
+
+HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", required=True, help="DCP checkpoint directory")
+    ap.add_argument("--truth", required=True, help="flat ground-truth .pt written by fixtures/generate.py")
+    ap.add_argument("--result", required=True, help="JSON result file (written by rank 0)")
+    ap.add_argument("--init-seed", type=int, default=models.MODEL_SEED + 1,
+                    help="seed for the model before loading (default differs from the fixtures')")  # fmt: skip
+    ap.add_argument("--pg-timeout", type=float, default=120.0, help="process group timeout, seconds")
+    ap.add_argument("--deadline", type=float, default=300.0, help="kill this process after so many seconds")
+    return ap.parse_args()
+
+
+def _write_result(path: str, result: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, sort_keys=True, default=repr) + "\n")
+    os.replace(tmp, p)
+
+
+def _describe(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"Tensor(dtype={v.dtype}, shape={tuple(v.shape)})"
+    return repr(v)
+
+
+def _compare_one(key: str, got, want) -> str | None:
+    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
+            return f"{key}: type got {_describe(got)} want {_describe(want)}"
+        if got.dtype != want.dtype:
+            return f"{key}: dtype got {got.dtype} want {want.dtype}"
+        if tuple(got.shape) != tuple(want.shape):
+            return f"{key}: shape got {tuple(got.shape)} want {tuple(want.shape)}"
+        if not torch.equal(got, want):
+            n_diff = int((got != want).sum())
+            detail = ""
+            if got.is_floating_point():
+                detail = f", max abs diff {float((got.double() - want.double()).abs().max()):.3g}"
+            return f"{key}: values differ in {n_diff}/{want.numel()} elements{detail}"
+        return None
+    if type(got) is not type(want) or got != want:
+        return f"{key}: got {got!r} want {want!r}"
+    return None
+
+
+def compare(flat: dict, truth: dict) -> tuple[int, list[str]]:
+    """Compare every model.* / optim.* entry; returns (compared, mismatches)."""
+    scope = ("model.", "optim.")
+    want_keys = {k for k in truth if k.startswith(scope)}
+    got_keys = {k for k in flat if k.startswith(scope)}
+    mismatches = [f"{k}: missing after load" for k in sorted(want_keys - got_keys)]
+    mismatches += [f"{k}: not in truth" for k in sorted(got_keys - want_keys)]
+    compared = 0
+    for k in sorted(want_keys & got_keys):
+        compared += 1
+        problem = _compare_one(k, flat[k], truth[k])
+        if problem:
+            mismatches.append(problem)
+    # The hyperparameters must be there at all (not just equal when present).
+    groups = sorted({k.split(".")[2] for k in want_keys if k.startswith("optim.param_groups.")})
+    if not groups:
+        mismatches.append("truth has no optim.param_groups.* entries")
+    for g in groups:
+        for h in HYPERPARAMS:
+            k = f"optim.param_groups.{g}.{h}"
+            if k not in want_keys:
+                mismatches.append(f"{k}: missing in truth")
+    return compared, mismatches
+
+
+def _scramble_buffers(model: torch.nn.Module) -> None:
+    # Buffers are constants of the model; change them so a skipped load shows up.
+    with torch.no_grad():
+        model.positions.copy_(model.positions.flip(0))
+        model.keep.logical_not_()
+        model.temperature.fill_(7.0)
+
+
+def run(args: argparse.Namespace, rank: int, world: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    t0 = time.time()
+    mesh = init_device_mesh("cpu", (world,))
+    model = models.make_model(args.init_seed)
+    _scramble_buffers(model)
+    models.shard_fsdp2(model, mesh)
+    optim = models.make_optimizer(model)
+    if optim.state:
+        raise AssertionError("fresh AdamW unexpectedly has state")
+
+    # get_state_dict initialises the lazy AdamW state (zero grads, lr 0) so that
+    # the optimizer state dict has DTensors for DCP to load into.
+    msd, osd = get_state_dict(model, optim)
+    n_state = len(osd.get("state", {}))
+    if n_state == 0:
+        raise AssertionError("get_state_dict did not initialise the optimizer state")
+
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=args.ckpt)
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+
+    full_msd, full_osd = get_state_dict(
+        model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+    compared, mismatches = 0, []
+    if rank == 0:
+        flat, _ = flatten_state_dict({"model": full_msd, "optim": full_osd})
+        truth = torch.load(args.truth, map_location="cpu", weights_only=True)
+        compared, mismatches = compare(dict(flat), truth)
+
+    # One more training step on every rank: the loaded state must be usable.
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    steps_before = [float(s["step"]) for s in optim.state.values()]
+    losses = models.train_steps(model, optim, 1, models.DATA_SEED)
+    changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
+    steps_after = [float(s["step"]) for s in optim.state.values()]
+    local_ok = (
+        math.isfinite(losses[0])
+        and len(steps_after) == len(steps_before)
+        and all(a == b + 1 for a, b in zip(steps_after, steps_before))
+    )
+    flags = torch.tensor([int(local_ok), int(changed)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    # every rank finite & step advanced; at least one rank saw its shard change
+    trained_step = bool(flags[0].item() == world and flags[1].item() > 0)
+
+    return {
+        "ok": bool(compared > 0 and not mismatches and trained_step),
+        "world_size": world,
+        "compared": compared,
+        "mismatches": mismatches,
+        "trained_step": trained_step,
+        "loss_after_load": losses[0],
+        "ckpt": str(args.ckpt),
+        "truth": str(args.truth),
+        "torch": torch.__version__,
+        "seconds": round(time.time() - t0, 3),
+    }
+
+
+def main() -> None:
+    args = _parse()
+    watchdog = threading.Timer(args.deadline, lambda: os._exit(124))
+    watchdog.daemon = True
+    watchdog.start()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    code = 0
+    try:
+        result = run(args, rank, world)
+    except BaseException as e:  # report, then leave without hanging
+        code = 1
+        result = {
+            "ok": False,
+            "world_size": world,
+            "compared": 0,
+            "mismatches": [],
+            "trained_step": False,
+            "error": f"rank {rank}: {type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
+        print(result["error"], file=sys.stderr, flush=True)
+    if rank == 0:
+        _write_result(args.result, result)
+        print(json.dumps({k: result[k] for k in ("ok", "world_size", "compared", "trained_step")}), flush=True)
+        for m in result["mismatches"][:20]:
+            print("MISMATCH", m, flush=True)
+    if code == 0:
+        try:
+            dist.barrier()
+        except Exception:
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
