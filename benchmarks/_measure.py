@@ -1,0 +1,69 @@
+"""Run a command and report wall time and its peak RSS (VmHWM of its own address space).
+
+ru_maxrss of a forked child starts from the parent's high-water mark on Linux, so Python
+children report VmHWM themselves; for non-Python commands we poll /proc (coarse but honest).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+PY_WRAPPER = """
+import runpy, sys
+target = sys.argv[1]
+sys.argv = sys.argv[1:]
+try:
+    if target == "-m":
+        sys.argv = sys.argv[1:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(target, run_name="__main__")
+finally:
+    hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+    sys.stderr.write("VMHWM_KB=" + hwm + "\\n")
+"""
+
+
+def drop_caches() -> bool:
+    """Cold page cache where permitted (root); returns whether it worked."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_python(args: list[str], env: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, peak RSS MB) of `python args...` (args: ["-m", "mod", ...] or [script, ...])."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", PY_WRAPPER, *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed: {args}\n{proc.stderr[-3000:]}")
+    hwm = [l for l in proc.stderr.splitlines() if l.startswith("VMHWM_KB=")][-1]
+    return wall, int(hwm.split("=")[1]) / 1024
+
+
+def run_shell(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak RSS MB polled every 10 ms) of a non-Python command."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        peak = max(peak, int(line.split()[1]))
+        except OSError:
+            pass
+        time.sleep(0.01)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed: {cmd}")
+    return wall, peak / 1024

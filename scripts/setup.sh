@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment with ckptkit and its pinned dev dependencies.
+# VENV selects the folder (default .venv). torch is pinned by constraints.txt to the CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[dev]'
