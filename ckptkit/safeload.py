@@ -213,7 +213,7 @@ def _build_allowlist() -> dict[tuple[str, str], Any]:
         ("builtins", "complex"): complex,
         ("builtins", "bytearray"): bytearray,
         ("builtins", "range"): range,
-        ("__builtin__", "set"): set,
+        ("_codecs", "encode"): _codecs_encode,
         ("copyreg", "_reconstructor"): _reconstructor,
         ("pathlib", "PosixPath"): pathlib.PurePosixPath,
         ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
@@ -224,16 +224,15 @@ def _build_allowlist() -> dict[tuple[str, str], Any]:
         ("torch", "preserve_format"): torch.preserve_format,
         ("torch", "strided"): torch.strided,
     }
+    for name in ("set", "frozenset", "slice", "complex", "bytearray", "range"):
+        allow[("__builtin__", name)] = allow[("builtins", name)]  # protocol 2 (torch.save) names
+    allow[("__builtin__", "xrange")] = range
     for name in dir(torch):
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
             allow[("torch", name)] = value
     allow.update(_storage_types())
-    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        allow[(module, "_reconstruct")] = _numpy("_reconstruct")
-        allow[(module, "scalar")] = _numpy("scalar")
-    allow[("numpy", "ndarray")] = _numpy("ndarray")
-    allow[("numpy", "dtype")] = _numpy("dtype")
+    allow.update(_numpy_allowlist())
     for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
                 "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
         qual = f"torch.distributed.checkpoint.metadata.{cls}"
@@ -243,25 +242,36 @@ def _build_allowlist() -> dict[tuple[str, str], Any]:
     return allow
 
 
+def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    """Protocol 2 pickles bytes as _codecs.encode(str, "latin1"); nothing else is allowed."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise UnsafePickleError("_codecs.encode may only rebuild bytes from a latin1 string")
+    return text.encode("latin1")
+
+
 def _plain_defaultdict(*args: Any) -> dict:
     return {}
 
 
-def _numpy(name: str) -> Any:
-    def lazy(*args: Any) -> Any:
-        import numpy  # only when a checkpoint holds numpy values
+def _numpy_allowlist() -> dict[tuple[str, str], Any]:
+    """numpy arrays and scalars (RNG states, client state) rebuild without running code."""
+    import numpy
 
-        if name == "_reconstruct":
-            from numpy.core.multiarray import _reconstruct  # type: ignore[attr-defined]
-            return _reconstruct(*args)
-        if name == "scalar":
-            from numpy.core.multiarray import scalar  # type: ignore[attr-defined]
-            return scalar(*args)
-        if name == "dtype":
-            return numpy.dtype(*args)
-        return numpy.ndarray(*args)
-    lazy.__name__ = name
-    return lazy
+    try:
+        from numpy._core import multiarray  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core import multiarray  # type: ignore[no-redef]
+
+    def reconstruct(cls: Any, *args: Any) -> Any:
+        if cls is not numpy.ndarray:
+            raise UnsafePickleError("numpy _reconstruct may only build plain ndarrays")
+        return multiarray._reconstruct(cls, *args)
+
+    allow: dict[tuple[str, str], Any] = {("numpy", "ndarray"): numpy.ndarray, ("numpy", "dtype"): numpy.dtype}
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        allow[(module, "_reconstruct")] = reconstruct
+        allow[(module, "scalar")] = multiarray.scalar
+    return allow
 
 
 _ALLOWLIST: dict[tuple[str, str], Any] | None = None
@@ -307,8 +317,10 @@ def restricted_loads(data: bytes, file: str,
     """Unpickle `data` with the allowlist; any failure becomes one sentence naming `file`."""
     try:
         return _RestrictedUnpickler(io.BytesIO(data), file, persistent_load).load()
-    except (UnsafePickleError, FormatError):
-        raise
+    except (UnsafePickleError, FormatError) as exc:
+        if str(exc).startswith(file):
+            raise
+        raise type(exc)(f"{file}: {exc}") from None
     except RecursionError:
         raise FormatError(f"{file}: pickle is nested too deeply to be a checkpoint") from None
     except Exception as exc:  # malformed pickles raise anything from ValueError to KeyError

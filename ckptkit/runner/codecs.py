@@ -4,6 +4,18 @@ from __future__ import annotations
 from ..errors import FormatError, MissingDependencyError, UnsupportedError
 
 
+SUPPORTED = ("stream.zstd",)
+
+
+def check(transforms: tuple[str, ...], what: str) -> None:
+    """Refuse unknown transforms when indexing, before any byte is read."""
+    for desc in transforms:
+        name, _, version = desc.partition("/")
+        if name not in SUPPORTED or version.partition(".")[0] != "1":
+            raise UnsupportedError(f"{what}: item transform {desc!r} is not supported "
+                                   f"(supported: stream.zstd/1)")
+
+
 def decode(data: bytes, transforms: tuple[str, ...], what: str) -> bytes:
     """Undo DCP's save-side transforms, last applied first."""
     for desc in reversed(transforms):

@@ -27,9 +27,34 @@ class Fetcher:
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cache_items = cache_items
         self._lock = threading.Lock()
+        self._tiled: dict[int, TensorEntry] = {}  # keeps entries alive so ids stay unique
+
+    def check_tiling(self, entry: TensorEntry) -> None:
+        """Refuse a tensor whose pieces do not cover it exactly once.
+
+        Counting filled elements is not enough (a doubled row and a missing row add up), and a
+        gap would otherwise leave uninitialised memory in the output.
+        """
+        if id(entry) in self._tiled:
+            return
+        cov = geometry.coverage(entry.shape, [p.region for p in entry.pieces], max_report=1)
+        if not cov.exact:
+            if cov.out_of_bounds:
+                why = "a piece lies outside the tensor"
+            elif cov.missing:
+                b = cov.missing[0]
+                why = f"{cov.missing_elements} element(s) are in no piece (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
+            else:
+                b = cov.doubled[0]
+                why = f"elements are stored twice (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
+            raise FormatError(f"{self.source.label('')}: tensor {entry.key} {list(entry.shape)} is not "
+                              f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems")
+        with self._lock:
+            self._tiled[id(entry)] = entry
 
     def fetch(self, entry: TensorEntry, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The elements of `box` (default: the whole tensor), contiguous, in the entry's dtype."""
+        self.check_tiling(entry)
         box = box or Box.whole(entry.shape)
         dtype = torch_dtype(entry.dtype)
         if out is None:

@@ -57,10 +57,13 @@ class LocalSource:
 
     def size(self, rel: str) -> int:
         if rel not in self._sizes:
+            path = self._path(rel)
+            if os.path.isdir(path):
+                raise FormatError(f"{path}: is a folder, expected a file")
             try:
-                self._sizes[rel] = os.path.getsize(self._path(rel))
+                self._sizes[rel] = os.path.getsize(path)
             except OSError:
-                raise FormatError(f"{self._path(rel)}: file is missing") from None
+                raise FormatError(f"{path}: file is missing") from None
         return self._sizes[rel]
 
     def _fd(self, rel: str) -> int:
@@ -69,6 +72,8 @@ class LocalSource:
             with self._lock:
                 fd = self._fds.get(rel)
                 if fd is None:
+                    if os.path.isdir(self._path(rel)):
+                        raise FormatError(f"{self._path(rel)}: is a folder, expected a file")
                     try:
                         fd = os.open(self._path(rel), os.O_RDONLY)
                     except OSError as exc:

@@ -7,6 +7,7 @@ loaded through the restricted loader as objects, keeping their location for verb
 """
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +33,11 @@ _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 def metadata_files(source: Source) -> list[str]:
     names = source.listdir("")
     if METADATA in names:
+        if source.isdir(METADATA):
+            raise FormatError(f"{source.label(METADATA)}: is a folder, expected DCP's metadata file")
         return [METADATA]
     ranked = sorted((int(m.group(1)), n) for n in names if (m := _RANK_METADATA.match(n)))
-    return [n for _, n in ranked]
+    return [n for _, n in ranked if not source.isdir(n)]
 
 
 def detect(source: Source) -> bool:
@@ -61,6 +64,28 @@ def _props_dtype(props: Any, label: str, key: str) -> torch.dtype:
     return dtype
 
 
+def _ints(value: Any, what: str, label: str) -> tuple[int, ...]:
+    """A tuple of non-negative ints (torch.Size, list or tuple), or a clear error."""
+    if not isinstance(value, (tuple, list)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        raise FormatError(f"{label}: {what} must be a list of non-negative integers, found {value!r:.80}")
+    return tuple(int(x) for x in value)
+
+
+def _count(value: Any, what: str, label: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise FormatError(f"{label}: {what} must be a non-negative integer, found {value!r:.80}")
+    return value
+
+
+def _mapping(value: Any, what: str, label: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise FormatError(f"{label}: {what} must be a mapping, found {type(value).__name__}")
+    return value
+
+
 def _load_metadata(source: Source, name: str) -> Any:
     label = source.label(name)
     md = restricted_loads(source.read(name, 0, source.size(name)), label)
@@ -70,9 +95,11 @@ def _load_metadata(source: Source, name: str) -> Any:
 
 
 def _safe_relpath(path: Any, label: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise FormatError(f"{label}: storage record has a relative_path of type {type(path).__name__}")
     path = str(path)
     norm = posixpath.normpath(path)
-    if not path or posixpath.isabs(path) or "\\" in path or ".." in norm.split("/"):
+    if not path or norm == "." or posixpath.isabs(path) or "\\" in path or ".." in norm.split("/"):
         raise FormatError(f"{label}: storage record points outside the checkpoint folder ({path!r})")
     return norm
 
@@ -95,19 +122,31 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
         if sm is not None:
             save_id = getattr(sm, "__dict__", {}).get("save_id", save_id)
         for key, meta in _field(md, "state_dict_metadata", "Metadata", label).items():
+            if not isinstance(key, str):
+                raise FormatError(f"{label}: state_dict_metadata has a non-string key {key!r:.60}")
             sd_meta.setdefault(key, meta)
             if type(meta).__name__ == "TensorStorageMetadata":
                 seen = chunks.setdefault(key, [])
-                for ch in _field(meta, "chunks", f"tensor {key}", label):
-                    box = (tuple(int(x) for x in _field(ch, "offsets", "chunk", label)),
-                           tuple(int(x) for x in _field(ch, "sizes", "chunk", label)))
+                rank = len(_ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label))
+                chunk_list = _field(meta, "chunks", f"tensor {key}", label)
+                if not isinstance(chunk_list, (list, tuple)):
+                    raise FormatError(f"{label}: tensor {key} chunks must be a list, found {type(chunk_list).__name__}")
+                for ch in chunk_list:
+                    box = (_ints(_field(ch, "offsets", "chunk", label), f"tensor {key} chunk offsets", label),
+                           _ints(_field(ch, "sizes", "chunk", label), f"tensor {key} chunk sizes", label))
+                    if len(box[0]) != rank or len(box[1]) != rank:
+                        raise FormatError(f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
+                                          f"(offsets {list(box[0])}), the tensor has rank {rank}")
                     if box not in seen:
                         seen.append(box)
-        for mi, info in (_field(md, "storage_data", "Metadata", label, None) or {}).items():
+        for mi, info in _mapping(_field(md, "storage_data", "Metadata", label, None), "storage_data", label).items():
             fqn = _field(mi, "fqn", "MetadataIndex", label)
             off = _field(mi, "offset", "MetadataIndex", label, None)
-            storage.setdefault((fqn, tuple(int(x) for x in off) if off is not None else None), info)
-        planner.update(_field(md, "planner_data", "Metadata", label, None) or {})
+            where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
+            storage.setdefault((fqn, where), info)
+        for key, path in _mapping(_field(md, "planner_data", "Metadata", label, None), "planner_data", label).items():
+            if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
+                planner[key] = tuple(path)
 
     index = CheckpointIndex(format=FORMAT, root=source.root)
     index.metadata["dcp_version"] = sorted(v for v in versions if v) or None
@@ -120,12 +159,12 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
 
     jobs = []
     for key, meta in sd_meta.items():
-        path = tuple(planner[key]) if isinstance(planner.get(key), (tuple, list)) else None
+        path = planner.get(key)
         label = source.label(names[0])
         kind = type(meta).__name__
         if kind == "TensorStorageMetadata":
             dtype = _props_dtype(_field(meta, "properties", f"tensor {key}", label), label, key)
-            shape = tuple(int(x) for x in _field(meta, "size", f"tensor {key}", label))
+            shape = _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
             entry = TensorEntry(key, dtype_name(dtype), shape, [], path=path)
             index.add_tensor(entry)
             for offsets, sizes in chunks[key]:
@@ -163,10 +202,17 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
 
 def _read_item(source: Source, target: Any, box: Box | None, info: Any):
     label = source.label("")
-    rel = _safe_relpath(_field(info, "relative_path", "_StorageInfo", label), label)
-    offset = int(_field(info, "offset", "_StorageInfo", label))
-    length = int(_field(info, "length", "_StorageInfo", label))
-    transforms = tuple(_field(info, "transform_descriptors", "_StorageInfo", label, None) or ())
+    what = f"storage record of {target.key}"
+    rel = _safe_relpath(_field(info, "relative_path", "_StorageInfo", label), f"{label} ({what})")
+    offset = _count(_field(info, "offset", "_StorageInfo", label), f"{what}: offset", label)
+    length = _count(_field(info, "length", "_StorageInfo", label), f"{what}: length", label)
+    transforms = _field(info, "transform_descriptors", "_StorageInfo", label, None) or ()
+    if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
+        raise FormatError(f"{label}: {what}: transform_descriptors must be a list of strings")
+    transforms = tuple(transforms)
+    codecs.check(transforms, f"{source.label(rel)} ({what})")
+    if source.isdir(rel):
+        raise FormatError(f"{source.label(rel)}: is a folder, but the {what} points at it as a data file")
     size = source.size(rel)
     if offset < 0 or length < 0 or offset + length > size:
         raise FormatError(f"{source.label(rel)}: item of {target.key} at bytes {offset}..{offset + length} "

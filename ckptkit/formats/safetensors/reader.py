@@ -8,7 +8,7 @@ import math
 import struct
 from typing import Any
 
-from ...errors import FormatError
+from ...errors import FormatError, UnsupportedError
 from ...index.dtypes import from_safetensors, itemsize
 from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
 from ...storage.source import Source
@@ -49,9 +49,12 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
                 or not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) for o in offs)):
             raise FormatError(f"{label}: tensor {name} has a malformed shape or data_offsets")
-        dtype = from_safetensors(info["dtype"]) if isinstance(info["dtype"], str) else None
+        try:
+            dtype = from_safetensors(info["dtype"]) if isinstance(info["dtype"], str) else None
+        except UnsupportedError:
+            dtype = None
         if dtype is None:
-            raise FormatError(f"{label}: tensor {name} has a malformed dtype")
+            raise FormatError(f"{label}: tensor {name} has an unknown dtype {info['dtype']!r:.40}")
         begin, end = offs
         expected = math.prod(shape) * itemsize(dtype)
         if not 0 <= begin <= end <= buffer:

@@ -27,7 +27,11 @@ def read_index(source: Source, rel: str) -> CheckpointIndex:
     index = CheckpointIndex(format=FORMAT, root=source.root, world_size=1)
     index.files[rel] = source.size(rel)
     index.checks.extend(archive.checks())
-    add_structure(index, archive, structure, prefix=())
+    try:
+        add_structure(index, archive, structure, prefix=())
+    except RecursionError:
+        raise FormatError(f"{archive.label}: the state dict is nested too deeply (or refers to "
+                          f"itself) to be a checkpoint") from None
     return index
 
 
