@@ -75,3 +75,45 @@ def test_safetensors_reader_equals_library(tmp_path):
         assert_tensor_equal(tensors[key], expected, key)
     opened_dir, tensors_dir, _ = read_all(tmp_path)
     assert set(tensors_dir) == set(values)
+
+
+def test_dcp_torch23_flattening_convention(tmp_path):
+    """torch <= 2.3 kept tensor-free containers as one value (`optim.param_groups`); torch 2.13
+    still writes that convention when told to, so the file comes from torch's own writer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _version
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ckptkit.ops.reshard import reshard
+
+    state = {"model": {"w": torch.randn(5, 3)},
+             "optim": {"state": {"w": {"exp_avg": torch.randn(5, 3), "step": torch.tensor(2.0)}},
+                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
+    _version._derived_version = "2_3"
+    try:
+        dcp.save(state, checkpoint_id=str(tmp_path / "old"), no_dist=True)
+    finally:
+        _version._derived_version = None
+    opened, tensors, objects = read_all(tmp_path / "old")
+    assert objects["optim.param_groups"] == state["optim"]["param_groups"]
+    assert opened.index.objects["optim.param_groups"].path == ("optim", "param_groups")
+    assert_tensor_equal(tensors["optim.state.w.exp_avg"], state["optim"]["state"]["w"]["exp_avg"], "exp_avg")
+    reshard(str(tmp_path / "old"), str(tmp_path / "new"), 2)
+    dcp_to_torch_save(str(tmp_path / "new"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    assert full["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert_tensor_equal(full["model"]["w"], state["model"]["w"], "w")
+
+
+def test_compressed_items_without_codec_give_a_clear_error(monkeypatch):
+    """Without a zstd codec, opening names the file, the value and the package to install."""
+    import sys
+
+    from ckptkit.errors import MissingDependencyError
+    from ckptkit.formats.registry import open_checkpoint
+
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    monkeypatch.setitem(sys.modules, "compression", None)
+    with pytest.raises(MissingDependencyError, match=r"__\d_0\.distcp \(value .*\) is zstd-compressed; "
+                                                     r"install the 'zstandard' package"):
+        open_checkpoint(str(DATA / "dcp_zstd_w2"))
