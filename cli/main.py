@@ -58,16 +58,21 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def run_options(fn: Callable) -> Callable:
+def read_options(fn: Callable) -> Callable:
     fn = click.option("--memory-budget", default=None, metavar="SIZE",
-                      help="Peak tensor bytes in flight (default 512MB), e.g. 256MB, 2GB.")(fn)
+                      help="Peak tensor bytes in flight (default 512MiB), e.g. 256MB, 2GiB.")(fn)
     fn = click.option("--workers", type=click.IntRange(1, 64), default=None,
                       help=f"IO threads (default {knobs.WORKERS}).")(fn)
+    return fn
+
+
+def run_options(fn: Callable) -> Callable:
+    fn = read_options(fn)
     fn = click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")(fn)
     return fn
 
 
-def make_run_options(ctx: Context, memory_budget: str | None, workers: int | None, overwrite: bool):
+def make_run_options(ctx: Context, memory_budget: str | None, workers: int | None, overwrite: bool = False):
     from ckptkit.ops.options import RunOptions
 
     opts = RunOptions(progress=make_progress(ctx.quiet), overwrite=overwrite)
@@ -108,14 +113,14 @@ def inspect(ctx: Context, src: str, as_json: bool) -> None:
 @cli.command()
 @click.argument("src")
 @click.option("--deep", is_flag=True, help="Also read every byte and check the CRCs the files carry.")
-@run_options
+@read_options
 @click.pass_obj
 @handle_errors
-def verify(ctx: Context, src: str, deep: bool, memory_budget, workers, overwrite) -> None:
+def verify(ctx: Context, src: str, deep: bool, memory_budget, workers) -> None:
     """Check that every piece of SRC is present, in bounds and covers its tensor exactly."""
     from ckptkit.ops.verify import verify as run_verify
 
-    opts = make_run_options(ctx, memory_budget, workers, overwrite)
+    opts = make_run_options(ctx, memory_budget, workers)
     opened, problems = run_verify(src, deep=deep, options=opts)
     if problems:
         click.echo(f"{src}: {len(problems)} problem(s) found", err=True)
@@ -123,7 +128,11 @@ def verify(ctx: Context, src: str, deep: bool, memory_budget, workers, overwrite
             click.echo(f"  - {p}", err=True)
         sys.exit(EXIT_PROBLEMS)
     index = opened.index
-    what = "every byte read, CRCs match" if deep else "structure sound"
+    if deep:
+        crcs = len(index.checks)
+        what = f"every byte read, {crcs} CRC32s match" if crcs else "every byte read (the format carries no CRCs)"
+    else:
+        what = "structure sound"
     ctx.say(f"ok: {src} ({index.format}, {len(index.tensors)} tensors, {len(index.objects)} objects; {what})")
 
 
@@ -153,6 +162,9 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
         ctx.say(f"  tied tensors written once: " + ", ".join(f"{a} -> {t}" for a, t in res.aliases.items()))
     if res.optimizer_tensors:
         ctx.say(f"  optimizer: {res.optimizer_tensors} tensors")
+    if res.skipped:
+        shown = ", ".join(res.skipped[:5]) + (", ..." if len(res.skipped) > 5 else "")
+        ctx.say(f"  not written (neither model nor optimizer): {len(res.skipped)} tensors ({shown})")
 
 
 @cli.command()
@@ -170,7 +182,7 @@ def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, memory
 
     opts = make_run_options(ctx, memory_budget, workers, overwrite)
     res = run_reshard(src, out, to, expect_from=from_, options=opts)
-    ctx.say(f"resharded {res.format} {res.from_world_size} -> {res.to_world_size} ranks: "
+    ctx.say(f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
             f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
 
 

@@ -100,3 +100,28 @@ def test_consolidate_resharded_output_still_equals_truth(tmp_path):
     for key, value in truth.items():
         if key.startswith("model."):
             assert_tensor_equal(loaded[key[len("model."):]], value, key)
+
+
+def test_consolidated_folder_with_optimizer_keeps_roles(tmp_path):
+    """Reading consolidate's own output back: optimizer*.safetensors stay optimizer state."""
+    consolidate(str(DATA / "fsdp2_w2"), str(tmp_path / "once"), include_optimizer=True)
+    res = consolidate(str(tmp_path / "once"), str(tmp_path / "twice"))
+    assert res.model_tensors == 13 and res.optimizer_tensors == 0
+    assert set(_load_dir(tmp_path / "twice")) == set(_load_dir(tmp_path / "once"))
+    res = consolidate(str(tmp_path / "once"), str(tmp_path / "thrice"), include_optimizer=True)
+    assert res.optimizer_tensors == 27
+
+
+def test_consolidate_from_fsspec_url(tmp_path):
+    """SRC may be an fsspec URL: bytes come through range reads of the remote files."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for f in (DATA / "fsdp2_w3").iterdir():
+        fs.pipe(f"/ckpt/{f.name}", f.read_bytes())
+    truth = load_truth("fsdp2_w3")
+    consolidate("memory://ckpt", str(tmp_path / "out"))
+    loaded = _load_dir(tmp_path / "out")
+    for key, value in truth.items():
+        if key.startswith("model."):
+            assert_tensor_equal(loaded[key[len("model."):]], value, key)

@@ -20,11 +20,11 @@ def run_demo(out: str, say: Callable[[str], None] = print) -> None:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     ours = ("fsdp2-2ranks", "fsdp2-3ranks", "safetensors")
-    foreign = [n for n in os.listdir(out) if n not in ours and not n.startswith(".")]
+    foreign = [n for n in os.listdir(out) if n not in ours + ("bf16",) and not n.startswith(".")]
     if foreign:
         raise OutputError(f"{out}: holds files the demo did not write ({', '.join(foreign[:3])}); "
                           f"choose an empty --out")
-    for name in ours:
+    for name in ours + ("bf16",):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     src, resharded, st = (os.path.join(out, n) for n in ours)
 

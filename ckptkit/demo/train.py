@@ -31,6 +31,9 @@ def _worker(rank: int, world_size: int, port: int, out: str, steps: int) -> None
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
+    import warnings
+
+    warnings.filterwarnings("ignore")  # torch's FSDP2/DCP notices are not the demo's subject
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

@@ -39,7 +39,9 @@ def split_roles(index: CheckpointIndex) -> Split:
     for key, e in index.tensors.items():
         path = e.path if e.path else (key,)
         head = path[0] if len(path) > 1 else None
-        if container is not None and head == container:
+        if e.attrs.get("role") == "optimizer":  # e.g. optimizer*.safetensors written by consolidate
+            split.optim[key] = key
+        elif container is not None and head == container:
             split.model[key_of(path[1:])] = key
         elif head in OPTIM_CONTAINERS:
             split.optim[key_of(path[1:])] = key
@@ -49,7 +51,9 @@ def split_roles(index: CheckpointIndex) -> Split:
             split.other.append(key)
     for key, o in index.objects.items():
         path = o.path if o.path else (key,)
-        if len(path) > 1 and path[0] in OPTIM_CONTAINERS:
+        if o.attrs.get("role") == "optimizer":
+            split.optim_objects[key] = key
+        elif len(path) > 1 and path[0] in OPTIM_CONTAINERS:
             split.optim_objects[key_of(path[1:])] = key
     return split
 

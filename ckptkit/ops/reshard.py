@@ -37,8 +37,8 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
     if expect_from is not None and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
     if index.format != "dcp":
-        raise UnsupportedError(f"{src}: a {index.format} checkpoint has no world size to reshard; "
-                               f"use `ckptkit consolidate` or `ckptkit convert`")
+        raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
+                               f"is nothing to reshard (reshard takes a DCP folder)")
     layout = fsdp2_layout(index, to)
     options.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
     with OutputDir(out, overwrite=options.overwrite) as target:

@@ -112,8 +112,9 @@ def read_index(source: Source, files: list[str]) -> CheckpointIndex:
         if ALIASES_KEY in meta:
             aliases.update(_json_field(meta, ALIASES_KEY, source.label(rel)))
         if OBJECTS_KEY in meta:
+            role = {"role": "optimizer"} if rel.startswith("optimizer") else {}
             for key, value in _json_field(meta, OBJECTS_KEY, source.label(rel)).items():
-                index.add_object(ObjectEntry(key, value))
+                index.add_object(ObjectEntry(key, value, attrs=dict(role)))
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -122,8 +123,10 @@ def read_index(source: Source, files: list[str]) -> CheckpointIndex:
                                   f"{index.tensors[name].pieces[0].location.file}")
             begin, end = info["data_offsets"]
             shape = tuple(info["shape"])
+            attrs = {"role": "optimizer"} if rel.startswith("optimizer") else {}
             index.add_tensor(TensorEntry(name, from_safetensors(info["dtype"]), shape,
-                                         [Piece(Box.whole(shape), Location(rel, data_start + begin, end - begin))]))
+                                         [Piece(Box.whole(shape), Location(rel, data_start + begin, end - begin))],
+                                         attrs=attrs))
     if weight_map is not None:
         for name, rel in weight_map.items():
             if name not in index.tensors and name not in aliases:

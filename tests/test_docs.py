@@ -1,0 +1,236 @@
+"""The documentation's examples run, and docs/cli.md names only options that exist.
+
+Runnable examples are fenced code blocks in the `console` language (README.md, docs/**/*.md)
+with lines starting with `$ ckptkit `. Each such command runs as
+`python -m ckptkit ...` from the repository root. Conventions:
+
+- Outputs go under `/tmp/ckptkit-docs/...`; the test rewrites that prefix to a fresh folder per
+  block, so the commands of one block run in order and share their outputs.
+- A block runs with exit status 0 expected for every command. `<!-- exit: N -->` on the line
+  before the block expects N from the block's LAST command (earlier commands must still exit 0).
+- The lines after a command, up to the next `$ ` line, are its output as shown in the docs.
+  Every such line except `...` lines must appear in what the command printed (stdout and
+  stderr), compared with runs of whitespace collapsed. So a table can be trimmed with `...`,
+  but nothing shown may be invented.
+- Blocks that run `ckptkit demo` are skipped (it trains a model on 2 processes).
+
+All blocks run in parallel, once per session, so the whole file stays fast.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS_TMP = "/tmp/ckptkit-docs"
+EXIT_MARK = re.compile(r"<!--\s*exit:\s*(\d+)\s*-->")
+
+
+def doc_files() -> list[Path]:
+    files = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+    return [f for f in files if f.exists()]
+
+
+@dataclass
+class Command:
+    line: str                      # the text after "$ "
+    expected: list[str] = field(default_factory=list)
+    runs: bool = True              # a `ckptkit` command (others are shown, not run)
+
+
+@dataclass
+class Block:
+    file: Path
+    lineno: int
+    exit_code: int
+    commands: list[Command]
+
+    @property
+    def id(self) -> str:
+        return f"{self.file.relative_to(ROOT)}:{self.lineno}"
+
+    @property
+    def is_demo(self) -> bool:
+        return any(c.runs and shlex.split(c.line)[1:2] == ["demo"] for c in self.commands)
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() != "```console":
+            i += 1
+            continue
+        prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        m = EXIT_MARK.search(prev)
+        start = i + 1
+        body: list[str] = []
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        commands: list[Command] = []
+        for text in body:
+            if text.startswith("$ "):
+                commands.append(Command(text[2:], runs=text.startswith("$ ckptkit ")))
+            elif commands:
+                commands[-1].expected.append(text)
+        if any(c.runs for c in commands):
+            blocks.append(Block(path, start, int(m.group(1)) if m else 0, commands))
+        i += 1
+    return blocks
+
+
+ALL_BLOCKS = [b for f in doc_files() for b in parse_blocks(f)]
+
+
+@dataclass
+class Result:
+    argv: list[str]
+    returncode: int
+    output: str
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_block(block: Block, tmp: Path) -> list[Result]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    results = []
+    for cmd in block.commands:
+        if not cmd.runs:
+            continue
+        args = shlex.split(cmd.line.replace(DOCS_TMP, str(tmp)))
+        argv = [sys.executable, "-m", "ckptkit", *args[1:]]
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        results.append(Result(argv, proc.returncode, proc.stdout + proc.stderr))
+    return results
+
+
+@pytest.fixture(scope="session")
+def block_results(tmp_path_factory) -> dict[str, tuple[Path, list[Result]]]:
+    """Run every runnable block once, in parallel; each block gets its own output folder."""
+    todo = []
+    for n, block in enumerate(ALL_BLOCKS):
+        if block.is_demo:
+            continue
+        tmp = tmp_path_factory.mktemp(f"docs-{n}")
+        todo.append((block, tmp))
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = {b.id: (tmp, pool.submit(run_block, b, tmp)) for b, tmp in todo}
+        return {k: (tmp, f.result()) for k, (tmp, f) in futures.items()}
+
+
+def test_docs_have_runnable_examples():
+    assert len([b for b in ALL_BLOCKS if not b.is_demo]) >= 10, "the docs lost their examples"
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[b.id for b in ALL_BLOCKS])
+def test_example_runs(block: Block, block_results):
+    if block.is_demo:
+        pytest.skip("`ckptkit demo` trains a model on 2 processes; too slow for the docs check")
+    tmp, results = block_results[block.id]
+    commands = [c for c in block.commands if c.runs]
+    for n, (cmd, res) in enumerate(zip(commands, results)):
+        want = block.exit_code if n == len(commands) - 1 else 0
+        assert res.returncode == want, (
+            f"{block.id}: `{cmd.line}` exited {res.returncode}, docs expect {want}\n{res.output}")
+        got = _norm(res.output)
+        for line in cmd.expected:
+            shown = _norm(line.replace(DOCS_TMP, str(tmp)))
+            if not shown or shown.startswith("..."):
+                continue
+            assert shown in got, (f"{block.id}: `{cmd.line}` did not print the line the docs show:\n"
+                                  f"  {line}\nit printed:\n{res.output}")
+
+
+# ---- docs/cli.md names only options that exist ------------------------------------------------
+
+CLI_DOC = ROOT / "docs" / "cli.md"
+COMMANDS = ["inspect", "verify", "consolidate", "reshard", "demo"]
+OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+
+
+def cli_sections() -> dict[str, str]:
+    """The text of each `## ckptkit <command>` section of docs/cli.md ("" = global options)."""
+    text = CLI_DOC.read_text(encoding="utf-8")
+    sections: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            title = line[3:].strip().strip("`")
+            if title.lower() == "global options":
+                current = ""
+            elif title.startswith("ckptkit ") and len(title.split()) == 2:
+                current = title.split()[1]
+            else:
+                current = None
+            if current is not None:
+                sections.setdefault(current, "")
+            continue
+        if current is not None and not line.startswith("$ "):
+            sections[current] += line + "\n"
+    return sections
+
+
+def help_options(*args: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "ckptkit", *args, "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    options_part = out.stdout.split("Options:", 1)[1].split("Commands:", 1)[0]
+    return set(OPTION.findall(options_part))
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, set[str]]:
+    names = [""] + COMMANDS
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        found = list(pool.map(lambda c: help_options(*([c] if c else [])), names))
+    return dict(zip(names, found))
+
+
+def test_cli_doc_has_a_section_per_command():
+    sections = cli_sections()
+    for cmd in [""] + COMMANDS:
+        assert cmd in sections, f"docs/cli.md has no section for {'global options' if not cmd else cmd}"
+
+
+@pytest.mark.parametrize("cmd", [""] + COMMANDS, ids=["global"] + COMMANDS)
+def test_cli_doc_options_exist(cmd, helps):
+    mentioned = set(OPTION.findall(cli_sections()[cmd]))
+    unknown = mentioned - helps[cmd] - {"--help"}
+    assert not unknown, f"docs/cli.md names {sorted(unknown)} for `ckptkit {cmd}`, which --help does not list"
+
+
+@pytest.mark.parametrize("cmd", [""] + COMMANDS, ids=["global"] + COMMANDS)
+def test_cli_doc_covers_every_option(cmd, helps):
+    mentioned = set(OPTION.findall(cli_sections()[cmd]))
+    missing = helps[cmd] - mentioned - {"--help"}
+    assert not missing, f"docs/cli.md does not document {sorted(missing)} of `ckptkit {cmd}`"
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[b.id for b in ALL_BLOCKS])
+def test_example_options_exist(block: Block, helps):
+    """Every option an example passes exists for that command (or globally, before it)."""
+    for cmd in block.commands:
+        if not cmd.runs:
+            continue
+        args = shlex.split(cmd.line)[1:]
+        name = next((a for a in args if not a.startswith("-")), "")
+        pos = args.index(name) if name else len(args)
+        for a in args[:pos]:
+            if a.startswith("--"):
+                assert a in helps[""], f"{block.id}: global option {a} does not exist"
+        for a in args[pos + 1:]:
+            if a.startswith("--"):
+                assert a.split("=")[0] in helps.get(name, set()), f"{block.id}: `ckptkit {name}` has no option {a}"
