@@ -14,7 +14,8 @@ import torch
 from ..errors import FormatError
 from ..index import geometry
 from ..index.dtypes import torch_dtype
-from ..index.types import Box, FlatRange, Piece, TensorEntry
+from ..index.types import Box, CheckpointIndex, FlatRange, Piece, TensorEntry
+from ..index.virtual import REF, ZEROS
 from ..storage.source import Source
 from . import codecs
 
@@ -22,8 +23,9 @@ from . import codecs
 class Fetcher:
     """Reads tensor regions from one source. Thread-safe; caches a few decoded items."""
 
-    def __init__(self, source: Source, cache_items: int = 4) -> None:
+    def __init__(self, source: Source, cache_items: int = 4, index: CheckpointIndex | None = None) -> None:
         self.source = source
+        self.index = index  # resolves "ref" pieces of virtual tensors
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cache_items = cache_items
         self._lock = threading.Lock()
@@ -95,8 +97,16 @@ class Fetcher:
 
     def _read_direct(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int,
                      inter: Box, dst: torch.Tensor) -> bool:
-        """Read straight into `dst` when both sides are one contiguous run of bytes."""
-        if piece.location.encoding != "raw" or not inter.numel or not dst.is_contiguous():
+        """Read straight into `dst` when both sides are one contiguous run of bytes (or the piece
+        is virtual: zeros, or a flat range of another tensor)."""
+        encoding = piece.location.encoding
+        if encoding == ZEROS:
+            dst.zero_()
+            return True
+        if encoding == REF:
+            self._read_ref(entry, piece, sub, elem_offset, inter, dst)
+            return True
+        if encoding != "raw" or not inter.numel or not dst.is_contiguous():
             return False
         first, last, strides = self._span(entry, piece, sub, elem_offset, inter)
         dense = geometry.row_major_strides(inter.sizes)
@@ -106,6 +116,30 @@ class Fetcher:
         view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
         self.source.readinto(piece.location.file, piece.location.offset + first * item, view)
         return True
+
+    def _read_ref(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box,
+                  dst: torch.Tensor) -> None:
+        """A virtual piece: elements of another logical tensor's row-major flattening."""
+        if self.index is None or piece.location.file not in self.index.tensors:
+            raise FormatError(f"virtual tensor {entry.key} refers to unknown tensor {piece.location.file!r}")
+        target = self.index.tensors[piece.location.file]
+        # position of inter's first element inside the piece, then inside the referenced tensor
+        strides = geometry.row_major_strides(sub.sizes)
+        local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
+        first = elem_offset + sum(l * st for l, st in zip(local, strides))
+        start = piece.location.offset + first
+        if start + inter.numel > target.numel:
+            raise FormatError(f"virtual tensor {entry.key} reads past the end of {target.key}")
+        flat = dst.reshape(-1) if dst.is_contiguous() else torch.empty(inter.numel, dtype=dst.dtype)
+        pos = 0
+        for box, _ in geometry.flat_to_boxes(FlatRange(start, inter.numel), target.shape):
+            part = self.fetch(target, box)
+            if part.dtype != flat.dtype:
+                part = part.to(flat.dtype)
+            flat[pos:pos + box.numel].copy_(part.reshape(-1))
+            pos += box.numel
+        if not dst.is_contiguous():
+            dst.copy_(flat.view(inter.sizes))
 
     def _read(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box) -> torch.Tensor:
         loc = piece.location

@@ -1,0 +1,57 @@
+"""Virtual tensors: logical tensors assembled from ranges of other tensors and zero padding.
+
+A ZeRO partition is a concatenation of flat ranges of parameters plus padding; describing it
+as a 1-D tensor whose pieces say "elements [a, b) of tensor K" (encoding "ref") or "zeros"
+lets every writer stream it with the same Fetcher, from any source format, without ever
+materialising a whole partition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .types import FlatRange, Location, Piece, TensorEntry
+
+REF = "ref"
+ZEROS = "zeros"
+
+
+@dataclass(frozen=True)
+class Part:
+    """`length` elements: from tensor `key` starting at flat element `start`, or zeros (key None)."""
+
+    key: str | None
+    start: int
+    length: int
+
+
+def flat_concat(key: str, dtype: str, parts: list[Part]) -> TensorEntry:
+    """A 1-D virtual tensor made of `parts` in order."""
+    pieces = []
+    pos = 0
+    for part in parts:
+        if part.length <= 0:
+            continue
+        if part.key is None:
+            loc = Location("", 0, 0, ZEROS)
+        else:
+            loc = Location(part.key, part.start, part.length, REF)
+        pieces.append(Piece(FlatRange(pos, part.length), loc))
+        pos += part.length
+    return TensorEntry(key, dtype, (pos,), pieces, attrs={"virtual": True})
+
+
+def flat_slice(key: str, dtype: str, parts: list[Part], start: int, length: int) -> TensorEntry:
+    """Elements [start, start+length) of the concatenation of `parts`, as a virtual tensor."""
+    out: list[Part] = []
+    pos = 0
+    end = start + length
+    for part in parts:
+        lo, hi = max(pos, start), min(pos + part.length, end)
+        if hi > lo:
+            offset = lo - pos
+            out.append(Part(part.key, part.start + offset if part.key is not None else 0, hi - lo))
+        pos += part.length
+    covered = sum(p.length for p in out)
+    if covered < length:  # past the end of the parts: pad with zeros
+        out.append(Part(None, 0, length - covered))
+    return flat_concat(key, dtype, out)
