@@ -59,7 +59,7 @@ def test_stand_ins_are_re_emitted_as_their_original_classes(monkeypatch):
         WEIGHTS = 3
 
     for cls in (LossScaler, Stage):
-        cls.__module__ = mod.__name__
+        cls.__module__, cls.__qualname__ = mod.__name__, cls.__name__
         setattr(mod, cls.__name__, cls)
         register_allowed(mod.__name__, cls.__name__, inert_class(f"{mod.__name__}.{cls.__name__}"))
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
