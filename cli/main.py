@@ -94,16 +94,20 @@ def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
     click_ctx.obj = Context(quiet, debug)
 
 
+TAG_HELP = "DeepSpeed: read this tag instead of the one `latest` names."
+
+
 @cli.command()
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print the full index as JSON (schema ckptkit.index/1).")
+@click.option("--tag", default=None, help=TAG_HELP)
 @click.pass_obj
 @handle_errors
-def inspect(ctx: Context, src: str, as_json: bool) -> None:
+def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
     """Show format, world size, step, tensors and objects of SRC."""
     from ckptkit.ops.inspect import inspect as run_inspect, render, report_json
 
-    opened, report = run_inspect(src)
+    opened, report = run_inspect(src, tag=tag)
     if as_json:
         click.echo(json.dumps(report_json(opened, report), indent=1))
     else:
@@ -113,15 +117,16 @@ def inspect(ctx: Context, src: str, as_json: bool) -> None:
 @cli.command()
 @click.argument("src")
 @click.option("--deep", is_flag=True, help="Also read every byte and check the CRCs the files carry.")
+@click.option("--tag", default=None, help=TAG_HELP)
 @read_options
 @click.pass_obj
 @handle_errors
-def verify(ctx: Context, src: str, deep: bool, memory_budget, workers) -> None:
+def verify(ctx: Context, src: str, deep: bool, tag: str | None, memory_budget, workers) -> None:
     """Check that every piece of SRC is present, in bounds and covers its tensor exactly."""
     from ckptkit.ops.verify import verify as run_verify
 
     opts = make_run_options(ctx, memory_budget, workers)
-    opened, problems = run_verify(src, deep=deep, options=opts)
+    opened, problems = run_verify(src, deep=deep, options=opts, tag=tag)
     if problems:
         click.echo(f"{src}: {len(problems)} problem(s) found", err=True)
         for p in problems:
@@ -143,11 +148,12 @@ def verify(ctx: Context, src: str, deep: bool, memory_budget, workers) -> None:
 @click.option("--max-shard-size", default=knobs.MAX_SHARD_SIZE, show_default=True,
               help="Largest safetensors shard, e.g. 5GB, 500MB.")
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer state to optimizer*.safetensors.")
+@click.option("--tag", default=None, help=TAG_HELP)
 @run_options
 @click.pass_obj
 @handle_errors
 def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
-                include_optimizer: bool, memory_budget, workers, overwrite) -> None:
+                include_optimizer: bool, tag: str | None, memory_budget, workers, overwrite) -> None:
     """Write SRC's model as Hugging Face style safetensors in folder OUT."""
     from ckptkit.index.dtypes import parse_dtype_option
     from ckptkit.ops.consolidate import consolidate as run_consolidate
@@ -155,7 +161,8 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 
     opts = make_run_options(ctx, memory_budget, workers, overwrite)
     res = run_consolidate(src, out, dtype=parse_dtype_option(dtype) if dtype else None,
-                          max_shard_size=max_shard_size, include_optimizer=include_optimizer, options=opts)
+                          max_shard_size=max_shard_size, include_optimizer=include_optimizer, options=opts,
+                          tag=tag)
     ctx.say(f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
             f"from {res.source_format} into {out}: {', '.join(res.files)}")
     if res.aliases:

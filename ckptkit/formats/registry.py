@@ -13,6 +13,8 @@ from ..errors import NotACheckpointError
 from ..index.types import CheckpointIndex
 from ..storage.source import Source, is_url, open_source
 from .dcp import reader as dcp_reader
+from .deepspeed import files as ds_files
+from .deepspeed import reader as ds_reader
 from .safetensors import reader as st_reader
 from .torch_save import reader as ts_reader
 from .torch_save.archive import ZIP_MAGIC
@@ -37,10 +39,15 @@ def _parent_and_name(path: str) -> tuple[str, str]:
     return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
 
 
-def open_checkpoint(path: str, expect: str | None = None) -> Opened:
-    """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp")."""
+def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None) -> Opened:
+    """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp");
+    `tag` picks a DeepSpeed tag other than the one `latest` names."""
     source = open_source(path)
-    if source.isdir(""):
+    if tag is not None and not (source.isdir("") and ds_files.detect(source) or source.isdir(tag)):
+        raise NotACheckpointError(f"{path}: --tag is for DeepSpeed checkpoints, and this is not one")
+    if source.isdir("") and (ds_files.detect(source) or (tag is not None and source.isdir(tag))):
+        opened = Opened(source, ds_reader.read_index(source, tag), path)
+    elif source.isdir(""):
         opened = _open_folder(path, source)
     else:
         opened = _open_file(path)
@@ -91,5 +98,5 @@ def _open_folder(path: str, source: Source) -> Opened:
     shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
     found = f"found {len(names)} entries ({shown})" if names else "the folder is empty"
     raise NotACheckpointError(
-        f"{path}: not a checkpoint ckptkit recognises (looked for a DCP .metadata, *.safetensors, "
-        f"or one torch.save file); {found}")
+        f"{path}: not a checkpoint ckptkit recognises (looked for a DCP .metadata, a DeepSpeed `latest` "
+        f"or ZeRO rank files, *.safetensors, or one torch.save file); {found}")

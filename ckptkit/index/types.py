@@ -151,6 +151,8 @@ class CheckpointIndex:
     files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
     checks: list[IntegrityCheck] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # format-specific parsed structures a writer of the same format needs (never serialised)
+    native: Any = None
 
     def add_tensor(self, entry: TensorEntry) -> None:
         self.tensors[entry.key] = entry

@@ -34,9 +34,10 @@ class ConsolidateResult:
 
 
 def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
-                include_optimizer: bool = False, options: RunOptions | None = None) -> ConsolidateResult:
+                include_optimizer: bool = False, options: RunOptions | None = None,
+                tag: str | None = None) -> ConsolidateResult:
     options = options or RunOptions()
-    opened = open_checkpoint(src)
+    opened = open_checkpoint(src, tag=tag)
     index = opened.index
     split = split_roles(index)
     if not split.model:
@@ -44,9 +45,12 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
                          f"({len(index.tensors)} tensors, none under a model container)")
     max_bytes = knobs.parse_size(max_shard_size)
 
+    # DeepSpeed: fp32 masters, with frozen params and buffers upcast as zero_to_fp32 does
+    default = dtype or index.metadata.get("consolidate_dtype")
+
     def out_dtype(key: str) -> str:
         src_dtype = index.tensors[key].dtype
-        return dtype if dtype and is_floating(src_dtype) else src_dtype
+        return default if default and is_floating(src_dtype) else src_dtype
 
     model_entries = {name: index.tensors[key] for name, key in split.model.items()}
     aliases = find_aliases(model_entries)
@@ -56,7 +60,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
              for name, key in split.optim.items()] if include_optimizer else []
     total = sum(t.nbytes for t in model + optim)
     options.progress.start(total, "consolidate")
-    fetcher = Fetcher(opened.source)
+    fetcher = Fetcher(opened.source, index=index)
     files: list[str] = []
     with OutputDir(out, overwrite=options.overwrite) as target:
         files += write_safetensors(target, fetcher, model, basename="model", max_shard_bytes=max_bytes,

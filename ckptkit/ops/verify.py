@@ -19,11 +19,12 @@ from .options import RunOptions
 CRC_BLOCK = 8 << 20
 
 
-def verify(path: str, deep: bool = False, options: RunOptions | None = None) -> tuple[Opened | None, list[str]]:
+def verify(path: str, deep: bool = False, options: RunOptions | None = None,
+           tag: str | None = None) -> tuple[Opened | None, list[str]]:
     """(opened checkpoint or None, problems). Structural errors while reading become problems."""
     options = options or RunOptions()
     try:
-        opened = open_checkpoint(path)
+        opened = open_checkpoint(path, tag=tag)
     except CkptkitError as exc:
         return None, [str(exc)]
     problems = structural_problems(opened)
@@ -98,7 +99,7 @@ def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
         if crc != check.crc32:
             problems.append(f"{source.label(check.file)}: {check.what} at byte {check.offset} fails its CRC "
                             f"(stored {check.crc32:08x}, computed {crc:08x}): the bytes were altered")
-    fetcher = Fetcher(source)
+    fetcher = Fetcher(source, index=index)
     for key, t in index.tensors.items():
         if t.attrs.get("alias_of") or t.numel == 0:
             continue

@@ -1,0 +1,91 @@
+"""Where a DeepSpeed checkpoint's files are: `latest` -> tag folder -> rank files."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ...errors import FormatError, NotACheckpointError, UnsupportedError
+from ...storage.source import Source
+
+MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
+
+
+@dataclass
+class Layout:
+    """The files of one tag: model-states per rank (one at stage 1/2) and optim-states per rank."""
+
+    tag: str | None           # None when the path given is the tag folder itself
+    prefix: str               # "" or "<tag>/", relative to the source root
+    model_files: dict[int, str] = field(default_factory=dict)   # dp rank -> name (stage 1/2: {0: ...})
+    optim_files: dict[int, str] = field(default_factory=dict)   # dp rank -> name
+    bf16_prefix: bool = False
+    extra: list[str] = field(default_factory=list)
+
+
+def _tag_names(source: Source, rel: str) -> list[str]:
+    return source.listdir(rel) if source.isdir(rel) else []
+
+
+def looks_like_tag_folder(names: list[str]) -> bool:
+    return any(MODEL_STATES.match(n) for n in names) and any(OPTIM_STATES.match(n) for n in names)
+
+
+def detect(source: Source) -> bool:
+    if not source.isdir(""):
+        return False
+    names = source.listdir("")
+    if "latest" in names and not source.isdir("latest"):
+        return True
+    return looks_like_tag_folder(names)
+
+
+def locate(source: Source, tag: str | None = None) -> Layout:
+    names = source.listdir("")
+    if tag is None and not looks_like_tag_folder(names):
+        if "latest" not in names:
+            raise NotACheckpointError(f"{source.label('')}: no `latest` file and no ZeRO rank files")
+        tag = source.read("latest", 0, source.size("latest")).decode("utf-8", "replace").strip()
+    if tag is not None:
+        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+            raise FormatError(f"{source.label('latest')}: names tag {tag!r}, which is not a folder name")
+        if not source.isdir(tag):
+            raise FormatError(f"{source.label(tag)}: tag folder is missing (named by `latest` or --tag)")
+        prefix = tag + "/"
+    else:
+        prefix = ""
+    layout = Layout(tag, prefix)
+    for name in _tag_names(source, prefix.rstrip("/") or ""):
+        if m := MODEL_STATES.match(name):
+            rank, mp = int(m.group(1) or 0), int(m.group(2))
+            if mp != 0:
+                raise UnsupportedError(f"{source.label(prefix + name)}: tensor/pipeline-parallel checkpoints "
+                                       f"(model-parallel rank {mp}) are not supported yet")
+            layout.model_files[rank] = name
+        elif m := OPTIM_STATES.match(name):
+            rank, mp = int(m.group(2)), int(m.group(3))
+            if mp != 0:
+                raise UnsupportedError(f"{source.label(prefix + name)}: tensor/pipeline-parallel checkpoints "
+                                       f"(model-parallel rank {mp}) are not supported yet")
+            layout.optim_files[rank] = name
+            layout.bf16_prefix = bool(m.group(1))
+        elif EXPERT.match(name):
+            raise UnsupportedError(f"{source.label(prefix + name)}: mixture-of-experts checkpoints (expert "
+                                   f"files) are not supported yet")
+        elif name == "offloaded_tensors":
+            raise UnsupportedError(f"{source.label(prefix + name)}: NVMe-offloaded optimizer state "
+                                   f"(offloaded_tensors) is not supported yet")
+        else:
+            layout.extra.append(name)
+    if not layout.model_files:
+        raise FormatError(f"{source.label(prefix or '')}: no *_model_states.pt file in the DeepSpeed tag folder")
+    if not layout.optim_files:
+        raise FormatError(f"{source.label(prefix or '')}: no *_optim_states.pt files (a checkpoint saved "
+                          f"without optimizer state cannot be read yet)")
+    world = max(layout.optim_files) + 1
+    missing = [r for r in range(world) if r not in layout.optim_files]
+    if missing:
+        raise FormatError(f"{source.label(prefix or '')}: optim-states files for rank(s) {missing} are missing "
+                          f"(found {len(layout.optim_files)} of {world})")
+    return layout

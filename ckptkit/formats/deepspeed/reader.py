@@ -1,0 +1,385 @@
+"""Index a DeepSpeed ZeRO checkpoint (stages 1-3, fp32/fp16/bf16) without importing deepspeed.
+
+Keys follow torch's recipe so every other operation treats it like any checkpoint:
+  model.<name>                    fp32 master weights (flat-range pieces of the rank partitions),
+                                  frozen params (stored precision) and buffers
+  optim.state.<name>.exp_avg      Adam moments (flat-range pieces), .exp_avg_sq, .step (value)
+  optim.param_groups.<g>.<hyper>  hyperparameters; .params lists the group's names
+  ds_module.<name>                the low-precision module weights of the model-states file
+  ds.<key>                        DeepSpeed's own values (global_steps, lr_scheduler, loss_scaler, ...)
+  client.<key>                    client_state passed to save_checkpoint
+Tied parameters (shared_params) appear as aliases of their owner.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...errors import FormatError, UnsupportedError
+from ...index.dtypes import dtype_name
+from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
+from ...safeload import TensorRef
+from ...storage.source import Source
+from ..torch_save.archive import Archive, load_structure, open_archive, tensor_location
+from ..torch_save.reader import materialize
+from . import partition, standins
+from .files import Layout, locate
+
+FORMAT = "deepspeed"
+STRUCTURAL_KEYS = {"module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+                   "shared_params", "optimizer"}
+DS_KEYS = {"lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
+           "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+           "checkpoint_parallel_dimensions", "universal_checkpoint_info", "iteration", "compression"}
+
+
+@dataclass
+class Group:
+    """One optimizer param group (stage 1/2) or sub-group (stage 3) as laid out on disk."""
+
+    index: int                 # position in the optimizer state (group, or sub-group at stage 3)
+    param_group: int           # the torch param group it belongs to
+    params: list[tuple[str, tuple[int, ...]]]
+    paddings: list[int] | None = None
+
+
+@dataclass
+class ZeroInfo:
+    """What the DeepSpeed writer needs beyond the index: the layout and the original structures."""
+
+    stage: int
+    world_size: int
+    layout: Layout
+    groups: list[Group]
+    frozen: dict[str, tuple[int, ...]]
+    buffers: list[str]
+    shared: dict[str, str]
+    model_states: dict[int, Any] = field(default_factory=dict)   # rank -> lazy structure
+    optim_states: dict[int, Any] = field(default_factory=dict)
+    archives: dict[str, Archive] = field(default_factory=dict)
+    param_group_count: int = 0
+    dtype: str = "float32"
+
+
+def _get(mapping: Any, key: str, where: str) -> Any:
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise FormatError(f"{where}: has no {key!r} entry (not a DeepSpeed ZeRO checkpoint of a known version)")
+    return mapping[key]
+
+
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in value):
+        raise FormatError(f"{where}: malformed shape {value!r:.60}")
+    return tuple(int(d) for d in value)
+
+
+def _tensor(archive: Archive, value: Any, what: str) -> tuple[str, Location, tuple[int, ...]]:
+    if not isinstance(value, TensorRef):
+        raise FormatError(f"{archive.label}: {what} is not a tensor (found {type(value).__name__})")
+    dtype, loc = tensor_location(archive, value, what)
+    return dtype, loc, tuple(value.size)
+
+
+def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
+    layout = locate(source, tag)
+    archives: dict[str, Archive] = {}
+
+    def load(name: str) -> Any:
+        rel = layout.prefix + name
+        archives[rel] = open_archive(source, rel)
+        return load_structure(archives[rel], eager=False)
+
+    optim = {r: load(n) for r, n in sorted(layout.optim_files.items())}
+    model = {r: load(n) for r, n in sorted(layout.model_files.items())}
+    first_optim = layout.prefix + layout.optim_files[0]
+    osd0 = _get(optim[0], "optimizer_state_dict", source.label(first_optim))
+    if "zero_stage" not in osd0:
+        raise UnsupportedError(f"{source.label(first_optim)}: optimizer state without a zero_stage: the "
+                               f"BF16_Optimizer / ZeRO stage 0 layout is not supported yet")
+    stage = int(standins.enum_value(osd0["zero_stage"]))
+    if stage not in (1, 2, 3):
+        raise UnsupportedError(f"{source.label(first_optim)}: ZeRO stage {stage} is not supported")
+    if osd0.get("elastic_checkpoint") or (stage < 3 and "base_optimizer_state" in osd0
+                                          and isinstance(osd0["base_optimizer_state"], list)):
+        raise UnsupportedError(f"{source.label(first_optim)}: elastic ZeRO checkpoints are not supported yet")
+    world = len(layout.optim_files)
+    m0_name = layout.prefix + layout.model_files[min(layout.model_files)]
+    m0 = model[min(layout.model_files)]
+    label = source.label(m0_name)
+    if stage == 3 and len(layout.model_files) != world:
+        raise FormatError(f"{source.label(layout.prefix)}: ZeRO-3 needs one model-states file per rank, found "
+                          f"{len(layout.model_files)} for {world} optim-states files")
+    dp = m0.get("dp_world_size") if isinstance(m0, dict) else None
+    if isinstance(dp, int) and dp != world:
+        raise FormatError(f"{label}: says dp_world_size {dp} but there are {world} optim-states files")
+
+    info = ZeroInfo(stage, world, layout, [], {}, list(_get(m0, "buffer_names", label)),
+                    dict(m0.get("shared_params") or {}), model, optim, archives)
+    index = CheckpointIndex(format=FORMAT, root=source.root, world_size=world)
+    index.native = info
+    for rel, arch in archives.items():
+        index.files[rel] = source.size(rel)
+        index.checks.extend(arch.checks())
+
+    param_shapes = _get(m0, "param_shapes", label)
+    if not isinstance(param_shapes, list):
+        raise FormatError(f"{label}: param_shapes must be a list of per-group shape maps")
+    _module_and_buffers(index, info, archives[m0_name], m0, label)
+    _frozen(index, info, archives, model, layout, label)
+    if stage < 3:
+        _stage12(index, info, archives, optim, layout, param_shapes, source)
+    else:
+        _stage3(index, info, archives, optim, layout, param_shapes, source)
+    for alias, owner in info.shared.items():
+        if f"model.{owner}" in index.tensors and f"model.{alias}" not in index.tensors:
+            target = index.tensors[f"model.{owner}"]
+            index.add_tensor(TensorEntry(f"model.{alias}", target.dtype, target.shape, list(target.pieces),
+                                         path=("model", alias), attrs={"alias_of": f"model.{owner}"}))
+    _objects(index, info, archives[m0_name], m0, optim[0])
+    steps = index.objects.get("ds.global_steps")
+    index.step = steps.value if steps is not None and isinstance(steps.value, int) else None
+    index.metadata["deepspeed"] = {"stage": stage, "world_size": world, "tag": layout.tag,
+                                   "bf16_file_prefix": layout.bf16_prefix, "dtype": info.dtype}
+    index.metadata["consolidate_dtype"] = "float32"  # zero_to_fp32 upcasts frozen params and buffers
+    return index
+
+
+def _module_and_buffers(index: CheckpointIndex, info: ZeroInfo, archive: Archive, m0: dict, label: str) -> None:
+    module = _get(m0, "module", label)
+    if not isinstance(module, dict):
+        raise FormatError(f"{label}: 'module' is not a state dict")
+    for name, ref in module.items():
+        if not isinstance(ref, TensorRef):
+            continue
+        dtype, loc, shape = _tensor(archive, ref, f"module[{name}]")
+        if name in info.buffers:
+            index.add_tensor(TensorEntry(f"model.{name}", dtype, shape, [Piece(Box.whole(shape), loc)],
+                                         path=("model", name), attrs={"ds_role": "buffer"}))
+        elif math.prod(shape) == 0 and info.stage == 3:
+            continue  # ZeRO-3 placeholder for a partitioned parameter
+        else:
+            if dtype in ("float16", "bfloat16"):
+                info.dtype = dtype
+            index.add_tensor(TensorEntry(f"ds_module.{name}", dtype, shape, [Piece(Box.whole(shape), loc)],
+                                         path=("ds_module", name)))
+
+
+def _frozen(index: CheckpointIndex, info: ZeroInfo, archives: dict, model: dict, layout: Layout, label: str) -> None:
+    m0 = model[min(model)]
+    shapes = m0.get("frozen_param_shapes") or {}
+    info.frozen = {name: _shape(s, f"{label}: frozen_param_shapes[{name}]") for name, s in shapes.items()}
+    if info.stage == 1 or not info.frozen:
+        # stage 1 keeps frozen params only in `module`: every module tensor that is neither a
+        # buffer nor optimizer-owned (decided after the groups are known, in _stage12)
+        return
+    for name, shape in info.frozen.items():
+        numel = math.prod(shape)
+        pieces = []
+        if info.stage == 2:
+            rel = layout.prefix + layout.model_files[min(layout.model_files)]
+            frag = _get(m0.get("frozen_param_fragments") or {}, name, f"{label}: frozen_param_fragments")
+            dtype, loc, fshape = _tensor(archives[rel], frag, f"frozen_param_fragments[{name}]")
+            if math.prod(fshape) != numel:
+                raise FormatError(f"{label}: frozen fragment {name} holds {math.prod(fshape)} elements, "
+                                  f"its shape {list(shape)} needs {numel}")
+            pieces.append(Piece(FlatRange(0, numel), loc))
+        else:
+            per = partition.stage3_slice(numel, info.world_size)
+            dtype = None
+            for rank, state in sorted(model.items()):
+                rel = layout.prefix + layout.model_files[rank]
+                frags = state.get("frozen_param_fragments") or {}
+                frag = _get(frags, name, f"{archives[rel].label}: frozen_param_fragments")
+                dtype, loc, fshape = _tensor(archives[rel], frag, f"frozen_param_fragments[{name}]")
+                start = rank * per
+                length = max(0, min(per, numel - start))
+                if math.prod(fshape) < length:
+                    raise FormatError(f"{archives[rel].label}: frozen fragment {name} holds {math.prod(fshape)} "
+                                      f"elements, rank {rank} needs {length}")
+                if length:
+                    item = loc.length // max(1, math.prod(fshape))
+                    pieces.append(Piece(FlatRange(start, length), Location(loc.file, loc.offset, length * item)))
+        index.add_tensor(TensorEntry(f"model.{name}", dtype, shape, pieces, path=("model", name),
+                                     attrs={"ds_role": "frozen"}))
+
+
+def _flat_pieces(params: list[partition.Placed], start: int, length: int, loc: Location, item: int,
+                 out: dict[str, list[Piece]]) -> None:
+    """Cut a rank's flat tensor [start, start+length) of a group buffer into per-param pieces."""
+    for p in params:
+        a, b = max(start, p.offset), min(start + length, p.offset + p.numel)
+        if b > a:
+            out.setdefault(p.name, []).append(
+                Piece(FlatRange(a - p.offset, b - a), Location(loc.file, loc.offset + (a - start) * item, (b - a) * item)))
+
+
+def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None:
+    world = info.world_size
+    first = layout.prefix + layout.optim_files[0]
+    osd0 = optim[0]["optimizer_state_dict"]
+    paddings = osd0.get("param_alignment_paddings")
+    base0 = _get(osd0, "base_optimizer_state", source.label(first))
+    groups_meta = _get(base0, "param_groups", source.label(first))
+    if len(param_shapes) != len(groups_meta):
+        raise FormatError(f"{source.label(first)}: {len(groups_meta)} optimizer groups but param_shapes lists "
+                          f"{len(param_shapes)}")
+    info.param_group_count = len(groups_meta)
+    shapes_by_name: dict[str, tuple[int, ...]] = {}
+    masters: dict[str, list[Piece]] = {}
+    moments: dict[str, dict[str, list[Piece]]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    for g, shapes in enumerate(param_shapes):
+        names = [(n, _shape(s, f"param_shapes[{g}][{n}]")) for n, s in shapes.items()]
+        shapes_by_name.update(names)
+        pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
+        info.groups.append(Group(g, g, names, list(pads) if pads else None))
+        placed, total, ps = partition.stage12_group([(n, math.prod(s)) for n, s in names], pads, world)
+        for rank in range(world):
+            rel = layout.prefix + layout.optim_files[rank]
+            arch = archives[rel]
+            osd = optim[rank]["optimizer_state_dict"]
+            fp32 = _get(osd, "single_partition_of_fp32_groups", arch.label)
+            if g >= len(fp32):
+                raise FormatError(f"{arch.label}: single_partition_of_fp32_groups has no group {g}")
+            dtype, loc, fshape = _tensor(arch, fp32[g], f"fp32 partition of group {g}")
+            expected = max(0, min(ps, total - rank * ps))
+            if fshape != (expected,) and fshape != (ps,):
+                raise FormatError(f"{arch.label}: fp32 partition of group {g} has {list(fshape)} elements, "
+                                  f"the layout of {world} ranks needs {expected}")
+            _flat_pieces(placed, rank * ps, expected, loc, 4, masters)
+            state = _get(_get(osd, "base_optimizer_state", arch.label), "state", arch.label)
+            gstate = state.get(g) if isinstance(state, dict) else None
+            if gstate is None:
+                raise FormatError(f"{arch.label}: optimizer state has no entry for group {g}")
+            for moment in ("exp_avg", "exp_avg_sq"):
+                if moment not in gstate:
+                    raise UnsupportedError(f"{arch.label}: optimizer state of group {g} has no {moment} "
+                                           f"(only Adam-style optimizers are supported)")
+                mdtype, mloc, mshape = _tensor(arch, gstate[moment], f"{moment} of group {g}")
+                if mshape != (ps,):
+                    raise FormatError(f"{arch.label}: {moment} of group {g} has {list(mshape)} elements, "
+                                      f"expected the padded partition size {ps}")
+                _flat_pieces(placed, rank * ps, expected, mloc, torch.empty((), dtype=getattr(torch, mdtype)).element_size(),
+                             moments[moment])
+        step = base0["state"].get(g, {}).get("step")
+        for name, _ in names:
+            index.add_object(ObjectEntry(f"optim.state.{name}.step", materialize(step, archives[first]),
+                                         path=("optim", "state", name, "step")))
+    for name, pieces in masters.items():
+        shape = shapes_by_name[name]
+        index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, pieces, path=("model", name),
+                                     attrs={"ds_role": "fp32_master"}))
+    for moment, per_param in moments.items():
+        for name, pieces in per_param.items():
+            shape = shapes_by_name[name]
+            index.add_tensor(TensorEntry(f"optim.state.{name}.{moment}", "float32", shape, pieces,
+                                         path=("optim", "state", name, moment)))
+    for name, shape in shapes_by_name.items():
+        if f"model.{name}" not in index.tensors:  # a zero-size parameter has no bytes anywhere
+            index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, [], path=("model", name)))
+    if info.stage == 1:  # frozen params live only in `module`
+        owned = set(shapes_by_name) | set(info.buffers) | set(info.shared)
+        for key in [k for k in index.tensors if k.startswith("ds_module.")]:
+            name = key[len("ds_module."):]
+            if name not in owned:
+                e = index.tensors[key]
+                info.frozen[name] = e.shape
+                index.add_tensor(TensorEntry(f"model.{name}", e.dtype, e.shape, list(e.pieces),
+                                             path=("model", name), attrs={"ds_role": "frozen"}))
+    _param_groups(index, groups_meta, [[n for n, _ in grp.params] for grp in info.groups])
+
+
+def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
+    world = info.world_size
+    first = layout.prefix + layout.optim_files[0]
+    inner0 = _get(optim[0]["optimizer_state_dict"], "optimizer_state_dict", source.label(first))
+    groups_meta = _get(inner0, "param_groups", source.label(first))
+    info.param_group_count = len(groups_meta)
+    sub_to_group = {}
+    for g, meta in enumerate(groups_meta):
+        for sub in meta.get("params", []):
+            sub_to_group[int(sub)] = g
+    if sorted(sub_to_group) != list(range(len(param_shapes))):
+        raise FormatError(f"{source.label(first)}: optimizer param groups name sub-groups {sorted(sub_to_group)}, "
+                          f"param_shapes lists {len(param_shapes)}")
+    shapes_by_name: dict[str, tuple[int, ...]] = {}
+    masters: dict[str, list[Piece]] = {}
+    moments: dict[str, dict[str, list[Piece]]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    group_names: list[list[str]] = [[] for _ in groups_meta]
+    for i, shapes in enumerate(param_shapes):
+        names = [(n, _shape(s, f"param_shapes[{i}][{n}]")) for n, s in shapes.items()]
+        shapes_by_name.update(names)
+        group_names[sub_to_group[i]].extend(n for n, _ in names)
+        info.groups.append(Group(i, sub_to_group[i], names))
+        per = [(n, math.prod(s), partition.stage3_slice(math.prod(s), world)) for n, s in names]
+        flat_len = sum(p for _, _, p in per)
+        for rank in range(world):
+            rel = layout.prefix + layout.optim_files[rank]
+            arch = archives[rel]
+            osd = optim[rank]["optimizer_state_dict"]
+            flats = _get(osd, "fp32_flat_groups", arch.label)
+            if i >= len(flats):
+                raise FormatError(f"{arch.label}: fp32_flat_groups has no sub-group {i}")
+            _, loc, fshape = _tensor(arch, flats[i], f"fp32 flat sub-group {i}")
+            if fshape != (flat_len,):
+                raise FormatError(f"{arch.label}: fp32 flat sub-group {i} has {list(fshape)} elements, "
+                                  f"the layout of {world} ranks needs {flat_len}")
+            state = _get(_get(osd, "optimizer_state_dict", arch.label), "state", arch.label).get(i)
+            if state is None:
+                raise FormatError(f"{arch.label}: optimizer state has no entry for sub-group {i}")
+            locs = {"fp32": loc}
+            for moment in ("exp_avg", "exp_avg_sq"):
+                if moment not in state:
+                    raise UnsupportedError(f"{arch.label}: optimizer state of sub-group {i} has no {moment} "
+                                           f"(only Adam-style optimizers are supported)")
+                _, mloc, mshape = _tensor(arch, state[moment], f"{moment} of sub-group {i}")
+                if mshape != (flat_len,):
+                    raise FormatError(f"{arch.label}: {moment} of sub-group {i} has {list(mshape)} elements, "
+                                      f"expected {flat_len}")
+                locs[moment] = mloc
+            pos = 0
+            for name, numel, slice_len in per:
+                start = rank * slice_len
+                length = max(0, min(slice_len, numel - start))
+                if length:
+                    for what, target in (("fp32", masters), ("exp_avg", moments["exp_avg"]),
+                                         ("exp_avg_sq", moments["exp_avg_sq"])):
+                        l = locs[what]
+                        target.setdefault(name, []).append(
+                            Piece(FlatRange(start, length), Location(l.file, l.offset + pos * 4, length * 4)))
+                pos += slice_len
+        step = inner0["state"].get(i, {}).get("step")
+        for name, _ in names:
+            index.add_object(ObjectEntry(f"optim.state.{name}.step", materialize(step, archives[first]),
+                                         path=("optim", "state", name, "step")))
+    for name, shape in shapes_by_name.items():
+        index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, masters.get(name, []),
+                                     path=("model", name), attrs={"ds_role": "fp32_master"}))
+        for moment in ("exp_avg", "exp_avg_sq"):
+            index.add_tensor(TensorEntry(f"optim.state.{name}.{moment}", "float32", shape,
+                                         moments[moment].get(name, []), path=("optim", "state", name, moment)))
+    _param_groups(index, groups_meta, group_names)
+
+
+def _param_groups(index: CheckpointIndex, groups_meta: list, names: list[list[str]]) -> None:
+    for g, meta in enumerate(groups_meta):
+        for key, value in meta.items():
+            if key == "params":
+                value = names[g]
+            index.add_object(ObjectEntry(f"optim.param_groups.{g}.{key}", value,
+                                         path=("optim", "param_groups", g, key)))
+
+
+def _objects(index: CheckpointIndex, info: ZeroInfo, archive: Archive, m0: dict, o0: dict) -> None:
+    for key, value in m0.items():
+        if key in STRUCTURAL_KEYS:
+            continue
+        container = "ds" if key in DS_KEYS else "client"
+        index.add_object(ObjectEntry(f"{container}.{key}", materialize(value, archive), path=(container, key)))
+    osd = o0["optimizer_state_dict"]
+    for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
+        if key in osd:
+            index.add_object(ObjectEntry(f"ds.{key}", osd[key], path=("ds", key)))
+    index.add_object(ObjectEntry("ds.zero_stage", info.stage, path=("ds", "zero_stage")))
