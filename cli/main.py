@@ -179,16 +179,18 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 @click.argument("out")
 @click.option("--to", "to", type=int, required=True, help="Target world size.")
 @click.option("--from", "from_", type=int, default=None, help="Expected source world size (checked).")
+@click.option("--tag", default=None, help=TAG_HELP)
 @run_options
 @click.pass_obj
 @handle_errors
-def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, memory_budget, workers, overwrite) -> None:
+def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: str | None, memory_budget,
+            workers, overwrite) -> None:
     """Rewrite SRC for world size --to in folder OUT (same format)."""
     from ckptkit.ops.inspect import human_bytes
     from ckptkit.ops.reshard import reshard as run_reshard
 
     opts = make_run_options(ctx, memory_budget, workers, overwrite)
-    res = run_reshard(src, out, to, expect_from=from_, options=opts)
+    res = run_reshard(src, out, to, expect_from=from_, options=opts, tag=tag)
     ctx.say(f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
             f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
 

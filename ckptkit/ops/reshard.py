@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedError, UsageError
 from ..formats.dcp.writer import write_dcp
+from ..formats.deepspeed.writer import write_zero
 from ..formats.registry import open_checkpoint
 from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
@@ -28,22 +29,26 @@ class ReshardResult:
 
 
 def reshard(src: str, out: str, to: int, expect_from: int | None = None,
-            options: RunOptions | None = None) -> ReshardResult:
+            options: RunOptions | None = None, tag: str | None = None) -> ReshardResult:
     options = options or RunOptions()
     if to < 1:
         raise UsageError(f"--to must be at least 1 (got {to})")
-    opened = open_checkpoint(src)
+    opened = open_checkpoint(src, tag=tag)
     index = opened.index
     if expect_from is not None and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
-    if index.format != "dcp":
+    if index.format not in ("dcp", "deepspeed"):
         raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
-                               f"is nothing to reshard (reshard takes a DCP folder)")
-    layout = fsdp2_layout(index, to)
+                               f"is nothing to reshard (reshard takes a DCP folder or a DeepSpeed checkpoint)")
     options.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
     with OutputDir(out, overwrite=options.overwrite) as target:
-        files = write_dcp(target, index, Fetcher(opened.source), layout, slab_bytes=options.slab_bytes,
-                          workers=options.workers, source=opened.source, progress=options.progress)
+        if index.format == "deepspeed":
+            files = write_zero(target, index, opened.source, to, slab_bytes=options.slab_bytes,
+                               workers=options.workers, progress=options.progress)
+        else:
+            files = write_dcp(target, index, Fetcher(opened.source), fsdp2_layout(index, to),
+                              slab_bytes=options.slab_bytes, workers=options.workers, source=opened.source,
+                              progress=options.progress)
     options.progress.close()
     return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),
                          index.total_tensor_bytes)

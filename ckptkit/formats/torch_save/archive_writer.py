@@ -1,0 +1,129 @@
+"""Write any structure as a torch.save archive, streaming its tensors.
+
+Leaves may be plain values, stand-ins (re-emitted as their original classes), small in-memory
+tensors, or LazyTensor(entry): a logical tensor (possibly virtual) whose bytes are streamed slab
+by slab from the source when the archive is written. The layout is torch's own: <root>/data.pkl,
+<root>/data/<n> (64-byte aligned), byteorder, version; torch.load(weights_only=False) and
+frameworks that use it (DeepSpeed) read it back.
+"""
+from __future__ import annotations
+
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...index.dtypes import torch_dtype
+from ...index.types import TensorEntry
+from ...progress import NullProgress, Progress
+from ...repickle import dumps
+from ...runner.fetch import Fetcher
+from ...runner.stream import stream_tensor, tensor_bytes
+from ...storage.output import OutputDir
+
+ROOT = "archive"
+ALIGN = 64
+_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+@dataclass(eq=False)
+class LazyTensor:
+    """A tensor written from `entry`'s pieces at archive time (contiguous, `entry.shape`)."""
+
+    entry: TensorEntry
+
+
+class _Slot:
+    """One storage record of the archive."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int, lazy: TensorEntry | None,
+                 data: torch.Tensor | None) -> None:
+        self.key, self.dtype, self.numel, self.lazy, self.data = key, dtype, numel, lazy, data
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self._by_entry: dict[int, _Slot] = {}
+        self._by_ptr: dict[tuple, _Slot] = {}
+
+    def _slot_for(self, obj: Any) -> tuple[_Slot, int, tuple, tuple]:
+        if isinstance(obj, LazyTensor):
+            e = obj.entry
+            slot = self._by_entry.get(id(e))
+            if slot is None:
+                slot = _Slot(str(len(self.slots)), torch_dtype(e.dtype), e.numel, e, None)
+                self.slots.append(slot)
+                self._by_entry[id(e)] = slot
+            return slot, 0, tuple(e.shape), _contiguous_stride(tuple(e.shape))
+        t: torch.Tensor = obj.detach().cpu()
+        storage = t.untyped_storage()
+        ptr = (storage.data_ptr(), storage.nbytes(), t.dtype)
+        slot = self._by_ptr.get(ptr)
+        if slot is None:
+            whole = torch.empty((0,), dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+            slot = _Slot(str(len(self.slots)), t.dtype, whole.numel(), None, whole)
+            self.slots.append(slot)
+            self._by_ptr[ptr] = slot
+        return slot, t.storage_offset(), tuple(t.shape), tuple(t.stride())
+
+    def reduce(self, obj: Any) -> Any:
+        if not isinstance(obj, (LazyTensor, torch.Tensor)):
+            return None
+        if isinstance(obj, torch.nn.Parameter):
+            obj = obj.data
+        slot, offset, shape, stride = self._slot_for(obj)
+        legacy = torch.storage._dtype_to_storage_type_map().get(slot.dtype)
+        if legacy is not None:
+            return (torch._utils._rebuild_tensor_v2,
+                    (slot, offset, torch.Size(shape), stride, False, OrderedDict()))
+        return (torch._utils._rebuild_tensor_v3,
+                (slot, offset, torch.Size(shape), stride, False, OrderedDict(), slot.dtype))
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, _Slot):
+            return None
+        legacy = torch.storage._dtype_to_storage_type_map().get(obj.dtype)
+        if legacy is not None:
+            return ("storage", getattr(torch, legacy), obj.key, "cpu", obj.numel)
+        return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
+
+
+def _aligned_info(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
+    info = zipfile.ZipInfo(name, date_time=_DATE)
+    info.compress_type = zipfile.ZIP_STORED
+    header_start = zf.fp.tell()  # type: ignore[union-attr]
+    data_start = header_start + 30 + len(name.encode()) + 20  # + the zip64 extra force_zip64 adds
+    pad = (-(data_start + 4)) % ALIGN
+    info.extra = b"FB" + pad.to_bytes(2, "little") + b"Z" * pad  # torch's own padding record id
+    return info
+
+
+def write_archive(out: OutputDir, name: str, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
+                  progress: Progress | None = None) -> None:
+    """Write `structure` as the torch.save file `name` inside `out`."""
+    progress = progress or NullProgress()
+    builder = _Builder()
+    pickle_bytes = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
+    with out.open(name) as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        zf.writestr(zipfile.ZipInfo(f"{ROOT}/data.pkl", _DATE), pickle_bytes)
+        zf.writestr(zipfile.ZipInfo(f"{ROOT}/byteorder", _DATE), b"little")
+        for slot in builder.slots:
+            with zf.open(_aligned_info(zf, f"{ROOT}/data/{slot.key}"), "w", force_zip64=True) as member:
+                if slot.lazy is not None:
+                    for chunk in stream_tensor(fetcher, slot.lazy, None, slab_bytes):
+                        member.write(chunk)
+                        progress.advance(len(chunk))
+                else:
+                    member.write(tensor_bytes(slot.data))
+        zf.writestr(zipfile.ZipInfo(f"{ROOT}/version", _DATE), b"3\n")
