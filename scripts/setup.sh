@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with ckptkit and its pinned dev dependencies.
+# Create (or reuse) a virtual environment with ckptkit, its pinned dev dependencies and deepspeed
+# (fixture generation and the real-engine tests; reading checkpoints never needs it).
 # VENV selects the folder (default .venv). torch is pinned by constraints.txt to the CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,4 +9,4 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[dev]'
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[dev,deepspeed]'
