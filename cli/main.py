@@ -90,7 +90,7 @@ def make_run_options(ctx: Context, memory_budget: str | None, workers: int | Non
 @click.pass_context
 def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
     """Read, verify, consolidate and reshard sharded training checkpoints
-    (torch.distributed.checkpoint / FSDP, torch.save files, safetensors)."""
+    (torch.distributed.checkpoint / FSDP, DeepSpeed ZeRO 1-3, torch.save files, safetensors)."""
     click_ctx.obj = Context(quiet, debug)
 
 

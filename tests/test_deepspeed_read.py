@@ -103,10 +103,12 @@ def test_consolidate_equals_zero_to_fp32(tmp_path):
 
 
 def test_reading_needs_no_deepspeed(tmp_path):
-    """The reader and consolidate run with deepspeed made unimportable: no pickled code runs."""
+    """Reader, consolidate and reshard run with deepspeed made unimportable: no pickled code runs."""
     code = ("import sys; sys.modules['deepspeed'] = None\n"
             "from ckptkit.ops.consolidate import consolidate\n"
+            "from ckptkit.ops.reshard import reshard\n"
             f"consolidate({str(DS_DATA / FIXTURES[0])!r}, {str(tmp_path / 'o')!r})\n"
+            f"reshard({str(DS_DATA / FIXTURES[-1])!r}, {str(tmp_path / 'r')!r}, 2)\n"
             "assert 'deepspeed' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n")
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

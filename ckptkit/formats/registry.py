@@ -43,9 +43,11 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp");
     `tag` picks a DeepSpeed tag other than the one `latest` names."""
     source = open_source(path)
-    if tag is not None and not (source.isdir("") and ds_files.detect(source) or source.isdir(tag)):
+    tag_folder = (tag is not None and source.isdir("") and source.isdir(tag)
+                  and ds_files.looks_like_tag_folder(source.listdir(tag)))
+    if tag is not None and not (source.isdir("") and ds_files.detect(source) or tag_folder):
         raise NotACheckpointError(f"{path}: --tag is for DeepSpeed checkpoints, and this is not one")
-    if source.isdir("") and (ds_files.detect(source) or (tag is not None and source.isdir(tag))):
+    if source.isdir("") and (ds_files.detect(source) or tag_folder):
         opened = Opened(source, ds_reader.read_index(source, tag), path)
     elif source.isdir(""):
         opened = _open_folder(path, source)

@@ -38,7 +38,8 @@ def inspect(path: str, tag: str | None = None) -> tuple[Opened, Report]:
         path=path, format=index.format, world_size=index.world_size, step=index.step,
         tensor_count=len(index.tensors), tensor_bytes=index.total_tensor_bytes,
         dtypes=dict(dtypes.most_common()),
-        roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other)},
+        roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other),
+               "low_precision": len(split.low_precision)},
         objects={k: safe_value(o.value) for k, o in index.objects.items()},
         files=len(index.files), file_bytes=sum(index.files.values()))
     return opened, report
@@ -72,7 +73,8 @@ def render(opened: Opened, report: Report, max_rows: int = 40) -> str:
         f"step        {report.step if report.step is not None else '-'}",
         f"files       {report.files} ({human_bytes(report.file_bytes)})",
         f"tensors     {report.tensor_count} ({human_bytes(report.tensor_bytes)}): "
-        f"{report.roles['model']} model, {report.roles['optimizer']} optimizer, {report.roles['other']} other",
+        f"{report.roles['model']} model, {report.roles['optimizer']} optimizer, {report.roles['other']} other"
+        + (f", {report.roles['low_precision']} low-precision copies" if report.roles.get("low_precision") else ""),
         "dtypes      " + ", ".join(f"{d} {human_bytes(b)}" for d, b in report.dtypes.items()),
         "",
     ]

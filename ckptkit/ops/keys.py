@@ -16,6 +16,7 @@ OPTIM_CONTAINERS = ("optim", "optimizer", "optimizers", "optim_state", "optimize
                     "optimizer_state_dict", "opt")
 OTHER_CONTAINERS = ("extra", "lr_scheduler", "scheduler", "dataloader", "train_state", "rng",
                     "rng_state", "client_state", "trainer", "args", "config")
+LOW_PRECISION_CONTAINERS = ("ds_module",)  # DeepSpeed's low-precision copies of the fp32 masters
 STEP_NAMES = ("step", "global_step", "global_steps", "train_step", "iteration", "iter")
 
 
@@ -27,6 +28,7 @@ class Split:
     optim: dict[str, str] = field(default_factory=dict)
     optim_objects: dict[str, str] = field(default_factory=dict)
     other: list[str] = field(default_factory=list)
+    low_precision: list[str] = field(default_factory=list)
     container: str | None = None
 
 
@@ -45,6 +47,8 @@ def split_roles(index: CheckpointIndex) -> Split:
             split.model[key_of(path[1:])] = key
         elif head in OPTIM_CONTAINERS:
             split.optim[key_of(path[1:])] = key
+        elif head in LOW_PRECISION_CONTAINERS:
+            split.low_precision.append(key)
         elif container is None and head not in OTHER_CONTAINERS:
             split.model[key] = key
         else:

@@ -2,6 +2,7 @@
 
 DCP: FSDP2's layout at M ranks (torch.chunk on dim 0 for the tensors the source sharded;
 replicated tensors stay whole, written once), one data file per rank, values copied verbatim.
+DeepSpeed: a native ZeRO checkpoint for M data-parallel ranks (formats/deepspeed/writer.py).
 """
 from __future__ import annotations
 

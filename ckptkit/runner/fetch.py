@@ -117,6 +117,54 @@ class Fetcher:
         self.source.readinto(piece.location.file, piece.location.offset + first * item, view)
         return True
 
+    def byte_ranges(self, entry: TensorEntry, start: int = 0, length: int | None = None,
+                    dtype: str | None = None) -> list[tuple[str | None, int, int]] | None:
+        """Elements [start, start+length) of the entry's flattening as raw source byte ranges
+        (file, offset, nbytes), or (None, 0, nbytes) for zero padding, in order. None when the
+        bytes are not stored that simply (strided, encoded, another dtype): callers then fall
+        back to fetch(). Lets writers copy bytes in the kernel instead of through Python."""
+        dtype = dtype or entry.dtype
+        if dtype != entry.dtype:
+            return None
+        item = torch_dtype(entry.dtype).itemsize
+        length = entry.numel - start if length is None else length
+        spans: list[tuple[int, int, Piece]] = []
+        for piece in entry.pieces:
+            region, loc = piece.region, piece.location
+            if isinstance(region, FlatRange):
+                a, n = region.start, region.length
+            elif region.sizes == tuple(entry.shape) and (loc.stride is None or loc.encoding != "raw"):
+                a, n = 0, entry.numel
+            else:
+                return None
+            if loc.encoding not in ("raw", REF, ZEROS) or (loc.encoding == "raw" and loc.stride is not None
+                                                          and isinstance(region, Box)):
+                return None
+            spans.append((a, n, piece))
+        spans.sort(key=lambda s: s[0])
+        out: list[tuple[str | None, int, int]] = []
+        pos, end = start, start + length
+        for a, n, piece in spans:
+            lo, hi = max(pos, a), min(end, a + n)
+            if hi <= lo:
+                continue
+            if lo != pos:
+                return None  # a gap: let fetch() report it
+            loc = piece.location
+            if loc.encoding == ZEROS:
+                out.append((None, 0, (hi - lo) * item))
+            elif loc.encoding == REF:
+                if self.index is None or loc.file not in self.index.tensors:
+                    return None
+                inner = self.byte_ranges(self.index.tensors[loc.file], loc.offset + (lo - a), hi - lo, dtype)
+                if inner is None:
+                    return None
+                out.extend(inner)
+            else:
+                out.append((loc.file, loc.offset + (lo - a) * item, (hi - lo) * item))
+            pos = hi
+        return out if pos == end else None
+
     def _read_ref(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box,
                   dst: torch.Tensor) -> None:
         """A virtual piece: elements of another logical tensor's row-major flattening."""
@@ -131,12 +179,14 @@ class Fetcher:
         if start + inter.numel > target.numel:
             raise FormatError(f"virtual tensor {entry.key} reads past the end of {target.key}")
         flat = dst.reshape(-1) if dst.is_contiguous() else torch.empty(inter.numel, dtype=dst.dtype)
+        same_dtype = flat.dtype == torch_dtype(target.dtype)
         pos = 0
         for box, _ in geometry.flat_to_boxes(FlatRange(start, inter.numel), target.shape):
-            part = self.fetch(target, box)
-            if part.dtype != flat.dtype:
-                part = part.to(flat.dtype)
-            flat[pos:pos + box.numel].copy_(part.reshape(-1))
+            window = flat[pos:pos + box.numel]
+            if same_dtype:  # each box is contiguous in the flattening: read straight into place
+                self.fetch(target, box, out=window.view(box.sizes))
+            else:
+                window.copy_(self.fetch(target, box).reshape(-1))
             pos += box.numel
         if not dst.is_contiguous():
             dst.copy_(flat.view(inter.sizes))

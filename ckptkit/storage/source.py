@@ -98,6 +98,10 @@ class LocalSource:
                     f"expected {want - done} more bytes (truncated?)")
             done += n
 
+    def fileno(self, rel: str) -> int:
+        """An open read-only descriptor (for os.copy_file_range); owned by this source."""
+        return self._fd(rel)
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():

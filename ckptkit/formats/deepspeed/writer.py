@@ -31,6 +31,7 @@ from . import partition, standins
 from .reader import ZeroInfo
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+HELPER_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def _lazify(value: Any, archive: Archive, cache: dict) -> Any:
@@ -98,9 +99,10 @@ def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_siz
     run_jobs(jobs, workers)
     out.write_bytes("latest", tag.encode())
     written = ["latest", *files]
-    if source.exists("zero_to_fp32.py") and not source.isdir("zero_to_fp32.py"):
-        out.write_bytes("zero_to_fp32.py", source.read("zero_to_fp32.py", 0, source.size("zero_to_fp32.py")))
-        written.append("zero_to_fp32.py")
+    for script in HELPER_SCRIPTS:  # DeepSpeed copies its recovery scripts next to every save
+        if info.layout.tag is not None and source.exists(script) and not source.isdir(script):
+            out.write_bytes(script, source.read(script, 0, source.size(script)))
+            written.append(script)
     return written
 
 

@@ -1,0 +1,113 @@
+"""Benchmark: ckptkit on a real DeepSpeed ZeRO-3 checkpoint against DeepSpeed's own tool and cp.
+
+    python benchmarks/bench_zero3.py [--params 100M|400M] [--work /tmp/ckptkit-bench-zero3] [--keep]
+
+1. Writes a real checkpoint: DeepSpeed on 2 CPU ranks (gloo), ZeRO-3, bf16, AdamW, one step;
+   ~100M parameters -> ~1.2 GB (fp32 masters + two moments), --params 400M -> ~4.6 GB.
+2. Cold page cache before each measured command (root only); wall time and peak RSS of:
+   - ckptkit consolidate      vs  DeepSpeed's zero_to_fp32.py --safe_serialization
+   - ckptkit reshard 2->3     vs  cp -r of the same folder
+3. Checks that the two consolidated safetensors are equal bit for bit and prints a table with
+   the ratios. zero_to_fp32.py needs huggingface_hub (its --max_shard_size default imports it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import drop_caches, run_python, run_shell  # noqa: E402
+
+SIZES = {"100M": (24, 2048), "400M": (24, 4096)}
+
+WRITER = r"""
+import json, os, sys, torch, deepspeed
+layers, width, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "train_batch_size": 2 * int(os.environ["WORLD_SIZE"]),
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": False}},
+          "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+x = torch.randn(2, width, dtype=torch.bfloat16)
+engine.backward(engine(x).float().square().mean())
+engine.step()
+engine.save_checkpoint(out, tag="global_step1")
+torch.distributed.barrier()
+os._exit(0)
+"""
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", choices=sorted(SIZES), default="100M")
+    ap.add_argument("--work", default="/tmp/ckptkit-bench-zero3")
+    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for reruns")
+    args = ap.parse_args()
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        raise SystemExit("zero_to_fp32.py needs huggingface_hub: pip install huggingface_hub")
+    layers, width = SIZES[args.params]
+    work = os.path.join(args.work, args.params)
+    src = os.path.join(work, "zero3_w2")
+    os.makedirs(work, exist_ok=True)
+    if not os.path.exists(os.path.join(src, "latest")):
+        print(f"writing a real DeepSpeed ZeRO-3 bf16 checkpoint ({args.params} params, 2 ranks) ...", flush=True)
+        script = os.path.join(work, "writer.py")
+        open(script, "w").write(WRITER)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+                        str(layers), str(width), src], check=True, env=env)
+    size = du(src)
+    for d in ("ck_st", "ds_st", "ck_r3", "cp"):
+        shutil.rmtree(os.path.join(work, d), ignore_errors=True)
+    env = {"DS_ACCELERATOR": "cpu"}
+    cold = drop_caches()
+    rows = [("consolidate", "ckptkit",
+             *run_python(["-m", "ckptkit", "--quiet", "consolidate", src, os.path.join(work, "ck_st")], env))]
+    drop_caches()
+    rows.append(("consolidate", "zero_to_fp32.py --safe_serialization",
+                 *run_python([os.path.join(src, "zero_to_fp32.py"), src, os.path.join(work, "ds_st"),
+                              "--safe_serialization"], env)))
+    drop_caches()
+    rows.append(("reshard 2->3", "ckptkit",
+                 *run_python(["-m", "ckptkit", "--quiet", "reshard", src, os.path.join(work, "ck_r3"), "--to", "3"], env)))
+    drop_caches()
+    rows.append(("reshard 2->3", "cp -r", *run_shell(["cp", "-r", src, os.path.join(work, "cp")])))
+
+    import torch
+    from safetensors.torch import load_file
+    a = load_file(os.path.join(work, "ck_st", "model.safetensors"))
+    b = load_file(os.path.join(work, "ds_st", "model.safetensors"))
+    agree = set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, "
+          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; date "
+          f"{time.strftime('%Y-%m-%d')}; checkpoint {size / 1e9:.2f} GB ({args.params} params, ZeRO-3 bf16, "
+          f"2 ranks, AdamW); cold cache: {'yes' if cold else 'no (not root)'}")
+    print("| operation | tool | wall (s) | peak RSS (MB) |\n|---|---|---:|---:|")
+    for op, tool, wall, rss in rows:
+        print(f"| {op} | {tool} | {wall:.2f} | {rss:.0f} |")
+    c, z, r, cp = rows
+    print(f"\nconsolidate: ckptkit/zero_to_fp32 wall {c[2] / z[2]:.2f}x, RSS {c[3] / z[3]:.2f}x; "
+          f"reshard/cp -r wall {r[2] / cp[2]:.2f}x; outputs agree bit for bit: {agree}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    if not agree:
+        raise SystemExit("outputs differ")
+
+
+if __name__ == "__main__":
+    main()
