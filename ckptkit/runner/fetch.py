@@ -6,6 +6,7 @@ positional read), views it with the piece's strides and copies it into place.
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 
@@ -126,6 +127,7 @@ class Fetcher:
         dtype = dtype or entry.dtype
         if dtype != entry.dtype:
             return None
+        self.check_tiling(entry)  # the same refusal fetch() gives: never copy a doubled or gappy tensor
         item = torch_dtype(entry.dtype).itemsize
         length = entry.numel - start if length is None else length
         spans: list[tuple[int, int, Piece]] = []
@@ -133,6 +135,10 @@ class Fetcher:
             region, loc = piece.region, piece.location
             if isinstance(region, FlatRange):
                 a, n = region.start, region.length
+            elif (region.ndim and region.sizes[1:] == tuple(entry.shape[1:]) and not any(region.offsets[1:])
+                  and (loc.stride is None or loc.encoding != "raw")):
+                inner = math.prod(entry.shape[1:])  # a dim-0 chunk is a flat range
+                a, n = region.offsets[0] * inner, region.sizes[0] * inner
             elif region.sizes == tuple(entry.shape) and (loc.stride is None or loc.encoding != "raw"):
                 a, n = 0, entry.numel
             else:

@@ -17,6 +17,7 @@ from ...progress import NullProgress, Progress
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor
+from ...storage import kernel_copy
 from ...storage.output import OutputDir
 from .reader import ALIASES_KEY, INDEX_NAME, OBJECTS_KEY
 
@@ -83,6 +84,10 @@ def write_safetensors(out: OutputDir, fetcher: Fetcher, tensors: list[OutTensor]
             with out.open(name) as f:
                 f.write(build_header(shard, base_meta))
                 for t in shard:
+                    ranges = fetcher.byte_ranges(t.entry, dtype=t.dtype) if kernel_copy.available(fetcher.source) else None
+                    if ranges is not None:  # plain bytes: copy them in the kernel
+                        kernel_copy.copy(fetcher.source, ranges, f, progress.advance)
+                        continue
                     for chunk in stream_tensor(fetcher, t.entry, t.dtype, slab_bytes):
                         f.write(chunk)
                         progress.advance(len(chunk))

@@ -8,9 +8,7 @@ frameworks that use it (DeepSpeed) read it back.
 """
 from __future__ import annotations
 
-import os
 import zipfile
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +21,7 @@ from ...progress import NullProgress, Progress
 from ...repickle import dumps
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor, tensor_bytes
+from ...storage import kernel_copy
 from ...storage.output import OutputDir
 
 ROOT = "archive"
@@ -111,48 +110,14 @@ def _aligned_info(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
     return info
 
 
-_ZEROS = bytes(1 << 20)
-_CRC_BLOCK = 8 << 20  # the checksum pass reads through one small buffer: memory stays flat
-
-
-def copy_in_kernel(member: Any, f: Any, source: Any, ranges: list[tuple[str | None, int, int]],
-                   progress: Progress) -> bool:
-    """Fill a zip member straight from source byte ranges: the CRC32 is computed through one
-    small reusable buffer, the bytes move with os.copy_file_range (no user-space copy).
-    Returns False (nothing written) where that is not possible: non-local source, no
-    copy_file_range, or a member object of another zipfile implementation."""
-    if not (hasattr(os, "copy_file_range") and hasattr(source, "fileno")
-            and all(hasattr(member, a) for a in ("_crc", "_file_size", "_compress_size"))):
+def copy_in_kernel(member: Any, f: Any, source: Any, ranges: kernel_copy.Ranges, progress: Progress) -> bool:
+    """Fill a zip member straight from source byte ranges (see storage.kernel_copy); the zip
+    record's CRC32 is computed first, through a small buffer. False (nothing written) where the
+    source is not local or the member is not the standard library's zip writer."""
+    if not (kernel_copy.available(source) and all(hasattr(member, a) for a in ("_crc", "_file_size", "_compress_size"))):
         return False
-    crc, total = 0, 0
-    buf = memoryview(bytearray(_CRC_BLOCK))
-    for rel, offset, nbytes in ranges:
-        done = 0
-        while done < nbytes:
-            n = min(_CRC_BLOCK, nbytes - done)
-            if rel is None:
-                crc = zlib.crc32(_ZEROS[:min(n, len(_ZEROS))], crc)
-                n = min(n, len(_ZEROS))
-            else:
-                source.readinto(rel, offset + done, buf[:n])
-                crc = zlib.crc32(buf[:n], crc)
-            done += n
-        total += nbytes
-    f.flush()
-    out_fd = f.fileno()
-    for rel, offset, nbytes in ranges:
-        if rel is None:
-            left = nbytes
-            while left:
-                left -= os.write(out_fd, _ZEROS[:min(left, len(_ZEROS))])
-        else:
-            src_fd, done = source.fileno(rel), 0
-            while done < nbytes:
-                n = os.copy_file_range(src_fd, out_fd, nbytes - done, offset + done)
-                if n <= 0:
-                    raise OSError(f"copy_file_range stopped at byte {offset + done} of {source.label(rel)}")
-                done += n
-        progress.advance(nbytes)
+    crc = kernel_copy.crc32(source, ranges)
+    total = kernel_copy.copy(source, ranges, f, progress.advance)
     member._crc, member._file_size, member._compress_size = crc, total, total
     return True
 
