@@ -67,3 +67,34 @@ def run_shell(cmd: list[str]) -> tuple[float, float]:
     if proc.returncode != 0:
         raise SystemExit(f"command failed: {cmd}")
     return wall, peak / 1024
+
+
+def machine_line() -> str:
+    import platform
+    import time
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"machine: {platform.machine()}, {os.cpu_count()} cores, {ram:.0f} GiB RAM; date {time.strftime('%Y-%m-%d')}"
+
+
+def print_table(rows: list[tuple[str, str, float, float]]) -> None:
+    """rows: (operation, tool, wall seconds, peak RSS MB) as a Markdown table."""
+    print("| operation | tool | wall (s) | peak RSS (MB) |\n|---|---|---:|---:|")
+    for op, tool, wall, rss in rows:
+        print(f"| {op} | {tool} | {wall:.2f} | {rss:.0f} |")
+
+
+def median_of(runs: int, measure, prepare=None) -> tuple[float, float]:
+    """Median wall time and highest peak RSS of `runs` cold runs (drop_caches before each;
+    `prepare` removes the previous run's output first). This VM's disk is noisy."""
+    import statistics
+
+    walls, rss = [], []
+    for _ in range(runs):
+        if prepare is not None:
+            prepare()
+        drop_caches()
+        wall, peak = measure()
+        walls.append(wall)
+        rss.append(peak)
+    return statistics.median(walls), max(rss)

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import drop_caches, run_python, run_shell  # noqa: E402
+from _measure import drop_caches, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
 
 SIZES = {"100M": (24, 2048), "400M": (24, 4096)}  # (layers, width): layers * width^2 params
 
@@ -71,6 +69,7 @@ def main() -> None:
     ap.add_argument("--params", choices=sorted(SIZES), default="100M")
     ap.add_argument("--work", default="/tmp/ckptkit-bench")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for reruns")
+    ap.add_argument("--repeat", type=int, default=3, help="cold runs per command; the median wall is reported")
     args = ap.parse_args()
     layers, width = SIZES[args.params]
     work = os.path.join(args.work, args.params)
@@ -85,19 +84,32 @@ def main() -> None:
     size = du(src)
     torch_script = os.path.join(work, "torch_path.py")
     open(torch_script, "w").write(TORCH_PATH)
-    for d in ("ck_st", "torch_st", "ck_r3", "cp"):
-        shutil.rmtree(os.path.join(work, d), ignore_errors=True)
-    os.makedirs(os.path.join(work, "torch_st"))
 
     cold = drop_caches()
-    rows = []
-    rows.append(("consolidate", "ckptkit", *run_python(["-m", "ckptkit", "--quiet", "consolidate", src, os.path.join(work, "ck_st")])))
-    drop_caches()
-    rows.append(("consolidate", "torch load + save_file", *run_python([torch_script, src, os.path.join(work, "torch_st", "model.safetensors")])))
-    drop_caches()
-    rows.append(("reshard 2->3", "ckptkit", *run_python(["-m", "ckptkit", "--quiet", "reshard", src, os.path.join(work, "ck_r3"), "--to", "3"])))
-    drop_caches()
-    rows.append(("reshard 2->3", "cp -r", *run_shell(["cp", "-r", src, os.path.join(work, "cp")])))
+
+    def fresh(*names, make=None):
+        def prepare():
+            for n in names:
+                shutil.rmtree(os.path.join(work, n), ignore_errors=True)
+            if make:
+                os.makedirs(os.path.join(work, make))
+        return prepare
+
+    n = args.repeat
+    rows = [
+        ("consolidate", "ckptkit", *median_of(n, lambda: run_python(
+            ["-m", "ckptkit", "--quiet", "consolidate", src, os.path.join(work, "ck_st")]), fresh("ck_st"))),
+        ("consolidate", "torch load + save_file", *median_of(n, lambda: run_python(
+            [torch_script, src, os.path.join(work, "torch_st", "model.safetensors")]),
+            fresh("torch_st", make="torch_st"))),
+        ("reshard 2->3", "ckptkit", *median_of(n, lambda: run_python(
+            ["-m", "ckptkit", "--quiet", "reshard", src, os.path.join(work, "ck_r3"), "--to", "3"]),
+            fresh("ck_r3"))),
+        ("reshard 2->3", "cp -r", *median_of(n, lambda: run_shell(["cp", "-r", src, os.path.join(work, "cp")]),
+                                            fresh("cp"))),
+        ("reshard 2->3", "cp -r && sync (same durability)", *median_of(n, lambda: run_shell(
+            ["sh", "-c", f"cp -r '{src}' '{os.path.join(work, 'cp')}' && sync"]), fresh("cp"))),
+    ]
 
     from safetensors.torch import load_file
     a = load_file(os.path.join(work, "ck_st", "model.safetensors"))
@@ -105,16 +117,13 @@ def main() -> None:
     import torch
     agree = set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
-          f"date {time.strftime('%Y-%m-%d')}; checkpoint {size / 1e9:.2f} GB ({args.params} params, "
-          f"FSDP2 2 ranks, fp32 + AdamW); cold cache: {'yes' if cold else 'no (not root)'}")
-    print(f"| operation | tool | wall (s) | peak RSS (MB) |\n|---|---|---:|---:|")
-    for op, tool, wall, rss in rows:
-        print(f"| {op} | {tool} | {wall:.2f} | {rss:.0f} |")
-    c, t, r, cp = rows
+    print(f"\n{machine_line()}; checkpoint {size / 1e9:.2f} GB ({args.params} params, FSDP2 2 ranks, fp32 + "
+          f"AdamW); cold cache: {'yes' if cold else 'no (not root)'}")
+    print_table(rows)
+    c, t, r, cp, cps = rows
     print(f"\nconsolidate: ckptkit/torch wall {c[2] / t[2]:.2f}x, RSS {c[3] / t[3]:.2f}x; "
-          f"reshard/cp -r wall {r[2] / cp[2]:.2f}x; outputs agree bit for bit: {agree}")
+          f"reshard/cp -r wall {r[2] / cp[2]:.2f}x (vs cp -r && sync {r[2] / cps[2]:.2f}x); "
+          f"outputs agree bit for bit: {agree}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     if not agree:

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import drop_caches, run_python, run_shell  # noqa: E402
+from _measure import drop_caches, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
 
 SIZES = {"100M": (24, 2048), "400M": (24, 4096)}
 
@@ -54,6 +52,7 @@ def main() -> None:
     ap.add_argument("--params", choices=sorted(SIZES), default="100M")
     ap.add_argument("--work", default="/tmp/ckptkit-bench-zero3")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for reruns")
+    ap.add_argument("--repeat", type=int, default=3, help="cold runs per command; the median wall is reported")
     args = ap.parse_args()
     try:
         import huggingface_hub  # noqa: F401
@@ -71,21 +70,27 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
                         str(layers), str(width), src], check=True, env=env)
     size = du(src)
-    for d in ("ck_st", "ds_st", "ck_r3", "cp"):
-        shutil.rmtree(os.path.join(work, d), ignore_errors=True)
     env = {"DS_ACCELERATOR": "cpu"}
     cold = drop_caches()
-    rows = [("consolidate", "ckptkit",
-             *run_python(["-m", "ckptkit", "--quiet", "consolidate", src, os.path.join(work, "ck_st")], env))]
-    drop_caches()
-    rows.append(("consolidate", "zero_to_fp32.py --safe_serialization",
-                 *run_python([os.path.join(src, "zero_to_fp32.py"), src, os.path.join(work, "ds_st"),
-                              "--safe_serialization"], env)))
-    drop_caches()
-    rows.append(("reshard 2->3", "ckptkit",
-                 *run_python(["-m", "ckptkit", "--quiet", "reshard", src, os.path.join(work, "ck_r3"), "--to", "3"], env)))
-    drop_caches()
-    rows.append(("reshard 2->3", "cp -r", *run_shell(["cp", "-r", src, os.path.join(work, "cp")])))
+
+    def fresh(*names):
+        return lambda: [shutil.rmtree(os.path.join(work, n), ignore_errors=True) for n in names]
+
+    n = args.repeat
+    rows = [
+        ("consolidate", "ckptkit", *median_of(n, lambda: run_python(
+            ["-m", "ckptkit", "--quiet", "consolidate", src, os.path.join(work, "ck_st")], env), fresh("ck_st"))),
+        ("consolidate", "zero_to_fp32.py --safe_serialization", *median_of(n, lambda: run_python(
+            [os.path.join(src, "zero_to_fp32.py"), src, os.path.join(work, "ds_st"), "--safe_serialization"], env),
+            fresh("ds_st"))),
+        ("reshard 2->3", "ckptkit", *median_of(n, lambda: run_python(
+            ["-m", "ckptkit", "--quiet", "reshard", src, os.path.join(work, "ck_r3"), "--to", "3"], env),
+            fresh("ck_r3"))),
+        ("reshard 2->3", "cp -r", *median_of(n, lambda: run_shell(["cp", "-r", src, os.path.join(work, "cp")]),
+                                            fresh("cp"))),
+        ("reshard 2->3", "cp -r && sync (same durability)", *median_of(n, lambda: run_shell(
+            ["sh", "-c", f"cp -r '{src}' '{os.path.join(work, 'cp')}' && sync"]), fresh("cp"))),
+    ]
 
     import torch
     from safetensors.torch import load_file
@@ -93,16 +98,13 @@ def main() -> None:
     b = load_file(os.path.join(work, "ds_st", "model.safetensors"))
     agree = set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, "
-          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; date "
-          f"{time.strftime('%Y-%m-%d')}; checkpoint {size / 1e9:.2f} GB ({args.params} params, ZeRO-3 bf16, "
-          f"2 ranks, AdamW); cold cache: {'yes' if cold else 'no (not root)'}")
-    print("| operation | tool | wall (s) | peak RSS (MB) |\n|---|---|---:|---:|")
-    for op, tool, wall, rss in rows:
-        print(f"| {op} | {tool} | {wall:.2f} | {rss:.0f} |")
-    c, z, r, cp = rows
+    print(f"\n{machine_line()}; checkpoint {size / 1e9:.2f} GB ({args.params} params, ZeRO-3 bf16, 2 ranks, "
+          f"AdamW); cold cache: {'yes' if cold else 'no (not root)'}")
+    print_table(rows)
+    c, z, r, cp, cps = rows
     print(f"\nconsolidate: ckptkit/zero_to_fp32 wall {c[2] / z[2]:.2f}x, RSS {c[3] / z[3]:.2f}x; "
-          f"reshard/cp -r wall {r[2] / cp[2]:.2f}x; outputs agree bit for bit: {agree}")
+          f"reshard/cp -r wall {r[2] / cp[2]:.2f}x (vs cp -r && sync {r[2] / cps[2]:.2f}x); "
+          f"outputs agree bit for bit: {agree}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     if not agree:

@@ -3,10 +3,11 @@
 When a tensor's bytes in the output are just a sequence of source byte ranges (a ZeRO partition
 slice, a dim-0 chunk, a whole tensor) there is nothing to compute: os.copy_file_range copies
 them without passing through Python, as `cp` does. Checksums, where the output format needs
-them, are computed through one small reusable buffer so memory stays flat.
+them, are computed over short-lived memory maps, one window at a time, so memory stays flat.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import zlib
 from typing import Any, BinaryIO
@@ -14,7 +15,7 @@ from typing import Any, BinaryIO
 Ranges = list[tuple[str | None, int, int]]  # (source file or None for zeros, offset, nbytes)
 
 _ZEROS = bytes(1 << 20)
-_BLOCK = 8 << 20
+_WINDOW = 64 << 20
 
 
 def available(source: Any) -> bool:
@@ -23,8 +24,9 @@ def available(source: Any) -> bool:
 
 
 def crc32(source: Any, ranges: Ranges) -> int:
+    """CRC32 of the concatenated ranges, over short-lived memory maps of the source (no copy;
+    each window is unmapped before the next, so resident memory stays at one window)."""
     crc = 0
-    buf = memoryview(bytearray(_BLOCK))
     for rel, offset, nbytes in ranges:
         done = 0
         while done < nbytes:
@@ -32,11 +34,20 @@ def crc32(source: Any, ranges: Ranges) -> int:
                 n = min(len(_ZEROS), nbytes - done)
                 crc = zlib.crc32(_ZEROS[:n], crc)
             else:
-                n = min(_BLOCK, nbytes - done)
-                source.readinto(rel, offset + done, buf[:n])
-                crc = zlib.crc32(buf[:n], crc)
+                n = min(_WINDOW, nbytes - done)
+                crc = _crc_window(source, rel, offset + done, n, crc)
             done += n
     return crc
+
+
+def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> int:
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(source.fileno(rel), nbytes + (offset - start), prot=mmap.PROT_READ, offset=start) as window:
+        view = memoryview(window)
+        try:
+            return zlib.crc32(view[offset - start:], crc)
+        finally:
+            view.release()
 
 
 def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> int:

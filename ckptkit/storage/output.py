@@ -28,7 +28,6 @@ class OutputDir:
         self.tmp = os.path.join(parent, f".{name}.ckptkit-tmp-{uuid.uuid4().hex[:8]}")
         self._lock_path = os.path.join(parent, f".{name}.ckptkit-lock")
         self._lock_fd: int | None = None
-        self._files: list[str] = []
 
     def __enter__(self) -> "OutputDir":
         parent = os.path.dirname(self.path)
@@ -73,22 +72,18 @@ class OutputDir:
         return full
 
     def open(self, rel: str) -> BinaryIO:
+        """A new file; it is flushed to disk when closed, so the fsync of one output file
+        overlaps the writing of the others instead of queueing up at commit."""
         full = self.file_path(rel)
-        self._files.append(full)
-        return open(full, "wb")
+        return _SyncedFile(open(full, "wb"))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.open(rel) as f:
             f.write(data)
 
     def commit(self) -> None:
-        for full in self._files:
-            if os.path.exists(full):
-                fd = os.open(full, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        for root, _dirs, _files in os.walk(self.tmp):
+            _fsync_dir(root)
         if os.path.exists(self.path):
             old = self.path + f".ckptkit-old-{uuid.uuid4().hex[:8]}"
             os.rename(self.path, old)
@@ -113,6 +108,32 @@ class OutputDir:
                     pass
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise OutputError(f"{self.path}: no space left on device while writing; nothing was written") from None
+
+
+class _SyncedFile:
+    """A binary file that is fsynced when closed (a proxy: zipfile and friends see a file)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+    def __enter__(self) -> "_SyncedFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(sync=exc_type is None)
+
+    def close(self, sync: bool = True) -> None:
+        if self._f.closed:
+            return
+        try:
+            if sync:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+        finally:
+            self._f.close()
 
 
 def _fsync_dir(path: str) -> None:

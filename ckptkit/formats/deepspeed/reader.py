@@ -206,6 +206,19 @@ def _frozen(index: CheckpointIndex, info: ZeroInfo, archives: dict, model: dict,
                                      attrs={"ds_role": "frozen"}))
 
 
+def _partition(arch: Archive, osd: dict, key: str, i: int, what: str, sizes: tuple[int, ...],
+               world: int) -> Location:
+    """The location of rank-local fp32 partition `i` of `osd[key]`, its length checked."""
+    tensors = _get(osd, key, arch.label)
+    if not isinstance(tensors, list) or i >= len(tensors):
+        raise FormatError(f"{arch.label}: {key} has no {what} {i}")
+    _, loc, shape = _tensor(arch, tensors[i], f"fp32 partition of {what} {i}")
+    if len(shape) != 1 or shape[0] not in sizes:
+        raise FormatError(f"{arch.label}: fp32 partition of {what} {i} has {list(shape)} elements, "
+                          f"the layout of {world} ranks needs {sizes[0]}")
+    return loc
+
+
 def _flat_pieces(params: list[partition.Placed], start: int, length: int, loc: Location, item: int,
                  out: dict[str, list[Piece]]) -> None:
     """Cut a rank's flat tensor [start, start+length) of a group buffer into per-param pieces."""
@@ -240,14 +253,8 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
             rel = layout.prefix + layout.optim_files[rank]
             arch = archives[rel]
             osd = optim[rank]["optimizer_state_dict"]
-            fp32 = _get(osd, "single_partition_of_fp32_groups", arch.label)
-            if g >= len(fp32):
-                raise FormatError(f"{arch.label}: single_partition_of_fp32_groups has no group {g}")
-            dtype, loc, fshape = _tensor(arch, fp32[g], f"fp32 partition of group {g}")
-            expected = max(0, min(ps, total - rank * ps))
-            if fshape != (expected,) and fshape != (ps,):
-                raise FormatError(f"{arch.label}: fp32 partition of group {g} has {list(fshape)} elements, "
-                                  f"the layout of {world} ranks needs {expected}")
+            expected = max(0, min(ps, total - rank * ps))  # saved without the end padding (or with it)
+            loc = _partition(arch, osd, "single_partition_of_fp32_groups", g, "group", (expected, ps), world)
             _flat_pieces(placed, rank * ps, expected, loc, 4, masters)
             state = _get(_get(osd, "base_optimizer_state", arch.label), "state", arch.label)
             gstate = state.get(g) if isinstance(state, dict) else None
@@ -319,13 +326,7 @@ def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
             rel = layout.prefix + layout.optim_files[rank]
             arch = archives[rel]
             osd = optim[rank]["optimizer_state_dict"]
-            flats = _get(osd, "fp32_flat_groups", arch.label)
-            if i >= len(flats):
-                raise FormatError(f"{arch.label}: fp32_flat_groups has no sub-group {i}")
-            _, loc, fshape = _tensor(arch, flats[i], f"fp32 flat sub-group {i}")
-            if fshape != (flat_len,):
-                raise FormatError(f"{arch.label}: fp32 flat sub-group {i} has {list(fshape)} elements, "
-                                  f"the layout of {world} ranks needs {flat_len}")
+            loc = _partition(arch, osd, "fp32_flat_groups", i, "sub-group", (flat_len,), world)
             state = _get(_get(osd, "optimizer_state_dict", arch.label), "state", arch.label).get(i)
             if state is None:
                 raise FormatError(f"{arch.label}: optimizer state has no entry for sub-group {i}")
