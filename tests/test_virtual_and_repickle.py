@@ -69,3 +69,14 @@ def test_stand_ins_are_re_emitted_as_their_original_classes(monkeypatch):
     back = pickle.loads(dumps(stand_ins))  # the real classes, as the framework will load them
     assert isinstance(back["scaler"], LossScaler) and back["scaler"].__dict__ == original["scaler"].__dict__
     assert back["stage"] is Stage.WEIGHTS and back["plain"] == original["plain"]
+
+
+def test_fast_crc32_agrees_with_zlib():
+    import os
+    import zlib
+
+    from ckptkit.storage.checksum import crc32
+
+    data = os.urandom(1 << 20)
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[1000:], crc32(data[:1000])) == zlib.crc32(data)

@@ -6,14 +6,13 @@ Every problem found is listed; the caller exits 0 only when the list is empty.
 """
 from __future__ import annotations
 
-import zlib
-
 from ..errors import CkptkitError
 from ..formats.registry import Opened, open_checkpoint
 from ..index import geometry
 from ..index.dtypes import itemsize
 from ..index.types import Box, FlatRange
 from ..runner.fetch import Fetcher
+from ..storage.checksum import crc32
 from .options import RunOptions
 
 CRC_BLOCK = 8 << 20
@@ -90,7 +89,7 @@ def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
         try:
             while pos < end:
                 n = min(CRC_BLOCK, end - pos)
-                crc = zlib.crc32(source.read(check.file, pos, n), crc)
+                crc = crc32(source.read(check.file, pos, n), crc)
                 pos += n
                 options.progress.advance(n)
         except CkptkitError as exc:

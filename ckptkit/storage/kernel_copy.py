@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from typing import Any, BinaryIO
+
+from .checksum import crc32 as _crc
 
 Ranges = list[tuple[str | None, int, int]]  # (source file or None for zeros, offset, nbytes)
 
@@ -32,7 +33,7 @@ def crc32(source: Any, ranges: Ranges) -> int:
         while done < nbytes:
             if rel is None:
                 n = min(len(_ZEROS), nbytes - done)
-                crc = zlib.crc32(_ZEROS[:n], crc)
+                crc = _crc(_ZEROS[:n], crc)
             else:
                 n = min(_WINDOW, nbytes - done)
                 crc = _crc_window(source, rel, offset + done, n, crc)
@@ -45,7 +46,7 @@ def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> in
     with mmap.mmap(source.fileno(rel), nbytes + (offset - start), prot=mmap.PROT_READ, offset=start) as window:
         view = memoryview(window)
         try:
-            return zlib.crc32(view[offset - start:], crc)
+            return _crc(view[offset - start:], crc)
         finally:
             view.release()
 
