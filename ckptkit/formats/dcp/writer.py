@@ -19,12 +19,14 @@ import torch
 from ...index import geometry
 from ...index.dtypes import torch_dtype
 from ...index.layouts import Layout
-from ...index.types import Box, CheckpointIndex, ObjectEntry
+from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
+from ...index.virtual import REF
 from ...progress import NullProgress, Progress
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.output import OutputDir
 from ...storage.source import Source
+from ..torch_save.archive_writer import LazyTensor, write_archive_to
 
 DCP_VERSION = "1.0.0"
 
@@ -48,6 +50,8 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
               progress: Progress | None = None) -> list[str]:
     """Write `index`'s tensors in `layout` and its objects (on rank 0) into `out`."""
     progress = progress or NullProgress()
+    if fetcher.index is not index:  # items are virtual tensors referring to the index's tensors
+        fetcher = Fetcher(fetcher.source, index=index)
     per_rank: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(layout.world_size)}
     for key, assigns in layout.tensors.items():
         entry = index.tensors[key]
@@ -65,11 +69,9 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
             name = data_file(rank)
             with out.open(name) as f:
                 for key, box in per_rank[rank]:
-                    t = fetcher.fetch(index.tensors[key], box)
                     start = f.tell()
-                    torch.save(t, f)
+                    _write_item(f, index.tensors[key], box, fetcher, slab_bytes, progress)
                     written.append(_Written(key, box, name, start, f.tell() - start))
-                    progress.advance(t.numel() * t.element_size())
                 if rank == 0:
                     for obj in index.objects.values():
                         start = f.tell()
@@ -81,6 +83,34 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
     results = run_jobs([job(r) for r in range(layout.world_size)], workers)
     out.write_bytes(".metadata", build_metadata(index, [w for ws in results for w in ws]))
     return [data_file(r) for r in range(layout.world_size)] + [".metadata"]
+
+
+def _write_item(f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_bytes: int,
+                progress: Progress) -> None:
+    """One chunk as a torch.save archive. A chunk that is a flat range of its tensor (every
+    FSDP2 dim-0 slab) is streamed as a virtual tensor, so plain bytes move in the kernel;
+    anything else is assembled in memory and written by torch.save."""
+    start = _flat_start(entry.shape, box)
+    if start is None:
+        t = fetcher.fetch(entry, box)
+        torch.save(t, f)
+        progress.advance(t.numel() * t.element_size())
+        return
+    item = TensorEntry(f"{entry.key}@{list(box.offsets)}", entry.dtype, box.sizes,
+                       [Piece(FlatRange(0, box.numel), Location(entry.key, start, box.numel, REF))]
+                       if box.numel else [], attrs={"virtual": True})
+    write_archive_to(f, LazyTensor(item), fetcher, slab_bytes=slab_bytes, progress=progress)
+
+
+def _flat_start(shape: tuple[int, ...], box: Box) -> int | None:
+    """The flat index of the box's first element when the box is one contiguous run of the
+    tensor's row-major flattening (every dimension after its first non-unit one is whole)."""
+    if box.numel == 0:
+        return 0
+    first = next((d for d, n in enumerate(box.sizes) if n != 1), len(box.sizes))
+    if any(box.sizes[d] != shape[d] for d in range(first + 1, len(shape))):
+        return None
+    return sum(o * st for o, st in zip(box.offsets, geometry.row_major_strides(tuple(shape))))
 
 
 def _write_object(f: Any, obj: ObjectEntry, index: CheckpointIndex, source: Source | None) -> tuple[str, ...]:

@@ -125,10 +125,45 @@ def copy_in_kernel(member: Any, f: Any, source: Any, ranges: kernel_copy.Ranges,
 def write_archive(out: OutputDir, name: str, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
                   progress: Progress | None = None) -> None:
     """Write `structure` as the torch.save file `name` inside `out`."""
+    with out.open(name) as f:
+        write_archive_to(f, structure, fetcher, slab_bytes=slab_bytes, progress=progress)
+
+
+class _Window:
+    """The rest of an open file seen as a new file starting at the current position, so an
+    archive appended to a DCP data file has offsets relative to its own start."""
+
+    def __init__(self, f: Any) -> None:
+        self._f, self._base = f, f.tell()
+
+    def write(self, data: Any) -> int:
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell() - self._base
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            return self._f.seek(self._base + pos) - self._base
+        return self._f.seek(pos, whence) - self._base
+
+    def seekable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+
+def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
+                     progress: Progress | None = None) -> None:
+    """Append `structure` as a self-contained torch.save archive at f's current position."""
     progress = progress or NullProgress()
     builder = _Builder()
     pickle_bytes = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
-    with out.open(name) as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with zipfile.ZipFile(_Window(f), "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         zf.writestr(zipfile.ZipInfo(f"{ROOT}/data.pkl", _DATE), pickle_bytes)
         zf.writestr(zipfile.ZipInfo(f"{ROOT}/byteorder", _DATE), b"little")
         for slot in builder.slots:
