@@ -1,0 +1,50 @@
+"""Global CLI flags: --quiet prints nothing but errors, --debug shows the traceback."""
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from ckptkit_cli.main import cli
+from conftest import DATA
+
+
+def test_quiet_prints_nothing_on_success(tmp_path):
+    res = CliRunner().invoke(cli, ["--quiet", "consolidate", str(DATA / "fsdp2_w2"), str(tmp_path / "o")])
+    assert res.exit_code == 0 and res.output == ""
+    assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_errors_are_one_sentence_and_debug_adds_the_traceback(tmp_path):
+    plain = CliRunner().invoke(cli, ["inspect", str(tmp_path / "missing")])
+    assert plain.exit_code == 2
+    assert plain.output.strip() == f"error: {tmp_path / 'missing'}: no such file or folder"
+    debug = CliRunner().invoke(cli, ["--debug", "inspect", str(tmp_path / "missing")])
+    assert debug.exit_code == 2 and "Traceback" in debug.output and "NotACheckpointError" in debug.output
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
+    res = CliRunner().invoke(cli, ["reshard", str(DATA / "fsdp2_w2"), str(tmp_path / "r"), "--to", "3"])
+    assert res.exit_code == 0
+    assert "\r" not in res.output and "it/s" not in res.output and "B/s" not in res.output
+
+
+def test_progress_bar_on_a_terminal(monkeypatch, capsys):
+    """On a terminal the CLI backs ckptkit's Progress with tqdm (and not with --quiet)."""
+    import io
+    import sys
+
+    from ckptkit.progress import LockedProgress, NullProgress
+    from ckptkit_cli.progress import make_progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    fake = Tty()
+    monkeypatch.setattr(sys, "stderr", fake)
+    assert isinstance(make_progress(quiet=True), NullProgress)
+    bar = make_progress(quiet=False)
+    assert isinstance(bar, LockedProgress)
+    bar.start(1000, "reshard")
+    bar.advance(1000)
+    bar.close()
+    assert "reshard" in fake.getvalue()
