@@ -196,6 +196,33 @@ def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: s
 
 
 @cli.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--atol", type=float, default=0.0, show_default=True,
+              help="Largest absolute difference still counted as equal (also allows dtype differences).")
+@click.option("--model-only", is_flag=True, help="Compare model tensors only, not optimizer state.")
+@click.option("--json", "as_json", is_flag=True, help="Print every comparison as JSON.")
+@read_options
+@click.pass_obj
+@handle_errors
+def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: bool, memory_budget,
+         workers) -> None:
+    """Compare checkpoints A and B (any formats) tensor by tensor; exit 0 only when equal."""
+    from ckptkit.ops.diff import diff as run_diff, render
+
+    opts = make_run_options(ctx, memory_budget, workers)
+    result = run_diff(a, b, atol=atol, model_only=model_only, options=opts)
+    if as_json:
+        click.echo(json.dumps({"equal": result.equal, "counts": result.counts(), "rows": [
+            {"name": r.name, "status": r.status, "max_abs_diff": r.max_abs_diff, "detail": r.detail}
+            for r in result.rows]}, indent=1))
+    else:
+        click.echo(render(result, a, b, atol))
+    if not result.equal:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@cli.command()
 @click.option("--out", default="ckptkit-demo", show_default=True, help="Folder for the demo's checkpoints.")
 @click.pass_obj
 @handle_errors

@@ -157,7 +157,7 @@ def test_example_runs(block: Block, block_results):
 # ---- docs/cli.md names only options that exist ------------------------------------------------
 
 CLI_DOC = ROOT / "docs" / "cli.md"
-COMMANDS = ["inspect", "verify", "consolidate", "reshard", "demo"]
+COMMANDS = sorted(__import__("ckptkit_cli.main", fromlist=["cli"]).cli.commands)  # every command must be documented
 OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
 
