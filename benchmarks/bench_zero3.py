@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="cold runs per command; the median wall is reported")
     args = ap.parse_args()
     try:
-        import huggingface_hub  # noqa: F401
+        import huggingface_hub  # noqa: F401  (zero_to_fp32.py needs it)
     except ImportError:
         raise SystemExit("zero_to_fp32.py needs huggingface_hub: pip install huggingface_hub")
     layers, width = SIZES[args.params]

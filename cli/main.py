@@ -166,7 +166,7 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
     ctx.say(f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
             f"from {res.source_format} into {out}: {', '.join(res.files)}")
     if res.aliases:
-        ctx.say(f"  tied tensors written once: " + ", ".join(f"{a} -> {t}" for a, t in res.aliases.items()))
+        ctx.say("  tied tensors written once: " + ", ".join(f"{a} -> {t}" for a, t in res.aliases.items()))
     if res.optimizer_tensors:
         ctx.say(f"  optimizer: {res.optimizer_tensors} tensors")
     if res.skipped:

@@ -15,7 +15,7 @@ DCP_FIXTURES = ["fsdp2_w2", "fsdp2_w3", "fsdp1_sharded_w2", "dcp_rank_local_w2",
 
 def has_zstd() -> bool:
     try:
-        import zstandard  # noqa: F401
+        import zstandard  # noqa: F401  (availability check)
         return True
     except ImportError:
         return False

@@ -6,7 +6,6 @@ safe_get_full_optimizer_state, GatheredParameters) by fixtures/generate_deepspee
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckptkit.ops.consolidate import consolidate
-from conftest import ROOT, assert_tensor_equal, read_all, subprocess_env
+from conftest import assert_tensor_equal, read_all, subprocess_env
 from ds_helpers import DS_DATA, ds_fixtures, fixture_info, needs_deepspeed, truth_key
 
 FIXTURES = ds_fixtures()

@@ -28,7 +28,7 @@ def run_demo(out: str, say: Callable[[str], None] = print) -> None:
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     src, resharded, st = (os.path.join(out, n) for n in ours)
 
-    say(f"1. training a small model with FSDP2 on 2 CPU processes (gloo) and saving it with DCP ...")
+    say("1. training a small model with FSDP2 on 2 CPU processes (gloo) and saving it with DCP ...")
     t0 = time.time()
     train_and_save(src, world_size=2, steps=3)
     say(f"   wrote {src} in {time.time() - t0:.1f}s\n")

@@ -247,8 +247,7 @@ def main() -> None:
             try:
                 res = run(one, rank, world, one_info)
             except BaseException as e:  # report this one, go on with the next
-                res = {"ok": False, "world_size": world, "compared": 0, "mismatches": [], "trained_step": False,
-                       "error": f"rank {rank}: {type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                res = _failure(rank, world, e)
                 code = 1
             res.update({k: v for k, v in one_info.items() if k not in res})
             results.append(res)
@@ -257,36 +256,32 @@ def main() -> None:
             for res in results:
                 print(json.dumps({k: res.get(k) for k in ("fixture", "ok", "compared", "trained_step", "error")}),
                       flush=True)
-        if code == 0:
-            try:
-                dist.barrier()
-            except Exception:
-                code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _leave(code)
     if not (args.ckpt and args.fixture and args.truth):
         raise SystemExit("--ckpt, --fixture and --truth are required without --batch")
     try:
         result = run(args, rank, world, info)
     except BaseException as e:  # report, then leave without hanging
         code = 1
-        result = {
-            "ok": False,
-            "world_size": world,
-            "compared": 0,
-            "mismatches": [],
-            "trained_step": False,
-            "error": f"rank {rank}: {type(e).__name__}: {e}",
-            "traceback": traceback.format_exc(),
-        }
-        print(result["error"], file=sys.stderr, flush=True)
+        result = _failure(rank, world, e)
     result.update({k: v for k, v in info.items() if k not in result})
     if rank == 0:
         _write_result(args.result, result)
         print(json.dumps({k: result[k] for k in ("ok", "world_size", "compared", "trained_step", "error")}), flush=True)
         for m in result["mismatches"][:20]:
             print("MISMATCH", m, flush=True)
+    _leave(code)
+
+
+def _failure(rank: int, world: int, exc: BaseException) -> dict:
+    result = {"ok": False, "world_size": world, "compared": 0, "mismatches": [], "trained_step": False,
+              "error": f"rank {rank}: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    print(result["error"], file=sys.stderr, flush=True)
+    return result
+
+
+def _leave(code: int) -> None:
+    """Final barrier only on success (a failed rank must not hang the others), then os._exit."""
     if code == 0:
         try:
             dist.barrier()
@@ -295,7 +290,6 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
 
 if __name__ == "__main__":
     main()

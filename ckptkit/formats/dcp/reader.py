@@ -22,7 +22,6 @@ from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads
 from ...storage.source import Source
 from ..torch_save.archive import load_bytes_archive, load_structure, open_archive, tensor_location
-from ..torch_save.reader import materialize
 
 FORMAT = "dcp"
 METADATA = ".metadata"

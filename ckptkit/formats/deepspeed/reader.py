@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from ...errors import FormatError, UnsupportedError
-from ...index.dtypes import dtype_name
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source

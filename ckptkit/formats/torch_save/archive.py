@@ -160,8 +160,6 @@ def tensor_location(archive: Archive, ref: TensorRef, what: str) -> tuple[str, L
 
 def load_bytes_archive(data: bytes, label: str) -> Any:
     """Eagerly load a torch.save archive held in memory (a decompressed DCP item)."""
-    from ...storage.source import LocalSource  # noqa: F401  (type only)
-
     src = _BytesSource(data, label)
     return load_structure(open_archive(src, ""), eager=True)
 
