@@ -48,8 +48,17 @@ class OutputDir:
             os.write(self._lock_fd, str(os.getpid()).encode())
         except OSError as exc:
             raise OutputError(f"{self.path}: cannot create output ({exc.strerror})") from None
+        self._remove_dead_runs()
         os.makedirs(self.tmp)
         return self
+
+    def _remove_dead_runs(self) -> None:
+        """We hold the lock, so any other temp sibling was left by a run that was killed."""
+        parent = os.path.dirname(self.path)
+        prefix = f".{os.path.basename(self.path)}.ckptkit-tmp-"
+        for name in os.listdir(parent):
+            if name.startswith(prefix):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
     def _stale_lock(self) -> bool:
         try:

@@ -1,0 +1,74 @@
+"""SIGKILL at many points of consolidate and reshard never leaves an OUT that looks complete;
+a rerun succeeds (the dead run's lock is recognised as stale) and the source is untouched."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ckptkit.ops.verify import verify
+from conftest import subprocess_env
+
+KILL_AFTER = [0.3, 0.8, 1.2, 1.6, 2.0, 2.5, 3.5]  # seconds: start-up, reading, mid-write, commit
+
+
+def _digest(path) -> str:
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path_factory.mktemp("crash") / "src"
+    gen = torch.Generator().manual_seed(0)
+    state = {"model": {f"layer{i}.weight": torch.randn(2048, 1024, generator=gen) for i in range(12)}}  # 96 MB
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("op", ["consolidate", "reshard"])
+def test_sigkill_never_leaves_a_complete_looking_output(tmp_path, source, op):
+    before = _digest(source)
+    outcomes = []
+    for i, delay in enumerate(KILL_AFTER):
+        out = tmp_path / f"out{i}"
+        args = [str(source), str(out)] + (["--to", "3"] if op == "reshard" else [])
+        proc = subprocess.Popen([sys.executable, "-m", "ckptkit", "--quiet", op, *args, "--memory-budget", "16MB"],
+                                env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        finished = proc.poll() is not None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if out.exists():
+            _, problems = verify(str(out), deep=True)
+            assert not problems, (delay, problems)  # whatever exists at OUT is complete
+            outcomes.append("complete")
+        else:
+            outcomes.append("absent")
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}.")]
+        assert all(".ckptkit-" in n for n in leftovers)  # only hidden temp/lock siblings, never OUT
+        # a rerun into the same OUT succeeds: the dead run's lock is stale, its temp folder ignored
+        rerun = subprocess.run([sys.executable, "-m", "ckptkit", "--quiet", op, *args, "--overwrite"],
+                               env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0, rerun.stderr[-2000:]
+        _, problems = verify(str(out), deep=True)
+        assert not problems
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}.")]  # dead run cleaned up
+        if finished:
+            break
+    assert "absent" in outcomes  # at least one kill landed mid-run
+    assert _digest(source) == before  # the source is never modified
