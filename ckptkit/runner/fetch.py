@@ -52,8 +52,9 @@ class Fetcher:
                 why = f"elements are stored twice (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
             raise FormatError(f"{self.source.label('')}: tensor {entry.key} {list(entry.shape)} is not "
                               f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems")
-        with self._lock:
-            self._tiled[id(entry)] = entry
+        if not entry.attrs.get("virtual"):  # one-use virtual tensors are not remembered
+            with self._lock:
+                self._tiled[id(entry)] = entry
 
     def fetch(self, entry: TensorEntry, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The elements of `box` (default: the whole tensor), contiguous, in the entry's dtype."""
