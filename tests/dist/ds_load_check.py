@@ -60,6 +60,8 @@ sys.path.insert(0, str(REPO / "fixtures"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from _checks import compare_one, write_result  # noqa: E402  (tests/dist, next to this script)
+
 import deepspeed_models as dm  # noqa: E402
 
 COMPARED_PREFIXES = ("fp32.", "exp_avg.", "exp_avg_sq.", "step.", "frozen.", "module.", "buffer.", "lr.",
@@ -86,40 +88,6 @@ def _parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _write_result(path: str, result: dict) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True, default=repr) + "\n")
-    os.replace(tmp, p)
-
-
-def _describe(v) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"Tensor(dtype={v.dtype}, shape={tuple(v.shape)})"
-    return repr(v)
-
-
-def _compare_one(key: str, got, want) -> str | None:
-    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
-        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
-            return f"{key}: type got {_describe(got)} want {_describe(want)}"
-        if got.dtype != want.dtype:
-            return f"{key}: dtype got {got.dtype} want {want.dtype}"
-        if tuple(got.shape) != tuple(want.shape):
-            return f"{key}: shape got {tuple(got.shape)} want {tuple(want.shape)}"
-        if not torch.equal(got, want):
-            n_diff = int((got != want).sum())
-            detail = ""
-            if got.is_floating_point():
-                detail = f", max abs diff {float((got.double() - want.double()).abs().max()):.3g}"
-            return f"{key}: values differ in {n_diff}/{want.numel()} elements{detail}"
-        return None
-    if type(got) is not type(want) or got != want:
-        return f"{key}: got {got!r} want {want!r}"
-    return None
-
-
 def _in_scope(k: str) -> bool:
     return k.startswith(COMPARED_PREFIXES) or k in COMPARED_KEYS
 
@@ -132,7 +100,7 @@ def compare(got: dict, truth: dict) -> tuple[int, list[str]]:
     compared = 0
     for k in sorted(want_keys & got_keys):
         compared += 1
-        problem = _compare_one(k, got[k], truth[k])
+        problem = compare_one(k, got[k], truth[k])
         if problem:
             mismatches.append(problem)
     for pre in REQUIRED_PREFIXES:
@@ -252,7 +220,7 @@ def main() -> None:
             res.update({k: v for k, v in one_info.items() if k not in res})
             results.append(res)
         if rank == 0:
-            _write_result(args.result, {"results": results, "world_size": world})
+            write_result(args.result, {"results": results, "world_size": world})
             for res in results:
                 print(json.dumps({k: res.get(k) for k in ("fixture", "ok", "compared", "trained_step", "error")}),
                       flush=True)
@@ -266,7 +234,7 @@ def main() -> None:
         result = _failure(rank, world, e)
     result.update({k: v for k, v in info.items() if k not in result})
     if rank == 0:
-        _write_result(args.result, result)
+        write_result(args.result, result)
         print(json.dumps({k: result[k] for k in ("ok", "world_size", "compared", "trained_step", "error")}), flush=True)
         for m in result["mismatches"][:20]:
             print("MISMATCH", m, flush=True)

@@ -1,0 +1,42 @@
+"""Helpers shared by the multi-process load checks: bit-exact comparison and result files."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def write_result(path: str, result: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, sort_keys=True, default=repr) + "\n")
+    os.replace(tmp, p)
+
+
+def describe(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"Tensor(dtype={v.dtype}, shape={tuple(v.shape)})"
+    return repr(v)
+
+
+def compare_one(key: str, got, want) -> str | None:
+    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
+            return f"{key}: type got {describe(got)} want {describe(want)}"
+        if got.dtype != want.dtype:
+            return f"{key}: dtype got {got.dtype} want {want.dtype}"
+        if tuple(got.shape) != tuple(want.shape):
+            return f"{key}: shape got {tuple(got.shape)} want {tuple(want.shape)}"
+        if not torch.equal(got, want):
+            n_diff = int((got != want).sum())
+            detail = ""
+            if got.is_floating_point():
+                detail = f", max abs diff {float((got.double() - want.double()).abs().max()):.3g}"
+            return f"{key}: values differ in {n_diff}/{want.numel()} elements{detail}"
+        return None
+    if type(got) is not type(want) or got != want:
+        return f"{key}: got {got!r} want {want!r}"
+    return None
