@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .types import Box, FlatRange, Piece, Region
+from .types import Box, FlatRange, Region
 
 
 def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -206,7 +206,3 @@ def split_rowmajor(box: Box, max_elems: int) -> list[Box]:
         for sub in split_rowmajor(row, max_elems):
             out.append(Box((box.offsets[0] + r,) + sub.offsets, (1,) + sub.sizes))
     return out
-
-
-def piece_boxes(piece: Piece, shape: tuple[int, ...]) -> list[tuple[Box, int]]:
-    return region_boxes(piece.region, shape)

@@ -42,15 +42,6 @@ class Layout:
     tensors: dict[str, list[Assignment]] = field(default_factory=dict)
     description: str = ""
 
-    def boxes_for_rank(self, rank: int) -> list[tuple[str, Box]]:
-        return [(k, a.box) for k, assigns in self.tensors.items() for a in assigns if a.rank == rank]
-
-
-def whole_tensor_layout(index: CheckpointIndex) -> Layout:
-    """Every tensor whole, written by rank 0 (a torch.save file, one safetensors set)."""
-    return Layout(1, {k: [Assignment(0, Box.whole(t.shape))] for k, t in index.tensors.items()},
-                  "whole tensors")
-
 
 def is_sharded(entry: TensorEntry) -> bool:
     """A tensor the source split across ranks (more than one piece), as opposed to replicated."""

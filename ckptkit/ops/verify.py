@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..errors import CkptkitError
 from ..formats.registry import Opened, open_checkpoint
+from ..formats.torch_save.archive import tensor_span_elems
 from ..index import geometry
 from ..index.dtypes import itemsize
 from ..index.types import Box, FlatRange
@@ -51,7 +52,6 @@ def structural_problems(opened: Opened) -> list[str]:
                 if isinstance(p.region, FlatRange) or loc.stride is None:
                     expected = p.region.numel * item
                 else:
-                    from ..formats.torch_save.archive import tensor_span_elems
                     expected = tensor_span_elems(p.region.sizes, loc.stride) * item
                 if loc.length != expected:
                     problems.append(f"{source.label(loc.file)}: tensor {key} piece holds {loc.length} bytes, "

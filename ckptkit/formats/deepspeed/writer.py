@@ -70,9 +70,9 @@ def _step(index: CheckpointIndex, names: list[str]) -> Any:
     return None
 
 
-def _virtual(index: CheckpointIndex, key: str, dtype: str, parts: list[Part], start: int, length: int) -> LazyTensor:
-    entry = flat_slice(key, dtype, parts, start, length)
-    return LazyTensor(entry)
+def _virtual(key: str, dtype: str, parts: list[Part], start: int, length: int) -> LazyTensor:
+    """Elements [start, start+length) of the concatenated parts, streamed when written."""
+    return LazyTensor(flat_slice(key, dtype, parts, start, length))
 
 
 def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_size: int, *,
@@ -149,13 +149,13 @@ def _stage12(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files
             g = grp.index
             start = rank * ps
             own = max(0, min(ps, total - start))
-            fp32.append(_virtual(index, f"fp32.{g}.{rank}", "float32", masters, start, own))
+            fp32.append(_virtual(f"fp32.{g}.{rank}", "float32", masters, start, own))
             gstate = {}
             for key, value in base_t["state"][g].items():
                 if key == "exp_avg":
-                    gstate[key] = _virtual(index, f"exp_avg.{g}.{rank}", "float32", avg, start, ps)
+                    gstate[key] = _virtual(f"exp_avg.{g}.{rank}", "float32", avg, start, ps)
                 elif key == "exp_avg_sq":
-                    gstate[key] = _virtual(index, f"exp_avg_sq.{g}.{rank}", "float32", avg_sq, start, ps)
+                    gstate[key] = _virtual(f"exp_avg_sq.{g}.{rank}", "float32", avg_sq, start, ps)
                 elif isinstance(value, TensorRef):
                     raise UnsupportedError(f"optimizer state {key!r} of group {g} is a tensor ckptkit cannot "
                                            f"repartition (only Adam's exp_avg/exp_avg_sq are known)")
@@ -217,7 +217,7 @@ def _stage3(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files:
                 numel = math.prod(shape)
                 per = partition.stage3_slice(numel, world)
                 entry = index.tensors[f"model.{name}"]
-                frags[name] = _virtual(index, f"frozen.{name}.{rank}", entry.dtype,
+                frags[name] = _virtual(f"frozen.{name}.{rank}", entry.dtype,
                                        [Part(f"model.{name}", 0, numel)], rank * per, per)
             model["frozen_param_fragments"] = frags
         files[f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = model
@@ -236,11 +236,11 @@ def _stage3(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files:
                                   ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq")):
                     parts[what] += [Part(key, start, length), Part(None, 0, per - length)]
             size = sum(p.length for p in parts["model"])
-            flats.append(_virtual(index, f"fp32.{i}.{rank}", "float32", parts["model"], 0, size))
+            flats.append(_virtual(f"fp32.{i}.{rank}", "float32", parts["model"], 0, size))
             sub_state = {}
             for key in first_state:
                 if key in ("exp_avg", "exp_avg_sq"):
-                    sub_state[key] = _virtual(index, f"{key}.{i}.{rank}", "float32", parts[key], 0, size)
+                    sub_state[key] = _virtual(f"{key}.{i}.{rank}", "float32", parts[key], 0, size)
                 elif key == "step":
                     sub_state[key] = copy.deepcopy(_step(index, [n for n, _ in params]))
                 elif isinstance(first_state[key], TensorRef):
