@@ -25,7 +25,7 @@ from ckptkit.index.geometry import (
     split_rowmajor,
     subtract,
 )
-from ckptkit.index.layouts import chunk_dim0
+from ckptkit.index.layouts import Assignment, chunk_dim0
 from ckptkit.index.types import Box, FlatRange
 
 FAST = settings(max_examples=150, deadline=None)
@@ -499,3 +499,22 @@ def test_row_major_strides():
     assert row_major_strides((2, 3, 4)) == (12, 4, 1)
     assert row_major_strides(()) == ()
     assert row_major_strides((3, 0, 2)) == (2, 2, 1)
+
+
+def test_standard_layouts_as_values():
+    """Writers receive layouts as values: FSDP2 chunking, whole tensors, replicated."""
+    from ckptkit.formats.registry import open_checkpoint
+    from ckptkit.index.layouts import fsdp2_layout, replicated_layout, whole_tensor_layout
+    from conftest import DATA
+
+    index = open_checkpoint(str(DATA / "fsdp2_w2")).index
+    whole = whole_tensor_layout(index)
+    assert whole.world_size == 1
+    assert all(a == [Assignment(0, Box.whole(index.tensors[k].shape))] for k, a in whole.tensors.items())
+    rep = replicated_layout(index, 3)
+    assert all([x.rank for x in a] == [0, 1, 2] and all(x.box == Box.whole(index.tensors[k].shape) for x in a)
+               for k, a in rep.tensors.items())
+    fsdp = fsdp2_layout(index, 3)
+    emb = fsdp.tensors["model.embed.weight"]
+    assert [(a.rank, a.box.sizes[0]) for a in emb] == [(0, 13), (1, 13), (2, 11)]
+    assert fsdp.tensors["model.temperature"] == [Assignment(0, Box((), ()))]  # 0-d: whole, once

@@ -59,3 +59,23 @@ def test_dcp_writer_is_read_by_torch_dcp(tmp_path, slab):
             assert_tensor_equal(flat[key], expected, key)
         else:
             assert flat[key] == expected, key
+
+
+def test_dcp_writer_stores_replicated_tensors_once(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from ckptkit.index.layouts import replicated_layout
+
+    truth = load_truth("fsdp2_w2")
+    opened = open_checkpoint(str(DATA / "fsdp2_w2"))
+    with OutputDir(str(tmp_path / "out")) as out:
+        write_dcp(out, opened.index, Fetcher(opened.source), replicated_layout(opened.index, 3),
+                  slab_bytes=1 << 20, source=opened.source)
+    again = open_checkpoint(str(tmp_path / "out")).index
+    assert all(len(t.pieces) == 1 for t in again.tensors.values())
+    dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "full.pt"))
+    flat, _ = flatten_state_dict(torch.load(tmp_path / "full.pt", weights_only=False))
+    for key, expected in truth.items():
+        if isinstance(expected, torch.Tensor):
+            assert_tensor_equal(flat[key], expected, key)

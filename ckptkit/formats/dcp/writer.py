@@ -56,7 +56,11 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
     for key, assigns in layout.tensors.items():
         entry = index.tensors[key]
         item = torch_dtype(entry.dtype).itemsize
-        for a in assigns:
+        seen: set[Box] = set()
+        for a in sorted(assigns, key=lambda a: a.rank):
+            if a.box in seen:  # replicated: the lowest rank writes it, the others read that copy
+                continue
+            seen.add(a.box)
             if a.box.numel == 0:
                 per_rank[a.rank].append((key, a.box))
                 continue
