@@ -162,3 +162,15 @@ def test_tag_option_and_tag_folder(tmp_path):
         assert "format      deepspeed" in res.output and "step        2" in res.output
     res = runner.invoke(cli, ["inspect", "--tag", "global_step7", str(DS_DATA / name)])
     assert res.exit_code == 2 and "global_step7" in res.output and "Traceback" not in res.output
+
+
+def test_consolidate_dtype_bf16_casts_the_masters(tmp_path):
+    name = "z2_fp16_w2" if "z2_fp16_w2" in FIXTURES else FIXTURES[0]
+    truth = _truth(name)
+    consolidate(str(DS_DATA / name), str(tmp_path / "out"), dtype="bfloat16")
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for key, expected in truth.items():
+        kind, _, pname = key.partition(".")
+        if kind in ("fp32", "frozen", "buffer"):
+            want = expected.to(torch.bfloat16) if expected.is_floating_point() else expected
+            assert_tensor_equal(out[pname], want, key)
