@@ -1,4 +1,4 @@
-"""The `ckptkit` command line: inspect, verify, consolidate, reshard, demo.
+"""The `ckptkit` command line: inspect, verify, consolidate, reshard, convert, diff, demo.
 
 Every command takes a path and finds the format itself. A CkptkitError becomes one line on
 stderr and a non-zero exit; a traceback appears only with --debug.
@@ -193,6 +193,42 @@ def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: s
     res = run_reshard(src, out, to, expect_from=from_, options=opts, tag=tag)
     ctx.say(f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
             f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out")
+@click.option("--to", "to", required=True, type=click.Choice(["dcp", "zero1", "zero2", "zero3", "torch", "safetensors"]),
+              help="Target backend.")
+@click.option("--world-size", type=int, default=None,
+              help="Ranks the target is laid out for (dcp, zero*; default: the source's).")
+@click.option("--ds-config", default=None, metavar="CONFIG.json",
+              help="The DeepSpeed config the target job loads with (needed for --to zero* from a non-ZeRO source).")
+@click.option("--from", "from_", type=click.Choice(["dcp", "deepspeed", "torch", "safetensors"]), default=None,
+              help="Expected source format (checked; it is always detected).")
+@click.option("--rename", multiple=True, metavar="OLD=NEW",
+              help="Replace the name prefix OLD by NEW (repeatable, applied in order).")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Drop PREFIX from names that start with it (repeatable).")
+@click.option("--add-prefix", default="", metavar="PREFIX", help="Prepend PREFIX to every name.")
+@click.option("--frozen", multiple=True, metavar="GLOB",
+              help="Model tensors outside the optimizer that are frozen parameters, not buffers (repeatable glob).")
+@click.option("--tag", default=None, help=TAG_HELP)
+@run_options
+@click.pass_obj
+@handle_errors
+def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, ds_config: str | None,
+            from_: str | None, rename: tuple[str, ...], strip_prefix: tuple[str, ...], add_prefix: str,
+            frozen: tuple[str, ...], tag: str | None, memory_budget, workers, overwrite) -> None:
+    """Convert training checkpoint SRC to another backend in folder OUT, optimizer state included."""
+    from ckptkit.convert.names import KeyRules
+    from ckptkit.ops.convert import convert as run_convert
+
+    opts = make_run_options(ctx, memory_budget, workers, overwrite)
+    rules = KeyRules(strip=tuple(strip_prefix), renames=KeyRules.parse_renames(rename), add=add_prefix)
+    res = run_convert(src, out, to, world_size=world_size, ds_config=ds_config, expect_from=from_, rules=rules,
+                      frozen=frozen, options=opts, tag=tag)
+    where = f" for {res.world_size} rank(s)" if res.world_size else ""
+    ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out} ({len(res.files)} files): {res.summary}")
 
 
 @cli.command()

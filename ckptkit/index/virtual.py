@@ -8,11 +8,16 @@ materialising a whole partition.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .types import FlatRange, Location, Piece, TensorEntry
 
+if TYPE_CHECKING:
+    import torch
+
 REF = "ref"
 ZEROS = "zeros"
+INLINE = "inline"  # a small value built in memory (a converted optimizer step), in entry.attrs["value"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +60,15 @@ def flat_slice(key: str, dtype: str, parts: list[Part], start: int, length: int)
     if covered < length:  # past the end of the parts: pad with zeros
         out.append(Part(None, 0, length - covered))
     return flat_concat(key, dtype, out)
+
+
+def inline_tensor(key: str, value: "torch.Tensor", path: tuple | None = None) -> TensorEntry:
+    """A small tensor that exists only in memory (e.g. AdamW's 0-d step made from DeepSpeed's int)."""
+    from .dtypes import dtype_name
+    from .types import Box
+
+    value = value.detach().contiguous()
+    shape = tuple(value.shape)
+    loc = Location("", 0, value.numel() * value.element_size(), INLINE)
+    return TensorEntry(key, dtype_name(value.dtype), shape, [Piece(Box.whole(shape), loc)], path=path,
+                       attrs={"virtual": True, "value": value})

@@ -16,7 +16,7 @@ from ..errors import FormatError
 from ..index import geometry
 from ..index.dtypes import torch_dtype
 from ..index.types import Box, CheckpointIndex, FlatRange, Piece, TensorEntry
-from ..index.virtual import REF, ZEROS
+from ..index.virtual import INLINE, REF, ZEROS
 from ..storage.source import Source
 from . import codecs
 
@@ -107,6 +107,12 @@ class Fetcher:
             return True
         if encoding == REF:
             self._read_ref(entry, piece, sub, elem_offset, inter, dst)
+            return True
+        if encoding == INLINE:
+            value = entry.attrs["value"]
+            for d, (o, so, s) in enumerate(zip(inter.offsets, sub.offsets, inter.sizes)):
+                value = value.narrow(d, o - so, s)
+            dst.copy_(value)
             return True
         if encoding != "raw" or not inter.numel or not dst.is_contiguous():
             return False

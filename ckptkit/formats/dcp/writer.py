@@ -50,8 +50,8 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
               progress: Progress | None = None) -> list[str]:
     """Write `index`'s tensors in `layout` and its objects (on rank 0) into `out`."""
     progress = progress or NullProgress()
-    if fetcher.index is not index:  # items are virtual tensors referring to the index's tensors
-        fetcher = Fetcher(fetcher.source, index=index)
+    if fetcher.index is None or any(k not in fetcher.index.tensors for k in index.tensors):
+        fetcher = Fetcher(fetcher.source, index=index)  # items are virtual tensors referring to index keys
     per_rank: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(layout.world_size)}
     for key, assigns in layout.tensors.items():
         entry = index.tensors[key]

@@ -77,33 +77,44 @@ def _virtual(key: str, dtype: str, parts: list[Part], start: int, length: int) -
 
 def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_size: int, *,
                slab_bytes: int, workers: int = 4, progress: Progress | None = None) -> list[str]:
+    """Reshard: the source's own files, recomputed for `world_size` ranks."""
     info: ZeroInfo = index.native
     if not isinstance(info, ZeroInfo):
         raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
-    progress = progress or NullProgress()
     config = _config(index)
     zero_cfg = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
     if isinstance(zero_cfg, dict) and zero_cfg.get("round_robin_gradients"):
         raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
                                "such checkpoints is not supported yet")
     tag = info.layout.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
-    fetcher = Fetcher(source, index=index)
-    files: dict[str, Any] = {}  # relative name -> structure
-    if info.stage < 3:
-        _stage12(index, info, world_size, tag, files)
-    else:
-        sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero_cfg, dict) else None
-        _stage3(index, info, world_size, tag, files, int(sub_group_size) if sub_group_size is not None else None)
-    jobs = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=slab_bytes, progress=progress))
-            for n, s in files.items()]
-    run_jobs(jobs, workers)
-    out.write_bytes("latest", tag.encode())
-    written = ["latest", *files]
+    sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero_cfg, dict) else None
+    written = write_zero_files(out, index, source, info, world_size, tag,
+                               int(sub_group_size) if sub_group_size is not None else None,
+                               slab_bytes=slab_bytes, workers=workers, progress=progress)
     for script in HELPER_SCRIPTS:  # DeepSpeed copies its recovery scripts next to every save
         if info.layout.tag is not None and source.exists(script) and not source.isdir(script):
             out.write_bytes(script, source.read(script, 0, source.size(script)))
             written.append(script)
     return written
+
+
+def write_zero_files(out: OutputDir, index: CheckpointIndex, source: Source, info: ZeroInfo, world_size: int,
+                     tag: str, sub_group_size: int | None, *, slab_bytes: int, workers: int = 4,
+                     progress: Progress | None = None) -> list[str]:
+    """`latest` and the tag's model/optim files for `world_size` ranks, from `info`'s templates
+    (a source checkpoint's own structures, or ones convert built from a DeepSpeed config)."""
+    progress = progress or NullProgress()
+    fetcher = Fetcher(source, index=index)
+    files: dict[str, Any] = {}  # relative name -> structure
+    if info.stage < 3:
+        _stage12(index, info, world_size, tag, files)
+    else:
+        _stage3(index, info, world_size, tag, files, sub_group_size)
+    jobs = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=slab_bytes, progress=progress))
+            for n, s in files.items()]
+    run_jobs(jobs, workers)
+    out.write_bytes("latest", tag.encode())
+    return ["latest", *files]
 
 
 def _optim_name(info: ZeroInfo, rank: int) -> str:
@@ -114,7 +125,7 @@ def _template(info: ZeroInfo, kind: str, rank: int) -> tuple[Any, Archive]:
     files = info.layout.model_files if kind == "model" else info.layout.optim_files
     rel = info.layout.prefix + files[rank]
     states = info.model_states if kind == "model" else info.optim_states
-    return states[rank], info.archives[rel]
+    return states[rank], info.archives.get(rel)  # no archive: a template convert built
 
 
 def _stage12(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files: dict) -> None:

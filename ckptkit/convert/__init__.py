@@ -1,0 +1,1 @@
+"""Backend conversion: any training checkpoint -> one canonical training state -> any backend."""

@@ -1,0 +1,91 @@
+"""Param-group hyperparameters and steps in each backend's convention.
+
+torch's AdamW keeps a 0-d float32 `step` per parameter and a fixed set of group keys (its
+`load_state_dict` needs them all); DeepSpeed's Adam (FusedAdam / DeepSpeedCPUAdam) keeps an int
+step per group, `bias_correction` in each group and whether weight decay is decoupled in the
+optimizer itself (`adam_w_mode`). Converting maps one onto the other without losing anything a
+round trip needs: torch's keys pass through DeepSpeed untouched, DeepSpeed's own keys are
+dropped on the way back (`decoupled_weight_decay` carries adam_w_mode).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedError
+
+# torch.optim.AdamW defaults for keys a DeepSpeed group lacks (torch >= 2.4 adds all of them)
+TORCH_ADAMW_DEFAULTS: dict[str, Any] = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                                        "differentiable": False, "fused": None}
+DEEPSPEED_ONLY = ("bias_correction", "step", "adam_w_mode", "torch_adam")
+ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
+
+
+def ds_optimizer(ds_config: dict | None) -> tuple[str, dict]:
+    """(lower-case type, params) of the config's optimizer; ('adamw', {}) when none is configured."""
+    opt = (ds_config or {}).get("optimizer") or {}
+    kind = str(opt.get("type", "AdamW")).lower()
+    params = opt.get("params") or {}
+    if kind not in ADAM_TYPES:
+        raise UnsupportedError(f"the DeepSpeed config's optimizer {opt.get('type')!r} is not Adam-style; only "
+                               f"Adam/AdamW state (exp_avg, exp_avg_sq, step) converts between backends")
+    return kind, params
+
+
+def adam_w_mode(ds_config: dict | None) -> bool:
+    kind, params = ds_optimizer(ds_config)
+    return True if kind == "adamw" else bool(params.get("adam_w_mode", True))
+
+
+def uses_torch_adam(ds_config: dict | None) -> bool:
+    return bool(ds_optimizer(ds_config)[1].get("torch_adam", False))
+
+
+def torch_groups(groups: list[dict], ds_config: dict | None, from_deepspeed: bool) -> list[dict]:
+    """Groups as torch.optim.AdamW's state_dict holds them (without "params")."""
+    out = []
+    for g in groups:
+        g = {k: copy.deepcopy(v) for k, v in g.items() if not (from_deepspeed and k in DEEPSPEED_ONLY)}
+        if from_deepspeed:
+            if g.get("bias_correction") is False:
+                raise UnsupportedError("a DeepSpeed Adam group without bias correction has no torch AdamW equivalent")
+            for k, v in TORCH_ADAMW_DEFAULTS.items():
+                g.setdefault(k, v)
+            g.setdefault("decoupled_weight_decay", adam_w_mode(ds_config))
+        out.append(g)
+    return out
+
+
+def deepspeed_groups(groups: list[dict], ds_config: dict | None) -> list[dict]:
+    """Groups for a DeepSpeed optimizer: torch's keys kept, DeepSpeed's added."""
+    out = []
+    for g in groups:
+        g = copy.deepcopy(g)
+        if "decoupled_weight_decay" in g and bool(g["decoupled_weight_decay"]) != adam_w_mode(ds_config):
+            raise UnsupportedError(
+                f"the source optimizer {'decouples' if g['decoupled_weight_decay'] else 'does not decouple'} "
+                f"weight decay but the DeepSpeed config's optimizer "
+                f"{'does not' if g['decoupled_weight_decay'] else 'does'}; use type AdamW (or Adam) accordingly")
+        if not uses_torch_adam(ds_config):
+            g.setdefault("bias_correction", True)
+        out.append(g)
+    return out
+
+
+def torch_step(value: Any) -> torch.Tensor:
+    """AdamW's per-parameter step: a 0-d float32 tensor (kept as is when already a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().reshape(())
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def deepspeed_step(value: Any, ds_config: dict | None) -> Any:
+    """DeepSpeed's Adam keeps an int step; with torch_adam it is torch's float tensor."""
+    if uses_torch_adam(ds_config):
+        return torch_step(value)
+    v = value.item() if isinstance(value, torch.Tensor) else value
+    if float(v) != int(float(v)):
+        raise UnsupportedError(f"optimizer step {v!r} is not a whole number")
+    return int(float(v))

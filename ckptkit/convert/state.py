@@ -1,0 +1,281 @@
+"""One canonical training state read from any backend: what convert writes to every other one.
+
+The state keeps references to the source's bytes (index entries), never the data: model tensors
+by parameter name, the Adam moments and step of each trainable parameter, the param groups (by
+name), which model tensors are trainable, frozen, buffers or tied, and everything else as
+extras. DeepSpeed checkpoints say all of this themselves; for torch checkpoints the roles come
+from the optimizer's param groups, from sharding (FSDP shards parameters, not buffers) and from
+values (a tied weight is a non-trainable tensor equal to a trainable one).
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedError, UsageError
+from ..formats.registry import Opened
+from ..index.dtypes import is_floating
+from ..index.flatten import key_of
+from ..index.layouts import is_sharded
+from ..index.types import TensorEntry
+from ..runner.fetch import Fetcher
+from ..runner.stream import find_aliases
+from ..ops.keys import LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, guess_step, split_roles
+from .names import KeyRules
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# DeepSpeed's values that mean something outside DeepSpeed's own optimizer objects
+DS_CARRIED = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "data_sampler", "random_ltd",
+              "iteration", "ds_config", "ds_version")
+FLAT_PARAM_MARKS = ("flat_param", "_flat_param")
+
+
+@dataclass
+class TrainingState:
+    source: Opened
+    model: dict[str, TensorEntry]                      # name -> source entry
+    trainable: list[str]                               # in param-group order
+    frozen: list[str]
+    buffers: list[str]
+    ties: dict[str, str]                               # alias -> owner
+    moments: dict[str, dict[str, TensorEntry]]         # name -> {"exp_avg": entry, "exp_avg_sq": entry}
+    steps: dict[str, Any]                              # name -> int / float / 0-d tensor
+    groups: list[dict[str, Any]]                       # hyperparameters, without "params"
+    group_params: list[list[str]]
+    extras: list[tuple[tuple, Any]] = field(default_factory=list)   # (path, value or TensorEntry)
+    ds: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's own values (global_steps, ...)
+    optimizer_style: str | None = None                 # "torch" | "deepspeed" | None
+    ds_config: dict | None = None
+
+    @property
+    def has_optimizer(self) -> bool:
+        return bool(self.group_params)
+
+    @property
+    def global_step(self) -> int | None:
+        steps = self.ds.get("global_steps")
+        if isinstance(steps, int):
+            return steps
+        guessed = guess_step(self.source.index)
+        if guessed is not None:
+            return guessed
+        values = {int(float(v)) for v in self.steps.values()}
+        return max(values) if values else None
+
+    def group_step(self, g: int) -> Any:
+        """The step all params of group g share (ZeRO keeps one per group)."""
+        values = {repr(_plain(self.steps[n])) for n in self.group_params[g] if n in self.steps}
+        if len(values) > 1:
+            raise UnsupportedError(f"param group {g} has parameters at different optimizer steps "
+                                   f"({sorted(values)}); ZeRO keeps one step per group")
+        for n in self.group_params[g]:
+            if n in self.steps:
+                return self.steps[n]
+        return 0
+
+
+def _plain(v: Any) -> Any:
+    return v.item() if isinstance(v, torch.Tensor) else v
+
+
+def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: tuple[str, ...] = ()) -> TrainingState:
+    rules = rules or KeyRules()
+    if opened.index.format == "deepspeed":
+        state = _from_deepspeed(opened, rules)
+    else:
+        state = _from_torch_layout(opened, rules, frozen_patterns)
+    _check_partners(state)
+    return state
+
+
+def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
+    index = opened.index
+    names = [k[len("model."):] for k in index.tensors if k.startswith("model.")]
+    rules = rules.for_names(names)
+    model, frozen, buffers, ties = {}, [], [], {}
+    for key, e in index.tensors.items():
+        if not key.startswith("model."):
+            continue
+        name = rules.apply(key[len("model."):])
+        model[name] = e
+        role = e.attrs.get("ds_role")
+        if "alias_of" in e.attrs:
+            ties[name] = rules.apply(e.attrs["alias_of"][len("model."):])
+        elif role == "frozen":
+            frozen.append(name)
+        elif role == "buffer":
+            buffers.append(name)
+    moments: dict[str, dict[str, TensorEntry]] = {}
+    steps: dict[str, Any] = {}
+    for key, e in index.tensors.items():
+        p = e.path or ()
+        if len(p) == 4 and p[:2] == ("optim", "state") and p[3] in MOMENTS:
+            moments.setdefault(rules.apply(p[2]), {})[p[3]] = e
+    groups: dict[int, dict[str, Any]] = {}
+    extras, ds = [], {}
+    for key, o in index.objects.items():
+        p = o.path or (key,)
+        if len(p) == 4 and p[:2] == ("optim", "state") and p[3] == "step":
+            steps[rules.apply(p[2])] = o.value
+        elif len(p) == 4 and p[:2] == ("optim", "param_groups"):
+            groups.setdefault(int(p[2]), {})[p[3]] = o.value
+        elif p[0] == "client":
+            extras.append((tuple(p[1:]), o.value))
+        elif p[0] == "ds" and len(p) == 2 and p[1] in DS_CARRIED:
+            ds[p[1]] = o.value
+    group_list = [groups[g] for g in sorted(groups)]
+    group_params = [[rules.apply(n) for n in g.pop("params", [])] for g in group_list]
+    trainable = [n for ps in group_params for n in ps]
+    cfg = ds.get("ds_config")
+    return TrainingState(opened, model, trainable, frozen, buffers, ties, moments, steps, group_list,
+                         group_params, extras, ds, "deepspeed", cfg if isinstance(cfg, dict) else None)
+
+
+def _optim_parts(path: tuple) -> tuple | None:
+    """The part of a path below its optimizer container, or None if not optimizer state."""
+    if len(path) > 1 and path[0] in OPTIM_CONTAINERS:
+        return tuple(path[1:])
+    return None
+
+
+def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[str, ...]) -> TrainingState:
+    index = opened.index
+    split = split_roles(index)
+    raw_names = list(split.model)
+    for n in raw_names:
+        if any(n.endswith(m) or f"{m}." in n for m in FLAT_PARAM_MARKS):
+            raise UnsupportedError(
+                f"{opened.path}: tensor {n!r} is an FSDP1 flat parameter (LOCAL_STATE_DICT): its layout "
+                f"depends on how the model was wrapped, so it cannot be unflattened from the file alone; "
+                f"save with StateDictType.SHARDED_STATE_DICT (or FULL_STATE_DICT) and convert that")
+    rules = rules.for_names(raw_names)
+    model = {rules.apply(n): index.tensors[k] for n, k in split.model.items()}
+    if len(model) != len(split.model):
+        raise UsageError(f"{opened.path}: the name rules map two model tensors to the same name")
+    moments: dict[str, dict[str, TensorEntry]] = {}
+    steps: dict[str, Any] = {}
+    groups: dict[int, dict[str, Any]] = {}
+    extras: list[tuple[tuple, Any]] = []
+    fetcher = Fetcher(opened.source, index=index)
+    model_keys = set(split.model.values())
+
+    def optim_entry(parts: tuple, value: Any, where: str) -> bool:
+        if len(parts) >= 2 and parts[0] == "state":
+            if isinstance(parts[1], int) or str(parts[1]).isdigit():
+                raise UnsupportedError(
+                    f"{opened.path}: optimizer state is keyed by parameter number ({where}); ckptkit needs "
+                    f"parameter names: save it with torch.distributed.checkpoint.state_dict."
+                    f"get_optimizer_state_dict (or FSDP.optim_state_dict), which key it by name")
+            if len(parts) != 3:
+                return False
+            name, what = rules.apply(str(parts[1])), parts[2]
+            if what in MOMENTS and isinstance(value, TensorEntry):
+                moments.setdefault(name, {})[what] = value
+            elif what == "step":
+                steps[name] = fetcher.fetch(value) if isinstance(value, TensorEntry) else value
+            elif isinstance(value, TensorEntry):
+                raise UnsupportedError(f"{opened.path}: optimizer state {what!r} of {name} ({where}) is not "
+                                       f"Adam's exp_avg/exp_avg_sq/step; only Adam-style optimizers convert")
+            return True
+        if len(parts) == 3 and parts[0] == "param_groups" and isinstance(parts[1], int):
+            if parts[2] == "params" and isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+                raise UnsupportedError(
+                    f"{opened.path}: param group {parts[1]} lists parameters by number ({where}); ckptkit "
+                    f"needs names: save with get_optimizer_state_dict or FSDP.optim_state_dict")
+            groups.setdefault(parts[1], {})[parts[2]] = value
+            return True
+        return False
+
+    for key, e in index.tensors.items():
+        if key in model_keys:
+            continue
+        path = tuple(e.path) if e.path else (key,)
+        parts = _optim_parts(path)
+        if parts is not None and optim_entry(parts, e, key):
+            continue
+        if path[0] in LOW_PRECISION_CONTAINERS:
+            continue
+        extras.append((path, e))
+    for key, o in index.objects.items():
+        path = tuple(o.path) if o.path else (key,)
+        parts = _optim_parts(path)
+        if parts is not None and optim_entry(parts, o.value, key):
+            continue
+        if path[0] in OPTIM_CONTAINERS or path[0] in MODEL_CONTAINERS:
+            continue  # leftovers of an optimizer (e.g. an empty state) or a model container
+        extras.append((path, o.value))
+    group_list = [groups[g] for g in sorted(groups)]
+    group_params = [[rules.apply(n) for n in g.pop("params", [])] for g in group_list]
+    trainable = [n for ps in group_params for n in ps]
+    frozen, buffers, ties = _classify(opened, model, set(trainable), frozen_patterns, fetcher)
+    return TrainingState(opened, model, trainable, frozen, buffers, ties, moments, steps, group_list,
+                         group_params, extras, {}, "torch" if group_list else None)
+
+
+def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str], frozen_patterns: tuple[str, ...],
+              fetcher: Fetcher) -> tuple[list[str], list[str], dict[str, str]]:
+    """Sort the model tensors outside the param groups into frozen params, buffers and ties."""
+    from ..ops.diff import _compare
+
+    aliases = find_aliases(model)
+    multi_rank = (opened.index.world_size or 1) > 1
+    frozen, buffers, ties = [], [], {}
+    for name, e in model.items():
+        if name in trainable:
+            continue
+        if name in aliases and aliases[name] in trainable:
+            ties[name] = aliases[name]
+            continue
+        owner = next((t for t in trainable if model[t].shape == e.shape and model[t].dtype == e.dtype
+                      and e.numel > 0 and _compare(name, e, model[t], fetcher, fetcher, 0.0,
+                                                   8 << 20).status == "equal"), None)
+        if owner is not None:
+            ties[name] = owner
+        elif any(fnmatch.fnmatchcase(name, p) for p in frozen_patterns):
+            frozen.append(name)
+        elif is_floating(e.dtype) and e.shape and multi_rank and is_sharded(e):
+            frozen.append(name)  # FSDP shards parameters; buffers stay whole on every rank
+        else:
+            buffers.append(name)
+    return frozen, buffers, ties
+
+
+def _check_partners(state: TrainingState) -> None:
+    lonely = sorted(n for n in state.moments if n not in state.model)
+    lonely += sorted(f"{n} (param group {g})" for g, ps in enumerate(state.group_params) for n in ps
+                     if n not in state.model)
+    if lonely:
+        shown = ", ".join(lonely[:8]) + (f" and {len(lonely) - 8} more" if len(lonely) > 8 else "")
+        sample = ", ".join(list(state.model)[:3])
+        raise UsageError(f"{state.source.path}: optimizer entries name parameters the model does not have: {shown} "
+                         f"(model names look like: {sample}); fix the names with --strip-prefix, --add-prefix "
+                         f"or --rename OLD=NEW")
+    dup = {n for ps in state.group_params for n in ps if sum(n in q for q in state.group_params) > 1}
+    if dup:
+        raise UsageError(f"{state.source.path}: parameters in more than one param group: {sorted(dup)[:5]}")
+
+
+def flat_extras(extras: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
+    """Extras as leaves, flattened the way DCP flattens a state dict (dicts recurse)."""
+    from ..index.flatten import flatten
+
+    out = []
+    for path, value in extras:
+        if isinstance(value, dict) and value:
+            for sub, leaf in flatten(value, lambda v: isinstance(v, torch.Tensor)):
+                out.append((tuple(path) + tuple(sub), leaf))
+        else:
+            out.append((tuple(path), value))
+    return out
+
+
+def describe(state: TrainingState) -> str:
+    return (f"{len(state.trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
+            f"{len(state.ties)} tied; {len(state.group_params)} param groups; "
+            f"{sum(len(m) for m in state.moments.values())} moment tensors")
+
+
+__all__ = ["TrainingState", "read_state", "flat_extras", "describe", "key_of"]

@@ -1,0 +1,258 @@
+"""The canonical state as a native DeepSpeed ZeRO checkpoint, built from the user's DeepSpeed config.
+
+What DeepSpeed's layout depends on comes from the config: the stage, the precision (fp16 / bf16 /
+fp32 module weights, the `bf16_` file prefix), sub_group_size, parameter_alignment, the optimizer
+(DeepSpeed's Adam keeps an int step and `bias_correction`; torch_adam keeps torch's). Group
+membership and order come from the source optimizer's param groups. The files DeepSpeed's
+`load_checkpoint` reads are then assembled as templates and written by the same streaming writer
+that reshards ZeRO checkpoints: fp32 partitions and moments are virtual slices of the source
+tensors, the low-precision module weights the cast of the masters.
+
+Values DeepSpeed keeps that a torch checkpoint does not have start fresh, as documented:
+global_steps = the training step (the source's `step`-like value, else the optimizer step),
+global_samples = global_steps * train_batch_size, skipped_steps = 0, the loss scaler from the
+config, the lr scheduler at last_batch_iteration = global_steps - 1 when one is configured.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedError, UsageError
+from ..formats.deepspeed import partition, standins
+from ..formats.deepspeed.files import Layout as ZeroFiles
+from ..formats.deepspeed.reader import Group, ZeroInfo
+from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE, write_zero_files
+from ..index.dtypes import is_floating, torch_dtype
+from ..index.types import CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
+from ..index.virtual import REF, inline_tensor
+from ..progress import Progress
+from ..safeload import inert_class
+from ..storage.output import OutputDir
+from .hyper import deepspeed_groups, deepspeed_step
+from .state import MOMENTS, TrainingState, flat_extras
+from .to_torch_layouts import SOURCE_PREFIX
+
+DS_FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose file layout this writes
+LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+DYNAMIC_LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
+
+
+def config_precision(cfg: dict) -> str:
+    if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
+        return "bfloat16"
+    if (cfg.get("fp16") or {}).get("enabled"):
+        return "float16"
+    return "float32"
+
+
+def _view(key: str, dtype: str, entry: TensorEntry, resolver: dict[str, TensorEntry],
+          path: tuple | None = None) -> TensorEntry:
+    """`entry` read as `dtype`: itself when the dtype matches, else a cast view over it."""
+    if entry.dtype == dtype or not is_floating(entry.dtype):
+        return TensorEntry(key, entry.dtype, entry.shape, list(entry.pieces), path=path)
+    ref = SOURCE_PREFIX + key + "\0" + entry.key
+    resolver[ref] = entry
+    pieces = [Piece(FlatRange(0, entry.numel), Location(ref, 0, entry.numel, REF))] if entry.numel else []
+    return TensorEntry(key, dtype, entry.shape, pieces, path=path, attrs={"virtual": True})
+
+
+def _stand_in(qualname: str, args: tuple | None = None, **fields: Any) -> Any:
+    cls = inert_class(qualname)
+    obj = cls.__new__(cls)
+    if args is not None:
+        obj.__dict__["_args"] = args
+    obj.__dict__.update(fields)
+    return obj
+
+
+def _loss_scaler(cfg: dict, precision: str, global_step: int) -> tuple[Any, bool]:
+    fp16 = cfg.get("fp16") or {}
+    if precision != "float16":
+        return _stand_in(LOSS_SCALER, cur_scale=1.0, dynamic=False), False
+    static = float(fp16.get("loss_scale", 0) or 0)
+    if static > 0:
+        return _stand_in(LOSS_SCALER, cur_scale=static, dynamic=False), False
+    hysteresis = int(fp16.get("hysteresis", 2))
+    return _stand_in(DYNAMIC_LOSS_SCALER, cur_scale=2 ** int(fp16.get("initial_scale_power", 16)), dynamic=True,
+                     cur_iter=global_step, last_overflow_iter=-1, scale_factor=2.0,
+                     scale_window=int(fp16.get("loss_scale_window", 1000)),
+                     min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis, cur_hysteresis=hysteresis,
+                     consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
+                     raise_error_at_min_scale=True, dtype=torch.float16), True
+
+
+def _alignment_paddings(names: list[tuple[str, int]], cfg_zero: dict, precision: str) -> list[int]:
+    """DeepSpeed's per-parameter padding inside a stage-1/2 group (parameter_alignment)."""
+    if not cfg_zero.get("parameter_alignment"):
+        return [0] * len(names)
+    item = torch_dtype(precision).itemsize
+    align = 16 // math.gcd(16, item)
+    out, offset = [], 0
+    for i, (_, numel) in enumerate(names):
+        offset += numel
+        pad = 0 if i == len(names) - 1 else (-offset) % align
+        out.append(pad)
+        offset += pad
+    return out
+
+
+def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, world_size: int, cfg: dict, *,
+                          slab_bytes: int, workers: int, progress: Progress) -> list[str]:
+    if not state.has_optimizer:
+        raise UsageError(f"{state.source.path}: has no optimizer state (param groups); a ZeRO checkpoint is an "
+                         f"optimizer checkpoint, so converting to ZeRO needs one")
+    zero_cfg = cfg.get("zero_optimization") or {}
+    cfg_stage = zero_cfg.get("stage")
+    if cfg_stage is not None and int(cfg_stage) != stage:
+        raise UsageError(f"--to zero{stage} but the DeepSpeed config says zero_optimization.stage {cfg_stage}")
+    if zero_cfg.get("round_robin_gradients") and stage < 3:
+        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions; converting to it is not supported")
+    missing = [n for n in state.trainable if set(MOMENTS) - set(state.moments.get(n, {}))]
+    if missing:
+        raise UsageError(f"{state.source.path}: trainable parameters without Adam moments (never stepped?): "
+                         f"{missing[:5]}; a ZeRO checkpoint needs them for every parameter")
+    precision = config_precision(cfg)
+    step = state.global_step or 0
+
+    index = CheckpointIndex(format="deepspeed", root="")
+    resolver: dict[str, TensorEntry] = {}
+    for name in state.trainable:
+        index.add_tensor(_view(f"model.{name}", "float32", state.model[name], resolver, ("model", name)))
+        for what in MOMENTS:
+            index.add_tensor(_view(f"optim.state.{name}.{what}", "float32", state.moments[name][what], resolver))
+    for name in state.frozen:
+        index.add_tensor(_view(f"model.{name}", precision, state.model[name], resolver, ("model", name)))
+
+    groups = deepspeed_groups(state.groups, cfg)
+    gsteps = [deepspeed_step(state.group_step(g), cfg) for g in range(len(groups))]
+    for g, names in enumerate(state.group_params):
+        for n in names:
+            index.add_object(ObjectEntry(f"optim.state.{n}.step", gsteps[g]))
+
+    # the module state dict DeepSpeed loads strictly: params cast to the module dtype (ZeRO-3:
+    # empty placeholders), buffers as they are
+    module: OrderedDict[str, Any] = OrderedDict()
+    for name, entry in state.model.items():
+        if name in state.buffers:
+            module[name] = _lazy(_view(f"module.{name}", entry.dtype, entry, resolver), index)
+        elif stage == 3:
+            module[name] = _lazy(inline_tensor(f"module.{name}", torch.empty(0, dtype=torch_dtype(precision))), index)
+        else:
+            owner = state.ties.get(name, name)
+            src = index.tensors.get(f"model.{owner}") or state.model[owner]
+            module[name] = _lazy(_view(f"module.{name}", precision, src, resolver), index)
+    index.tensors.update(resolver)
+
+    info_groups: list[Group] = []
+    param_shapes = []
+    world_cfg_groups = []
+    for g, names in enumerate(state.group_params):
+        shaped = [(n, tuple(state.model[n].shape)) for n in names]
+        if stage < 3:
+            pads = _alignment_paddings([(n, math.prod(s)) for n, s in shaped], zero_cfg, precision)
+            info_groups.append(Group(g, g, shaped, pads if any(pads) else None))
+            world_cfg_groups.append(pads)
+            param_shapes.append(OrderedDict((n, torch.Size(s)) for n, s in shaped))
+        else:
+            info_groups.append(Group(g, g, shaped))
+    frozen_shapes = OrderedDict((n, torch.Size(state.model[n].shape)) for n in state.frozen)
+    scaler, dynamic = _loss_scaler(cfg, precision, step)
+    train_batch = cfg.get("train_batch_size")
+    if not isinstance(train_batch, int):
+        micro = cfg.get("train_micro_batch_size_per_gpu", 1)
+        train_batch = int(micro) * int(cfg.get("gradient_accumulation_steps", 1)) * world_size
+    cfg_out = dict(cfg)
+    model_t: OrderedDict[str, Any] = OrderedDict()
+    model_t["module"] = module
+    model_t["buffer_names"] = list(state.buffers)
+    model_t["optimizer"] = None
+    model_t["param_shapes"] = param_shapes
+    model_t["frozen_param_shapes"] = frozen_shapes if (stage > 1 and frozen_shapes) else None
+    model_t["shared_params"] = dict(state.ties)
+    if stage == 2 and state.frozen:
+        model_t["frozen_param_fragments"] = OrderedDict(
+            (n, _lazy(index.tensors[f"model.{n}"], index)) for n in state.frozen)
+    else:
+        model_t["frozen_param_fragments"] = None
+    model_t["lr_scheduler"] = state.ds.get("lr_scheduler", {"last_batch_iteration": step - 1}
+                                           if cfg.get("scheduler") else None)
+    model_t["data_sampler"] = state.ds.get("data_sampler")
+    model_t["random_ltd"] = state.ds.get("random_ltd")
+    model_t["skipped_steps"] = state.ds.get("skipped_steps", 0)
+    model_t["global_steps"] = step
+    model_t["global_samples"] = state.ds.get("global_samples", step * train_batch)
+    model_t["dp_world_size"] = world_size
+    model_t["mp_world_size"] = 1
+    model_t["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
+    model_t["ds_config"] = cfg_out
+    model_t["ds_version"] = DS_FORMAT_VERSION
+    reserved = set(model_t)
+    for path, value in state.extras:
+        if len(path) == 1 and path[0] in reserved:
+            raise UsageError(f"{state.source.path}: extra value {path[0]!r} would overwrite DeepSpeed's own entry")
+        if isinstance(value, TensorEntry):
+            value = _lazy(value, index)
+        _nest(model_t, path, value)
+
+    group_states = OrderedDict((g, OrderedDict(step=gsteps[g], exp_avg=None, exp_avg_sq=None))
+                               for g in range(len(groups)))
+    if stage < 3:
+        osd: OrderedDict[str, Any] = OrderedDict()
+        osd["loss_scaler"] = scaler
+        osd["dynamic_loss_scale"] = dynamic
+        osd["overflow"] = False
+        osd["clip_grad"] = float(cfg.get("gradient_clipping", 1.0))
+        osd["base_optimizer_state"] = {"state": group_states,
+                                       "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
+        osd["single_partition_of_fp32_groups"] = []
+        osd["zero_stage"] = _stand_in(ZERO_STAGE_ENUM, (stage,))
+        osd["group_paddings"] = []
+        osd["param_alignment_paddings"] = world_cfg_groups
+        osd["partition_count"] = [world_size] * len(groups)
+        osd["ds_version"] = DS_FORMAT_VERSION
+        osd["param_slice_mappings"] = []
+    else:
+        osd = OrderedDict()
+        osd["zero_stage"] = _stand_in(ZERO_STAGE_ENUM, (stage,))
+        osd["loss_scaler"] = scaler
+        osd["dynamic_loss_scale"] = dynamic
+        osd["overflow"] = False
+        osd["partition_count"] = world_size
+        osd["optimizer_state_dict"] = {"state": group_states,
+                                       "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
+        osd["fp32_flat_groups"] = []
+    optim_t = OrderedDict(optimizer_state_dict=osd, ds_config=cfg_out, ds_version=DS_FORMAT_VERSION)
+
+    tag = f"global_step{step}"
+    bf16 = precision == "bfloat16"
+    files = ZeroFiles(tag, f"{tag}/", {0: "model"}, {0: "optim"}, bf16)
+    info = ZeroInfo(stage, world_size, files, info_groups, {n: tuple(state.model[n].shape) for n in state.frozen},
+                    list(state.buffers), dict(state.ties), {0: model_t}, {0: optim_t}, {},
+                    len(groups), precision)
+    sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    return write_zero_files(out, index, state.source.source, info, world_size, tag,
+                            int(sub_group_size) if sub_group_size is not None else None,
+                            slab_bytes=slab_bytes, workers=workers, progress=progress)
+
+
+def _lazy(entry: TensorEntry, index: CheckpointIndex) -> Any:
+    from ..formats.torch_save.archive_writer import LazyTensor
+
+    if entry.key not in index.tensors:
+        index.tensors[entry.key] = entry  # so views over it resolve
+    return LazyTensor(entry)
+
+
+def _nest(root: dict, path: tuple, value: Any) -> None:
+    node = root
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
+
+
+__all__ = ["write_zero_from_state", "config_precision", "flat_extras"]
