@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import FormatError, UnsafePickleError
+from .errors import FormatError, UnsafePickleError, UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -290,6 +290,11 @@ def allowlist() -> dict[tuple[str, str], Any]:
     return {**_ALLOWLIST, **_EXTRA}
 
 
+# what per-rank torch.save files of FSDP1 LOCAL_STATE_DICT / sharded state dicts reference first
+_SHARDED_TENSOR_GLOBALS = {("torch._utils", "_rebuild_wrapper_subclass"),
+                           ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")}
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, data: io.BufferedIOBase, file: str,
                  persistent_load: Callable[[Any], Any] | None) -> None:
@@ -302,6 +307,13 @@ class _RestrictedUnpickler(pickle.Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
+            if (module, name) in _SHARDED_TENSOR_GLOBALS:
+                raise UnsupportedError(
+                    f"{self._file}: holds torch.distributed ShardedTensor objects, i.e. an FSDP1 "
+                    f"LOCAL_STATE_DICT (flat parameters) or a per-rank sharded torch.save; flat parameters "
+                    f"cannot be unflattened without the model's FSDP wrapping, so load it into the wrapped "
+                    f"model and save again with StateDictType.SHARDED_STATE_DICT through "
+                    f"torch.distributed.checkpoint (or FULL_STATE_DICT); nothing was executed") from None
             raise UnsafePickleError(
                 f"{self._file}: refusing to unpickle global {module}.{name} "
                 f"(not on ckptkit's allowlist; nothing was executed)") from None
@@ -317,7 +329,7 @@ def restricted_loads(data: bytes, file: str,
     """Unpickle `data` with the allowlist; any failure becomes one sentence naming `file`."""
     try:
         return _RestrictedUnpickler(io.BytesIO(data), file, persistent_load).load()
-    except (UnsafePickleError, FormatError) as exc:
+    except (UnsafePickleError, FormatError, UnsupportedError) as exc:
         if str(exc).startswith(file):
             raise
         raise type(exc)(f"{file}: {exc}") from None

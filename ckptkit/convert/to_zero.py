@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedError, UsageError
-from ..formats.deepspeed import partition, standins
 from ..formats.deepspeed.files import Layout as ZeroFiles
 from ..formats.deepspeed.reader import Group, ZeroInfo
 from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE, write_zero_files

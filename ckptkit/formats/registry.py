@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..errors import NotACheckpointError
 from ..index.types import CheckpointIndex
 from ..storage.source import Source, is_url, open_source
+from . import accelerate
 from .dcp import reader as dcp_reader
 from .deepspeed import files as ds_files
 from .deepspeed import reader as ds_reader
@@ -87,6 +88,12 @@ def _open_folder(path: str, source: Source) -> Opened:
     names = source.listdir("")
     if dcp_reader.detect(source):
         return Opened(source, dcp_reader.read_index(source), path)
+    subdirs = accelerate.parts(source)
+    if subdirs:
+        return Opened(source, accelerate.read_index(source, subdirs), path)
+    local = accelerate.has_local_state_dict(source)
+    if local:  # reading one explains (ShardedTensor flat parameters) in one sentence
+        ts_reader.read_index(source, local[0])
     if any(n.endswith(".distcp") for n in names):
         raise NotACheckpointError(f"{path}: has .distcp data files but no .metadata: an incomplete DCP "
                                   f"checkpoint (the save did not finish)")

@@ -4,7 +4,9 @@
         --ckpt DIR --truth TRUTH.pt --result OUT.json
 
 M may differ from the world size the checkpoint was saved at (DCP reshards on
-load).  Every rank builds ``fixtures/models.py``'s ToyModel (from a DIFFERENT
+load). ``--model ds`` uses ``fixtures/deepspeed_models.py``'s DSToyModel instead (the model
+of the DeepSpeed fixtures, with a frozen block), sharded and optimised as
+``fixtures/generate_convert.py`` does, to load checkpoints converted from DeepSpeed.  Every rank builds ``fixtures/models.py``'s ToyModel (from a DIFFERENT
 seed, with its buffers scrambled, so nothing can pass by accident), applies
 FSDP2 exactly like the fixture generator, builds AdamW with the same two param
 groups, then:
@@ -60,8 +62,10 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--ckpt", required=True, help="DCP checkpoint directory")
     ap.add_argument("--truth", required=True, help="flat ground-truth .pt written by fixtures/generate.py")
     ap.add_argument("--result", required=True, help="JSON result file (written by rank 0)")
-    ap.add_argument("--init-seed", type=int, default=models.MODEL_SEED + 1,
+    ap.add_argument("--init-seed", type=int, default=None,
                     help="seed for the model before loading (default differs from the fixtures')")  # fmt: skip
+    ap.add_argument("--model", choices=["toy", "ds"], default="toy",
+                    help="toy: fixtures/models.py ToyModel; ds: deepspeed_models.DSToyModel")
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process group timeout, seconds")
     ap.add_argument("--deadline", type=float, default=300.0, help="kill this process after so many seconds")
     return ap.parse_args()
@@ -96,8 +100,27 @@ def _scramble_buffers(model: torch.nn.Module) -> None:
     # Buffers are constants of the model; change them so a skipped load shows up.
     with torch.no_grad():
         model.positions.copy_(model.positions.flip(0))
-        model.keep.logical_not_()
+        if hasattr(model, "keep"):
+            model.keep.logical_not_()
         model.temperature.fill_(7.0)
+
+
+class _Recipe:
+    """Model, sharding, optimizer and training step of --model."""
+
+    def __init__(self, kind: str) -> None:
+        if kind == "toy":
+            self.make_model, self.shard = models.make_model, models.shard_fsdp2
+            self.make_optimizer = models.make_optimizer
+            self.train = lambda m, o, n: models.train_steps(m, o, n, models.DATA_SEED)
+            self.default_seed = models.MODEL_SEED + 1
+        else:
+            import deepspeed_models as dm
+            import generate_convert as gc
+
+            self.make_model, self.shard, self.make_optimizer = dm.make_model, gc.shard_fsdp2, gc.make_optimizer
+            self.train = gc.train
+            self.default_seed = dm.MODEL_SEED + 1
 
 
 def run(args: argparse.Namespace, rank: int, world: int) -> dict:
@@ -108,10 +131,11 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
 
     t0 = time.time()
     mesh = init_device_mesh("cpu", (world,))
-    model = models.make_model(args.init_seed)
+    recipe = _Recipe(args.model)
+    model = recipe.make_model(args.init_seed if args.init_seed is not None else recipe.default_seed)
     _scramble_buffers(model)
-    models.shard_fsdp2(model, mesh)
-    optim = models.make_optimizer(model)
+    recipe.shard(model, mesh)
+    optim = recipe.make_optimizer(model)
     if optim.state:
         raise AssertionError("fresh AdamW unexpectedly has state")
 
@@ -136,10 +160,11 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
         compared, mismatches = compare(dict(flat), truth)
 
     # One more training step on every rank: the loaded state must be usable.
-    before = [p.detach().to_local().clone() for p in model.parameters()]
+    before = [p.detach().to_local().clone() for p in model.parameters() if p.requires_grad]
     steps_before = [float(s["step"]) for s in optim.state.values()]
-    losses = models.train_steps(model, optim, 1, models.DATA_SEED)
-    changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
+    losses = recipe.train(model, optim, 1)
+    changed = any(not torch.equal(b, p.detach().to_local())
+                  for b, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
     steps_after = [float(s["step"]) for s in optim.state.values()]
     local_ok = (
         math.isfinite(losses[0])
