@@ -228,7 +228,8 @@ def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, d
     res = run_convert(src, out, to, world_size=world_size, ds_config=ds_config, expect_from=from_, rules=rules,
                       frozen=frozen, options=opts, tag=tag)
     where = f" for {res.world_size} rank(s)" if res.world_size else ""
-    ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out} ({len(res.files)} files): {res.summary}")
+    files = f"{len(res.files)} file{'' if len(res.files) == 1 else 's'}"
+    ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out} ({files}): {res.summary}")
 
 
 @cli.command()

@@ -210,7 +210,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     group_list = [groups[g] for g in sorted(groups)]
     group_params = [[rules.apply(n) for n in g.pop("params", [])] for g in group_list]
     trainable = [n for ps in group_params for n in ps]
-    frozen, buffers, ties = _classify(opened, model, set(trainable), frozen_patterns, fetcher)
+    frozen, buffers, ties = _classify(opened, model, set(trainable) & set(model), frozen_patterns, fetcher)
     return TrainingState(opened, model, trainable, frozen, buffers, ties, moments, steps, group_list,
                          group_params, extras, {}, "torch" if group_list else None)
 

@@ -44,7 +44,10 @@ class ConvertResult:
 def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
     if path is None:
         if state.ds_config is not None and state.source.index.format == "deepspeed":
-            return dict(state.ds_config)  # ZeRO -> ZeRO of another stage: the source's own config
+            # ZeRO -> ZeRO of another stage: the source's own config, with the target's stage
+            cfg = json.loads(json.dumps(state.ds_config))
+            cfg.setdefault("zero_optimization", {})["stage"] = int(target[-1])
+            return cfg
         raise UsageError(f"--to {target} needs --ds-config CONFIG.json: the DeepSpeed config the job will load "
                          f"with (stage, precision and sub_group_size decide the layout)")
     try:
