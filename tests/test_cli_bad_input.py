@@ -36,7 +36,7 @@ from helpers_corrupt import (
     write_safetensors_raw,
 )
 
-COMMANDS = ["inspect", "verify", "consolidate", "reshard"]
+COMMANDS = ["inspect", "verify", "consolidate", "reshard", "convert"]
 
 
 def run_cmd(cmd: str, src: Path, tmp_path: Path, *extra: str):
@@ -46,6 +46,8 @@ def run_cmd(cmd: str, src: Path, tmp_path: Path, *extra: str):
     out = tmp_path / "OUT"
     if cmd == "consolidate":
         return run_cli("consolidate", str(src), str(out), *extra), out
+    if cmd == "convert":
+        return run_cli("convert", str(src), str(out), "--to", "dcp", "--world-size", "3", *extra), out
     return run_cli("reshard", str(src), str(out), "--to", "3", *extra), out
 
 

@@ -287,3 +287,18 @@ def test_zero_stage_change_uses_the_source_config(tmp_path):
 
 def test_errors_are_ckptkit_errors():
     assert issubclass(UsageError, CkptkitError)
+
+
+@needs_ds_fixtures
+def test_frozen_glob_for_one_process_sources(tmp_path):
+    """A torch.save file cannot tell frozen params from buffers by sharding: --frozen does."""
+    cfg = str(DS_DATA / "z3_bf16_w2" / "ds_config.json")
+    convert(str(CV / "fsdp2ds_w3"), str(tmp_path / "t"), "torch")
+    src = str(tmp_path / "t" / TORCH_FILE)
+    convert(src, str(tmp_path / "guess"), "zero3", world_size=2, ds_config=cfg)
+    assert "frozen.weight" in open_checkpoint(str(tmp_path / "guess")).index.native.buffers
+    convert(src, str(tmp_path / "z"), "zero3", world_size=2, ds_config=cfg, frozen=("frozen.*",))
+    info = open_checkpoint(str(tmp_path / "z")).index.native
+    assert set(info.frozen) == {"frozen.weight", "frozen.bias"} and info.buffers == ["positions", "temperature"]
+    convert(str(CV / "fsdp2ds_w3"), str(tmp_path / "direct"), "zero3", world_size=2, ds_config=cfg)
+    assert diff(str(tmp_path / "direct"), str(tmp_path / "z")).equal

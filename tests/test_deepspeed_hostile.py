@@ -37,10 +37,11 @@ def test_code_in_deepspeed_files_is_refused(tmp_path, name, which):
     torch.save(original, victim)
     runner = CliRunner()
     for args in (["inspect", str(ckpt)], ["verify", "--deep", str(ckpt)],
-                 ["consolidate", str(ckpt), str(tmp_path / "st")], ["reshard", str(ckpt), str(tmp_path / "r"), "--to", "3"]):
+                 ["consolidate", str(ckpt), str(tmp_path / "st")], ["reshard", str(ckpt), str(tmp_path / "r"), "--to", "3"],
+                 ["convert", str(ckpt), str(tmp_path / "c"), "--to", "dcp"]):
         res = runner.invoke(cli, args)
         assert res.exit_code != 0, args
         assert victim.name in res.output and ("posix.system" in res.output or "os.system" in res.output), res.output
         assert "Traceback" not in res.output
         assert not marker.exists()
-    assert not (tmp_path / "st").exists() and not (tmp_path / "r").exists()
+    assert not (tmp_path / "st").exists() and not (tmp_path / "r").exists() and not (tmp_path / "c").exists()

@@ -17,10 +17,11 @@ import torch
 
 from ..errors import UnsupportedError, UsageError
 from ..formats.registry import Opened
-from ..index.dtypes import is_floating
+from ..index import geometry
+from ..index.dtypes import is_floating, itemsize
 from ..index.flatten import key_of
 from ..index.layouts import is_sharded
-from ..index.types import TensorEntry
+from ..index.types import Box, TensorEntry
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
 from ..ops.keys import LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, guess_step, split_roles
@@ -218,8 +219,6 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
 def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str], frozen_patterns: tuple[str, ...],
               fetcher: Fetcher) -> tuple[list[str], list[str], dict[str, str]]:
     """Sort the model tensors outside the param groups into frozen params, buffers and ties."""
-    from ..ops.diff import _compare
-
     aliases = find_aliases(model)
     multi_rank = (opened.index.world_size or 1) > 1
     frozen, buffers, ties = [], [], {}
@@ -230,8 +229,7 @@ def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str]
             ties[name] = aliases[name]
             continue
         owner = next((t for t in trainable if model[t].shape == e.shape and model[t].dtype == e.dtype
-                      and e.numel > 0 and _compare(name, e, model[t], fetcher, fetcher, 0.0,
-                                                   8 << 20).status == "equal"), None)
+                      and e.numel > 0 and _bit_identical(fetcher, e, model[t])), None)
         if owner is not None:
             ties[name] = owner
         elif any(fnmatch.fnmatchcase(name, p) for p in frozen_patterns):
@@ -241,6 +239,19 @@ def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str]
         else:
             buffers.append(name)
     return frozen, buffers, ties
+
+
+def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes: int = 8 << 20) -> bool:
+    """Same bytes, read slab by slab and stopping at the first difference (a few elements first,
+    so a frozen layer shaped like a trainable one costs almost nothing)."""
+    head = Box((0,) * len(a.shape), tuple([1] * (len(a.shape) - 1) + [min(a.shape[-1], 64)])) if a.shape else None
+    boxes = ([head] if head is not None else []) + list(
+        geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))))
+    for box in boxes:
+        x, y = fetcher.fetch(a, box), fetcher.fetch(b, box)
+        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return False
+    return True
 
 
 def _check_partners(state: TrainingState) -> None:
