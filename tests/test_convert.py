@@ -189,7 +189,7 @@ def test_dcp_to_torch_and_back(tmp_path):
 
     flat, _ = flatten_state_dict(state)
     assert _equal_values(dict(flat), load_truth("fsdp2_w2"), "torch file") >= 60
-    convert(str(tmp_path / "t" / TORCH_FILE), str(tmp_path / "d"), "dcp", world_size=3)
+    convert(str(tmp_path / "t" / TORCH_FILE), str(tmp_path / "d"), "dcp", world_size=3, expect_from="torch")
     assert diff(str(DATA / "fsdp2_w2"), str(tmp_path / "d")).equal
     _, tensors, _ = read_all(tmp_path / "d")
     assert_tensor_equal(tensors["optim.state.gate.step"], torch.tensor(2.0), "step")

@@ -10,6 +10,7 @@ values (a tied weight is a non-trainable tensor equal to a trainable one).
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,14 +223,17 @@ def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str]
     aliases = find_aliases(model)
     multi_rank = (opened.index.world_size or 1) > 1
     frozen, buffers, ties = [], [], {}
+    by_shape: dict[tuple, list[str]] = {}
+    for t in (n for n in model if n in trainable):
+        by_shape.setdefault((model[t].shape, model[t].dtype), []).append(t)
     for name, e in model.items():
         if name in trainable:
             continue
         if name in aliases and aliases[name] in trainable:
             ties[name] = aliases[name]
             continue
-        owner = next((t for t in trainable if model[t].shape == e.shape and model[t].dtype == e.dtype
-                      and e.numel > 0 and _bit_identical(fetcher, e, model[t])), None)
+        owner = next((t for t in by_shape.get((e.shape, e.dtype), [])
+                      if e.numel > 0 and _bit_identical(fetcher, e, model[t])), None)
         if owner is not None:
             ties[name] = owner
         elif any(fnmatch.fnmatchcase(name, p) for p in frozen_patterns):
@@ -264,7 +268,8 @@ def _check_partners(state: TrainingState) -> None:
         raise UsageError(f"{state.source.path}: optimizer entries name parameters the model does not have: {shown} "
                          f"(model names look like: {sample}); fix the names with --strip-prefix, --add-prefix "
                          f"or --rename OLD=NEW")
-    dup = {n for ps in state.group_params for n in ps if sum(n in q for q in state.group_params) > 1}
+    counts = Counter(n for ps in state.group_params for n in ps)
+    dup = {n for n, c in counts.items() if c > 1}
     if dup:
         raise UsageError(f"{state.source.path}: parameters in more than one param group: {sorted(dup)[:5]}")
 

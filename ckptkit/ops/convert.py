@@ -29,6 +29,7 @@ from .options import RunOptions
 TARGETS = ("dcp", "zero1", "zero2", "zero3", "torch", "safetensors")
 SOURCES = ("dcp", "deepspeed", "torch", "safetensors")
 TORCH_FILE = "checkpoint.pt"
+FROM_NAMES = {"torch": "torch_save"}  # --from names -> index formats
 
 
 @dataclass
@@ -71,7 +72,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {world_size})")
     opened = open_checkpoint(src, tag=tag)
-    if expect_from is not None and opened.index.format != expect_from:
+    if expect_from is not None and opened.index.format != FROM_NAMES.get(expect_from, expect_from):
         raise UsageError(f"{src}: is a {opened.index.format} checkpoint, not {expect_from} (--from)")
     state = read_state(opened, rules, frozen)
     world = world_size or opened.index.world_size or 1
