@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import traceback
 from typing import Any, Callable
@@ -42,7 +43,8 @@ def handle_errors(fn: Callable) -> Callable:
         except CkptkitError as exc:
             if debug:
                 traceback.print_exc()
-            click.echo(f"error: {exc}", err=True)
+            if _report(exc):
+                click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted; no output was left behind", err=True)
@@ -52,10 +54,19 @@ def handle_errors(fn: Callable) -> Callable:
         except Exception as exc:  # a bug: say so plainly, keep the traceback for --debug
             if debug:
                 traceback.print_exc()
-            click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
-                       f"traceback and please report it)", err=True)
+            if _report(exc):
+                click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
+                           f"traceback and please report it)", err=True)
             sys.exit(EXIT_INTERNAL)
     return wrapper
+
+
+def _report(exc: BaseException) -> bool:
+    """In a torchrun job: make sure every rank hears of the failure; only rank 0 prints it."""
+    from ckptkit.runner.distributed import current, report_failure
+
+    report_failure(exc)
+    return current().is_root
 
 
 def read_options(fn: Callable) -> Callable:
@@ -69,13 +80,27 @@ def read_options(fn: Callable) -> Callable:
 def run_options(fn: Callable) -> Callable:
     fn = read_options(fn)
     fn = click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")(fn)
+    fn = click.option("--nproc", type=click.IntRange(1, 256), default=None, metavar="P",
+                      help="Split the work over P local processes (runs itself under torchrun).")(fn)
     return fn
+
+
+def relaunch_if_asked(nproc: int | None) -> None:
+    """--nproc P outside torchrun: run the same command as P local processes and exit with them."""
+    if nproc and nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        from .spawn import relaunch
+
+        sys.exit(relaunch(nproc))
 
 
 def make_run_options(ctx: Context, memory_budget: str | None, workers: int | None, overwrite: bool = False):
     from ckptkit.ops.options import RunOptions
+    from ckptkit.runner.distributed import from_environment
 
-    opts = RunOptions(progress=make_progress(ctx.quiet), overwrite=overwrite)
+    group = from_environment()
+    if not group.is_root:
+        ctx.quiet = True  # rank 0 reports for the job
+    opts = RunOptions(progress=make_progress(ctx.quiet), overwrite=overwrite, group=group)
     if memory_budget:
         opts.memory_budget = knobs.parse_size(memory_budget)
     if workers:
@@ -153,8 +178,9 @@ def verify(ctx: Context, src: str, deep: bool, tag: str | None, memory_budget, w
 @click.pass_obj
 @handle_errors
 def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
-                include_optimizer: bool, tag: str | None, memory_budget, workers, overwrite) -> None:
+                include_optimizer: bool, tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
     """Write SRC's model as Hugging Face style safetensors in folder OUT."""
+    relaunch_if_asked(nproc)
     from ckptkit.index.dtypes import parse_dtype_option
     from ckptkit.ops.consolidate import consolidate as run_consolidate
     from ckptkit.ops.inspect import human_bytes
@@ -184,8 +210,9 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 @click.pass_obj
 @handle_errors
 def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: str | None, memory_budget,
-            workers, overwrite) -> None:
+            workers, overwrite, nproc) -> None:
     """Rewrite SRC for world size --to in folder OUT (same format)."""
+    relaunch_if_asked(nproc)
     from ckptkit.ops.inspect import human_bytes
     from ckptkit.ops.reshard import reshard as run_reshard
 
@@ -218,8 +245,9 @@ def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: s
 @handle_errors
 def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, ds_config: str | None,
             from_: str | None, rename: tuple[str, ...], strip_prefix: tuple[str, ...], add_prefix: str,
-            frozen: tuple[str, ...], tag: str | None, memory_budget, workers, overwrite) -> None:
+            frozen: tuple[str, ...], tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
     """Convert training checkpoint SRC to another backend in folder OUT, optimizer state included."""
+    relaunch_if_asked(nproc)
     from ckptkit.convert.names import KeyRules
     from ckptkit.ops.convert import convert as run_convert
 
@@ -274,7 +302,14 @@ def main() -> None:
     from ckptkit.runner.memory import pin_mmap_threshold
 
     pin_mmap_threshold()
-    cli(prog_name="ckptkit")
+    try:
+        cli(prog_name="ckptkit")
+    except SystemExit as done:
+        from ckptkit.runner.distributed import current, finish
+
+        if current().distributed:  # leave the job without tearing gloo down under its threads
+            finish(current(), done.code if isinstance(done.code, int) else (0 if done.code is None else 1))
+        raise
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from .. import knobs
 from ..progress import NullProgress, Progress
+from ..runner.distributed import LOCAL, Group
 
 
 @dataclass
@@ -13,6 +14,7 @@ class RunOptions:
     workers: int = field(default_factory=lambda: knobs.WORKERS)
     progress: Progress = field(default_factory=NullProgress)
     overwrite: bool = False
+    group: Group = field(default_factory=lambda: LOCAL)  # the torchrun job sharing this operation
 
     @property
     def slab_bytes(self) -> int:

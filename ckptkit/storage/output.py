@@ -10,15 +10,23 @@ import errno
 import os
 import shutil
 import uuid
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import OutputError
 
+if TYPE_CHECKING:
+    from ..runner.distributed import Group
+
 
 class OutputDir:
-    """A folder that appears at `path` complete, or not at all."""
+    """A folder that appears at `path` complete, or not at all.
 
-    def __init__(self, path: str, overwrite: bool = False) -> None:
+    In a distributed job every rank enters it: rank 0 takes the lock and creates the temporary
+    folder (which every rank must see: a shared filesystem), every rank writes its own files into
+    it, small files (`write_bytes`) come from rank 0 only, and rank 0 commits once every rank
+    reported success."""
+
+    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None) -> None:
         if "://" in path and not path.startswith("file://"):
             raise OutputError(f"{path}: writing to remote storage is not supported yet; write locally and upload")
         self.path = os.path.abspath(path.removeprefix("file://"))
@@ -28,8 +36,28 @@ class OutputDir:
         self.tmp = os.path.join(parent, f".{name}.ckptkit-tmp-{uuid.uuid4().hex[:8]}")
         self._lock_path = os.path.join(parent, f".{name}.ckptkit-lock")
         self._lock_fd: int | None = None
+        from ..runner.distributed import LOCAL
+
+        self.group = group or LOCAL
 
     def __enter__(self) -> "OutputDir":
+        if not self.group.distributed:
+            return self._enter()
+        error: BaseException | None = None
+        if self.group.is_root:
+            try:
+                self._enter()
+            except BaseException as exc:  # every rank must hear of it
+                error = exc
+        self.group.check(error)
+        self.tmp = self.group.share(self.tmp)
+        seen = os.path.isdir(self.tmp)
+        self.group.check(None if seen else OutputError(
+            f"{self.path}: rank {self.group.rank} cannot see the output folder rank 0 created; a "
+            f"distributed run needs OUT on a filesystem every rank shares"))
+        return self
+
+    def _enter(self) -> "OutputDir":
         parent = os.path.dirname(self.path)
         if not os.path.isdir(parent):
             raise OutputError(f"{self.path}: parent folder {parent} does not exist")
@@ -87,6 +115,9 @@ class OutputDir:
         return _SyncedFile(open(full, "wb"))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        """A small file, written once (by rank 0 in a distributed job)."""
+        if not self.group.is_root:
+            return
         with self.open(rel) as f:
             f.write(data)
 
@@ -103,20 +134,46 @@ class OutputDir:
         _fsync_dir(os.path.dirname(self.path))
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self.group.distributed:
+            self._exit_distributed(exc)
+            return
         try:
             if exc_type is None:
                 self.commit()
         finally:
-            if os.path.exists(self.tmp):
-                shutil.rmtree(self.tmp, ignore_errors=True)
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                try:
-                    os.unlink(self._lock_path)
-                except OSError:
-                    pass
+            self._cleanup()
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise OutputError(f"{self.path}: no space left on device while writing; nothing was written") from None
+
+    def _exit_distributed(self, exc: BaseException | None) -> None:
+        """Every rank reports; rank 0 commits only when all succeeded, then tells the others."""
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            exc = OutputError(f"{self.path}: no space left on device while writing (rank {self.group.rank}); "
+                              f"nothing was written")
+        try:
+            self.group.check(exc)
+            commit_error: BaseException | None = None
+            if self.group.is_root:
+                try:
+                    self.commit()
+                except BaseException as e:
+                    commit_error = e
+            self.group.check(commit_error)
+        finally:
+            if self.group.is_root:
+                self._cleanup()
+
+    def _cleanup(self) -> None:
+        """Remove the temporary folder (absent after a commit) and release the lock."""
+        if os.path.exists(self.tmp):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            try:
+                os.unlink(self._lock_path)
+            except OSError:
+                pass
 
 
 class _SyncedFile:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,9 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
             return written
         return run
 
-    results = run_jobs([job(r) for r in range(layout.world_size)], workers)
+    weights = [sum(box.numel * torch_dtype(index.tensors[key].dtype).itemsize for key, box in per_rank[r])
+               for r in range(layout.world_size)]
+    results = run_jobs([job(r) for r in range(layout.world_size)], workers, group=out.group, weights=weights)
     out.write_bytes(".metadata", build_metadata(index, [w for ws in results for w in ws]))
     return [data_file(r) for r in range(layout.world_size)] + [".metadata"]
 
@@ -142,23 +145,31 @@ def build_metadata(index: CheckpointIndex, written: list[_Written]) -> bytes:
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
     for w in written:
+        # the index's own key objects and interned file names: results gathered from other ranks
+        # are copies, and pickle's memo follows object identity, so this keeps the bytes the same
+        file = sys.intern(w.file)
         if w.box is None:
             obj = index.objects[w.key]
-            sd_meta[w.key] = BytesStorageMetadata()
-            storage[MetadataIndex(w.key)] = _StorageInfo(w.file, w.offset, w.length,
-                                                         list(w.transforms) or None)
-            planner[w.key] = tuple(obj.path) if obj.path else (w.key,)
+            key = obj.key
+            sd_meta[key] = BytesStorageMetadata()
+            storage[MetadataIndex(key)] = _StorageInfo(file, w.offset, w.length, list(w.transforms) or None)
+            planner[key] = tuple(obj.path) if obj.path else (key,)
             continue
         entry = index.tensors[w.key]
-        meta = sd_meta.get(w.key)
+        key = entry.key
+        meta = sd_meta.get(key)
         if meta is None:
             meta = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)),
                                          torch.Size(entry.shape), [])
-            sd_meta[w.key] = meta
-            planner[w.key] = tuple(entry.path) if entry.path else (w.key,)
+            sd_meta[key] = meta
+            planner[key] = tuple(entry.path) if entry.path else (key,)
         meta.chunks.append(ChunkStorageMetadata(torch.Size(w.box.offsets), torch.Size(w.box.sizes)))
-        storage[MetadataIndex(w.key, torch.Size(w.box.offsets), len(meta.chunks) - 1)] = \
-            _StorageInfo(w.file, w.offset, w.length)
+        storage[MetadataIndex(key, torch.Size(w.box.offsets), len(meta.chunks) - 1)] = \
+            _StorageInfo(file, w.offset, w.length)
+    # the save id is a digest of what was written, so one plan gives the same bytes however many
+    # processes wrote it (and a rerun gives the same checkpoint)
+    digest = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
+                                                                   for w in written]))
     md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
-                  storage_meta=StorageMeta(save_id=uuid.uuid4().hex), version=DCP_VERSION)
+                  storage_meta=StorageMeta(save_id=digest.hex), version=DCP_VERSION)
     return pickle.dumps(md, protocol=2)

@@ -112,9 +112,20 @@ def write_zero_files(out: OutputDir, index: CheckpointIndex, source: Source, inf
         _stage3(index, info, world_size, tag, files, sub_group_size)
     jobs = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=slab_bytes, progress=progress))
             for n, s in files.items()]
-    run_jobs(jobs, workers)
+    run_jobs(jobs, workers, group=out.group, weights=[structure_bytes(s) for s in files.values()])
     out.write_bytes("latest", tag.encode())
     return ["latest", *files]
+
+
+def structure_bytes(value: Any) -> int:
+    """Tensor bytes a file structure will hold (how a distributed run balances files)."""
+    if isinstance(value, LazyTensor):
+        return value.entry.nbytes
+    if isinstance(value, dict):
+        return sum(structure_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(structure_bytes(v) for v in value)
+    return 0
 
 
 def _optim_name(info: ZeroInfo, rank: int) -> str:

@@ -93,7 +93,8 @@ def write_safetensors(out: OutputDir, fetcher: Fetcher, tensors: list[OutTensor]
                         progress.advance(len(chunk))
         return run
 
-    run_jobs([job(n, s) for n, s in zip(names, shards)], workers)
+    run_jobs([job(n, s) for n, s in zip(names, shards)], workers, group=out.group,
+             weights=[sum(t.nbytes for t in s) for s in shards])
     if len(shards) > 1 and write_index:
         weight_map = {t.name: n for n, s in zip(names, shards) for t in s}
         doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}

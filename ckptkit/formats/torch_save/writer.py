@@ -8,6 +8,7 @@ from __future__ import annotations
 from ...index.flatten import unflatten
 from ...index.types import CheckpointIndex
 from ...progress import Progress
+from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...runner.stream import find_aliases
 from ...storage.output import OutputDir
@@ -29,4 +30,6 @@ def write_torch_save(out: OutputDir, name: str, index: CheckpointIndex, fetcher:
     if include_objects:
         for obj in index.objects.values():
             items.append(((key_map or {}).get(obj.key) or (tuple(obj.path) if obj.path else (obj.key,)), obj.value))
-    write_archive(out, name, unflatten(items), fetcher, slab_bytes=slab_bytes, progress=progress)
+    structure = unflatten(items)
+    run_jobs([lambda: write_archive(out, name, structure, fetcher, slab_bytes=slab_bytes, progress=progress)], 1,
+             group=out.group)
