@@ -1,0 +1,24 @@
+"""ckptkit: read, verify, consolidate, reshard and convert sharded training checkpoints.
+
+In-job API (imported lazily, so the command line starts fast):
+    ckptkit.save(state_dict, path)       collective DCP save, committed atomically
+    ckptkit.load(state_dict, path)       fill a (sharded) state dict from any checkpoint format
+    ckptkit.Checkpointer(directory, keep=3, async_save=False)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["save", "load", "Checkpointer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("save", "load"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "Checkpointer":
+        from .hooks.checkpointer import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")

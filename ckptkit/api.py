@@ -1,0 +1,152 @@
+"""In-job save and load for training code: `ckptkit.save(state_dict, path)`, `ckptkit.load(state_dict, path)`.
+
+Both are collectives when torch.distributed is initialised (every rank calls them) and plain
+calls otherwise. The state dict is what `get_state_dict(model, optim)` returns: DTensors
+(FSDP2), plain tensors (DDP, one process) and plain values, nested.
+
+save: every rank writes its own shards in parallel with torch.distributed.checkpoint, into a
+temporary folder that rank 0 renames into place once every rank succeeded, so `path` is a DCP
+checkpoint (torch's `dcp.load` reads it) that exists complete or not at all.
+
+load: fills the state dict in place from a checkpoint of any format ckptkit reads (DCP, DeepSpeed
+ZeRO, torch.save, safetensors), whatever world size it was saved at: each rank reads exactly the
+byte ranges of its own shards (a DTensor's local box) with ckptkit's reader, so nothing is
+unpickled outside the restricted loader and no rank holds more than its share.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import FormatError, UnsupportedError, UsageError
+from .index.flatten import flatten, key_of
+from .index.types import Box, CheckpointIndex, TensorEntry
+from .runner.distributed import Group, LOCAL
+from .storage.output import OutputDir
+
+
+def process_group(pg: Any = None) -> Group:
+    """The calling job as a Group (the default process group, or `pg`); the one-process group
+    when torch.distributed is not initialised."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return LOCAL
+    world = dist.get_world_size(pg)
+    if world == 1:
+        return LOCAL
+    gloo = pg
+    if dist.get_backend(pg) != "gloo":  # object collectives over CPU
+        gloo = _gloo_twin(pg)
+    return Group(dist.get_rank(pg), world, gloo)
+
+
+_GLOO: dict[Any, Any] = {}
+
+
+def _gloo_twin(pg: Any) -> Any:
+    import torch.distributed as dist
+
+    if pg not in _GLOO:
+        ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+        _GLOO[pg] = dist.new_group(ranks=ranks, backend="gloo")
+    return _GLOO[pg]
+
+
+def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite: bool = False) -> None:
+    """Write `state_dict` as a DCP checkpoint at `path`, atomically. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    group = process_group(pg)
+    with OutputDir(path, overwrite=overwrite, group=group) as out:
+        dcp.save(dict(state_dict), storage_writer=FileSystemWriter(out.tmp, sync_files=True),
+                 process_group=pg if group.distributed else None, no_dist=not group.distributed)
+
+
+def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None) -> dict[str, Any]:
+    """Fill `state_dict` in place from the checkpoint at `path` (any format, any world size).
+
+    Tensors are copied into (DTensors: into their local shards); other values are replaced by the
+    checkpoint's. Keys follow DCP's flattening (`model.<fqn>`, `optim.state.<fqn>.exp_avg`, ...);
+    a DeepSpeed checkpoint is seen through convert's canonical state, so FSDP2 loads ZeRO
+    directly. A key the state dict has and the checkpoint lacks is an error naming it."""
+    index, fetcher = _open_for_load(path, tag)
+    leaves = flatten(state_dict, lambda v: isinstance(v, torch.Tensor))
+    missing = [key_of(p) for p, _ in leaves if key_of(p) not in index.tensors and key_of(p) not in index.objects]
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise FormatError(f"{path}: has no {shown} (the checkpoint holds {len(index.tensors)} tensors, e.g. "
+                          f"{', '.join(list(index.tensors)[:3])})")
+    for path_, value in leaves:
+        key = key_of(path_)
+        if isinstance(value, torch.Tensor):
+            _fill(value, index.tensors.get(key), key, fetcher, path)
+        else:
+            _set(state_dict, path_, index.objects[key].value if key in index.objects else value)
+    return state_dict
+
+
+def _open_for_load(path: str, tag: str | None) -> tuple[CheckpointIndex, Any]:
+    from .convert.state import read_state
+    from .convert.to_torch_layouts import torch_recipe_index
+    from .formats.registry import open_checkpoint
+    from .runner.fetch import Fetcher
+
+    opened = open_checkpoint(path, tag=tag)
+    if opened.index.format == "dcp":
+        return opened.index, Fetcher(opened.source, index=opened.index)
+    index, resolver = torch_recipe_index(read_state(opened), "load")
+    return index, Fetcher(opened.source, index=CheckpointIndex("resolver", "", tensors=resolver))
+
+
+def _fill(target: torch.Tensor, entry: TensorEntry | None, key: str, fetcher: Any, path: str) -> None:
+    if entry is None:
+        raise FormatError(f"{path}: {key} is not a tensor in the checkpoint")
+    if tuple(target.shape) != tuple(entry.shape):
+        raise FormatError(f"{path}: {key} has shape {list(entry.shape)} in the checkpoint, the state dict "
+                          f"expects {list(target.shape)}")
+    local, box = _local_box(target)
+    if local.numel() == 0:
+        return
+    buf = fetcher.fetch(entry, box)  # in the checkpoint's dtype; copy_ casts (as dcp.load does)
+    with torch.no_grad():
+        local.copy_(buf.reshape(local.shape))
+
+
+def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
+    """The local tensor to fill and the box of the global tensor it holds."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4 layout
+        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if tuple(local.shape) != tuple(shape):
+            raise UnsupportedError(f"DTensor with placements {t.placements} keeps a padded local shard "
+                                   f"{tuple(local.shape)}; ckptkit.load fills unpadded shards only")
+        return local, Box(tuple(offset), tuple(shape))
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise UnsupportedError(f"ckptkit.load fills plain tensors and DTensors, not {type(t).__name__}")
+    return t, Box.whole(tuple(t.shape))
+
+
+def _set(root: Any, path: tuple, value: Any) -> None:
+    node = root
+    for part in path[:-1]:
+        node = node[part] if not isinstance(node, list) else node[int(part)]
+    last = path[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    elif isinstance(node, dict) and last not in node and str(last) in node:
+        node[str(last)] = value
+    else:
+        node[last] = value
+
+
+__all__ = ["save", "load", "process_group", "UsageError"]

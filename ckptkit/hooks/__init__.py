@@ -1,0 +1,4 @@
+"""Training-loop hooks."""
+from .checkpointer import Checkpointer
+
+__all__ = ["Checkpointer"]

@@ -1,0 +1,141 @@
+"""ckptkit.save / ckptkit.load / Checkpointer in one process (no torch.distributed): atomic saves
+readable by torch's dcp.load, loading from every format ckptkit reads (a ZeRO checkpoint straight
+into a torch model), retention, async saves, and the refusals."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit.errors import FormatError, UsageError
+from conftest import DATA, ROOT, assert_tensor_equal, load_truth
+from ds_helpers import DS_DATA, ds_fixtures
+
+sys.path.insert(0, str(ROOT / "fixtures"))
+import models  # noqa: E402
+
+
+def _trained(seed: int = models.MODEL_SEED, steps: int = 2):
+    model = models.make_model(seed)
+    optim = models.make_optimizer(model)
+    models.train_steps(model, optim, steps, models.DATA_SEED)
+    return model, optim
+
+
+def _state(model, optim) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
+def _flat(model, optim) -> dict:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(_state(model, optim))
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert_tensor_equal(a[k], b[k], k)
+        else:
+            assert a[k] == b[k], k
+
+
+def test_save_is_dcp_and_load_restores(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = _trained()
+    ckptkit.save(_state(model, optim), str(tmp_path / "c"))
+    fresh, fresh_optim = _trained(models.MODEL_SEED + 5, steps=1)
+    state = _state(fresh, fresh_optim)
+    ckptkit.load(state, str(tmp_path / "c"))
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(fresh, fresh_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _assert_same(_flat(fresh, fresh_optim), _flat(model, optim))
+    other, other_optim = _trained(models.MODEL_SEED + 9, steps=1)  # torch's own loader reads it too
+    theirs = _state(other, other_optim)
+    dcp.load(theirs, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert_tensor_equal(theirs["model"]["pos"], model.pos.detach(), "pos")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # committed, nothing left over
+
+
+def test_load_reads_a_fsdp2_dcp_saved_at_another_world_size():
+    model, optim = _trained(models.MODEL_SEED + 1, steps=1)
+    state = _state(model, optim)
+    ckptkit.load(state, str(DATA / "fsdp2_w3"))
+    truth = load_truth("fsdp2_w3")
+    assert_tensor_equal(state["model"]["embed.weight"], truth["model.embed.weight"], "embed")
+    assert_tensor_equal(state["optim"]["state"]["gate"]["exp_avg"], truth["optim.state.gate.exp_avg"], "moment")
+    assert state["optim"]["param_groups"][0]["lr"] == truth["optim.param_groups.0.lr"]
+
+
+@pytest.mark.skipif("z2_fp32_w2" not in ds_fixtures(), reason="no DeepSpeed fixtures")
+def test_load_reads_a_zero_checkpoint_into_a_torch_model():
+    import deepspeed_models as dm
+    import generate_convert as gc
+
+    model = dm.make_model(dm.MODEL_SEED + 4)
+    optim = gc.make_optimizer(model)
+    gc.train(model, optim, 1)
+    state = _state(model, optim)
+    ckptkit.load(state, str(DS_DATA / "z2_fp32_w2"))
+    truth = torch.load(DS_DATA / "z2_fp32_w2.truth.pt", weights_only=True)
+    assert_tensor_equal(state["model"]["block.fc_in.weight"], truth["fp32.block.fc_in.weight"], "master")
+    assert_tensor_equal(state["model"]["frozen.weight"], truth["frozen.frozen.weight"], "frozen")
+    assert_tensor_equal(state["optim"]["state"]["pos"]["exp_avg_sq"], truth["exp_avg_sq.pos"], "moment")
+    assert_tensor_equal(state["optim"]["state"]["pos"]["step"], torch.tensor(2.0), "step")
+
+
+def test_load_names_missing_keys_and_shape_mismatches(tmp_path):
+    model, optim = _trained(steps=1)
+    state = _state(model, optim)
+    state["model"]["not_there"] = torch.zeros(2)
+    with pytest.raises(FormatError, match="not_there"):
+        ckptkit.load(state, str(DATA / "fsdp2_w2"))
+    bad = {"model": {"pos": torch.zeros(3, 3)}}
+    with pytest.raises(FormatError, match=r"model\.pos has shape \[5, 10\]"):
+        ckptkit.load(bad, str(DATA / "fsdp2_w2"))
+
+
+def test_checkpointer_in_one_process(tmp_path):
+    ck = ckptkit.Checkpointer(str(tmp_path / "run"), keep=2)
+    assert ck.restore(*_trained(steps=1)) is None and ck.extra is None
+    model, optim = _trained(steps=1)
+    for step in (10, 20, 30):
+        models.train_steps(model, optim, 1, models.DATA_SEED + step)
+        ck.save(step, model, optim, extra={"epoch": step, "tags": ["a", "b"]})
+    assert ck.steps() == [20, 30]
+    fresh, fresh_optim = _trained(models.MODEL_SEED + 2, steps=1)
+    assert ckptkit.Checkpointer(str(tmp_path / "run")).restore(fresh, fresh_optim) == 30
+    _assert_same(_flat(fresh, fresh_optim), _flat(model, optim))
+    # a crash mid-save leaves a hidden temporary; restore skips it and sweeps it away
+    (tmp_path / "run" / ".step_000000040.ckptkit-tmp-deadbeef").mkdir()
+    again = ckptkit.Checkpointer(str(tmp_path / "run"))
+    assert again.restore(fresh, fresh_optim) == 30 and again.extra == {"epoch": 30, "tags": ["a", "b"]}
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000000020", "step_000000030"]
+
+
+def test_async_checkpointer_in_one_process(tmp_path):
+    model, optim = _trained(steps=1)
+    before = _flat(model, optim)
+    ck = ckptkit.Checkpointer(str(tmp_path / "a"), async_save=True)
+    ck.save(1, model, optim)
+    models.train_steps(model, optim, 2, models.DATA_SEED + 1)
+    ck.wait()
+    fresh, fresh_optim = _trained(models.MODEL_SEED + 3, steps=1)
+    assert ckptkit.Checkpointer(str(tmp_path / "a")).restore(fresh, fresh_optim) == 1
+    _assert_same(_flat(fresh, fresh_optim), before)
+
+
+def test_checkpointer_refuses_bad_arguments(tmp_path):
+    with pytest.raises(UsageError):
+        ckptkit.Checkpointer(str(tmp_path), keep=0)
+    with pytest.raises(UsageError):
+        ckptkit.Checkpointer(str(tmp_path)).save(-1, torch.nn.Linear(2, 2))
