@@ -139,3 +139,23 @@ def test_checkpointer_refuses_bad_arguments(tmp_path):
         ckptkit.Checkpointer(str(tmp_path), keep=0)
     with pytest.raises(UsageError):
         ckptkit.Checkpointer(str(tmp_path)).save(-1, torch.nn.Linear(2, 2))
+
+
+def test_the_documented_example_runs(tmp_path, monkeypatch):
+    import re
+
+    text = (ROOT / "docs" / "hooks.md").read_text()
+    blocks = re.findall(r"<!-- run -->\n```python\n(.*?)```", text, re.S)
+    assert blocks, "docs/hooks.md lost its runnable example"
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, "docs/hooks.md", "exec"), {})
+
+
+def test_pyproject_installs_every_package():
+    """A non-editable install ships exactly the packages pyproject lists: none may be missing."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "ckptkit").rglob("__init__.py")}
+    assert found - listed == set()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import signal
 import sys
