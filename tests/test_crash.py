@@ -1,4 +1,4 @@
-"""SIGKILL at many points of consolidate and reshard never leaves an OUT that looks complete;
+"""SIGKILL at many points of consolidate, reshard and convert never leaves an OUT that looks complete;
 a rerun succeeds (the dead run's lock is recognised as stale) and the source is untouched."""
 from __future__ import annotations
 
@@ -40,13 +40,13 @@ def source(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("op", ["consolidate", "reshard"])
+@pytest.mark.parametrize("op", ["consolidate", "reshard", "convert"])
 def test_sigkill_never_leaves_a_complete_looking_output(tmp_path, source, op):
     before = _digest(source)
     outcomes = []
     for i, delay in enumerate(KILL_AFTER):
         out = tmp_path / f"out{i}"
-        args = [str(source), str(out)] + (["--to", "3"] if op == "reshard" else [])
+        args = [str(source), str(out)] + {"reshard": ["--to", "3"], "convert": ["--to", "torch"]}.get(op, [])
         proc = subprocess.Popen([sys.executable, "-m", "ckptkit", "--quiet", op, *args, "--memory-budget", "16MB"],
                                 env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay)

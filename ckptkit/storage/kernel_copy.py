@@ -7,6 +7,7 @@ them, are computed over short-lived memory maps, one window at a time, so memory
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from typing import Any, BinaryIO
@@ -17,6 +18,11 @@ Ranges = list[tuple[str | None, int, int]]  # (source file or None for zeros, of
 
 _ZEROS = bytes(1 << 20)
 _WINDOW = 64 << 20
+_BUFFER = 8 << 20
+# copy_file_range refuses some pairs of files (across filesystems on many kernels, some network
+# and FUSE filesystems): those bytes go through a buffer instead, and the pair is remembered
+_UNSUPPORTED = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF)
+_no_kernel_copy: set[tuple[int, int]] = set()
 
 
 def available(source: Any) -> bool:
@@ -62,12 +68,33 @@ def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> 
             while left:
                 left -= os.write(out_fd, _ZEROS[:min(left, len(_ZEROS))])
         else:
-            src_fd, done = source.fileno(rel), 0
-            while done < nbytes:
-                n = os.copy_file_range(src_fd, out_fd, nbytes - done, offset + done)
-                if n <= 0:
-                    raise OSError(f"copy_file_range stopped at byte {offset + done} of {source.label(rel)}")
-                done += n
+            _copy_range(source, rel, offset, nbytes, out_fd)
         advance(nbytes)
         total += nbytes
     return total
+
+
+def _copy_range(source: Any, rel: str, offset: int, nbytes: int, out_fd: int) -> None:
+    src_fd, done = source.fileno(rel), 0
+    pair = (os.fstat(src_fd).st_dev, os.fstat(out_fd).st_dev)
+    while done < nbytes and pair not in _no_kernel_copy:
+        try:
+            n = os.copy_file_range(src_fd, out_fd, nbytes - done, offset + done)
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED:
+                raise  # ENOSPC, EIO, ...: a real failure
+            _no_kernel_copy.add(pair)
+            break
+        if n <= 0:
+            raise OSError(f"copy_file_range stopped at byte {offset + done} of {source.label(rel)}")
+        done += n
+    buf = bytearray(min(_BUFFER, max(0, nbytes - done)))
+    while done < nbytes:
+        view = memoryview(buf)[:min(len(buf), nbytes - done)]
+        got = os.preadv(src_fd, [view], offset + done)
+        if got <= 0:
+            raise OSError(f"{source.label(rel)}: ends before byte {offset + done}")
+        written = 0
+        while written < got:
+            written += os.write(out_fd, view[written:got])
+        done += got

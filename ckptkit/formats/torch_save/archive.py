@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...errors import FormatError
+from ...errors import CkptkitError, FormatError
 from ...index.dtypes import dtype_name
 from ...index.types import IntegrityCheck, Location
 from ...safeload import StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
@@ -72,8 +72,12 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     try:
         zf = zipfile.ZipFile(io.BufferedReader(RangeFile(source, rel, offset, length), buffer_size=65536))
         infos = zf.infolist()
-    except zipfile.BadZipFile as exc:
-        raise FormatError(f"{label}: damaged torch.save archive at offset {offset} ({exc})") from None
+    except CkptkitError:
+        raise
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError,
+            OverflowError) as exc:  # a damaged directory surfaces as any of these (names: UnicodeDecodeError)
+        raise FormatError(f"{label}: damaged torch.save archive at offset {offset} "
+                          f"({type(exc).__name__}: {str(exc)[:120]})") from None
     members: dict[str, Member] = {}
     for info in infos:
         if info.header_offset + 30 > length:
@@ -160,8 +164,15 @@ def tensor_location(archive: Archive, ref: TensorRef, what: str) -> tuple[str, L
 
 def load_bytes_archive(data: bytes, label: str) -> Any:
     """Eagerly load a torch.save archive held in memory (a decompressed DCP item)."""
+    from ...storage.checksum import crc32
+
     src = _BytesSource(data, label)
-    return load_structure(open_archive(src, ""), eager=True)
+    archive = open_archive(src, "")
+    view = memoryview(data)
+    for m in archive.members.values():  # in memory already: checking costs one fast pass
+        if not m.compressed and crc32(view[m.data_offset:m.data_offset + m.size]) & 0xFFFFFFFF != m.crc32:
+            raise FormatError(f"{label}: damaged item: zip member {m.name} fails its CRC32 check")
+    return load_structure(archive, eager=True)
 
 
 class _BytesSource:
