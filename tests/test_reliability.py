@@ -20,7 +20,7 @@ from ckptkit.formats.registry import open_checkpoint
 from ckptkit.ops.verify import verify
 from ckptkit.runner.fetch import Fetcher
 from conftest import DATA, ROOT, has_zstd, subprocess_env
-from ds_helpers import DS_DATA, ds_fixtures
+from ds_helpers import ds_fixtures
 
 
 def _ckptkit(*args: str) -> subprocess.CompletedProcess:

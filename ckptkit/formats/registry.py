@@ -44,6 +44,7 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp");
     `tag` picks a DeepSpeed tag other than the one `latest` names."""
     source = open_source(path)
+    _refuse_unfinished(path, source)
     tag_folder = (tag is not None and source.isdir("") and source.isdir(tag)
                   and ds_files.looks_like_tag_folder(source.listdir(tag)))
     if tag is not None and not (source.isdir("") and ds_files.detect(source) or tag_folder):
@@ -57,6 +58,15 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     if expect is not None and opened.index.format != expect:
         raise NotACheckpointError(f"{path}: is a {opened.index.format} checkpoint, expected {expect}")
     return opened
+
+
+def _refuse_unfinished(path: str, source: Source) -> None:
+    """A remote output ckptkit did not finish (the commit marker never came) is not a checkpoint."""
+    from ..storage.remote_output import COMPLETE, INCOMPLETE
+
+    if source.isdir("") and source.exists(INCOMPLETE) and not source.exists(COMPLETE):
+        raise NotACheckpointError(f"{path}: is an unfinished ckptkit output ({INCOMPLETE} is there and "
+                                  f"{COMPLETE} is not): the run that wrote it failed or is still running")
 
 
 def _open_file(path: str) -> Opened:

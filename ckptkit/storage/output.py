@@ -26,9 +26,14 @@ class OutputDir:
     it, small files (`write_bytes`) come from rank 0 only, and rank 0 commits once every rank
     reported success."""
 
+    def __new__(cls, path: str, overwrite: bool = False, group: "Group | None" = None) -> "OutputDir":
+        if cls is OutputDir and "://" in path and not path.startswith("file://"):
+            from .remote_output import RemoteOutputDir  # object stores: commit by marker, not rename
+
+            return super().__new__(RemoteOutputDir)
+        return super().__new__(cls)
+
     def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None) -> None:
-        if "://" in path and not path.startswith("file://"):
-            raise OutputError(f"{path}: writing to remote storage is not supported yet; write locally and upload")
         self.path = os.path.abspath(path.removeprefix("file://"))
         self.overwrite = overwrite
         parent = os.path.dirname(self.path) or "."

@@ -1,0 +1,171 @@
+"""Outputs on remote storage (s3://, gs://, memory://, ... through fsspec), committed by a marker.
+
+Object stores cannot rename a folder atomically, so the commit is a marker: `.ckptkit-incomplete`
+is written first, every file is uploaded, then `.ckptkit-complete` (listing the files and their
+sizes) is written and the first marker removed. ckptkit's readers refuse a folder that holds the
+first marker without the second, with one sentence; a failed run removes what it uploaded.
+
+Each output file is written to a local spool file first (the writers seek, and copy bytes in the
+kernel into it) and uploaded when it is closed, then deleted: the spool holds only the files in
+flight (`CKPTKIT_SPOOL` chooses its folder). There is no lock: two runs writing the same remote
+OUT at once are not detected.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from ..errors import OutputError
+from .output import OutputDir
+
+if TYPE_CHECKING:
+    from ..runner.distributed import Group
+
+INCOMPLETE = ".ckptkit-incomplete"
+COMPLETE = ".ckptkit-complete"
+
+
+class RemoteOutputDir(OutputDir):
+    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None) -> None:
+        import fsspec
+
+        from ..runner.distributed import LOCAL
+
+        self.path = path.rstrip("/")
+        self.overwrite = overwrite
+        self.group = group or LOCAL
+        try:
+            self.fs, self.base = fsspec.core.url_to_fs(self.path)
+        except (ImportError, ValueError) as exc:
+            raise OutputError(f"{path}: cannot open this storage ({exc})") from None
+        self.tmp = ""  # no temporary folder: the markers commit
+        self._spool: str | None = None
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _remote(self, rel: str) -> str:
+        return f"{self.base}/{rel}"
+
+    def _enter(self) -> "RemoteOutputDir":
+        try:
+            existing = self.fs.ls(self.base, detail=False) if self.fs.exists(self.base) else []
+            if existing and not self.overwrite:
+                raise OutputError(f"{self.path}: output already exists (choose another path or pass --overwrite)")
+            if existing:
+                self.fs.rm(self.base, recursive=True)
+            self.fs.pipe_file(self._remote(INCOMPLETE), b"a ckptkit write is in progress or did not finish\n")
+        except OutputError:
+            raise
+        except Exception as exc:  # credentials, endpoint, permissions: one sentence
+            raise OutputError(f"{self.path}: cannot write there ({type(exc).__name__}: {str(exc)[:200]})") from None
+        return self
+
+    def __enter__(self) -> "RemoteOutputDir":
+        if not self.group.distributed:
+            self._enter()
+        else:
+            error: BaseException | None = None
+            if self.group.is_root:
+                try:
+                    self._enter()
+                except BaseException as exc:
+                    error = exc
+            self.group.check(error)
+        self._spool = tempfile.mkdtemp(prefix="ckptkit-spool-", dir=os.environ.get("CKPTKIT_SPOOL"))
+        return self
+
+    def file_path(self, rel: str) -> str:
+        assert self._spool is not None
+        full = os.path.join(self._spool, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        return full
+
+    def open(self, rel: str) -> BinaryIO:
+        local = self.file_path(rel)
+        return _UploadingFile(open(local, "w+b"), local, self, rel)  # type: ignore[return-value]
+
+    def _uploaded(self, rel: str, local: str) -> None:
+        size = os.path.getsize(local)
+        try:
+            self.fs.put_file(local, self._remote(rel))
+        except Exception as exc:
+            raise OutputError(f"{self.path}: uploading {rel} failed ({type(exc).__name__}: {str(exc)[:200]})") from None
+        finally:
+            os.unlink(local)
+        with self._lock:
+            self._sizes[rel] = size
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        if not self.group.is_root:
+            return
+        self.fs.pipe_file(self._remote(rel), data)
+        with self._lock:
+            self._sizes[rel] = len(data)
+
+    def commit(self) -> None:
+        sizes: dict[str, int] = {}
+        for part in self.group.gather_all(dict(self._sizes)):
+            sizes.update(part)
+        if self.group.is_root:
+            doc = {"files": dict(sorted(sizes.items()))}
+            self.fs.pipe_file(self._remote(COMPLETE), json.dumps(doc, indent=1).encode())
+            self.fs.rm(self._remote(INCOMPLETE))
+
+    def _abandon(self) -> None:
+        if self.group.is_root:
+            try:
+                self.fs.rm(self.base, recursive=True)
+            except Exception:
+                pass  # the INCOMPLETE marker, written first, still tells readers
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if not self.group.distributed:
+                if exc_type is None:
+                    self.commit()
+                else:
+                    self._abandon()
+                return
+            try:
+                self.group.check(exc)
+            except BaseException:
+                self._abandon()
+                raise
+            error: BaseException | None = None
+            try:
+                self.commit()
+            except BaseException as e:
+                error = e
+            self.group.check(error)
+        finally:
+            if self._spool:
+                shutil.rmtree(self._spool, ignore_errors=True)
+
+
+class _UploadingFile:
+    """A local spool file that is uploaded to the remote OUT when closed."""
+
+    def __init__(self, f: BinaryIO, local: str, out: RemoteOutputDir, rel: str) -> None:
+        self._f, self._local, self._out, self._rel = f, local, out, rel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> "_UploadingFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(upload=exc_type is None)
+
+    def close(self, upload: bool = True) -> None:
+        if self._f.closed:
+            return
+        self._f.close()
+        if upload:
+            self._out._uploaded(self._rel, self._local)
+        elif os.path.exists(self._local):
+            os.unlink(self._local)
