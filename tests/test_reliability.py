@@ -49,6 +49,20 @@ def test_damage_inside_a_compressed_item_is_caught(tmp_path):
     assert any("model.embed.weight" in p for p in problems)
 
 
+def test_a_second_writer_of_the_same_output_is_refused(tmp_path):
+    """While one run holds OUT's lock (here: this test process, inside OutputDir), another run
+    writing the same OUT refuses instead of interleaving; the first still commits."""
+    from ckptkit.storage.output import OutputDir
+
+    out = tmp_path / "out"
+    with OutputDir(str(out)) as first:
+        first.write_bytes("marker", b"first")
+        res = _ckptkit("reshard", str(DATA / "fsdp2_w2"), str(out), "--to", "3", "--overwrite")
+        assert res.returncode == 2 and "another ckptkit run is writing this output" in res.stderr, res.stderr
+    assert (out / "marker").read_bytes() == b"first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 # ---- a full disk -----------------------------------------------------------------------------
 
 def _tmpfs(size: str):
