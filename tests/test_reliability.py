@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ckptkit.errors import CkptkitError
@@ -183,6 +183,7 @@ def _read_everything(path: str) -> None:
 @pytest.mark.slow
 @settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(target=st.integers(0, 100), mut=mutation, rnd=st.binary(min_size=1, max_size=8))
+@example(target=1, mut=("flip", 0.999, 1), rnd=b"\x00")  # found by CI: a zip directory entry at a negative offset
 def test_fuzzed_files_give_ckptkit_errors_only(target, mut, rnd):
     """Damaged copies of real files of every format: reading, fetching every tensor and deep
     verification raise nothing but CkptkitError (no crash, no hang, no other exception)."""

@@ -87,6 +87,9 @@ class LocalSource:
         return bytes(buf)
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
+        if offset < 0:
+            raise FormatError(f"{self._path(rel)}: asked for bytes at offset {offset}: the metadata that "
+                              f"points there is damaged")
         fd = self._fd(rel)
         want = len(buf)
         done = 0
@@ -149,6 +152,9 @@ class FsspecSource:
         return self._sizes[rel]
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0:
+            raise FormatError(f"{self.label(rel)}: asked for {length} bytes at offset {offset}: the metadata "
+                              f"that points there is damaged")
         data = self.fs.cat_file(self._path(rel), start=offset, end=offset + length)
         if len(data) != length:
             raise FormatError(f"{self.label(rel)}: file ends before byte {offset + length} (truncated?)")

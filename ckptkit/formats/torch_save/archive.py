@@ -80,6 +80,8 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
                           f"({type(exc).__name__}: {str(exc)[:120]})") from None
     members: dict[str, Member] = {}
     for info in infos:
+        if info.header_offset < 0 or info.compress_size < 0:
+            raise FormatError(f"{label}: zip member {info.filename} has a damaged directory entry")
         if info.header_offset + 30 > length:
             raise FormatError(f"{label}: zip member {info.filename} starts past the end of the archive")
         local = source.read(rel, offset + info.header_offset, 30)

@@ -1,0 +1,205 @@
+"""The benchmark entry point: real checkpoints of chosen sizes, ckptkit against the tools a user
+would otherwise use, in one run, with a growth table and a process-count curve.
+
+    python benchmarks/run.py [--sizes 100M,400M] [--repeat 3] [--nproc 1,2] [--work /tmp/ckptkit-bench-all] [--keep]
+
+For each size (100M params ~ 1.2 GB, 400M ~ 4.6 GB of fp32 masters + Adam moments):
+  1. writes a ZeRO-3 bf16 checkpoint with DeepSpeed (2 CPU ranks) and an FSDP2 DCP checkpoint with
+     AdamW (torchrun, 2 ranks), unless the work folder already holds them (--keep keeps them);
+  2. with the page cache dropped before every run (root), measures wall time and peak RSS, median
+     of --repeat runs:
+       ZeRO-3: ckptkit consolidate  vs  zero_to_fp32.py --safe_serialization
+               ckptkit reshard 2->3  vs  cp -r (and cp -r && sync: the same durability)
+               ckptkit convert zero3 -> dcp  vs  cp -r
+       DCP:    ckptkit consolidate  vs  torch's loader (_load_state_dict_from_keys) + safetensors.save_file
+               ckptkit reshard 2->3  vs  cp -r
+     and checks that the consolidated outputs agree bit for bit with the peers';
+  3. at the largest size, the same reshard and convert with --nproc P for each P of --nproc.
+Prints the tables (Markdown) and the ratios the goals are stated in, and writes them as JSON to
+<work>/results.json. docs/performance.md keeps the latest output with the machine and the date.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_dcp  # noqa: E402
+import bench_zero3  # noqa: E402
+from _measure import drop_caches, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
+
+
+def _generate(kind: str, size: str, path: str) -> None:
+    layers, width = (bench_zero3 if kind == "zero3" else bench_dcp).SIZES[size]
+    marker = os.path.join(path, "latest" if kind == "zero3" else ".metadata")
+    if os.path.exists(marker):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    print(f"writing a real {kind} checkpoint ({size} params, 2 ranks) into {path} ...", flush=True)
+    script = os.path.join(os.path.dirname(path), f"writer_{kind}.py")
+    open(script, "w").write(bench_zero3.WRITER if kind == "zero3" else bench_dcp.WRITER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+                    str(layers), str(width), path], check=True, env=env)
+
+
+def _same_safetensors(a: str, b: str) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    return set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _ckptkit(*args: str, nproc: int = 1):
+    extra = ["--nproc", str(nproc)] if nproc > 1 else []
+    return lambda: run_python(["-m", "ckptkit", "--quiet", *args, *extra], {"DS_ACCELERATOR": "cpu"})
+
+
+def measure_size(size: str, work: str, repeat: int) -> dict:
+    base = os.path.join(work, size)
+    os.makedirs(base, exist_ok=True)
+    z3, dcp = os.path.join(base, "zero3_w2"), os.path.join(base, "dcp_w2")
+    _generate("zero3", size, z3)
+    _generate("dcp", size, dcp)
+    out = os.path.join(base, "out")
+
+    def fresh():
+        shutil.rmtree(out, ignore_errors=True)
+
+    def run(label: str, tool: str, fn) -> tuple:
+        wall, rss = median_of(repeat, fn, fresh)
+        print(f"  {label:<22} {tool:<42} {wall:8.2f} s {rss:8.0f} MB", flush=True)
+        return label, tool, wall, rss
+
+    ds_env = {"DS_ACCELERATOR": "cpu"}
+    script = os.path.join(base, "torch_path.py")
+    open(script, "w").write(bench_dcp.TORCH_PATH)
+
+    def torch_path(target: str) -> tuple:
+        os.makedirs(target, exist_ok=True)
+        return run_python([script, dcp, os.path.join(target, "model.safetensors")])
+
+    rows = [
+        run("zero3 consolidate", "ckptkit", _ckptkit("consolidate", z3, out)),
+        run("zero3 consolidate", "zero_to_fp32.py --safe_serialization", lambda: run_python(
+            [os.path.join(z3, "zero_to_fp32.py"), z3, out, "--safe_serialization"], ds_env)),
+        run("zero3 reshard 2->3", "ckptkit", _ckptkit("reshard", z3, out, "--to", "3")),
+        run("zero3 reshard 2->3", "cp -r", lambda: run_shell(["cp", "-r", z3, out])),
+        run("zero3 reshard 2->3", "cp -r && sync", lambda: run_shell(["sh", "-c", f"cp -r '{z3}' '{out}' && sync"])),
+        run("zero3 -> dcp", "ckptkit convert", _ckptkit("convert", z3, out, "--to", "dcp", "--world-size", "2")),
+        run("dcp consolidate", "ckptkit", _ckptkit("consolidate", dcp, out)),
+        run("dcp consolidate", "torch loader + safetensors.save_file", lambda: torch_path(out)),
+        run("dcp reshard 2->3", "ckptkit", _ckptkit("reshard", dcp, out, "--to", "3")),
+        run("dcp reshard 2->3", "cp -r", lambda: run_shell(["cp", "-r", dcp, out])),
+    ]
+    # outputs agree bit for bit with the peers'
+    agree = {}
+    for kind, src, peer in (("zero3", z3, "zero_to_fp32"), ("dcp", dcp, "torch")):
+        mine, theirs = os.path.join(base, f"agree_{kind}_ck"), os.path.join(base, f"agree_{kind}_peer")
+        for p in (mine, theirs):
+            shutil.rmtree(p, ignore_errors=True)
+        _ckptkit("consolidate", src, mine)()
+        if kind == "zero3":
+            run_python([os.path.join(z3, "zero_to_fp32.py"), z3, theirs, "--safe_serialization"], ds_env)
+        else:
+            torch_path(theirs)
+        agree[kind] = _same_safetensors(os.path.join(mine, "model.safetensors"), os.path.join(theirs, "model.safetensors"))
+        shutil.rmtree(mine)
+        shutil.rmtree(theirs)
+    fresh()
+    sizes = {"zero3_gb": bench_zero3.du(z3) / 1e9, "dcp_gb": bench_dcp.du(dcp) / 1e9}
+    return {"size": size, "gb": sizes, "rows": rows, "agree": agree}
+
+
+def ratios(result: dict) -> dict:
+    r = {(op, tool): (wall, rss) for op, tool, wall, rss in result["rows"]}
+
+    def q(a, b, i):
+        return r[a][i] / r[b][i]
+
+    return {
+        "zero3 consolidate wall vs zero_to_fp32": q(("zero3 consolidate", "ckptkit"),
+                                                   ("zero3 consolidate", "zero_to_fp32.py --safe_serialization"), 0),
+        "zero3 consolidate RSS vs zero_to_fp32": q(("zero3 consolidate", "ckptkit"),
+                                                  ("zero3 consolidate", "zero_to_fp32.py --safe_serialization"), 1),
+        "zero3 reshard wall vs cp -r": q(("zero3 reshard 2->3", "ckptkit"), ("zero3 reshard 2->3", "cp -r"), 0),
+        "zero3 reshard wall vs cp -r && sync": q(("zero3 reshard 2->3", "ckptkit"),
+                                                 ("zero3 reshard 2->3", "cp -r && sync"), 0),
+        "zero3 -> dcp wall vs cp -r": q(("zero3 -> dcp", "ckptkit convert"), ("zero3 reshard 2->3", "cp -r"), 0),
+        "dcp consolidate wall vs torch": q(("dcp consolidate", "ckptkit"),
+                                           ("dcp consolidate", "torch loader + safetensors.save_file"), 0),
+        "dcp consolidate RSS vs torch": q(("dcp consolidate", "ckptkit"),
+                                          ("dcp consolidate", "torch loader + safetensors.save_file"), 1),
+        "dcp reshard wall vs cp -r": q(("dcp reshard 2->3", "ckptkit"), ("dcp reshard 2->3", "cp -r"), 0),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="100M,400M")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--nproc", default="1,2", help="process counts for the curve at the largest size")
+    ap.add_argument("--work", default="/tmp/ckptkit-bench-all")
+    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints for reruns")
+    args = ap.parse_args()
+    try:
+        import huggingface_hub  # noqa: F401  (zero_to_fp32.py needs it)
+    except ImportError:
+        raise SystemExit("zero_to_fp32.py needs huggingface_hub: pip install huggingface_hub")
+    cold = drop_caches()
+    results = []
+    for size in args.sizes.split(","):
+        print(f"== {size}", flush=True)
+        results.append(measure_size(size, args.work, args.repeat))
+    largest = results[-1]["size"]
+    curve = []
+    base = os.path.join(args.work, largest)
+    for p in [int(x) for x in args.nproc.split(",")]:
+        out = os.path.join(base, "out")
+        for label, fn in (("zero3 reshard 2->3", _ckptkit("reshard", os.path.join(base, "zero3_w2"), out, "--to", "3",
+                                                          nproc=p)),
+                          ("zero3 -> dcp", _ckptkit("convert", os.path.join(base, "zero3_w2"), out, "--to", "dcp",
+                                                    nproc=p))):
+            wall, rss = median_of(args.repeat, fn, lambda: shutil.rmtree(out, ignore_errors=True))
+            curve.append((label, p, wall, rss))
+            print(f"  {label:<22} --nproc {p}: {wall:.2f} s, {rss:.0f} MB (per process)", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+
+    print(f"\n{machine_line()}; cold cache: {'yes' if cold else 'no (not root)'}; median of {args.repeat}")
+    for res in results:
+        print(f"\n### {res['size']} params: ZeRO-3 bf16 {res['gb']['zero3_gb']:.2f} GB, "
+              f"FSDP2 DCP {res['gb']['dcp_gb']:.2f} GB (2 ranks, AdamW)\n")
+        print_table(res["rows"])
+        print()
+        for name, value in ratios(res).items():
+            print(f"- {name}: {value:.2f}x")
+        print(f"- outputs agree bit for bit with the peers': {res['agree']}")
+    if len(results) > 1:
+        first, last = results[0], results[-1]
+        print(f"\n### Growth {first['size']} -> {last['size']}\n")
+        print("| operation | wall growth | peak RSS growth |\n|---|---:|---:|")
+        for a, b in zip(first["rows"], last["rows"]):
+            if a[1].startswith("ckptkit"):
+                print(f"| {a[0]} | {b[2] / a[2]:.2f}x | {100 * (b[3] / a[3] - 1):+.0f}% |")
+    print(f"\n### Processes ({largest})\n")
+    print("| operation | --nproc | wall (s) | peak RSS per process (MB) |\n|---|---:|---:|---:|")
+    for label, p, wall, rss in curve:
+        print(f"| {label} | {p} | {wall:.2f} | {rss:.0f} |")
+    with open(os.path.join(args.work, "results.json"), "w") as f:
+        json.dump({"machine": machine_line(), "cold": cold, "results": results,
+                   "ratios": {r["size"]: ratios(r) for r in results}, "nproc": curve}, f, indent=1)
+    if not all(all(r["agree"].values()) for r in results):
+        raise SystemExit("outputs differ from the peers'")
+    if not args.keep:
+        for res in results:
+            shutil.rmtree(os.path.join(args.work, res["size"]), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
