@@ -302,3 +302,16 @@ def test_frozen_glob_for_one_process_sources(tmp_path):
     assert set(info.frozen) == {"frozen.weight", "frozen.bias"} and info.buffers == ["positions", "temperature"]
     convert(str(CV / "fsdp2ds_w3"), str(tmp_path / "direct"), "zero3", world_size=2, ds_config=cfg)
     assert diff(str(tmp_path / "direct"), str(tmp_path / "z")).equal
+
+
+@needs_ds_fixtures
+def test_dcp_to_zero3_with_small_sub_groups(tmp_path):
+    """sub_group_size from the config splits each param group the way DeepSpeed does."""
+    cfg = DS_DATA / "z3_fp32_w3_subgroups" / "ds_config.json"
+    convert(str(CV / "fsdp2ds_w2"), str(tmp_path / "z"), "zero3", world_size=3, ds_config=str(cfg))
+    opened = open_checkpoint(str(tmp_path / "z"))
+    theirs = open_checkpoint(str(DS_DATA / "z3_fp32_w3_subgroups"))
+    assert [[n for n, _ in g.params] for g in opened.index.native.groups] == \
+        [[n for n, _ in g.params] for g in theirs.index.native.groups]  # same sub-groups at the same size
+    assert len(opened.index.native.groups) > 2
+    assert diff(str(CV / "fsdp2ds_w2"), str(tmp_path / "z")).equal
