@@ -40,3 +40,31 @@ def compare_one(key: str, got, want) -> str | None:
     if type(got) is not type(want) or got != want:
         return f"{key}: got {got!r} want {want!r}"
     return None
+
+
+def run_and_leave(rank: int, result_path: str, body) -> None:
+    """Run `body()` (returns the result dict); an exception becomes {"ok": False, "error", ...};
+    rank 0 writes the result; leave with a final barrier only on success (a failed rank must not
+    hang the others), then os._exit."""
+    import sys
+    import traceback
+
+    import torch.distributed as dist
+
+    code = 0
+    try:
+        result = body()
+    except BaseException as e:  # report, then leave without hanging
+        code = 1
+        result = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(result["error"], file=sys.stderr, flush=True)
+    if rank == 0:
+        write_result(result_path, result)
+    if code == 0:
+        try:
+            dist.barrier()
+        except Exception:
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
-from _checks import compare_one, write_result  # noqa: E402
+from _checks import compare_one, run_and_leave  # noqa: E402
 
 from ckptkit import Checkpointer  # noqa: E402
 
@@ -147,25 +146,8 @@ def main() -> None:
     watchdog.daemon = True
     watchdog.start()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    code = 0
-    try:
-        result = {"save": phase_save, "resume": phase_resume, "async": phase_async}[args.phase](args)
-    except BaseException as e:
-        code = 1
-        result = {"ok": False, "error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()}
-        print(result["error"], file=sys.stderr, flush=True)
-    if dist.get_rank() == 0:
-        write_result(args.result, result)
-    if code == 0:
-        try:
-            dist.barrier()
-        except Exception:
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
+    phase = {"save": phase_save, "resume": phase_resume, "async": phase_async}[args.phase]
+    run_and_leave(dist.get_rank(), args.result, lambda: phase(args))
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,6 @@ import math
 import os
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import deepspeed_models as dm  # noqa: E402
-from _checks import write_result  # noqa: E402
+from _checks import run_and_leave  # noqa: E402
 from ds_load_check import compare  # noqa: E402
 
 from ckptkit import Checkpointer  # noqa: E402
@@ -68,8 +67,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
     rank = dist.get_rank()
     truth_file = Path(args.dir).parent / "truth.pt"
-    code = 0
-    try:
+    def body() -> dict:
         if args.phase == "save":
             engine, stage = engine_for(args.ds_config, dm.MODEL_SEED)
             for _ in range(2):
@@ -80,39 +78,25 @@ def main() -> None:
                 truth[f"client.{k}"] = v
             if rank == 0:
                 torch.save(truth, truth_file)
-            result = {"ok": True, "world_size": dist.get_world_size()}
-        else:
-            engine, stage = engine_for(args.ds_config, dm.MODEL_SEED + 1)
-            ckpt = Checkpointer(args.dir, keep=2)
-            step = ckpt.restore(engine)
-            got = gen.collect_truth(engine, stage)
-            for k, v in (ckpt.extra or {}).items():
-                got[f"client.{k}"] = v
-            compared, mismatches = 0, []
-            if rank == 0:
-                compared, mismatches = compare(got, torch.load(truth_file, weights_only=True))
-            before = int(engine.global_steps)
-            loss = dm.train_step(engine)
-            trained = math.isfinite(loss) and int(engine.global_steps) == before + 1
-            leftovers = sorted(n for n in os.listdir(args.dir) if n.startswith("."))
-            result = {"ok": step == 2 and compared >= 50 and not mismatches and trained and not leftovers,
-                      "step": step, "compared": compared, "mismatches": mismatches, "trained_step": trained,
-                      "extra": ckpt.extra, "leftovers": leftovers, "world_size": dist.get_world_size()}
-    except BaseException as e:
-        code = 1
-        result = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        print(result["error"], file=sys.stderr, flush=True)
-    if rank == 0:
-        write_result(args.result, result)
-    if code == 0:
-        try:
-            dist.barrier()
-        except Exception:
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+            return {"ok": True, "world_size": dist.get_world_size()}
+        engine, stage = engine_for(args.ds_config, dm.MODEL_SEED + 1)
+        ckpt = Checkpointer(args.dir, keep=2)
+        step = ckpt.restore(engine)
+        got = gen.collect_truth(engine, stage)
+        for k, v in (ckpt.extra or {}).items():
+            got[f"client.{k}"] = v
+        compared, mismatches = 0, []
+        if rank == 0:
+            compared, mismatches = compare(got, torch.load(truth_file, weights_only=True))
+        before = int(engine.global_steps)
+        loss = dm.train_step(engine)
+        trained = math.isfinite(loss) and int(engine.global_steps) == before + 1
+        leftovers = sorted(n for n in os.listdir(args.dir) if n.startswith("."))
+        return {"ok": step == 2 and compared >= 50 and not mismatches and trained and not leftovers,
+                "step": step, "compared": compared, "mismatches": mismatches, "trained_step": trained,
+                "extra": ckpt.extra, "leftovers": leftovers, "world_size": dist.get_world_size()}
 
+    run_and_leave(rank, args.result, body)
 
 if __name__ == "__main__":
     main()
