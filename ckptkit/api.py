@@ -91,15 +91,16 @@ def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None) -> di
 
 def _open_for_load(path: str, tag: str | None) -> tuple[CheckpointIndex, Any]:
     from .convert.state import read_state
-    from .convert.to_torch_layouts import torch_recipe_index
+    from .convert.to_torch_layouts import fetcher_for, torch_recipe_index
     from .formats.registry import open_checkpoint
     from .runner.fetch import Fetcher
 
     opened = open_checkpoint(path, tag=tag)
     if opened.index.format == "dcp":
         return opened.index, Fetcher(opened.source, index=opened.index)
-    index, resolver = torch_recipe_index(read_state(opened), "load")
-    return index, Fetcher(opened.source, index=CheckpointIndex("resolver", "", tensors=resolver))
+    state = read_state(opened)
+    index, resolver = torch_recipe_index(state, "load")
+    return index, fetcher_for(state, resolver)
 
 
 def _fill(target: torch.Tensor, entry: TensorEntry | None, key: str, fetcher: Any, path: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from ckptkit import knobs
+from ckptkit.convert import SOURCES as CONVERT_SOURCES, TARGETS as CONVERT_TARGETS
 from ckptkit.errors import CkptkitError
 
 from .progress import make_progress
@@ -225,13 +226,12 @@ def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: s
 @cli.command()
 @click.argument("src")
 @click.argument("out")
-@click.option("--to", "to", required=True, type=click.Choice(["dcp", "zero1", "zero2", "zero3", "torch", "safetensors"]),
-              help="Target backend.")
+@click.option("--to", "to", required=True, type=click.Choice(CONVERT_TARGETS), help="Target backend.")
 @click.option("--world-size", type=int, default=None,
               help="Ranks the target is laid out for (dcp, zero*; default: the source's).")
 @click.option("--ds-config", default=None, metavar="CONFIG.json",
               help="The DeepSpeed config the target job loads with (needed for --to zero* from a non-ZeRO source).")
-@click.option("--from", "from_", type=click.Choice(["dcp", "deepspeed", "torch", "safetensors"]), default=None,
+@click.option("--from", "from_", type=click.Choice(CONVERT_SOURCES), default=None,
               help="Expected source format (checked; it is always detected).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW",
               help="Replace the name prefix OLD by NEW (repeatable, applied in order).")

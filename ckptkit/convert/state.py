@@ -20,7 +20,6 @@ from ..errors import UnsupportedError, UsageError
 from ..formats.registry import Opened
 from ..index import geometry
 from ..index.dtypes import is_floating, itemsize
-from ..index.flatten import key_of
 from ..index.layouts import is_sharded
 from ..index.types import Box, TensorEntry
 from ..runner.fetch import Fetcher
@@ -39,7 +38,6 @@ FLAT_PARAM_MARKS = ("flat_param", "_flat_param")
 class TrainingState:
     source: Opened
     model: dict[str, TensorEntry]                      # name -> source entry
-    trainable: list[str]                               # in param-group order
     frozen: list[str]
     buffers: list[str]
     ties: dict[str, str]                               # alias -> owner
@@ -49,8 +47,16 @@ class TrainingState:
     group_params: list[list[str]]
     extras: list[tuple[tuple, Any]] = field(default_factory=list)   # (path, value or TensorEntry)
     ds: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's own values (global_steps, ...)
-    optimizer_style: str | None = None                 # "torch" | "deepspeed" | None
     ds_config: dict | None = None
+
+    @property
+    def from_deepspeed(self) -> bool:
+        return self.source.index.format == "deepspeed"
+
+    @property
+    def trainable(self) -> list[str]:
+        """The trainable parameters, in param-group order."""
+        return [n for ps in self.group_params for n in ps]
 
     @property
     def has_optimizer(self) -> bool:
@@ -128,12 +134,16 @@ def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
             extras.append((tuple(p[1:]), o.value))
         elif p[0] == "ds" and len(p) == 2 and p[1] in DS_CARRIED:
             ds[p[1]] = o.value
-    group_list = [groups[g] for g in sorted(groups)]
-    group_params = [[rules.apply(n) for n in g.pop("params", [])] for g in group_list]
-    trainable = [n for ps in group_params for n in ps]
+    group_list, group_params = _named_groups(groups, rules)
     cfg = ds.get("ds_config")
-    return TrainingState(opened, model, trainable, frozen, buffers, ties, moments, steps, group_list,
-                         group_params, extras, ds, "deepspeed", cfg if isinstance(cfg, dict) else None)
+    return TrainingState(opened, model, frozen, buffers, ties, moments, steps, group_list, group_params, extras, ds,
+                         cfg if isinstance(cfg, dict) else None)
+
+
+def _named_groups(groups: dict[int, dict[str, Any]], rules: KeyRules) -> tuple[list[dict], list[list[str]]]:
+    """(hyperparameters of each group without "params", the group's parameter names), in order."""
+    group_list = [groups[g] for g in sorted(groups)]
+    return group_list, [[rules.apply(n) for n in g.pop("params", [])] for g in group_list]
 
 
 def _optim_parts(path: tuple) -> tuple | None:
@@ -209,12 +219,10 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
         if path[0] in OPTIM_CONTAINERS or path[0] in MODEL_CONTAINERS:
             continue  # leftovers of an optimizer (e.g. an empty state) or a model container
         extras.append((path, o.value))
-    group_list = [groups[g] for g in sorted(groups)]
-    group_params = [[rules.apply(n) for n in g.pop("params", [])] for g in group_list]
-    trainable = [n for ps in group_params for n in ps]
-    frozen, buffers, ties = _classify(opened, model, set(trainable) & set(model), frozen_patterns, fetcher)
-    return TrainingState(opened, model, trainable, frozen, buffers, ties, moments, steps, group_list,
-                         group_params, extras, {}, "torch" if group_list else None)
+    group_list, group_params = _named_groups(groups, rules)
+    trainable = {n for ps in group_params for n in ps} & set(model)
+    frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher)
+    return TrainingState(opened, model, frozen, buffers, ties, moments, steps, group_list, group_params, extras)
 
 
 def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str], frozen_patterns: tuple[str, ...],
@@ -294,4 +302,4 @@ def describe(state: TrainingState) -> str:
             f"{sum(len(m) for m in state.moments.values())} moment tensors")
 
 
-__all__ = ["TrainingState", "read_state", "flat_extras", "describe", "key_of"]
+__all__ = ["TrainingState", "read_state", "flat_extras", "describe"]

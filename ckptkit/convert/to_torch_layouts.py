@@ -14,42 +14,45 @@ from ..index.dtypes import is_floating
 from ..index.layouts import Assignment, Layout, chunk_dim0
 from ..index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ..index.virtual import REF, inline_tensor
+from ..runner.fetch import Fetcher
 from .hyper import torch_groups, torch_step
 from .state import MOMENTS, TrainingState, flat_extras
 
 SOURCE_PREFIX = "\0source:"  # keys of source tensors referenced by cast views (never written)
 
 
-def _upcast_view(key: str, entry: TensorEntry, path: tuple, resolver: dict[str, TensorEntry]) -> TensorEntry:
-    """`entry` read as float32 (a virtual tensor over the source tensor)."""
-    ref = SOURCE_PREFIX + entry.key
+def view(key: str, entry: TensorEntry, resolver: dict[str, TensorEntry], path: tuple | None = None,
+         dtype: str | None = None) -> TensorEntry:
+    """`entry` under a new key, read as `dtype`: its own pieces when there is nothing to cast
+    (other dtype not given, or not floating), else a virtual tensor over it that the fetcher casts.
+    One source entry gets one resolver key, so two views of it (a tied weight's two names) have
+    the same pieces and are written once."""
+    if dtype is None or dtype == entry.dtype or not is_floating(entry.dtype):
+        return TensorEntry(key, entry.dtype, entry.shape, list(entry.pieces), path=path, attrs=dict(entry.attrs))
+    ref = f"{SOURCE_PREFIX}{id(entry)}"  # the entry is kept alive by the resolver, so the id stays its own
     resolver[ref] = entry
     pieces = [Piece(FlatRange(0, entry.numel), Location(ref, 0, entry.numel, REF))] if entry.numel else []
-    return TensorEntry(key, "float32", entry.shape, pieces, path=path, attrs={"virtual": True})
+    return TensorEntry(key, dtype, entry.shape, pieces, path=path, attrs={"virtual": True})
 
 
-def _same(key: str, entry: TensorEntry, path: tuple) -> TensorEntry:
-    return TensorEntry(key, entry.dtype, entry.shape, list(entry.pieces), path=path, attrs=dict(entry.attrs))
+def fetcher_for(state: TrainingState, resolver: dict[str, TensorEntry]) -> Fetcher:
+    """A fetcher over the source that resolves the views of `resolver`."""
+    return Fetcher(state.source.source, index=CheckpointIndex("resolver", "", tensors=resolver))
 
 
 def torch_recipe_index(state: TrainingState, fmt: str) -> tuple[CheckpointIndex, dict[str, TensorEntry]]:
     """(index in torch's recipe keys, resolver = index tensors + the source tensors views refer to)."""
     index = CheckpointIndex(format=fmt, root="")
     resolver: dict[str, TensorEntry] = {}
-    from_ds = state.optimizer_style == "deepspeed" or state.source.index.format == "deepspeed"
+    from_ds = state.from_deepspeed
     for name, entry in state.model.items():
-        key, path = f"model.{name}", ("model", name)
-        if name in state.ties:
-            entry = state.model[state.ties[name]]
-        if from_ds and is_floating(entry.dtype) and entry.dtype != "float32":
-            index.add_tensor(_upcast_view(key, entry, path, resolver))
-        else:
-            index.add_tensor(_same(key, entry, path))
+        entry = state.model[state.ties.get(name, name)]
+        index.add_tensor(view(f"model.{name}", entry, resolver, ("model", name), "float32" if from_ds else None))
     for name in state.trainable:
         for what in MOMENTS:
             entry = state.moments.get(name, {}).get(what)
             if entry is not None:
-                index.add_tensor(_same(f"optim.state.{name}.{what}", entry, ("optim", "state", name, what)))
+                index.add_tensor(view(f"optim.state.{name}.{what}", entry, resolver, ("optim", "state", name, what)))
         if name in state.steps:
             key = f"optim.state.{name}.step"
             index.add_tensor(inline_tensor(key, torch_step(state.steps[name]), ("optim", "state", name, "step")))
@@ -63,7 +66,7 @@ def torch_recipe_index(state: TrainingState, fmt: str) -> tuple[CheckpointIndex,
     for path, value in flat_extras(state.extras):
         key = ".".join(map(str, path))
         if isinstance(value, TensorEntry):
-            index.add_tensor(_same(key, value, path))
+            index.add_tensor(view(key, value, resolver, path))
         else:
             index.add_object(ObjectEntry(key, value, path=path))
     resolver.update(index.tensors)

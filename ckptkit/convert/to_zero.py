@@ -22,18 +22,18 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedError, UsageError
+from ..formats.deepspeed import standins
 from ..formats.deepspeed.files import Layout as ZeroFiles
 from ..formats.deepspeed.reader import Group, ZeroInfo
 from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE, write_zero_files
-from ..index.dtypes import is_floating, torch_dtype
-from ..index.types import CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
-from ..index.virtual import REF, inline_tensor
+from ..index.dtypes import torch_dtype
+from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
+from ..index.virtual import inline_tensor
 from ..progress import Progress
-from ..safeload import inert_class
 from ..storage.output import OutputDir
 from .hyper import deepspeed_groups, deepspeed_step
-from .state import MOMENTS, TrainingState, flat_extras
-from .to_torch_layouts import SOURCE_PREFIX
+from .state import MOMENTS, TrainingState
+from .to_torch_layouts import view
 
 DS_FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose file layout this writes
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
@@ -49,35 +49,15 @@ def config_precision(cfg: dict) -> str:
     return "float32"
 
 
-def _view(key: str, dtype: str, entry: TensorEntry, resolver: dict[str, TensorEntry],
-          path: tuple | None = None) -> TensorEntry:
-    """`entry` read as `dtype`: itself when the dtype matches, else a cast view over it."""
-    if entry.dtype == dtype or not is_floating(entry.dtype):
-        return TensorEntry(key, entry.dtype, entry.shape, list(entry.pieces), path=path)
-    ref = SOURCE_PREFIX + key + "\0" + entry.key
-    resolver[ref] = entry
-    pieces = [Piece(FlatRange(0, entry.numel), Location(ref, 0, entry.numel, REF))] if entry.numel else []
-    return TensorEntry(key, dtype, entry.shape, pieces, path=path, attrs={"virtual": True})
-
-
-def _stand_in(qualname: str, args: tuple | None = None, **fields: Any) -> Any:
-    cls = inert_class(qualname)
-    obj = cls.__new__(cls)
-    if args is not None:
-        obj.__dict__["_args"] = args
-    obj.__dict__.update(fields)
-    return obj
-
-
 def _loss_scaler(cfg: dict, precision: str, global_step: int) -> tuple[Any, bool]:
     fp16 = cfg.get("fp16") or {}
     if precision != "float16":
-        return _stand_in(LOSS_SCALER, cur_scale=1.0, dynamic=False), False
+        return standins.make(LOSS_SCALER, cur_scale=1.0, dynamic=False), False
     static = float(fp16.get("loss_scale", 0) or 0)
     if static > 0:
-        return _stand_in(LOSS_SCALER, cur_scale=static, dynamic=False), False
+        return standins.make(LOSS_SCALER, cur_scale=static, dynamic=False), False
     hysteresis = int(fp16.get("hysteresis", 2))
-    return _stand_in(DYNAMIC_LOSS_SCALER, cur_scale=2 ** int(fp16.get("initial_scale_power", 16)), dynamic=True,
+    return standins.make(DYNAMIC_LOSS_SCALER, cur_scale=2 ** int(fp16.get("initial_scale_power", 16)), dynamic=True,
                      cur_iter=global_step, last_overflow_iter=-1, scale_factor=2.0,
                      scale_window=int(fp16.get("loss_scale_window", 1000)),
                      min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis, cur_hysteresis=hysteresis,
@@ -121,11 +101,11 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
     index = CheckpointIndex(format="deepspeed", root="")
     resolver: dict[str, TensorEntry] = {}
     for name in state.trainable:
-        index.add_tensor(_view(f"model.{name}", "float32", state.model[name], resolver, ("model", name)))
+        index.add_tensor(view(f"model.{name}", state.model[name], resolver, ("model", name), "float32"))
         for what in MOMENTS:
-            index.add_tensor(_view(f"optim.state.{name}.{what}", "float32", state.moments[name][what], resolver))
+            index.add_tensor(view(f"optim.state.{name}.{what}", state.moments[name][what], resolver, dtype="float32"))
     for name in state.frozen:
-        index.add_tensor(_view(f"model.{name}", precision, state.model[name], resolver, ("model", name)))
+        index.add_tensor(view(f"model.{name}", state.model[name], resolver, ("model", name), precision))
 
     groups = deepspeed_groups(state.groups, cfg)
     gsteps = [deepspeed_step(state.group_step(g), cfg) for g in range(len(groups))]
@@ -138,24 +118,24 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
     module: OrderedDict[str, Any] = OrderedDict()
     for name, entry in state.model.items():
         if name in state.buffers:
-            module[name] = _lazy(_view(f"module.{name}", entry.dtype, entry, resolver), index)
+            module[name] = _lazy(view(f"module.{name}", entry, resolver), index)
         elif stage == 3:
             module[name] = _lazy(inline_tensor(f"module.{name}", torch.empty(0, dtype=torch_dtype(precision))), index)
         else:
             owner = state.ties.get(name, name)
             src = index.tensors.get(f"model.{owner}") or state.model[owner]
-            module[name] = _lazy(_view(f"module.{name}", precision, src, resolver), index)
+            module[name] = _lazy(view(f"module.{name}", src, resolver, dtype=precision), index)
     index.tensors.update(resolver)
 
     info_groups: list[Group] = []
     param_shapes = []
-    world_cfg_groups = []
+    alignment_paddings = []
     for g, names in enumerate(state.group_params):
         shaped = [(n, tuple(state.model[n].shape)) for n in names]
         if stage < 3:
             pads = _alignment_paddings([(n, math.prod(s)) for n, s in shaped], zero_cfg, precision)
             info_groups.append(Group(g, g, shaped, pads if any(pads) else None))
-            world_cfg_groups.append(pads)
+            alignment_paddings.append(pads)
             param_shapes.append(OrderedDict((n, torch.Size(s)) for n, s in shaped))
         else:
             info_groups.append(Group(g, g, shaped))
@@ -200,30 +180,30 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
 
     group_states = OrderedDict((g, OrderedDict(step=gsteps[g], exp_avg=None, exp_avg_sq=None))
                                for g in range(len(groups)))
+    base_state = {"state": group_states, "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
+    zero_stage = standins.enum_member(ZERO_STAGE_ENUM, stage)
     if stage < 3:
         osd: OrderedDict[str, Any] = OrderedDict()
         osd["loss_scaler"] = scaler
         osd["dynamic_loss_scale"] = dynamic
         osd["overflow"] = False
         osd["clip_grad"] = float(cfg.get("gradient_clipping", 1.0))
-        osd["base_optimizer_state"] = {"state": group_states,
-                                       "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
+        osd["base_optimizer_state"] = base_state
         osd["single_partition_of_fp32_groups"] = []
-        osd["zero_stage"] = _stand_in(ZERO_STAGE_ENUM, (stage,))
+        osd["zero_stage"] = zero_stage
         osd["group_paddings"] = []
-        osd["param_alignment_paddings"] = world_cfg_groups
+        osd["param_alignment_paddings"] = alignment_paddings
         osd["partition_count"] = [world_size] * len(groups)
         osd["ds_version"] = DS_FORMAT_VERSION
         osd["param_slice_mappings"] = []
     else:
         osd = OrderedDict()
-        osd["zero_stage"] = _stand_in(ZERO_STAGE_ENUM, (stage,))
+        osd["zero_stage"] = zero_stage
         osd["loss_scaler"] = scaler
         osd["dynamic_loss_scale"] = dynamic
         osd["overflow"] = False
         osd["partition_count"] = world_size
-        osd["optimizer_state_dict"] = {"state": group_states,
-                                       "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
+        osd["optimizer_state_dict"] = base_state
         osd["fp32_flat_groups"] = []
     optim_t = OrderedDict(optimizer_state_dict=osd, ds_config=cfg_out, ds_version=DS_FORMAT_VERSION)
 
@@ -254,4 +234,4 @@ def _nest(root: dict, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-__all__ = ["write_zero_from_state", "config_precision", "flat_extras"]
+__all__ = ["write_zero_from_state", "config_precision"]

@@ -11,23 +11,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..convert import SOURCES, TARGETS
 from ..convert.names import KeyRules
 from ..convert.state import TrainingState, describe, read_state
-from ..convert.to_torch_layouts import fsdp2_training_layout, torch_recipe_index
+from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
 from ..errors import UsageError
 from ..formats.dcp.writer import write_dcp
 from ..formats.registry import open_checkpoint
 from ..formats.safetensors.writer import OutTensor, write_safetensors
 from ..formats.torch_save.writer import write_torch_save
-from ..index.types import CheckpointIndex
-from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
 from ..storage.output import OutputDir
 from .. import knobs
 from .options import RunOptions
 
-TARGETS = ("dcp", "zero1", "zero2", "zero3", "torch", "safetensors")
-SOURCES = ("dcp", "deepspeed", "torch", "safetensors")
 TORCH_FILE = "checkpoint.pt"
 FROM_NAMES = {"torch": "torch_save"}  # --from names -> index formats
 
@@ -83,7 +80,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         if to == "dcp":
             index, resolver = torch_recipe_index(state, "dcp")
             index.world_size = world
-            files = write_dcp(target, index, _fetcher(state, resolver), fsdp2_training_layout(index, state, world),
+            files = write_dcp(target, index, fetcher_for(state, resolver), fsdp2_training_layout(index, state, world),
                               slab_bytes=options.slab_bytes, workers=options.workers, progress=options.progress)
         elif to.startswith("zero"):
             from ..convert.to_zero import write_zero_from_state
@@ -93,18 +90,14 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
                                           workers=options.workers, progress=options.progress)
         elif to == "torch":
             index, resolver = torch_recipe_index(state, "torch")
-            write_torch_save(target, TORCH_FILE, index, _fetcher(state, resolver), slab_bytes=options.slab_bytes,
+            write_torch_save(target, TORCH_FILE, index, fetcher_for(state, resolver), slab_bytes=options.slab_bytes,
                              progress=options.progress)
             files = [TORCH_FILE]
         else:
             files = _write_safetensors(target, state, options)
     options.progress.close()
-    return ConvertResult(out, opened.index.format, to, world if to in ("dcp", "zero1", "zero2", "zero3") else None,
+    return ConvertResult(out, opened.index.format, to, world if to not in ("torch", "safetensors") else None,
                          describe(state), files)
-
-
-def _fetcher(state: TrainingState, resolver: dict) -> Fetcher:
-    return Fetcher(state.source.source, index=CheckpointIndex("resolver", "", tensors=resolver))
 
 
 def _write_safetensors(target: OutputDir, state: TrainingState, options: RunOptions) -> list[str]:
@@ -112,13 +105,9 @@ def _write_safetensors(target: OutputDir, state: TrainingState, options: RunOpti
     model = {k[len("model."):]: e for k, e in index.tensors.items() if (e.path or ())[:1] == ("model",)}
     aliases = find_aliases(model)
     tensors = [OutTensor(name, e, e.dtype) for name, e in model.items() if name not in aliases]
-    return write_safetensors(target, _fetcher(state, resolver), tensors, basename="model",
+    return write_safetensors(target, fetcher_for(state, resolver), tensors, basename="model",
                              max_shard_bytes=knobs.parse_size(knobs.MAX_SHARD_SIZE), slab_bytes=options.slab_bytes,
                              workers=options.workers, aliases=aliases, progress=options.progress)
-
-
-def source_formats() -> tuple[str, ...]:
-    return SOURCES
 
 
 __all__ = ["convert", "ConvertResult", "TARGETS", "SOURCES", "TORCH_FILE"]

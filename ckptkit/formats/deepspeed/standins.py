@@ -26,6 +26,14 @@ def make(qualname: str, **state: Any) -> Inert:
     return obj
 
 
+def enum_member(qualname: str, value: Any) -> Inert:
+    """A new stand-in for an Enum member, pickled as a call of the class (REDUCE), e.g.
+    ZeroStageEnum(3): the form enum_value reads back."""
+    obj = make(qualname)
+    obj.__dict__["_args"] = (value,)
+    return obj
+
+
 def enum_value(value: Any) -> Any:
     """The value of a pickled Enum member (ZeroStageEnum(3) -> 3); plain values pass through."""
     if isinstance(value, Inert):
