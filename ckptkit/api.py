@@ -20,39 +20,11 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, UnsupportedError, UsageError
+from .errors import FormatError, UnsupportedError
 from .index.flatten import flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
-from .runner.distributed import Group, LOCAL
+from .runner.distributed import group_of
 from .storage.output import OutputDir
-
-
-def process_group(pg: Any = None) -> Group:
-    """The calling job as a Group (the default process group, or `pg`); the one-process group
-    when torch.distributed is not initialised."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return LOCAL
-    world = dist.get_world_size(pg)
-    if world == 1:
-        return LOCAL
-    gloo = pg
-    if dist.get_backend(pg) != "gloo":  # object collectives over CPU
-        gloo = _gloo_twin(pg)
-    return Group(dist.get_rank(pg), world, gloo)
-
-
-_GLOO: dict[Any, Any] = {}
-
-
-def _gloo_twin(pg: Any) -> Any:
-    import torch.distributed as dist
-
-    if pg not in _GLOO:
-        ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-        _GLOO[pg] = dist.new_group(ranks=ranks, backend="gloo")
-    return _GLOO[pg]
 
 
 def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite: bool = False) -> None:
@@ -60,7 +32,7 @@ def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    group = process_group(pg)
+    group = group_of(pg)
     with OutputDir(path, overwrite=overwrite, group=group) as out:
         dcp.save(dict(state_dict), storage_writer=FileSystemWriter(out.tmp, sync_files=True),
                  process_group=pg if group.distributed else None, no_dist=not group.distributed)
@@ -150,4 +122,4 @@ def _set(root: Any, path: tuple, value: Any) -> None:
         node[last] = value
 
 
-__all__ = ["save", "load", "process_group", "UsageError"]
+__all__ = ["save", "load"]

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..errors import CkptkitError, UsageError
-from ..runner.distributed import Group
-from ..storage.output import OutputDir
+from ..runner.distributed import Group, group_of
+from ..storage.output import OutputDir, lock_is_stale
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_MARK = ".ckptkit-tmp-"
@@ -52,9 +52,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._bg_pg: Any = None
-        from ..api import process_group
-
-        self._group = process_group()
+        self._group = group_of()
         if self._group.is_root:
             os.makedirs(self.directory, exist_ok=True)
         if async_save and self._group.distributed:
@@ -95,9 +93,7 @@ class Checkpointer:
             self._write(step, state, self._group, None)
             return
         staged = _stage(state)
-        from ..api import process_group
-
-        group = process_group(self._bg_pg) if self._bg_pg is not None else self._group
+        group = group_of(self._bg_pg) if self._bg_pg is not None else self._group
         self._thread = threading.Thread(target=self._background, args=(step, staged, group),
                                         name=f"ckptkit-save-{step}", daemon=True)
         self._thread.start()
@@ -215,7 +211,7 @@ class Checkpointer:
                 if TMP_MARK in name and name.startswith(".step_"):
                     target = name[1:name.index(TMP_MARK)]
                     lock = os.path.join(self.directory, f".{target}{LOCK_MARK}")
-                    if not os.path.exists(lock) or OutputDir(os.path.join(self.directory, target))._stale_lock():
+                    if not os.path.exists(lock) or lock_is_stale(lock):
                         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
                         if os.path.exists(lock):
                             os.unlink(lock)

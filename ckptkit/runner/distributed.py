@@ -144,12 +144,30 @@ def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    # object collectives go over gloo (CPU) even when the tensors of a job use nccl
-    pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
-        if dist.get_backend() != "gloo" else None
-    group = Group(dist.get_rank(), dist.get_world_size(), pg)
+    group = group_of(None, timeout_s)
     _CURRENT.append(group)
     return group
+
+
+_GLOO: dict[Any, Any] = {}  # process group -> its gloo twin for object collectives
+
+
+def group_of(pg: Any = None, timeout_s: float | None = None) -> Group:
+    """The processes of `pg` (default: the default process group) as a Group; the one-process
+    group when torch.distributed is not initialised. Object collectives go over gloo (CPU) even
+    when the job's tensors use nccl: a gloo twin of `pg` is made once (a collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(pg) == 1:
+        return LOCAL
+    gloo = pg
+    if dist.get_backend(pg) != "gloo":
+        if pg not in _GLOO:
+            ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+            extra = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+            _GLOO[pg] = dist.new_group(ranks=ranks, backend="gloo", **extra)
+        gloo = _GLOO[pg]
+    return Group(dist.get_rank(pg), dist.get_world_size(pg), gloo)
 
 
 def finish(group: Group, code: int) -> None:

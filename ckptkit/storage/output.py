@@ -10,7 +10,7 @@ import errno
 import os
 import shutil
 import uuid
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from ..errors import OutputError
 
@@ -45,16 +45,20 @@ class OutputDir:
 
         self.group = group or LOCAL
 
-    def __enter__(self) -> "OutputDir":
-        if not self.group.distributed:
-            return self._enter()
+    def _on_root(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on rank 0 (the only rank of a one-process run); every rank hears if it failed."""
         error: BaseException | None = None
         if self.group.is_root:
             try:
-                self._enter()
+                fn()
             except BaseException as exc:  # every rank must hear of it
                 error = exc
         self.group.check(error)
+
+    def __enter__(self) -> "OutputDir":
+        self._on_root(self._enter)
+        if not self.group.distributed:
+            return self
         self.tmp = self.group.share(self.tmp)
         seen = os.path.isdir(self.tmp)
         self.group.check(None if seen else OutputError(
@@ -73,7 +77,7 @@ class OutputDir:
             self._lock_fd = os.open(self._lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             os.write(self._lock_fd, str(os.getpid()).encode())
         except FileExistsError:
-            if not self._stale_lock():
+            if not lock_is_stale(self._lock_path):
                 raise OutputError(f"{self.path}: another ckptkit run is writing this output "
                                   f"(lock {self._lock_path}); wait for it or remove the lock") from None
             os.unlink(self._lock_path)
@@ -92,21 +96,6 @@ class OutputDir:
         for name in os.listdir(parent):
             if name.startswith(prefix):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-    def _stale_lock(self) -> bool:
-        try:
-            pid = int(open(self._lock_path).read().strip() or "0")
-        except (OSError, ValueError):
-            return True
-        if pid <= 0:
-            return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
 
     def file_path(self, rel: str) -> str:
         full = os.path.join(self.tmp, rel)
@@ -157,13 +146,7 @@ class OutputDir:
                               f"nothing was written")
         try:
             self.group.check(exc)
-            commit_error: BaseException | None = None
-            if self.group.is_root:
-                try:
-                    self.commit()
-                except BaseException as e:
-                    commit_error = e
-            self.group.check(commit_error)
+            self._on_root(self.commit)
         finally:
             if self.group.is_root:
                 self._cleanup()
@@ -179,6 +162,23 @@ class OutputDir:
                 os.unlink(self._lock_path)
             except OSError:
                 pass
+
+
+def lock_is_stale(path: str) -> bool:
+    """Whether the lock file at `path` was left by a process that is gone (or is unreadable)."""
+    try:
+        pid = int(open(path).read().strip() or "0")
+    except (OSError, ValueError):
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 class _SyncedFile:

@@ -65,16 +65,7 @@ class RemoteOutputDir(OutputDir):
         return self
 
     def __enter__(self) -> "RemoteOutputDir":
-        if not self.group.distributed:
-            self._enter()
-        else:
-            error: BaseException | None = None
-            if self.group.is_root:
-                try:
-                    self._enter()
-                except BaseException as exc:
-                    error = exc
-            self.group.check(error)
+        self._on_root(self._enter)
         self._spool = tempfile.mkdtemp(prefix="ckptkit-spool-", dir=os.environ.get("CKPTKIT_SPOOL"))
         return self
 
