@@ -26,6 +26,11 @@ finally:
 """
 
 
+def du(path: str) -> int:
+    """Bytes of the files under `path`."""
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
 def drop_caches() -> bool:
     """Cold page cache where permitted (root); returns whether it worked."""
     try:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import drop_caches, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
+from _measure import drop_caches, du, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
 
 SIZES = {"100M": (24, 2048), "400M": (24, 4096)}  # (layers, width): layers * width^2 params
 
@@ -55,13 +55,6 @@ keys = {k for k in md.state_dict_metadata if k.startswith("model.")}
 sd = _load_state_dict_from_keys(keys, checkpoint_id=src)
 save_file({k: v.contiguous() for k, v in sd["model"].items()}, out, metadata={"format": "pt"})
 """
-
-
-def du(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return total
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import drop_caches, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
+from _measure import drop_caches, du, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
 
 SIZES = {"100M": (24, 2048), "400M": (24, 4096)}
 
@@ -41,10 +41,6 @@ engine.save_checkpoint(out, tag="global_step1")
 torch.distributed.barrier()
 os._exit(0)
 """
-
-
-def du(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_dcp  # noqa: E402
 import bench_zero3  # noqa: E402
-from _measure import drop_caches, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
+from _measure import drop_caches, du, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
 
 
 def _generate(kind: str, size: str, path: str) -> None:
@@ -113,7 +113,7 @@ def measure_size(size: str, work: str, repeat: int) -> dict:
         shutil.rmtree(mine)
         shutil.rmtree(theirs)
     fresh()
-    sizes = {"zero3_gb": bench_zero3.du(z3) / 1e9, "dcp_gb": bench_dcp.du(dcp) / 1e9}
+    sizes = {"zero3_gb": du(z3) / 1e9, "dcp_gb": du(dcp) / 1e9}
     return {"size": size, "gb": sizes, "rows": rows, "agree": agree}
 
 

@@ -42,6 +42,17 @@ def assert_tensor_equal(actual: torch.Tensor, expected: torch.Tensor, what: str)
     assert torch.equal(actual, expected), f"{what}: values differ"
 
 
+def save_random_dcp(path, count: int, shape: tuple[int, int], seed: int, name: str = "w{i}") -> dict:
+    """A one-process DCP checkpoint of `count` random float32 tensors under "model" (all in one data
+    file), written by torch's dcp.save; returns the state it saved."""
+    import torch.distributed.checkpoint as dcp
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {"model": {name.format(i=i): torch.randn(*shape, generator=gen) for i in range(count)}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
 def read_all(path) -> tuple:
     """Open a checkpoint with ckptkit and materialise every tensor (small fixtures only)."""
     from ckptkit.formats.registry import open_checkpoint

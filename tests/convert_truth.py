@@ -20,7 +20,9 @@ import deepspeed_models as dm  # noqa: E402
 
 TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                   "differentiable": False, "fused": None, "decoupled_weight_decay": True}
-PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# DeepSpeed truth key -> torch recipe key, for the values that map one to one
+SAME_VALUES = {"fp32.{n}": "model.{n}", "exp_avg.{n}": "optim.state.{n}.exp_avg",
+               "exp_avg_sq.{n}": "optim.state.{n}.exp_avg_sq"}
 
 
 def model_roles() -> tuple[list[list[str]], list[str], list[str], dict[str, str]]:
@@ -42,9 +44,8 @@ def torch_truth_from_ds(ds: dict, cfg: dict) -> dict:
     out: dict = {}
     for g, names in enumerate(groups):
         for n in names:
-            out[f"model.{n}"] = ds[f"fp32.{n}"]
-            out[f"optim.state.{n}.exp_avg"] = ds[f"exp_avg.{n}"]
-            out[f"optim.state.{n}.exp_avg_sq"] = ds[f"exp_avg_sq.{n}"]
+            for ds_key, torch_key in SAME_VALUES.items():
+                out[torch_key.format(n=n)] = ds[ds_key.format(n=n)]
             out[f"optim.state.{n}.step"] = torch.tensor(float(ds[f"step.{n}"]), dtype=torch.float32)
         params = cfg["optimizer"]["params"]
         hyper = {"lr": ds[f"lr.{g}"], "betas": list(params["betas"]), "eps": params["eps"],
@@ -71,9 +72,8 @@ def ds_truth_from_torch(t: dict, cfg: dict, extra: dict) -> dict:
     out: dict = {}
     for g, names in enumerate(groups):
         for n in names:
-            out[f"fp32.{n}"] = t[f"model.{n}"]
-            out[f"exp_avg.{n}"] = t[f"optim.state.{n}.exp_avg"]
-            out[f"exp_avg_sq.{n}"] = t[f"optim.state.{n}.exp_avg_sq"]
+            for ds_key, torch_key in SAME_VALUES.items():
+                out[ds_key.format(n=n)] = t[torch_key.format(n=n)]
             out[f"step.{n}"] = int(t[f"optim.state.{n}.step"].item())
             out[f"module.{n}"] = t[f"model.{n}"].to(precision)
         out[f"lr.{g}"] = t[f"optim.param_groups.{g}.lr"]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ckptkit.ops.verify import verify
-from conftest import subprocess_env
+from conftest import save_random_dcp, subprocess_env
 
 KILL_AFTER = [0.3, 0.8, 1.2, 1.6, 2.0, 2.5, 3.5]  # seconds: start-up, reading, mid-write, commit
 
@@ -28,13 +28,8 @@ def _digest(path) -> str:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    import torch
-    import torch.distributed.checkpoint as dcp
-
     path = tmp_path_factory.mktemp("crash") / "src"
-    gen = torch.Generator().manual_seed(0)
-    state = {"model": {f"layer{i}.weight": torch.randn(2048, 1024, generator=gen) for i in range(12)}}  # 96 MB
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    save_random_dcp(path, 12, (2048, 1024), seed=0, name="layer{i}.weight")  # 96 MB
     return path
 
 

@@ -19,7 +19,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.ops.verify import verify
 from ckptkit.runner.fetch import Fetcher
-from conftest import DATA, ROOT, has_zstd, subprocess_env
+from conftest import DATA, ROOT, has_zstd, save_random_dcp, subprocess_env
 from ds_helpers import ds_fixtures
 
 
@@ -92,12 +92,8 @@ def other_disk():
 
 @pytest.fixture(scope="module")
 def four_mb_dcp(tmp_path_factory):
-    import torch.distributed.checkpoint as dcp
-
     path = tmp_path_factory.mktemp("big") / "src"
-    gen = torch.Generator().manual_seed(1)
-    state = {"model": {f"w{i}": torch.randn(256, 1024, generator=gen) for i in range(4)}}  # 4 MiB
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    save_random_dcp(path, 4, (256, 1024), seed=1)  # 4 MiB
     return path
 
 

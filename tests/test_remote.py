@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import DATA, ROOT, free_port, subprocess_env
+from conftest import DATA, ROOT, free_port, save_random_dcp, subprocess_env
 
 moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (pip install -e '.[dev]')")
 s3fs = pytest.importorskip("s3fs", reason="needs s3fs (pip install -e '.[dev]')")
@@ -89,16 +89,13 @@ def test_reads_are_byte_ranges(s3, monkeypatch, tmp_path):
     whole-file download of a data file that holds several tensors."""
     import fsspec
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from ckptkit.formats.registry import open_checkpoint
     from ckptkit.runner.fetch import Fetcher
     from ckptkit.storage import source as source_mod
 
     fs, env = s3
-    gen = torch.Generator().manual_seed(0)
-    state = {"model": {f"w{i}": torch.randn(256, 1024, generator=gen) for i in range(4)}}  # 4 x 1 MiB, one file
-    dcp.save(state, checkpoint_id=str(tmp_path / "big"), no_dist=True)
+    state = save_random_dcp(tmp_path / "big", 4, (256, 1024), seed=0)  # 4 x 1 MiB, one file
     fs.put(str(tmp_path / "big"), f"{BUCKET}/big", recursive=True)
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": env["FSSPEC_S3_ENDPOINT_URL"],
                                                     "key": "testing", "secret": "testing"})

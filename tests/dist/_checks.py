@@ -42,14 +42,37 @@ def compare_one(key: str, got, want) -> str | None:
     return None
 
 
+def start_watchdog(seconds: float) -> None:
+    """Kill this process (status 124) after `seconds`, whatever it is waiting for."""
+    import threading
+
+    timer = threading.Timer(seconds, lambda: os._exit(124))
+    timer.daemon = True
+    timer.start()
+
+
+def leave(code: int) -> None:
+    """Final barrier only on success (a failed rank must not hang the others), then os._exit."""
+    import sys
+
+    import torch.distributed as dist
+
+    if code == 0:
+        try:
+            dist.barrier()
+        except Exception:
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_and_leave(rank: int, result_path: str, body) -> None:
     """Run `body()` (returns the result dict); an exception becomes {"ok": False, "error", ...};
     rank 0 writes the result; leave with a final barrier only on success (a failed rank must not
     hang the others), then os._exit."""
     import sys
     import traceback
-
-    import torch.distributed as dist
 
     code = 0
     try:
@@ -60,11 +83,4 @@ def run_and_leave(rank: int, result_path: str, body) -> None:
         print(result["error"], file=sys.stderr, flush=True)
     if rank == 0:
         write_result(result_path, result)
-    if code == 0:
-        try:
-            dist.barrier()
-        except Exception:
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)

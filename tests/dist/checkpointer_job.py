@@ -22,7 +22,6 @@ import datetime
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
-from _checks import compare_one, run_and_leave  # noqa: E402
+from _checks import compare_one, run_and_leave, start_watchdog  # noqa: E402
 
 from ckptkit import Checkpointer  # noqa: E402
 
@@ -142,9 +141,7 @@ def main() -> None:
     ap.add_argument("--result", required=True)
     ap.add_argument("--deadline", type=float, default=300)
     args = ap.parse_args()
-    watchdog = threading.Timer(args.deadline, lambda: os._exit(124))
-    watchdog.daemon = True
-    watchdog.start()
+    start_watchdog(args.deadline)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     phase = {"save": phase_save, "resume": phase_resume, "async": phase_async}[args.phase]
     run_and_leave(dist.get_rank(), args.result, lambda: phase(args))

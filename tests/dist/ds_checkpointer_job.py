@@ -18,7 +18,6 @@ import json
 import math
 import os
 import sys
-import threading
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import deepspeed_models as dm  # noqa: E402
-from _checks import run_and_leave  # noqa: E402
+from _checks import run_and_leave, start_watchdog  # noqa: E402
 from ds_load_check import compare  # noqa: E402
 
 from ckptkit import Checkpointer  # noqa: E402
@@ -61,9 +60,7 @@ def main() -> None:
     ap.add_argument("--result", required=True)
     ap.add_argument("--deadline", type=float, default=600)
     args = ap.parse_args()
-    watchdog = threading.Timer(args.deadline, lambda: os._exit(124))
-    watchdog.daemon = True
-    watchdog.start()
+    start_watchdog(args.deadline)
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
     rank = dist.get_rank()
     truth_file = Path(args.dir).parent / "truth.pt"

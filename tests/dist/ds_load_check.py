@@ -47,7 +47,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -60,7 +59,7 @@ sys.path.insert(0, str(REPO / "fixtures"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _checks import compare_one, write_result  # noqa: E402  (tests/dist, next to this script)
+from _checks import compare_one, leave, start_watchdog, write_result  # noqa: E402  (tests/dist, next to this script)
 
 import deepspeed_models as dm  # noqa: E402
 
@@ -191,9 +190,7 @@ def run(args: argparse.Namespace, rank: int, world: int, info: dict) -> dict:
 
 def main() -> None:
     args = _parse()
-    watchdog = threading.Timer(args.deadline, lambda: os._exit(124))
-    watchdog.daemon = True
-    watchdog.start()
+    start_watchdog(args.deadline)
 
     import deepspeed
 
@@ -224,7 +221,7 @@ def main() -> None:
             for res in results:
                 print(json.dumps({k: res.get(k) for k in ("fixture", "ok", "compared", "trained_step", "error")}),
                       flush=True)
-        _leave(code)
+        leave(code)
     if not (args.ckpt and args.fixture and args.truth):
         raise SystemExit("--ckpt, --fixture and --truth are required without --batch")
     try:
@@ -238,7 +235,7 @@ def main() -> None:
         print(json.dumps({k: result[k] for k in ("ok", "world_size", "compared", "trained_step", "error")}), flush=True)
         for m in result["mismatches"][:20]:
             print("MISMATCH", m, flush=True)
-    _leave(code)
+    leave(code)
 
 
 def _failure(rank: int, world: int, exc: BaseException) -> dict:
@@ -248,16 +245,6 @@ def _failure(rank: int, world: int, exc: BaseException) -> dict:
     return result
 
 
-def _leave(code: int) -> None:
-    """Final barrier only on success (a failed rank must not hang the others), then os._exit."""
-    if code == 0:
-        try:
-            dist.barrier()
-        except Exception:
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 if __name__ == "__main__":
     main()

@@ -37,9 +37,7 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -50,7 +48,7 @@ sys.path.insert(0, str(REPO / "fixtures"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _checks import compare_one, write_result  # noqa: E402  (tests/dist, next to this script)
+from _checks import compare_one, leave, start_watchdog, write_result  # noqa: E402  (tests/dist, next to this script)
 
 import models  # noqa: E402
 
@@ -192,9 +190,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
 
 def main() -> None:
     args = _parse()
-    watchdog = threading.Timer(args.deadline, lambda: os._exit(124))
-    watchdog.daemon = True
-    watchdog.start()
+    start_watchdog(args.deadline)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -218,14 +214,7 @@ def main() -> None:
         print(json.dumps({k: result[k] for k in ("ok", "world_size", "compared", "trained_step")}), flush=True)
         for m in result["mismatches"][:20]:
             print("MISMATCH", m, flush=True)
-    if code == 0:
-        try:
-            dist.barrier()
-        except Exception:
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 if __name__ == "__main__":
