@@ -5,7 +5,9 @@ metadata classes, ...) as data-only stand-ins. When ckptkit writes a checkpoint 
 framework will load, those objects must come back as the original classes: this pickler writes
 a GLOBAL opcode naming the original module and class, followed by the same constructor
 arguments (REDUCE) or none (NEWOBJ) and the same state (BUILD) - without importing the foreign
-module. Tensors go through `persistent_id` like torch.save's own pickler.
+module. torch's small types stand-ins (torch.Size, dtypes, ckptkit.torch_types) are written as
+pickle writes the real ones, so writing needs no torch. Tensors go through `persistent_id` like
+torch.save's own pickler.
 """
 from __future__ import annotations
 
@@ -13,14 +15,11 @@ import io
 import pickle
 from typing import Any, Callable
 
-from .safeload import Inert
+from .safeload import GlobalRef, Inert, inert_class
+from .torch_types import DType, Size
 
-
-class GlobalRef:
-    """A reference to `module.name`, pickled as a GLOBAL opcode without importing it."""
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
+__all__ = ["FaithfulPickler", "GlobalRef", "dumps", "stand_in", "stand_in_call"]
+_TORCH_SIZE = GlobalRef("torch", "Size")
 
 
 class FaithfulPickler(pickle._Pickler):  # the pure-Python pickler lets us write opcodes directly
@@ -38,6 +37,12 @@ class FaithfulPickler(pickle._Pickler):  # the pure-Python pickler lets us write
         if isinstance(obj, GlobalRef):
             self._save_global_ref(obj)
             return
+        if isinstance(obj, DType):  # torch.float32 pickles as the global itself
+            self._save_global_ref(GlobalRef("torch", obj.attr))
+            return
+        if type(obj) is Size:  # torch.Size pickles as torch.Size(tuple)
+            self._save_memoized_reduce(obj, _TORCH_SIZE, (tuple(obj),))
+            return
         if isinstance(obj, Inert):
             self._save_inert(obj)
             return
@@ -53,7 +58,19 @@ class FaithfulPickler(pickle._Pickler):  # the pure-Python pickler lets us write
         super().save(obj, save_persistent_id)
 
     def _save_global_ref(self, ref: GlobalRef) -> None:
+        x = self.memo.get(id(ref))  # once per pickle, then a memo reference, as pickle does for globals
+        if x is not None:
+            self.write(self.get(x[0]))
+            return
         self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode("utf-8"))
+        self.memoize(ref)
+
+    def _save_memoized_reduce(self, obj: Any, func: GlobalRef, args: tuple) -> None:
+        x = self.memo.get(id(obj))
+        if x is not None:
+            self.write(self.get(x[0]))
+            return
+        self.save_reduce(func, args, obj=obj)
 
     def _save_inert(self, obj: Inert) -> None:
         x = self.memo.get(id(obj))
@@ -73,6 +90,22 @@ class FaithfulPickler(pickle._Pickler):  # the pure-Python pickler lets us write
         if state or "_state" in obj.__dict__:
             self.save(state)
             self.write(pickle.BUILD)
+
+
+def stand_in(qualname: str, **state: Any) -> Inert:
+    """A new object of a foreign class built like a dataclass (NEWOBJ, then BUILD with `state`;
+    `_state=x` gives a non-dict state, as a class with __getstate__ pickles it)."""
+    cls = inert_class(qualname)
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def stand_in_call(qualname: str, *args: Any) -> Inert:
+    """A new foreign object pickled as a call (REDUCE): an Enum member, torch's _get_layout(...)."""
+    obj = stand_in(qualname)
+    obj.__dict__["_args"] = args
+    return obj
 
 
 def dumps(obj: Any, protocol: int = 2, persistent_id: Callable[[Any], Any] | None = None,

@@ -4,7 +4,8 @@ A restricted unpickler with an explicit allowlist of globals. Tensors are rebuil
 functions (lazily, as references to storage bytes, or eagerly from bytes we read); the classes a
 checkpoint's metadata references (DCP metadata, DeepSpeed's small state classes) become inert
 stand-ins that only hold data. Any other global raises UnsafePickleError naming the file and the
-global: no checkpoint can run code, and reading needs neither deepspeed nor torch.distributed.
+global: no checkpoint can run code, and reading needs neither deepspeed nor torch: torch's own
+small types become the stand-ins of ckptkit.torch_types, small tensors loaded whole SmallTensors.
 """
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from .errors import FormatError, UnsafePickleError, UnsupportedError
+from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
+from .torch_types import DType, Size, SmallTensor
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,15 @@ class StorageRef:
     """A storage of a torch.save archive, not loaded: its member key, dtype and element count."""
 
     key: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int
+
+
+@dataclass(frozen=True)
+class RawStorage:
+    """A storage read whole (eager loading of a small pickle): its bytes."""
+
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ class TensorRef:
     """A tensor of a torch.save archive described without loading it (a view of a storage)."""
 
     storage: StorageRef
-    dtype: torch.dtype
+    dtype: DType
     storage_offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -84,7 +92,15 @@ class Inert:
         return type(other) is type(self) and other.__dict__ == self.__dict__
 
     def __hash__(self) -> int:
-        return hash((self._qualname, self.__dict__.get("_args", ())))
+        # by class and every hashable field: stand-ins are dict keys in DCP metadata (MetadataIndex),
+        # and a hash by class alone makes a dict of thousands of them quadratic
+        parts: list[Any] = [self._qualname]
+        for name, value in self.__dict__.items():
+            try:
+                parts.append((name, hash(value)))
+            except TypeError:
+                continue
+        return hash(tuple(parts))
 
 
 def _inert_rebuild(qualname: str, args: tuple) -> Inert:
@@ -105,15 +121,22 @@ def inert_class(qualname: str) -> type:
 
 # ---- tensor rebuild functions (ours, never torch's) -------------------------------------------
 
-def _make_tensor(storage: Any, dtype: torch.dtype, offset: int, size: tuple, stride: tuple,
+def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: tuple,
                  requires_grad: bool) -> Any:
     size, stride = tuple(size), tuple(stride)
+    if not isinstance(dtype, DType):
+        raise FormatError(f"tensor rebuilt with {dtype!r:.60} where a dtype was expected")
     if isinstance(storage, StorageRef):
         return TensorRef(storage, dtype, int(offset), size, stride, bool(requires_grad))
-    if isinstance(storage, torch.UntypedStorage):
-        t = torch.empty((0,), dtype=dtype)
-        t.set_(storage, int(offset), size, stride)
-        return t
+    if isinstance(storage, RawStorage):
+        if any(not isinstance(x, int) or x < 0 for x in (offset, *size, *stride)):
+            raise FormatError(f"tensor rebuilt with a malformed view (offset {offset!r:.20}, size {size!r:.40})")
+        item = _itemsize(dtype)
+        span = 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        if (offset + span) * item > len(storage.data):
+            raise FormatError(f"a tensor needs {(offset + span) * item} bytes of a storage that holds "
+                              f"{len(storage.data)}")
+        return SmallTensor.from_storage(dtype_name(dtype), storage.data, offset, size, stride)
     raise FormatError(f"tensor rebuilt from an unexpected storage object {type(storage).__name__}")
 
 
@@ -148,38 +171,82 @@ class _TypedStorage:
     """What persistent_load returns: the storage plus the dtype its legacy class named."""
 
     ref: Any
-    dtype: torch.dtype
+    dtype: DType
 
 
-def _storage_dtype(storage: Any) -> torch.dtype:
+def _storage_dtype(storage: Any) -> DType:
     if isinstance(storage, _TypedStorage):
         return storage.dtype
     if isinstance(storage, StorageRef):
         return storage.dtype
-    return torch.uint8
+    return DType("uint8")
+
+
+def _itemsize(dtype: DType) -> int:
+    try:
+        return dtype.itemsize
+    except UnsupportedError:
+        raise UnsupportedError(f"tensors of dtype {dtype.attr} are not supported") from None
 
 
 class _StorageType:
     """Stand-in for torch's legacy `torch.FloatStorage`-style classes: only names a dtype."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
+
+
+_QUANTIZED_STORAGE = {"QInt8Storage": "qint8", "QInt32Storage": "qint32", "QUInt8Storage": "quint8",
+                      "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4"}
 
 
 def _storage_types() -> dict[tuple[str, str], Any]:
     table: dict[tuple[str, str], Any] = {}
-    for dtype, name in torch.storage._dtype_to_storage_type_map().items():
-        table[("torch", name)] = _StorageType(dtype)
-    table[("torch", "UntypedStorage")] = _StorageType(torch.uint8)
-    table[("torch.storage", "UntypedStorage")] = _StorageType(torch.uint8)
+    for name, dtype in {**LEGACY_STORAGE, **_QUANTIZED_STORAGE}.items():
+        table[("torch", name)] = _StorageType(DType(dtype))
+    table[("torch", "UntypedStorage")] = _StorageType(DType("uint8"))
+    table[("torch.storage", "UntypedStorage")] = _StorageType(DType("uint8"))
     return table
 
 
+class GlobalRef:
+    """A reference to `module.name` (torch.strided, a rebuild function, ...), pickled back as a
+    GLOBAL opcode by ckptkit.repickle without importing the module; one object per name."""
+
+    _interned: dict[tuple[str, str], "GlobalRef"] = {}
+
+    def __new__(cls, module: str, name: str) -> "GlobalRef":
+        obj = cls._interned.get((module, name))
+        if obj is None:
+            obj = super().__new__(cls)
+            obj.module, obj.name = module, name
+            cls._interned[(module, name)] = obj
+        return obj
+
+    def __call__(self, *args: Any) -> Any:  # pickle's save_reduce insists on a callable
+        raise TypeError(f"{self.module}.{self.name} is a reference, not the object")
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def __copy__(self) -> "GlobalRef":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "GlobalRef":
+        return self
+
+    def __reduce__(self):
+        return (GlobalRef, (self.module, self.name))
+
+
+_LAYOUT = "torch.serialization._get_layout"
+
+
 def _get_layout(name: str) -> Any:
-    layouts = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
-    if name not in layouts:
+    """A layout as torch pickles it (`_get_layout("torch.strided")`), kept as that call."""
+    if name not in ("torch.strided", "torch.sparse_coo"):
         raise UnsafePickleError(f"unknown tensor layout {name!r}")
-    return layouts[name]
+    return inert_class(_LAYOUT)(name)
 
 
 def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
@@ -200,8 +267,8 @@ def _build_allowlist() -> dict[tuple[str, str], Any]:
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
         ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-        ("torch", "Size"): torch.Size,
-        ("torch", "device"): torch.device,
+        ("torch", "Size"): Size,
+        ("torch", "device"): inert_class("torch.device"),
         ("torch.nn.parameter", "Parameter"): inert_class("torch.nn.parameter.Parameter"),
         ("torch", "Tensor"): inert_class("torch.Tensor"),
         ("torch.serialization", "_get_layout"): _get_layout,
@@ -219,20 +286,15 @@ def _build_allowlist() -> dict[tuple[str, str], Any]:
         ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
         ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
         ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
-        ("torch", "contiguous_format"): torch.contiguous_format,
-        ("torch", "channels_last"): torch.channels_last,
-        ("torch", "preserve_format"): torch.preserve_format,
-        ("torch", "strided"): torch.strided,
     }
+    for name in ("contiguous_format", "channels_last", "preserve_format", "strided", "sparse_coo"):
+        allow[("torch", name)] = GlobalRef("torch", name)
     for name in ("set", "frozenset", "slice", "complex", "bytearray", "range"):
         allow[("__builtin__", name)] = allow[("builtins", name)]  # protocol 2 (torch.save) names
     allow[("__builtin__", "xrange")] = range
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            allow[("torch", name)] = value
+    for name in TORCH_DTYPE_ATTRS:
+        allow[("torch", name)] = DType(name)
     allow.update(_storage_types())
-    allow.update(_numpy_allowlist())
     for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
                 "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
         qual = f"torch.distributed.checkpoint.metadata.{cls}"
@@ -290,6 +352,17 @@ def allowlist() -> dict[tuple[str, str], Any]:
     return {**_ALLOWLIST, **_EXTRA}
 
 
+_NUMPY: dict[tuple[str, str], Any] | None = None
+
+
+def _numpy_global(module: str, name: str) -> Any:
+    """numpy's entries, built (importing numpy) only when a pickle names numpy."""
+    global _NUMPY
+    if _NUMPY is None:
+        _NUMPY = _numpy_allowlist()
+    return _NUMPY[(module, name)]
+
+
 # what per-rank torch.save files of FSDP1 LOCAL_STATE_DICT / sharded state dicts reference first
 _SHARDED_TENSOR_GLOBALS = {("torch._utils", "_rebuild_wrapper_subclass"),
                            ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")}
@@ -305,6 +378,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
+            if module == "numpy" or module.startswith("numpy."):
+                return _numpy_global(module, name)
             return self._allowed[(module, name)]
         except KeyError:
             if (module, name) in _SHARDED_TENSOR_GLOBALS:
@@ -339,7 +414,7 @@ def restricted_loads(data: bytes, file: str,
         raise FormatError(f"{file}: cannot read pickle ({type(exc).__name__}: {exc})") from None
 
 
-def storage_pid(pid: Any, file: str) -> tuple[str, torch.dtype, int]:
+def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
     """Decode torch.save's persistent id ('storage', type, key, location, numel)."""
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
         raise FormatError(f"{file}: unexpected persistent id {pid!r:.80} in a torch.save archive")
@@ -350,5 +425,5 @@ def storage_pid(pid: Any, file: str) -> tuple[str, torch.dtype, int]:
     return key, storage_type.dtype, int(numel)
 
 
-def typed_storage(ref: Any, dtype: torch.dtype) -> _TypedStorage:
+def typed_storage(ref: Any, dtype: DType) -> _TypedStorage:
     return _TypedStorage(ref, dtype)

@@ -14,7 +14,9 @@ import pytest
 from ckptkit.ops.verify import verify
 from conftest import save_random_dcp, subprocess_env
 
-KILL_AFTER = [0.3, 0.8, 1.2, 1.6, 2.0, 2.5, 3.5]  # seconds: start-up, reading, mid-write, commit
+# when to kill, as fractions of an uninterrupted run of the same command on this machine:
+# start-up, indexing, reading, mid-write, commit
+KILL_AT = [0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95]
 
 
 def _digest(path) -> str:
@@ -38,19 +40,28 @@ def source(tmp_path_factory):
 @pytest.mark.parametrize("op", ["consolidate", "reshard", "convert"])
 def test_sigkill_never_leaves_a_complete_looking_output(tmp_path, source, op):
     before = _digest(source)
-    outcomes = []
-    for i, delay in enumerate(KILL_AFTER):
-        out = tmp_path / f"out{i}"
-        args = [str(source), str(out)] + {"reshard": ["--to", "3"], "convert": ["--to", "torch"]}.get(op, [])
-        proc = subprocess.Popen([sys.executable, "-m", "ckptkit", "--quiet", op, *args, "--memory-budget", "16MB"],
+    extra = {"reshard": ["--to", "3"], "convert": ["--to", "torch"]}.get(op, [])
+
+    def start(out):
+        return subprocess.Popen([sys.executable, "-m", "ckptkit", "--quiet", op, str(source), str(out), *extra,
+                                 "--memory-budget", "16MB"],
                                 env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(delay)
+
+    t0 = time.perf_counter()
+    assert start(tmp_path / "timed").wait() == 0
+    duration = time.perf_counter() - t0
+    outcomes = []
+    for i, fraction in enumerate(KILL_AT):
+        out = tmp_path / f"out{i}"
+        args = [str(source), str(out), *extra]
+        proc = start(out)
+        time.sleep(fraction * duration)
         finished = proc.poll() is not None
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if out.exists():
             _, problems = verify(str(out), deep=True)
-            assert not problems, (delay, problems)  # whatever exists at OUT is complete
+            assert not problems, (fraction, problems)  # whatever exists at OUT is complete
             outcomes.append("complete")
         else:
             outcomes.append("absent")
@@ -65,5 +76,5 @@ def test_sigkill_never_leaves_a_complete_looking_output(tmp_path, source, op):
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}.")]  # dead run cleaned up
         if finished:
             break
-    assert "absent" in outcomes  # at least one kill landed mid-run
+    assert "absent" in outcomes, (duration, outcomes)  # at least one kill landed mid-run
     assert _digest(source) == before  # the source is never modified

@@ -6,6 +6,7 @@ gives an index whose objects hold that representation, so JSON -> index -> JSON 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 from .types import (Box, CheckpointIndex, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece,
@@ -15,10 +16,11 @@ SCHEMA = "ckptkit.index/1"
 
 
 def safe_value(value: Any, depth: int = 0) -> Any:
-    """A JSON-friendly description of any value the restricted unpickler can produce."""
-    import torch
-
+    """A JSON-friendly description of any value the restricted unpickler can produce (and of
+    torch's own objects, for values built in memory)."""
+    from ..lazy_torch import is_instance, is_tensor
     from ..safeload import Inert
+    from ..torch_types import DType, Size, SmallTensor
 
     if depth > 32:
         return {"__repr__": "<nested too deeply>"}
@@ -28,13 +30,18 @@ def safe_value(value: Any, depth: int = 0) -> Any:
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, dict):
         return {str(k): safe_value(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)) and not isinstance(value, torch.Size):
-        return [safe_value(v, depth + 1) for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value)]
-    if isinstance(value, torch.Size):
+    if isinstance(value, Size) or is_instance(value, "Size"):
         return list(value)
-    if isinstance(value, torch.Tensor):
-        out: dict[str, Any] = {"__tensor__": {"dtype": str(value.dtype).removeprefix("torch."),
-                                             "shape": list(value.shape)}}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [safe_value(v, depth + 1) for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value)]
+    if isinstance(value, SmallTensor):
+        out: dict[str, Any] = {"__tensor__": {"dtype": value.dtype, "shape": list(value.shape)}}
+        values = small_tensor_values(value) if value.numel <= 16 else None
+        if values is not None:
+            out["__tensor__"]["values"] = values
+        return out
+    if is_tensor(value):
+        out = {"__tensor__": {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}}
         if value.numel() <= 16:
             out["__tensor__"]["values"] = value.detach().float().reshape(-1).tolist() \
                 if value.dtype.is_floating_point else value.reshape(-1).tolist()
@@ -43,9 +50,28 @@ def safe_value(value: Any, depth: int = 0) -> Any:
         return safe_value(value.to_data(), depth + 1)
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": len(value)}
-    if isinstance(value, torch.dtype):
+    if isinstance(value, DType):
+        return {"__dtype__": value.name}
+    if is_instance(value, "dtype"):
         return {"__dtype__": str(value).removeprefix("torch.")}
     return {"__repr__": repr(value)[:200]}
+
+
+# struct codes of the dtypes whose values inspect shows (bfloat16: the top half of a float32)
+_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
+           "int8": "b", "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
+
+
+def small_tensor_values(t: Any) -> list | None:
+    """The elements of a small tensor read from a checkpoint, as Python numbers (no torch)."""
+    data = t.data
+    if t.dtype == "bfloat16":
+        data, code = b"".join(b"\0\0" + data[i:i + 2] for i in range(0, len(data), 2)), "f"
+    elif t.dtype in _STRUCT:
+        code = _STRUCT[t.dtype]
+    else:
+        return None
+    return [v for (v,) in struct.iter_unpack("<" + code, data)]
 
 
 def _region_to_json(region: Box | FlatRange) -> dict:
@@ -96,7 +122,7 @@ def to_json(index: CheckpointIndex) -> dict:
                        for p in t.pieces],
         } for t in index.tensors.values()],
         "objects": [{
-            "key": o.key, "path": _path_json(o.path), "value": safe_value(o.value),
+            "key": o.key, "path": _path_json(o.path), "value": safe_value(o.data),
             "location": _location_to_json(o.location) if o.location else None,
             "attrs": safe_value(o.attrs),
         } for o in index.objects.values()],

@@ -111,20 +111,35 @@ class TensorEntry:
         return self.numel * itemsize(self.dtype)
 
 
+_UNREALIZED = object()
+
+
 @dataclass
 class ObjectEntry:
     """A non-tensor value (step, hyperparameter, scheduler state, rng, config).
 
-    ``value`` is the value as the restricted unpickler rebuilt it (plain Python, stand-ins for
-    foreign classes, tensors for small embedded tensors). ``location`` points at the original
-    serialised bytes where a writer can copy them verbatim (a DCP bytes item).
+    ``data`` is the value as the restricted unpickler rebuilt it: plain Python, stand-ins for
+    foreign classes and for torch's small types (ckptkit.torch_types: torch.Size, dtypes, small
+    tensors), so indexing and copying need no torch. ``value`` is the same with torch's own
+    objects, built on first use. ``location`` points at the original serialised bytes where a
+    writer can copy them verbatim (a DCP bytes item).
     """
 
     key: str
-    value: Any
+    data: Any
     path: tuple[Any, ...] | None = None
     location: Location | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    _value: Any = field(default=_UNREALIZED, init=False, repr=False, compare=False)
+
+    @property
+    def value(self) -> Any:
+        """`data` with torch.Size, dtypes and tensors from torch (imports torch if it holds any)."""
+        if self._value is _UNREALIZED:
+            from ..torch_types import realize
+
+            self._value = realize(self.data)
+        return self._value
 
 
 @dataclass(frozen=True)

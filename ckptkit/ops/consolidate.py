@@ -67,7 +67,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
                                    slab_bytes=options.slab_bytes, workers=options.workers,
                                    aliases=aliases, progress=options.progress)
         if optim:
-            objects = {name: safe_value(index.objects[key].value) for name, key in split.optim_objects.items()}
+            objects = {name: safe_value(index.objects[key].data) for name, key in split.optim_objects.items()}
             files += write_safetensors(target, fetcher, optim, basename="optimizer",
                                        max_shard_bytes=max_bytes, slab_bytes=options.slab_bytes,
                                        workers=options.workers, objects=objects, progress=options.progress)

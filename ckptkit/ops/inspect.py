@@ -40,7 +40,7 @@ def inspect(path: str, tag: str | None = None) -> tuple[Opened, Report]:
         dtypes=dict(dtypes.most_common()),
         roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other),
                "low_precision": len(split.low_precision)},
-        objects={k: safe_value(o.value) for k, o in index.objects.items()},
+        objects={k: safe_value(o.data) for k, o in index.objects.items()},
         files=len(index.files), file_bytes=sum(index.files.values()))
     return opened, report
 

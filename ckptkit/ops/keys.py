@@ -7,9 +7,13 @@ output names); torchtitan-style checkpoints keep model keys at the top level.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..index.flatten import key_of
+from ..index.serialize import small_tensor_values
 from ..index.types import CheckpointIndex
+from ..lazy_torch import is_tensor
+from ..torch_types import SmallTensor
 
 MODEL_CONTAINERS = ("model", "module", "state_dict", "model_state_dict")
 OPTIM_CONTAINERS = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state",
@@ -64,20 +68,25 @@ def split_roles(index: CheckpointIndex) -> Split:
 
 def guess_step(index: CheckpointIndex) -> int | None:
     """The training step, if the checkpoint records one outside the optimizer state."""
-    import torch
-
     candidates = []
     for key, o in index.objects.items():
         path = o.path or (key,)
         if path[-1] in STEP_NAMES and (len(path) == 1 or path[0] not in OPTIM_CONTAINERS):
-            candidates.append(o.value)
+            candidates.append(o.data)
     for value in candidates:
+        if isinstance(value, SmallTensor) and value.numel == 1:
+            value = _scalar(value)
         if isinstance(value, bool):
             continue
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if is_tensor(value) and value.numel() == 1:
             return int(value.item())
     return None
+
+
+def _scalar(t: SmallTensor) -> Any:
+    values = small_tensor_values(t)
+    return values[0] if values else None

@@ -9,16 +9,20 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import FormatError
 from ..index import geometry
-from ..index.dtypes import torch_dtype
+from ..index.dtypes import itemsize, torch_dtype
 from ..index.types import Box, CheckpointIndex, FlatRange, Piece, TensorEntry
 from ..index.virtual import INLINE, REF, ZEROS
 from ..storage.source import Source
 from . import codecs
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..lazy_torch import torch
 
 
 class Fetcher:
@@ -92,7 +96,7 @@ class Fetcher:
         local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
         first = elem_offset + sum(l * st for l, st in zip(local, strides))
         last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
-        item = torch_dtype(entry.dtype).itemsize
+        item = itemsize(entry.dtype)
         if inter.numel and (first < 0 or (last + 1) * item > loc.length):
             raise FormatError(f"{self.source.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
         return first, last, tuple(strides)
@@ -135,7 +139,7 @@ class Fetcher:
         if dtype != entry.dtype:
             return None
         self.check_tiling(entry)  # the same refusal fetch() gives: never copy a doubled or gappy tensor
-        item = torch_dtype(entry.dtype).itemsize
+        item = itemsize(entry.dtype)
         length = entry.numel - start if length is None else length
         spans: list[tuple[int, int, Piece]] = []
         for piece in entry.pieces:
@@ -233,12 +237,12 @@ class Fetcher:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        from ..formats.torch_save.archive import load_bytes_archive
+        from ..formats.torch_save.archive import load_bytes_tensor
 
         raw = self.source.read(loc.file, loc.offset, loc.length)
         data = codecs.decode(raw, loc.transforms, f"{self.source.label(loc.file)} (item of {entry.key})")
-        tensor = load_bytes_archive(data, f"{self.source.label(loc.file)} (item of {entry.key})")
-        if not isinstance(tensor, torch.Tensor):
+        tensor = load_bytes_tensor(bytearray(data), f"{self.source.label(loc.file)} (item of {entry.key})")
+        if tensor is None:
             raise FormatError(f"{self.source.label(loc.file)}: item of {entry.key} does not hold a tensor")
         if isinstance(piece.region, Box) and tuple(tensor.shape) != piece.region.sizes:
             raise FormatError(f"{self.source.label(loc.file)}: item of {entry.key} has shape "

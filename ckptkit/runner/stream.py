@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..index import geometry
-from ..index.dtypes import torch_dtype
+from ..index.dtypes import itemsize, torch_dtype
 from ..index.types import Box, TensorEntry
 from .fetch import Fetcher
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..lazy_torch import torch
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -22,7 +26,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 def stream_tensor(fetcher: Fetcher, entry: TensorEntry, out_dtype: str | None,
                   slab_bytes: int) -> Iterator[memoryview]:
     """Yield the tensor's row-major bytes (cast to out_dtype if given) in slabs of bounded size."""
-    src_item = torch_dtype(entry.dtype).itemsize
+    src_item = itemsize(entry.dtype)
     dst = torch_dtype(out_dtype) if out_dtype else None
     item = max(src_item, dst.itemsize if dst else 0)
     whole = Box.whole(entry.shape)

@@ -13,13 +13,12 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from ...errors import FormatError
 from ...index.dtypes import dtype_name
 from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads
+from ...torch_types import DType
 from ...storage.source import Source
 from ..torch_save.archive import load_bytes_archive, load_structure, open_archive, tensor_location
 
@@ -52,13 +51,13 @@ def _field(obj: Any, name: str, what: str, label: str, default: Any = ...) -> An
     raise FormatError(f"{label}: {what} has no field {name!r} (not DCP metadata?)")
 
 
-def _props_dtype(props: Any, label: str, key: str) -> torch.dtype:
+def _props_dtype(props: Any, label: str, key: str) -> DType:
     dtype = props.__dict__.get("dtype") if hasattr(props, "__dict__") else None
     if dtype is None:
         state = getattr(props, "__dict__", {}).get("_state")
         if isinstance(state, tuple) and state:
             dtype = state[0]
-    if not isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, DType):
         raise FormatError(f"{label}: tensor {key} has no dtype in its properties")
     return dtype
 
@@ -191,7 +190,7 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
         if isinstance(target, TensorEntry):
             target.pieces.append(piece_or_value)
         else:
-            target.value, target.location = piece_or_value
+            target.data, target.location = piece_or_value
             index.add_object(target)
         index.checks.extend(checks)
     ranks = [int(m.group(1)) for n in index.files if (m := _DATA_FILE.match(n))]

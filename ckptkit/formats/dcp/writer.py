@@ -3,33 +3,38 @@
 Each rank's file holds exactly the chunks that rank owns in the layout, so on load every rank
 reads only its own file. Chunks larger than a slab are split into several row-slab chunks (DCP
 allows any tiling), which keeps memory bounded. Items are torch.save archives, as torch's
-FileSystemWriter writes them; `.metadata` is pickled from torch's own Metadata classes so that
-`dcp.load` (with resharding) reads it. Values copied from a DCP source keep their exact bytes.
+FileSystemWriter writes them; `.metadata` pickles torch's Metadata classes (as stand-ins, with the
+state torch's own pickling gives them, so writing needs no torch) and `dcp.load` (with
+resharding) reads it. Values copied from a DCP source keep their exact bytes.
 """
 from __future__ import annotations
 
-import io
-import pickle
 import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ...index import geometry
-from ...index.dtypes import torch_dtype
+from ...index.dtypes import itemsize
 from ...index.layouts import Layout
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...index.virtual import REF
 from ...progress import NullProgress, Progress
+from ...repickle import dumps, stand_in, stand_in_call
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.output import OutputDir
 from ...storage.source import Source
+from ...torch_types import DType, Size
 from ..torch_save.archive_writer import LazyTensor, write_archive_to
 
 DCP_VERSION = "1.0.0"
+_METADATA = "torch.distributed.checkpoint.metadata."
+_STORAGE_INFO = "torch.distributed.checkpoint.filesystem._StorageInfo"
+# torch.strided and _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT are single objects in torch, so
+# pickle writes each once and refers back to it: one stand-in each does the same
+_STRIDED = stand_in_call("torch.serialization._get_layout", "torch.strided")
+_CONTIGUOUS = stand_in_call(_METADATA + "_MEM_FORMAT_ENCODING", 0)
 
 
 @dataclass
@@ -56,7 +61,7 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
     per_rank: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(layout.world_size)}
     for key, assigns in layout.tensors.items():
         entry = index.tensors[key]
-        item = torch_dtype(entry.dtype).itemsize
+        item = itemsize(entry.dtype)
         seen: set[Box] = set()
         for a in sorted(assigns, key=lambda a: a.rank):
             if a.box in seen:  # replicated: the lowest rank writes it, the others read that copy
@@ -80,12 +85,12 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
                 if rank == 0:
                     for obj in index.objects.values():
                         start = f.tell()
-                        transforms = _write_object(f, obj, index, source)
+                        transforms = _write_object(f, obj, index, source, fetcher)
                         written.append(_Written(obj.key, None, name, start, f.tell() - start, transforms))
             return written
         return run
 
-    weights = [sum(box.numel * torch_dtype(index.tensors[key].dtype).itemsize for key, box in per_rank[r])
+    weights = [sum(box.numel * itemsize(index.tensors[key].dtype) for key, box in per_rank[r])
                for r in range(layout.world_size)]
     results = run_jobs([job(r) for r in range(layout.world_size)], workers, group=out.group, weights=weights)
     out.write_bytes(".metadata", build_metadata(index, [w for ws in results for w in ws]))
@@ -99,6 +104,8 @@ def _write_item(f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_byt
     anything else is assembled in memory and written by torch.save."""
     start = _flat_start(entry.shape, box)
     if start is None:
+        import torch
+
         t = fetcher.fetch(entry, box)
         torch.save(t, f)
         progress.advance(t.numel() * t.element_size())
@@ -120,27 +127,40 @@ def _flat_start(shape: tuple[int, ...], box: Box) -> int | None:
     return sum(o * st for o, st in zip(box.offsets, geometry.row_major_strides(tuple(shape))))
 
 
-def _write_object(f: Any, obj: ObjectEntry, index: CheckpointIndex, source: Source | None) -> tuple[str, ...]:
-    """Copy a DCP bytes item verbatim when we have its bytes; otherwise torch.save the value."""
+def _write_object(f: Any, obj: ObjectEntry, index: CheckpointIndex, source: Source | None,
+                  fetcher: Fetcher) -> tuple[str, ...]:
+    """Copy a DCP bytes item verbatim when we have its bytes; otherwise write the value as a
+    torch.save archive (stand-ins re-emitted as torch's and foreign classes)."""
     loc = obj.location
     if loc is not None and source is not None and index.format == "dcp" and loc.encoding in ("torch_save", "bytes"):
         f.write(source.read(loc.file, loc.offset, loc.length))
         return tuple(loc.transforms)
-    if isinstance(obj.value, (bytes, bytearray)) and loc is not None and loc.encoding == "bytes":
-        f.write(obj.value)
+    if isinstance(obj.data, (bytes, bytearray)) and loc is not None and loc.encoding == "bytes":
+        f.write(obj.data)
         return ()
-    buf = io.BytesIO()
-    torch.save(obj.value, buf)
-    f.write(buf.getvalue())
+    write_archive_to(f, obj.data, fetcher, slab_bytes=1 << 20)
     return ()
 
 
-def build_metadata(index: CheckpointIndex, written: list[_Written]) -> bytes:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                       Metadata, MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
+def _md(name: str, **state: Any) -> Any:
+    return stand_in(_METADATA + name, **state)
 
+
+def _storage_info(file: str, offset: int, length: int, transforms: tuple[str, ...] = ()) -> Any:
+    info = {"relative_path": file, "offset": offset, "length": length}
+    if transforms:  # _StorageInfo pickles without its None fields
+        info["transform_descriptors"] = list(transforms)
+    return stand_in(_STORAGE_INFO, **info)
+
+
+def _tensor_properties(dtype: str) -> Any:
+    """TensorProperties as its __getstate__ pickles it: (dtype, layout, requires_grad,
+    memory-format code, pin_memory)."""
+    return stand_in(_METADATA + "TensorProperties", _state=(DType(dtype), _STRIDED, False, _CONTIGUOUS, False))
+
+
+def build_metadata(index: CheckpointIndex, written: list[_Written]) -> bytes:
+    """`.metadata`: torch's Metadata for what was written, field for field as torch pickles it."""
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
@@ -151,25 +171,27 @@ def build_metadata(index: CheckpointIndex, written: list[_Written]) -> bytes:
         if w.box is None:
             obj = index.objects[w.key]
             key = obj.key
-            sd_meta[key] = BytesStorageMetadata()
-            storage[MetadataIndex(key)] = _StorageInfo(file, w.offset, w.length, list(w.transforms) or None)
+            sd_meta[key] = _md("BytesStorageMetadata")
+            storage[_md("MetadataIndex", fqn=key, index=None)] = _storage_info(file, w.offset, w.length, w.transforms)
             planner[key] = tuple(obj.path) if obj.path else (key,)
             continue
         entry = index.tensors[w.key]
         key = entry.key
         meta = sd_meta.get(key)
         if meta is None:
-            meta = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)),
-                                         torch.Size(entry.shape), [])
+            meta = _md("TensorStorageMetadata", properties=_tensor_properties(entry.dtype),
+                       size=Size(entry.shape), chunks=[])
             sd_meta[key] = meta
             planner[key] = tuple(entry.path) if entry.path else (key,)
-        meta.chunks.append(ChunkStorageMetadata(torch.Size(w.box.offsets), torch.Size(w.box.sizes)))
-        storage[MetadataIndex(key, torch.Size(w.box.offsets), len(meta.chunks) - 1)] = \
-            _StorageInfo(file, w.offset, w.length)
+        chunks = meta.__dict__["chunks"]
+        chunks.append(_md("ChunkStorageMetadata", offsets=Size(w.box.offsets), sizes=Size(w.box.sizes)))
+        storage[_md("MetadataIndex", fqn=key, index=len(chunks) - 1, offset=Size(w.box.offsets))] = \
+            _storage_info(file, w.offset, w.length)
     # the save id is a digest of what was written, so one plan gives the same bytes however many
     # processes wrote it (and a rerun gives the same checkpoint)
     digest = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
                                                                    for w in written]))
-    md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
-                  storage_meta=StorageMeta(save_id=digest.hex), version=DCP_VERSION)
-    return pickle.dumps(md, protocol=2)
+    md = _md("Metadata", state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
+             storage_meta=_md("StorageMeta", checkpoint_id=None, save_id=digest.hex, load_id=None, modules=[]),
+             version=DCP_VERSION)
+    return dumps(md, protocol=2)

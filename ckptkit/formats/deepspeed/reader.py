@@ -16,9 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ...errors import FormatError, UnsupportedError
+from ...index.dtypes import itemsize
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
@@ -139,7 +138,7 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
                                          path=("model", alias), attrs={"alias_of": f"model.{owner}"}))
     _objects(index, info, archives[m0_name], m0, optim[0])
     steps = index.objects.get("ds.global_steps")
-    index.step = steps.value if steps is not None and isinstance(steps.value, int) else None
+    index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
     index.metadata["deepspeed"] = {"stage": stage, "world_size": world, "tag": layout.tag,
                                    "bf16_file_prefix": layout.bf16_prefix, "dtype": info.dtype}
     index.metadata["consolidate_dtype"] = "float32"  # zero_to_fp32 upcasts frozen params and buffers
@@ -267,7 +266,7 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
                 if mshape != (ps,):
                     raise FormatError(f"{arch.label}: {moment} of group {g} has {list(mshape)} elements, "
                                       f"expected the padded partition size {ps}")
-                _flat_pieces(placed, rank * ps, expected, mloc, torch.empty((), dtype=getattr(torch, mdtype)).element_size(),
+                _flat_pieces(placed, rank * ps, expected, mloc, itemsize(mdtype),
                              moments[moment])
         step = base0["state"].get(g, {}).get("step")
         for name, _ in names:

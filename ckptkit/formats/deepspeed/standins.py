@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...repickle import stand_in, stand_in_call
 from ...safeload import Inert, inert_class, register_allowed
 
 CLASSES = [
@@ -20,18 +21,13 @@ for _module, _name in CLASSES:
 
 def make(qualname: str, **state: Any) -> Inert:
     """A new stand-in built like a dataclass (NEWOBJ + BUILD), e.g. a fragment_address."""
-    cls = inert_class(qualname)
-    obj = cls.__new__(cls)
-    obj.__dict__.update(state)
-    return obj
+    return stand_in(qualname, **state)
 
 
 def enum_member(qualname: str, value: Any) -> Inert:
     """A new stand-in for an Enum member, pickled as a call of the class (REDUCE), e.g.
     ZeroStageEnum(3): the form enum_value reads back."""
-    obj = make(qualname)
-    obj.__dict__["_args"] = (value,)
-    return obj
+    return stand_in_call(qualname, value)
 
 
 def enum_value(value: Any) -> Any:

@@ -14,17 +14,17 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-import torch
-
 from ...errors import FormatError, UnsupportedError
 from ...index.types import CheckpointIndex, Piece, TensorEntry, Box
 from ...index.virtual import Part, flat_slice
+from ...lazy_torch import is_tensor
 from ...progress import NullProgress, Progress
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...safeload import TensorRef
 from ...storage.output import OutputDir
 from ...storage.source import Source
+from ...torch_types import Size
 from ..torch_save.archive import Archive, tensor_location
 from ..torch_save.archive_writer import LazyTensor, write_archive
 from . import partition, standins
@@ -49,25 +49,35 @@ def _lazify(value: Any, archive: Archive, cache: dict) -> Any:
         return {k: _lazify(v, archive, cache) for k, v in value.items()}
     if isinstance(value, list):
         return [_lazify(v, archive, cache) for v in value]
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+    if type(value) is tuple:
         return tuple(_lazify(v, archive, cache) for v in value)
     return value
 
 
 def _config(index: CheckpointIndex) -> dict:
     obj = index.objects.get("ds.ds_config")
-    return obj.value if obj is not None and isinstance(obj.value, dict) else {}
+    return obj.data if obj is not None and isinstance(obj.data, dict) else {}
 
 
 def _step(index: CheckpointIndex, names: list[str]) -> Any:
-    steps = {repr(index.objects[f"optim.state.{n}.step"].value) for n in names if f"optim.state.{n}.step" in index.objects}
-    if len(steps) > 1:
-        raise UnsupportedError(f"parameters {names[:3]}... have different optimizer step counts {sorted(steps)}; "
-                               f"they cannot share one ZeRO partition")
+    steps: list[Any] = []
     for n in names:
-        if f"optim.state.{n}.step" in index.objects:
-            return index.objects[f"optim.state.{n}.step"].value
-    return None
+        obj = index.objects.get(f"optim.state.{n}.step")
+        if obj is not None and not any(_same(obj.data, s) for s in steps):
+            steps.append(obj.data)
+    if len(steps) > 1:
+        raise UnsupportedError(f"parameters {names[:3]}... have different optimizer step counts "
+                               f"{sorted(map(repr, steps))}; they cannot share one ZeRO partition")
+    return steps[0] if steps else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same type (a step as an int, a SmallTensor, a torch tensor)."""
+    if type(a) is not type(b):
+        return False
+    if is_tensor(a):
+        return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+    return bool(a == b)
 
 
 def _virtual(key: str, dtype: str, parts: list[Part], start: int, length: int) -> LazyTensor:
@@ -230,7 +240,7 @@ def _stage3(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files:
         m_t, marchive = _template(info, "model", 0)
         model = _lazify(m_t, marchive, {})
         model["dp_world_size"] = world
-        model["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in params) for _, params in subgroups]
+        model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in params) for _, params in subgroups]
         if rank != 0:
             model["shared_params"] = {}
         if info.frozen:

@@ -13,12 +13,10 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ...errors import CkptkitError, FormatError
 from ...index.dtypes import dtype_name
 from ...index.types import IntegrityCheck, Location
-from ...safeload import StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
+from ...safeload import RawStorage, StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
 from ...storage.source import RangeFile, Source
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -111,21 +109,21 @@ def _read_member(archive: Archive, name: str) -> bytes:
 
 
 def load_structure(archive: Archive, eager: bool = False) -> Any:
-    """Unpickle data.pkl. Lazy: tensors become TensorRef; eager: real tensors (small values only)."""
+    """Unpickle data.pkl. Lazy: tensors become TensorRefs; eager: SmallTensors holding their
+    bytes (small values only)."""
     loaded: dict[str, Any] = {}
 
     def persistent_load(pid: Any) -> Any:
         key, dtype, numel = storage_pid(pid, archive.label)
         member = archive.storage_member(key)
-        nbytes = numel * (1 if dtype is torch.uint8 else torch.empty((), dtype=dtype).element_size())
+        nbytes = numel * dtype.itemsize
         if member.size < nbytes:
             raise FormatError(f"{archive.label}: storage {key} holds {member.size} bytes, "
                               f"the pickle expects {nbytes}")
         if not eager:
             return typed_storage(StorageRef(key, dtype, numel), dtype)
         if key not in loaded:
-            raw = bytearray(archive.source.read(archive.file, member.data_offset, nbytes))
-            loaded[key] = torch.frombuffer(raw, dtype=torch.uint8).untyped_storage() if nbytes else torch.UntypedStorage(0)
+            loaded[key] = RawStorage(archive.source.read(archive.file, member.data_offset, nbytes))
         return typed_storage(loaded[key], dtype)
 
     data = _read_member(archive, f"{archive.prefix}/data.pkl")
@@ -164,17 +162,44 @@ def tensor_location(archive: Archive, ref: TensorRef, what: str) -> tuple[str, L
                                           stride=stride)
 
 
-def load_bytes_archive(data: bytes, label: str) -> Any:
-    """Eagerly load a torch.save archive held in memory (a decompressed DCP item)."""
+def _open_bytes(data: bytes | bytearray, label: str) -> Archive:
     from ...storage.checksum import crc32
 
-    src = _BytesSource(data, label)
-    archive = open_archive(src, "")
+    archive = open_archive(_BytesSource(data, label), "")
     view = memoryview(data)
     for m in archive.members.values():  # in memory already: checking costs one fast pass
         if not m.compressed and crc32(view[m.data_offset:m.data_offset + m.size]) & 0xFFFFFFFF != m.crc32:
             raise FormatError(f"{label}: damaged item: zip member {m.name} fails its CRC32 check")
-    return load_structure(archive, eager=True)
+    return archive
+
+
+def load_bytes_archive(data: bytes, label: str) -> Any:
+    """Eagerly load a torch.save archive held in memory (a decompressed DCP value item)."""
+    return load_structure(_open_bytes(data, label), eager=True)
+
+
+def load_bytes_tensor(data: bytearray, label: str) -> Any:
+    """The tensor a torch.save archive held in memory stores (a decompressed DCP tensor item),
+    as a torch tensor viewing `data` itself (no copy); None if it holds something else."""
+    import torch
+
+    from ...index.dtypes import torch_dtype
+
+    archive = _open_bytes(data, label)
+    ref = load_structure(archive, eager=False)
+    if not isinstance(ref, TensorRef):
+        return None
+    dtype, loc = tensor_location(archive, ref, "item")
+    tdtype = torch_dtype(dtype)
+    flat = torch.frombuffer(data, dtype=tdtype, count=loc.length // tdtype.itemsize, offset=loc.offset) \
+        if loc.length else torch.empty(0, dtype=tdtype)
+    return flat.as_strided(tuple(ref.size), loc.stride or _dense_strides(tuple(ref.size)))
+
+
+def _dense_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    from ...index.geometry import row_major_strides
+
+    return row_major_strides(size)
 
 
 class _BytesSource:

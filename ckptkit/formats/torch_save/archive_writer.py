@@ -1,32 +1,39 @@
 """Write any structure as a torch.save archive, streaming its tensors.
 
 Leaves may be plain values, stand-ins (re-emitted as their original classes), small in-memory
-tensors, or LazyTensor(entry): a logical tensor (possibly virtual) whose bytes are streamed slab
+tensors (torch's, or SmallTensors read from a checkpoint), or LazyTensor(entry): a logical tensor (possibly virtual) whose bytes are streamed slab
 by slab from the source when the archive is written. The layout is torch's own: <root>/data.pkl,
 <root>/data/<n> (64-byte aligned), byteorder, version; torch.load(weights_only=False) and
-frameworks that use it (DeepSpeed) read it back.
+frameworks that use it (DeepSpeed) read it back. Writing needs no torch unless the structure
+holds torch tensors.
 """
 from __future__ import annotations
 
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ...index.dtypes import torch_dtype
+from ...index.dtypes import STORAGE_OF, dtype_name, itemsize
 from ...index.types import TensorEntry
+from ...lazy_torch import is_tensor
 from ...progress import NullProgress, Progress
-from ...repickle import dumps
+from ...repickle import GlobalRef, dumps
+from ...torch_types import DType, SmallTensor
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor, tensor_bytes
 from ...storage import kernel_copy
 from ...storage.output import OutputDir
 
+if TYPE_CHECKING:
+    import torch
+
 ROOT = "archive"
 ALIGN = 64
 _DATE = (1980, 1, 1, 0, 0, 0)
+_REBUILD_V2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
+_UNTYPED = GlobalRef("torch", "UntypedStorage")
 
 
 @dataclass(eq=False)
@@ -37,10 +44,10 @@ class LazyTensor:
 
 
 class _Slot:
-    """One storage record of the archive."""
+    """One storage record of the archive: streamed from `lazy`, or `data` held in memory."""
 
-    def __init__(self, key: str, dtype: torch.dtype, numel: int, lazy: TensorEntry | None,
-                 data: torch.Tensor | None) -> None:
+    def __init__(self, key: str, dtype: str, numel: int, lazy: TensorEntry | None,
+                 data: "torch.Tensor | bytes | None") -> None:
         self.key, self.dtype, self.numel, self.lazy, self.data = key, dtype, numel, lazy, data
 
 
@@ -63,41 +70,48 @@ class _Builder:
             e = obj.entry
             slot = self._by_entry.get(id(e))
             if slot is None:
-                slot = _Slot(str(len(self.slots)), torch_dtype(e.dtype), e.numel, e, None)
+                slot = _Slot(str(len(self.slots)), e.dtype, e.numel, e, None)
                 self.slots.append(slot)
                 self._by_entry[id(e)] = slot
             return slot, 0, tuple(e.shape), _contiguous_stride(tuple(e.shape))
+        if isinstance(obj, SmallTensor):
+            slot = _Slot(str(len(self.slots)), obj.dtype, obj.numel, None, obj.data)
+            self.slots.append(slot)
+            return slot, 0, obj.shape, _contiguous_stride(obj.shape)
+        import torch
+
         t: torch.Tensor = obj.detach().cpu()
         storage = t.untyped_storage()
         ptr = (storage.data_ptr(), storage.nbytes(), t.dtype)
         slot = self._by_ptr.get(ptr)
         if slot is None:
             whole = torch.empty((0,), dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),))
-            slot = _Slot(str(len(self.slots)), t.dtype, whole.numel(), None, whole)
+            slot = _Slot(str(len(self.slots)), dtype_name(t.dtype), whole.numel(), None, whole)
             self.slots.append(slot)
             self._by_ptr[ptr] = slot
         return slot, t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
     def reduce(self, obj: Any) -> Any:
-        if not isinstance(obj, (LazyTensor, torch.Tensor)):
-            return None
-        if isinstance(obj, torch.nn.Parameter):
-            obj = obj.data
+        if not isinstance(obj, (LazyTensor, SmallTensor)):
+            if not is_tensor(obj):
+                return None
+            import torch
+
+            if isinstance(obj, torch.nn.Parameter):
+                obj = obj.data
         slot, offset, shape, stride = self._slot_for(obj)
-        legacy = torch.storage._dtype_to_storage_type_map().get(slot.dtype)
-        if legacy is not None:
-            return (torch._utils._rebuild_tensor_v2,
-                    (slot, offset, torch.Size(shape), stride, False, OrderedDict()))
-        return (torch._utils._rebuild_tensor_v3,
-                (slot, offset, torch.Size(shape), stride, False, OrderedDict(), slot.dtype))
+        # the arguments torch's Tensor.__reduce_ex__ gives (size as a plain tuple)
+        if slot.dtype in STORAGE_OF:
+            return (_REBUILD_V2, (slot, offset, tuple(shape), tuple(stride), False, OrderedDict()))
+        return (_REBUILD_V3, (slot, offset, tuple(shape), tuple(stride), False, OrderedDict(), DType(slot.dtype)))
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, _Slot):
             return None
-        legacy = torch.storage._dtype_to_storage_type_map().get(obj.dtype)
+        legacy = STORAGE_OF.get(obj.dtype)
         if legacy is not None:
-            return ("storage", getattr(torch, legacy), obj.key, "cpu", obj.numel)
-        return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
+            return ("storage", GlobalRef("torch", legacy), obj.key, "cpu", obj.numel)
+        return ("storage", _UNTYPED, obj.key, "cpu", obj.numel * itemsize(obj.dtype))
 
 
 def _aligned_info(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
@@ -175,6 +189,8 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
                     for chunk in stream_tensor(fetcher, slot.lazy, None, slab_bytes):
                         member.write(chunk)
                         progress.advance(len(chunk))
+                elif isinstance(slot.data, bytes):
+                    member.write(slot.data)
                 else:
                     member.write(tensor_bytes(slot.data))
         zf.writestr(zipfile.ZipInfo(f"{ROOT}/version", _DATE), b"3\n")

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from ...errors import FormatError
+from ...index import geometry
 from ...index.flatten import flatten, key_of
 from ...index.types import Box, CheckpointIndex, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
+from ...torch_types import SmallTensor
 from .archive import Archive, open_archive, load_structure, tensor_location
 
 FORMAT = "torch_save"
@@ -55,18 +55,19 @@ def add_structure(index: CheckpointIndex, archive: Archive, structure: Any, pref
 
 
 def materialize(value: Any, archive: Archive) -> Any:
-    """Replace TensorRefs nested in a non-tensor value (a tuple of tensors, ...) by real tensors."""
+    """Replace TensorRefs nested in a non-tensor value (a step, a tuple of tensors, ...) by
+    SmallTensors holding their bytes (ObjectEntry.value gives them as torch tensors)."""
     if isinstance(value, TensorRef):
-        from ...runner.fetch import Fetcher
-
         dtype, loc = tensor_location(archive, value, "nested tensor")
-        entry = TensorEntry("nested", dtype, tuple(value.size), [Piece(Box.whole(tuple(value.size)), loc)])
-        return Fetcher(archive.source).fetch(entry).clone()
+        raw = archive.source.read(loc.file, loc.offset, loc.length)
+        size = tuple(value.size)
+        stride = loc.stride if loc.stride is not None else geometry.row_major_strides(size)
+        return SmallTensor.from_storage(dtype, raw, 0, size, stride)
     if isinstance(value, dict):
         return type(value)((k, materialize(v, archive)) for k, v in value.items()) if type(value) is not dict \
             else {k: materialize(v, archive) for k, v in value.items()}
     if isinstance(value, list):
         return [materialize(v, archive) for v in value]
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+    if type(value) is tuple:
         return tuple(materialize(v, archive) for v in value)
     return value

@@ -1,0 +1,157 @@
+"""torch's small value types as plain-Python stand-ins, so reading a checkpoint never imports torch.
+
+The restricted unpickler (safeload) builds these for what checkpoints pickle besides tensor
+data: torch.Size, dtypes, small tensors loaded whole (a step counter, an RNG state). repickle
+writes them back as torch's own objects, with the opcodes pickle writes for the real ones, and
+`realize()` turns them into torch objects where values leave ckptkit for torch code or the user
+(ObjectEntry.value, diff and convert arithmetic, the Checkpointer's extras).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from typing import Any
+
+from .index.dtypes import ALIASES, FLOATING, itemsize, torch_dtype
+
+
+class Size(tuple):
+    """torch.Size: a tuple of ints that pickles as torch.Size."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+
+class DType:
+    """A torch dtype by canonical name; one object per name, pickled as the global torch.<name>."""
+
+    _interned: dict[str, "DType"] = {}
+    __slots__ = ("name", "attr")
+
+    def __new__(cls, attr: str) -> "DType":
+        obj = cls._interned.get(attr)
+        if obj is None:
+            obj = super().__new__(cls)
+            obj.attr = attr  # the attribute of torch it was pickled as (float, float32, qint8, ...)
+            obj.name = ALIASES.get(attr, attr)  # canonical name (dtype_name() refuses ones ckptkit cannot hold)
+            cls._interned[attr] = obj
+        return obj
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.name)
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.name in FLOATING
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    def __copy__(self) -> "DType":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "DType":
+        return self
+
+    def __reduce__(self):
+        return (DType, (self.attr,))
+
+
+class SmallTensor:
+    """A tensor loaded whole from a pickle (not a model weight): dtype name, shape, and its
+    elements' bytes in row-major order. Compares by value."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: bytes) -> None:
+        self.dtype, self.shape, self.data = dtype, tuple(shape), bytes(data)
+
+    @classmethod
+    def from_storage(cls, dtype: str, storage: bytes, offset: int, shape: tuple[int, ...],
+                     stride: tuple[int, ...]) -> "SmallTensor":
+        """The view (offset, shape, stride in elements) of a storage's bytes, made contiguous."""
+        item = itemsize(dtype)
+        numel = math.prod(shape)
+        dense, acc = [], 1
+        for s in reversed(shape):
+            dense.append(acc)
+            acc *= s
+        if numel == 0 or all(n == 1 or st == want for n, st, want in zip(shape, stride, reversed(dense))):
+            return cls(dtype, shape, storage[offset * item:(offset + numel) * item])
+        parts = []
+        for index in itertools.product(*(range(s) for s in shape)):
+            at = (offset + sum(i * st for i, st in zip(index, stride))) * item
+            parts.append(storage[at:at + item])
+        return cls(dtype, shape, b"".join(parts))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_torch(self) -> Any:
+        import torch
+
+        dtype = torch_dtype(self.dtype)
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SmallTensor) and (self.dtype, self.shape, self.data)
+                == (other.dtype, other.shape, other.data))
+
+    def __hash__(self) -> int:
+        return hash((self.dtype, self.shape, self.data))
+
+    def __repr__(self) -> str:
+        return f"SmallTensor({self.dtype}, {list(self.shape)}, {self.data.hex()[:32]})"
+
+
+def realize(value: Any) -> Any:
+    """`value` with torch's own objects in place of the stand-ins (imports torch only if it
+    holds any); containers are rebuilt, everything else is returned as is."""
+    from .safeload import GlobalRef, Inert
+
+    if isinstance(value, SmallTensor):
+        return value.to_torch()
+    if isinstance(value, DType):
+        return torch_dtype(value.name)
+    if isinstance(value, Size):
+        import torch
+
+        return torch.Size(value)
+    if isinstance(value, Inert):
+        return _realize_inert(value)
+    if isinstance(value, GlobalRef) and value.module == "torch":
+        import torch
+
+        return getattr(torch, value.name)
+    if type(value) is dict or type(value) is OrderedDict:
+        return type(value)((k, realize(v)) for k, v in value.items())
+    if type(value) is list:
+        return [realize(v) for v in value]
+    if type(value) is tuple:
+        return tuple(realize(v) for v in value)
+    return value  # plain values, torch's own objects, other containers
+
+
+def _realize_inert(value: Any) -> Any:
+    """torch.device and layouts become torch's objects; other stand-ins keep their class with
+    realized state (a DeepSpeed loss scaler holding a dtype, ...)."""
+    qualname = value._qualname
+    args = value.__dict__.get("_args", ())
+    if qualname == "torch.device":
+        import torch
+
+        return torch.device(*args)
+    if qualname == "torch.serialization._get_layout":
+        import torch
+
+        return getattr(torch, str(args[0]).removeprefix("torch."))
+    copy = type(value).__new__(type(value))
+    copy.__dict__.update({k: realize(v) for k, v in value.__dict__.items()})
+    return copy
