@@ -57,6 +57,8 @@ def _torch_imported(args: list[str]) -> bool:
     ["reshard", "{fx}/fsdp2_w2", "{out}", "--to", "3"],
     ["consolidate", "{fx}/fsdp2_w2", "{out}", "--include-optimizer"],
     ["consolidate", "{ds}/z3_fp32_w2", "{out}"],
+    ["convert", "{ds}/z3_fp32_w2", "{out}", "--to", "dcp"],
+    ["convert", "{ds}/z2_fp32_w2", "{out}", "--to", "torch"],
 ], ids=lambda a: " ".join(a[:2]).replace("{ds}/", "").replace("{fx}/", ""))
 def test_light_commands_do_not_import_torch(args, tmp_path):
     args = [a.format(ds=DS, fx=FIXTURES, out=tmp_path / "out") for a in args]

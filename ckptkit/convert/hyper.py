@@ -10,11 +10,15 @@ dropped on the way back (`decoupled_weight_decay` carries adam_w_mode).
 from __future__ import annotations
 
 import copy
-from typing import Any
-
-import torch
+import struct
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedError
+from ..lazy_torch import is_tensor
+from ..torch_types import SmallTensor
+
+if TYPE_CHECKING:
+    import torch
 
 # torch.optim.AdamW defaults for keys a DeepSpeed group lacks (torch >= 2.4 adds all of them)
 TORCH_ADAMW_DEFAULTS: dict[str, Any] = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
@@ -74,18 +78,37 @@ def deepspeed_groups(groups: list[dict], ds_config: dict | None) -> list[dict]:
     return out
 
 
-def torch_step(value: Any) -> torch.Tensor:
-    """AdamW's per-parameter step: a 0-d float32 tensor (kept as is when already a tensor)."""
-    if isinstance(value, torch.Tensor):
+def torch_step(value: Any) -> "torch.Tensor | SmallTensor":
+    """AdamW's per-parameter step: a 0-d float32 tensor (kept as is when already a tensor), as a
+    SmallTensor when built from a number (written without torch)."""
+    if isinstance(value, SmallTensor):
+        if value.numel != 1:
+            raise UnsupportedError(f"optimizer step {value!r} is not a single number")
+        return SmallTensor(value.dtype, (), value.data)
+    if is_tensor(value):
         return value.detach().clone().reshape(())
-    return torch.tensor(float(value), dtype=torch.float32)
+    return SmallTensor("float32", (), struct.pack("<f", float(value)))
+
+
+def step_number(value: Any) -> Any:
+    """A step as a Python number, whichever form it has (int, float, SmallTensor, torch tensor)."""
+    if isinstance(value, SmallTensor):
+        from ..index.serialize import small_tensor_values
+
+        values = small_tensor_values(value) if value.numel == 1 else None
+        if not values:
+            raise UnsupportedError(f"optimizer step {value!r} is not a single number")
+        return values[0]
+    if is_tensor(value):
+        return value.item()
+    return value
 
 
 def deepspeed_step(value: Any, ds_config: dict | None) -> Any:
     """DeepSpeed's Adam keeps an int step; with torch_adam it is torch's float tensor."""
     if uses_torch_adam(ds_config):
         return torch_step(value)
-    v = value.item() if isinstance(value, torch.Tensor) else value
+    v = step_number(value)
     if float(v) != int(float(v)):
         raise UnsupportedError(f"optimizer step {v!r} is not a whole number")
     return int(float(v))

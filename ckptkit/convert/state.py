@@ -14,17 +14,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..errors import UnsupportedError, UsageError
 from ..formats.registry import Opened
 from ..index import geometry
 from ..index.dtypes import is_floating, itemsize
 from ..index.layouts import is_sharded
 from ..index.types import Box, TensorEntry
+from ..lazy_torch import is_tensor
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
 from ..ops.keys import LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, guess_step, split_roles
+from ..torch_types import SmallTensor
+from .hyper import step_number
 from .names import KeyRules
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -70,12 +71,12 @@ class TrainingState:
         guessed = guess_step(self.source.index)
         if guessed is not None:
             return guessed
-        values = {int(float(v)) for v in self.steps.values()}
+        values = {int(float(step_number(v))) for v in self.steps.values()}
         return max(values) if values else None
 
     def group_step(self, g: int) -> Any:
         """The step all params of group g share (ZeRO keeps one per group)."""
-        values = {repr(_plain(self.steps[n])) for n in self.group_params[g] if n in self.steps}
+        values = {repr(step_number(self.steps[n])) for n in self.group_params[g] if n in self.steps}
         if len(values) > 1:
             raise UnsupportedError(f"param group {g} has parameters at different optimizer steps "
                                    f"({sorted(values)}); ZeRO keeps one step per group")
@@ -83,10 +84,6 @@ class TrainingState:
             if n in self.steps:
                 return self.steps[n]
         return 0
-
-
-def _plain(v: Any) -> Any:
-    return v.item() if isinstance(v, torch.Tensor) else v
 
 
 def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: tuple[str, ...] = ()) -> TrainingState:
@@ -126,14 +123,15 @@ def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
     extras, ds = [], {}
     for key, o in index.objects.items():
         p = o.path or (key,)
+        # values as read (stand-ins for torch's types): the writers re-emit them as torch's
         if len(p) == 4 and p[:2] == ("optim", "state") and p[3] == "step":
-            steps[rules.apply(p[2])] = o.value
+            steps[rules.apply(p[2])] = o.data
         elif len(p) == 4 and p[:2] == ("optim", "param_groups"):
-            groups.setdefault(int(p[2]), {})[p[3]] = o.value
+            groups.setdefault(int(p[2]), {})[p[3]] = o.data
         elif p[0] == "client":
-            extras.append((tuple(p[1:]), o.value))
+            extras.append((tuple(p[1:]), o.data))
         elif p[0] == "ds" and len(p) == 2 and p[1] in DS_CARRIED:
-            ds[p[1]] = o.value
+            ds[p[1]] = o.data
     group_list, group_params = _named_groups(groups, rules)
     cfg = ds.get("ds_config")
     return TrainingState(opened, model, frozen, buffers, ties, moments, steps, group_list, group_params, extras, ds,
@@ -187,7 +185,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
             if what in MOMENTS and isinstance(value, TensorEntry):
                 moments.setdefault(name, {})[what] = value
             elif what == "step":
-                steps[name] = fetcher.fetch(value) if isinstance(value, TensorEntry) else value
+                steps[name] = fetcher.read_small(value) if isinstance(value, TensorEntry) else value
             elif isinstance(value, TensorEntry):
                 raise UnsupportedError(f"{opened.path}: optimizer state {what!r} of {name} ({where}) is not "
                                        f"Adam's exp_avg/exp_avg_sq/step; only Adam-style optimizers convert")
@@ -214,11 +212,11 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     for key, o in index.objects.items():
         path = tuple(o.path) if o.path else (key,)
         parts = _optim_parts(path)
-        if parts is not None and optim_entry(parts, o.value, key):
+        if parts is not None and optim_entry(parts, o.data, key):
             continue
         if path[0] in OPTIM_CONTAINERS or path[0] in MODEL_CONTAINERS:
             continue  # leftovers of an optimizer (e.g. an empty state) or a model container
-        extras.append((path, o.value))
+        extras.append((path, o.data))
     group_list, group_params = _named_groups(groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
     frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher)
@@ -259,6 +257,8 @@ def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes:
     head = Box((0,) * len(a.shape), tuple([1] * (len(a.shape) - 1) + [min(a.shape[-1], 64)])) if a.shape else None
     boxes = ([head] if head is not None else []) + list(
         geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))))
+    import torch
+
     for box in boxes:
         x, y = fetcher.fetch(a, box), fetcher.fetch(b, box)
         if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
@@ -289,7 +289,7 @@ def flat_extras(extras: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
     out = []
     for path, value in extras:
         if isinstance(value, dict) and value:
-            for sub, leaf in flatten(value, lambda v: isinstance(v, torch.Tensor)):
+            for sub, leaf in flatten(value, lambda v: isinstance(v, SmallTensor) or is_tensor(v)):
                 out.append((tuple(path) + tuple(sub), leaf))
         else:
             out.append((tuple(path), value))

@@ -19,18 +19,17 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-import torch
-
 from ..errors import UnsupportedError, UsageError
 from ..formats.deepspeed import standins
 from ..formats.deepspeed.files import Layout as ZeroFiles
 from ..formats.deepspeed.reader import Group, ZeroInfo
 from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE, write_zero_files
-from ..index.dtypes import torch_dtype
+from ..index.dtypes import itemsize
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ..index.virtual import inline_tensor
 from ..progress import Progress
 from ..storage.output import OutputDir
+from ..torch_types import DType, Size, SmallTensor
 from .hyper import deepspeed_groups, deepspeed_step
 from .state import MOMENTS, TrainingState
 from .to_torch_layouts import view
@@ -62,14 +61,14 @@ def _loss_scaler(cfg: dict, precision: str, global_step: int) -> tuple[Any, bool
                      scale_window=int(fp16.get("loss_scale_window", 1000)),
                      min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis, cur_hysteresis=hysteresis,
                      consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
-                     raise_error_at_min_scale=True, dtype=torch.float16), True
+                     raise_error_at_min_scale=True, dtype=DType("float16")), True
 
 
 def _alignment_paddings(names: list[tuple[str, int]], cfg_zero: dict, precision: str) -> list[int]:
     """DeepSpeed's per-parameter padding inside a stage-1/2 group (parameter_alignment)."""
     if not cfg_zero.get("parameter_alignment"):
         return [0] * len(names)
-    item = torch_dtype(precision).itemsize
+    item = itemsize(precision)
     align = 16 // math.gcd(16, item)
     out, offset = [], 0
     for i, (_, numel) in enumerate(names):
@@ -120,7 +119,7 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
         if name in state.buffers:
             module[name] = _lazy(view(f"module.{name}", entry, resolver), index)
         elif stage == 3:
-            module[name] = _lazy(inline_tensor(f"module.{name}", torch.empty(0, dtype=torch_dtype(precision))), index)
+            module[name] = _lazy(inline_tensor(f"module.{name}", SmallTensor(precision, (0,), b"")), index)
         else:
             owner = state.ties.get(name, name)
             src = index.tensors.get(f"model.{owner}") or state.model[owner]
@@ -136,10 +135,10 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
             pads = _alignment_paddings([(n, math.prod(s)) for n, s in shaped], zero_cfg, precision)
             info_groups.append(Group(g, g, shaped, pads if any(pads) else None))
             alignment_paddings.append(pads)
-            param_shapes.append(OrderedDict((n, torch.Size(s)) for n, s in shaped))
+            param_shapes.append(OrderedDict((n, Size(s)) for n, s in shaped))
         else:
             info_groups.append(Group(g, g, shaped))
-    frozen_shapes = OrderedDict((n, torch.Size(state.model[n].shape)) for n in state.frozen)
+    frozen_shapes = OrderedDict((n, Size(state.model[n].shape)) for n in state.frozen)
     scaler, dynamic = _loss_scaler(cfg, precision, step)
     train_batch = cfg.get("train_batch_size")
     if not isinstance(train_batch, int):

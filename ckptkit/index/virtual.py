@@ -15,6 +15,8 @@ from .types import FlatRange, Location, Piece, TensorEntry
 if TYPE_CHECKING:
     import torch
 
+    from ..torch_types import SmallTensor
+
 REF = "ref"
 ZEROS = "zeros"
 INLINE = "inline"  # a small value built in memory (a converted optimizer step), in entry.attrs["value"]
@@ -62,13 +64,18 @@ def flat_slice(key: str, dtype: str, parts: list[Part], start: int, length: int)
     return flat_concat(key, dtype, out)
 
 
-def inline_tensor(key: str, value: "torch.Tensor", path: tuple | None = None) -> TensorEntry:
-    """A small tensor that exists only in memory (e.g. AdamW's 0-d step made from DeepSpeed's int)."""
+def inline_tensor(key: str, value: "torch.Tensor | SmallTensor", path: tuple | None = None) -> TensorEntry:
+    """A small tensor that exists only in memory (e.g. AdamW's 0-d step made from DeepSpeed's
+    int): a SmallTensor (written without torch) or a torch tensor."""
+    from ..torch_types import SmallTensor
     from .dtypes import dtype_name
     from .types import Box
 
-    value = value.detach().contiguous()
-    shape = tuple(value.shape)
-    loc = Location("", 0, value.numel() * value.element_size(), INLINE)
-    return TensorEntry(key, dtype_name(value.dtype), shape, [Piece(Box.whole(shape), loc)], path=path,
+    if isinstance(value, SmallTensor):
+        dtype, shape, nbytes = value.dtype, value.shape, len(value.data)
+    else:
+        value = value.detach().contiguous()
+        dtype, shape, nbytes = dtype_name(value.dtype), tuple(value.shape), value.numel() * value.element_size()
+    loc = Location("", 0, nbytes, INLINE)
+    return TensorEntry(key, dtype, shape, [Piece(Box.whole(shape), loc)], path=path,
                        attrs={"virtual": True, "value": value})

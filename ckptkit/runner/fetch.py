@@ -17,6 +17,7 @@ from ..index.dtypes import itemsize, torch_dtype
 from ..index.types import Box, CheckpointIndex, FlatRange, Piece, TensorEntry
 from ..index.virtual import INLINE, REF, ZEROS
 from ..storage.source import Source
+from ..torch_types import SmallTensor
 from . import codecs
 
 if TYPE_CHECKING:
@@ -114,6 +115,8 @@ class Fetcher:
             return True
         if encoding == INLINE:
             value = entry.attrs["value"]
+            if isinstance(value, SmallTensor):
+                value = value.to_torch()
             for d, (o, so, s) in enumerate(zip(inter.offsets, sub.offsets, inter.sizes)):
                 value = value.narrow(d, o - so, s)
             dst.copy_(value)
@@ -129,10 +132,27 @@ class Fetcher:
         self.source.readinto(piece.location.file, piece.location.offset + first * item, view)
         return True
 
+    def read_small(self, entry: TensorEntry) -> "SmallTensor | torch.Tensor":
+        """A small tensor (an optimizer step) whole: a SmallTensor read without torch where its
+        bytes are stored plainly, else a torch tensor through fetch()."""
+        ranges = self.byte_ranges(entry)
+        if ranges is None:
+            return self.fetch(entry)
+        parts = []
+        for rel, offset, nbytes in ranges:
+            if rel is None:
+                parts.append(bytes(nbytes))
+            elif isinstance(rel, bytes):
+                parts.append(rel[offset:offset + nbytes])
+            else:
+                parts.append(self.source.read(rel, offset, nbytes))
+        return SmallTensor(entry.dtype, tuple(entry.shape), b"".join(parts))
+
     def byte_ranges(self, entry: TensorEntry, start: int = 0, length: int | None = None,
-                    dtype: str | None = None) -> list[tuple[str | None, int, int]] | None:
+                    dtype: str | None = None) -> list[tuple[str | bytes | None, int, int]] | None:
         """Elements [start, start+length) of the entry's flattening as raw source byte ranges
-        (file, offset, nbytes), or (None, 0, nbytes) for zero padding, in order. None when the
+        (file, offset, nbytes), or (None, 0, nbytes) for zero padding, or (bytes, offset,
+        nbytes) for a small tensor held in memory, in order. None when the
         bytes are not stored that simply (strided, encoded, another dtype): callers then fall
         back to fetch(). Lets writers copy bytes in the kernel instead of through Python."""
         dtype = dtype or entry.dtype
@@ -154,8 +174,10 @@ class Fetcher:
                 a, n = 0, entry.numel
             else:
                 return None
-            if loc.encoding not in ("raw", REF, ZEROS) or (loc.encoding == "raw" and loc.stride is not None
-                                                          and isinstance(region, Box)):
+            if loc.encoding == INLINE and not isinstance(entry.attrs.get("value"), SmallTensor):
+                return None
+            if loc.encoding not in ("raw", REF, ZEROS, INLINE) or (loc.encoding == "raw" and loc.stride is not None
+                                                                  and isinstance(region, Box)):
                 return None
             spans.append((a, n, piece))
         spans.sort(key=lambda s: s[0])
@@ -170,6 +192,8 @@ class Fetcher:
             loc = piece.location
             if loc.encoding == ZEROS:
                 out.append((None, 0, (hi - lo) * item))
+            elif loc.encoding == INLINE:
+                out.append((entry.attrs["value"].data, (lo - a) * item, (hi - lo) * item))
             elif loc.encoding == REF:
                 if self.index is None or loc.file not in self.index.tensors:
                     return None

@@ -14,10 +14,14 @@ from typing import Any, BinaryIO
 
 from .checksum import crc32 as _crc
 
-Ranges = list[tuple[str | None, int, int]]  # (source file or None for zeros, offset, nbytes)
+# (source file, offset, nbytes); (None, 0, nbytes) for zeros; (bytes, offset, nbytes) for bytes held
+# in memory (a small tensor convert built, such as an optimizer step)
+Ranges = list[tuple[str | bytes | None, int, int]]
 
 _ZEROS = bytes(1 << 20)
-_WINDOW = 64 << 20
+# a window is resident while its CRC is computed (file pages count in RSS): small enough that
+# peak memory does not depend on tensor sizes, large enough that mapping costs nothing measurable
+_WINDOW = 2 << 20
 _BUFFER = 8 << 20
 # copy_file_range refuses some pairs of files (across filesystems on many kernels, some network
 # and FUSE filesystems): those bytes go through a buffer instead, and the pair is remembered
@@ -40,6 +44,9 @@ def crc32(source: Any, ranges: Ranges) -> int:
             if rel is None:
                 n = min(len(_ZEROS), nbytes - done)
                 crc = _crc(_ZEROS[:n], crc)
+            elif isinstance(rel, bytes):
+                n = nbytes - done
+                crc = _crc(memoryview(rel)[offset + done:offset + nbytes], crc)
             else:
                 n = min(_WINDOW, nbytes - done)
                 crc = _crc_window(source, rel, offset + done, n, crc)
@@ -67,6 +74,8 @@ def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> 
             left = nbytes
             while left:
                 left -= os.write(out_fd, _ZEROS[:min(left, len(_ZEROS))])
+        elif isinstance(rel, bytes):
+            _write_all(out_fd, memoryview(rel)[offset:offset + nbytes])
         else:
             _copy_range(source, rel, offset, nbytes, out_fd)
         advance(nbytes)
@@ -94,7 +103,11 @@ def _copy_range(source: Any, rel: str, offset: int, nbytes: int, out_fd: int) ->
         got = os.preadv(src_fd, [view], offset + done)
         if got <= 0:
             raise OSError(f"{source.label(rel)}: ends before byte {offset + done}")
-        written = 0
-        while written < got:
-            written += os.write(out_fd, view[written:got])
+        _write_all(out_fd, view[:got])
         done += got
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    written = 0
+    while written < len(data):
+        written += os.write(fd, data[written:])

@@ -29,7 +29,7 @@ def write_torch_save(out: OutputDir, name: str, index: CheckpointIndex, fetcher:
         items.append((path, lazy[aliases.get(key, key)]))
     if include_objects:
         for obj in index.objects.values():
-            items.append(((key_map or {}).get(obj.key) or (tuple(obj.path) if obj.path else (obj.key,)), obj.value))
+            items.append(((key_map or {}).get(obj.key) or (tuple(obj.path) if obj.path else (obj.key,)), obj.data))
     structure = unflatten(items)
     run_jobs([lambda: write_archive(out, name, structure, fetcher, slab_bytes=slab_bytes, progress=progress)], 1,
              group=out.group)
