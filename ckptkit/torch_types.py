@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .index.dtypes import ALIASES, FLOATING, itemsize, torch_dtype
+from .index.geometry import row_major_strides
 
 
 class Size(tuple):
@@ -76,11 +77,8 @@ class SmallTensor:
         """The view (offset, shape, stride in elements) of a storage's bytes, made contiguous."""
         item = itemsize(dtype)
         numel = math.prod(shape)
-        dense, acc = [], 1
-        for s in reversed(shape):
-            dense.append(acc)
-            acc *= s
-        if numel == 0 or all(n == 1 or st == want for n, st, want in zip(shape, stride, reversed(dense))):
+        dense = row_major_strides(tuple(shape))
+        if numel == 0 or all(n == 1 or st == want for n, st, want in zip(shape, stride, dense)):
             return cls(dtype, shape, storage[offset * item:(offset + numel) * item])
         parts = []
         for index in itertools.product(*(range(s) for s in shape)):

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...errors import CkptkitError, FormatError
 from ...index.dtypes import dtype_name
+from ...index.geometry import row_major_strides
 from ...index.types import IntegrityCheck, Location
 from ...safeload import RawStorage, StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
 from ...storage.source import RangeFile, Source
@@ -193,13 +194,7 @@ def load_bytes_tensor(data: bytearray, label: str) -> Any:
     tdtype = torch_dtype(dtype)
     flat = torch.frombuffer(data, dtype=tdtype, count=loc.length // tdtype.itemsize, offset=loc.offset) \
         if loc.length else torch.empty(0, dtype=tdtype)
-    return flat.as_strided(tuple(ref.size), loc.stride or _dense_strides(tuple(ref.size)))
-
-
-def _dense_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    from ...index.geometry import row_major_strides
-
-    return row_major_strides(size)
+    return flat.as_strided(tuple(ref.size), loc.stride or row_major_strides(tuple(ref.size)))
 
 
 class _BytesSource:
