@@ -13,6 +13,7 @@ import math
 from collections import OrderedDict
 from typing import Any
 
+from .errors import FormatError
 from .index.dtypes import ALIASES, FLOATING, itemsize, torch_dtype
 from .index.geometry import row_major_strides
 
@@ -62,6 +63,10 @@ class DType:
         return (DType, (self.attr,))
 
 
+# the most bytes a non-contiguous tensor loaded whole from a pickle may expand to
+MAX_STRIDED_BYTES = 64 << 20
+
+
 class SmallTensor:
     """A tensor loaded whole from a pickle (not a model weight): dtype name, shape, and its
     elements' bytes in row-major order. Compares by value."""
@@ -80,10 +85,19 @@ class SmallTensor:
         dense = row_major_strides(tuple(shape))
         if numel == 0 or all(n == 1 or st == want for n, st, want in zip(shape, stride, dense)):
             return cls(dtype, shape, storage[offset * item:(offset + numel) * item])
+        if numel * item > MAX_STRIDED_BYTES:  # a small storage viewed as a huge one (stride 0)
+            raise FormatError(f"a tensor stored as a strided view of {numel * item} bytes (shape {list(shape)}, "
+                              f"strides {list(stride)}) where a small value was expected")
+        view = memoryview(storage)
+        inner, inner_stride = shape[-1], stride[-1]
         parts = []
-        for index in itertools.product(*(range(s) for s in shape)):
-            at = (offset + sum(i * st for i, st in zip(index, stride))) * item
-            parts.append(storage[at:at + item])
+        for index in itertools.product(*(range(s) for s in shape[:-1])):
+            row = offset + sum(i * st for i, st in zip(index, stride))
+            if inner_stride == 1:
+                parts.append(view[row * item:(row + inner) * item])
+            else:
+                parts.extend(view[(row + j * inner_stride) * item:(row + j * inner_stride + 1) * item]
+                             for j in range(inner))
         return cls(dtype, shape, b"".join(parts))
 
     @property

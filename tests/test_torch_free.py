@@ -170,3 +170,35 @@ def test_small_tensor_needs_its_bytes():
 
     with pytest.raises(FormatError, match="needs 16 bytes"):
         restricted_loads(pkl, "mem", lambda pid: typed_storage(RawStorage(bytes(8)), DType("float32")))
+
+
+@pytest.mark.parametrize("view", ["transposed", "permuted", "expanded", "stepped"])
+def test_strided_values_load_as_torch_saved_them(view):
+    base = torch.arange(24, dtype=torch.float32)
+    value = {"transposed": base.view(4, 6).t(), "permuted": base.view(2, 3, 4).permute(2, 0, 1),
+             "expanded": torch.tensor([1.5]).expand(5, 3), "stepped": base[1::5]}[view]
+    buf = io.BytesIO()
+    torch.save({"v": value}, buf)
+    loaded = load_bytes_archive(buf.getvalue(), "mem")["v"]
+    assert isinstance(loaded, SmallTensor) and loaded.shape == tuple(value.shape)
+    assert torch.equal(realize(loaded), value)
+
+
+def test_a_small_storage_viewed_as_a_huge_tensor_is_refused():
+    """A stride-0 view costs torch nothing but would cost a copy of its full size: refused."""
+    from ckptkit.errors import FormatError
+
+    buf = io.BytesIO()
+    torch.save({"v": torch.zeros(1).expand(100_000_000)}, buf)
+    with pytest.raises(FormatError, match="strided view of 400000000 bytes"):
+        load_bytes_archive(buf.getvalue(), "mem")
+
+
+def test_a_value_nested_too_deeply_is_a_format_error():
+    from ckptkit.errors import FormatError
+
+    deep: list = []
+    for _ in range(20000):
+        deep = [deep]
+    with pytest.raises(FormatError, match="nested too deeply"):
+        ObjectEntry("k", deep).value

@@ -136,9 +136,13 @@ class ObjectEntry:
     def value(self) -> Any:
         """`data` with torch.Size, dtypes and tensors from torch (imports torch if it holds any)."""
         if self._value is _UNREALIZED:
+            from ..errors import FormatError
             from ..torch_types import realize
 
-            self._value = realize(self.data)
+            try:
+                self._value = realize(self.data)
+            except RecursionError:
+                raise FormatError(f"value {self.key} is nested too deeply to be a checkpoint value") from None
         return self._value
 
 
