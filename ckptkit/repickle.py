@@ -15,8 +15,8 @@ import io
 import pickle
 from typing import Any, Callable
 
-from .safeload import GlobalRef, Inert, inert_class
-from .torch_types import DType, Size
+from .safeload import Inert, inert_class
+from .torch_types import DType, GlobalRef, Size
 
 __all__ = ["FaithfulPickler", "GlobalRef", "dumps", "stand_in", "stand_in_call"]
 _TORCH_SIZE = GlobalRef("torch", "Size")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from .errors import FormatError, UnsafePickleError, UnsupportedError
 from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
-from .torch_types import DType, Size, SmallTensor
+from .torch_types import DType, GlobalRef, Size, SmallTensor
 
 
 @dataclass(frozen=True)
@@ -207,36 +207,6 @@ def _storage_types() -> dict[tuple[str, str], Any]:
     table[("torch", "UntypedStorage")] = _StorageType(DType("uint8"))
     table[("torch.storage", "UntypedStorage")] = _StorageType(DType("uint8"))
     return table
-
-
-class GlobalRef:
-    """A reference to `module.name` (torch.strided, a rebuild function, ...), pickled back as a
-    GLOBAL opcode by ckptkit.repickle without importing the module; one object per name."""
-
-    _interned: dict[tuple[str, str], "GlobalRef"] = {}
-
-    def __new__(cls, module: str, name: str) -> "GlobalRef":
-        obj = cls._interned.get((module, name))
-        if obj is None:
-            obj = super().__new__(cls)
-            obj.module, obj.name = module, name
-            cls._interned[(module, name)] = obj
-        return obj
-
-    def __call__(self, *args: Any) -> Any:  # pickle's save_reduce insists on a callable
-        raise TypeError(f"{self.module}.{self.name} is a reference, not the object")
-
-    def __repr__(self) -> str:
-        return f"{self.module}.{self.name}"
-
-    def __copy__(self) -> "GlobalRef":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "GlobalRef":
-        return self
-
-    def __reduce__(self):
-        return (GlobalRef, (self.module, self.name))
 
 
 _LAYOUT = "torch.serialization._get_layout"

@@ -27,20 +27,38 @@ class Size(tuple):
         return f"torch.Size({list(self)})"
 
 
-class DType:
-    """A torch dtype by canonical name; one object per name, pickled as the global torch.<name>."""
+class _Interned:
+    """One object per key, as torch's dtypes and module globals are: pickle's memo and `is`
+    comparisons then treat them as torch treats the real ones; copies are the object itself."""
 
-    _interned: dict[str, "DType"] = {}
-    __slots__ = ("name", "attr")
+    _instances: dict[tuple, Any]
 
-    def __new__(cls, attr: str) -> "DType":
-        obj = cls._interned.get(attr)
+    def __new__(cls, *key: Any) -> Any:
+        obj = cls._instances.get(key)
         if obj is None:
             obj = super().__new__(cls)
-            obj.attr = attr  # the attribute of torch it was pickled as (float, float32, qint8, ...)
-            obj.name = ALIASES.get(attr, attr)  # canonical name (dtype_name() refuses ones ckptkit cannot hold)
-            cls._interned[attr] = obj
+            obj._setup(*key)
+            cls._instances[key] = obj
         return obj
+
+    def _setup(self, *key: Any) -> None:
+        raise NotImplementedError
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self
+
+
+class DType(_Interned):
+    """A torch dtype by canonical name; one object per name, pickled as the global torch.<name>."""
+
+    _instances: dict[tuple, "DType"] = {}
+
+    def _setup(self, attr: str) -> None:
+        self.attr = attr  # the attribute of torch it was pickled as (float, float32, qint8, ...)
+        self.name = ALIASES.get(attr, attr)  # canonical name (dtype_name() refuses ones ckptkit cannot hold)
 
     @property
     def itemsize(self) -> int:
@@ -53,14 +71,27 @@ class DType:
     def __repr__(self) -> str:
         return f"torch.{self.name}"
 
-    def __copy__(self) -> "DType":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "DType":
-        return self
-
     def __reduce__(self):
         return (DType, (self.attr,))
+
+
+class GlobalRef(_Interned):
+    """A reference to `module.name` (torch.strided, a rebuild function, ...), pickled back as a
+    GLOBAL opcode by ckptkit.repickle without importing the module; one object per name."""
+
+    _instances: dict[tuple, "GlobalRef"] = {}
+
+    def _setup(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:  # pickle's save_reduce insists on a callable
+        raise TypeError(f"{self.module}.{self.name} is a reference, not the object")
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def __reduce__(self):
+        return (GlobalRef, (self.module, self.name))
 
 
 # the most bytes a non-contiguous tensor loaded whole from a pickle may expand to
@@ -126,7 +157,7 @@ class SmallTensor:
 def realize(value: Any) -> Any:
     """`value` with torch's own objects in place of the stand-ins (imports torch only if it
     holds any); containers are rebuilt, everything else is returned as is."""
-    from .safeload import GlobalRef, Inert
+    from .safeload import Inert
 
     if isinstance(value, SmallTensor):
         return value.to_torch()
