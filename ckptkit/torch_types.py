@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import struct
 from collections import OrderedDict
 from typing import Any
 
-from .errors import FormatError
+from .errors import FormatError, UnsupportedError
 from .index.dtypes import ALIASES, FLOATING, itemsize, torch_dtype
 from .index.geometry import row_major_strides
 
@@ -96,6 +97,9 @@ class GlobalRef(_Interned):
 
 # the most bytes a non-contiguous tensor loaded whole from a pickle may expand to
 MAX_STRIDED_BYTES = 64 << 20
+# struct codes of the dtypes SmallTensor.tolist() decodes
+_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
+           "int8": "b", "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
 
 
 class SmallTensor:
@@ -134,6 +138,25 @@ class SmallTensor:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def tolist(self) -> list | None:
+        """The elements as Python numbers, flat (no torch); None for dtypes Python's struct
+        cannot decode (complex, float8)."""
+        data = self.data
+        if self.dtype == "bfloat16":  # the top half of a float32
+            data, code = b"".join(b"\0\0" + data[i:i + 2] for i in range(0, len(data), 2)), "f"
+        elif self.dtype in _STRUCT:
+            code = _STRUCT[self.dtype]
+        else:
+            return None
+        return [v for (v,) in struct.iter_unpack("<" + code, data)]
+
+    def item(self) -> Any:
+        """The one element as a Python number, as torch's Tensor.item() gives it."""
+        values = self.tolist() if self.numel == 1 else None
+        if not values:
+            raise UnsupportedError(f"{self!r} is not a single number")
+        return values[0]
 
     def to_torch(self) -> Any:
         import torch

@@ -93,12 +93,10 @@ def torch_step(value: Any) -> "torch.Tensor | SmallTensor":
 def step_number(value: Any) -> Any:
     """A step as a Python number, whichever form it has (int, float, SmallTensor, torch tensor)."""
     if isinstance(value, SmallTensor):
-        from ..index.serialize import small_tensor_values
-
-        values = small_tensor_values(value) if value.numel == 1 else None
-        if not values:
-            raise UnsupportedError(f"optimizer step {value!r} is not a single number")
-        return values[0]
+        try:
+            return value.item()
+        except UnsupportedError:
+            raise UnsupportedError(f"optimizer step {value!r} is not a single number") from None
     if is_tensor(value):
         return value.item()
     return value

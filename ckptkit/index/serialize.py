@@ -6,7 +6,6 @@ gives an index whose objects hold that representation, so JSON -> index -> JSON 
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 from .types import (Box, CheckpointIndex, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece,
@@ -36,7 +35,7 @@ def safe_value(value: Any, depth: int = 0) -> Any:
         return [safe_value(v, depth + 1) for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value)]
     if isinstance(value, SmallTensor):
         out: dict[str, Any] = {"__tensor__": {"dtype": value.dtype, "shape": list(value.shape)}}
-        values = small_tensor_values(value) if value.numel <= 16 else None
+        values = value.tolist() if value.numel <= 16 else None
         if values is not None:
             out["__tensor__"]["values"] = values
         return out
@@ -55,23 +54,6 @@ def safe_value(value: Any, depth: int = 0) -> Any:
     if is_instance(value, "dtype"):
         return {"__dtype__": str(value).removeprefix("torch.")}
     return {"__repr__": repr(value)[:200]}
-
-
-# struct codes of the dtypes whose values inspect shows (bfloat16: the top half of a float32)
-_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
-           "int8": "b", "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
-
-
-def small_tensor_values(t: Any) -> list | None:
-    """The elements of a small tensor read from a checkpoint, as Python numbers (no torch)."""
-    data = t.data
-    if t.dtype == "bfloat16":
-        data, code = b"".join(b"\0\0" + data[i:i + 2] for i in range(0, len(data), 2)), "f"
-    elif t.dtype in _STRUCT:
-        code = _STRUCT[t.dtype]
-    else:
-        return None
-    return [v for (v,) in struct.iter_unpack("<" + code, data)]
 
 
 def _region_to_json(region: Box | FlatRange) -> dict:

@@ -7,10 +7,7 @@ output names); torchtitan-style checkpoints keep model keys at the top level.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 from ..index.flatten import key_of
-from ..index.serialize import small_tensor_values
 from ..index.types import CheckpointIndex
 from ..lazy_torch import is_tensor
 from ..torch_types import SmallTensor
@@ -75,7 +72,7 @@ def guess_step(index: CheckpointIndex) -> int | None:
             candidates.append(o.data)
     for value in candidates:
         if isinstance(value, SmallTensor) and value.numel == 1:
-            value = _scalar(value)
+            value = (value.tolist() or [None])[0]
         if isinstance(value, bool):
             continue
         if isinstance(value, int):
@@ -85,8 +82,3 @@ def guess_step(index: CheckpointIndex) -> int | None:
         if is_tensor(value) and value.numel() == 1:
             return int(value.item())
     return None
-
-
-def _scalar(t: SmallTensor) -> Any:
-    values = small_tensor_values(t)
-    return values[0] if values else None
