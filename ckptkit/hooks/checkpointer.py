@@ -117,12 +117,9 @@ class Checkpointer:
             self._error = exc
 
     def _write(self, step: int, state: dict, group: Group, pg: Any) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
+        from ..api import save
 
-        with OutputDir(self.path(step), overwrite=True, group=group) as out:
-            dcp.save(state, storage_writer=FileSystemWriter(out.tmp, sync_files=True),
-                     process_group=pg, no_dist=not group.distributed)
+        save(state, self.path(step), pg=pg, overwrite=True)  # `group` is group_of(pg)
         self._retain(group)
 
     def _save_engine(self, step: int, engine: Any, extra: dict | None) -> None:
