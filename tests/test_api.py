@@ -3,6 +3,8 @@ readable by torch's dcp.load, loading from every format ckptkit reads (a ZeRO ch
 into a torch model), retention, async saves, and the refusals."""
 from __future__ import annotations
 
+import os
+
 import sys
 
 import pytest
@@ -115,11 +117,15 @@ def test_checkpointer_in_one_process(tmp_path):
     fresh, fresh_optim = _trained(models.MODEL_SEED + 2, steps=1)
     assert ckptkit.Checkpointer(str(tmp_path / "run")).restore(fresh, fresh_optim) == 30
     _assert_same(_flat(fresh, fresh_optim), _flat(model, optim))
-    # a crash mid-save leaves a hidden temporary; restore skips it and sweeps it away
+    # a crash mid-save leaves a hidden temporary; restore skips it and sweeps it away, and a lock
+    # whose process is gone (a kill between taking the lock and creating the temporary) as well
     (tmp_path / "run" / ".step_000000040.ckptkit-tmp-deadbeef").mkdir()
+    (tmp_path / "run" / ".step_000000050.ckptkit-lock").write_text("999999999")
+    (tmp_path / "run" / ".step_000000060.ckptkit-lock").write_text(str(os.getpid()))  # held: kept
     again = ckptkit.Checkpointer(str(tmp_path / "run"))
     assert again.restore(fresh, fresh_optim) == 30 and again.extra == {"epoch": 30, "tags": ["a", "b"]}
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000000020", "step_000000030"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".step_000000060.ckptkit-lock",
+                                                                   "step_000000020", "step_000000030"]
 
 
 def test_async_checkpointer_in_one_process(tmp_path):

@@ -202,16 +202,23 @@ class Checkpointer:
                     shutil.rmtree(scratch, ignore_errors=True)
 
     def _sweep(self) -> None:
-        """Rank 0 removes what killed saves left behind (temporaries whose lock is not held)."""
+        """Rank 0 removes what killed saves left behind: locks whose process is gone (a kill can
+        land between taking the lock and creating the temporary folder), then temporaries whose
+        lock is not held."""
         if self._group.is_root and os.path.isdir(self.directory):
-            for name in os.listdir(self.directory):
-                if TMP_MARK in name and name.startswith(".step_"):
+            names = [n for n in os.listdir(self.directory) if n.startswith(".step_")]
+            for name in names:
+                lock = os.path.join(self.directory, name)
+                if name.endswith(LOCK_MARK) and lock_is_stale(lock):
+                    try:
+                        os.unlink(lock)
+                    except FileNotFoundError:
+                        pass
+            for name in names:
+                if TMP_MARK in name:
                     target = name[1:name.index(TMP_MARK)]
-                    lock = os.path.join(self.directory, f".{target}{LOCK_MARK}")
-                    if not os.path.exists(lock) or lock_is_stale(lock):
+                    if not os.path.exists(os.path.join(self.directory, f".{target}{LOCK_MARK}")):
                         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-                        if os.path.exists(lock):
-                            os.unlink(lock)
         self._group.check(None)
 
 
