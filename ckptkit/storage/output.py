@@ -181,8 +181,9 @@ def lock_is_stale(path: str) -> bool:
     return False
 
 
-class _SyncedFile:
-    """A binary file that is fsynced when closed (a proxy: zipfile and friends see a file)."""
+class FinishingFile:
+    """An open binary file (a proxy: zipfile and friends see a file) that finishes an output's
+    work when closed: `_finish(ok)` runs once, with ok False when its `with` block raised."""
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
@@ -190,17 +191,26 @@ class _SyncedFile:
     def __getattr__(self, name: str):
         return getattr(self._f, name)
 
-    def __enter__(self) -> "_SyncedFile":
+    def __enter__(self) -> "FinishingFile":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(sync=exc_type is None)
+        self.close(ok=exc_type is None)
 
-    def close(self, sync: bool = True) -> None:
-        if self._f.closed:
-            return
+    def close(self, ok: bool = True) -> None:
+        if not self._f.closed:
+            self._finish(ok)
+
+    def _finish(self, ok: bool) -> None:
+        raise NotImplementedError
+
+
+class _SyncedFile(FinishingFile):
+    """Fsynced when closed, so one file's fsync overlaps the writing of the others."""
+
+    def _finish(self, ok: bool) -> None:
         try:
-            if sync:
+            if ok:
                 self._f.flush()
                 os.fsync(self._f.fileno())
         finally:

@@ -17,10 +17,10 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import OutputError
-from .output import OutputDir
+from .output import FinishingFile, OutputDir
 
 if TYPE_CHECKING:
     from ..runner.distributed import Group
@@ -137,26 +137,16 @@ class RemoteOutputDir(OutputDir):
                 shutil.rmtree(self._spool, ignore_errors=True)
 
 
-class _UploadingFile:
+class _UploadingFile(FinishingFile):
     """A local spool file that is uploaded to the remote OUT when closed."""
 
     def __init__(self, f: BinaryIO, local: str, out: RemoteOutputDir, rel: str) -> None:
-        self._f, self._local, self._out, self._rel = f, local, out, rel
+        super().__init__(f)
+        self._local, self._out, self._rel = local, out, rel
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-    def __enter__(self) -> "_UploadingFile":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(upload=exc_type is None)
-
-    def close(self, upload: bool = True) -> None:
-        if self._f.closed:
-            return
+    def _finish(self, ok: bool) -> None:
         self._f.close()
-        if upload:
+        if ok:
             self._out._uploaded(self._rel, self._local)
         elif os.path.exists(self._local):
             os.unlink(self._local)
