@@ -20,7 +20,6 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import UnsupportedError, UsageError
-from ..formats.deepspeed import standins
 from ..formats.deepspeed.files import Layout as ZeroFiles
 from ..formats.deepspeed.reader import Group, ZeroInfo
 from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE, write_zero_files
@@ -28,6 +27,7 @@ from ..index.dtypes import itemsize
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ..index.virtual import inline_tensor
 from ..progress import Progress
+from ..repickle import stand_in, stand_in_call
 from ..storage.output import OutputDir
 from ..torch_types import DType, Size, SmallTensor
 from .hyper import deepspeed_groups, deepspeed_step
@@ -51,17 +51,17 @@ def config_precision(cfg: dict) -> str:
 def _loss_scaler(cfg: dict, precision: str, global_step: int) -> tuple[Any, bool]:
     fp16 = cfg.get("fp16") or {}
     if precision != "float16":
-        return standins.make(LOSS_SCALER, cur_scale=1.0, dynamic=False), False
+        return stand_in(LOSS_SCALER, cur_scale=1.0, dynamic=False), False
     static = float(fp16.get("loss_scale", 0) or 0)
     if static > 0:
-        return standins.make(LOSS_SCALER, cur_scale=static, dynamic=False), False
+        return stand_in(LOSS_SCALER, cur_scale=static, dynamic=False), False
     hysteresis = int(fp16.get("hysteresis", 2))
-    return standins.make(DYNAMIC_LOSS_SCALER, cur_scale=2 ** int(fp16.get("initial_scale_power", 16)), dynamic=True,
-                     cur_iter=global_step, last_overflow_iter=-1, scale_factor=2.0,
-                     scale_window=int(fp16.get("loss_scale_window", 1000)),
-                     min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis, cur_hysteresis=hysteresis,
-                     consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
-                     raise_error_at_min_scale=True, dtype=DType("float16")), True
+    return stand_in(DYNAMIC_LOSS_SCALER, cur_scale=2 ** int(fp16.get("initial_scale_power", 16)), dynamic=True,
+                cur_iter=global_step, last_overflow_iter=-1, scale_factor=2.0,
+                scale_window=int(fp16.get("loss_scale_window", 1000)),
+                min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis, cur_hysteresis=hysteresis,
+                consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
+                raise_error_at_min_scale=True, dtype=DType("float16")), True
 
 
 def _alignment_paddings(names: list[tuple[str, int]], cfg_zero: dict, precision: str) -> list[int]:
@@ -180,7 +180,7 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
     group_states = OrderedDict((g, OrderedDict(step=gsteps[g], exp_avg=None, exp_avg_sq=None))
                                for g in range(len(groups)))
     base_state = {"state": group_states, "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
-    zero_stage = standins.enum_member(ZERO_STAGE_ENUM, stage)
+    zero_stage = stand_in_call(ZERO_STAGE_ENUM, stage)
     if stage < 3:
         osd: OrderedDict[str, Any] = OrderedDict()
         osd["loss_scaler"] = scaler

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...repickle import stand_in, stand_in_call
 from ...safeload import Inert, inert_class, register_allowed
 
 CLASSES = [
@@ -17,17 +16,6 @@ FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
 
 for _module, _name in CLASSES:
     register_allowed(_module, _name, inert_class(f"{_module}.{_name}"))
-
-
-def make(qualname: str, **state: Any) -> Inert:
-    """A new stand-in built like a dataclass (NEWOBJ + BUILD), e.g. a fragment_address."""
-    return stand_in(qualname, **state)
-
-
-def enum_member(qualname: str, value: Any) -> Inert:
-    """A new stand-in for an Enum member, pickled as a call of the class (REDUCE), e.g.
-    ZeroStageEnum(3): the form enum_value reads back."""
-    return stand_in_call(qualname, value)
 
 
 def enum_value(value: Any) -> Any:

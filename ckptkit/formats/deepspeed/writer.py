@@ -19,6 +19,7 @@ from ...index.types import CheckpointIndex, Piece, TensorEntry, Box
 from ...index.virtual import Part, flat_slice
 from ...lazy_torch import is_tensor
 from ...progress import NullProgress, Progress
+from ...repickle import stand_in
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...safeload import TensorRef
@@ -197,7 +198,7 @@ def _stage12(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files
             # DeepSpeed's own bookkeeping of the end padding inside this rank's partition
             paddings.append(ps if total <= start else (start + ps - total if total < start + ps else 0))
             mappings.append(OrderedDict(
-                (name, standins.make(standins.FRAGMENT_ADDRESS, numel=numel, start=s))
+                (name, stand_in(standins.FRAGMENT_ADDRESS, numel=numel, start=s))
                 for name, numel, s in partition.stage12_slice_mappings(placed, ps, rank)))
         osd["base_optimizer_state"] = {"state": state,
                                        "param_groups": copy.deepcopy(base_t["param_groups"])}
