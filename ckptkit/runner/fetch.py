@@ -16,6 +16,7 @@ from ..index import geometry
 from ..index.dtypes import itemsize, torch_dtype
 from ..index.types import Box, CheckpointIndex, FlatRange, Piece, TensorEntry
 from ..index.virtual import INLINE, REF, ZEROS
+from ..storage import kernel_copy
 from ..storage.source import Source
 from ..torch_types import SmallTensor
 from . import codecs
@@ -138,15 +139,7 @@ class Fetcher:
         ranges = self.byte_ranges(entry)
         if ranges is None:
             return self.fetch(entry)
-        parts = []
-        for rel, offset, nbytes in ranges:
-            if rel is None:
-                parts.append(bytes(nbytes))
-            elif isinstance(rel, bytes):
-                parts.append(rel[offset:offset + nbytes])
-            else:
-                parts.append(self.source.read(rel, offset, nbytes))
-        return SmallTensor(entry.dtype, tuple(entry.shape), b"".join(parts))
+        return SmallTensor(entry.dtype, tuple(entry.shape), kernel_copy.read(self.source, ranges))
 
     def byte_ranges(self, entry: TensorEntry, start: int = 0, length: int | None = None,
                     dtype: str | None = None) -> list[tuple[str | bytes | None, int, int]] | None:

@@ -64,6 +64,19 @@ def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> in
             view.release()
 
 
+def read(source: Any, ranges: Ranges) -> bytes:
+    """The concatenated ranges in memory (for small values; any source that can read)."""
+    parts = []
+    for rel, offset, nbytes in ranges:
+        if rel is None:
+            parts.append(bytes(nbytes))
+        elif isinstance(rel, bytes):
+            parts.append(rel[offset:offset + nbytes])
+        else:
+            parts.append(source.read(rel, offset, nbytes))
+    return b"".join(parts)
+
+
 def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> int:
     """Append the ranges to `out` at its current position; returns the bytes written."""
     out.flush()
