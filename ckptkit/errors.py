@@ -5,6 +5,47 @@ was expected versus what was found, so no traceback is ever needed to understand
 """
 from __future__ import annotations
 
+import unicodedata
+
+QUOTE_LIMIT = 100  # the most characters of a file's content any message shows
+
+_ESCAPES = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def quote(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
+    """`value` (text or bytes taken from a file) made safe to put in a message: quoted, at most
+    `limit` characters once escaped, with control characters, escape sequences, line breaks,
+    undecodable bytes and invisible format characters written as escapes (\\n, \\x1b, \\u202e),
+    so a hostile file can neither flood nor repaint the user's terminal through an error."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value[:limit * 4])
+        text, total = data.decode("utf-8", "surrogateescape"), f"{len(value)} bytes"
+        whole = len(value) <= len(data)
+    else:
+        text = str(value)
+        text, total, whole = text[:limit * 4], f"{len(text)} characters", len(text) <= limit * 4
+    out: list[str] = []
+    used = 0
+    for ch in text:
+        piece = _escape(ch)
+        if used + len(piece) > limit:
+            whole = False
+            break
+        out.append(piece)
+        used += len(piece)
+    return "'" + "".join(out) + "'" + ("" if whole else f"... ({total} in all)")
+
+
+def _escape(ch: str) -> str:
+    if ch in _ESCAPES:
+        return _ESCAPES[ch]
+    code = ord(ch)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8 (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    return ch
+
 
 class CkptkitError(Exception):
     """Base class: one clear sentence, shown to the user as is."""
