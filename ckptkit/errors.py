@@ -19,11 +19,11 @@ def quote(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
     so a hostile file can neither flood nor repaint the user's terminal through an error."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value[:limit * 4])
-        text, total = data.decode("utf-8", "surrogateescape"), f"{len(value)} bytes"
+        text = data.decode("utf-8", "surrogateescape")
         whole = len(value) <= len(data)
     else:
         text = str(value)
-        text, total, whole = text[:limit * 4], f"{len(text)} characters", len(text) <= limit * 4
+        text, whole = text[:limit * 4], len(text) <= limit * 4
     out: list[str] = []
     used = 0
     for ch in text:
@@ -33,7 +33,7 @@ def quote(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
             break
         out.append(piece)
         used += len(piece)
-    return "'" + "".join(out) + "'" + ("" if whole else f"... ({total} in all)")
+    return "'" + "".join(out) + "'" + ("" if whole else "...")
 
 
 def _escape(ch: str) -> str:
@@ -59,6 +59,11 @@ class NotACheckpointError(CkptkitError):
 
 class FormatError(CkptkitError):
     """A file of a known format is malformed, truncated or inconsistent."""
+
+
+class UnsafePathError(FormatError):
+    """A file of a local checkpoint leads outside it (a link) or is not a regular file (a FIFO, a
+    device, a socket); it was not opened, or closed unread."""
 
 
 class UnsafePickleError(CkptkitError):
