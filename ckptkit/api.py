@@ -38,14 +38,16 @@ def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite:
                  process_group=pg if group.distributed else None, no_dist=not group.distributed)
 
 
-def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None) -> dict[str, Any]:
+def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,
+         follow_links: bool | None = None) -> dict[str, Any]:
     """Fill `state_dict` in place from the checkpoint at `path` (any format, any world size).
 
     Tensors are copied into (DTensors: into their local shards); other values are replaced by the
     checkpoint's. Keys follow DCP's flattening (`model.<fqn>`, `optim.state.<fqn>.exp_avg`, ...);
     a DeepSpeed checkpoint is seen through convert's canonical state, so FSDP2 loads ZeRO
-    directly. A key the state dict has and the checkpoint lacks is an error naming it."""
-    index, fetcher = _open_for_load(path, tag)
+    directly. A key the state dict has and the checkpoint lacks is an error naming it. Files are
+    read only inside `path` (links out refused unless `follow_links` or CKPTKIT_FOLLOW_LINKS=1)."""
+    index, fetcher = _open_for_load(path, tag, follow_links)
     leaves = flatten(state_dict, lambda v: isinstance(v, torch.Tensor))
     missing = [key_of(p) for p, _ in leaves if key_of(p) not in index.tensors and key_of(p) not in index.objects]
     if missing:
@@ -61,13 +63,13 @@ def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None) -> di
     return state_dict
 
 
-def _open_for_load(path: str, tag: str | None) -> tuple[CheckpointIndex, Any]:
+def _open_for_load(path: str, tag: str | None, follow_links: bool | None = None) -> tuple[CheckpointIndex, Any]:
     from .convert.state import read_state
     from .convert.to_torch_layouts import fetcher_for, torch_recipe_index
     from .formats.registry import open_checkpoint
     from .runner.fetch import Fetcher
 
-    opened = open_checkpoint(path, tag=tag)
+    opened = open_checkpoint(path, tag=tag, follow_links=follow_links)
     if opened.index.format == "dcp":
         return opened.index, Fetcher(opened.source, index=opened.index)
     state = read_state(opened)

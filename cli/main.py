@@ -70,7 +70,26 @@ def _report(exc: BaseException) -> bool:
     return current().is_root
 
 
+FOLLOW_LINKS_KEY = "ckptkit.follow_links"
+
+
+def follow_links_option(fn: Callable) -> Callable:
+    """--follow-links: links inside SRC that lead outside it are read (by default they are refused)."""
+    def remember(click_ctx: click.Context, _param: Any, value: bool) -> None:
+        if value:
+            click_ctx.meta[FOLLOW_LINKS_KEY] = True
+    return click.option("--follow-links", is_flag=True, expose_value=False, callback=remember,
+                        help="Read files of SRC whose links lead outside it (refused by default; also "
+                             "CKPTKIT_FOLLOW_LINKS=1). FIFOs, devices and sockets are refused anyway.")(fn)
+
+
+def follow_links() -> bool | None:
+    """True when --follow-links was given; None leaves the choice to CKPTKIT_FOLLOW_LINKS."""
+    return True if click.get_current_context().meta.get(FOLLOW_LINKS_KEY) else None
+
+
 def read_options(fn: Callable) -> Callable:
+    fn = follow_links_option(fn)
     fn = click.option("--memory-budget", default=None, metavar="SIZE",
                       help="Peak tensor bytes in flight (default 512MiB), e.g. 256MB, 2GiB.")(fn)
     fn = click.option("--workers", type=click.IntRange(1, 64), default=None,
@@ -101,7 +120,8 @@ def make_run_options(ctx: Context, memory_budget: str | None, workers: int | Non
     group = from_environment()
     if not group.is_root:
         ctx.quiet = True  # rank 0 reports for the job
-    opts = RunOptions(progress=make_progress(ctx.quiet), overwrite=overwrite, group=group)
+    opts = RunOptions(progress=make_progress(ctx.quiet), overwrite=overwrite, group=group,
+                      follow_links=follow_links())
     if memory_budget:
         opts.memory_budget = knobs.parse_size(memory_budget)
     if workers:
@@ -127,13 +147,14 @@ TAG_HELP = "DeepSpeed: read this tag instead of the one `latest` names."
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print the full index as JSON (schema ckptkit.index/1).")
 @click.option("--tag", default=None, help=TAG_HELP)
+@follow_links_option
 @click.pass_obj
 @handle_errors
 def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
     """Show format, world size, step, tensors and objects of SRC."""
     from ckptkit.ops.inspect import inspect as run_inspect, render, report_json
 
-    opened, report = run_inspect(src, tag=tag)
+    opened, report = run_inspect(src, tag=tag, follow_links=follow_links())
     if as_json:
         click.echo(json.dumps(report_json(opened, report), indent=1))
     else:

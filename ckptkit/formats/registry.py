@@ -40,10 +40,12 @@ def _parent_and_name(path: str) -> tuple[str, str]:
     return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
 
 
-def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None) -> Opened:
+def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None,
+                    follow_links: bool | None = None) -> Opened:
     """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp");
-    `tag` picks a DeepSpeed tag other than the one `latest` names."""
-    source = open_source(path)
+    `tag` picks a DeepSpeed tag other than the one `latest` names; `follow_links` lets a local
+    checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1)."""
+    source = open_source(path, follow_links)
     _refuse_unfinished(path, source)
     tag_folder = (tag is not None and source.isdir("") and source.isdir(tag)
                   and ds_files.looks_like_tag_folder(source.listdir(tag)))
@@ -54,7 +56,7 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     elif source.isdir(""):
         opened = _open_folder(path, source)
     else:
-        opened = _open_file(path)
+        opened = _open_file(path, follow_links)
     if expect is not None and opened.index.format != expect:
         raise NotACheckpointError(f"{path}: is a {opened.index.format} checkpoint, expected {expect}")
     return opened
@@ -69,9 +71,9 @@ def _refuse_unfinished(path: str, source: Source) -> None:
                                   f"{COMPLETE} is not): the run that wrote it failed or is still running")
 
 
-def _open_file(path: str) -> Opened:
+def _open_file(path: str, follow_links: bool | None) -> Opened:
     parent, name = _parent_and_name(path)
-    source = open_source(parent)
+    source = open_source(parent) if is_url(path) else open_source(parent, follow_links, only=name)
     head = source.read(name, 0, min(8, source.size(name)))
     if head[:4] == ZIP_MAGIC:
         index = ts_reader.read_index(source, name)

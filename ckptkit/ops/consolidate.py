@@ -37,7 +37,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
                 include_optimizer: bool = False, options: RunOptions | None = None,
                 tag: str | None = None) -> ConsolidateResult:
     options = options or RunOptions()
-    opened = open_checkpoint(src, tag=tag)
+    opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
     index = opened.index
     split = split_roles(index)
     if not split.model:

@@ -68,7 +68,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         raise UsageError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {world_size})")
-    opened = open_checkpoint(src, tag=tag)
+    opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
     if expect_from is not None and opened.index.format != FROM_NAMES.get(expect_from, expect_from):
         raise UsageError(f"{src}: is a {opened.index.format} checkpoint, not {expect_from} (--from)")
     state = read_state(opened, rules, frozen)

@@ -112,7 +112,8 @@ def _plain(value: Any) -> Any:
 def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
          options: RunOptions | None = None) -> DiffResult:
     options = options or RunOptions()
-    oa, ob = open_checkpoint(a), open_checkpoint(b)
+    oa = open_checkpoint(a, follow_links=options.follow_links)
+    ob = open_checkpoint(b, follow_links=options.follow_links)
     (na, va), (nb, vb) = _named(oa, model_only), _named(ob, model_only)
     fa, fb = Fetcher(oa.source, index=oa.index), Fetcher(ob.source, index=ob.index)
     result = DiffResult()

@@ -25,8 +25,8 @@ class Report:
     file_bytes: int = 0
 
 
-def inspect(path: str, tag: str | None = None) -> tuple[Opened, Report]:
-    opened = open_checkpoint(path, tag=tag)
+def inspect(path: str, tag: str | None = None, follow_links: bool | None = None) -> tuple[Opened, Report]:
+    opened = open_checkpoint(path, tag=tag, follow_links=follow_links)
     index = opened.index
     if index.step is None:
         index.step = guess_step(index)

@@ -15,6 +15,7 @@ class RunOptions:
     progress: Progress = field(default_factory=NullProgress)
     overwrite: bool = False
     group: Group = field(default_factory=lambda: LOCAL)  # the torchrun job sharing this operation
+    follow_links: bool | None = None  # let a local source's links lead outside it (None: CKPTKIT_FOLLOW_LINKS)
 
     @property
     def slab_bytes(self) -> int:

@@ -34,7 +34,7 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
     options = options or RunOptions()
     if to < 1:
         raise UsageError(f"--to must be at least 1 (got {to})")
-    opened = open_checkpoint(src, tag=tag)
+    opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
     index = opened.index
     if expect_from is not None and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")

@@ -6,7 +6,7 @@ Every problem found is listed; the caller exits 0 only when the list is empty.
 """
 from __future__ import annotations
 
-from ..errors import CkptkitError
+from ..errors import CkptkitError, quote
 from ..formats.registry import Opened, open_checkpoint
 from ..formats.torch_save.archive import tensor_span_elems
 from ..index import geometry
@@ -24,7 +24,7 @@ def verify(path: str, deep: bool = False, options: RunOptions | None = None,
     """(opened checkpoint or None, problems). Structural errors while reading become problems."""
     options = options or RunOptions()
     try:
-        opened = open_checkpoint(path, tag=tag)
+        opened = open_checkpoint(path, tag=tag, follow_links=options.follow_links)
     except CkptkitError as exc:
         return None, [str(exc)]
     problems = structural_problems(opened)
@@ -125,9 +125,11 @@ def _safetensors_library_check(opened: Opened) -> list[str]:
     problems = []
     for rel in opened.index.files:
         path = os.path.join(opened.source.root, rel)
-        try:
-            with safe_open(path, framework="pt") as f:
+        try:  # the very file the source checked (a regular file inside the checkpoint)
+            with safe_open(opened.source.opened_path(rel), framework="pt") as f:
                 list(f.keys())
+        except CkptkitError as exc:
+            problems.append(str(exc))
         except Exception as exc:  # the library raises its own error types
-            problems.append(f"{path}: the safetensors library rejects the file ({exc})")
+            problems.append(f"{path}: the safetensors library rejects the file ({quote(str(exc), 200)})")
     return problems

@@ -11,6 +11,7 @@ import threading
 from typing import Protocol
 
 from ..errors import FormatError, NotACheckpointError
+from .paths import Boundary, check_folder, open_regular, stat_regular
 
 
 def is_url(path: str) -> bool:
@@ -30,12 +31,17 @@ class Source(Protocol):
 
 
 class LocalSource:
-    """A local folder or file, read with os.pread / os.preadv."""
+    """A local folder or file, read with os.pread / os.preadv.
 
-    def __init__(self, root: str) -> None:
+    Every path is checked by a storage.paths.Boundary fixed at construction: only regular files
+    that really lie inside the checkpoint (or that a Hugging Face snapshot links into its blobs)
+    are opened, without blocking; `follow_links` lets links leave (still regular files only)."""
+
+    def __init__(self, root: str, follow_links: bool | None = None, only: str | None = None) -> None:
         if root.startswith("file://"):
             root = root[len("file://"):]
         self.root = os.path.abspath(root)
+        self.boundary = Boundary.of(os.path.join(self.root, only) if only else self.root, follow_links)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
@@ -47,23 +53,25 @@ class LocalSource:
         return self._path(rel)
 
     def exists(self, rel: str) -> bool:
-        return os.path.exists(self._path(rel))
+        path = self.boundary.lexical(rel)
+        return path is not None and os.path.exists(path)
 
     def isdir(self, rel: str = "") -> bool:
-        return os.path.isdir(self._path(rel))
+        path = self.boundary.lexical(rel)
+        return path is not None and os.path.isdir(path)
 
     def listdir(self, rel: str = "") -> list[str]:
-        return sorted(os.listdir(self._path(rel)))
+        path = self.boundary.resolve(rel, self._path(rel))
+        check_folder(path, self._path(rel))
+        try:
+            return sorted(os.listdir(path))
+        except OSError as exc:
+            raise FormatError(f"{self._path(rel)}: cannot list it ({exc.strerror})") from None
 
     def size(self, rel: str) -> int:
         if rel not in self._sizes:
-            path = self._path(rel)
-            if os.path.isdir(path):
-                raise FormatError(f"{path}: is a folder, expected a file")
-            try:
-                self._sizes[rel] = os.path.getsize(path)
-            except OSError:
-                raise FormatError(f"{path}: file is missing") from None
+            label = self._path(rel)
+            self._sizes[rel] = stat_regular(self.boundary.resolve(rel, label), label).st_size
         return self._sizes[rel]
 
     def _fd(self, rel: str) -> int:
@@ -72,12 +80,8 @@ class LocalSource:
             with self._lock:
                 fd = self._fds.get(rel)
                 if fd is None:
-                    if os.path.isdir(self._path(rel)):
-                        raise FormatError(f"{self._path(rel)}: is a folder, expected a file")
-                    try:
-                        fd = os.open(self._path(rel), os.O_RDONLY)
-                    except OSError as exc:
-                        raise FormatError(f"{self._path(rel)}: cannot open ({exc.strerror})") from None
+                    label = self._path(rel)
+                    fd = open_regular(self.boundary.resolve(rel, label), label, self.boundary)
                     self._fds[rel] = fd
         return fd
 
@@ -104,6 +108,13 @@ class LocalSource:
     def fileno(self, rel: str) -> int:
         """An open read-only descriptor (for os.copy_file_range); owned by this source."""
         return self._fd(rel)
+
+    def opened_path(self, rel: str) -> str:
+        """A path naming the very file this source opened and checked (for libraries that open by
+        path, e.g. safetensors): /proc/self/fd/N where Linux offers it."""
+        fd = self._fd(rel)
+        proc = f"/proc/self/fd/{fd}"
+        return proc if os.path.exists(proc) else self.boundary.resolve(rel, self._path(rel))
 
     def close(self) -> None:
         with self._lock:
@@ -164,15 +175,19 @@ class FsspecSource:
         buf[:] = self.read(rel, offset, len(buf))
 
 
-def open_source(path: str) -> "LocalSource | FsspecSource":
-    """Open a checkpoint location read-only; a missing path is a clear error."""
+def open_source(path: str, follow_links: bool | None = None, only: str | None = None) -> "LocalSource | FsspecSource":
+    """Open a checkpoint location read-only; a missing path is a clear error.
+
+    Local sources keep reads inside the checkpoint (see storage.paths): `follow_links` allows links
+    that leave it (default: CKPTKIT_FOLLOW_LINKS); `only` names the one file of a single-file
+    checkpoint in folder `path`, the only file that may then be read. URLs have no links."""
     if is_url(path):
         src = FsspecSource(path)
         if not src.exists(""):
             raise NotACheckpointError(f"{path}: no such file or folder")
         return src
-    local = LocalSource(path)
-    if not os.path.exists(local.root):
+    local = LocalSource(path, follow_links, only)
+    if not os.path.exists(local.boundary.real):
         raise NotACheckpointError(f"{path}: no such file or folder")
     return local
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ...errors import FormatError, NotACheckpointError, UnsupportedError
+from ...errors import FormatError, NotACheckpointError, UnsupportedError, quote
 from ...storage.source import Source
 
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MAX_LATEST_BYTES = 1024  # `latest` holds one tag (a folder name: 255 bytes on most filesystems)
 EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 
 
@@ -41,17 +42,30 @@ def detect(source: Source) -> bool:
     return looks_like_tag_folder(names)
 
 
+def read_latest(source: Source) -> str:
+    """The tag `latest` names: a short line of text. It is read only as far as a tag can go, and
+    never shown unquoted (it may be anything: a link, a huge file, escape sequences)."""
+    label = source.label("latest")
+    size = source.size("latest")
+    head = source.read("latest", 0, min(size, MAX_LATEST_BYTES + 1))
+    if size > MAX_LATEST_BYTES:
+        raise FormatError(f"{label}: is {size} bytes, expected a tag name (a folder name of at most "
+                          f"{MAX_LATEST_BYTES} bytes); it begins {quote(head)}")
+    return head.decode("utf-8", "replace").strip()
+
+
 def locate(source: Source, tag: str | None = None) -> Layout:
     names = source.listdir("")
     if tag is None and not looks_like_tag_folder(names):
         if "latest" not in names:
             raise NotACheckpointError(f"{source.label('')}: no `latest` file and no ZeRO rank files")
-        tag = source.read("latest", 0, source.size("latest")).decode("utf-8", "replace").strip()
+        tag = read_latest(source)
     if tag is not None:
-        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
-            raise FormatError(f"{source.label('latest')}: names tag {tag!r}, which is not a folder name")
+        if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not tag.isprintable():
+            raise FormatError(f"{source.label('latest')}: names tag {quote(tag)}, which is not a folder name")
         if not source.isdir(tag):
-            raise FormatError(f"{source.label(tag)}: tag folder is missing (named by `latest` or --tag)")
+            raise FormatError(f"{source.label('')}: tag folder is missing ({quote(tag)}, named by `latest` "
+                              f"or --tag)")
         prefix = tag + "/"
     else:
         prefix = ""
