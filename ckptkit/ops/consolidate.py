@@ -62,7 +62,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     options.progress.start(total, "consolidate")
     fetcher = Fetcher(opened.source, index=index)
     files: list[str] = []
-    with OutputDir(out, overwrite=options.overwrite, group=options.group) as target:
+    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src,)) as target:
         files += write_safetensors(target, fetcher, model, basename="model", max_shard_bytes=max_bytes,
                                    slab_bytes=options.slab_bytes, workers=options.workers,
                                    aliases=aliases, progress=options.progress)

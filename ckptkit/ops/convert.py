@@ -76,7 +76,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
     total = sum(e.nbytes for e in state.model.values()) + sum(
         e.nbytes for m in state.moments.values() for e in m.values())
     options.progress.start(total, f"convert {opened.index.format} -> {to}")
-    with OutputDir(out, overwrite=options.overwrite, group=options.group) as target:
+    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src, ds_config)) as target:
         if to == "dcp":
             index, resolver = torch_recipe_index(state, "dcp")
             index.world_size = world

@@ -42,7 +42,7 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
         raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
                                f"is nothing to reshard (reshard takes a DCP folder or a DeepSpeed checkpoint)")
     options.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
-    with OutputDir(out, overwrite=options.overwrite, group=options.group) as target:
+    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src,)) as target:
         if index.format == "deepspeed":
             files = write_zero(target, index, opened.source, to, slab_bytes=options.slab_bytes,
                                workers=options.workers, progress=options.progress)

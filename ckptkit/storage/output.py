@@ -1,21 +1,36 @@
 """Writing outputs so that a crash never leaves something that looks complete.
 
-An output folder is built in a hidden temporary sibling and renamed into place only after every
-file was written and flushed; any failure removes the temporary folder. A lock file next to the
-target keeps two runs from writing the same output at once.
+An output folder is built in a hidden temporary sibling `.OUT.ckptkit-tmp-TOKEN` and put in
+place only after every file was written and flushed; any failure removes it. A lock file next to
+the target (storage/locks.py) keeps two runs from writing the same output at once, and its TOKEN
+ties the temporary folder to the run that owns it. Before anything is written, OUT is checked
+against the sources (storage/overlap.py): an output never touches its source.
+
+`--overwrite` swaps the finished folder with the old OUT in one step (storage/swap.py), or, where
+the system cannot, renames the old one to `.OUT.ckptkit-old-TOKEN` first; either way the old copy
+is removed, and a run killed in between leaves names the next run's sweep recognises. A symlink
+at OUT is replaced itself; its target is never written through.
 """
 from __future__ import annotations
 
 import errno
 import os
-import shutil
+import re
+import stat
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from ..errors import OutputError
+from . import locks, swap
+from .locks import lock_is_stale, remove_stale_lock  # noqa: F401  (the Checkpointer's sweep)
+from .overlap import check_apart
 
 if TYPE_CHECKING:
     from ..runner.distributed import Group
+
+TMP_MARK = ".ckptkit-tmp-"
+OLD_MARK = ".ckptkit-old-"
 
 
 class OutputDir:
@@ -24,23 +39,27 @@ class OutputDir:
     In a distributed job every rank enters it: rank 0 takes the lock and creates the temporary
     folder (which every rank must see: a shared filesystem), every rank writes its own files into
     it, small files (`write_bytes`) come from rank 0 only, and rank 0 commits once every rank
-    reported success."""
+    reported success. `sources` are the paths the run reads: OUT may not overlap any of them."""
 
-    def __new__(cls, path: str, overwrite: bool = False, group: "Group | None" = None) -> "OutputDir":
+    def __new__(cls, path: str, overwrite: bool = False, group: "Group | None" = None,
+                sources: Sequence[str | None] = ()) -> "OutputDir":
         if cls is OutputDir and "://" in path and not path.startswith("file://"):
             from .remote_output import RemoteOutputDir  # object stores: commit by marker, not rename
 
             return super().__new__(RemoteOutputDir)
         return super().__new__(cls)
 
-    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None) -> None:
+    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None,
+                 sources: Sequence[str | None] = ()) -> None:
         self.path = os.path.abspath(path.removeprefix("file://"))
         self.overwrite = overwrite
+        self.sources = tuple(sources)
         parent = os.path.dirname(self.path) or "."
         name = os.path.basename(self.path)
-        self.tmp = os.path.join(parent, f".{name}.ckptkit-tmp-{uuid.uuid4().hex[:8]}")
-        self._lock_path = os.path.join(parent, f".{name}.ckptkit-lock")
-        self._lock_fd: int | None = None
+        self.token = uuid.uuid4().hex[:16]
+        self.tmp = os.path.join(parent, f".{name}{TMP_MARK}{self.token}")
+        self._lock_path = locks.lock_path_for(self.path)
+        self._lock: locks.HeldLock | None = None
         from ..runner.distributed import LOCAL
 
         self.group = group or LOCAL
@@ -67,35 +86,59 @@ class OutputDir:
         return self
 
     def _enter(self) -> "OutputDir":
-        parent = os.path.dirname(self.path)
-        if not os.path.isdir(parent):
-            raise OutputError(f"{self.path}: parent folder {parent} does not exist")
-        if os.path.exists(self.path) and not self.overwrite:
-            if not (os.path.isdir(self.path) and not os.listdir(self.path)):
-                raise OutputError(f"{self.path}: output already exists (choose another path or pass --overwrite)")
+        check_apart(self.sources, self.path)  # before anything is written
+        self._check_parent()
+        self._refuse_existing()
         try:
-            self._lock_fd = os.open(self._lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            os.write(self._lock_fd, str(os.getpid()).encode())
-        except FileExistsError:
-            if not lock_is_stale(self._lock_path):
-                raise OutputError(f"{self.path}: another ckptkit run is writing this output "
-                                  f"(lock {self._lock_path}); wait for it or remove the lock") from None
-            os.unlink(self._lock_path)
-            self._lock_fd = os.open(self._lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            os.write(self._lock_fd, str(os.getpid()).encode())
+            self._lock = locks.acquire(self._lock_path, self.token, self.path)
         except OSError as exc:
-            raise OutputError(f"{self.path}: cannot create output ({exc.strerror})") from None
-        self._remove_dead_runs()
-        os.makedirs(self.tmp)
+            raise OutputError(f"{self.path}: cannot take the lock {self._lock_path} ({exc.strerror})") from None
+        try:
+            sweep_dead_runs(self.path, self.token)
+            self._refuse_existing()  # the sweep may have put back an OUT a killed run had moved away
+            os.mkdir(self.tmp)
+        except OSError as exc:
+            self._release()
+            raise OutputError(f"{self.path}: cannot create the output folder ({exc.strerror})") from None
+        except BaseException:
+            self._release()
+            raise
         return self
 
-    def _remove_dead_runs(self) -> None:
-        """We hold the lock, so any other temp sibling was left by a run that was killed."""
+    def _check_parent(self) -> None:
         parent = os.path.dirname(self.path)
-        prefix = f".{os.path.basename(self.path)}.ckptkit-tmp-"
-        for name in os.listdir(parent):
-            if name.startswith(prefix):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        if self.path == parent:
+            raise OutputError(f"{self.path}: a filesystem root cannot be an output")
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            raise OutputError(f"{self.path}: parent folder {parent} does not exist") from None
+        except NotADirectoryError:
+            raise OutputError(f"{self.path}: parent {parent} is not a folder (a file is in its path)") from None
+        except OSError as exc:
+            raise OutputError(f"{self.path}: cannot reach the parent folder {parent} ({exc.strerror})") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise OutputError(f"{self.path}: parent {parent} is a file, not a folder")
+
+    def _refuse_existing(self) -> None:
+        """Without --overwrite, anything at OUT but an empty folder (a symlink, dangling or not,
+        counts as something) is refused."""
+        if self.overwrite:
+            return
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise OutputError(f"{self.path}: cannot look at the output path ({exc.strerror})") from None
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                if not os.listdir(self.path):
+                    return
+            except OSError:
+                pass
+        what = "already exists as a symlink" if stat.S_ISLNK(st.st_mode) else "already exists"
+        raise OutputError(f"{self.path}: output {what} (choose another path or pass --overwrite)")
 
     def file_path(self, rel: str) -> str:
         full = os.path.join(self.tmp, rel)
@@ -116,15 +159,27 @@ class OutputDir:
             f.write(data)
 
     def commit(self) -> None:
+        """Put the finished temporary folder at OUT, replacing what is there (never through a
+        symlink), and remove the old copy."""
         for root, _dirs, _files in os.walk(self.tmp):
             _fsync_dir(root)
-        if os.path.exists(self.path):
-            old = self.path + f".ckptkit-old-{uuid.uuid4().hex[:8]}"
-            os.rename(self.path, old)
-            os.rename(self.tmp, self.path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(self.tmp, self.path)
+        try:
+            if not os.path.lexists(self.path):
+                swap.rename_new(self.tmp, self.path)
+            elif swap.exchange(self.tmp, self.path):
+                swap.remove_entry(self.tmp)  # the old OUT, now under our temporary name
+            else:
+                old = os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}{OLD_MARK}{self.token}")
+                os.rename(self.path, old)
+                try:
+                    os.rename(self.tmp, self.path)
+                except BaseException:
+                    os.rename(old, self.path)
+                    raise
+                swap.remove_entry(old)
+        except FileExistsError:
+            raise OutputError(f"{self.path}: something else created the output path while this run was writing; "
+                              f"nothing was replaced") from None
         _fsync_dir(os.path.dirname(self.path))
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -153,32 +208,59 @@ class OutputDir:
 
     def _cleanup(self) -> None:
         """Remove the temporary folder (absent after a commit) and release the lock."""
-        if os.path.exists(self.tmp):
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        swap.remove_entry(self.tmp)
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def recover(path: str) -> bool:
+    """Clean up after runs that died writing output `path` (for sweeps outside a write, e.g. the
+    Checkpointer's restore): take OUT's lock if no live run holds it, sweep, release. False when
+    a live (or foreign, or unreadable) lock is there and nothing was touched."""
+    token = uuid.uuid4().hex[:16]
+    try:
+        lock = locks.acquire(locks.lock_path_for(path), token, path)
+    except (OutputError, OSError):
+        return False
+    try:
+        sweep_dead_runs(path, token)
+    finally:
+        lock.release()
+    return True
+
+
+def sweep_dead_runs(path: str, token: str) -> None:
+    """Remove what killed runs left next to output `path`: temporary folders, pending lock files
+    and old copies whose token is not `token`. Call it only while holding OUT's lock: a live run
+    holds the lock for as long as its temporary folder exists, so every other token is a dead
+    run's. An old copy a run moved away before it died is put back when OUT is missing."""
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    ours = re.compile(rf"\.{re.escape(name)}(\.ckptkit-tmp-|\.ckptkit-old-|{re.escape(locks.LOCK_SUFFIX)}-)"
+                      rf"([0-9a-f]+)")
+    legacy_old = re.compile(rf"{re.escape(name)}\.ckptkit-old-[0-9a-f]+")  # before 2026-12: not hidden
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for entry in names:
+        match = ours.fullmatch(entry)
+        full = os.path.join(parent, entry)
+        if match is not None and match.group(2) == token:
+            continue
+        old = (match is not None and match.group(1) == OLD_MARK) or legacy_old.fullmatch(entry) is not None
+        if match is None and not old:
+            continue
+        if old and not os.path.lexists(path):
             try:
-                os.unlink(self._lock_path)
+                os.rename(full, path)
+                continue
             except OSError:
                 pass
-
-
-def lock_is_stale(path: str) -> bool:
-    """Whether the lock file at `path` was left by a process that is gone (or is unreadable)."""
-    try:
-        pid = int(open(path).read().strip() or "0")
-    except (OSError, ValueError):
-        return True
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+        swap.remove_entry(full)
 
 
 class FinishingFile:

@@ -17,10 +17,12 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import OutputError
 from .output import FinishingFile, OutputDir
+from .overlap import check_apart
 
 if TYPE_CHECKING:
     from ..runner.distributed import Group
@@ -30,13 +32,15 @@ COMPLETE = ".ckptkit-complete"
 
 
 class RemoteOutputDir(OutputDir):
-    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None) -> None:
+    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None,
+                 sources: Sequence[str | None] = ()) -> None:
         import fsspec
 
         from ..runner.distributed import LOCAL
 
         self.path = path.rstrip("/")
         self.overwrite = overwrite
+        self.sources = tuple(sources)
         self.group = group or LOCAL
         try:
             self.fs, self.base = fsspec.core.url_to_fs(self.path)
@@ -51,6 +55,7 @@ class RemoteOutputDir(OutputDir):
         return f"{self.base}/{rel}"
 
     def _enter(self) -> "RemoteOutputDir":
+        check_apart(self.sources, self.path)  # before anything is written or removed
         try:
             existing = self.fs.ls(self.base, detail=False) if self.fs.exists(self.base) else []
             if existing and not self.overwrite:
