@@ -36,6 +36,14 @@ def quote(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
     return "'" + "".join(out) + "'" + ("" if whole else "...")
 
 
+def name_of(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
+    """A name taken from a file (a tensor key, a tag) for a message: as is when it is short and
+    printable, else quote()d (escaped and cut)."""
+    if isinstance(value, str) and len(value) <= limit and value.isprintable():
+        return value
+    return quote(value, limit)
+
+
 def _escape(ch: str) -> str:
     if ch in _ESCAPES:
         return _ESCAPES[ch]

@@ -13,7 +13,7 @@ import copy
 import struct
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, quote
 from ..lazy_torch import is_tensor
 from ..torch_types import SmallTensor
 
@@ -33,7 +33,7 @@ def ds_optimizer(ds_config: dict | None) -> tuple[str, dict]:
     kind = str(opt.get("type", "AdamW")).lower()
     params = opt.get("params") or {}
     if kind not in ADAM_TYPES:
-        raise UnsupportedError(f"the DeepSpeed config's optimizer {opt.get('type')!r} is not Adam-style; only "
+        raise UnsupportedError(f"the DeepSpeed config's optimizer {quote(str(opt.get('type')))} is not Adam-style; only "
                                f"Adam/AdamW state (exp_avg, exp_avg_sq, step) converts between backends")
     return kind, params
 
@@ -83,7 +83,7 @@ def torch_step(value: Any) -> "torch.Tensor | SmallTensor":
     SmallTensor when built from a number (written without torch)."""
     if isinstance(value, SmallTensor):
         if value.numel != 1:
-            raise UnsupportedError(f"optimizer step {value!r} is not a single number")
+            raise UnsupportedError(f"optimizer step {quote(str(value))} is not a single number")
         return SmallTensor(value.dtype, (), value.data)
     if is_tensor(value):
         return value.detach().clone().reshape(())
@@ -96,7 +96,7 @@ def step_number(value: Any) -> Any:
         try:
             return value.item()
         except UnsupportedError:
-            raise UnsupportedError(f"optimizer step {value!r} is not a single number") from None
+            raise UnsupportedError(f"optimizer step {quote(str(value))} is not a single number") from None
     if is_tensor(value):
         return value.item()
     return value
@@ -108,5 +108,5 @@ def deepspeed_step(value: Any, ds_config: dict | None) -> Any:
         return torch_step(value)
     v = step_number(value)
     if float(v) != int(float(v)):
-        raise UnsupportedError(f"optimizer step {v!r} is not a whole number")
+        raise UnsupportedError(f"optimizer step {quote(str(v))} is not a whole number")
     return int(float(v))

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UnsupportedError, UsageError
+from ..errors import UnsupportedError, UsageError, name_of, quote
 from ..formats.registry import Opened
 from ..index import geometry
 from ..index.dtypes import is_floating, itemsize
@@ -158,7 +158,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     for n in raw_names:
         if any(n.endswith(m) or f"{m}." in n for m in FLAT_PARAM_MARKS):
             raise UnsupportedError(
-                f"{opened.path}: tensor {n!r} is an FSDP1 flat parameter (LOCAL_STATE_DICT): its layout "
+                f"{opened.path}: tensor {name_of(n)} is an FSDP1 flat parameter (LOCAL_STATE_DICT): its layout "
                 f"depends on how the model was wrapped, so it cannot be unflattened from the file alone; "
                 f"save with StateDictType.SHARDED_STATE_DICT (or FULL_STATE_DICT) and convert that")
     rules = rules.for_names(raw_names)
@@ -187,7 +187,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
             elif what == "step":
                 steps[name] = fetcher.read_small(value) if isinstance(value, TensorEntry) else value
             elif isinstance(value, TensorEntry):
-                raise UnsupportedError(f"{opened.path}: optimizer state {what!r} of {name} ({where}) is not "
+                raise UnsupportedError(f"{opened.path}: optimizer state {quote(str(what))} of {name_of(name)} ({where}) is not "
                                        f"Adam's exp_avg/exp_avg_sq/step; only Adam-style optimizers convert")
             return True
         if len(parts) == 3 and parts[0] == "param_groups" and isinstance(parts[1], int):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, quote
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +71,7 @@ def torch_dtype(name: str) -> "torch.dtype":
 
     value = getattr(torch, name, None) if name in ITEMSIZE else None
     if not isinstance(value, torch.dtype):
-        raise UnsupportedError(f"dtype {name!r} is not supported by this torch build")
+        raise UnsupportedError(f"dtype {quote(str(name))} is not supported by this torch build")
     return value
 
 
@@ -79,7 +79,7 @@ def itemsize(name: str) -> int:
     try:
         return ITEMSIZE[name]
     except KeyError:
-        raise UnsupportedError(f"dtype {name!r} is not supported") from None
+        raise UnsupportedError(f"dtype {quote(str(name))} is not supported") from None
 
 
 def is_floating(name: str) -> bool:
@@ -97,7 +97,7 @@ def from_safetensors(code: str) -> str:
     try:
         return _FROM_SAFETENSORS[code]
     except KeyError:
-        raise UnsupportedError(f"safetensors dtype {code!r} is not supported") from None
+        raise UnsupportedError(f"safetensors dtype {quote(str(code))} is not supported") from None
 
 
 def parse_dtype_option(text: str) -> str:

@@ -115,8 +115,8 @@ def to_json(index: CheckpointIndex) -> dict:
 
 def from_json(doc: dict) -> CheckpointIndex:
     if doc.get("schema") != SCHEMA:
-        from ..errors import FormatError
-        raise FormatError(f"index JSON has schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+        from ..errors import FormatError, quote
+        raise FormatError(f"index JSON has schema {quote(str(doc.get('schema')))}, expected {SCHEMA!r}")
     index = CheckpointIndex(format=doc["format"], root=doc["root"], world_size=doc.get("world_size"),
                             step=doc.get("step"), files=dict(doc.get("files", {})),
                             metadata=doc.get("metadata", {}))

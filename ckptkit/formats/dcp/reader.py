@@ -13,7 +13,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ...errors import FormatError
+from ...errors import FormatError, quote
 from ...index.dtypes import dtype_name
 from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
@@ -98,7 +98,7 @@ def _safe_relpath(path: Any, label: str) -> str:
     path = str(path)
     norm = posixpath.normpath(path)
     if not path or norm == "." or posixpath.isabs(path) or "\\" in path or ".." in norm.split("/"):
-        raise FormatError(f"{label}: storage record points outside the checkpoint folder ({path!r})")
+        raise FormatError(f"{label}: storage record points outside the checkpoint folder ({quote(path)})")
     return norm
 
 

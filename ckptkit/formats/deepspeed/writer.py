@@ -14,7 +14,7 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from ...errors import FormatError, UnsupportedError
+from ...errors import FormatError, UnsupportedError, quote
 from ...index.types import CheckpointIndex, Piece, TensorEntry, Box
 from ...index.virtual import Part, flat_slice
 from ...lazy_torch import is_tensor
@@ -190,7 +190,7 @@ def _stage12(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files
                 elif key == "exp_avg_sq":
                     gstate[key] = _virtual(f"exp_avg_sq.{g}.{rank}", "float32", avg_sq, start, ps)
                 elif isinstance(value, TensorRef):
-                    raise UnsupportedError(f"optimizer state {key!r} of group {g} is a tensor ckptkit cannot "
+                    raise UnsupportedError(f"optimizer state {quote(str(key))} of group {g} is a tensor ckptkit cannot "
                                            f"repartition (only Adam's exp_avg/exp_avg_sq are known)")
                 else:
                     gstate[key] = copy.deepcopy(value)
@@ -277,7 +277,7 @@ def _stage3(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files:
                 elif key == "step":
                     sub_state[key] = copy.deepcopy(_step(index, [n for n, _ in params]))
                 elif isinstance(first_state[key], TensorRef):
-                    raise UnsupportedError(f"optimizer state {key!r} is a tensor ckptkit cannot repartition")
+                    raise UnsupportedError(f"optimizer state {quote(str(key))} is a tensor ckptkit cannot repartition")
                 else:
                     sub_state[key] = copy.deepcopy(first_state[key])
             state[i] = sub_state

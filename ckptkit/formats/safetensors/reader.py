@@ -8,7 +8,7 @@ import math
 import struct
 from typing import Any
 
-from ...errors import FormatError, UnsupportedError
+from ...errors import FormatError, UnsupportedError, name_of, quote
 from ...index.dtypes import from_safetensors, itemsize
 from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
 from ...storage.source import Source
@@ -43,31 +43,31 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
                 raise FormatError(f"{label}: __metadata__ must map strings to strings")
             continue
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-            raise FormatError(f"{label}: tensor {name} lacks dtype, shape or data_offsets")
+            raise FormatError(f"{label}: tensor {name_of(name)} lacks dtype, shape or data_offsets")
         shape, offs = info["shape"], info["data_offsets"]
         if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
                 or not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) for o in offs)):
-            raise FormatError(f"{label}: tensor {name} has a malformed shape or data_offsets")
+            raise FormatError(f"{label}: tensor {name_of(name)} has a malformed shape or data_offsets")
         try:
             dtype = from_safetensors(info["dtype"]) if isinstance(info["dtype"], str) else None
         except UnsupportedError:
             dtype = None
         if dtype is None:
-            raise FormatError(f"{label}: tensor {name} has an unknown dtype {info['dtype']!r:.40}")
+            raise FormatError(f"{label}: tensor {name_of(name)} has an unknown dtype {quote(str(info['dtype']))}")
         begin, end = offs
         expected = math.prod(shape) * itemsize(dtype)
         if not 0 <= begin <= end <= buffer:
-            raise FormatError(f"{label}: tensor {name} data_offsets {offs} lie outside the "
+            raise FormatError(f"{label}: tensor {name_of(name)} data_offsets {offs} lie outside the "
                               f"{buffer}-byte data buffer")
         if end - begin != expected:
-            raise FormatError(f"{label}: tensor {name} is {dtype}{shape} ({expected} bytes) but its "
+            raise FormatError(f"{label}: tensor {name_of(name)} is {dtype}{shape} ({expected} bytes) but its "
                               f"data_offsets span {end - begin} bytes")
         spans.append((begin, end, name))
     spans.sort()
     for (b1, e1, n1), (b2, e2, n2) in zip(spans, spans[1:]):
         if b2 < e1 and e1 > b1 and e2 > b2:
-            raise FormatError(f"{label}: tensors {n1} and {n2} overlap in the data buffer")
+            raise FormatError(f"{label}: tensors {name_of(n1)} and {name_of(n2)} overlap in the data buffer")
     return header, 8 + n
 
 
@@ -93,7 +93,7 @@ def read_weight_map(source: Source) -> dict[str, str]:
         raise FormatError(f"{label}: has no weight_map of tensor name -> file")
     for f in set(wm.values()):
         if "/" in f or "\\" in f or f.startswith(".."):
-            raise FormatError(f"{label}: weight_map points outside the folder ({f!r})")
+            raise FormatError(f"{label}: weight_map points outside the folder ({quote(f)})")
     return wm
 
 
