@@ -56,12 +56,13 @@ def crc32(source: Any, ranges: Ranges) -> int:
 
 def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> int:
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(source.fileno(rel), nbytes + (offset - start), prot=mmap.PROT_READ, offset=start) as window:
-        view = memoryview(window)
-        try:
-            return _crc(view[offset - start:], crc)
-        finally:
-            view.release()
+    # Every view of the map is released explicitly before the map closes: an exception raised
+    # inside _crc (a Ctrl-C lands at the entry of any Python function) keeps that frame, and the
+    # view it was given, alive in its traceback, and closing a map with a live view raises
+    # BufferError, which would replace the KeyboardInterrupt.
+    with mmap.mmap(source.fileno(rel), nbytes + (offset - start), prot=mmap.PROT_READ, offset=start) as window, \
+            memoryview(window) as view, view[offset - start:] as part:
+        return _crc(part, crc)
 
 
 def read(source: Any, ranges: Ranges) -> bytes:
