@@ -1,4 +1,4 @@
 """`python -m ckptkit ...` runs the command line (also under torchrun)."""
-from ckptkit_cli.main import main
+from ckptkit_cli.entry import main
 
 main()

@@ -1,37 +1,65 @@
 """The `ckptkit` command line: inspect, verify, consolidate, reshard, convert, diff, demo.
 
 Every command takes a path and finds the format itself. A CkptkitError becomes one line on
-stderr and a non-zero exit; a traceback appears only with --debug.
+stderr and a non-zero exit; a traceback appears only with --debug. Everything printed for people
+goes through `echo`, which escapes control characters (ckptkit.text): names read from a
+checkpoint cannot forge lines or drive the terminal. --json output is JSON, escaped by json.
+Ctrl-C: see entry.py; a command that was interrupted says "interrupted" and exits 130.
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
+import signal
 import sys
 import traceback
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, NoReturn
 
 import click
 
-from ckptkit import knobs
+from ckptkit import interrupts, knobs
 from ckptkit.convert import SOURCES as CONVERT_SOURCES, TARGETS as CONVERT_TARGETS
 from ckptkit.errors import CkptkitError
+from ckptkit.text import escape
 
+from . import entry
 from .progress import make_progress
 
 EXIT_PROBLEMS = 1   # verify found problems
 EXIT_ERROR = 2      # a CkptkitError: bad input, bad options, output not writable
 EXIT_INTERNAL = 3   # a bug in ckptkit
+EXIT_INTERRUPTED = entry.EXIT_INTERRUPTED  # Ctrl-C
+
+
+def echo(*lines: str, err: bool = False) -> None:
+    """Print each argument as one line, control and invisible format characters escaped
+    (\\n, \\r, \\x1b, \\u202e): the one way a command prints text for people."""
+    click.echo("\n".join(escape(line) for line in lines), err=err)
+
+
+class _Escaping:
+    """A text stream that escapes what is written to it except line breaks (click's own
+    messages, which quote the command line, and --debug tracebacks)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write("\n".join(escape(part) for part in text.split("\n")))
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 class Context:
     def __init__(self, quiet: bool, debug: bool) -> None:
         self.quiet, self.debug = quiet, debug
 
-    def say(self, text: str = "") -> None:
+    def say(self, *lines: str) -> None:
         if not self.quiet:
-            click.echo(text)
+            echo(*(lines or ("",)))
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -40,26 +68,45 @@ def handle_errors(fn: Callable) -> Callable:
         ctx = click.get_current_context().find_object(Context)
         debug = bool(ctx and ctx.debug)
         try:
-            return fn(*args, **kwargs)
-        except CkptkitError as exc:
-            if debug:
-                traceback.print_exc()
-            if _report(exc):
-                click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted; no output was left behind", err=True)
-            sys.exit(130)
-        except click.exceptions.Exit:
-            raise
-        except Exception as exc:  # a bug: say so plainly, keep the traceback for --debug
-            if debug:
-                traceback.print_exc()
-            if _report(exc):
-                click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
-                           f"traceback and please report it)", err=True)
-            sys.exit(EXIT_INTERNAL)
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            _fail(exc, debug)
+        if interrupts.cancelled.is_set():  # a Ctrl-C came too late to stop the work: still reported
+            _interrupted()
+        return result
     return wrapper
+
+
+def _fail(exc: BaseException, debug: bool) -> NoReturn:
+    """Report a command's failure the one way it is reported, and exit with its status."""
+    if interrupts.cancelled.is_set() or interrupts.is_interrupt(exc):
+        if debug:
+            _print_traceback()
+        _interrupted()  # whatever cleanup raised while unwinding from Ctrl-C is still the interrupt
+    if isinstance(exc, (SystemExit, click.exceptions.Exit, click.ClickException, click.Abort)):
+        raise exc  # an exit status already chosen, or click's own usage message
+    if debug:
+        _print_traceback()
+    if isinstance(exc, CkptkitError):
+        if _report(exc):
+            echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    if not isinstance(exc, Exception):
+        raise exc
+    if _report(exc):  # a bug: say so plainly, keep the traceback for --debug
+        echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback and "
+             f"please report it)", err=True)
+    sys.exit(EXIT_INTERNAL)
+
+
+def _interrupted() -> NoReturn:
+    if entry.should_announce():
+        echo("interrupted", err=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def _print_traceback() -> None:
+    traceback.print_exc(file=_Escaping(sys.stderr))
 
 
 def _report(exc: BaseException) -> bool:
@@ -105,12 +152,12 @@ def run_options(fn: Callable) -> Callable:
     return fn
 
 
-def relaunch_if_asked(nproc: int | None) -> None:
+def relaunch_if_asked(nproc: int | None, out: str) -> None:
     """--nproc P outside torchrun: run the same command as P local processes and exit with them."""
     if nproc and nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         from .spawn import relaunch
 
-        sys.exit(relaunch(nproc))
+        sys.exit(relaunch(nproc, out))
 
 
 def make_run_options(ctx: Context, memory_budget: str | None, workers: int | None, overwrite: bool = False):
@@ -126,10 +173,32 @@ def make_run_options(ctx: Context, memory_budget: str | None, workers: int | Non
         opts.memory_budget = knobs.parse_size(memory_budget)
     if workers:
         opts.workers = workers
+    from ckptkit.runner import limits
+
+    limits.set_budget(opts.memory_budget)  # also bounds what indexing loads whole (this one command)
     return opts
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """click's group, with its own messages (usage errors quote the command line) escaped too."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as exc:
+            exc.show(file=_Escaping(sys.stderr))
+            sys.exit(exc.exit_code)
+        except click.Abort as exc:
+            if interrupts.is_interrupt(exc):
+                _interrupted()
+            echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="ckptkit")
@@ -158,7 +227,7 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
     if as_json:
         click.echo(json.dumps(report_json(opened, report), indent=1))
     else:
-        click.echo(render(opened, report))
+        echo(*render(opened, report))
 
 
 @cli.command()
@@ -175,9 +244,7 @@ def verify(ctx: Context, src: str, deep: bool, tag: str | None, memory_budget, w
     opts = make_run_options(ctx, memory_budget, workers)
     opened, problems = run_verify(src, deep=deep, options=opts, tag=tag)
     if problems:
-        click.echo(f"{src}: {len(problems)} problem(s) found", err=True)
-        for p in problems:
-            click.echo(f"  - {p}", err=True)
+        echo(f"{src}: {len(problems)} problem(s) found", *(f"  - {p}" for p in problems), err=True)
         sys.exit(EXIT_PROBLEMS)
     index = opened.index
     if deep:
@@ -202,7 +269,7 @@ def verify(ctx: Context, src: str, deep: bool, tag: str | None, memory_budget, w
 def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
                 include_optimizer: bool, tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
     """Write SRC's model as Hugging Face style safetensors in folder OUT."""
-    relaunch_if_asked(nproc)
+    relaunch_if_asked(nproc, out)
     from ckptkit.index.dtypes import parse_dtype_option
     from ckptkit.ops.consolidate import consolidate as run_consolidate
     from ckptkit.ops.inspect import human_bytes
@@ -234,7 +301,7 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: str | None, memory_budget,
             workers, overwrite, nproc) -> None:
     """Rewrite SRC for world size --to in folder OUT (same format)."""
-    relaunch_if_asked(nproc)
+    relaunch_if_asked(nproc, out)
     from ckptkit.ops.inspect import human_bytes
     from ckptkit.ops.reshard import reshard as run_reshard
 
@@ -268,7 +335,7 @@ def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, d
             from_: str | None, rename: tuple[str, ...], strip_prefix: tuple[str, ...], add_prefix: str,
             frozen: tuple[str, ...], tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
     """Convert training checkpoint SRC to another backend in folder OUT, optimizer state included."""
-    relaunch_if_asked(nproc)
+    relaunch_if_asked(nproc, out)
     from ckptkit.convert.names import KeyRules
     from ckptkit.ops.convert import convert as run_convert
 
@@ -303,7 +370,7 @@ def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: b
             {"name": r.name, "status": r.status, "max_abs_diff": r.max_abs_diff, "detail": r.detail}
             for r in result.rows]}, indent=1))
     else:
-        click.echo(render(result, a, b, atol))
+        echo(*render(result, a, b, atol))
     if not result.equal:
         sys.exit(EXIT_PROBLEMS)
 
@@ -316,10 +383,18 @@ def demo(ctx: Context, out: str) -> None:
     """Train a tiny model with FSDP2 on 2 CPU processes, then inspect, reshard, consolidate, verify."""
     from ckptkit.demo.run import run_demo
 
-    run_demo(out, say=click.echo)
+    run_demo(out, say=echo)
+
+
+def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """Python's warnings (they may quote a path or a name), escaped like everything else."""
+    _Escaping(file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def main() -> None:
+    entry.install()  # already done by entry.main; here for callers of main() itself
+    warnings.showwarning = _show_warning
     from ckptkit.runner.memory import pin_mmap_threshold
 
     pin_mmap_threshold()
@@ -328,8 +403,14 @@ def main() -> None:
     except SystemExit as done:
         from ckptkit.runner.distributed import current, finish
 
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
         if current().distributed:  # leave the job without tearing gloo down under its threads
-            finish(current(), done.code if isinstance(done.code, int) else (0 if done.code is None else 1))
+            finish(current(), code)
+        if code == EXIT_INTERRUPTED:  # cleanup is done: leave now, without waiting on interpreter teardown
+            entry.exit_now()
+        # the command is over: a Ctrl-C while the interpreter shuts down (it restores the default
+        # handler, which would kill the process) must not turn its result into "killed by SIGINT"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from ckptkit.progress import LockedProgress, NullProgress, Progress
+from ckptkit.text import escape
 
 
 class TqdmProgress:
@@ -14,7 +15,7 @@ class TqdmProgress:
         from tqdm import tqdm
 
         self.close()
-        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
+        self._bar = tqdm(total=total, desc=escape(desc), unit="B", unit_scale=True, unit_divisor=1000,
                          file=sys.stderr, leave=False, dynamic_ncols=True)
 
     def advance(self, n: int) -> None:

@@ -4,13 +4,19 @@ Starts P copies of `python -m ckptkit <the same arguments>` with the environment
 give them (MASTER_ADDR/PORT, WORLD_SIZE, RANK, LOCAL_RANK), waits for all, and exits with the
 first failure's status. If one process fails the others stop at their next check (they hear of
 it through the process group) or, at the latest, when this launcher ends them after a grace period.
+Ctrl-C (to this launcher alone, or to the whole terminal group) is passed on to every process;
+they remove what they wrote, and the launcher reports the interrupt once. Processes that do not
+finish within INTERRUPT_GRACE_S are killed and what they left next to OUT is swept.
 """
 from __future__ import annotations
 
+import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 GRACE_S = 60.0
@@ -37,28 +43,56 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def relaunch(nproc: int) -> int:
+def relaunch(nproc: int, out: str | None = None) -> int:
+    from ckptkit import interrupts
+
+    from .entry import QUIET_ENV
+
     args = _without_nproc(sys.argv[1:])
     port = _free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
-                   RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
-        env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "ckptkit", *args], env=env))
-    first_failure: int | None = None
+    with interrupts.needs_cleanup():  # Ctrl-C: pass it on and wait for the processes to clean up
+        procs = []
+        for rank in range(nproc):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                       RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+            env.setdefault("OMP_NUM_THREADS", "1")
+            env[QUIET_ENV] = "1"  # this launcher reports an interrupt, once
+            procs.append(subprocess.Popen([sys.executable, "-m", "ckptkit", *args], env=env))
+        codes, killed = _wait(procs, interrupts.cancelled)
+    if killed and out and "://" not in out:
+        from ckptkit.storage.output import recover
+
+        recover(out)  # a killed process could not remove its temporary folder and lock
+    if interrupts.cancelled.is_set() or INTERRUPTED in codes:
+        raise interrupts.Cancelled()
+    return next((c for c in codes if c), 0)
+
+
+INTERRUPTED = 130
+INTERRUPT_GRACE_S = 20.0
+
+
+def _wait(procs: list[subprocess.Popen], cancelled: threading.Event) -> tuple[list[int], bool]:
+    """Wait for every process: (exit codes in order of failure first, whether any was killed)."""
+    failures: list[int] = []
     deadline: float | None = None
+    forwarded = killed = False
     while True:
         codes = [p.poll() for p in procs]
         for code in codes:
-            if code not in (None, 0) and first_failure is None:
-                first_failure = code
+            if code not in (None, 0) and not failures:
+                failures.append(code)
                 deadline = time.monotonic() + GRACE_S
+        if cancelled.is_set() and not forwarded:
+            forwarded = True
+            for p in procs:
+                p.send_signal(signal.SIGINT)  # a no-op for a process that has ended
+            deadline = min(deadline or math.inf, time.monotonic() + INTERRUPT_GRACE_S)
         if all(c is not None for c in codes):
-            break
+            return failures + [c for c in codes if c is not None], killed
         if deadline is not None and time.monotonic() > deadline:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+                    killed = True
         time.sleep(0.05)
-    return first_failure or 0

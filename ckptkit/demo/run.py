@@ -9,7 +9,12 @@ from typing import Callable
 from ..errors import OutputError
 
 
-def run_demo(out: str, say: Callable[[str], None] = print) -> None:
+def _print_lines(*lines: str) -> None:
+    print(*lines, sep="\n")
+
+
+def run_demo(out: str, say: Callable[..., None] = _print_lines) -> None:
+    """`say(*lines)` prints each argument as one line (the CLI's escapes each)."""
     from ..ops.consolidate import consolidate
     from ..ops.inspect import inspect, render
     from ..ops.options import RunOptions
@@ -31,26 +36,26 @@ def run_demo(out: str, say: Callable[[str], None] = print) -> None:
     say("1. training a small model with FSDP2 on 2 CPU processes (gloo) and saving it with DCP ...")
     t0 = time.time()
     train_and_save(src, world_size=2, steps=3)
-    say(f"   wrote {src} in {time.time() - t0:.1f}s\n")
+    say(f"   wrote {src} in {time.time() - t0:.1f}s", "")
 
     say(f"2. ckptkit inspect {src}")
     opened, report = inspect(src)
-    say("   " + render(opened, report, max_rows=12).replace("\n", "\n   ") + "\n")
+    say(*("   " + line for line in render(opened, report, max_rows=12)), "")
 
     say(f"3. ckptkit reshard {src} {resharded} --to 3")
     res = reshard(src, resharded, 3, options=RunOptions())
-    say(f"   {res.tensors} tensors now laid out for 3 ranks: {', '.join(res.files)}\n")
+    say(f"   {res.tensors} tensors now laid out for 3 ranks: {', '.join(res.files)}", "")
 
     say(f"4. ckptkit consolidate {resharded} {st}")
     cres = consolidate(resharded, st)
-    say(f"   {cres.model_tensors} model tensors -> {', '.join(cres.files)}\n")
+    say(f"   {cres.model_tensors} model tensors -> {', '.join(cres.files)}", "")
 
     say("5. ckptkit verify --deep on all three")
     for path in (src, resharded, st):
         _, problems = verify(path, deep=True)
         state = "ok" if not problems else f"{len(problems)} problem(s): {problems[0]}"
         say(f"   {path}: {state}")
-    say("\nTry them yourself:")
+    say("", "Try them yourself:")
     say(f"   ckptkit inspect {resharded}")
     say(f"   ckptkit consolidate {src} {out}/bf16 --dtype bf16")
     say(f"   python -c \"from safetensors.torch import load_file; print(load_file('{st}/model.safetensors').keys())\"")

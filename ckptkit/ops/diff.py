@@ -180,7 +180,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def render(result: DiffResult, a: str, b: str, atol: float, show: int = 50) -> str:
+def render(result: DiffResult, a: str, b: str, atol: float, show: int = 50) -> list[str]:
+    """The differences, one string per line (the printer escapes each line: ckptkit.text)."""
     counts = result.counts()
     lines = [f"a: {a}", f"b: {b}",
              "compared " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + (f" (atol {atol:g})" if atol else "")]
@@ -191,4 +192,4 @@ def render(result: DiffResult, a: str, b: str, atol: float, show: int = 50) -> s
     if len(shown) > show:
         lines.append(f"  ... and {len(shown) - show} more (use --json for all)")
     lines.append("equal" if result.equal else "not equal")
-    return "\n".join(lines)
+    return lines

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..formats.registry import Opened, open_checkpoint
 from ..index.serialize import safe_value, to_json
+from ..text import escape
 from .keys import guess_step, split_roles
 
 
@@ -64,8 +65,9 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def render(opened: Opened, report: Report, max_rows: int = 40) -> str:
-    """A readable table: header facts, dtypes, tensors (largest first), objects."""
+def render(opened: Opened, report: Report, max_rows: int = 40) -> list[str]:
+    """A readable table: header facts, dtypes, tensors (largest first), objects. One string per
+    line, names as the checkpoint has them: the printer escapes each line (ckptkit.text)."""
     lines = [
         f"checkpoint  {report.path}",
         f"format      {report.format}",
@@ -79,10 +81,11 @@ def render(opened: Opened, report: Report, max_rows: int = 40) -> str:
         "",
     ]
     tensors = sorted(opened.index.tensors.values(), key=lambda t: (-t.nbytes, t.key))
-    width = min(60, max((len(t.key) for t in tensors), default=10))
+    shown = {t.key: escape(t.key) for t in tensors[:max_rows]}  # as printed, so the columns line up
+    width = min(60, max((len(k) for k in shown.values()), default=10))
     lines.append(f"{'tensor':<{width}}  {'dtype':<9} {'shape':<18} {'pieces':>6}  {'size':>10}")
     for t in tensors[:max_rows]:
-        key = t.key if len(t.key) <= width else "..." + t.key[-(width - 3):]
+        key = shown[t.key] if len(shown[t.key]) <= width else "..." + shown[t.key][-(width - 3):]
         alias = f"  (alias of {t.attrs['alias_of']})" if t.attrs.get("alias_of") else ""
         lines.append(f"{key:<{width}}  {t.dtype:<9} {str(list(t.shape)):<18} {len(t.pieces):>6}  "
                      f"{human_bytes(t.nbytes):>10}{alias}")
@@ -96,4 +99,4 @@ def render(opened: Opened, report: Report, max_rows: int = 40) -> str:
             lines.append(f"  {k} = {text[:100]}")
         if len(report.objects) > max_rows:
             lines.append(f"  ... and {len(report.objects) - max_rows} more")
-    return "\n".join(lines)
+    return lines

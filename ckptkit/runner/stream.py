@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from .. import interrupts
 from ..index import geometry
 from ..index.dtypes import itemsize, torch_dtype
 from ..index.types import Box, TensorEntry
@@ -33,6 +34,7 @@ def stream_tensor(fetcher: Fetcher, entry: TensorEntry, out_dtype: str | None,
     if entry.numel == 0:
         return
     for slab in geometry.split_rowmajor(whole, max(1, slab_bytes // item)):
+        interrupts.check()
         t = fetcher.fetch(entry, slab)
         if dst is not None and t.dtype != dst:
             t = t.to(dst)

@@ -12,6 +12,7 @@ import mmap
 import os
 from typing import Any, BinaryIO
 
+from .. import interrupts
 from .checksum import crc32 as _crc
 
 # (source file, offset, nbytes); (None, 0, nbytes) for zeros; (bytes, offset, nbytes) for bytes held
@@ -23,6 +24,8 @@ _ZEROS = bytes(1 << 20)
 # peak memory does not depend on tensor sizes, large enough that mapping costs nothing measurable
 _WINDOW = 2 << 20
 _BUFFER = 8 << 20
+# the most one copy_file_range call moves: a Ctrl-C (interrupts.check) is seen between calls
+_KERNEL_CHUNK = 256 << 20
 # copy_file_range refuses some pairs of files (across filesystems on many kernels, some network
 # and FUSE filesystems): those bytes go through a buffer instead, and the pair is remembered
 _UNSUPPORTED = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF)
@@ -48,6 +51,7 @@ def crc32(source: Any, ranges: Ranges) -> int:
                 n = nbytes - done
                 crc = _crc(memoryview(rel)[offset + done:offset + nbytes], crc)
             else:
+                interrupts.check()
                 n = min(_WINDOW, nbytes - done)
                 crc = _crc_window(source, rel, offset + done, n, crc)
             done += n
@@ -84,6 +88,7 @@ def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> 
     out_fd = out.fileno()
     total = 0
     for rel, offset, nbytes in ranges:
+        interrupts.check()
         if rel is None:
             left = nbytes
             while left:
@@ -101,8 +106,9 @@ def _copy_range(source: Any, rel: str, offset: int, nbytes: int, out_fd: int) ->
     src_fd, done = source.fileno(rel), 0
     pair = (os.fstat(src_fd).st_dev, os.fstat(out_fd).st_dev)
     while done < nbytes and pair not in _no_kernel_copy:
+        interrupts.check()
         try:
-            n = os.copy_file_range(src_fd, out_fd, nbytes - done, offset + done)
+            n = os.copy_file_range(src_fd, out_fd, min(_KERNEL_CHUNK, nbytes - done), offset + done)
         except OSError as exc:
             if exc.errno not in _UNSUPPORTED:
                 raise  # ENOSPC, EIO, ...: a real failure
@@ -113,6 +119,7 @@ def _copy_range(source: Any, rel: str, offset: int, nbytes: int, out_fd: int) ->
         done += n
     buf = bytearray(min(_BUFFER, max(0, nbytes - done)))
     while done < nbytes:
+        interrupts.check()
         view = memoryview(buf)[:min(len(buf), nbytes - done)]
         got = os.preadv(src_fd, [view], offset + done)
         if got <= 0:

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
+from .. import interrupts
 from ..errors import OutputError
 from . import locks, swap
 from .locks import lock_is_stale, remove_stale_lock  # noqa: F401  (the Checkpointer's sweep)
@@ -33,6 +34,7 @@ TMP_MARK = ".ckptkit-tmp-"
 OLD_MARK = ".ckptkit-old-"
 
 
+@interrupts.guard_output  # Ctrl-C while it is open: stop at a check point, remove, never commit
 class OutputDir:
     """A folder that appears at `path` complete, or not at all.
 

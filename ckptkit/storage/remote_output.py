@@ -20,6 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
+from .. import interrupts
 from ..errors import OutputError
 from .output import FinishingFile, OutputDir
 from .overlap import check_apart
@@ -31,6 +32,7 @@ INCOMPLETE = ".ckptkit-incomplete"
 COMPLETE = ".ckptkit-complete"
 
 
+@interrupts.guard_output
 class RemoteOutputDir(OutputDir):
     def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None,
                  sources: Sequence[str | None] = ()) -> None:
