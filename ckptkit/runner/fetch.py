@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from .. import interrupts
 from ..errors import FormatError
 from ..index import geometry
 from ..index.dtypes import itemsize, torch_dtype
@@ -64,6 +65,7 @@ class Fetcher:
 
     def fetch(self, entry: TensorEntry, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The elements of `box` (default: the whole tensor), contiguous, in the entry's dtype."""
+        interrupts.check()  # after a Ctrl-C, every writer stops at its next read
         self.check_tiling(entry)
         box = box or Box.whole(entry.shape)
         dtype = torch_dtype(entry.dtype)
