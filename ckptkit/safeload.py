@@ -1,24 +1,24 @@
-"""The one place ckptkit unpickles anything.
+"""The one place ckptkit unpickles anything: data only, within limits.
 
-A restricted unpickler with an explicit allowlist of globals. Tensors are rebuilt by our own
-functions (lazily, as references to storage bytes, or eagerly from bytes we read); the classes a
-checkpoint's metadata references (DCP metadata, DeepSpeed's small state classes) become inert
-stand-ins that only hold data. Any other global raises UnsafePickleError naming the file and the
-global: no checkpoint can run code, and reading needs neither deepspeed nor torch: torch's own
-small types become the stand-ins of ckptkit.torch_types, small tensors loaded whole SmallTensors.
+`restricted_loads` runs a pickle through ckptkit's own pickle machine (safeload_vm) under an
+explicit grammar (safeload_grammar, safeload_numpy): each global a checkpoint may name is either
+plain data (a dtype, a stand-in class) or a call whose arguments are checked before anything is
+built. Tensors are rebuilt by our own functions (lazily, as references to storage bytes, or eagerly
+from bytes we read); the classes a checkpoint's metadata references (DCP metadata, DeepSpeed's
+small state classes) become inert stand-ins that only hold data, and only they may be given a
+state (BUILD); numpy arrays are rebuilt from their raw bytes, never through numpy's __setstate__.
+Object count, nesting depth, expanded size (shared parts counted each time they are reached) and
+byte sizes are bounded while unpickling (ckptkit.knobs). Any other global raises
+UnsafePickleError naming the file and the global, any limit a FormatError naming the file and the
+limit: no checkpoint can run code, and reading needs neither deepspeed nor torch.
 """
 from __future__ import annotations
 
-import collections
-import io
-import pathlib
-import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import FormatError, UnsafePickleError, UnsupportedError
-from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
-from .torch_types import DType, GlobalRef, Size, SmallTensor
+from .errors import CkptkitError, FormatError, quote
+from .torch_types import DType
 
 
 @dataclass(frozen=True)
@@ -119,53 +119,6 @@ def inert_class(qualname: str) -> type:
     return cls
 
 
-# ---- tensor rebuild functions (ours, never torch's) -------------------------------------------
-
-def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: tuple,
-                 requires_grad: bool) -> Any:
-    size, stride = tuple(size), tuple(stride)
-    if not isinstance(dtype, DType):
-        raise FormatError(f"tensor rebuilt with {dtype!r:.60} where a dtype was expected")
-    if isinstance(storage, StorageRef):
-        return TensorRef(storage, dtype, int(offset), size, stride, bool(requires_grad))
-    if isinstance(storage, RawStorage):
-        if any(not isinstance(x, int) or x < 0 for x in (offset, *size, *stride)):
-            raise FormatError(f"tensor rebuilt with a malformed view (offset {offset!r:.20}, size {size!r:.40})")
-        item = _itemsize(dtype)
-        span = 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))
-        if (offset + span) * item > len(storage.data):
-            raise FormatError(f"a tensor needs {(offset + span) * item} bytes of a storage that holds "
-                              f"{len(storage.data)}")
-        return SmallTensor.from_storage(dtype_name(dtype), storage.data, offset, size, stride)
-    raise FormatError(f"tensor rebuilt from an unexpected storage object {type(storage).__name__}")
-
-
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
-                       backward_hooks=None, metadata=None):
-    return _make_tensor(storage.ref if isinstance(storage, _TypedStorage) else storage,
-                        _storage_dtype(storage), storage_offset, size, stride, requires_grad)
-
-
-def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks,
-                       dtype, metadata=None):
-    return _make_tensor(storage.ref if isinstance(storage, _TypedStorage) else storage,
-                        dtype, storage_offset, size, stride, requires_grad)
-
-
-def _rebuild_tensor(storage, storage_offset, size, stride):
-    return _rebuild_tensor_v2(storage, storage_offset, size, stride)
-
-
-def _rebuild_parameter(data, requires_grad, backward_hooks, state=None):
-    return data
-
-
-def _rebuild_from_type_v2(func, new_type, args, state):
-    if func not in (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter):
-        raise UnsafePickleError("a tensor subclass was rebuilt through a function outside the allowlist")
-    return func(*args)
-
-
 @dataclass(frozen=True)
 class _TypedStorage:
     """What persistent_load returns: the storage plus the dtype its legacy class named."""
@@ -174,225 +127,87 @@ class _TypedStorage:
     dtype: DType
 
 
-def _storage_dtype(storage: Any) -> DType:
-    if isinstance(storage, _TypedStorage):
-        return storage.dtype
-    if isinstance(storage, StorageRef):
-        return storage.dtype
-    return DType("uint8")
-
-
-def _itemsize(dtype: DType) -> int:
-    try:
-        return dtype.itemsize
-    except UnsupportedError:
-        raise UnsupportedError(f"tensors of dtype {dtype.attr} are not supported") from None
-
-
 class _StorageType:
     """Stand-in for torch's legacy `torch.FloatStorage`-style classes: only names a dtype."""
+
+    __slots__ = ("dtype",)
 
     def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
 
 
-_QUANTIZED_STORAGE = {"QInt8Storage": "qint8", "QInt32Storage": "qint32", "QUInt8Storage": "quint8",
-                      "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4"}
-
-
-def _storage_types() -> dict[tuple[str, str], Any]:
-    table: dict[tuple[str, str], Any] = {}
-    for name, dtype in {**LEGACY_STORAGE, **_QUANTIZED_STORAGE}.items():
-        table[("torch", name)] = _StorageType(DType(dtype))
-    table[("torch", "UntypedStorage")] = _StorageType(DType("uint8"))
-    table[("torch.storage", "UntypedStorage")] = _StorageType(DType("uint8"))
-    return table
-
-
-_LAYOUT = "torch.serialization._get_layout"
-
-
-def _get_layout(name: str) -> Any:
-    """A layout as torch pickles it (`_get_layout("torch.strided")`), kept as that call."""
-    if name not in ("torch.strided", "torch.sparse_coo"):
-        raise UnsafePickleError(f"unknown tensor layout {name!r}")
-    return inert_class(_LAYOUT)(name)
-
-
-def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
-    """copyreg._reconstructor, allowed only for our stand-ins over `object`."""
-    if not (isinstance(cls, type) and issubclass(cls, Inert)) or base is not object:
-        raise UnsafePickleError("copyreg._reconstructor was asked to build a class outside the allowlist")
-    obj = cls.__new__(cls)
-    if state is not None:
-        obj.__setstate__(state)
-    return obj
-
-
-def _build_allowlist() -> dict[tuple[str, str], Any]:
-    allow: dict[tuple[str, str], Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
-        ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-        ("torch", "Size"): Size,
-        ("torch", "device"): inert_class("torch.device"),
-        ("torch.nn.parameter", "Parameter"): inert_class("torch.nn.parameter.Parameter"),
-        ("torch", "Tensor"): inert_class("torch.Tensor"),
-        ("torch.serialization", "_get_layout"): _get_layout,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("collections", "defaultdict"): _plain_defaultdict,
-        ("builtins", "set"): set,
-        ("builtins", "frozenset"): frozenset,
-        ("builtins", "slice"): slice,
-        ("builtins", "complex"): complex,
-        ("builtins", "bytearray"): bytearray,
-        ("builtins", "range"): range,
-        ("_codecs", "encode"): _codecs_encode,
-        ("copyreg", "_reconstructor"): _reconstructor,
-        ("pathlib", "PosixPath"): pathlib.PurePosixPath,
-        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-        ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
-    }
-    for name in ("contiguous_format", "channels_last", "preserve_format", "strided", "sparse_coo"):
-        allow[("torch", name)] = GlobalRef("torch", name)
-    for name in ("set", "frozenset", "slice", "complex", "bytearray", "range"):
-        allow[("__builtin__", name)] = allow[("builtins", name)]  # protocol 2 (torch.save) names
-    allow[("__builtin__", "xrange")] = range
-    for name in TORCH_DTYPE_ATTRS:
-        allow[("torch", name)] = DType(name)
-    allow.update(_storage_types())
-    for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-                "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        qual = f"torch.distributed.checkpoint.metadata.{cls}"
-        allow[("torch.distributed.checkpoint.metadata", cls)] = inert_class(qual)
-    allow[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = inert_class(
-        "torch.distributed.checkpoint.filesystem._StorageInfo")
-    return allow
-
-
-def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
-    """Protocol 2 pickles bytes as _codecs.encode(str, "latin1"); nothing else is allowed."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise UnsafePickleError("_codecs.encode may only rebuild bytes from a latin1 string")
-    return text.encode("latin1")
-
-
-def _plain_defaultdict(*args: Any) -> dict:
-    return {}
-
-
-def _numpy_allowlist() -> dict[tuple[str, str], Any]:
-    """numpy arrays and scalars (RNG states, client state) rebuild without running code."""
-    import numpy
-
-    try:
-        from numpy._core import multiarray  # numpy >= 2
-    except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core import multiarray  # type: ignore[no-redef]
-
-    def reconstruct(cls: Any, *args: Any) -> Any:
-        if cls is not numpy.ndarray:
-            raise UnsafePickleError("numpy _reconstruct may only build plain ndarrays")
-        return multiarray._reconstruct(cls, *args)
-
-    allow: dict[tuple[str, str], Any] = {("numpy", "ndarray"): numpy.ndarray, ("numpy", "dtype"): numpy.dtype}
-    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        allow[(module, "_reconstruct")] = reconstruct
-        allow[(module, "scalar")] = multiarray.scalar
-    return allow
-
-
-_ALLOWLIST: dict[tuple[str, str], Any] | None = None
 _EXTRA: dict[tuple[str, str], Any] = {}
 
 
 def register_allowed(module: str, name: str, value: Any) -> None:
-    """Let a format add inert stand-ins for its own classes (e.g. DeepSpeed's loss scaler)."""
+    """Let a format add inert stand-ins for its own classes (e.g. DeepSpeed's loss scaler): an
+    Inert subclass may be called and built like the DCP classes; any other value is data only."""
     _EXTRA[(module, name)] = value
 
 
+def extra_allowed() -> dict[tuple[str, str], Any]:
+    return dict(_EXTRA)
+
+
 def allowlist() -> dict[tuple[str, str], Any]:
-    global _ALLOWLIST
-    if _ALLOWLIST is None:
-        _ALLOWLIST = _build_allowlist()
-    return {**_ALLOWLIST, **_EXTRA}
+    """Every global a checkpoint may name, and what it stands for (numpy's come on demand)."""
+    from .safeload_grammar import table
+
+    return {**table()[0], **_EXTRA}
 
 
-_NUMPY: dict[tuple[str, str], Any] | None = None
+class _RestrictedUnpickler:
+    """One restricted load: ckptkit's grammar (safeload_grammar) run by the data-only pickle
+    machine (safeload_vm) under the limits of ckptkit.knobs."""
 
-
-def _numpy_global(module: str, name: str) -> Any:
-    """numpy's entries, built (importing numpy) only when a pickle names numpy."""
-    global _NUMPY
-    if _NUMPY is None:
-        _NUMPY = _numpy_allowlist()
-    return _NUMPY[(module, name)]
-
-
-# what per-rank torch.save files of FSDP1 LOCAL_STATE_DICT / sharded state dicts reference first
-_SHARDED_TENSOR_GLOBALS = {("torch._utils", "_rebuild_wrapper_subclass"),
-                           ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: io.BufferedIOBase, file: str,
-                 persistent_load: Callable[[Any], Any] | None) -> None:
-        super().__init__(data, encoding="utf-8")
+    def __init__(self, data: bytes, file: str, persistent_load: Callable[[Any], Any] | None) -> None:
+        self._data = data
         self._file = file
         self._persistent = persistent_load
-        self._allowed = allowlist()
 
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            if module == "numpy" or module.startswith("numpy."):
-                return _numpy_global(module, name)
-            return self._allowed[(module, name)]
-        except KeyError:
-            if (module, name) in _SHARDED_TENSOR_GLOBALS:
-                raise UnsupportedError(
-                    f"{self._file}: holds torch.distributed ShardedTensor objects, i.e. an FSDP1 "
-                    f"LOCAL_STATE_DICT (flat parameters) or a per-rank sharded torch.save; flat parameters "
-                    f"cannot be unflattened without the model's FSDP wrapping, so load it into the wrapped "
-                    f"model and save again with StateDictType.SHARDED_STATE_DICT through "
-                    f"torch.distributed.checkpoint (or FULL_STATE_DICT); nothing was executed") from None
-            raise UnsafePickleError(
-                f"{self._file}: refusing to unpickle global {module}.{name} "
-                f"(not on ckptkit's allowlist; nothing was executed)") from None
+    def load(self) -> Any:
+        from .safeload_grammar import RestrictedGrammar
+        from .safeload_vm import run
 
-    def persistent_load(self, pid: Any) -> Any:
-        if self._persistent is None:
-            raise FormatError(f"{self._file}: pickle references external storage outside a torch.save archive")
-        return self._persistent(pid)
+        return run(self._data, RestrictedGrammar(self._file, self._persistent))
 
 
 def restricted_loads(data: bytes, file: str,
                      persistent_load: Callable[[Any], Any] | None = None) -> Any:
-    """Unpickle `data` with the allowlist; any failure becomes one sentence naming `file`."""
+    """Unpickle `data` as data only, within limits; any failure becomes one sentence naming `file`."""
     try:
-        return _RestrictedUnpickler(io.BytesIO(data), file, persistent_load).load()
-    except (UnsafePickleError, FormatError, UnsupportedError) as exc:
+        return _RestrictedUnpickler(data, file, persistent_load).load()
+    except CkptkitError as exc:
         if str(exc).startswith(file):
             raise
-        raise type(exc)(f"{file}: {exc}") from None
+        raise _with_file(exc, file) from None
     except RecursionError:
         raise FormatError(f"{file}: pickle is nested too deeply to be a checkpoint") from None
-    except Exception as exc:  # malformed pickles raise anything from ValueError to KeyError
-        raise FormatError(f"{file}: cannot read pickle ({type(exc).__name__}: {exc})") from None
+    except MemoryError:
+        raise FormatError(f"{file}: pickle needs more memory than this machine has") from None
+    except Exception as exc:  # a rebuild over unexpected values; the machine itself raises CkptkitErrors
+        raise FormatError(f"{file}: cannot read pickle ({type(exc).__name__}: {quote(str(exc))})") from None
+
+
+def _with_file(exc: CkptkitError, file: str) -> CkptkitError:
+    new = type(exc).__new__(type(exc))
+    new.args = (f"{file}: {exc}",)
+    new.__dict__.update(exc.__dict__)
+    return new
 
 
 def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
     """Decode torch.save's persistent id ('storage', type, key, location, numel)."""
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
-        raise FormatError(f"{file}: unexpected persistent id {pid!r:.80} in a torch.save archive")
+    if not (type(pid) is tuple and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+        raise FormatError(f"{file}: unexpected persistent id {quote(repr(pid)[:200], 80)} in a torch.save archive")
     _, storage_type, key, _location, numel = pid
     if not isinstance(storage_type, _StorageType):
-        raise FormatError(f"{file}: persistent id names an unknown storage type {storage_type!r:.60}")
-    key = key.decode() if isinstance(key, bytes) else str(key)
-    return key, storage_type.dtype, int(numel)
+        raise FormatError(f"{file}: persistent id names an unknown storage type {quote(repr(storage_type), 60)}")
+    if type(key) not in (str, bytes) or type(numel) is not int or numel < 0:
+        raise FormatError(f"{file}: persistent id {quote(repr(pid)[:200], 80)} lacks a storage key and an "
+                          f"element count")
+    key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    return key, storage_type.dtype, numel
 
 
 def typed_storage(ref: Any, dtype: DType) -> _TypedStorage:

@@ -1,0 +1,574 @@
+"""What each global a checkpoint may name may be called with: the grammar of ckptkit's unpickler.
+
+Every allowed global is a value (a dtype, a class that is only data) or a call with a rule. A rule
+checks the number and types of its arguments before anything is built (bytearray from bytes, a
+latin-1 string or a bounded int; set and frozenset from a list; range of bounded length; complex
+from numbers; slice from ints; OrderedDict from nothing or a list of pairs; torch's rebuild
+functions from storages, ints and dtypes; pathlib from strings ...) and builds the value with
+ckptkit's own code. BUILD (an object's state) is accepted on ckptkit's stand-ins (Inert) only, and
+on an OrderedDict as plain attributes (torch's state_dict()._metadata); numpy's dtypes and arrays
+are completed by safeload_numpy, never by numpy's __setstate__. Anything else is an
+UnsafePickleError naming the global.
+"""
+from __future__ import annotations
+
+import collections
+import pathlib
+from typing import Any, Callable
+
+from . import knobs
+from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
+from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
+from .safeload import Inert, RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage, extra_allowed, inert_class
+from .safeload_vm import Placeholder, check_keys
+from .torch_types import DType, GlobalRef, Size, SmallTensor
+
+Rule = Callable[[tuple], Any]
+
+
+class Refused(Exception):
+    """Raised by a rule: the arguments are outside the grammar (the caller names the global)."""
+
+
+def _kinds(args: tuple) -> str:
+    return "(" + ", ".join(type(a).__name__ for a in args) + ")"
+
+
+_INT = {int}
+
+
+def _ints(value: Any, what: str, low: int = 0) -> tuple:
+    t = type(value)
+    if (t is not tuple and t is not list and t is not Size) or (
+            value and (not set(map(type, value)) <= _INT or min(value) < low)):
+        raise Refused(f"{what} must be a tuple of integers")
+    return value if t is tuple else tuple(value)
+
+
+def _int(value: Any, what: str, low: int = 0) -> int:
+    if type(value) is not int or value < low:
+        raise Refused(f"{what} must be an integer of at least {low}")
+    return value
+
+
+# ---- tensors (ours, never torch's) ------------------------------------------------------------
+
+def _storage(value: Any) -> Any:
+    if not isinstance(value, (_TypedStorage, StorageRef, RawStorage)):
+        raise Refused("the first argument must be a storage of the archive")
+    return value
+
+
+def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: tuple,
+                 requires_grad: bool) -> Any:
+    if not isinstance(dtype, DType):
+        raise FormatError(f"tensor rebuilt with {quote(repr(dtype), 60)} where a dtype was expected")
+    if len(size) != len(stride) or len(size) > 64:
+        raise FormatError(f"tensor rebuilt with size {list(size)[:8]} and stride {list(stride)[:8]} of different "
+                          f"lengths")
+    if isinstance(storage, StorageRef):
+        return TensorRef(storage, dtype, offset, size, stride, requires_grad)
+    if isinstance(storage, RawStorage):
+        item = _itemsize(dtype)
+        span = 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        if (offset + span) * item > len(storage.data):
+            raise FormatError(f"a tensor needs {(offset + span) * item} bytes of a storage that holds "
+                              f"{len(storage.data)}")
+        return SmallTensor.from_storage(dtype_name(dtype), storage.data, offset, size, stride)
+    raise FormatError(f"tensor rebuilt from an unexpected storage object {type(storage).__name__}")
+
+
+def _itemsize(dtype: DType) -> int:
+    try:
+        return dtype.itemsize
+    except UnsupportedError:
+        raise UnsupportedError(f"tensors of dtype {dtype.attr} are not supported") from None
+
+
+def _storage_dtype(storage: Any) -> DType:
+    if isinstance(storage, (_TypedStorage, StorageRef)):
+        return storage.dtype
+    return DType("uint8")
+
+
+def _unwrap(storage: Any) -> Any:
+    return storage.ref if isinstance(storage, _TypedStorage) else storage
+
+
+def _tensor_tail(args: tuple, first: int) -> None:
+    """requires_grad, backward_hooks, metadata: a bool, an empty-or-not dict, None or a dict."""
+    names = ("requires_grad", "backward_hooks", "metadata")
+    for name, value in zip(names, args[first:]):
+        if name == "requires_grad" and type(value) is not bool:
+            raise Refused("requires_grad must be a bool")
+        if name != "requires_grad" and value is not None and not isinstance(value, dict):
+            raise Refused(f"{name} must be a dict or None")
+
+
+def rebuild_tensor_v2(args: tuple) -> Any:
+    """torch._utils._rebuild_tensor_v2(storage, offset, size, stride[, requires_grad, hooks, metadata])."""
+    if not 4 <= len(args) <= 7:
+        raise Refused("takes 4 to 7 arguments")
+    storage = _storage(args[0])
+    offset = _int(args[1], "the storage offset")
+    size, stride = _ints(args[2], "the size"), _ints(args[3], "the stride")
+    _tensor_tail(args, 4)
+    requires_grad = bool(args[4]) if len(args) > 4 else False
+    return _make_tensor(_unwrap(storage), _storage_dtype(storage), offset, size, stride, requires_grad)
+
+
+def rebuild_tensor_v3(args: tuple) -> Any:
+    """torch._utils._rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[, metadata])."""
+    if not 7 <= len(args) <= 8:
+        raise Refused("takes 7 or 8 arguments")
+    storage = _storage(args[0])
+    offset = _int(args[1], "the storage offset")
+    size, stride = _ints(args[2], "the size"), _ints(args[3], "the stride")
+    _tensor_tail(args[:6], 4)
+    if not isinstance(args[6], DType):
+        raise Refused("the dtype must be a torch dtype")
+    if len(args) == 8 and args[7] is not None and not isinstance(args[7], dict):
+        raise Refused("metadata must be a dict or None")
+    return _make_tensor(_unwrap(storage), args[6], offset, size, stride, args[4])
+
+
+def rebuild_tensor(args: tuple) -> Any:
+    """torch._utils._rebuild_tensor(storage, offset, size, stride)."""
+    if len(args) != 4:
+        raise Refused("takes 4 arguments")
+    return rebuild_tensor_v2(args)
+
+
+def rebuild_parameter(args: tuple) -> Any:
+    """torch._utils._rebuild_parameter(data, requires_grad, hooks[, state]): the tensor itself."""
+    if not 3 <= len(args) <= 4:
+        raise Refused("takes 3 or 4 arguments")
+    if not isinstance(args[0], (TensorRef, SmallTensor)) or type(args[1]) is not bool:
+        raise Refused("takes a tensor and a bool")
+    if args[2] is not None and not isinstance(args[2], dict):
+        raise Refused("backward_hooks must be a dict or None")
+    return args[0]
+
+
+# ---- builtins, collections, pathlib, torch's small types ---------------------------------------
+
+def _set(args: tuple) -> Any:
+    if not args:
+        return set()
+    if len(args) != 1 or type(args[0]) is not list:
+        raise Refused("takes nothing or a list")
+    check_keys(args[0])
+    return set(args[0])
+
+
+def _frozenset(args: tuple) -> Any:
+    return frozenset(_set(args))
+
+
+def _slice(args: tuple) -> slice:
+    if not 1 <= len(args) <= 3 or not all(a is None or type(a) is int for a in args):
+        raise Refused("takes 1 to 3 integers or None")
+    return slice(*args)
+
+
+def _complex(args: tuple) -> complex:
+    if len(args) > 2 or not all(type(a) in (int, float) for a in args):
+        raise Refused("takes at most two numbers")
+    try:
+        return complex(*args)
+    except OverflowError:
+        raise Refused("takes numbers that fit a float") from None
+
+
+def _bytearray(args: tuple) -> bytearray:
+    if not args:
+        return bytearray()
+    if len(args) == 1 and type(args[0]) is bytes:
+        return bytearray(args[0])
+    if len(args) == 1 and type(args[0]) is int and 0 <= args[0] <= knobs.MAX_PICKLE_BLOB:
+        return bytearray(args[0])
+    if len(args) == 2 and type(args[0]) is str and args[1] in ("latin-1", "latin1"):
+        return bytearray(_latin1(args[0]))
+    raise Refused(f"takes bytes, a latin-1 string or a size of at most {knobs.MAX_PICKLE_BLOB:,} bytes")
+
+
+def _bytes(args: tuple) -> bytes:
+    if not args:
+        return b""
+    if len(args) == 1 and type(args[0]) is bytes:
+        return args[0]
+    raise Refused("takes nothing or bytes")
+
+
+def _latin1(text: str) -> bytes:
+    try:
+        return text.encode("latin1")
+    except UnicodeEncodeError:
+        raise FormatError("a byte string pickled as text holds characters above 255") from None
+
+
+def _codecs_encode(args: tuple) -> bytes:
+    """Protocol 2 pickles bytes as _codecs.encode(str, "latin1"); nothing else is allowed."""
+    if len(args) != 2 or type(args[0]) is not str or args[1] not in ("latin1", "latin-1"):
+        raise Refused("may only rebuild bytes from a latin1 string")
+    return _latin1(args[0])
+
+
+def _range(args: tuple) -> range:
+    if not 1 <= len(args) <= 3 or not all(type(a) is int for a in args) or (len(args) == 3 and args[2] == 0):
+        raise Refused("takes 1 to 3 integers (a step other than 0)")
+    value = range(*args)
+    try:
+        n = len(value)
+    except OverflowError:
+        n = None
+    if n is None or n > knobs.MAX_PICKLE_EXPANDED:
+        raise Refused(f"may hold at most {knobs.MAX_PICKLE_EXPANDED:,} numbers (ckptkit.knobs.MAX_PICKLE_EXPANDED)")
+    return value
+
+
+def _ordered_dict(args: tuple) -> collections.OrderedDict:
+    if not args:
+        return collections.OrderedDict()
+    if len(args) != 1 or type(args[0]) is not list:
+        raise Refused("takes nothing or a list of pairs")
+    pairs = args[0]
+    if not all(type(p) in (tuple, list) and len(p) == 2 for p in pairs):
+        raise Refused("takes nothing or a list of pairs")
+    check_keys([p[0] for p in pairs])
+    return collections.OrderedDict(pairs)
+
+
+def _defaultdict(args: tuple) -> dict:
+    """collections.defaultdict(factory): a plain dict (the factory is never called)."""
+    if len(args) > 1 or (args and args[0] is not None and not isinstance(args[0], type)):
+        raise Refused("takes nothing, None or a class")
+    return {}
+
+
+def _path(cls: type) -> Rule:
+    def rule(args: tuple) -> Any:
+        if len(args) > 4096 or not all(type(a) is str for a in args):
+            raise Refused("takes strings")
+        return cls(*args)
+    return rule
+
+
+def _size(args: tuple) -> Size:
+    if not args:
+        return Size()
+    if len(args) != 1:
+        raise Refused("takes one tuple of integers")
+    return Size(_ints(args[0], "torch.Size", low=-(1 << 63)))
+
+
+def _device(args: tuple) -> Any:
+    if not 1 <= len(args) <= 2 or type(args[0]) is not str or len(args[0]) > 64 or (
+            len(args) == 2 and args[1] is not None and type(args[1]) is not int):
+        raise Refused("takes a device type and an index")
+    return inert_class("torch.device")(*args)
+
+
+_LAYOUT = "torch.serialization._get_layout"
+
+
+def _get_layout(args: tuple) -> Any:
+    """A layout as torch pickles it (`_get_layout("torch.strided")`), kept as that call."""
+    if len(args) != 1 or args[0] not in ("torch.strided", "torch.sparse_coo"):
+        raise Refused("takes 'torch.strided' or 'torch.sparse_coo'")
+    return inert_class(_LAYOUT)(args[0])
+
+
+def _reconstructor(args: tuple) -> Any:
+    """copyreg._reconstructor, allowed only for our stand-ins over `object`."""
+    if len(args) != 3:
+        raise Refused("takes 3 arguments")
+    cls, base, state = args
+    if not (isinstance(cls, type) and issubclass(cls, Inert)) or base is not object:
+        raise Refused("may only build ckptkit's stand-ins")
+    obj = cls.__new__(cls)
+    if state is not None:
+        apply_inert_state(obj, state)
+    return obj
+
+
+def _inert(cls: type) -> Rule:
+    def rule(args: tuple) -> Any:
+        if len(args) > 4096:
+            raise Refused("takes at most 4096 arguments")
+        return cls(*args)
+    return rule
+
+
+# ---- state (BUILD) -----------------------------------------------------------------------------
+
+_INERT_ATTRS = frozenset(dir(Inert)) | {"_qualname"}
+_STR = {str}
+_ORDERED_DICT_ATTRS = frozenset(dir(collections.OrderedDict))
+
+
+def _attrs(state: Any, reserved: frozenset, what: str) -> dict:
+    if type(state) is not dict or state.keys() & reserved or not set(map(type, state)) <= _STR:
+        bad = next((k for k in state if type(k) is not str or k in reserved), None) if isinstance(state, dict) else None
+        raise UnsafePickleError(f"refusing the state of {what}: attribute {quote(repr(bad), 60)} is not plain data "
+                                f"(nothing was executed)")
+    return state
+
+
+def apply_inert_state(obj: Inert, state: Any) -> None:
+    """A stand-in's pickled state: a dict of plain attributes, a (dict, slots dict) pair, or any
+    other value kept as `_state`; attributes never shadow the stand-in's own methods."""
+    what = f"a {obj._qualname} stand-in"
+    if isinstance(state, dict):
+        obj.__dict__.update(_attrs(state, _INERT_ATTRS, what))
+    elif (type(state) is tuple and len(state) == 2 and all(p is None or isinstance(p, dict) for p in state)
+          and any(isinstance(p, dict) for p in state)):
+        for part in state:
+            if part:
+                obj.__dict__.update(_attrs(part, _INERT_ATTRS, what))
+    else:
+        obj.__dict__["_state"] = state
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+def _storage_types() -> dict[tuple[str, str], Any]:
+    quantized = {"QInt8Storage": "qint8", "QInt32Storage": "qint32", "QUInt8Storage": "quint8",
+                 "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4"}
+    table: dict[tuple[str, str], Any] = {}
+    for name, dtype in {**LEGACY_STORAGE, **quantized}.items():
+        table[("torch", name)] = _StorageType(DType(dtype))
+    table[("torch", "UntypedStorage")] = _StorageType(DType("uint8"))
+    table[("torch.storage", "UntypedStorage")] = _StorageType(DType("uint8"))
+    return table
+
+
+def _rebuild_from_type_v2_marker(args: tuple) -> Any:  # replaced by RestrictedGrammar.call
+    raise Refused("is handled by the grammar")
+
+
+def build_table() -> tuple[dict[tuple[str, str], Any], dict[int, tuple[Any, Rule]]]:
+    """(module, name) -> value, and id(value) -> (value, rule) for the values that may be called."""
+    values: dict[tuple[str, str], Any] = {}
+    rules: dict[tuple[str, str], Rule] = {}
+
+    def add(module: str, name: str, value: Any, rule: Rule | None = None) -> None:
+        values[(module, name)] = value
+        if rule is not None:
+            rules[(module, name)] = rule
+
+    add("torch._utils", "_rebuild_tensor_v2", rebuild_tensor_v2, rebuild_tensor_v2)
+    add("torch._utils", "_rebuild_tensor_v3", rebuild_tensor_v3, rebuild_tensor_v3)
+    add("torch._utils", "_rebuild_tensor", rebuild_tensor, rebuild_tensor)
+    add("torch._utils", "_rebuild_parameter", rebuild_parameter, rebuild_parameter)
+    add("torch._utils", "_rebuild_parameter_with_state", rebuild_parameter, rebuild_parameter)
+    add("torch._tensor", "_rebuild_from_type_v2", _rebuild_from_type_v2_marker, _rebuild_from_type_v2_marker)
+    add("torch", "Size", Size, _size)
+    add("torch", "device", inert_class("torch.device"), _device)
+    add("torch.nn.parameter", "Parameter", inert_class("torch.nn.parameter.Parameter"))
+    add("torch", "Tensor", inert_class("torch.Tensor"))
+    add("torch.serialization", "_get_layout", _get_layout, _get_layout)
+    add("collections", "OrderedDict", collections.OrderedDict, _ordered_dict)
+    add("collections", "defaultdict", collections.defaultdict, _defaultdict)
+    add("_codecs", "encode", _codecs_encode, _codecs_encode)
+    add("copyreg", "_reconstructor", _reconstructor, _reconstructor)
+    for module in ("builtins", "__builtin__"):  # protocol 2 (torch.save) writes Python 2 names
+        add(module, "set", set, _set)
+        add(module, "frozenset", frozenset, _frozenset)
+        add(module, "slice", slice, _slice)
+        add(module, "complex", complex, _complex)
+        add(module, "bytearray", bytearray, _bytearray)
+        add(module, "bytes", bytes, _bytes)
+        add(module, "range", range, _range)
+    add("__builtin__", "xrange", range, _range)
+    for name, cls in (("PosixPath", pathlib.PurePosixPath), ("PurePosixPath", pathlib.PurePosixPath),
+                      ("WindowsPath", pathlib.PureWindowsPath), ("PureWindowsPath", pathlib.PureWindowsPath)):
+        add("pathlib", name, cls, _path(cls))
+    for name in ("contiguous_format", "channels_last", "preserve_format", "strided", "sparse_coo"):
+        add("torch", name, GlobalRef("torch", name))
+    for name in TORCH_DTYPE_ATTRS:
+        add("torch", name, DType(name))
+    values.update(_storage_types())
+    for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        add("torch.distributed.checkpoint.metadata", cls, inert_class(f"torch.distributed.checkpoint.metadata.{cls}"))
+    add("torch.distributed.checkpoint.filesystem", "_StorageInfo",
+        inert_class("torch.distributed.checkpoint.filesystem._StorageInfo"))
+    calls: dict[int, tuple[Any, Rule]] = {}
+    for key, rule in rules.items():
+        calls[id(values[key])] = (values[key], rule)
+    return values, calls
+
+
+REBUILDERS = (rebuild_tensor_v2, rebuild_tensor_v3, rebuild_parameter)
+TENSOR_TYPES = ("torch.Tensor", "torch.nn.parameter.Parameter")
+
+# what per-rank torch.save files of FSDP1 LOCAL_STATE_DICT / sharded state dicts reference first
+_SHARDED_TENSOR_GLOBALS = {("torch._utils", "_rebuild_wrapper_subclass"),
+                           ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")}
+
+_TABLE: tuple[dict, dict] | None = None
+
+
+def table() -> tuple[dict[tuple[str, str], Any], dict[int, tuple[Any, Rule]]]:
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = build_table()
+    return _TABLE
+
+
+class RestrictedGrammar:
+    """ckptkit's grammar for one pickle of one file (see the module docstring)."""
+
+    def __init__(self, file: str, persistent_load: Callable[[Any], Any] | None) -> None:
+        self._file = file
+        self._persistent = persistent_load
+        values, calls = table()
+        self._values = values
+        self._extra = extra_allowed()
+        self._calls = dict(calls)  # grows by the stand-in classes this pickle calls
+        self._stand_ins: dict[int, type] = {}
+        self._names: dict[int, str] = {}
+        self._numpy: Any = None
+
+    # -- globals --
+    def find_class(self, module: str, name: str) -> Any:
+        key = (module, name)
+        value = self._extra.get(key, self._values.get(key, _MISSING))
+        if value is _MISSING and (module == "numpy" or module.startswith("numpy.")):
+            value = self._numpy_grammar().values.get(key, _MISSING)
+        if value is _MISSING:
+            if key in _SHARDED_TENSOR_GLOBALS:
+                raise UnsupportedError(
+                    f"{self._file}: holds torch.distributed ShardedTensor objects, i.e. an FSDP1 "
+                    f"LOCAL_STATE_DICT (flat parameters) or a per-rank sharded torch.save; flat parameters "
+                    f"cannot be unflattened without the model's FSDP wrapping, so load it into the wrapped "
+                    f"model and save again with StateDictType.SHARDED_STATE_DICT through "
+                    f"torch.distributed.checkpoint (or FULL_STATE_DICT); nothing was executed")
+            raise UnsafePickleError(f"refusing to unpickle global {quote(f'{module}.{name}')} (not on ckptkit's "
+                                    f"allowlist; nothing was executed)")
+        self._names.setdefault(id(value), f"{module}.{name}")
+        return value
+
+    def _numpy_grammar(self) -> Any:
+        if self._numpy is None:
+            from . import safeload_numpy
+
+            self._numpy = safeload_numpy.grammar()
+        return self._numpy
+
+    def _name(self, value: Any) -> str:
+        name = self._names.get(id(value))
+        if name is not None:
+            return name
+        if isinstance(value, type):
+            return getattr(value, "_qualname", value.__name__)
+        return f"a {type(value).__name__}"
+
+    def _refuse(self, func: Any, args: tuple, why: str) -> UnsafePickleError:
+        return UnsafePickleError(f"refusing to call {quote(self._name(func))} with {_kinds(args)}: {why} (outside "
+                                 f"ckptkit's grammar for it; nothing was executed)")
+
+    # -- calls --
+    def _rule(self, func: Any) -> Rule | None:
+        if isinstance(func, type) and issubclass(func, Inert):
+            rule = _inert(func)
+            self._calls[id(func)] = (func, rule)
+            return rule
+        if self._numpy is not None:
+            return self._numpy.rule(func)
+        return None
+
+    def call(self, func: Any, args: tuple) -> Any:
+        entry = self._calls.get(id(func))
+        rule = entry[1] if entry is not None and entry[0] is func else self._rule(func)
+        if rule is None:
+            raise UnsafePickleError(f"refusing to call {quote(self._name(func))} (not a callable of ckptkit's "
+                                    f"grammar; nothing was executed)")
+        try:
+            if rule is _rebuild_from_type_v2_marker:
+                return self._rebuild_from_type_v2(args)
+            return rule(args)
+        except Refused as exc:
+            raise self._refuse(func, args, str(exc)) from None
+
+    def _rebuild_from_type_v2(self, args: tuple) -> Any:
+        """torch._tensor._rebuild_from_type_v2(func, new_type, args, state): only our rebuilders."""
+        if len(args) != 4 or type(args[2]) is not tuple:
+            raise Refused("takes a rebuild function, a tensor class, its arguments and a state")
+        func, new_type, inner, _state = args
+        if func not in REBUILDERS or not (isinstance(new_type, type) and issubclass(new_type, Inert)
+                                          and new_type._qualname in TENSOR_TYPES):
+            raise UnsafePickleError("a tensor subclass was rebuilt through a function outside the allowlist "
+                                    f"({quote(self._name(func))} for {quote(self._name(new_type))})")
+        try:
+            return func(inner)
+        except Refused as exc:
+            raise self._refuse(func, inner, str(exc)) from None
+
+    def new(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+        if self._stand_ins.get(id(cls)) is cls and not kwargs:
+            return cls.__new__(cls)
+        if isinstance(cls, type) and issubclass(cls, Inert):
+            self._stand_ins[id(cls)] = cls
+            if kwargs and not all(type(k) is str for k in kwargs):
+                raise UnsafePickleError(f"refusing to create {quote(cls._qualname)} with keyword arguments "
+                                        f"that are not names")
+            return cls.__new__(cls)
+        if cls is complex:
+            try:
+                return _complex(args)
+            except Refused as exc:
+                raise self._refuse(cls, args, str(exc)) from None
+        raise UnsafePickleError(f"refusing to create an object of {quote(self._name(cls))} (NEWOBJ is allowed on "
+                                f"ckptkit's stand-ins only; nothing was executed)")
+
+    def build(self, obj: Any, state: Any) -> Any:
+        if isinstance(obj, Inert):
+            if type(state) is dict and not (state.keys() & _INERT_ATTRS) and set(map(type, state)) <= _STR:
+                obj.__dict__.update(state)
+            else:
+                apply_inert_state(obj, state)
+            return obj
+        if type(obj) is collections.OrderedDict:  # torch's state_dict() carries `_metadata`
+            obj.__dict__.update(_attrs(state, _ORDERED_DICT_ATTRS, "an OrderedDict"))
+            return obj
+        if isinstance(obj, Placeholder) and self._numpy is not None:
+            return self._numpy.build(obj, state)
+        raise UnsafePickleError(f"refusing to set the state of {quote(self._name(obj))} (BUILD is allowed on "
+                                f"ckptkit's stand-ins only; nothing was executed)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise FormatError("pickle references external storage outside a torch.save archive")
+        return self._persistent(pid)
+
+    atoms = frozenset({DType, GlobalRef, _StorageType})
+
+    def children(self, value: Any) -> Any:
+        if isinstance(value, Inert):
+            return [*value.__dict__.keys(), *value.__dict__.values()]
+        if type(value) is Size:
+            return value
+        return None
+
+    def is_costly(self, t: type) -> bool:
+        """May values of type `t` cost more than their inputs (see cost), or be placeholders?"""
+        if t in (range, bytes, bytearray, SmallTensor) or issubclass(t, Placeholder):
+            return True
+        return self._numpy is not None and self._numpy.is_costly(t)
+
+    def cost(self, value: Any) -> tuple[int, int]:
+        t = type(value)
+        if t is range:
+            return len(value), 0
+        if t is bytearray or t is bytes:
+            return 0, len(value)
+        if t is SmallTensor:
+            return 0, len(value.data)
+        if self._numpy is not None:
+            return self._numpy.cost(value)
+        return 0, 0
+
+
+_MISSING = object()
