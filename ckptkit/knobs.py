@@ -44,3 +44,28 @@ def parse_size(text: str | int) -> int:
         pass
     from .errors import UsageError
     raise UsageError(f"cannot read size {text!r} (use e.g. 5GB, 500MB, 2GiB)")
+
+# ---- the restricted unpickler (ckptkit.safeload): what one pickle may build ------------------------
+# Measured on a DCP .metadata of 100k tensors written by torch's dcp.save (23.6 MB): 2.6M objects
+# plus 2.6M memo entries, 0.8M values reached again through shared parts, nested 11 deep. A DeepSpeed
+# ZeRO-3 optimizer file of 20k parameters holds lists of 20k ints (a few thousand objects).
+# Objects: containers, strings and rebuilt values created, plus memo entries (each costs 50-150
+# bytes: the limit bounds a pickle's memory to about 1.5 GB, whatever its size).
+MAX_PICKLE_OBJECTS = int(os.environ.get("CKPTKIT_MAX_PICKLE_OBJECTS", 10_000_000))
+# Nesting depth of containers (ckptkit walks loaded values recursively: keep well under Python's
+# recursion limit of 1000 frames).
+MAX_PICKLE_DEPTH = int(os.environ.get("CKPTKIT_MAX_PICKLE_DEPTH", 100))
+# Expanded size beyond the pickle itself: the values a full walk of the result visits again because
+# a shared sub-object counts each time it is reached (text and byte strings weigh one per 64 bytes).
+MAX_PICKLE_EXPANDED = int(os.environ.get("CKPTKIT_MAX_PICKLE_EXPANDED", 20_000_000))
+# The largest single byte string or text a pickle may hold or build.
+MAX_PICKLE_BLOB = int(os.environ.get("CKPTKIT_MAX_PICKLE_BLOB", 256 << 20))
+# Bytes one pickle's rebuild calls may create beyond its own input (bytearray(n), tensors loaded
+# whole, numpy arrays).
+MAX_PICKLE_BUILT = int(os.environ.get("CKPTKIT_MAX_PICKLE_BUILT", 256 << 20))
+# Wall-clock time one pickle may take: this many seconds plus one per MB of pickle (a last line
+# against work that grows faster than the input, e.g. dictionary keys crafted to collide).
+MAX_PICKLE_SECONDS = float(os.environ.get("CKPTKIT_MAX_PICKLE_SECONDS", 30.0))
+# JSON read from a checkpoint or given as a config: nesting depth (safetensors headers, index files,
+# metadata values, DeepSpeed configs are a few levels deep).
+MAX_JSON_DEPTH = int(os.environ.get("CKPTKIT_MAX_JSON_DEPTH", 64))

@@ -9,12 +9,13 @@ bytes in memory, so that every step is checked before it allocates or calls:
   which allows it on ckptkit's own stand-ins only; INST, OBJ, extension codes and out-of-band
   buffers are refused;
 - declared lengths are checked against the bytes left before anything is sliced;
-- objects (containers, rebuilt values, memo entries) are counted; every value on the stack carries
-  its nesting depth; the expanded size (the values a walk of the result visits, a shared
-  sub-object counted each time it is reached) is bounded by the opcodes read plus, for every
-  memo GET of a container, the size of that container, computed once per object. A container
-  fetched from the memo is sealed: changing it afterwards is refused, so a size once computed
-  stays true (a container that would contain itself is refused by the same rule).
+- objects (containers, strings, rebuilt values, memo entries) are counted; every value on the
+  stack carries its nesting depth; the expanded size (the values a walk of the result visits, a
+  shared sub-object counted each time it is reached) is bounded: beyond the values the pickle
+  writes out itself, every memo GET of a container adds the size of that container (computed
+  once per object). A container fetched from the memo is sealed: changing it afterwards is
+  refused, so a size once computed stays true, and no value can contain itself;
+- the result is therefore acyclic, so Python's cycle collector is paused while the machine runs.
 
 Any limit hit is a FormatError naming the limit; anything outside the grammar an UnsafePickleError.
 The caller (safeload.restricted_loads) prefixes the file's name.
@@ -22,6 +23,7 @@ The caller (safeload.restricted_loads) prefixes the file's name.
 from __future__ import annotations
 
 import codecs
+import gc
 import struct
 import time
 from collections import Counter, OrderedDict
@@ -167,7 +169,7 @@ class Machine:
 
     def add_extra(self, n: int) -> None:
         self.extra += n
-        if len(self.data) + self.extra > self.limits.expanded:
+        if self.extra > self.limits.expanded:
             raise _limit(_EXPANDED, self.limits.expanded, "MAX_PICKLE_EXPANDED")
 
     def size_of(self, root: Any) -> tuple[int, int]:
@@ -177,7 +179,7 @@ class Machine:
         got = sizes.get(id(root))
         if got is not None:
             return got
-        limit = self.limits.expanded
+        limit = self.limits.expanded + len(self.data)
         children_of = self.grammar.children
         todo: list[tuple[Any, bool]] = [(root, False)]
         walking: set[int] = set()
@@ -378,12 +380,18 @@ class Machine:
 
     def run(self) -> Any:
         """Execute the pickle; the value STOP returns."""
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()  # millions of new containers, none in a cycle: the collector only costs time
         try:
             self._loop()
         except _Stop:
             pass
         except (IndexError, struct.error):
             raise FormatError("pickle is truncated (or an opcode's argument runs past its end)") from None
+        finally:
+            if collecting:
+                gc.enable()
         if self.pending:
             raise FormatError("pickle rebuilds a value (a numpy array or dtype) without its state")
         return self.stack[-1]

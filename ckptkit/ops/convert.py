@@ -22,10 +22,11 @@ from ..formats.safetensors.writer import OutTensor, write_safetensors
 from ..formats.torch_save.writer import write_torch_save
 from ..runner.stream import find_aliases
 from ..storage.output import OutputDir
-from .. import knobs
+from .. import knobs, safe_json
 from .options import RunOptions
 
 TORCH_FILE = "checkpoint.pt"
+MAX_CONFIG_BYTES = 16 << 20  # a DeepSpeed config is a few KB
 FROM_NAMES = {"torch": "torch_save"}  # --from names -> index formats
 
 
@@ -43,18 +44,21 @@ def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
     if path is None:
         if state.ds_config is not None and state.source.index.format == "deepspeed":
             # ZeRO -> ZeRO of another stage: the source's own config, with the target's stage
-            cfg = json.loads(json.dumps(state.ds_config))
+            try:
+                cfg = json.loads(json.dumps(state.ds_config))
+            except (TypeError, ValueError):  # a config pickled with values JSON cannot hold
+                raise UsageError(f"{state.source.path}: the ds_config stored in the checkpoint is not JSON data; "
+                                 f"pass --ds-config CONFIG.json") from None
             cfg.setdefault("zero_optimization", {})["stage"] = int(target[-1])
             return cfg
         raise UsageError(f"--to {target} needs --ds-config CONFIG.json: the DeepSpeed config the job will load "
                          f"with (stage, precision and sub_group_size decide the layout)")
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise UsageError(f"--ds-config {path}: cannot read it ({e.strerror})") from None
-    except ValueError as e:
-        raise UsageError(f"--ds-config {path}: not valid JSON ({e})") from None
+    cfg = safe_json.loads(raw, f"--ds-config {path}", "the config", UsageError, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(cfg, dict):
         raise UsageError(f"--ds-config {path}: expected a JSON object (a DeepSpeed config)")
     return cfg

@@ -3,13 +3,13 @@ any folder of *.safetensors. Headers are checked strictly (bounds, sizes, overla
 safetensors file carries no checksum: the header is all there is to trust."""
 from __future__ import annotations
 
-import json
 import math
 import struct
 from typing import Any
 
 from ...errors import FormatError, UnsupportedError, name_of, quote
 from ...index.dtypes import from_safetensors, itemsize
+from ...safe_json import loads as json_loads
 from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
 from ...storage.source import Source
 
@@ -29,10 +29,7 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
     (n,) = struct.unpack("<Q", source.read(rel, 0, 8))
     if n > MAX_HEADER or 8 + n > size:
         raise FormatError(f"{label}: header length {n} does not fit the file ({size} bytes)")
-    try:
-        header = json.loads(source.read(rel, 8, n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{label}: header is not valid JSON ({exc})") from None
+    header = json_loads(source.read(rel, 8, n), label, "header")
     if not isinstance(header, dict):
         raise FormatError(f"{label}: header is not a JSON object")
     buffer = size - 8 - n
@@ -84,10 +81,10 @@ def safetensors_files(source: Source) -> list[str]:
 
 def read_weight_map(source: Source) -> dict[str, str]:
     label = source.label(INDEX_NAME)
-    try:
-        doc = json.loads(source.read(INDEX_NAME, 0, source.size(INDEX_NAME)))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{label}: not valid JSON ({exc})") from None
+    size = source.size(INDEX_NAME)
+    if size > MAX_HEADER:
+        raise FormatError(f"{label}: {size:,} bytes is too large for a safetensors index")
+    doc = json_loads(source.read(INDEX_NAME, 0, size), label, "the index")
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise FormatError(f"{label}: has no weight_map of tensor name -> file")
@@ -143,10 +140,7 @@ def read_index(source: Source, files: list[str]) -> CheckpointIndex:
 
 
 def _json_field(meta: dict, key: str, label: str) -> dict:
-    try:
-        value = json.loads(meta[key])
-    except json.JSONDecodeError:
-        raise FormatError(f"{label}: __metadata__[{key!r}] is not valid JSON") from None
+    value = json_loads(meta[key], label, f"__metadata__[{key!r}]")
     if not isinstance(value, dict):
         raise FormatError(f"{label}: __metadata__[{key!r}] must be a JSON object")
     return value
