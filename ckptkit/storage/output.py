@@ -165,6 +165,7 @@ class OutputDir:
         symlink), and remove the old copy."""
         for root, _dirs, _files in os.walk(self.tmp):
             _fsync_dir(root)
+        self._refuse_existing()  # without --overwrite, only an empty folder is replaced
         try:
             if not os.path.lexists(self.path):
                 swap.rename_new(self.tmp, self.path)
@@ -181,6 +182,9 @@ class OutputDir:
                 swap.remove_entry(old)
         except FileExistsError:
             raise OutputError(f"{self.path}: something else created the output path while this run was writing; "
+                              f"nothing was replaced") from None
+        except OSError as exc:
+            raise OutputError(f"{self.path}: cannot put the finished output in place ({exc.strerror}); "
                               f"nothing was replaced") from None
         _fsync_dir(os.path.dirname(self.path))
 
