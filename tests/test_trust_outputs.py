@@ -593,3 +593,11 @@ def test_an_out_that_appears_during_a_plain_run_is_not_replaced(tmp_path):
             (out / "theirs").write_text("theirs")
     assert os.listdir(out) == ["theirs"]
     assert sorted(os.listdir(tmp_path)) == ["OUT"]
+
+
+@pytest.mark.slow
+def test_a_distributed_run_refuses_the_overlap_once_and_writes_nothing(src):
+    """--nproc 2 (torchrun): rank 0's check stops every rank; one sentence, nothing written."""
+    scene = Scene(src, out=src / "inside")
+    res = run_ckptkit("reshard", str(src), str(src / "inside"), "--to", "3", "--nproc", "2", timeout=180)
+    check_refused(res, str(src), str(src / "inside"), scene=scene)
