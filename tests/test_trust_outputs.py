@@ -367,6 +367,7 @@ def test_what_counts_as_stale(tmp_path):
         me: False,
         _dead_lock(): True,
         _lock_doc(_dead_pid(), host="another-host"): False,  # never judged from here
+        _lock_doc(_dead_pid(), host="evil\nerror: forged"): False,  # not a host name ckptkit writes
         _lock_doc(os.getpid(), start=1): True,               # the pid was reused by a later process
         _lock_doc(os.getpid(), boot="another-boot"): True,   # this machine rebooted since
         _lock_doc(os.getpid(), pidns="pid:[1]"): False,      # another container: not ours to judge
@@ -385,11 +386,13 @@ def test_what_counts_as_stale(tmp_path):
     (b"", ["empty", "remove it"]),
     (b"\x00garbage", ["cannot be judged", "remove it"]),
     (None, ["another-host", "another machine", "remove"]),
-], ids=["empty", "garbled", "other-host"])
+    (b"forged", ["cannot be judged", "remove it"]),
+], ids=["empty", "garbled", "other-host", "line-break-in-host"])
 def test_a_lock_that_cannot_be_judged_is_refused_and_kept(src, tmp_path, data, words):
     out = tmp_path / "work" / "OUT"
     lock = out.parent / ".OUT.ckptkit-lock"
     data = _lock_doc(_dead_pid(), host="another-host") if data is None else data
+    data = _lock_doc(_dead_pid(), host="evil\nerror: forged") if data == b"forged" else data
     lock.write_bytes(data)
     scene = Scene(src, out=out)
     res = _run("consolidate", src, out, "--overwrite")

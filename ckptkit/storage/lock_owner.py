@@ -97,7 +97,7 @@ def parse_owner(data: bytes) -> Owner:
     if not isinstance(doc, dict) or doc.get("ckptkit_lock") != 1:
         raise ValueError("it is not a ckptkit lock")
     pid, host = doc.get("pid"), doc.get("host")
-    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31 or not isinstance(host, str):
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31 or not _word(host):
         raise ValueError("it names no process")
     start = doc.get("start")
     return Owner(pid, host, _str_or_none(doc.get("boot")), _str_or_none(doc.get("pidns")),
@@ -105,8 +105,14 @@ def parse_owner(data: bytes) -> Owner:
                  _str_or_none(doc.get("token")))
 
 
+def _word(value: object) -> bool:
+    """A host name, boot id or token as ckptkit writes them: printable, no spaces, not long (a
+    lock is shown in error messages, so it may not carry line breaks or escapes)."""
+    return isinstance(value, str) and 0 < len(value) <= 255 and value.isprintable() and " " not in value
+
+
 def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+    return value if _word(value) else None
 
 
 DEAD, ALIVE, ELSEWHERE = "dead", "alive", "elsewhere"

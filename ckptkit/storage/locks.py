@@ -141,12 +141,17 @@ def remove_stale_lock(path: str) -> bool:
         os.close(fd)
 
 
-def _flock(fd: int) -> bool:
-    """An exclusive flock on fd without waiting; False when another process holds one."""
+def _flock(fd: int, strict: bool = False) -> bool:
+    """An exclusive flock on fd without waiting; False when another process holds one (or the
+    filesystem cannot lock, unless `strict`: then that OSError is raised)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
+        return False
+    except OSError:
+        if strict:
+            raise
         return False
 
 
@@ -266,7 +271,7 @@ def _take_over(lock_path: str, pending: str, out: str) -> bool:
         if refusal is not None:
             raise refusal
         try:
-            if not _flock(fd):
+            if not _flock(fd, strict=True):
                 return False
         except OSError as exc:
             raise OutputError(f"{out}: the lock {lock_path} was left by a run that is gone, but this filesystem "
