@@ -335,6 +335,20 @@ def test_out_in_a_read_only_folder(src, read_only_folder, cmd):
     assert "cannot write" in res.stderr
 
 
+@pytest.mark.parametrize("name", [".OUT.ckptkit-tmp-0123456789abcdef", ".OUT.ckptkit-old-0123456789abcdef",
+                                  "OUT.ckptkit-old-deadbeef"], ids=["tmp", "old", "legacy-old"])
+def test_a_source_named_like_a_leftover_is_never_swept(tmp_path, name):
+    """Reading from what looks like a dead run's temporary or aside copy: the sweep keeps it."""
+    work = tmp_path / "work"
+    source = work / name
+    shutil.copytree(DATA / "fsdp2_w2", source)
+    (work / ".OUT.ckptkit-lock").write_bytes(_dead_lock())
+    scene = Scene(source)
+    res = _run("reshard", source, work / "OUT", "--overwrite")
+    assert res.code == 0, res.detail()
+    assert scene.source_unchanged() and sorted(os.listdir(work)) == sorted(["OUT", name])
+
+
 # ---- locks: what counts as stale -----------------------------------------------------------------
 
 def _dead_pid() -> int:

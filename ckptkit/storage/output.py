@@ -25,7 +25,7 @@ from .. import interrupts
 from ..errors import OutputError
 from . import locks, swap
 from .locks import lock_is_stale, remove_stale_lock  # noqa: F401  (the Checkpointer's sweep)
-from .overlap import check_apart
+from .overlap import check_apart, relation
 
 if TYPE_CHECKING:
     from ..runner.distributed import Group
@@ -96,7 +96,7 @@ class OutputDir:
         except OSError as exc:
             raise OutputError(f"{self.path}: cannot take the lock {self._lock_path} ({exc.strerror})") from None
         try:
-            sweep_dead_runs(self.path, self.token)
+            sweep_dead_runs(self.path, self.token, keep=self.sources)
             self._refuse_existing()  # the sweep may have put back an OUT a killed run had moved away
             os.mkdir(self.tmp)
         except OSError as exc:
@@ -239,11 +239,12 @@ def recover(path: str) -> bool:
     return True
 
 
-def sweep_dead_runs(path: str, token: str) -> None:
+def sweep_dead_runs(path: str, token: str, keep: Sequence[str | None] = ()) -> None:
     """Remove what killed runs left next to output `path`: temporary folders, pending lock files
     and old copies whose token is not `token`. Call it only while holding OUT's lock: a live run
     holds the lock for as long as its temporary folder exists, so every other token is a dead
-    run's. An old copy a run moved away before it died is put back when OUT is missing."""
+    run's. An old copy a run moved away before it died is put back when OUT is missing. Nothing
+    that is or holds one of the sources in `keep` is touched (a user may read a leftover)."""
     parent, name = os.path.dirname(path), os.path.basename(path)
     ours = re.compile(rf"\.{re.escape(name)}(\.ckptkit-tmp-|\.ckptkit-old-|{re.escape(locks.LOCK_SUFFIX)}-)"
                       rf"([0-9a-f]+)")
@@ -259,6 +260,8 @@ def sweep_dead_runs(path: str, token: str) -> None:
             continue
         old = (match is not None and match.group(1) == OLD_MARK) or legacy_old.fullmatch(entry) is not None
         if match is None and not old:
+            continue
+        if any(src and relation(src, full) for src in keep):
             continue
         if old and not os.path.lexists(path):
             try:
