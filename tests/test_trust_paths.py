@@ -147,6 +147,18 @@ def test_follow_links_reads_a_link_out(tmp_path, pristine, monkeypatch):
         open_checkpoint(str(src), follow_links=False)
 
 
+def test_a_local_url_gets_the_same_checks(tmp_path):
+    """local:// is the local filesystem through fsspec: the same containment applies."""
+    src = copy(DCP, tmp_path / "ckpt")
+    (src / "__0_0.distcp").unlink()
+    (src / "__0_0.distcp").symlink_to("/etc/passwd")
+    out = tmp_path / "outs" / "OUT"
+    out.parent.mkdir()
+    scene = Scene(src, out)
+    run = run_ckptkit("consolidate", f"local://{src}", str(out), timeout=TIMEOUT)
+    check_refused(run, str(src / "__0_0.distcp"), "--follow-links", scene=scene)
+
+
 # ---- 2. DeepSpeed `latest` linked out, or hostile text in it ------------------------------------
 
 @pytest.mark.parametrize("cmd", COMMANDS)

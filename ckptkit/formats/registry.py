@@ -73,7 +73,7 @@ def _refuse_unfinished(path: str, source: Source) -> None:
 
 def _open_file(path: str, follow_links: bool | None) -> Opened:
     parent, name = _parent_and_name(path)
-    source = open_source(parent) if is_url(path) else open_source(parent, follow_links, only=name)
+    source = open_source(parent, follow_links, only=name)
     head = source.read(name, 0, min(8, source.size(name)))
     if head[:4] == ZIP_MAGIC:
         index = ts_reader.read_index(source, name)

@@ -180,8 +180,12 @@ def open_source(path: str, follow_links: bool | None = None, only: str | None = 
 
     Local sources keep reads inside the checkpoint (see storage.paths): `follow_links` allows links
     that leave it (default: CKPTKIT_FOLLOW_LINKS); `only` names the one file of a single-file
-    checkpoint in folder `path`, the only file that may then be read. URLs have no links."""
+    checkpoint in folder `path`, the only file that may then be read. Remote URLs have no links;
+    a URL of the local filesystem (local://) is read as the local path it names, with these checks."""
     if is_url(path):
+        local_path = _local_path_of(path)
+        if local_path is not None:
+            return open_source(local_path, follow_links, only)
         src = FsspecSource(path)
         if not src.exists(""):
             raise NotACheckpointError(f"{path}: no such file or folder")
@@ -190,6 +194,18 @@ def open_source(path: str, follow_links: bool | None = None, only: str | None = 
     if not os.path.exists(local.boundary.real):
         raise NotACheckpointError(f"{path}: no such file or folder")
     return local
+
+
+def _local_path_of(url: str) -> str | None:
+    """The path a URL names when fsspec maps it to the local filesystem (local://...), else None."""
+    try:
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs, base = fsspec.core.url_to_fs(url)
+    except Exception:  # unknown protocol or missing package: FsspecSource says which
+        return None
+    return base if isinstance(fs, LocalFileSystem) else None
 
 
 class RangeFile(io.RawIOBase):
