@@ -14,11 +14,15 @@ limit: no checkpoint can run code, and reading needs neither deepspeed nor torch
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import CkptkitError, FormatError, quote
 from .torch_types import DType
+
+
+_HASH_SALT = int.from_bytes(os.urandom(8), "little")
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,9 @@ class Inert:
 
     def __hash__(self) -> int:
         # by class and every hashable field: stand-ins are dict keys in DCP metadata (MetadataIndex),
-        # and a hash by class alone makes a dict of thousands of them quadratic
-        parts: list[Any] = [self._qualname]
+        # and a hash by class alone makes a dict of thousands of them quadratic; salted per process
+        # so that a pickle cannot craft thousands of keys with one hash (quadratic again)
+        parts: list[Any] = [_HASH_SALT, self._qualname]
         for name, value in self.__dict__.items():
             try:
                 parts.append((name, hash(value)))

@@ -13,6 +13,7 @@ UnsafePickleError naming the global.
 from __future__ import annotations
 
 import collections
+import math
 import pathlib
 from typing import Any, Callable
 
@@ -21,7 +22,8 @@ from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
 from .safeload import Inert, RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage, extra_allowed, inert_class
 from .safeload_vm import Placeholder, check_keys
-from .torch_types import DType, GlobalRef, Size, SmallTensor
+from .index.geometry import row_major_strides
+from .torch_types import MAX_STRIDED_BYTES, DType, GlobalRef, Size, SmallTensor
 
 Rule = Callable[[tuple], Any]
 
@@ -35,19 +37,24 @@ def _kinds(args: tuple) -> str:
 
 
 _INT = {int}
+_I64 = 1 << 63
+MAX_DIMS = 64
+MAX_STRIDED_ELEMENTS = 1 << 22  # a non-contiguous tensor loaded whole is copied element by element
+BYTEARRAY_SIZE = 1 << 20        # bytearray(n): pickles write a bytearray's content, never its size
 
 
 def _ints(value: Any, what: str, low: int = 0) -> tuple:
+    """A tuple (or list, or torch.Size) of at most 64 ints in [low, 2**63)."""
     t = type(value)
-    if (t is not tuple and t is not list and t is not Size) or (
-            value and (not set(map(type, value)) <= _INT or min(value) < low)):
-        raise Refused(f"{what} must be a tuple of integers")
+    if (t is not tuple and t is not list and t is not Size) or len(value) > MAX_DIMS or (
+            value and (not set(map(type, value)) <= _INT or min(value) < low or max(value) >= _I64)):
+        raise Refused(f"{what} must be a tuple of at most {MAX_DIMS} integers in [{low}, 2**63)")
     return value if t is tuple else tuple(value)
 
 
 def _int(value: Any, what: str, low: int = 0) -> int:
-    if type(value) is not int or value < low:
-        raise Refused(f"{what} must be an integer of at least {low}")
+    if type(value) is not int or not low <= value < _I64:
+        raise Refused(f"{what} must be an integer in [{low}, 2**63)")
     return value
 
 
@@ -63,7 +70,7 @@ def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: t
                  requires_grad: bool) -> Any:
     if not isinstance(dtype, DType):
         raise FormatError(f"tensor rebuilt with {quote(repr(dtype), 60)} where a dtype was expected")
-    if len(size) != len(stride) or len(size) > 64:
+    if len(size) != len(stride):
         raise FormatError(f"tensor rebuilt with size {list(size)[:8]} and stride {list(stride)[:8]} of different "
                           f"lengths")
     if isinstance(storage, StorageRef):
@@ -74,6 +81,11 @@ def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: t
         if (offset + span) * item > len(storage.data):
             raise FormatError(f"a tensor needs {(offset + span) * item} bytes of a storage that holds "
                               f"{len(storage.data)}")
+        numel = math.prod(size)
+        if numel > MAX_STRIDED_ELEMENTS and numel * item <= MAX_STRIDED_BYTES and not all(
+                n == 1 or st == want for n, st, want in zip(size, stride, row_major_strides(size))):
+            raise FormatError(f"a tensor stored as a strided view of {numel:,} elements (shape {list(size)[:8]}, "
+                              f"strides {list(stride)[:8]}) where a small value was expected")
         return SmallTensor.from_storage(dtype_name(dtype), storage.data, offset, size, stride)
     raise FormatError(f"tensor rebuilt from an unexpected storage object {type(storage).__name__}")
 
@@ -185,11 +197,11 @@ def _bytearray(args: tuple) -> bytearray:
         return bytearray()
     if len(args) == 1 and type(args[0]) is bytes:
         return bytearray(args[0])
-    if len(args) == 1 and type(args[0]) is int and 0 <= args[0] <= knobs.MAX_PICKLE_BLOB:
+    if len(args) == 1 and type(args[0]) is int and 0 <= args[0] <= BYTEARRAY_SIZE:
         return bytearray(args[0])
     if len(args) == 2 and type(args[0]) is str and args[1] in ("latin-1", "latin1"):
         return bytearray(_latin1(args[0]))
-    raise Refused(f"takes bytes, a latin-1 string or a size of at most {knobs.MAX_PICKLE_BLOB:,} bytes")
+    raise Refused(f"takes bytes, a latin-1 string or a size of at most {BYTEARRAY_SIZE:,} bytes")
 
 
 def _bytes(args: tuple) -> bytes:

@@ -106,7 +106,10 @@ def _build_array(state: Any) -> numpy.ndarray:
     if type(state) is not tuple or len(state) != 4 or type(state[2]) is not bool:
         raise FormatError("a numpy array has a state other than (version, shape, dtype, fortran, bytes)")
     shape, dtype, fortran, raw = state
-    return _array(raw, dtype, shape, fortran)
+    array = _array(raw, dtype, shape, fortran)
+    if not array.dtype.isnative:  # as numpy's own unpickling does: values kept, byte order native
+        array = array.astype(array.dtype.newbyteorder("="), order="K")
+    return array
 
 
 def _scalar(args: tuple) -> Any:
