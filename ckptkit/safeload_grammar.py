@@ -13,7 +13,6 @@ UnsafePickleError naming the global.
 from __future__ import annotations
 
 import collections
-import math
 import pathlib
 from typing import Any, Callable
 
@@ -22,8 +21,7 @@ from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
 from .safeload import Inert, RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage, extra_allowed, inert_class
 from .safeload_vm import Placeholder, check_keys
-from .index.geometry import row_major_strides
-from .torch_types import MAX_STRIDED_BYTES, DType, GlobalRef, Size, SmallTensor
+from .torch_types import DType, GlobalRef, Size, SmallTensor
 
 Rule = Callable[[tuple], Any]
 
@@ -39,7 +37,6 @@ def _kinds(args: tuple) -> str:
 _INT = {int}
 _I64 = 1 << 63
 MAX_DIMS = 64
-MAX_STRIDED_ELEMENTS = 1 << 22  # a non-contiguous tensor loaded whole is copied element by element
 BYTEARRAY_SIZE = 1 << 20        # bytearray(n): pickles write a bytearray's content, never its size
 
 
@@ -81,11 +78,6 @@ def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: t
         if (offset + span) * item > len(storage.data):
             raise FormatError(f"a tensor needs {(offset + span) * item} bytes of a storage that holds "
                               f"{len(storage.data)}")
-        numel = math.prod(size)
-        if numel > MAX_STRIDED_ELEMENTS and numel * item <= MAX_STRIDED_BYTES and not all(
-                n == 1 or st == want for n, st, want in zip(size, stride, row_major_strides(size))):
-            raise FormatError(f"a tensor stored as a strided view of {numel:,} elements (shape {list(size)[:8]}, "
-                              f"strides {list(stride)[:8]}) where a small value was expected")
         return SmallTensor.from_storage(dtype_name(dtype), storage.data, offset, size, stride)
     raise FormatError(f"tensor rebuilt from an unexpected storage object {type(storage).__name__}")
 
@@ -576,8 +568,9 @@ class RestrictedGrammar:
             return len(value), 0
         if t is bytearray or t is bytes:
             return 0, len(value)
-        if t is SmallTensor:
-            return 0, len(value.data)
+        if t is SmallTensor:  # a view's bytes are gathered when asked for: count what they will be
+            nbytes = getattr(value, "nbytes", None)
+            return 0, nbytes if type(nbytes) is int else len(value.data)
         if self._numpy is not None:
             return self._numpy.cost(value)
         return 0, 0
