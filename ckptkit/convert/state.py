@@ -10,6 +10,7 @@ values (a tied weight is a non-trainable tensor equal to a trainable one).
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,8 +256,8 @@ def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes:
     """Same bytes, read slab by slab and stopping at the first difference (a few elements first,
     so a frozen layer shaped like a trainable one costs almost nothing)."""
     head = Box((0,) * len(a.shape), tuple([1] * (len(a.shape) - 1) + [min(a.shape[-1], 64)])) if a.shape else None
-    boxes = ([head] if head is not None else []) + list(
-        geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))))
+    boxes = itertools.chain([head] if head is not None else [],  # slabs made as they are compared
+                            geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))))
     import torch
 
     for box in boxes:

@@ -7,6 +7,7 @@ coverage check only ever intersect boxes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .types import Box, FlatRange, Region
@@ -183,26 +184,54 @@ def coverage(shape: tuple[int, ...], regions: list[Region], max_report: int = 16
     return cov
 
 
-def split_rowmajor(box: Box, max_elems: int) -> list[Box]:
+def split_rowmajor(box: Box, max_elems: int) -> Iterator[Box]:
     """Split a box into sub-boxes, in order, each contiguous in the box's row-major layout.
 
     Used to stream a large target region in slabs that fit the memory budget while still
-    writing the output sequentially.
+    writing the output sequentially. A generator: the slabs of a tensor whose shape a file
+    declares are never held as one list (a [2**62, 4] tensor would need 2**62 of them).
     """
     max_elems = max(1, max_elems)
     if box.numel <= max_elems or box.ndim == 0:
-        return [box]
+        yield box
+        return
     inner = math.prod(box.sizes[1:])
     if inner <= max_elems:
         rows = max(1, max_elems // max(inner, 1))
-        out = []
         for r in range(0, box.sizes[0], rows):
             n = min(rows, box.sizes[0] - r)
-            out.append(Box((box.offsets[0] + r,) + box.offsets[1:], (n,) + box.sizes[1:]))
-        return out
-    out = []
+            yield Box((box.offsets[0] + r,) + box.offsets[1:], (n,) + box.sizes[1:])
+        return
+    row = Box(box.offsets[1:], box.sizes[1:])
     for r in range(box.sizes[0]):
-        row = Box(box.offsets[1:], box.sizes[1:])
         for sub in split_rowmajor(row, max_elems):
-            out.append(Box((box.offsets[0] + r,) + sub.offsets, (1,) + sub.sizes))
-    return out
+            yield Box((box.offsets[0] + r,) + sub.offsets, (1,) + sub.sizes)
+
+
+def strided_span(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """Elements from the first to the last element of a strided view (0 when it is empty)."""
+    if any(n == 0 for n in sizes):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
+
+
+def split_by_span(box: Box, strides: tuple[int, ...], max_span: int) -> Iterator[Box]:
+    """Split a box of a strided view into sub-boxes, in row-major order, whose strided span (the
+    elements from a sub-box's first to its last, holes included) is at most `max_span`: each
+    is then one bounded read of the storage. A lone element is never split further."""
+    max_span = max(1, max_span)
+    if box.ndim == 0 or box.numel == 0 or strided_span(box.sizes, strides) <= max_span:
+        yield box
+        return
+    rest_sizes, rest_strides = box.sizes[1:], strides[1:]
+    rest = strided_span(rest_sizes, rest_strides) if rest_sizes else 1
+    if rest <= max_span:
+        rows = max(1, (max_span - rest) // strides[0] + 1) if strides[0] else box.sizes[0]
+        for r in range(0, box.sizes[0], rows):
+            n = min(rows, box.sizes[0] - r)
+            yield Box((box.offsets[0] + r,) + box.offsets[1:], (n,) + rest_sizes)
+        return
+    row = Box(box.offsets[1:], rest_sizes)
+    for r in range(box.sizes[0]):
+        for sub in split_by_span(row, rest_strides, max_span):
+            yield Box((box.offsets[0] + r,) + sub.offsets, (1,) + sub.sizes)
