@@ -8,7 +8,6 @@ writes them back as torch's own objects, with the opcodes pickle writes for the 
 """
 from __future__ import annotations
 
-import itertools
 import math
 import struct
 from collections import OrderedDict
@@ -16,7 +15,7 @@ from typing import Any
 
 from .errors import FormatError, UnsupportedError
 from .index.dtypes import ALIASES, FLOATING, itemsize, torch_dtype
-from .index.geometry import row_major_strides
+from .index.geometry import row_major_strides, strided_span
 
 
 class Size(tuple):
@@ -95,45 +94,78 @@ class GlobalRef(_Interned):
         return (GlobalRef, (self.module, self.name))
 
 
-# the most bytes a non-contiguous tensor loaded whole from a pickle may expand to
+# the most bytes an overlapping view (a stride 0, or strides that revisit elements) may expand to:
+# beyond this its elements outnumber the bytes it was stored in, i.e. a bomb, not a checkpoint value
 MAX_STRIDED_BYTES = 64 << 20
 # struct codes of the dtypes SmallTensor.tolist() decodes
 _STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
            "int8": "b", "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
 
 
+def view_problem(offset: object, size: tuple, stride: tuple, item: int, storage_bytes: int) -> str | None:
+    """Why a view (storage offset, size, stride, in elements of `item` bytes) cannot be planned over
+    a storage of `storage_bytes`, or None when it can.
+
+    Every reader checks this wherever a view becomes bytes to read: negative or malformed numbers,
+    a view reaching past its storage, and an overlapping view (stride 0, ...) whose elements would
+    expand to more than MAX_STRIDED_BYTES and more than its storage (a small storage viewed as a
+    huge tensor)."""
+    if len(size) != len(stride):
+        return f"size {list(size)[:8]} and stride {list(stride)[:8]} have different lengths"
+    for name, values in (("storage offset", (offset,)), ("size", size), ("stride", stride)):
+        if any(type(v) is not int or v < 0 for v in values):
+            return f"its {name} {list(values)[:8]} is not made of non-negative integers"
+    numel = math.prod(size)
+    span = strided_span(size, stride)
+    end = (offset + span) * item if numel else 0
+    if end > storage_bytes:
+        return (f"its view (offset {offset}, size {list(size)[:8]}, stride {list(stride)[:8]}) needs bytes up to "
+                f"{end} of a storage that holds {storage_bytes}")
+    if numel > span and numel * item > max(MAX_STRIDED_BYTES, storage_bytes):
+        return (f"it is a strided view of {numel * item} bytes (size {list(size)[:8]}, stride {list(stride)[:8]}) "
+                f"over {span * item} stored bytes: overlapping elements expanding past {MAX_STRIDED_BYTES} bytes")
+    return None
+
+
 class SmallTensor:
     """A tensor loaded whole from a pickle (not a model weight): dtype name, shape, and its
-    elements' bytes in row-major order. Compares by value."""
+    elements' bytes in row-major order. Compares by value.
 
-    __slots__ = ("dtype", "shape", "data")
+    One read of a storage is shared by every view of it: a view built by `from_storage` keeps the
+    storage's bytes and its own offset and strides, and copies only its own elements, when `data`
+    is asked for (nothing is kept: 2,500 views of one storage hold that storage once)."""
+
+    __slots__ = ("dtype", "shape", "_data", "_view")
 
     def __init__(self, dtype: str, shape: tuple[int, ...], data: bytes) -> None:
-        self.dtype, self.shape, self.data = dtype, tuple(shape), bytes(data)
+        self.dtype, self.shape, self._data = dtype, tuple(shape), bytes(data)
+        self._view: tuple | None = None
 
     @classmethod
     def from_storage(cls, dtype: str, storage: bytes, offset: int, shape: tuple[int, ...],
                      stride: tuple[int, ...]) -> "SmallTensor":
-        """The view (offset, shape, stride in elements) of a storage's bytes, made contiguous."""
-        item = itemsize(dtype)
-        numel = math.prod(shape)
-        dense = row_major_strides(tuple(shape))
-        if numel == 0 or all(n == 1 or st == want for n, st, want in zip(shape, stride, dense)):
-            return cls(dtype, shape, storage[offset * item:(offset + numel) * item])
-        if numel * item > MAX_STRIDED_BYTES:  # a small storage viewed as a huge one (stride 0)
-            raise FormatError(f"a tensor stored as a strided view of {numel * item} bytes (shape {list(shape)}, "
-                              f"strides {list(stride)}) where a small value was expected")
-        view = memoryview(storage)
-        inner, inner_stride = shape[-1], stride[-1]
-        parts = []
-        for index in itertools.product(*(range(s) for s in shape[:-1])):
-            row = offset + sum(i * st for i, st in zip(index, stride))
-            if inner_stride == 1:
-                parts.append(view[row * item:(row + inner) * item])
-            else:
-                parts.extend(view[(row + j * inner_stride) * item:(row + j * inner_stride + 1) * item]
-                             for j in range(inner))
-        return cls(dtype, shape, b"".join(parts))
+        """The view (offset, shape, stride in elements) of a storage's bytes, sharing them."""
+        shape, stride = tuple(shape), tuple(stride)
+        problem = view_problem(offset, shape, stride, itemsize(dtype), len(storage))
+        if problem is not None:
+            raise FormatError(f"a tensor loaded whole is malformed: {problem}")
+        obj = cls.__new__(cls)
+        obj.dtype, obj.shape, obj._data = dtype, shape, None
+        obj._view = (storage, offset, stride)
+        return obj
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its elements (what `data` holds), known without building `data`."""
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def data(self) -> bytes:
+        """The elements' bytes in row-major order (built from the shared storage for a view)."""
+        if self._data is not None:
+            return self._data
+        storage, offset, stride = self._view  # type: ignore[misc]
+        return _gather(storage, offset, self.shape, stride, itemsize(self.dtype))
 
     @property
     def numel(self) -> int:
@@ -167,14 +199,35 @@ class SmallTensor:
         return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape)
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, SmallTensor) and (self.dtype, self.shape, self.data)
-                == (other.dtype, other.shape, other.data))
+        return (isinstance(other, SmallTensor) and (self.dtype, self.shape) == (other.dtype, other.shape)
+                and self.data == other.data)
 
     def __hash__(self) -> int:
         return hash((self.dtype, self.shape, self.data))
 
     def __repr__(self) -> str:
-        return f"SmallTensor({self.dtype}, {list(self.shape)}, {self.data.hex()[:32]})"
+        head = self.data[:16] if self.nbytes <= 1 << 20 else b""
+        return f"SmallTensor({self.dtype}, {list(self.shape)}, {head.hex()})"
+
+
+def _gather(storage: bytes, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
+            item: int) -> bytes:
+    """Row-major bytes of a strided view of `storage` (elements of `item` bytes)."""
+    numel = math.prod(shape)
+    dense = row_major_strides(shape)
+    if numel == 0:
+        return b""
+    if all(n == 1 or st == want for n, st, want in zip(shape, stride, dense)):
+        if offset == 0 and numel * item == len(storage) and type(storage) is bytes:
+            return storage  # the whole storage: no copy
+        return bytes(memoryview(storage)[offset * item:(offset + numel) * item])
+    import numpy  # a strided gather in one C loop (no torch needed)
+    from numpy.lib.stride_tricks import as_strided
+
+    raw = numpy.frombuffer(storage, dtype=numpy.uint8)
+    elements = as_strided(raw[offset * item:], shape=(*shape, item), strides=(*(st * item for st in stride), 1),
+                          writeable=False)
+    return elements.tobytes()
 
 
 def realize(value: Any) -> Any:

@@ -268,10 +268,9 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
                                       f"expected the padded partition size {ps}")
                 _flat_pieces(placed, rank * ps, expected, mloc, itemsize(mdtype),
                              moments[moment])
-        step = base0["state"].get(g, {}).get("step")
+        step = materialize(base0["state"].get(g, {}).get("step"), archives[first])  # once, shared by the names
         for name, _ in names:
-            index.add_object(ObjectEntry(f"optim.state.{name}.step", materialize(step, archives[first]),
-                                         path=("optim", "state", name, "step")))
+            index.add_object(ObjectEntry(f"optim.state.{name}.step", step, path=("optim", "state", name, "step")))
     for name, pieces in masters.items():
         shape = shapes_by_name[name]
         index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, pieces, path=("model", name),
@@ -349,10 +348,9 @@ def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
                         target.setdefault(name, []).append(
                             Piece(FlatRange(start, length), Location(l.file, l.offset + pos * 4, length * 4)))
                 pos += slice_len
-        step = inner0["state"].get(i, {}).get("step")
+        step = materialize(inner0["state"].get(i, {}).get("step"), archives[first])  # once, shared by the names
         for name, _ in names:
-            index.add_object(ObjectEntry(f"optim.state.{name}.step", materialize(step, archives[first]),
-                                         path=("optim", "state", name, "step")))
+            index.add_object(ObjectEntry(f"optim.state.{name}.step", step, path=("optim", "state", name, "step")))
     for name, shape in shapes_by_name.items():
         index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, masters.get(name, []),
                                      path=("model", name), attrs={"ds_role": "fp32_master"}))
@@ -372,11 +370,11 @@ def _param_groups(index: CheckpointIndex, groups_meta: list, names: list[list[st
 
 
 def _objects(index: CheckpointIndex, info: ZeroInfo, archive: Archive, m0: dict, o0: dict) -> None:
-    for key, value in m0.items():
-        if key in STRUCTURAL_KEYS:
-            continue
+    items = [(key, value) for key, value in m0.items() if key not in STRUCTURAL_KEYS]
+    values = materialize([value for _, value in items], archive)  # one shared read per storage for them all
+    for (key, _), value in zip(items, values):
         container = "ds" if key in DS_KEYS else "client"
-        index.add_object(ObjectEntry(f"{container}.{key}", materialize(value, archive), path=(container, key)))
+        index.add_object(ObjectEntry(f"{container}.{key}", value, path=(container, key)))
     osd = o0["optimizer_state_dict"]
     for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
         if key in osd:

@@ -4,10 +4,17 @@ storages in data/<key>.
 We parse the zip with the standard library over exact byte ranges, unpickle data.pkl with the
 restricted unpickler, and describe each tensor as a byte range of its storage member, so a
 tensor's bytes can be read later with one positional read and no torch.load.
+
+Every size and offset the zip directory or the pickle declares is checked before anything is
+read or allocated: members are stored (never compressed), lie inside the archive's byte range
+before its central directory, do not overlap, and their local headers agree with the directory;
+a tensor's view (offset, size, stride) lies inside its storage member's data, so a piece never
+reads zip headers or a neighbour's bytes.
 """
 from __future__ import annotations
 
 import io
+import math
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -15,10 +22,12 @@ from typing import Any
 
 from ...errors import CkptkitError, FormatError
 from ...index.dtypes import dtype_name
-from ...index.geometry import row_major_strides
+from ...index.geometry import row_major_strides, strided_span
 from ...index.types import IntegrityCheck, Location
 from ...safeload import RawStorage, StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
 from ...storage.source import RangeFile, Source
+from ...runner import limits
+from ...torch_types import SmallTensor, view_problem
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -38,6 +47,8 @@ class Archive:
     file: str
     prefix: str
     members: dict[str, Member]
+    values_built: int = 0  # bytes of the tensors load_values built from this archive so far
+    values_read: int = 0   # bytes load_values read for them
 
     @property
     def label(self) -> str:
@@ -77,27 +88,72 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
             OverflowError) as exc:  # a damaged directory surfaces as any of these (names: UnicodeDecodeError)
         raise FormatError(f"{label}: damaged torch.save archive at offset {offset} "
                           f"({type(exc).__name__}: {str(exc)[:120]})") from None
-    members: dict[str, Member] = {}
-    for info in infos:
-        if info.header_offset < 0 or info.compress_size < 0:
-            raise FormatError(f"{label}: zip member {info.filename} has a damaged directory entry")
-        if info.header_offset + 30 > length:
-            raise FormatError(f"{label}: zip member {info.filename} starts past the end of the archive")
-        local = source.read(rel, offset + info.header_offset, 30)
-        if local[:4] != ZIP_MAGIC:
-            raise FormatError(f"{label}: zip member {info.filename} has a damaged local header")
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        data_offset = info.header_offset + 30 + name_len + extra_len
-        if data_offset + info.compress_size > length:
-            raise FormatError(f"{label}: zip member {info.filename} runs past the end of the archive "
-                              f"(truncated file?)")
-        members[info.filename] = Member(info.filename, offset + data_offset, info.file_size,
-                                        info.CRC, info.compress_type != zipfile.ZIP_STORED)
+    members = _members(source, rel, offset, length, label, infos, zf.start_dir)
     pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
         raise FormatError(f"{label}: torch.save archive must hold exactly one <root>/data.pkl, found {len(pkls)}")
     prefix = pkls[0][: -len("/data.pkl")]
     return Archive(source, rel, prefix, members)
+
+
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
+_DATA_DESCRIPTOR = 0x08  # general purpose flag bit 3: sizes and CRC follow the data
+_ENCRYPTED = 0x01
+_UTF8 = 0x800  # names are UTF-8 (else code page 437)
+
+
+def _members(source: Source, rel: str, offset: int, length: int, label: str, infos: list[zipfile.ZipInfo],
+             start_dir: int) -> dict[str, Member]:
+    """The members the central directory lists, each checked before any of its bytes is used:
+    stored, sizes that agree (directory, local header), data inside [0, start_dir) of the
+    archive, no two members overlapping, no name twice."""
+    members: dict[str, Member] = {}
+    spans: list[tuple[int, int, str]] = []
+    if not 0 <= start_dir <= length:
+        raise FormatError(f"{label}: the zip directory starts at byte {start_dir}, outside the archive's "
+                          f"{length} bytes")
+    for info in infos:
+        name = info.filename
+        what = f"{label}: zip member {name}"
+        if name in members:
+            raise FormatError(f"{what} is listed twice in the zip directory")
+        if info.flag_bits & _ENCRYPTED:
+            raise FormatError(f"{what} is encrypted; torch.save never encrypts")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise FormatError(f"{what} is compressed (zip method {info.compress_type}); torch.save stores "
+                              f"members uncompressed")
+        if info.compress_size != info.file_size:
+            raise FormatError(f"{what} is stored, but the zip directory declares {info.compress_size} stored and "
+                              f"{info.file_size} uncompressed bytes")
+        if info.header_offset < 0 or info.file_size < 0:
+            raise FormatError(f"{what} has a damaged directory entry")
+        raw_name = info.orig_filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437", errors="replace")
+        if info.header_offset + _LOCAL.size + len(raw_name) > start_dir:
+            raise FormatError(f"{what} starts at byte {info.header_offset}, past the end of the archive's data "
+                              f"({start_dir} bytes before the zip directory)")
+        head = source.read(rel, offset + info.header_offset, _LOCAL.size + len(raw_name))
+        magic, _version, flags, method, _time, _date, crc, csize, usize, name_len, extra_len = \
+            _LOCAL.unpack(head[:_LOCAL.size])
+        if magic != ZIP_MAGIC:
+            raise FormatError(f"{what} has a damaged local header")
+        if method != info.compress_type or head[_LOCAL.size:] != raw_name or name_len != len(raw_name):
+            raise FormatError(f"{what}: its local header disagrees with the zip directory (method or name)")
+        if not flags & _DATA_DESCRIPTOR and 0xFFFFFFFF not in (csize, usize) and \
+                (csize, usize, crc) != (info.compress_size, info.file_size, info.CRC):
+            raise FormatError(f"{what}: its local header declares {usize} bytes (CRC {crc:08x}), the zip "
+                              f"directory {info.file_size} (CRC {info.CRC:08x})")
+        data_offset = info.header_offset + _LOCAL.size + name_len + extra_len
+        if data_offset + info.file_size > start_dir:
+            raise FormatError(f"{what} runs past the end of the archive's data: {info.file_size} bytes at byte "
+                              f"{data_offset}, the zip directory starts at byte {start_dir} (truncated file?)")
+        spans.append((info.header_offset, data_offset + info.file_size, name))
+        members[name] = Member(name, offset + data_offset, info.file_size, info.CRC, False)
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise FormatError(f"{label}: zip members {first} and {second} overlap (a member's bytes would "
+                              f"be read as another's header or data)")
+    return members
 
 
 def _read_member(archive: Archive, name: str) -> bytes:
@@ -110,15 +166,15 @@ def _read_member(archive: Archive, name: str) -> bytes:
 
 
 def load_structure(archive: Archive, eager: bool = False) -> Any:
-    """Unpickle data.pkl. Lazy: tensors become TensorRefs; eager: SmallTensors holding their
-    bytes (small values only)."""
+    """Unpickle data.pkl. Lazy: tensors become TensorRefs; eager: SmallTensors over their
+    storage's bytes, read once per storage and shared by its views (small values only)."""
     loaded: dict[str, Any] = {}
 
     def persistent_load(pid: Any) -> Any:
         key, dtype, numel = storage_pid(pid, archive.label)
         member = archive.storage_member(key)
         nbytes = numel * dtype.itemsize
-        if member.size < nbytes:
+        if numel < 0 or member.size < nbytes:
             raise FormatError(f"{archive.label}: storage {key} holds {member.size} bytes, "
                               f"the pickle expects {nbytes}")
         if not eager:
@@ -128,14 +184,15 @@ def load_structure(archive: Archive, eager: bool = False) -> Any:
         return typed_storage(loaded[key], dtype)
 
     data = _read_member(archive, f"{archive.prefix}/data.pkl")
-    return restricted_loads(data, archive.label, persistent_load)
+    value = restricted_loads(data, archive.label, persistent_load)
+    if eager:  # views share their storage's bytes; what they would copy is counted here
+        _check_whole(archive.label, whole_bytes(value))
+    return value
 
 
 def tensor_span_elems(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements from the first to the last element of a strided view (0 when empty)."""
-    if any(s == 0 for s in size):
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    return strided_span(tuple(size), tuple(stride))
 
 
 def is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -148,35 +205,172 @@ def is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def tensor_location(archive: Archive, ref: TensorRef, what: str) -> tuple[str, Location]:
-    """The dtype name and byte location of a lazily described tensor, bounds-checked."""
+    """The dtype name and byte location of a lazily described tensor, checked against its storage:
+    a view that is malformed (negative offset, ...), reaches past its storage or expands a few
+    stored bytes into a huge tensor is refused, so the piece's bytes always lie inside its storage
+    member's data (never the zip headers before it or the member after it)."""
     member = archive.storage_member(ref.storage.key)
     item = ref.dtype.itemsize
-    if any(st < 0 for st in ref.stride):
-        raise FormatError(f"{archive.label}: tensor {what} has negative strides")
-    span = tensor_span_elems(ref.size, ref.stride)
-    start = ref.storage_offset * item
-    if start + span * item > member.size:
-        raise FormatError(f"{archive.label}: tensor {what} needs bytes up to {start + span * item} "
-                          f"of storage {ref.storage.key}, which holds {member.size}")
+    storage_bytes = min(member.size, ref.storage.numel * ref.storage.dtype.itemsize)
+    problem = view_problem(ref.storage_offset, tuple(ref.size), tuple(ref.stride), item, storage_bytes)
+    if problem is not None:
+        raise FormatError(f"{archive.label}: tensor {what} of storage {ref.storage.key}: {problem}")
+    span = strided_span(tuple(ref.size), tuple(ref.stride))
+    start, length = ref.storage_offset * item, span * item
+    if not (0 <= start and start + length <= member.size):  # view_problem guarantees it; never read headers
+        raise FormatError(f"{archive.label}: tensor {what} lies outside its storage member {member.name}")
     stride = None if is_contiguous(ref.size, ref.stride) else tuple(ref.stride)
-    return dtype_name(ref.dtype), Location(archive.file, member.data_offset + start, span * item,
-                                          stride=stride)
+    return dtype_name(ref.dtype), Location(archive.file, member.data_offset + start, length, stride=stride)
 
 
-def _open_bytes(data: bytes | bytearray, label: str) -> Archive:
+def load_values(archive: Archive, value: Any) -> Any:
+    """`value` (a non-tensor value of a lazily loaded archive: a step, a tuple of tensors, ...)
+    with its TensorRefs replaced by SmallTensors.
+
+    Each storage is read once per call, only the byte range its views need, and shared by them
+    (pass every value of an archive in one call); the views' sizes, summed over every call for
+    this archive, may not exceed limits.value_bytes() (2,500 views of one 1 MB storage would
+    otherwise become 2.5 GB of copies), nor the bytes read the file's size."""
+    refs: list[tuple[TensorRef, str, Location]] = []
+    _collect(archive, value, refs, set())
+    if not refs:
+        return value
+    ranges: dict[str, tuple[int, int]] = {}
+    for ref, _, loc in refs:
+        lo, hi = ranges.get(ref.storage.key, (loc.offset, loc.offset + loc.length))
+        ranges[ref.storage.key] = (min(lo, loc.offset), max(hi, loc.offset + loc.length))
+    archive.values_built += sum(math.prod(ref.size) * ref.dtype.itemsize for ref, _, _ in refs)
+    archive.values_read += sum(hi - lo for lo, hi in ranges.values())
+    _check_whole(archive.label, archive.values_built)
+    if archive.values_read > max(1 << 20, archive.source.size(archive.file)):
+        raise FormatError(f"{archive.label}: its values would read {archive.values_read} bytes, more than the "
+                          f"file holds (the same storage bytes over and over)")
+    reads = {key: (lo, archive.source.read(archive.file, lo, hi - lo)) for key, (lo, hi) in ranges.items()}
+    built: dict[int, SmallTensor] = {}
+    for ref, dtype, loc in refs:
+        lo, raw = reads[ref.storage.key]
+        item = ref.dtype.itemsize
+        stride = loc.stride if loc.stride is not None else row_major_strides(tuple(ref.size))
+        built[id(ref)] = SmallTensor.from_storage(dtype, raw, (loc.offset - lo) // item, tuple(ref.size), stride) \
+            if (loc.offset - lo) % item == 0 else _unaligned(dtype, raw, loc.offset - lo, ref, stride)
+    return _replace(value, built)
+
+
+def _check_whole(label: str, nbytes: int) -> None:
+    """Tensors loaded whole from one archive (counted per view: each is copied where it is used,
+    re-pickled by convert, ...) must fit the share of the memory budget a value may take."""
+    cap = limits.value_bytes()
+    if nbytes > cap:
+        raise FormatError(f"{label}: its values hold tensors loaded whole of {nbytes} bytes in all (every view "
+                          f"of a shared storage counted), more than a quarter of the memory budget ({cap} bytes); "
+                          f"raise --memory-budget if this is expected")
+
+
+def whole_bytes(value: Any) -> int:
+    """Bytes of the distinct SmallTensors in a loaded value (each view its own), walking
+    containers and stand-ins' state without recursion."""
+    total, stack, seen = 0, [value], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (str, bytes, bytearray, int, float, bool)) or v is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, SmallTensor):
+            total += v.nbytes
+        elif isinstance(v, (dict, list, tuple, set, frozenset)) or hasattr(v, "__dict__"):
+            if isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, (list, tuple, set, frozenset)):
+                stack.extend(v)
+            else:
+                stack.extend(vars(v).values())
+    return total
+
+
+def _unaligned(dtype: str, raw: bytes, start: int, ref: TensorRef, stride: tuple[int, ...]) -> SmallTensor:
+    """A view whose first byte is not on an element boundary of the shared read (views of one
+    storage with different dtypes): its own bytes, sliced once."""
+    span = strided_span(tuple(ref.size), tuple(stride)) * ref.dtype.itemsize
+    return SmallTensor.from_storage(dtype, raw[start:start + span], 0, tuple(ref.size), stride)
+
+
+def _collect(archive: Archive, value: Any, out: list, seen: set) -> None:
+    """The distinct TensorRefs nested in `value`, located (checked) in the archive."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if not isinstance(v, (TensorRef, dict, list, tuple)) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, TensorRef):
+            dtype, loc = tensor_location(archive, v, "nested tensor")
+            out.append((v, dtype, loc))
+        else:
+            stack.extend(reversed(list(v.values() if isinstance(v, dict) else v)))
+
+
+def _replace(value: Any, built: dict[int, SmallTensor]) -> Any:
+    if isinstance(value, TensorRef):
+        return built[id(value)]
+    if isinstance(value, dict):
+        return type(value)((k, _replace(v, built)) for k, v in value.items()) if type(value) is not dict \
+            else {k: _replace(v, built) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace(v, built) for v in value]
+    if type(value) is tuple:
+        return tuple(_replace(v, built) for v in value)
+    return value
+
+
+# ---- archives held in memory or decoded from a compressed DCP item --------------------------
+
+CRC_WINDOW = 1 << 20
+
+
+def check_crcs(archive: Archive) -> None:
+    """Recompute every member's CRC32 (the zstd frame of a DCP item carries no checksum of its
+    own), reading through the archive's source in bounded windows, members in file order."""
     from ...storage.checksum import crc32
 
-    archive = open_archive(_BytesSource(data, label), "")
-    view = memoryview(data)
-    for m in archive.members.values():  # in memory already: checking costs one fast pass
-        if not m.compressed and crc32(view[m.data_offset:m.data_offset + m.size]) & 0xFFFFFFFF != m.crc32:
-            raise FormatError(f"{label}: damaged item: zip member {m.name} fails its CRC32 check")
+    view = getattr(archive.source, "view", None)
+    buf = bytearray(min(CRC_WINDOW, max((m.size for m in archive.members.values()), default=0)))
+    for m in sorted(archive.members.values(), key=lambda m: m.data_offset):
+        crc, pos, end = 0, m.data_offset, m.data_offset + m.size
+        while pos < end:
+            n = min(len(buf), end - pos)
+            if view is not None:
+                chunk = view(pos, n)
+            else:
+                chunk = memoryview(buf)[:n]
+                archive.source.readinto(archive.file, pos, chunk)
+            crc = crc32(chunk, crc)
+            pos += n
+        if crc & 0xFFFFFFFF != m.crc32:
+            raise FormatError(f"{archive.label}: damaged item: zip member {m.name} fails its CRC32 check")
+
+
+def open_item(source: Any, label: str) -> Archive:
+    """A torch.save archive that is a whole Source of its own (bytes in memory, or a decoded
+    item streamed in windows), its CRC32s checked."""
+    archive = open_archive(source, "")
+    check_crcs(archive)
     return archive
 
 
 def load_bytes_archive(data: bytes, label: str) -> Any:
     """Eagerly load a torch.save archive held in memory (a decompressed DCP value item)."""
-    return load_structure(_open_bytes(data, label), eager=True)
+    return load_structure(open_item(BytesSource(data, label), label), eager=True)
+
+
+def item_tensor(archive: Archive, what: str) -> tuple[TensorRef, str, Location] | None:
+    """The tensor an item's archive stores: its reference, dtype name and location inside the
+    archive's source (checked like any view); None if it holds something else."""
+    ref = load_structure(archive, eager=False)
+    if not isinstance(ref, TensorRef):
+        return None
+    dtype, loc = tensor_location(archive, ref, what)
+    return ref, dtype, loc
 
 
 def load_bytes_tensor(data: bytearray, label: str) -> Any:
@@ -186,21 +380,20 @@ def load_bytes_tensor(data: bytearray, label: str) -> Any:
 
     from ...index.dtypes import torch_dtype
 
-    archive = _open_bytes(data, label)
-    ref = load_structure(archive, eager=False)
-    if not isinstance(ref, TensorRef):
+    found = item_tensor(open_item(BytesSource(data, label), label), "item")
+    if found is None:
         return None
-    dtype, loc = tensor_location(archive, ref, "item")
+    ref, dtype, loc = found
     tdtype = torch_dtype(dtype)
     flat = torch.frombuffer(data, dtype=tdtype, count=loc.length // tdtype.itemsize, offset=loc.offset) \
         if loc.length else torch.empty(0, dtype=tdtype)
     return flat.as_strided(tuple(ref.size), loc.stride or row_major_strides(tuple(ref.size)))
 
 
-class _BytesSource:
+class BytesSource:
     """A Source over bytes in memory."""
 
-    def __init__(self, data: bytes, label: str) -> None:
+    def __init__(self, data: bytes | bytearray, label: str) -> None:
         self.root = label
         self._data = memoryview(data)
 
@@ -210,13 +403,16 @@ class _BytesSource:
     def size(self, rel: str) -> int:
         return len(self._data)
 
-    def read(self, rel: str, offset: int, length: int) -> bytes:
-        if offset + length > len(self._data):
+    def view(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or length < 0 or offset + length > len(self._data):
             raise FormatError(f"{self.root}: data ends before byte {offset + length}")
-        return bytes(self._data[offset:offset + length])
+        return self._data[offset:offset + length]
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        return bytes(self.view(offset, length))
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
-        buf[:] = self.read(rel, offset, len(buf))
+        buf[:] = self.view(offset, len(buf))
 
     def exists(self, rel: str) -> bool:
         return True

@@ -10,13 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import FormatError
-from ...index import geometry
 from ...index.flatten import flatten, key_of
 from ...index.types import Box, CheckpointIndex, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
-from ...torch_types import SmallTensor
-from .archive import Archive, open_archive, load_structure, tensor_location
+from .archive import Archive, load_structure, load_values, open_archive, tensor_location
 
 FORMAT = "torch_save"
 
@@ -44,6 +42,7 @@ def add_structure(index: CheckpointIndex, archive: Archive, structure: Any, pref
     else:
         raise FormatError(f"{archive.label}: expected a state dict (a mapping) at the top level, "
                           f"found {type(structure).__name__}")
+    values: list[tuple[tuple, Any]] = []
     for path, value in leaves:
         key = key_of(path)
         if isinstance(value, TensorRef):
@@ -51,23 +50,14 @@ def add_structure(index: CheckpointIndex, archive: Archive, structure: Any, pref
             index.add_tensor(TensorEntry(key, dtype, tuple(value.size),
                                          [Piece(Box.whole(tuple(value.size)), loc)], path=path))
         else:
-            index.add_object(ObjectEntry(key, materialize(value, archive), path=path))
+            values.append((path, value))
+    loaded = materialize([v for _, v in values], archive)  # one shared read per storage for them all
+    for (path, _), value in zip(values, loaded):
+        index.add_object(ObjectEntry(key_of(path), value, path=path))
 
 
 def materialize(value: Any, archive: Archive) -> Any:
     """Replace TensorRefs nested in a non-tensor value (a step, a tuple of tensors, ...) by
-    SmallTensors holding their bytes (ObjectEntry.value gives them as torch tensors)."""
-    if isinstance(value, TensorRef):
-        dtype, loc = tensor_location(archive, value, "nested tensor")
-        raw = archive.source.read(loc.file, loc.offset, loc.length)
-        size = tuple(value.size)
-        stride = loc.stride if loc.stride is not None else geometry.row_major_strides(size)
-        return SmallTensor.from_storage(dtype, raw, 0, size, stride)
-    if isinstance(value, dict):
-        return type(value)((k, materialize(v, archive)) for k, v in value.items()) if type(value) is not dict \
-            else {k: materialize(v, archive) for k, v in value.items()}
-    if isinstance(value, list):
-        return [materialize(v, archive) for v in value]
-    if type(value) is tuple:
-        return tuple(materialize(v, archive) for v in value)
-    return value
+    SmallTensors over their bytes (ObjectEntry.value gives them as torch tensors); views of one
+    storage share one read of it (archive.load_values)."""
+    return load_values(archive, value)
