@@ -98,7 +98,7 @@ def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
         if crc != check.crc32:
             problems.append(f"{source.label(check.file)}: {check.what} at byte {check.offset} fails its CRC "
                             f"(stored {check.crc32:08x}, computed {crc:08x}): the bytes were altered")
-    fetcher = Fetcher(source, index=index)
+    fetcher = Fetcher(source, index=index, memory_budget=options.memory_budget)
     for key, t in index.tensors.items():
         if t.attrs.get("alias_of") or t.numel == 0:
             continue

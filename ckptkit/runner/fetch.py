@@ -2,14 +2,19 @@
 
 `Fetcher.fetch(entry, box)` assembles a contiguous tensor for `box` from whichever pieces
 overlap it: for each overlap it reads only the byte span that holds those elements (one
-positional read), views it with the piece's strides and copies it into place.
+positional read), views it with the piece's strides and copies it into place. A span larger than
+a window of the memory budget (a strided piece, a transposed tensor) is read in windows, in the
+storage's own order. Compressed items are decoded within bounds (runner/codecs): held whole when
+small, streamed through windows when larger than the budget allows.
 """
 from __future__ import annotations
 
 import math
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .. import interrupts
 from ..errors import FormatError
@@ -20,7 +25,8 @@ from ..index.virtual import INLINE, REF, ZEROS
 from ..storage import kernel_copy
 from ..storage.source import Source
 from ..torch_types import SmallTensor
-from . import codecs
+from .. import knobs
+from . import codecs, limits
 
 if TYPE_CHECKING:
     import torch
@@ -28,13 +34,29 @@ else:
     from ..lazy_torch import torch
 
 
-class Fetcher:
-    """Reads tensor regions from one source. Thread-safe; caches a few decoded items."""
+@dataclass
+class _Decoded:
+    """A decoded compressed item: its tensor in memory, or the streamed item with the tensor's
+    place in it (byte offset, strides)."""
 
-    def __init__(self, source: Source, cache_items: int = 4, index: CheckpointIndex | None = None) -> None:
+    nbytes: int
+    tensor: "torch.Tensor | None" = None
+    stream: Any = None
+    offset: int = 0
+    strides: tuple[int, ...] = ()
+
+
+class Fetcher:
+    """Reads tensor regions from one source. Thread-safe; caches a few decoded items (within a
+    quarter of the memory budget)."""
+
+    def __init__(self, source: Source, cache_items: int = 4, index: CheckpointIndex | None = None,
+                 memory_budget: int | None = None) -> None:
         self.source = source
         self.index = index  # resolves "ref" pieces of virtual tensors
-        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.memory_budget = memory_budget or limits.budget()
+        self._window = max(1 << 20, knobs.slab_bytes(self.memory_budget) // 2)  # bytes one read may hold
+        self._cache: OrderedDict[tuple, _Decoded] = OrderedDict()
         self._cache_items = cache_items
         self._lock = threading.Lock()
         self._tiled: dict[int, TensorEntry] = {}  # keeps entries alive so ids stay unique
@@ -107,8 +129,10 @@ class Fetcher:
 
     def _read_direct(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int,
                      inter: Box, dst: torch.Tensor) -> bool:
-        """Read straight into `dst` when both sides are one contiguous run of bytes (or the piece
-        is virtual: zeros, or a flat range of another tensor)."""
+        """Read straight into `dst`: one read when both sides are one contiguous run of bytes,
+        windows in storage order for a strided piece or a streamed compressed item; virtual
+        pieces (zeros, a flat range of another tensor, an inline value) are filled in place.
+        False for a compressed item held in memory (_read narrows it)."""
         encoding = piece.location.encoding
         if encoding == ZEROS:
             dst.zero_()
@@ -124,16 +148,67 @@ class Fetcher:
                 value = value.narrow(d, o - so, s)
             dst.copy_(value)
             return True
-        if encoding != "raw" or not inter.numel or not dst.is_contiguous():
+        if encoding == "torch_save":
+            decoded = self._decoded(entry, piece)
+            if decoded.stream is None:
+                return False  # held in memory: _read narrows it
+            self._gather_streamed(entry, piece, decoded, sub, elem_offset, inter, dst)
+            return True
+        if encoding != "raw" or not inter.numel:
             return False
-        first, last, strides = self._span(entry, piece, sub, elem_offset, inter)
-        dense = geometry.row_major_strides(inter.sizes)
-        if any(n > 1 and st != want for n, st, want in zip(inter.sizes, strides, dense)):
-            return False  # same span, other order (a transposed source)
+        first, _last, strides = self._span(entry, piece, sub, elem_offset, inter)  # bounds-checked
+        loc = piece.location
         item = dst.element_size()
-        view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
-        self.source.readinto(piece.location.file, piece.location.offset + first * item, view)
+        dense = geometry.row_major_strides(inter.sizes)
+        if dst.is_contiguous() and all(n == 1 or st == want for n, st, want in zip(inter.sizes, strides, dense)):
+            view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
+            self.source.readinto(loc.file, loc.offset + first * item, view)
+            return True
+        local = Box(tuple(o - so for o, so in zip(inter.offsets, sub.offsets)), inter.sizes)
+
+        def read(start: int, buf: memoryview) -> None:
+            self.source.readinto(loc.file, loc.offset + start, buf)
+
+        self._gather(read, elem_offset, strides, local, dst)
         return True
+
+    def _gather(self, read: Callable[[int, memoryview], None], base: int, strides: tuple[int, ...],
+                box: Box, dst: torch.Tensor) -> None:
+        """Copy the elements of `box` of a strided view (element i at base + sum(i*strides)) into
+        `dst`, reading the storage in order, one window of at most self._window bytes at a time
+        (a transposed tensor's slab spans nearly its whole storage)."""
+        item = dst.element_size()
+        order = sorted(range(box.ndim), key=lambda d: -strides[d])  # the storage's own order
+        pbox = Box(tuple(box.offsets[d] for d in order), tuple(box.sizes[d] for d in order))
+        pstrides = tuple(strides[d] for d in order)
+        pdst = dst.permute(order) if box.ndim else dst
+        buf = bytearray(min(self._window, geometry.strided_span(pbox.sizes, pstrides) * item))
+        for part in geometry.split_by_span(pbox, pstrides, max(1, self._window // item)):
+            first = base + sum(o * st for o, st in zip(part.offsets, pstrides))
+            span = geometry.strided_span(part.sizes, pstrides)
+            window = memoryview(buf)[:span * item] if span * item <= len(buf) else memoryview(bytearray(span * item))
+            read(first * item, window)
+            src = torch.frombuffer(window, dtype=dst.dtype, count=span).as_strided(part.sizes, pstrides) \
+                if span else torch.empty(part.sizes, dtype=dst.dtype)
+            target = pdst
+            for d, (o, po, n) in enumerate(zip(part.offsets, pbox.offsets, part.sizes)):
+                target = target.narrow(d, o - po, n)
+            target.copy_(src)
+
+    def _gather_streamed(self, entry: TensorEntry, piece: Piece, decoded: _Decoded, sub: Box, elem_offset: int,
+                         inter: Box, dst: torch.Tensor) -> None:
+        """Elements of `inter` from a streamed compressed item, window by window."""
+        local = Box(tuple(o - so for o, so in zip(inter.offsets, sub.offsets)), inter.sizes)
+        if isinstance(piece.region, FlatRange):  # the item holds the piece's elements in row-major order
+            strides, base = geometry.row_major_strides(sub.sizes), elem_offset
+        else:
+            strides, base = decoded.strides, 0
+        stream = decoded.stream
+
+        def read(start: int, buf: memoryview) -> None:
+            stream.readinto("", decoded.offset + start, buf)
+
+        self._gather(read, base, strides, local, dst)
 
     def read_small(self, entry: TensorEntry) -> "SmallTensor | torch.Tensor":
         """A small tensor (an optimizer step) whole: a SmallTensor read without torch where its
@@ -229,26 +304,17 @@ class Fetcher:
 
     def _read(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box) -> torch.Tensor:
         loc = piece.location
-        dtype = torch_dtype(entry.dtype)
-        item = dtype.itemsize
         if loc.encoding == "torch_save":
-            whole = self._decoded(entry, piece)
-            view = whole
-            local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
-            for d, (o, s) in enumerate(zip(local, inter.sizes)):
-                view = view.narrow(d, o, s)
-            return view
-        if loc.encoding != "raw":
-            raise FormatError(f"{self.source.label(loc.file)}: unknown piece encoding {loc.encoding!r}")
-        first, last, strides = self._span(entry, piece, sub, elem_offset, inter)
-        nbytes = (last - first + 1) * item if inter.numel else 0
-        start = loc.offset + first * item
-        buf = bytearray(nbytes)
-        self.source.readinto(loc.file, start, memoryview(buf))
-        flat = torch.frombuffer(buf, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
-        return flat.as_strided(inter.sizes, strides, 0)
+            decoded = self._decoded(entry, piece)
+            view = decoded.tensor
+            if isinstance(piece.region, FlatRange):  # the piece's elements from elem_offset, row-major
+                view = view.narrow(0, elem_offset, sub.numel).reshape(sub.sizes)
+            return _narrow(view, sub, inter)
+        raise FormatError(f"{self.source.label(loc.file)}: unknown piece encoding {loc.encoding!r}")
 
-    def _decoded(self, entry: TensorEntry, piece: Piece) -> torch.Tensor:
+    def _decoded(self, entry: TensorEntry, piece: Piece) -> _Decoded:
+        """A compressed item decoded within bounds (its declared bytes plus the archive around
+        them): in memory when small, else streamed; cached within a quarter of the budget."""
         loc = piece.location
         key = (loc.file, loc.offset)
         with self._lock:
@@ -256,20 +322,46 @@ class Fetcher:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        from ..formats.torch_save.archive import load_bytes_tensor
+        from ..formats.torch_save.archive import item_tensor, open_item
 
-        raw = self.source.read(loc.file, loc.offset, loc.length)
-        data = codecs.decode(raw, loc.transforms, f"{self.source.label(loc.file)} (item of {entry.key})")
-        tensor = load_bytes_tensor(bytearray(data), f"{self.source.label(loc.file)} (item of {entry.key})")
-        if tensor is None:
-            raise FormatError(f"{self.source.label(loc.file)}: item of {entry.key} does not hold a tensor")
-        if isinstance(piece.region, Box) and tuple(tensor.shape) != piece.region.sizes:
-            raise FormatError(f"{self.source.label(loc.file)}: item of {entry.key} has shape "
-                              f"{tuple(tensor.shape)}, metadata says {piece.region.sizes}")
-        if isinstance(piece.region, FlatRange):
-            tensor = tensor.reshape(-1)
+        label = f"{self.source.label(loc.file)} (item of {entry.key})"
+        declared = piece.region.numel * itemsize(entry.dtype)
+        item = codecs.open_decoded(self.source, loc.file, loc.offset, loc.length, loc.transforms, label,
+                                   codecs.tensor_limit(declared), limits.inline_bytes(self.memory_budget))
+        found = item_tensor(open_item(item, label), "item")  # CRC32s checked (streamed: in windows)
+        if found is None:
+            raise FormatError(f"{label}: does not hold a tensor")
+        ref, dtype, inner = found
+        size = tuple(ref.size)
+        if dtype != entry.dtype:
+            raise FormatError(f"{label}: holds {dtype}, metadata says {entry.dtype}")
+        if isinstance(piece.region, Box) and size != piece.region.sizes:
+            raise FormatError(f"{label}: has shape {size}, metadata says {piece.region.sizes}")
+        if isinstance(piece.region, FlatRange) and (math.prod(size) != piece.region.numel or inner.stride is not None):
+            raise FormatError(f"{label}: holds {list(size)} elements, metadata says a contiguous "
+                              f"{piece.region.numel}")
+        strides = inner.stride or geometry.row_major_strides(size)
+        if isinstance(item, codecs.StreamedItem):
+            decoded = _Decoded(item.nbytes, stream=item, offset=inner.offset, strides=tuple(strides))
+        else:
+            tdtype = torch_dtype(dtype)
+            flat = torch.frombuffer(item.data, dtype=tdtype, count=inner.length // tdtype.itemsize,
+                                    offset=inner.offset) if inner.length else torch.empty(0, dtype=tdtype)
+            tensor = flat.as_strided(size, strides)
+            decoded = _Decoded(item.nbytes, tensor=tensor.reshape(-1) if isinstance(piece.region, FlatRange)
+                               else tensor)
         with self._lock:
-            self._cache[key] = tensor
-            while len(self._cache) > self._cache_items:
-                self._cache.popitem(last=False)
-        return tensor
+            self._cache[key] = decoded
+            held = sum(d.nbytes for d in self._cache.values())
+            while len(self._cache) > 1 and (len(self._cache) > self._cache_items or held > self.memory_budget // 4):
+                _, old = self._cache.popitem(last=False)
+                held -= old.nbytes
+                if old.stream is not None:
+                    old.stream.close()
+        return decoded
+
+
+def _narrow(view: torch.Tensor, sub: Box, inter: Box) -> torch.Tensor:
+    for d, (o, so, s) in enumerate(zip(inter.offsets, sub.offsets, inter.sizes)):
+        view = view.narrow(d, o - so, s)
+    return view

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import FormatError, quote
-from ...index.dtypes import dtype_name
+from ...index.dtypes import dtype_name, itemsize
 from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads
@@ -216,7 +216,9 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any):
         raise FormatError(f"{source.label(rel)}: item of {target.key} at bytes {offset}..{offset + length} "
                           f"lies past the end of the file ({size} bytes; truncated?)")
     if isinstance(target, TensorEntry):
-        if transforms:
+        if transforms:  # decoded (within bounds) when read; a size no frame can reach is refused now
+            codecs.check_declared(transforms, length, box.numel * itemsize(target.dtype), f"{source.label(rel)} "
+                                  f"(item of {target.key})")
             return Piece(box, Location(rel, offset, length, "torch_save", transforms=transforms)), []
         archive = open_archive(source, rel, offset, length)
         ref = load_structure(archive, eager=False)
