@@ -29,13 +29,20 @@ from .storage.output import OutputDir
 
 def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite: bool = False) -> None:
     """Write `state_dict` as a DCP checkpoint at `path`, atomically. Collective."""
+    group = group_of(pg)
+    with OutputDir(path, overwrite=overwrite, group=group) as out:
+        write_dcp(state_dict, out.tmp, pg)
+
+
+def write_dcp(state_dict: Mapping[str, Any], folder: str, pg: Any = None) -> None:
+    """Every rank of `pg` writes its shards into `folder` (an OutputDir's temporary; the
+    Checkpointer adds its completion marker before the commit), each file fsynced. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     group = group_of(pg)
-    with OutputDir(path, overwrite=overwrite, group=group) as out:
-        dcp.save(dict(state_dict), storage_writer=FileSystemWriter(out.tmp, sync_files=True),
-                 process_group=pg if group.distributed else None, no_dist=not group.distributed)
+    dcp.save(dict(state_dict), storage_writer=FileSystemWriter(folder, sync_files=True),
+             process_group=pg if group.distributed else None, no_dist=not group.distributed)
 
 
 def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,

@@ -5,14 +5,15 @@
     ...
     ckpt.save(step, model, optimizer, extra={"epoch": epoch})   # every rank calls it
 
-Each checkpoint is a folder `step_<N>` committed atomically (written as a hidden temporary
-sibling, renamed by rank 0 after every rank succeeded), so a folder that exists is complete and
-anything a crash leaves behind is a hidden temporary that restore skips and sweeps. Torch
-modules (plain, DDP, FSDP2) are saved as DCP with `get_state_dict`; DeepSpeed engines with their
-own `save_checkpoint` (the native ZeRO layout). Restore picks the newest complete checkpoint and
-loads it at the current world size whatever size wrote it: torch modules through `ckptkit.load`
-(each rank reads its own shards), DeepSpeed engines through a distributed `reshard` first when
-the data-parallel size changed.
+Each checkpoint is a folder `step_<N>` written as a hidden temporary sibling; once every rank's
+save returned, rank 0 writes the completion marker into it (steps.py) and renames it into place.
+Only folders the marker (or, for folders from before markers, ckptkit's reader) proves complete
+count: restore skips the rest and names them, retention deletes only marked ones, never the
+step just written. A crash leaves a hidden temporary that restore sweeps. Torch modules (plain,
+DDP, FSDP2) are saved as DCP with `get_state_dict`; DeepSpeed engines with their own
+`save_checkpoint` (the native ZeRO layout). Restore loads at the current world size whatever
+size wrote it: torch modules through `ckptkit.load` (each rank reads its own shards), DeepSpeed
+engines through a distributed `reshard` first when the data-parallel size changed.
 """
 from __future__ import annotations
 
@@ -21,17 +22,28 @@ import os
 import re
 import shutil
 import threading
-from typing import Any
+import uuid
+import warnings
+from typing import Any, Callable
 
 import torch
 
-from ..errors import CkptkitError, UsageError
+from ..errors import CkptkitError, OutputError, UsageError
 from ..runner.distributed import Group, group_of
-from ..storage.output import OutputDir, lock_is_stale
+from ..storage.output import OutputDir, recover
+from . import steps as step_folders
+from .steps import Folder
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_MARK = ".ckptkit-tmp-"
-LOCK_MARK = ".ckptkit-lock"
+# what OutputDir leaves next to a step when a save is killed (storage/output.py, storage/locks.py):
+# `.step_N.ckptkit-tmp-T`, `.step_N.ckptkit-old-T`, `.step_N.ckptkit-lock[-T]`, older `step_N.ckptkit-old-T`
+LEFTOVER = re.compile(r"\.(step_[0-9]+)\.ckptkit-(?:tmp-|old-|lock).*|(step_[0-9]+)\.ckptkit-old-[0-9a-f]+",
+                      re.ASCII | re.DOTALL)
+SHOWN = 10  # skipped folders named in the warning
+
+
+class SkippedStepsWarning(UserWarning):
+    """restore() passed over folders named like steps that are not complete checkpoints."""
 
 
 def _is_engine(obj: Any) -> bool:
@@ -54,7 +66,10 @@ class Checkpointer:
         self._bg_pg: Any = None
         self._group = group_of()
         if self._group.is_root:
-            os.makedirs(self.directory, exist_ok=True)
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(f"{self.directory}: cannot create the checkpoint folder ({exc.strerror})") from None
         if async_save and self._group.distributed:
             import torch.distributed as dist
 
@@ -64,39 +79,82 @@ class Checkpointer:
     # ---- listing -------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first."""
-        if not os.path.isdir(self.directory):
-            return []
-        return sorted(int(m.group(1)) for n in os.listdir(self.directory)
-                      if (m := STEP_DIR.match(n)) and os.path.isdir(os.path.join(self.directory, n)))
+        """Steps of the complete checkpoints, oldest first (strays are not listed)."""
+        names = step_folders.scan(self.directory)
+        return [s for s in sorted(names) if self._complete(s, names[s]) is not None]
 
     def path(self, step: int) -> str:
-        return os.path.join(self.directory, f"step_{step:09d}")
+        """The folder of `step`'s complete checkpoint, whichever spelling; where save(step) would
+        write it when there is none."""
+        names = step_folders.scan(self.directory).get(step, [])
+        found = self._complete(step, names)
+        return os.path.join(self.directory, found.name if found else step_folders.default_name(step))
+
+    def _complete(self, step: int, names: list[str]) -> Folder | None:
+        """The complete folder of `step` among `names`; two of them are an error naming both."""
+        good = [f for n in names if (f := step_folders.examine(self.directory, n, step)).complete]
+        if len(good) > 1:
+            raise step_folders.duplicate_error(self.directory, step, [f.name for f in good])
+        return good[0] if good else None
+
+    def _on_root(self, fn: Callable[[], Any], group: Group | None = None) -> Any:
+        """`fn()` decided by rank 0 (the directory is shared), its result or its error on every rank."""
+        group = group or self._group
+        result, error = None, None
+        if group.is_root:
+            try:
+                result = fn()
+            except BaseException as exc:  # every rank must hear of it
+                error = exc
+        group.check(error)
+        return group.share(result)
 
     # ---- saving --------------------------------------------------------------------------
 
-    def save(self, step: int, model: Any, optimizer: Any = None, extra: dict | None = None) -> None:
-        """Collective. Save `step`; with async_save return once a CPU copy is staged."""
+    def save(self, step: int, model: Any, optimizer: Any = None, extra: dict | None = None,
+             overwrite: bool = False) -> None:
+        """Collective. Save `step`; with async_save return once a CPU copy is staged. Anything
+        already at `step` (a checkpoint or a stray) is replaced only with `overwrite`."""
         self._raise_background()
         self.wait()
-        if not isinstance(step, int) or step < 0:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative int (got {step!r})")
+        name = self._on_root(lambda: self._target(step, overwrite))
         if _is_engine(model):
             if optimizer is not None and extra is None and isinstance(optimizer, dict):
                 extra, optimizer = optimizer, None
-            self._save_engine(step, model, extra)
+            self._save_engine(step, name, model, extra, overwrite)
             return
         state = self._state_dict(model, optimizer)
         state["extra"] = copy.deepcopy(extra) if extra else {}
         state["ckptkit"] = {"step": step}
         if not self.async_save:
-            self._write(step, state, self._group, None)
+            self._write(step, name, overwrite, state, self._group, None)
             return
         staged = _stage(state)
         group = group_of(self._bg_pg) if self._bg_pg is not None else self._group
-        self._thread = threading.Thread(target=self._background, args=(step, staged, group),
+        self._thread = threading.Thread(target=self._background, args=(step, name, overwrite, staged, group),
                                         name=f"ckptkit-save-{step}", daemon=True)
         self._thread.start()
+
+    def _target(self, step: int, overwrite: bool) -> str:
+        """The folder name save(step) writes: the default spelling, or with `overwrite` the one
+        already there (so no second spelling appears). Without it, anything there is refused."""
+        names = step_folders.scan(self.directory).get(step, [])
+        if not names:
+            return step_folders.default_name(step)
+        found = self._complete(step, names)
+        if not overwrite:
+            if found is not None:
+                raise OutputError(f"{os.path.join(self.directory, found.name)}: step {step} is already saved (a "
+                                  f"complete checkpoint); pass overwrite=True to replace it")
+            stray = step_folders.examine(self.directory, names[0], step)
+            raise OutputError(f"{os.path.join(self.directory, stray.name)}: is in the way of step {step} and is not "
+                              f"a complete checkpoint (it {stray.why}); ckptkit leaves it alone: move it away or "
+                              f"pass overwrite=True to replace it")
+        if found is not None:
+            return found.name
+        return step_folders.default_name(step) if step_folders.default_name(step) in names else names[0]
 
     def wait(self) -> None:
         """Join a background save (its failure is raised here, or by the next call)."""
@@ -110,28 +168,52 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _background(self, step: int, state: dict, group: Group) -> None:
+    def _background(self, step: int, name: str, overwrite: bool, state: dict, group: Group) -> None:
         try:
-            self._write(step, state, group, self._bg_pg)
+            self._write(step, name, overwrite, state, group, self._bg_pg)
         except BaseException as exc:  # raised by the next call on this rank
             self._error = exc
 
-    def _write(self, step: int, state: dict, group: Group, pg: Any) -> None:
-        from ..api import save
+    def _write(self, step: int, name: str, overwrite: bool, state: dict, group: Group, pg: Any) -> None:
+        from ..api import write_dcp
 
-        save(state, self.path(step), pg=pg, overwrite=True)  # `group` is group_of(pg)
-        self._retain(group)
+        with OutputDir(os.path.join(self.directory, name), overwrite=overwrite, group=group) as out:
+            write_dcp(state, out.tmp, pg)  # `group` is group_of(pg)
+            self._mark(out.tmp, step, "dcp", group)
+        self._retain(group, step)
 
-    def _save_engine(self, step: int, engine: Any, extra: dict | None) -> None:
-        with OutputDir(self.path(step), overwrite=True, group=self._group) as out:
+    def _save_engine(self, step: int, name: str, engine: Any, extra: dict | None, overwrite: bool) -> None:
+        with OutputDir(os.path.join(self.directory, name), overwrite=overwrite, group=self._group) as out:
             engine.save_checkpoint(out.tmp, tag=f"global_step{step}", client_state=dict(extra or {}))
-        self._retain(self._group)
+            self._mark(out.tmp, step, "deepspeed", self._group)
+        self._retain(self._group, step)
 
-    def _retain(self, group: Group) -> None:
+    @staticmethod
+    def _mark(tmp: str, step: int, fmt: str, group: Group) -> None:
+        """The completion marker, last: once every rank's save returned (a failure anywhere makes
+        OutputDir abandon the folder on every rank), before the commit renames it into place."""
+        group.check(None)
+        if group.is_root:
+            step_folders.write_marker(tmp, step, fmt, group.world)
+
+    def _retain(self, group: Group, written: int) -> None:
+        """Rank 0 keeps the newest `keep` complete steps and `written`; of the others it deletes
+        only folders ckptkit's marker proves complete. Strays, user files and folders from before
+        markers are never touched. A folder is renamed to a hidden temporary before it is
+        removed, so a crash half-way leaves something the next restore sweeps, not a torso."""
         if not group.is_root:
             return
-        for old in self.steps()[:-self.keep]:
-            shutil.rmtree(self.path(old), ignore_errors=True)
+        names = step_folders.scan(self.directory)
+        newest: list[int] = []
+        for step in sorted(names, reverse=True):
+            if len(newest) == self.keep:
+                break
+            if any(step_folders.examine(self.directory, n, step).complete for n in names[step]):
+                newest.append(step)
+        for step in sorted(set(names) - set(newest) - {written}):
+            for n in names[step]:
+                if step_folders.examine(self.directory, n, step, verify_unmarked=False).marked:
+                    _remove(self.directory, n)
 
     @staticmethod
     def _state_dict(model: Any, optimizer: Any) -> dict:
@@ -144,37 +226,64 @@ class Checkpointer:
 
     # ---- restoring -----------------------------------------------------------------------
 
-    def restore(self, model: Any, optimizer: Any = None) -> int | None:
-        """Collective. Load the newest complete checkpoint at the current world size; its step,
-        or None when there is none. `extra` then holds what save() was given."""
+    def restore(self, model: Any, optimizer: Any = None, step: int | None = None) -> int | None:
+        """Collective. Load the newest complete checkpoint (or that of `step`) at the current world
+        size; its step, or None when there is none. `extra` then holds what save() was given.
+        Folders named like newer steps that are not complete checkpoints are skipped, and named
+        in a SkippedStepsWarning."""
         self.wait()
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise UsageError(f"step must be a non-negative int (got {step!r})")
         self._sweep()
-        steps = self.steps()
-        if not steps:
+        found, skipped = self._on_root(lambda: self._choose(step))
+        if skipped and self._group.is_root:
+            _warn_skipped(self.directory, found, skipped)
+        if found is None:
             self.extra = None
             return None
-        step = steps[-1]
+        path = os.path.join(self.directory, found.name)
         if _is_engine(model):
-            self._restore_engine(step, model)
-            return step
+            self._restore_engine(found.step, path, model)
+            return found.step
         from ..api import load
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = self._state_dict(model, optimizer)
-        load(state, self.path(step))
+        load(state, path)
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.extra = _extras(self.path(step))
-        return step
+        self.extra = _extras(path)
+        return found.step
 
-    def _restore_engine(self, step: int, engine: Any) -> None:
+    def _choose(self, step: int | None) -> tuple[Folder | None, list[Folder]]:
+        """(the folder to restore, the strays newer than it, newest first). Only as many folders
+        are opened as it takes to find the newest complete one."""
+        names = step_folders.scan(self.directory)
+        if step is not None:
+            found = self._complete(step, names.get(step, []))
+            if found is None:
+                have = ", ".join(map(str, self.steps()[-8:])) or "none"
+                raise UsageError(f"{self.directory}: has no complete checkpoint of step {step} (complete steps, "
+                                 f"newest last: {have})")
+            return found, []
+        skipped: list[Folder] = []
+        for s in sorted(names, reverse=True):
+            folders = [step_folders.examine(self.directory, n, s) for n in names[s]]
+            good = [f for f in folders if f.complete]
+            skipped += [f for f in folders if not f.complete]
+            if len(good) > 1:
+                raise step_folders.duplicate_error(self.directory, s, [f.name for f in good])
+            if good:
+                return good[0], skipped
+        return None, skipped
+
+    def _restore_engine(self, step: int, path: str, engine: Any) -> None:
         from ..formats.registry import open_checkpoint
         from ..ops.options import RunOptions
         from ..ops.reshard import reshard
 
-        path = self.path(step)
         saved_world = open_checkpoint(path).index.world_size
         world = int(getattr(engine, "dp_world_size", self._group.world))
         load_from, scratch = path, None
@@ -202,24 +311,39 @@ class Checkpointer:
                     shutil.rmtree(scratch, ignore_errors=True)
 
     def _sweep(self) -> None:
-        """Rank 0 removes what killed saves left behind: locks whose process is gone (a kill can
-        land between taking the lock and creating the temporary folder), then temporaries whose
-        lock is not held."""
-        if self._group.is_root and os.path.isdir(self.directory):
-            names = [n for n in os.listdir(self.directory) if n.startswith(".step_")]
-            for name in names:
-                lock = os.path.join(self.directory, name)
-                if name.endswith(LOCK_MARK) and lock_is_stale(lock):
-                    try:
-                        os.unlink(lock)
-                    except FileNotFoundError:
-                        pass
-            for name in names:
-                if TMP_MARK in name:
-                    target = name[1:name.index(TMP_MARK)]
-                    if not os.path.exists(os.path.join(self.directory, f".{target}{LOCK_MARK}")):
-                        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-        self._group.check(None)
+        """Rank 0 cleans up after saves that were killed: for every step with leftovers (hidden
+        temporaries, aside copies of a replaced step, locks) OutputDir's own `recover` takes the
+        step's lock when no live run holds it, removes the dead runs' leftovers, puts an aside
+        copy back when a kill came between the two renames of an overwrite, and lets go."""
+        self._on_root(self._sweep_here)
+
+    def _sweep_here(self) -> None:
+        try:
+            listed = os.listdir(self.directory)
+        except OSError:
+            return
+        targets = {m.group(1) or m.group(2) for n in listed if (m := LEFTOVER.fullmatch(n))}
+        for target in sorted(targets):
+            recover(os.path.join(self.directory, target))
+
+
+def _remove(directory: str, name: str) -> None:
+    """Delete a step folder: first renamed to a hidden temporary (gone from listings at once),
+    then removed; a crash in between leaves a temporary the next restore sweeps."""
+    hidden = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(os.path.join(directory, name), hidden)
+    except OSError:
+        return
+    shutil.rmtree(hidden, ignore_errors=True)  # a real folder: examine() refuses links
+
+
+def _warn_skipped(directory: str, found: Folder | None, skipped: list[Folder]) -> None:
+    shown = "; ".join(f"{f.name} {f.why}" for f in skipped[:SHOWN])
+    more = f"; and {len(skipped) - SHOWN} more" if len(skipped) > SHOWN else ""
+    took = f"restoring step {found.step} from {found.name}" if found else "no complete checkpoint, a fresh start"
+    warnings.warn(f"{directory}: skipped {len(skipped)} folder(s) named like steps that are not complete "
+                  f"checkpoints: {shown}{more}; {took}", SkippedStepsWarning, stacklevel=3)
 
 
 def _extras(path: str) -> dict:
