@@ -1,4 +1,5 @@
 """Training-loop hooks."""
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, SkippedStepsWarning
+from .steps import DuplicateStepError
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "SkippedStepsWarning", "DuplicateStepError"]

@@ -205,7 +205,7 @@ def _marker_problem(path: str, doc: dict, step: int) -> str:
     if not isinstance(files, dict) or not files:
         return f"has a {MARKER} without its list of files"
     needed = ".metadata" if fmt == "dcp" else f"global_step{step}/"
-    if not any(rel == needed or rel.startswith(needed) for rel in files if isinstance(rel, str)):
+    if not any(rel == needed if fmt == "dcp" else rel.startswith(needed) for rel in files if isinstance(rel, str)):
         return f"has a {MARKER} listing no {needed} (a {fmt} checkpoint of step {step} has one)"
     for rel, size in files.items():
         parts = rel.split("/") if isinstance(rel, str) else []
