@@ -7,7 +7,9 @@ In-job API (imported lazily, so the command line starts fast):
 """
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing is not imported: `python -m ckptkit` runs this before its Ctrl-C handler
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["save", "load", "Checkpointer"]
 

@@ -168,10 +168,12 @@ CTRL_C_RUNS = {
     "consolidate": ["--dtype", "bf16", "--max-shard-size", "40MB", "--workers", "2", "--memory-budget", "16MB"],
 }
 # where to interrupt, as fractions of an uninterrupted run: start-up and imports, indexing,
-# planning, copying, the last files and the commit (7 + 7 + 6 = 20 runs)
-FRACTIONS = {"convert": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75], "reshard": [0.1, 0.2, 0.3, 0.45, 0.55, 0.65, 0.75],
-             "consolidate": [0.1, 0.25, 0.4, 0.5, 0.6, 0.75]}
-EARLIEST_S = 0.25  # before this, the Python interpreter itself is still starting (no ckptkit code runs)
+# planning, copying, the last files and the commit (8 + 8 + 4 = 20 runs; consolidate's bf16 cast
+# imports torch while the output is open, and is the slowest)
+FRACTIONS = {"convert": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75],
+             "reshard": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75],
+             "consolidate": [0.15, 0.35, 0.55, 0.75]}
+EARLIEST_S = 0.25  # never earlier than this (and than twice the interpreter's start-up, measured)
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +187,21 @@ def _check_interrupted(run: hostile.Run, scene: hostile.Scene) -> None:
     hostile.check_refused(run, scene=scene, code=130)
     lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
     assert lines == ["interrupted"], run.detail()
+
+
+@pytest.fixture(scope="module")
+def earliest() -> float:
+    """Until the interpreter has started and reached ckptkit's first line, Ctrl-C is Python's own
+    (a KeyboardInterrupt traceback; no ckptkit code has run, nothing exists to clean up). On this
+    shared machine that takes from 0.05 s to several times as long: measured, and doubled."""
+    startup = max(hostile.run_python(["-c", "import ckptkit_cli.entry"]).seconds for _ in range(3))
+    return max(EARLIEST_S, 2 * startup)
+
+
+def _before_ckptkit_started(run: hostile.Run) -> bool:
+    """The signal reached the interpreter before any ckptkit code ran (see `earliest`)."""
+    return (run.code in (-signal.SIGINT, 1) and run.stderr.rstrip().endswith("KeyboardInterrupt")
+            and "/cli/" not in run.stderr and "/ckptkit/" not in run.stderr.replace("/ckptkit/__init__.py", ""))
 
 
 def _uninterrupted_seconds(op: str, src: Path, tmp_path: Path) -> float:
@@ -201,17 +218,20 @@ def _uninterrupted_seconds(op: str, src: Path, tmp_path: Path) -> float:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("op", list(CTRL_C_RUNS))
-def test_ctrl_c_at_any_point_ends_clean(big_source, tmp_path, op):
+def test_ctrl_c_at_any_point_ends_clean(big_source, tmp_path, op, earliest):
     duration = _uninterrupted_seconds(op, big_source, tmp_path)
     for i, fraction in enumerate(FRACTIONS[op]):
-        at = max(EARLIEST_S, fraction * duration)
+        at = max(earliest, fraction * duration)
         for _attempt in range(3):
             out = tmp_path / f"out{i}"
             scene = hostile.Scene(big_source, out)
             run = hostile.run_ckptkit(op, big_source, out, *CTRL_C_RUNS[op], interrupt_after=at)
-            if run.code == 0 and run.seconds < at:  # done before the signal was sent: not a test of it
-                shutil.rmtree(out)
-                at = max(EARLIEST_S, at * 0.6)
+            if run.code == 0:  # done before the signal came (or while the interpreter shut down, when
+                shutil.rmtree(out)  # Ctrl-C is ignored): not a test of it; a bit earlier
+                at = max(earliest, at * 0.7)
+                continue
+            if _before_ckptkit_started(run):  # the machine is slower than measured: a bit later
+                at *= 1.5
                 continue
             _check_interrupted(run, scene)
             break
@@ -240,16 +260,19 @@ def _run_with_interrupts(args: list[str], at: list[float], timeout: float = 60) 
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(big_source, tmp_path):
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(big_source, tmp_path, earliest):
     duration = _uninterrupted_seconds("reshard", big_source, tmp_path)
+    interrupted = 0
     for i, (fraction, gap) in enumerate([(0.3, 0.0), (0.45, 0.01), (0.6, 0.05)]):
-        first = max(EARLIEST_S, fraction * duration)
+        first = max(earliest, fraction * duration)
         out = tmp_path / f"out{i}"
         scene = hostile.Scene(big_source, out)
         run = _run_with_interrupts(["reshard", big_source, out, *CTRL_C_RUNS["reshard"]], [first, first + gap])
-        if run.code == 0 and run.seconds < first:  # done before the first signal (a machine suddenly faster)
+        if run.code == 0:  # done before the first signal came (the machine got faster): not a test of it
             continue
         _check_interrupted(run, scene)
+        interrupted += 1
+    assert interrupted >= 2, f"only {interrupted} of 3 runs were still running when Ctrl-C came"
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -272,10 +295,9 @@ def test_escape_shows_every_control_and_format_character():
     assert escape("caf\u00e9 \u4e2d\u6587") == "caf\u00e9 \u4e2d\u6587"          # printable text stays
     assert escape("bad\udcff byte") == "bad\\xff byte"                          # surrogateescape'd byte
     assert escape(escape("a\\nb\n")) == "a\\nb\\n"                              # escaping twice is harmless
-    for code in range(0x110000):
-        ch = chr(code)
-        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
-            assert not _unsafe(escape(ch)), hex(code)
+    unsafe = [chr(c) for c in range(0x30000) if unicodedata.category(chr(c)) in ("Cc", "Cf", "Cs", "Zl", "Zp")]
+    unsafe += ["\ue000", "\uf8ff", "\U000f0000", "\U0010fffd", "\U000e0001", "\U000e007f"]  # private use, tags
+    assert len(unsafe) > 2000 and not _unsafe(escape("".join(unsafe)))
 
 
 def test_an_interrupt_while_cleanup_raises_is_still_an_interrupt():
