@@ -137,7 +137,8 @@ class Machine:
         self.stack: list[Any] = []
         self.depths: list[int] = []         # the nesting depth of each value on the stack
         self.marks: list[int] = [0]         # stack heights at each MARK (0: the bottom)
-        self.memo: dict[int, Any] = {}
+        self.memo: list[Any] = []           # memo entries 0, 1, 2 ... (what picklers write)
+        self.memo_far: dict[int, Any] = {}  # entries put past the end of `memo` (only crafted pickles)
         self.objects = 0                    # containers and rebuilt values created (memo entries aside)
         self.extra = 0                      # expanded size added by memo GETs and rebuilds
         self.built = 0                      # bytes rebuild calls created
@@ -161,8 +162,11 @@ class Machine:
 
     def count(self, n: int = 1) -> None:
         self.objects += n
-        if self.objects + len(self.memo) > self.limits.objects:
+        if self.objects + self.memo_size() > self.limits.objects:
             raise _limit("creates more objects than allowed", self.limits.objects, "MAX_PICKLE_OBJECTS")
+
+    def memo_size(self) -> int:
+        return len(self.memo) + len(self.memo_far)
 
     def too_deep(self) -> FormatError:
         return _limit("is nested deeper than allowed", self.limits.depth, "MAX_PICKLE_DEPTH")
@@ -253,21 +257,32 @@ class Machine:
             raise FormatError("pickle takes a value from an empty stack")
 
     def memo_put(self, key: int, value: Any) -> None:
+        """PUT: the last value put at a key is the one GET finds (entries past the end of the
+        list wait in memo_far until the list reaches them, and are then shadowed)."""
         memo = self.memo
-        memo[key] = value
-        if self.objects + len(memo) > self.limits.objects:
+        if key < len(memo):
+            memo[key] = value
+        elif key == len(memo):
+            memo.append(value)
+        else:
+            self.memo_far[key] = value
+        if self.objects + self.memo_size() > self.limits.objects:
             raise _limit("creates more objects than allowed", self.limits.objects, "MAX_PICKLE_OBJECTS")
         if self.pending:
             p = self.pending.get(id(value))
             if p is not None:
                 p[1].append(key)
 
-    def get(self, key: int) -> None:
+    def memo_get(self, key: int) -> Any:
+        if key < len(self.memo):
+            return self.memo[key]
         try:
-            value = self.memo[key]
+            return self.memo_far[key]
         except KeyError:
             raise FormatError(f"pickle refers to memo entry {key}, which it never stored") from None
-        self.push_shared(value)
+
+    def get(self, key: int) -> None:
+        self.push_shared(self.memo_get(key))
 
     def push_shared(self, value: Any) -> None:
         t = type(value)
@@ -330,8 +345,8 @@ class Machine:
             self.add_extra(extra)
         self.stack[-1] = value
         for key in p[1]:
-            if self.memo.get(key) is obj:
-                self.memo[key] = value
+            if self.memo_get(key) is obj:
+                self.memo_put(key, value)
 
     def do_global(self, module: Any, name: Any) -> None:
         if type(module) is not str or type(name) is not str:
@@ -426,7 +441,7 @@ class Machine:
             if op == 0x94:                                    # MEMOIZE
                 value = stack[-1]
                 k = len(memo)
-                memo[k] = value
+                memo.append(value)
                 if k + nobj >= max_objects:
                     self.objects += nobj
                     self.count(0)
@@ -439,7 +454,10 @@ class Machine:
                 else:
                     key = _I(data, pos)[0]
                     pos += 4
-                value = memo.get(key, memo)
+                if key >= len(memo):
+                    self.get(key)
+                    continue
+                value = memo[key]
                 t = type(value)
                 if t in atoms:
                     push(value)
@@ -448,11 +466,7 @@ class Machine:
                     push(value)
                     dpush(0)
                 else:
-                    self.pos = pos
-                    if value is memo:
-                        self.get(key)
-                    else:
-                        self.push_shared(value)
+                    self.push_shared(value)
             elif op == 0x4B:                                  # BININT1
                 push(data[pos])
                 dpush(0)
@@ -626,13 +640,18 @@ class Machine:
                 else:
                     key = _I(data, pos)[0]
                     pos += 4
-                value = stack[-1]
-                memo[key] = value
-                if len(memo) + nobj > max_objects:
+                if key == len(memo):
+                    value = stack[-1]
+                    memo.append(value)
+                    if key + nobj >= max_objects:
+                        self.objects += nobj
+                        self.count(0)
+                    if pending and id(value) in pending:
+                        pending[id(value)][1].append(key)
+                else:
                     self.objects += nobj
-                    self.count(0)
-                if pending and id(value) in pending:
-                    pending[id(value)][1].append(key)
+                    nobj = 0
+                    self.memo_put(key, stack[-1])
             elif op == 0x4E:                                  # NONE
                 push(None)
                 dpush(0)
