@@ -53,6 +53,8 @@ def relaunch(nproc: int, out: str | None = None) -> int:
     with interrupts.needs_cleanup():  # Ctrl-C: pass it on and wait for the processes to clean up
         procs = []
         for rank in range(nproc):
+            if interrupts.cancelled.is_set():
+                break  # Ctrl-C while starting: start no more
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                        RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
             env.setdefault("OMP_NUM_THREADS", "1")
