@@ -5,11 +5,11 @@ was expected versus what was found, so no traceback is ever needed to understand
 """
 from __future__ import annotations
 
-import unicodedata
+from .text import escape_char
 
 QUOTE_LIMIT = 100  # the most characters of a file's content any message shows
 
-_ESCAPES = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_QUOTED = {"\\": "\\\\", "'": "\\'"}
 
 
 def quote(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
@@ -45,14 +45,8 @@ def name_of(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
 
 
 def _escape(ch: str) -> str:
-    if ch in _ESCAPES:
-        return _ESCAPES[ch]
-    code = ord(ch)
-    if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8 (surrogateescape)
-        return f"\\x{code - 0xDC00:02x}"
-    if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
-        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-    return ch
+    """As text.escape, plus the quote and the backslash, so a quoted value reads back unambiguously."""
+    return _QUOTED.get(ch) or escape_char(ch)
 
 
 class CkptkitError(Exception):

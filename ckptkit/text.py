@@ -21,10 +21,11 @@ def escape(text: str) -> str:
     """`text` with every control or invisible format character written as an escape."""
     if text.isascii() and text.isprintable():
         return text
-    return "".join(_escape_char(ch) for ch in text)
+    return "".join(escape_char(ch) for ch in text)
 
 
-def _escape_char(ch: str) -> str:
+def escape_char(ch: str) -> str:
+    """One character as `escape` shows it (itself when it is safe to print)."""
     named = _NAMED.get(ch)
     if named is not None:
         return named
