@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -135,6 +136,22 @@ def follow_links() -> bool | None:
     return True if click.get_current_context().meta.get(FOLLOW_LINKS_KEY) else None
 
 
+def dump_json(value: Any) -> str:
+    """Strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as the string
+    "nan", "inf" or "-inf", so every parser reads the output."""
+    return json.dumps(_finite(value), indent=1, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def read_options(fn: Callable) -> Callable:
     fn = follow_links_option(fn)
     fn = click.option("--memory-budget", default=None, metavar="SIZE",
@@ -225,7 +242,7 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
 
     opened, report = run_inspect(src, tag=tag, follow_links=follow_links())
     if as_json:
-        click.echo(json.dumps(report_json(opened, report), indent=1))
+        click.echo(dump_json(report_json(opened, report)))
     else:
         echo(*render(opened, report))
 
@@ -366,9 +383,9 @@ def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: b
     opts = make_run_options(ctx, memory_budget, workers)
     result = run_diff(a, b, atol=atol, model_only=model_only, options=opts)
     if as_json:
-        click.echo(json.dumps({"equal": result.equal, "counts": result.counts(), "rows": [
+        click.echo(dump_json({"equal": result.equal, "counts": result.counts(), "rows": [
             {"name": r.name, "status": r.status, "max_abs_diff": r.max_abs_diff, "detail": r.detail}
-            for r in result.rows]}, indent=1))
+            for r in result.rows]}))
     else:
         echo(*render(result, a, b, atol))
     if not result.equal:

@@ -388,3 +388,27 @@ def test_an_output_whose_block_ends_after_ctrl_c_is_removed_not_committed(tmp_pa
         assert os.listdir(tmp_path) == []  # no OUT, no temporary folder, no lock
     finally:
         interrupts.reset()
+
+
+def test_diff_json_is_strict_json_with_non_finite_differences(tmp_path):
+    """NaN against a number makes max |a-b| non-finite; --json must still be RFC 8259 JSON."""
+    import json as _json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hostile import run_ckptkit
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": torch.tensor([1.0, float("nan")]), "v": torch.tensor([1.0, 2.0])}, str(a))
+    save_file({"w": torch.tensor([1.0, 3.0]), "v": torch.tensor([1.0, float("inf")])}, str(b))
+    run = run_ckptkit("diff", str(a), str(b), "--json")
+    assert run.code == 1, run.detail()
+
+    def refuse(token: str):
+        raise AssertionError(f"non-standard JSON constant {token}\n{run.detail()}")
+
+    doc = _json.loads(run.stdout, parse_constant=refuse)
+    assert doc["equal"] is False
+    values = {r["name"]: r["max_abs_diff"] for r in doc["rows"]}
+    assert any(isinstance(v, str) and v in ("nan", "inf") for v in values.values()), doc
