@@ -82,6 +82,22 @@ def _region_text(region) -> str:
 def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
     index, source = opened.index, opened.source
     problems: list[str] = []
+    tensors = [(k, t) for k, t in index.tensors.items() if not t.attrs.get("alias_of") and t.numel]
+    options.progress.start(sum(c.length for c in index.checks) + sum(t.nbytes for _, t in tensors),
+                           "verify --deep")
+    try:
+        problems += _crc_problems(opened, options)
+        problems += _tensor_problems(opened, tensors, options)
+    finally:
+        options.progress.close()
+    if index.format == "safetensors":
+        problems += _safetensors_library_check(opened)
+    return problems
+
+
+def _crc_problems(opened: Opened, options: RunOptions) -> list[str]:
+    index, source = opened.index, opened.source
+    problems: list[str] = []
     for check in index.checks:
         crc = 0
         pos = check.offset
@@ -98,17 +114,21 @@ def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
         if crc != check.crc32:
             problems.append(f"{source.label(check.file)}: {check.what} at byte {check.offset} fails its CRC "
                             f"(stored {check.crc32:08x}, computed {crc:08x}): the bytes were altered")
-    fetcher = Fetcher(source, index=index, memory_budget=options.memory_budget)
-    for key, t in index.tensors.items():
-        if t.attrs.get("alias_of") or t.numel == 0:
-            continue
+    return problems
+
+
+def _tensor_problems(opened: Opened, tensors: list, options: RunOptions) -> list[str]:
+    """Every tensor assembled from its pieces, slab by slab (decoding and bounds checked)."""
+    problems: list[str] = []
+    fetcher = Fetcher(opened.source, index=opened.index, memory_budget=options.memory_budget)
+    for key, t in tensors:
+        item = itemsize(t.dtype)
         try:
-            for slab in geometry.split_rowmajor(Box.whole(t.shape), max(1, options.slab_bytes // itemsize(t.dtype))):
+            for slab in geometry.split_rowmajor(Box.whole(t.shape), max(1, options.slab_bytes // item)):
                 fetcher.fetch(t, slab)
+                options.progress.advance(slab.numel * item)
         except CkptkitError as exc:
             problems.append(f"tensor {key}: {exc}")
-    if index.format == "safetensors":
-        problems += _safetensors_library_check(opened)
     return problems
 
 
