@@ -20,6 +20,7 @@ from ..formats.registry import Opened, open_checkpoint
 from ..index import geometry
 from ..index.dtypes import itemsize
 from ..index.types import Box, TensorEntry
+from ..progress import Progress
 from ..runner.fetch import Fetcher
 from .keys import split_roles
 from .options import RunOptions
@@ -117,6 +118,8 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
     (na, va), (nb, vb) = _named(oa, model_only), _named(ob, model_only)
     fa, fb = Fetcher(oa.source, index=oa.index), Fetcher(ob.source, index=ob.index)
     result = DiffResult()
+    both = set(na) & set(nb)
+    options.progress.start(sum(na[n].nbytes + nb[n].nbytes for n in both), "diff")
     for name in sorted(set(na) | set(nb)):
         if name not in nb:
             result.rows.append(Row(name, "missing_b", detail=f"only in {a}"))
@@ -131,7 +134,8 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
         if ea.dtype != eb.dtype and atol == 0:
             result.rows.append(Row(name, "dtype", detail=f"{ea.dtype} vs {eb.dtype}"))
             continue
-        result.rows.append(_compare(name, ea, eb, fa, fb, atol, options.slab_bytes))
+        result.rows.append(_compare(name, ea, eb, fa, fb, atol, options.slab_bytes, options.progress))
+    options.progress.close()
     for name in sorted(set(va) | set(vb)):
         result.rows.append(_compare_value(name, va, vb, a, b, atol))
     return result
@@ -153,12 +157,14 @@ def _compare_value(name: str, va: dict, vb: dict, a: str, b: str, atol: float) -
 
 
 def _compare(name: str, ea: TensorEntry, eb: TensorEntry, fa: Fetcher, fb: Fetcher, atol: float,
-             slab_bytes: int) -> Row:
+             slab_bytes: int, progress: Progress | None = None) -> Row:
     worst = 0.0
     identical = True
     item = max(itemsize(ea.dtype), itemsize(eb.dtype))
     for slab in geometry.split_rowmajor(Box.whole(ea.shape), max(1, slab_bytes // (2 * item))):
         ta, tb = fa.fetch(ea, slab), fb.fetch(eb, slab)
+        if progress is not None:
+            progress.advance(slab.numel * (itemsize(ea.dtype) + itemsize(eb.dtype)))
         if ta.dtype == tb.dtype and (ta.numel() == 0 or _bits(ta).equal(_bits(tb))):
             continue  # bit-identical slab (NaNs included)
         identical = False
