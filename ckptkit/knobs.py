@@ -50,7 +50,8 @@ def parse_size(text: str | int) -> int:
 # plus 2.6M memo entries, 0.8M values reached again through shared parts, nested 11 deep. A DeepSpeed
 # ZeRO-3 optimizer file of 20k parameters holds lists of 20k ints (a few thousand objects).
 # Objects: containers, strings and rebuilt values created, plus memo entries (each costs 50-150
-# bytes: the limit bounds a pickle's memory to about 1.5 GB, whatever its size).
+# bytes: the limit bounds a small pickle's memory to about 1.5 GB); a pickle larger than 4 bytes
+# per object may create one object per 4 bytes (a DCP .metadata of 600k chunks is about 140 MB).
 MAX_PICKLE_OBJECTS = int(os.environ.get("CKPTKIT_MAX_PICKLE_OBJECTS", 10_000_000))
 # Nesting depth of containers (ckptkit walks loaded values recursively: keep well under Python's
 # recursion limit of 1000 frames).
@@ -69,3 +70,7 @@ MAX_PICKLE_SECONDS = float(os.environ.get("CKPTKIT_MAX_PICKLE_SECONDS", 30.0))
 # JSON read from a checkpoint or given as a config: nesting depth (safetensors headers, index files,
 # metadata values, DeepSpeed configs are a few levels deep).
 MAX_JSON_DEPTH = int(os.environ.get("CKPTKIT_MAX_JSON_DEPTH", 64))
+
+# ---- the command line ------------------------------------------------------------------------------
+# Seconds between two plain progress lines when stderr is not a terminal (CI logs).
+PROGRESS_INTERVAL = float(os.environ.get("CKPTKIT_PROGRESS_INTERVAL", 5.0))

@@ -134,6 +134,9 @@ class Machine:
         self.data = data if type(data) is bytes else bytes(data)
         self.grammar = grammar
         self.limits = lim = limits or Limits.current()
+        # a large pickle may hold more: objects never outnumber opcodes, so a quarter of its bytes
+        # (a real .metadata creates one object per 4.5 bytes) costs no more than reading it
+        self.max_objects = max(lim.objects, len(self.data) // 4)
         self.stack: list[Any] = []
         self.depths: list[int] = []         # the nesting depth of each value on the stack
         self.marks: list[int] = [0]         # stack heights at each MARK (0: the bottom)
@@ -162,8 +165,8 @@ class Machine:
 
     def count(self, n: int = 1) -> None:
         self.objects += n
-        if self.objects + self.memo_size() > self.limits.objects:
-            raise _limit("creates more objects than allowed", self.limits.objects, "MAX_PICKLE_OBJECTS")
+        if self.objects + self.memo_size() > self.max_objects:
+            raise _limit("creates more objects than allowed", self.max_objects, "MAX_PICKLE_OBJECTS")
 
     def memo_size(self) -> int:
         return len(self.memo) + len(self.memo_far)
@@ -266,8 +269,8 @@ class Machine:
             memo.append(value)
         else:
             self.memo_far[key] = value
-        if self.objects + self.memo_size() > self.limits.objects:
-            raise _limit("creates more objects than allowed", self.limits.objects, "MAX_PICKLE_OBJECTS")
+        if self.objects + self.memo_size() > self.max_objects:
+            raise _limit("creates more objects than allowed", self.max_objects, "MAX_PICKLE_OBJECTS")
         if self.pending:
             p = self.pending.get(id(value))
             if p is not None:
@@ -423,7 +426,7 @@ class Machine:
         memo = self.memo
         marks = self.marks
         lim = self.limits
-        max_objects = lim.objects
+        max_objects = self.max_objects
         max_depth = lim.depth
         atoms = self.atoms
         sealed = self.sealed
