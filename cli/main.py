@@ -26,7 +26,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.text import escape
 
 from . import entry
-from .progress import make_progress
+from .progress import CliProgress, make_progress
 
 EXIT_PROBLEMS = 1   # verify found problems
 EXIT_ERROR = 2      # a CkptkitError: bad input, bad options, output not writable
@@ -57,6 +57,12 @@ class _Escaping:
 class Context:
     def __init__(self, quiet: bool, debug: bool) -> None:
         self.quiet, self.debug = quiet, debug
+        self.progress: CliProgress | None = None  # set by make_run_options: shows and times the run
+
+    def say_done(self, nbytes: int | None = None) -> None:
+        """The closing line of a command that moved data: elapsed time and throughput."""
+        if self.progress is not None:
+            self.say(self.progress.summary(nbytes))
 
     def say(self, *lines: str) -> None:
         if not self.quiet:
@@ -121,6 +127,17 @@ def _report(exc: BaseException) -> bool:
 FOLLOW_LINKS_KEY = "ckptkit.follow_links"
 
 
+def quiet_option(fn: Callable) -> Callable:
+    """-q/--quiet after the command name too (`ckptkit verify -q SRC`), as before it."""
+    def remember(click_ctx: click.Context, _param: Any, value: bool) -> None:
+        if value:
+            obj = click_ctx.find_object(Context)
+            if obj is not None:
+                obj.quiet = True
+    return click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=remember, is_eager=True,
+                        help="Print nothing but errors (no progress either); same as before the command.")(fn)
+
+
 def follow_links_option(fn: Callable) -> Callable:
     """--follow-links: links inside SRC that lead outside it are read (by default they are refused)."""
     def remember(click_ctx: click.Context, _param: Any, value: bool) -> None:
@@ -153,6 +170,7 @@ def _finite(value: Any) -> Any:
 
 
 def read_options(fn: Callable) -> Callable:
+    fn = quiet_option(fn)
     fn = follow_links_option(fn)
     fn = click.option("--memory-budget", default=None, metavar="SIZE",
                       help="Peak tensor bytes in flight (default 512MiB), e.g. 256MB, 2GiB.")(fn)
@@ -184,7 +202,8 @@ def make_run_options(ctx: Context, memory_budget: str | None, workers: int | Non
     group = from_environment()
     if not group.is_root:
         ctx.quiet = True  # rank 0 reports for the job
-    opts = RunOptions(progress=make_progress(ctx.quiet), overwrite=overwrite, group=group,
+    ctx.progress = make_progress(ctx.quiet)
+    opts = RunOptions(progress=ctx.progress, overwrite=overwrite, group=group,
                       follow_links=follow_links())
     if memory_budget:
         opts.memory_budget = knobs.parse_size(memory_budget)
@@ -215,13 +234,26 @@ class _Group(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+def examples(*lines: str) -> str:
+    """A command's help epilog: 1-3 runnable examples, shown verbatim (tests/test_docs.py runs them
+    against fixtures it links under the names EXAMPLE_NAMES describes)."""
+    return "\b\nExamples:\n" + "\n".join(f"  $ {line}" for line in lines)
+
+
+# The names the help examples use for their inputs (tests/test_docs.py links fixtures under them).
+EXAMPLE_NAMES = ("Examples use dcp_ckpt and dcp_ckpt_w3 (DCP folders saved by FSDP2 at 2 and 3 ranks), "
+                 "ds_ckpt (a DeepSpeed save folder), state_dict.pt (a torch.save file) and ds_config.json "
+                 "(a DeepSpeed config).")
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EXAMPLE_NAMES + " Run `ckptkit COMMAND --help` for a command's options and examples.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors (also after the command name).")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="ckptkit")
 @click.pass_context
 def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
-    """Read, verify, consolidate and reshard sharded training checkpoints
+    """Read, verify, consolidate, reshard, convert and compare sharded training checkpoints
     (torch.distributed.checkpoint / FSDP, DeepSpeed ZeRO 1-3, torch.save files, safetensors)."""
     click_ctx.obj = Context(quiet, debug)
 
@@ -229,10 +261,13 @@ def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
 TAG_HELP = "DeepSpeed: read this tag instead of the one `latest` names."
 
 
-@cli.command()
+@cli.command(short_help="Show format, world size, step, tensors and values.",
+             epilog=examples("ckptkit inspect dcp_ckpt", "ckptkit inspect --json state_dict.pt",
+                             "ckptkit inspect ds_ckpt --tag global_step2"))
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print the full index as JSON (schema ckptkit.index/1).")
 @click.option("--tag", default=None, help=TAG_HELP)
+@quiet_option
 @follow_links_option
 @click.pass_obj
 @handle_errors
@@ -247,7 +282,8 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
         echo(*render(opened, report))
 
 
-@cli.command()
+@cli.command(short_help="Check every piece is present and in bounds (--deep: bytes).",
+             epilog=examples("ckptkit verify dcp_ckpt", "ckptkit verify --deep ds_ckpt", "ckptkit verify -q state_dict.pt"))
 @click.argument("src")
 @click.option("--deep", is_flag=True, help="Also read every byte and check the CRCs the files carry.")
 @click.option("--tag", default=None, help=TAG_HELP)
@@ -270,12 +306,17 @@ def verify(ctx: Context, src: str, deep: bool, tag: str | None, memory_budget, w
     else:
         what = "structure sound"
     ctx.say(f"ok: {src} ({index.format}, {len(index.tensors)} tensors, {len(index.objects)} objects; {what})")
+    if deep:
+        ctx.say_done()
 
 
-@cli.command()
+@cli.command(short_help="Write the model as safetensors (a folder or one file).",
+             epilog=examples("ckptkit consolidate ds_ckpt hf_model", "ckptkit consolidate dcp_ckpt model.safetensors --dtype bf16",
+                             "ckptkit consolidate dcp_ckpt hf_opt --include-optimizer --dtype torch.float16"))
 @click.argument("src")
 @click.argument("out")
-@click.option("--dtype", default=None, help="Cast floating tensors: fp32, bf16 or fp16.")
+@click.option("--dtype", default=None,
+              help="Cast floating model tensors: bf16, fp16 or fp32 (torch's names too: bfloat16, torch.bfloat16, half, float).")
 @click.option("--max-shard-size", default=knobs.MAX_SHARD_SIZE, show_default=True,
               help="Largest safetensors shard, e.g. 5GB, 500MB.")
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer state to optimizer*.safetensors.")
@@ -285,7 +326,8 @@ def verify(ctx: Context, src: str, deep: bool, tag: str | None, memory_budget, w
 @handle_errors
 def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
                 include_optimizer: bool, tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
-    """Write SRC's model as Hugging Face style safetensors in folder OUT."""
+    """Write SRC's model as Hugging Face style safetensors: into folder OUT, or into the file OUT
+    when it ends in .safetensors and the model fits in one file."""
     relaunch_if_asked(nproc, out)
     from ckptkit.index.dtypes import parse_dtype_option
     from ckptkit.ops.consolidate import consolidate as run_consolidate
@@ -295,8 +337,9 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
     res = run_consolidate(src, out, dtype=parse_dtype_option(dtype) if dtype else None,
                           max_shard_size=max_shard_size, include_optimizer=include_optimizer, options=opts,
                           tag=tag)
+    into = f"into {out}" if os.path.isfile(out) else f"into {out}: {', '.join(res.files)}"
     ctx.say(f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
-            f"from {res.source_format} into {out}: {', '.join(res.files)}")
+            f"from {res.source_format} {into}")
     if res.aliases:
         ctx.say("  tied tensors written once: " + ", ".join(f"{a} -> {t}" for a, t in res.aliases.items()))
     if res.optimizer_tensors:
@@ -304,40 +347,57 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
     if res.skipped:
         shown = ", ".join(res.skipped[:5]) + (", ..." if len(res.skipped) > 5 else "")
         ctx.say(f"  not written (neither model nor optimizer): {len(res.skipped)} tensors ({shown})")
+    ctx.say_done()
 
 
-@cli.command()
+@cli.command(short_help="Rewrite a DCP or DeepSpeed checkpoint for a new world size.",
+             epilog=examples("ckptkit reshard dcp_ckpt dcp_w4 --world-size 4",
+                             "ckptkit reshard ds_ckpt ds_w3 --to 3 --from 2"))
 @click.argument("src")
 @click.argument("out")
-@click.option("--to", "to", type=int, required=True, help="Target world size.")
-@click.option("--from", "from_", type=int, default=None, help="Expected source world size (checked).")
+@click.option("--world-size", "world_size", type=int, default=None, metavar="M", help="Target world size.")
+@click.option("--to", "to", type=int, default=None, metavar="M", help="Target world size (short form of --world-size).")
+@click.option("--from", "from_", type=int, default=None, metavar="N", help="Expected source world size (checked).")
 @click.option("--tag", default=None, help=TAG_HELP)
 @run_options
 @click.pass_obj
 @handle_errors
-def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: str | None, memory_budget,
-            workers, overwrite, nproc) -> None:
-    """Rewrite SRC for world size --to in folder OUT (same format)."""
+def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | None, from_: int | None,
+            tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
+    """Rewrite SRC for world size M (--world-size M, or --to M) in folder OUT, in SRC's format."""
+    from ckptkit.errors import UsageError
+
+    if world_size is not None and to is not None and world_size != to:
+        raise UsageError(f"--world-size {world_size} and --to {to} disagree: give the target world size once")
+    target = world_size if world_size is not None else to
+    if target is None:
+        raise UsageError("reshard needs the target world size: --world-size M (or --to M)")
     relaunch_if_asked(nproc, out)
     from ckptkit.ops.inspect import human_bytes
     from ckptkit.ops.reshard import reshard as run_reshard
 
     opts = make_run_options(ctx, memory_budget, workers, overwrite)
-    res = run_reshard(src, out, to, expect_from=from_, options=opts, tag=tag)
+    res = run_reshard(src, out, target, expect_from=from_, options=opts, tag=tag)
     ctx.say(f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
             f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
+    ctx.say_done()
 
 
-@cli.command()
+@cli.command(short_help="Convert to another backend, optimizer state included.",
+             epilog=examples("ckptkit convert ds_ckpt fsdp_w2 --to fsdp2 --world-size 2",
+                             "ckptkit convert dcp_ckpt model.pt --to torch --from fsdp",
+                             "ckptkit convert dcp_ckpt zero2_w3 --to zero2 --world-size 3 --ds-config ds_config.json"))
 @click.argument("src")
 @click.argument("out")
-@click.option("--to", "to", required=True, type=click.Choice(CONVERT_TARGETS), help="Target backend.")
+@click.option("--to", "to", required=True, type=click.Choice(CONVERT_TARGETS),
+              help="Target backend (fsdp/fsdp2: DCP in FSDP2's layout; hf: a safetensors folder; deepspeed: "
+                   "the stage the config names).")
 @click.option("--world-size", type=int, default=None,
               help="Ranks the target is laid out for (dcp, zero*; default: the source's).")
 @click.option("--ds-config", default=None, metavar="CONFIG.json",
               help="The DeepSpeed config the target job loads with (needed for --to zero* from a non-ZeRO source).")
 @click.option("--from", "from_", type=click.Choice(CONVERT_SOURCES), default=None,
-              help="Expected source format (checked; it is always detected).")
+              help="Expected source format, the same names as --to (checked; it is always detected).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW",
               help="Replace the name prefix OLD by NEW (repeatable, applied in order).")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Drop PREFIX from names that start with it (repeatable).")
@@ -351,7 +411,9 @@ def reshard(ctx: Context, src: str, out: str, to: int, from_: int | None, tag: s
 def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, ds_config: str | None,
             from_: str | None, rename: tuple[str, ...], strip_prefix: tuple[str, ...], add_prefix: str,
             frozen: tuple[str, ...], tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
-    """Convert training checkpoint SRC to another backend in folder OUT, optimizer state included."""
+    """Convert training checkpoint SRC to another backend in OUT, optimizer state included: a folder,
+    or the file OUT itself for --to torch with OUT ending in .pt or .bin, and for --to safetensors/hf
+    with OUT ending in .safetensors."""
     relaunch_if_asked(nproc, out)
     from ckptkit.convert.names import KeyRules
     from ckptkit.ops.convert import convert as run_convert
@@ -361,11 +423,14 @@ def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, d
     res = run_convert(src, out, to, world_size=world_size, ds_config=ds_config, expect_from=from_, rules=rules,
                       frozen=frozen, options=opts, tag=tag)
     where = f" for {res.world_size} rank(s)" if res.world_size else ""
-    files = f"{len(res.files)} file{'' if len(res.files) == 1 else 's'}"
-    ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out} ({files}): {res.summary}")
+    files = "" if os.path.isfile(out) else f" ({len(res.files)} file{'' if len(res.files) == 1 else 's'})"
+    ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out}{files}: {res.summary}")
+    ctx.say_done()
 
 
-@cli.command()
+@cli.command(short_help="Compare two checkpoints tensor by tensor (exit 1 if unequal).",
+             epilog=examples("ckptkit diff --model-only --atol 1e-6 dcp_ckpt dcp_ckpt_w3",
+                             "ckptkit diff --json dcp_ckpt dcp_ckpt_w3"))
 @click.argument("a")
 @click.argument("b")
 @click.option("--atol", type=float, default=0.0, show_default=True,
@@ -388,12 +453,15 @@ def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: b
             for r in result.rows]}))
     else:
         echo(*render(result, a, b, atol))
+        ctx.say_done()
     if not result.equal:
         sys.exit(EXIT_PROBLEMS)
 
 
-@cli.command()
+@cli.command(short_help="Train a tiny FSDP2 model, then reshard and consolidate it.",
+             epilog=examples("ckptkit demo --out ckptkit-demo"))
 @click.option("--out", default="ckptkit-demo", show_default=True, help="Folder for the demo's checkpoints.")
+@quiet_option
 @click.pass_obj
 @handle_errors
 def demo(ctx: Context, out: str) -> None:

@@ -101,10 +101,12 @@ def from_safetensors(code: str) -> str:
 
 
 def parse_dtype_option(text: str) -> str:
-    """Map a user's --dtype spelling (fp32, bf16, float16, ...) to a canonical name."""
+    """Map a user's --dtype spelling to a canonical name: ours (bf16, fp16, fp32) and torch's
+    (bfloat16, torch.bfloat16, half, torch.half, float, torch.float32, ...)."""
     aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
-    name = aliases.get(text.lower(), text.lower())
+    spelled = text.strip().lower().removeprefix("torch.")
+    name = aliases.get(spelled, spelled)
     if name not in FLOATING:
         raise UnsupportedError(f"--dtype {text!r} is not a floating dtype (use fp32, bf16 or fp16)")
     return name

@@ -1,7 +1,8 @@
 """`ckptkit consolidate`: any checkpoint -> Hugging Face style safetensors of the model.
 
-Keys are the model's own state_dict keys (the "model" container of {"model":..,"optim":..}
-checkpoints is dropped). Optimizer state only on request, in separate optimizer*.safetensors
+OUT is a folder (model.safetensors, or shards with their index), or the file itself when it ends
+in .safetensors and the model fits in one shard. Keys are the model's own state_dict keys (the
+"model" container of {"model":..,"optim":..} checkpoints is dropped). Optimizer state only on request, in separate optimizer*.safetensors
 files. Streams slab by slab: memory is bounded by the budget, not the checkpoint.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ..index.dtypes import is_floating
 from ..index.serialize import safe_value
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
-from ..storage.output import OutputDir
+from ..storage.output import OutputDir, OutputFile
+from .outputs import file_output, single_file_shards
 from .keys import split_roles
 from .options import RunOptions
 
@@ -58,12 +60,20 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
              for name, key in split.model.items() if name not in aliases]
     optim = [OutTensor(name, index.tensors[key], index.tensors[key].dtype)
              for name, key in split.optim.items()] if include_optimizer else []
+    single = file_output(out, "safetensors")
+    if single:
+        if include_optimizer:
+            raise UsageError(f"{out}: --include-optimizer writes optimizer*.safetensors beside the model, so "
+                             f"OUT must be a folder, not a .safetensors file")
+        single_file_shards(out, model, max_bytes, " (or a larger --max-shard-size)")
     total = sum(t.nbytes for t in model + optim)
     options.progress.start(total, "consolidate")
     fetcher = Fetcher(opened.source, index=index)
     files: list[str] = []
-    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src,)) as target:
-        files += write_safetensors(target, fetcher, model, basename="model", max_shard_bytes=max_bytes,
+    output = OutputFile if single else OutputDir
+    with output(out, overwrite=options.overwrite, group=options.group, sources=(src,)) as target:
+        basename = target.name[: -len(".safetensors")] if single else "model"
+        files += write_safetensors(target, fetcher, model, basename=basename, max_shard_bytes=max_bytes,
                                    slab_bytes=options.slab_bytes, workers=options.workers,
                                    aliases=aliases, progress=options.progress)
         if optim:

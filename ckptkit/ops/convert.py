@@ -1,17 +1,23 @@
 """`ckptkit convert`: a training checkpoint of one backend as another, optimizer state included.
 
-Source (any format ckptkit reads) -> canonical training state (convert/state.py) -> target:
-  dcp           torch's recipe keys, FSDP2 layout for --world-size ranks
-  zero1/2/3     a native DeepSpeed ZeRO checkpoint for --world-size ranks, laid out by --ds-config
-  torch         one torch.save file OUT/checkpoint.pt: {"model": ..., "optim": ..., extras}
-  safetensors   the model weights (Hugging Face layout)
+Source (any format ckptkit reads) -> canonical training state (convert/state.py) -> target
+(the names `--to` and `--from` share are in ckptkit/convert/__init__.py):
+  dcp fsdp fsdp2     torch's recipe keys, FSDP2 layout for --world-size ranks
+  zero1/2/3          a native DeepSpeed ZeRO checkpoint for --world-size ranks, laid out by --ds-config
+  deepspeed          the same, at the stage the DeepSpeed config (or the ZeRO source) names
+  torch              one torch.save file {"model": ..., "optim": ..., extras}: OUT itself when it
+                     ends in .pt or .bin, else OUT/checkpoint.pt
+  safetensors hf     the model weights (Hugging Face layout): OUT itself when it ends in
+                     .safetensors, else a folder
+An option that does not apply to the target is refused before anything is read.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Callable
 
-from ..convert import SOURCES, TARGETS
+from ..convert import NAMES, SOURCE_OF, SOURCES, TARGET_OF, TARGETS
 from ..convert.names import KeyRules
 from ..convert.state import TrainingState, describe, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
@@ -21,13 +27,14 @@ from ..formats.registry import open_checkpoint
 from ..formats.safetensors.writer import OutTensor, write_safetensors
 from ..formats.torch_save.writer import write_torch_save
 from ..runner.stream import find_aliases
-from ..storage.output import OutputDir
+from ..storage.output import OutputDir, OutputFile
 from .. import knobs, safe_json
 from .options import RunOptions
+from .outputs import SAFETENSORS_SUFFIX, file_output, single_file_shards
 
 TORCH_FILE = "checkpoint.pt"
 MAX_CONFIG_BYTES = 16 << 20  # a DeepSpeed config is a few KB
-FROM_NAMES = {"torch": "torch_save"}  # --from names -> index formats
+ZERO_TARGETS = ("zero", "zero1", "zero2", "zero3")
 
 
 @dataclass
@@ -49,9 +56,10 @@ def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
             except (TypeError, ValueError):  # a config pickled with values JSON cannot hold
                 raise UsageError(f"{state.source.path}: the ds_config stored in the checkpoint is not JSON data; "
                                  f"pass --ds-config CONFIG.json") from None
-            cfg.setdefault("zero_optimization", {})["stage"] = int(target[-1])
+            if target != "zero":  # --to deepspeed keeps the source's stage
+                cfg.setdefault("zero_optimization", {})["stage"] = int(target[-1])
             return cfg
-        raise UsageError(f"--to {target} needs --ds-config CONFIG.json: the DeepSpeed config the job will load "
+        raise UsageError(f"--to {'deepspeed' if target == 'zero' else target} needs --ds-config CONFIG.json: the DeepSpeed config the job will load "
                          f"with (stage, precision and sub_group_size decide the layout)")
     try:
         with open(path, "rb") as f:
@@ -64,54 +72,133 @@ def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
     return cfg
 
 
+def target_of(to: str) -> str:
+    """The writer a --to name selects: dcp, zero, zero1..3, torch or safetensors."""
+    if to not in TARGET_OF:
+        raise UsageError(f"--to {to!r}: expected one of {', '.join(NAMES)}")
+    return TARGET_OF[to]
+
+
+def check_applies(to: str, world_size: int | None = None, ds_config: str | None = None,
+                  frozen: tuple[str, ...] = ()) -> None:
+    """Refuse, in one sentence, an option that the target named by `to` would ignore."""
+    target = target_of(to)
+    if world_size is not None and target in ("torch", "safetensors"):
+        raise UsageError(f"--world-size does not apply to --to {to}: its output is not laid out per rank")
+    if ds_config is not None and target not in ZERO_TARGETS:
+        raise UsageError(f"--ds-config applies only to DeepSpeed targets (--to deepspeed, zero1, zero2 or "
+                         f"zero3), not to --to {to}")
+    if frozen and target in ("torch", "safetensors"):
+        raise UsageError(f"--frozen does not apply to --to {to}: only sharded targets (dcp, zero*) lay "
+                         f"frozen parameters out apart from buffers")
+
+
+def check_source(src: str, index_format: str, stage: int | None, expect_from: str) -> None:
+    """--from NAME: the detected source must be what NAME means (zero1/2/3: the stage it records)."""
+    if expect_from not in SOURCE_OF:
+        raise UsageError(f"--from {expect_from!r}: expected one of {', '.join(NAMES)}")
+    want_format, want_stage = SOURCE_OF[expect_from]
+    if index_format != want_format:
+        raise UsageError(f"{src}: is a {index_format} checkpoint, not {expect_from} (--from)")
+    if want_stage is not None and stage != want_stage:
+        raise UsageError(f"{src}: is a DeepSpeed ZeRO stage {stage} checkpoint, not {expect_from} (--from)")
+
+
 def convert(src: str, out: str, to: str, world_size: int | None = None, ds_config: str | None = None,
             expect_from: str | None = None, rules: KeyRules | None = None, frozen: tuple[str, ...] = (),
             options: RunOptions | None = None, tag: str | None = None) -> ConvertResult:
     options = options or RunOptions()
-    if to not in TARGETS:
-        raise UsageError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
+    target = target_of(to)
+    check_applies(to, world_size, ds_config, frozen)
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {world_size})")
     opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
-    if expect_from is not None and opened.index.format != FROM_NAMES.get(expect_from, expect_from):
-        raise UsageError(f"{src}: is a {opened.index.format} checkpoint, not {expect_from} (--from)")
+    if expect_from is not None:
+        stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
+        check_source(src, opened.index.format, stage, expect_from)
     state = read_state(opened, rules, frozen)
     world = world_size or opened.index.world_size or 1
-    total = sum(e.nbytes for e in state.model.values()) + sum(
-        e.nbytes for m in state.moments.values() for e in m.values())
-    options.progress.start(total, f"convert {opened.index.format} -> {to}")
-    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src, ds_config)) as target:
-        if to == "dcp":
+    single = file_output(out, target)
+    cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
+    if target == "zero":
+        target = f"zero{_config_stage(cfg, ds_config)}"
+    safetensors = _safetensors_plan(state) if target == "safetensors" else None
+    if safetensors is not None and single:
+        single_file_shards(out, safetensors[0], knobs.parse_size(knobs.MAX_SHARD_SIZE))
+    if target == "safetensors":
+        total = sum(t.nbytes for t in safetensors[0])
+    else:
+        total = sum(e.nbytes for e in state.model.values()) + sum(
+            e.nbytes for m in state.moments.values() for e in m.values())
+    options.progress.start(total, f"convert {opened.index.format} -> {target}")
+    output = OutputFile if single else OutputDir
+    with output(out, overwrite=options.overwrite, group=options.group, sources=(src, ds_config)) as dest:
+        if target == "dcp":
             index, resolver = torch_recipe_index(state, "dcp")
             index.world_size = world
-            files = write_dcp(target, index, fetcher_for(state, resolver), fsdp2_training_layout(index, state, world),
+            files = write_dcp(dest, index, fetcher_for(state, resolver), fsdp2_training_layout(index, state, world),
                               slab_bytes=options.slab_bytes, workers=options.workers, progress=options.progress)
-        elif to.startswith("zero"):
+        elif target.startswith("zero"):
             from ..convert.to_zero import write_zero_from_state
 
-            cfg = _load_config(ds_config, to, state)
-            files = write_zero_from_state(target, state, int(to[-1]), world, cfg, slab_bytes=options.slab_bytes,
+            files = write_zero_from_state(dest, state, int(target[-1]), world, cfg, slab_bytes=options.slab_bytes,
                                           workers=options.workers, progress=options.progress)
-        elif to == "torch":
+        elif target == "torch":
+            name = dest.name if single else TORCH_FILE
             index, resolver = torch_recipe_index(state, "torch")
-            write_torch_save(target, TORCH_FILE, index, fetcher_for(state, resolver), slab_bytes=options.slab_bytes,
+            write_torch_save(dest, name, index, fetcher_for(state, resolver), slab_bytes=options.slab_bytes,
                              progress=options.progress)
-            files = [TORCH_FILE]
+            files = [name]
         else:
-            files = _write_safetensors(target, state, options)
+            files = _write_safetensors(dest, state, safetensors, options, single)
     options.progress.close()
-    return ConvertResult(out, opened.index.format, to, world if to not in ("torch", "safetensors") else None,
-                         describe(state), files)
+    summary = _safetensors_summary(state, safetensors) if target == "safetensors" else describe(state)
+    return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
+                         summary, files)
 
 
-def _write_safetensors(target: OutputDir, state: TrainingState, options: RunOptions) -> list[str]:
+def _config_stage(cfg: dict | None, ds_config: str | None) -> int:
+    """--to deepspeed: the stage the DeepSpeed config names."""
+    stage = ((cfg or {}).get("zero_optimization") or {}).get("stage")
+    if stage not in (1, 2, 3):
+        where = f"--ds-config {ds_config}" if ds_config else "the source's DeepSpeed config"
+        raise UsageError(f"--to deepspeed: {where} names no ZeRO stage 1, 2 or 3 (zero_optimization.stage); "
+                         f"pass --to zero1, zero2 or zero3")
+    return stage
+
+
+def _safetensors_plan(state: TrainingState) -> tuple[list[OutTensor], dict[str, str], Callable]:
+    """(tensors to write, tied names written once, the fetcher) for a safetensors target."""
     index, resolver = torch_recipe_index(state, "safetensors")
     model = {k[len("model."):]: e for k, e in index.tensors.items() if (e.path or ())[:1] == ("model",)}
     aliases = find_aliases(model)
     tensors = [OutTensor(name, e, e.dtype) for name, e in model.items() if name not in aliases]
-    return write_safetensors(target, fetcher_for(state, resolver), tensors, basename="model",
+    return tensors, aliases, fetcher_for(state, resolver)
+
+
+def _write_safetensors(target: OutputDir, state: TrainingState, plan: tuple, options: RunOptions,
+                       single: bool) -> list[str]:
+    tensors, aliases, fetcher = plan
+    basename = target.name[: -len(SAFETENSORS_SUFFIX)] if single else "model"
+    return write_safetensors(target, fetcher, tensors, basename=basename,
                              max_shard_bytes=knobs.parse_size(knobs.MAX_SHARD_SIZE), slab_bytes=options.slab_bytes,
                              workers=options.workers, aliases=aliases, progress=options.progress)
 
 
-__all__ = ["convert", "ConvertResult", "TARGETS", "SOURCES", "TORCH_FILE"]
+def _safetensors_summary(state: TrainingState, plan: tuple) -> str:
+    """What a weights-only target holds, and what it leaves out (never reported as written)."""
+    tensors, aliases, _ = plan
+    text = f"{len(tensors)} model tensors" + (f" ({len(aliases)} tied, written once)" if aliases else "")
+    dropped = []
+    moments = sum(len(m) for m in state.moments.values())
+    if moments or state.has_optimizer:
+        dropped.append(f"optimizer state ({moments} moment tensors, {len(state.group_params)} param groups)")
+    if state.extras or state.steps:
+        dropped.append("training counters and extras")
+    if dropped:
+        text += f"; not written: {', '.join(dropped)} (safetensors holds weights only)"
+    return text
+
+
+__all__ = ["convert", "ConvertResult", "TARGETS", "SOURCES", "TORCH_FILE", "check_applies", "check_source",
+           "file_output", "target_of"]

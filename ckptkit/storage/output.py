@@ -166,16 +166,20 @@ class OutputDir:
         for root, _dirs, _files in os.walk(self.tmp):
             _fsync_dir(root)
         self._refuse_existing()  # without --overwrite, only an empty folder is replaced
+        self._put_in_place(self.tmp)
+
+    def _put_in_place(self, built: str) -> None:
+        """Rename `built` (the finished folder, or file) to OUT in one step, replacing what is there."""
         try:
             if not os.path.lexists(self.path):
-                swap.rename_new(self.tmp, self.path)
-            elif swap.exchange(self.tmp, self.path):
-                swap.remove_entry(self.tmp)  # the old OUT, now under our temporary name
+                swap.rename_new(built, self.path)
+            elif swap.exchange(built, self.path):
+                swap.remove_entry(built)  # the old OUT, now under our temporary name
             else:
                 old = os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}{OLD_MARK}{self.token}")
                 os.rename(self.path, old)
                 try:
-                    os.rename(self.tmp, self.path)
+                    os.rename(built, self.path)
                 except BaseException:
                     os.rename(old, self.path)
                     raise
@@ -221,6 +225,34 @@ class OutputDir:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+class OutputFile(OutputDir):
+    """One file that appears at `path` complete, or not at all (`ckptkit convert --to torch
+    model.pt`). It is written as `name` (OUT's own name) inside the same temporary folder, under the
+    same lock and overlap checks as a folder, then renamed over OUT; the folder is then removed.
+    Local paths only. Without overwrite, anything at OUT (an empty folder too) is refused."""
+
+    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None,
+                 sources: Sequence[str | None] = ()) -> None:
+        if "://" in path and not path.startswith("file://"):
+            raise OutputError(f"{path}: a single-file output must be a local path; give a folder as OUT "
+                              f"for remote storage")
+        super().__init__(path, overwrite=overwrite, group=group, sources=sources)
+        self.name = os.path.basename(self.path)
+
+    def _refuse_existing(self) -> None:
+        if self.overwrite or not os.path.lexists(self.path):
+            return
+        raise OutputError(f"{self.path}: output already exists (choose another path or pass --overwrite)")
+
+    def commit(self) -> None:
+        built = os.path.join(self.tmp, self.name)
+        if not os.path.isfile(built):
+            raise OutputError(f"{self.path}: the run wrote no file {self.name}; nothing was replaced")
+        _fsync_dir(self.tmp)
+        self._refuse_existing()
+        self._put_in_place(built)  # the temporary folder is removed afterwards, with the lock
 
 
 def recover(path: str) -> bool:
