@@ -234,3 +234,67 @@ def test_example_options_exist(block: Block, helps):
         for a in args[pos + 1:]:
             if a.startswith("--"):
                 assert a.split("=")[0] in helps.get(name, set()), f"{block.id}: `ckptkit {name}` has no option {a}"
+
+
+# ---- every command's --help shows 1-3 examples, and they run ------------------------------------
+# An example is a line `$ ckptkit ...` after `Examples:` in a command's --help (cli/main.py
+# `examples`). Examples name their inputs with the placeholders below (listed in the top-level
+# help); the test runs a command's examples in order in a fresh folder where each placeholder is
+# a link to a fixture, so their outputs land there. `ckptkit demo` is not run (it trains a model).
+
+HELP_INPUTS = {
+    "dcp_ckpt": "fixtures/data/fsdp2_w2",
+    "dcp_ckpt_w3": "fixtures/data/fsdp2_w3",
+    "ds_ckpt": "fixtures/data/deepspeed/z3_bf16_w2",
+    "state_dict.pt": "fixtures/data/plain_state_dict.pt",
+    "ds_config.json": "fixtures/data/deepspeed/z2_fp32_w2/ds_config.json",
+}
+EXAMPLE_EXIT = {"diff": (0, 1)}  # diff's 1 means "not equal", which an example may show
+
+
+def help_text(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "ckptkit", *args, "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80"))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def help_examples(text: str) -> list[str]:
+    """The `$ ckptkit ...` lines of a help text's Examples section, without the `$ `."""
+    lines = text.split("Examples:", 1)[1].splitlines() if "Examples:" in text else []
+    return [ln.strip()[2:] for ln in lines if ln.strip().startswith("$ ckptkit ")]
+
+
+@pytest.fixture(scope="module")
+def help_texts() -> dict[str, str]:
+    names = [""] + COMMANDS
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        return dict(zip(names, pool.map(lambda c: help_text(*([c] if c else [])), names)))
+
+
+def test_top_level_help_lists_every_command_on_one_line(help_texts):
+    listed = help_texts[""].split("Commands:", 1)[1].split("\n\n", 1)[0].splitlines()
+    names = [ln.split()[0] for ln in listed if ln.strip()]
+    assert names == COMMANDS, listed
+    assert all(len(ln.split(None, 1)) == 2 and not ln.startswith("    ") for ln in listed if ln.strip()), listed
+    for name in HELP_INPUTS:  # the placeholders the examples use are explained
+        assert name in " ".join(help_texts[""].split()), name
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_examples_run(cmd, help_texts, tmp_path):
+    examples = help_examples(help_texts[cmd])
+    assert 1 <= len(examples) <= 3, f"`ckptkit {cmd} --help` shows {len(examples)} examples; it needs 1-3"
+    for line in examples:
+        assert shlex.split(line)[1] == cmd, f"`ckptkit {cmd} --help` shows an example of another command: {line}"
+    if cmd == "demo":
+        return  # shown, not run: it trains a model on 2 processes
+    for name, target in HELP_INPUTS.items():
+        os.symlink(ROOT / target, tmp_path / name)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for line in examples:
+        proc = subprocess.run([sys.executable, "-m", "ckptkit", *shlex.split(line)[1:]], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode in EXAMPLE_EXIT.get(cmd, (0,)), (
+            f"`{line}` (from `ckptkit {cmd} --help`) exited {proc.returncode}\n{proc.stdout}{proc.stderr}")
+        assert "error" not in proc.stderr.lower(), f"`{line}`: {proc.stderr}"

@@ -2,8 +2,8 @@
 
 OUT is a folder (model.safetensors, or shards with their index), or the file itself when it ends
 in .safetensors and the model fits in one shard. Keys are the model's own state_dict keys (the
-"model" container of {"model":..,"optim":..} checkpoints is dropped). Optimizer state only on request, in separate optimizer*.safetensors
-files. Streams slab by slab: memory is bounded by the budget, not the checkpoint.
+"model" container of {"model":..,"optim":..} checkpoints is dropped). Optimizer state only on
+request, in separate optimizer*.safetensors files. Streams slab by slab: memory is bounded by the budget, not the checkpoint.
 """
 from __future__ import annotations
 
