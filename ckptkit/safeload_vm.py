@@ -90,6 +90,7 @@ _D = struct.Struct(">d").unpack_from
 
 MAX_INT_BYTES = 128      # LONG1 / LONG4: Python ints of more than 1024 bits are no checkpoint's data
 MAX_TEXT_LINE = 512      # INT / LONG / FLOAT / GET / PUT arguments of protocol 0
+EXPANDED_PER_BYTE = 4    # the expanded-size limit of a large pickle: this many values per input byte
 MAX_SAME_HASH = 64       # keys of one set sharing one hash: more are crafted (each insert walks them all)
 
 # values with nothing inside them whose expanded size is 1 (text and bytes weigh by length)
@@ -137,6 +138,10 @@ class Machine:
         # a large pickle may hold more: objects never outnumber opcodes, so a quarter of its bytes
         # (a real .metadata creates one object per 4.5 bytes) costs no more than reading it
         self.max_objects = max(lim.objects, len(self.data) // 4)
+        # likewise the expanded size: a walk of the result costs at most a few steps per input byte,
+        # so a 500k-tensor .metadata (which shares its dtypes and properties) is read, while a 1.5 KB
+        # pickle of lists sharing their children (2**40 when walked) is refused
+        self.max_expanded = max(lim.expanded, EXPANDED_PER_BYTE * len(self.data))
         self.stack: list[Any] = []
         self.depths: list[int] = []         # the nesting depth of each value on the stack
         self.marks: list[int] = [0]         # stack heights at each MARK (0: the bottom)
@@ -176,8 +181,8 @@ class Machine:
 
     def add_extra(self, n: int) -> None:
         self.extra += n
-        if self.extra > self.limits.expanded:
-            raise _limit(_EXPANDED, self.limits.expanded, "MAX_PICKLE_EXPANDED")
+        if self.extra > self.max_expanded:
+            raise _limit(_EXPANDED, self.max_expanded, "MAX_PICKLE_EXPANDED")
 
     def size_of(self, root: Any) -> tuple[int, int]:
         """(expanded size, depth) of a value, walking it once (iteratively) and remembering
@@ -186,7 +191,7 @@ class Machine:
         got = sizes.get(id(root))
         if got is not None:
             return got
-        limit = self.limits.expanded + len(self.data)
+        limit = self.max_expanded + len(self.data)
         children_of = self.grammar.children
         todo: list[tuple[Any, bool]] = [(root, False)]
         walking: set[int] = set()

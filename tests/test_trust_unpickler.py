@@ -505,6 +505,29 @@ def test_shared_lists_expand_exponentially_and_are_refused_at_load():
     refused(data, "MAX_PICKLE_EXPANDED", kind=FormatError, max_bytes=4 << 20, max_seconds=1.0)
 
 
+def test_expanded_limit_grows_with_a_real_metadata_but_not_for_a_small_bomb(monkeypatch):
+    """The expanded-size bound scales with the pickle's own size (a few values per byte): a real
+    DCP .metadata, whose chunks share dtypes and properties, is read however many tensors it holds,
+    while the same fixed floor still refuses the 1.5 KB bomb. Shrinking the floor stands in for a
+    500k-tensor .metadata, too slow to build here."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    props = TensorProperties(dtype=torch.float32)
+    sdm, storage = {}, {}
+    for i in range(3000):
+        fqn = f"layers.{i}.w"
+        sdm[fqn] = TensorStorageMetadata(props, torch.Size([4, 4]),
+                                         [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4]))])
+        storage[MetadataIndex(fqn, torch.Size([0, 0]), 0)] = _StorageInfo("__0_0.distcp", i * 64, 64)
+    data = pickle.dumps(Metadata(sdm, storage_data=storage))
+    monkeypatch.setattr(knobs, "MAX_PICKLE_EXPANDED", 1000)
+    md = loads(data, ".metadata")
+    assert len(md.state_dict_metadata) == 3000
+    refused(shared_lists(40), "MAX_PICKLE_EXPANDED", kind=FormatError)
+
+
 @pytest.mark.parametrize("cmd,wrap", [("inspect", False), ("inspect --json", False), ("inspect", True)])
 def test_shared_lists_in_a_dcp_bytes_item_are_refused(cmd, wrap, tmp_path):
     """The instance: the item's value is the list; on main `inspect` walked 2**40 nodes (a hang)."""
