@@ -41,8 +41,19 @@ def write_dcp(state_dict: Mapping[str, Any], folder: str, pg: Any = None) -> Non
     from torch.distributed.checkpoint import FileSystemWriter
 
     group = group_of(pg)
-    dcp.save(dict(state_dict), storage_writer=FileSystemWriter(folder, sync_files=True),
-             process_group=pg if group.distributed else None, no_dist=not group.distributed)
+    writer = FileSystemWriter(folder, sync_files=True)
+    if group.distributed:
+        dcp.save(dict(state_dict), storage_writer=writer, process_group=pg)
+        return
+    # dcp.save warns "torch.distributed is disabled ..." on every one-process save, even when told
+    # no_dist=True; the function it hands over to (same arguments, torch >= 2.4) does not
+    from torch.distributed.checkpoint import state_dict_saver
+
+    inner = getattr(state_dict_saver, "_save_state_dict", None)
+    if inner is None:  # pragma: no cover - a torch that renamed it: its warning is shown
+        dcp.save(dict(state_dict), storage_writer=writer, no_dist=True)
+    else:
+        inner(state_dict=dict(state_dict), storage_writer=writer, no_dist=True)
 
 
 def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,

@@ -124,7 +124,7 @@ def test_checkpointer_in_one_process(tmp_path):
     (tmp_path / "run" / ".step_000000060.ckptkit-lock").write_text(str(os.getpid()))  # held: kept
     again = ckptkit.Checkpointer(str(tmp_path / "run"))
     assert again.restore(fresh, fresh_optim) == 30 and again.extra == {"epoch": 30, "tags": ["a", "b"]}
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".step_000000060.ckptkit-lock",
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".step_000000060.ckptkit-lock", "latest",
                                                                    "step_000000020", "step_000000030"]
 
 

@@ -232,7 +232,7 @@ def test_keep_1_with_a_stray_newer_folder_keeps_the_step_just_written(tmp_path):
     ck, model, optim, truth = _run(d, steps=(1, 2, 3), keep=1)
     assert ck.steps() == [3]
     assert {n: snapshot(d / n) for n in others} == others
-    assert sorted(os.listdir(d)) == sorted([*others, "step_000000003"])  # no hidden leftovers either
+    assert sorted(os.listdir(d)) == sorted([*others, "latest", "step_000000003"])  # no hidden leftovers either
     with pytest.warns(SkippedStepsWarning, match="step_000000099.*step_98"):
         step, got, extra = _restore(d)
     assert step == 3 and extra == {"epoch": 3}
@@ -276,7 +276,7 @@ def test_unpadded_step_names_are_the_same_step(tmp_path):
         ck.save(11, model, optim)
     models.train_steps(model, optim, 1, models.DATA_SEED + 5)
     ck.save(11, model, optim, overwrite=True)         # replaces step_11, adds no second spelling
-    assert sorted(os.listdir(d)) == ["step_11"] and ck.steps() == [11]
+    assert sorted(os.listdir(d)) == ["latest", "step_11"] and ck.steps() == [11]
     step, got, _ = _restore(d)
     _assert_same(got, _flat(model, optim))
     os.rename(d / "step_11", d / "step_0011")
@@ -331,7 +331,7 @@ def test_save_refuses_to_replace_what_is_there_unless_overwrite(tmp_path):
         ck.save(4, model, optim)
     assert (d / "step_4").read_text() == "mine" and ck.steps() == [1]
     ck.save(4, model, optim, overwrite=True)
-    assert ck.steps() == [1, 4] and sorted(os.listdir(d)) == ["step_000000001", "step_4"]
+    assert ck.steps() == [1, 4] and sorted(os.listdir(d)) == ["latest", "step_000000001", "step_4"]
 
 
 def test_the_marker_is_written_last_and_describes_the_folder(tmp_path, monkeypatch):
@@ -340,7 +340,8 @@ def test_the_marker_is_written_last_and_describes_the_folder(tmp_path, monkeypat
     folder = Path(ck.path(3))
     doc = json.loads((folder / MARKER).read_text())
     assert doc["step"] == 3 and doc["format"] == "dcp" and doc["world_size"] == 1 and doc["ckptkit"]
-    listed = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.name != MARKER}
+    listed = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*")
+              if p.is_file() and p.name != MARKER}
     assert doc["files"] == listed and ".metadata" in listed
     # a save that fails before or while the marker is written leaves no step folder at all
     import ckptkit.hooks.steps as mod
@@ -351,7 +352,7 @@ def test_the_marker_is_written_last_and_describes_the_folder(tmp_path, monkeypat
     monkeypatch.setattr(mod, "write_marker", broken)
     with pytest.raises(OutputError, match="no space left on device"):
         ck.save(4, model, optim)
-    assert sorted(os.listdir(d)) == ["step_000000003"]
+    assert sorted(os.listdir(d)) == ["latest", "step_000000003"]
 
 
 def test_restore_puts_back_a_step_a_kill_left_aside_while_replacing_it(tmp_path):
@@ -362,13 +363,13 @@ def test_restore_puts_back_a_step_a_kill_left_aside_while_replacing_it(tmp_path)
     os.rename(d / "step_000000002", d / ".step_000000002.ckptkit-old-0badc0de")
     shutil.copytree(d / "step_000000001", d / ".step_000000002.ckptkit-tmp-0badc0de")
     step, got, _ = _restore(d)
-    assert step == 2 and sorted(os.listdir(d)) == ["step_000000001", "step_000000002"]
+    assert step == 2 and sorted(os.listdir(d)) == ["latest", "step_000000001", "step_000000002"]
     _assert_same(got, truth[2])
     # a kill after both renames: the aside copy (also as older versions named it) is removed
     shutil.copytree(d / "step_000000001", d / ".step_000000001.ckptkit-old-0badc0de")
     shutil.copytree(d / "step_000000001", d / "step_000000002.ckptkit-old-0badc0de")
     (d / ".step_000000001.ckptkit-lock").write_text("999999999")   # its dead owner's lock
-    assert _restore(d)[0] == 2 and sorted(os.listdir(d)) == ["step_000000001", "step_000000002"]
+    assert _restore(d)[0] == 2 and sorted(os.listdir(d)) == ["latest", "step_000000001", "step_000000002"]
     _assert_same(_restore(d, step=1)[1], truth[1])
 
 

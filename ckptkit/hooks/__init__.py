@@ -1,5 +1,23 @@
-"""Training-loop hooks."""
-from .checkpointer import Checkpointer, SkippedStepsWarning
-from .steps import DuplicateStepError
+"""Training-loop hooks. Imported lazily: `ckptkit inspect DIR` reads a Checkpointer directory
+through hooks.listing without importing torch."""
+from __future__ import annotations
 
-__all__ = ["Checkpointer", "SkippedStepsWarning", "DuplicateStepError"]
+from typing import Any
+
+__all__ = ["Checkpointer", "SkippedStepsWarning", "DuplicateStepError", "RngNotRestoredWarning"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Checkpointer", "SkippedStepsWarning"):
+        from . import checkpointer
+
+        return getattr(checkpointer, name)
+    if name == "DuplicateStepError":
+        from .steps import DuplicateStepError
+
+        return DuplicateStepError
+    if name == "RngNotRestoredWarning":
+        from .rng import RngNotRestoredWarning
+
+        return RngNotRestoredWarning
+    raise AttributeError(f"module 'ckptkit.hooks' has no attribute {name!r}")

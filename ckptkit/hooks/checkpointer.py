@@ -1,12 +1,14 @@
 """`Checkpointer`: save, retain and resume a training run, also after the cluster changed size.
 
     ckpt = Checkpointer("/ckpts/run1", keep=3, async_save=False)
-    step = ckpt.restore(model, optimizer)          # None on a fresh start
+    step = ckpt.restore(model, optimizer, states={"sched": scheduler})   # None on a fresh start
     ...
-    ckpt.save(step, model, optimizer, extra={"epoch": epoch})   # every rank calls it
+    ckpt.save(step, model, optimizer, extra={"epoch": epoch}, states={"sched": scheduler})
 
-Each checkpoint is a folder `step_<N>` written as a hidden temporary sibling; once every rank's
-save returned, rank 0 writes the completion marker into it (steps.py) and renames it into place.
+Each checkpoint is a folder `step_000000042` written as a hidden temporary sibling; every rank
+adds its RNG state (rng.py); once every rank's save returned, rank 0 writes the completion marker
+into it (steps.py), renames it into place, applies retention and updates the pointer file
+`latest` (pointer.py).
 Only folders the marker (or, for folders from before markers, ckptkit's reader) proves complete
 count: restore skips the rest and names them, retention deletes only marked ones, never the
 step just written. A crash leaves a hidden temporary that restore sweeps. Torch modules (plain,
@@ -28,10 +30,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CkptkitError, OutputError, UsageError
+from ..errors import CkptkitError, FormatError, OutputError, UsageError
 from ..runner.distributed import Group, group_of
 from ..storage.output import OutputDir, recover
+from . import pointer, rng
 from . import steps as step_folders
+from .rng import RngNotRestoredWarning
+from .saved import STATES, rank_key, template
 from .steps import Folder
 
 TMP_MARK = ".ckptkit-tmp-"
@@ -40,6 +45,7 @@ TMP_MARK = ".ckptkit-tmp-"
 LEFTOVER = re.compile(r"\.(step_[0-9]+)\.ckptkit-(?:tmp-|old-|lock).*|(step_[0-9]+)\.ckptkit-old-[0-9a-f]+",
                       re.ASCII | re.DOTALL)
 SHOWN = 10  # skipped folders named in the warning
+ENGINE_STATES = "ckptkit_states"  # the client-state entry holding `states` for DeepSpeed engines
 
 
 class SkippedStepsWarning(UserWarning):
@@ -52,14 +58,16 @@ def _is_engine(obj: Any) -> bool:
 
 
 class Checkpointer:
-    """Saves into `directory/step_<N>`, keeps the newest `keep`, restores the newest complete one."""
+    """Saves into `directory/step_<N>`, keeps the newest `keep`, restores the newest complete one.
+    With `rng` (the default) each rank's random generators are saved and restored too."""
 
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = False) -> None:
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = False, rng: bool = True) -> None:
         if keep < 1:
             raise UsageError(f"keep must be at least 1 (got {keep})")
         self.directory = os.path.abspath(directory)
         self.keep = keep
         self.async_save = async_save
+        self.rng = rng
         self.extra: dict[str, Any] | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -112,28 +120,35 @@ class Checkpointer:
     # ---- saving --------------------------------------------------------------------------
 
     def save(self, step: int, model: Any, optimizer: Any = None, extra: dict | None = None,
-             overwrite: bool = False) -> None:
-        """Collective. Save `step`; with async_save return once a CPU copy is staged. Anything
-        already at `step` (a checkpoint or a stray) is replaced only with `overwrite`."""
+             states: dict[str, Any] | None = None, overwrite: bool = False) -> None:
+        """Collective. Save `step`; with async_save return once a CPU copy is staged. `states`
+        maps names to objects with state_dict()/load_state_dict() (a scheduler, a dataloader),
+        each rank's saved apart. Anything already at `step` (a checkpoint or a stray) is
+        replaced only with `overwrite`."""
         self._raise_background()
         self.wait()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative int (got {step!r})")
+        saved_states = _state_dicts(states)
         name = self._on_root(lambda: self._target(step, overwrite))
+        rng_doc = rng.capture(self._group.world, self._group.rank) if self.rng else None
         if _is_engine(model):
             if optimizer is not None and extra is None and isinstance(optimizer, dict):
                 extra, optimizer = optimizer, None
-            self._save_engine(step, name, model, extra, overwrite)
+            self._save_engine(step, name, model, extra, saved_states, rng_doc, overwrite)
             return
         state = self._state_dict(model, optimizer)
         state["extra"] = copy.deepcopy(extra) if extra else {}
+        if saved_states:
+            state[STATES] = {rank_key(self._group.rank): saved_states}
         state["ckptkit"] = {"step": step}
         if not self.async_save:
-            self._write(step, name, overwrite, state, self._group, None)
+            self._write(step, name, overwrite, state, rng_doc, self._group, None)
             return
         staged = _stage(state)
         group = group_of(self._bg_pg) if self._bg_pg is not None else self._group
-        self._thread = threading.Thread(target=self._background, args=(step, name, overwrite, staged, group),
+        self._thread = threading.Thread(target=self._background,
+                                        args=(step, name, overwrite, staged, rng_doc, group),
                                         name=f"ckptkit-save-{step}", daemon=True)
         self._thread.start()
 
@@ -168,23 +183,33 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _background(self, step: int, name: str, overwrite: bool, state: dict, group: Group) -> None:
+    def _background(self, step: int, name: str, overwrite: bool, state: dict, rng_doc: dict | None,
+                    group: Group) -> None:
         try:
-            self._write(step, name, overwrite, state, group, self._bg_pg)
+            self._write(step, name, overwrite, state, rng_doc, group, self._bg_pg)
         except BaseException as exc:  # raised by the next call on this rank
             self._error = exc
 
-    def _write(self, step: int, name: str, overwrite: bool, state: dict, group: Group, pg: Any) -> None:
+    def _write(self, step: int, name: str, overwrite: bool, state: dict, rng_doc: dict | None, group: Group,
+               pg: Any) -> None:
         from ..api import write_dcp
 
         with OutputDir(os.path.join(self.directory, name), overwrite=overwrite, group=group) as out:
             write_dcp(state, out.tmp, pg)  # `group` is group_of(pg)
+            if rng_doc is not None:
+                rng.write(out.tmp, rng_doc)
             self._mark(out.tmp, step, "dcp", group)
         self._retain(group, step)
 
-    def _save_engine(self, step: int, name: str, engine: Any, extra: dict | None, overwrite: bool) -> None:
+    def _save_engine(self, step: int, name: str, engine: Any, extra: dict | None, states: dict,
+                     rng_doc: dict | None, overwrite: bool) -> None:
+        client = dict(extra or {})
+        if states:  # DeepSpeed keeps client state as its saving rank gave it
+            client[ENGINE_STATES] = states
         with OutputDir(os.path.join(self.directory, name), overwrite=overwrite, group=self._group) as out:
-            engine.save_checkpoint(out.tmp, tag=f"global_step{step}", client_state=dict(extra or {}))
+            engine.save_checkpoint(out.tmp, tag=f"global_step{step}", client_state=client)
+            if rng_doc is not None:
+                rng.write(out.tmp, rng_doc)
             self._mark(out.tmp, step, "deepspeed", self._group)
         self._retain(self._group, step)
 
@@ -200,20 +225,26 @@ class Checkpointer:
         """Rank 0 keeps the newest `keep` complete steps and `written`; of the others it deletes
         only folders ckptkit's marker proves complete. Strays, user files and folders from before
         markers are never touched. A folder is renamed to a hidden temporary before it is
-        removed, so a crash half-way leaves something the next restore sweeps, not a torso."""
+        removed, so a crash half-way leaves something the next restore sweeps, not a torso.
+        Last, the pointer file names the newest complete step."""
         if not group.is_root:
             return
         names = step_folders.scan(self.directory)
         newest: list[int] = []
+        newest_name = ""
         for step in sorted(names, reverse=True):
             if len(newest) == self.keep:
                 break
-            if any(step_folders.examine(self.directory, n, step).complete for n in names[step]):
+            complete = [n for n in names[step] if step_folders.examine(self.directory, n, step).complete]
+            if complete:
                 newest.append(step)
+                newest_name = newest_name or complete[0]
         for step in sorted(set(names) - set(newest) - {written}):
             for n in names[step]:
                 if step_folders.examine(self.directory, n, step, verify_unmarked=False).marked:
                     _remove(self.directory, n)
+        if newest_name:
+            pointer.write(self.directory, newest_name)
 
     @staticmethod
     def _state_dict(model: Any, optimizer: Any) -> dict:
@@ -226,11 +257,14 @@ class Checkpointer:
 
     # ---- restoring -----------------------------------------------------------------------
 
-    def restore(self, model: Any, optimizer: Any = None, step: int | None = None) -> int | None:
+    def restore(self, model: Any, optimizer: Any = None, states: dict[str, Any] | None = None,
+                step: int | None = None) -> int | None:
         """Collective. Load the newest complete checkpoint (or that of `step`) at the current world
-        size; its step, or None when there is none. `extra` then holds what save() was given.
-        Folders named like newer steps that are not complete checkpoints are skipped, and named
-        in a SkippedStepsWarning."""
+        size; its step, or None when there is none. `extra` then holds what save() was given;
+        each of `states` gets its saved state_dict(); the random generators are put back when
+        the world size is the one that saved (else an RngNotRestoredWarning). Folders named like
+        newer steps that are not complete checkpoints are skipped, and named in a
+        SkippedStepsWarning."""
         self.wait()
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise UsageError(f"step must be a non-negative int (got {step!r})")
@@ -243,19 +277,65 @@ class Checkpointer:
             return None
         path = os.path.join(self.directory, found.name)
         if _is_engine(model):
-            self._restore_engine(found.step, path, model)
-            return found.step
+            self._restore_engine(found.step, path, model, states or {})
+        else:
+            self._restore_torch(path, model, optimizer, states or {})
+        if self.rng:
+            self._restore_rng(found.step, path)
+        return found.step
+
+    def _restore_torch(self, path: str, model: Any, optimizer: Any, states: dict[str, Any]) -> None:
         from ..api import load
+        from ..formats.registry import open_checkpoint
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        index = open_checkpoint(path).index
         state = self._state_dict(model, optimizer)
+        extra = template(index, ("extra",))
+        if extra is not None:
+            state["extra"] = extra
+        rk = ""
+        if states:
+            rk = self._states_rank(index, path)
+            saved = template(index, (STATES, rk)) or {}
+            _check_states(path, states, saved)
+            state[STATES] = {rk: {k: saved[k] for k in states}}
         load(state, path)
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.extra = _extras(path)
-        return found.step
+        for k, obj in states.items():
+            obj.load_state_dict(state[STATES][rk][k])
+        self.extra = state.get("extra") or {}
+
+    def _states_rank(self, index: Any, path: str) -> str:
+        """Whose states this rank loads: its own rank's, or rank 0's for a rank the saving run
+        did not have (a larger world size)."""
+        own = rank_key(self._group.rank)
+        if any((o.path or ())[:2] == (STATES, own) for o in index.objects.values()) or \
+                any((t.path or ())[:2] == (STATES, own) for t in index.tensors.values()):
+            return own
+        return rank_key(0)
+
+    def _restore_rng(self, step: int, path: str) -> None:
+        """Every rank takes its own generator states back when the world size is the saved one;
+        otherwise (or when the step has none) rank 0 warns once and the generators stay."""
+        def saved_world() -> int | None:
+            doc = rng.read(path, 0)
+            return doc["world_size"] if doc is not None else None
+
+        world = self._on_root(saved_world)
+        if world is not None and world == self._group.world:
+            doc = rng.read(path, self._group.rank)
+            if doc is not None:
+                rng.apply(doc)
+                return
+        if self._group.is_root:
+            why = (f"was saved without RNG state" if world is None
+                   else f"was saved at world size {world}, this run has {self._group.world}")
+            warnings.warn(f"{path}: step {step} {why}; the random generators are left as they are",
+                          RngNotRestoredWarning, stacklevel=3)
 
     def _choose(self, step: int | None) -> tuple[Folder | None, list[Folder]]:
         """(the folder to restore, the strays newer than it, newest first). Only as many folders
@@ -268,6 +348,12 @@ class Checkpointer:
                 raise UsageError(f"{self.directory}: has no complete checkpoint of step {step} (complete steps, "
                                  f"newest last: {have})")
             return found, []
+        latest = pointer.read(self.directory)
+        newest = max(names, default=None)
+        if latest is not None and newest is not None and names[newest] == [latest]:
+            found = self._complete(newest, names[newest])  # the pointer, trusted once checked
+            if found is not None and found.name == latest:
+                return found, []
         skipped: list[Folder] = []
         for s in sorted(names, reverse=True):
             folders = [step_folders.examine(self.directory, n, s) for n in names[s]]
@@ -279,7 +365,7 @@ class Checkpointer:
                 return good[0], skipped
         return None, skipped
 
-    def _restore_engine(self, step: int, path: str, engine: Any) -> None:
+    def _restore_engine(self, step: int, path: str, engine: Any, states: dict[str, Any]) -> None:
         from ..formats.registry import open_checkpoint
         from ..ops.options import RunOptions
         from ..ops.reshard import reshard
@@ -304,6 +390,10 @@ class Checkpointer:
             # DeepSpeed hands back every entry it does not know as client state; keep the user's
             self.extra = {k: v for k, v in dict(client or {}).items()
                           if k not in DS_KEYS and k not in STRUCTURAL_KEYS}
+            saved = self.extra.pop(ENGINE_STATES, None) or {}
+            _check_states(load_from, states, saved)
+            for k, obj in states.items():
+                obj.load_state_dict(saved[k])
         finally:
             if scratch is not None:
                 self._group.check(None)  # every rank has read it before rank 0 removes it
@@ -346,13 +436,29 @@ def _warn_skipped(directory: str, found: Folder | None, skipped: list[Folder]) -
                   f"checkpoints: {shown}{more}; {took}", SkippedStepsWarning, stacklevel=3)
 
 
-def _extras(path: str) -> dict:
-    from ..formats.registry import open_checkpoint
-    from ..index.flatten import unflatten
+def _validate(states: dict[str, Any]) -> None:
+    """Refuse, before anything is written or loaded, what cannot be a `states` entry."""
+    if not isinstance(states, dict):
+        raise UsageError(f"states must be a dict of name -> object (got {type(states).__name__})")
+    for name, obj in states.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise UsageError(f"states: names are non-empty strings without dots (got {name!r:.60})")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UsageError(f"states[{name!r}]: {type(obj).__name__} has no state_dict() and load_state_dict()")
 
-    index = open_checkpoint(path).index
-    items = [(tuple(o.path[1:]), o.value) for o in index.objects.values() if o.path and o.path[0] == "extra"]
-    return unflatten(items) if items else {}
+
+def _state_dicts(states: dict[str, Any] | None) -> dict[str, Any]:
+    """Each named object's state_dict()."""
+    _validate(states or {})
+    return {name: obj.state_dict() for name, obj in (states or {}).items()}
+
+
+def _check_states(path: str, states: dict[str, Any], saved: dict) -> None:
+    _validate(states)
+    missing = [k for k in states if k not in saved]
+    if missing:
+        have = ", ".join(sorted(map(str, saved))) or "none"
+        raise FormatError(f"{path}: holds no state {missing[0]!r} (states saved: {have})")
 
 
 def _stage(obj: Any) -> Any:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..formats.registry import Opened, open_checkpoint
+from ..hooks import listing
+from ..hooks.listing import StepsReport
 from ..index.serialize import safe_value, to_json
 from ..text import escape
 from .keys import guess_step, split_roles
@@ -26,7 +28,11 @@ class Report:
     file_bytes: int = 0
 
 
-def inspect(path: str, tag: str | None = None, follow_links: bool | None = None) -> tuple[Opened, Report]:
+def inspect(path: str, tag: str | None = None,
+            follow_links: bool | None = None) -> tuple[Opened | None, Report | StepsReport]:
+    """The report on `path`; a Checkpointer directory (folders `step_<N>`) is listed step by step."""
+    if tag is None and listing.is_checkpointer_dir(path):
+        return None, listing.describe(path)
     opened = open_checkpoint(path, tag=tag, follow_links=follow_links)
     index = opened.index
     if index.step is None:
@@ -46,7 +52,9 @@ def inspect(path: str, tag: str | None = None, follow_links: bool | None = None)
     return opened, report
 
 
-def report_json(opened: Opened, report: Report) -> dict:
+def report_json(opened: Opened | None, report: Report | StepsReport) -> dict:
+    if isinstance(report, StepsReport):
+        return listing.to_json(report)
     doc = to_json(opened.index)
     doc["summary"] = {
         "format": report.format, "world_size": report.world_size, "step": report.step,
@@ -65,9 +73,11 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def render(opened: Opened, report: Report, max_rows: int = 40) -> list[str]:
+def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 40) -> list[str]:
     """A readable table: header facts, dtypes, tensors (largest first), objects. One string per
     line, names as the checkpoint has them: the printer escapes each line (ckptkit.text)."""
+    if isinstance(report, StepsReport):
+        return listing.render(report, human_bytes)
     lines = [
         f"checkpoint  {report.path}",
         f"format      {report.format}",

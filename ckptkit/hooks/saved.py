@@ -1,0 +1,39 @@
+"""What a Checkpointer step holds besides the model and optimizer: `extra` (what save() was
+given, tensors included) and `states` (each named object's state_dict(), one per rank), read
+back as nested values from the checkpoint's index."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..index.flatten import unflatten
+from ..index.types import CheckpointIndex
+
+STATES = "states"
+
+
+def rank_key(rank: int) -> str:
+    return f"rank_{rank}"
+
+
+def template(index: CheckpointIndex, prefix: tuple[str, ...]) -> dict | None:
+    """A state dict shaped like the entries under `prefix` (empty tensors of the saved dtype and
+    shape, None for other values) for `ckptkit.load` to fill; None when there are none."""
+    import torch
+
+    from ..index.dtypes import torch_dtype
+
+    n = len(prefix)
+    items: list[tuple[tuple, Any]] = []
+    for t in index.tensors.values():
+        path = _path(t.path, t.key)
+        if path[:n] == prefix:
+            items.append((path[n:], torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype))))
+    for o in index.objects.values():
+        path = _path(o.path, o.key)
+        if path[:n] == prefix:
+            items.append((path[n:], None))
+    return unflatten(items) if items else None
+
+
+def _path(path: tuple | None, key: str) -> tuple:
+    return tuple(path) if path else tuple(key.split("."))
