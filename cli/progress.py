@@ -6,6 +6,7 @@ the summary line needs. Every line goes through ckptkit.text.escape (the descrip
 format name or a path)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -39,8 +40,9 @@ class _Bar:
         from tqdm import tqdm
 
         self.close()
+        sized = _columns() > 0  # a terminal that reports no width (a bare pty) gets 80 columns
         self._bar = tqdm(total=total, desc=escape(desc), unit="B", unit_scale=True, unit_divisor=1000,
-                         file=sys.stderr, leave=False, dynamic_ncols=True)
+                         file=sys.stderr, leave=False, dynamic_ncols=sized, ncols=None if sized else 80)
 
     def advance(self, n: int) -> None:
         if self._bar is not None:
@@ -126,6 +128,13 @@ class CliProgress:
         elapsed = time.monotonic() - self.t0
         moved = nbytes if nbytes is not None else max(self.total, self.done)
         return f"done in {elapsed:.2f} s: {human_bytes(moved)} at {rate_text(moved, elapsed)}"
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _write_err(line: str) -> None:
