@@ -286,20 +286,26 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
              epilog=examples("ckptkit verify dcp_ckpt", "ckptkit verify --deep ds_ckpt", "ckptkit verify -q state_dict.pt"))
 @click.argument("src")
 @click.option("--deep", is_flag=True, help="Also read every byte and check the CRCs the files carry.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {ok, summary, problems: [{file, key, kind, message}]} as JSON on stdout.")
 @click.option("--tag", default=None, help=TAG_HELP)
 @read_options
 @click.pass_obj
 @handle_errors
-def verify(ctx: Context, src: str, deep: bool, tag: str | None, memory_budget, workers) -> None:
+def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, memory_budget, workers) -> None:
     """Check that every piece of SRC is present, in bounds and covers its tensor exactly."""
-    from ckptkit.ops.verify import verify as run_verify
+    from ckptkit.ops.verify import check
 
     opts = make_run_options(ctx, memory_budget, workers)
-    opened, problems = run_verify(src, deep=deep, options=opts, tag=tag)
-    if problems:
-        echo(f"{src}: {len(problems)} problem(s) found", *(f"  - {p}" for p in problems), err=True)
+    report = check(src, deep=deep, options=opts, tag=tag)
+    if as_json:
+        click.echo(dump_json(report.as_json()))
+        sys.exit(0 if report.ok else EXIT_PROBLEMS)
+    if report.problems:
+        echo(f"{src}: {len(report.problems)} problem(s) found",
+             *(f"  - {p.kind}: {p.message}" for p in report.problems), err=True)
         sys.exit(EXIT_PROBLEMS)
-    index = opened.index
+    index = report.opened.index
     if deep:
         crcs = len(index.checks)
         what = f"every byte read, {crcs} CRC32s match" if crcs else "every byte read (the format carries no CRCs)"
@@ -437,22 +443,26 @@ def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, d
               help="Largest absolute difference still counted as equal (also allows dtype differences).")
 @click.option("--model-only", is_flag=True, help="Compare model tensors only, not optimizer state.")
 @click.option("--json", "as_json", is_flag=True, help="Print every comparison as JSON.")
+@click.option("--stat", is_flag=True,
+              help="Print only the counts and the largest changes (by relative L2 change), largest first.")
 @read_options
 @click.pass_obj
 @handle_errors
-def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: bool, memory_budget,
-         workers) -> None:
-    """Compare checkpoints A and B (any formats) tensor by tensor; exit 0 only when equal."""
-    from ckptkit.ops.diff import diff as run_diff, render
+def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: bool, stat: bool,
+         memory_budget, workers) -> None:
+    """Compare checkpoints A and B (any formats) tensor by tensor, with their extras and step;
+    exit 0 only when equal."""
+    from ckptkit.ops.diff import STAT_TOP, diff as run_diff, render
 
     opts = make_run_options(ctx, memory_budget, workers)
     result = run_diff(a, b, atol=atol, model_only=model_only, options=opts)
     if as_json:
-        click.echo(dump_json({"equal": result.equal, "counts": result.counts(), "rows": [
-            {"name": r.name, "status": r.status, "max_abs_diff": r.max_abs_diff, "detail": r.detail}
-            for r in result.rows]}))
+        doc = {"equal": result.equal, "counts": result.counts(), "rows": [r.as_json() for r in result.rows]}
+        if stat:
+            doc["largest"] = [r.name for r in result.largest(STAT_TOP)]
+        click.echo(dump_json(doc))
     else:
-        echo(*render(result, a, b, atol))
+        echo(*render(result, a, b, atol, stat=stat))
         ctx.say_done()
     if not result.equal:
         sys.exit(EXIT_PROBLEMS)
@@ -468,7 +478,7 @@ def demo(ctx: Context, out: str) -> None:
     """Train a tiny model with FSDP2 on 2 CPU processes, then inspect, reshard, consolidate, verify."""
     from ckptkit.demo.run import run_demo
 
-    run_demo(out, say=echo)
+    run_demo(out, say=echo if not ctx.quiet else (lambda *_lines: None))
 
 
 def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,

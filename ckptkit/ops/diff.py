@@ -3,10 +3,15 @@
 Both sides are split into model and optimizer state (ops/keys.py) and model names are
 normalised (wrapper prefixes such as `module.`, `_orig_mod.`, `_fsdp_wrapped_module.` dropped),
 so an FSDP2 DCP, a ZeRO checkpoint and a safetensors file of the same model line up. Values are
-compared slab by slab within the memory budget: equal, or the largest absolute difference.
+compared slab by slab within the memory budget: equal, or the largest absolute difference and
+the relative L2 change ||a-b|| / ||a||, both summed in float64 as the slabs stream by.
 Optimizer steps and param-group hyperparameters are compared by value, whatever their backend
 form (DeepSpeed's int step vs AdamW's 0-d tensor); a hyperparameter only one backend keeps
 (DeepSpeed's bias_correction, torch's foreach) is listed as "one_side" and is not a difference.
+Everything else the checkpoint holds (extras: `extra.*`, a scheduler's state, client values, and
+their tensors) is compared under `extra:<key>`, and the training step as `step`; an extra only one
+side has is "one_side" (formats keep different ones), and values that only describe the layout
+(DeepSpeed's dp_world_size, zero_stage, ds_config, ...) are not compared.
 """
 from __future__ import annotations
 
@@ -22,8 +27,13 @@ from ..index.dtypes import itemsize
 from ..index.types import Box, TensorEntry
 from ..progress import Progress
 from ..runner.fetch import Fetcher
-from .keys import split_roles
+from .keys import STEP_NAMES, OPTIM_CONTAINERS, guess_step, split_roles
 from .options import RunOptions
+
+LAYOUT_KEYS = frozenset({"ds.dp_world_size", "ds.mp_world_size", "ds.zero_stage", "ds.ds_config", "ds.ds_version",
+                         "ds.checkpoint_parallel_dimensions"})
+EXTRA = "extra:"
+STAT_TOP = 10  # rows `--stat` shows, largest relative change first
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.",
                     "model.")
@@ -49,6 +59,11 @@ class Row:
     status: str                 # equal | close | different | missing_a | missing_b | dtype | shape | one_side
     max_abs_diff: float | None = None
     detail: str = ""
+    rel_l2: float | None = None   # ||a-b|| / ||a|| (|a-b| / |a| for a number); inf when a is 0 and b is not
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "status": self.status, "max_abs_diff": self.max_abs_diff,
+                "rel_l2": self.rel_l2, "detail": self.detail}
 
 
 @dataclass
@@ -64,6 +79,13 @@ class DiffResult:
         for r in self.rows:
             out[r.status] = out.get(r.status, 0) + 1
         return out
+
+    def largest(self, n: int = STAT_TOP) -> list[Row]:
+        """The `n` rows that changed most: by relative change, then those without one (a string
+        value, a shape), in name order."""
+        changed = [r for r in self.rows if r.status not in ("equal", "one_side")]
+        measured = sorted((r for r in changed if r.rel_l2 is not None), key=lambda r: (-r.rel_l2, r.name))
+        return (measured + [r for r in changed if r.rel_l2 is None])[:n]
 
 
 def _named(opened: Opened, model_only: bool) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
@@ -93,6 +115,31 @@ def _named(opened: Opened, model_only: bool) -> tuple[dict[str, TensorEntry], di
     return out, values
 
 
+def _extras(opened: Opened) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """(tensors, values) outside the model and the optimizer, by "extra:<key>", plus "step"."""
+    split = split_roles(opened.index)
+    index = opened.index
+    tensors = {EXTRA + key: index.tensors[key] for key in split.other}
+    optim = set(split.optim_objects.values())
+    values: dict[str, Any] = {}
+    for key, o in index.objects.items():
+        path = o.path or (key,)
+        if key in optim or _is_layout(key) or (path[0] in OPTIM_CONTAINERS and len(path) > 1):
+            continue
+        if path[-1] in STEP_NAMES:  # compared as "step" below
+            continue
+        values[EXTRA + key] = _plain(o.value)
+    step = index.step if index.step is not None else guess_step(index)
+    if step is not None:
+        values["step"] = step
+    return tensors, values
+
+
+def _is_layout(key: str) -> bool:
+    """A value that describes the layout, not the training state (also when a DCP flattened it)."""
+    return any(key == k or key.startswith(k + ".") for k in LAYOUT_KEYS)
+
+
 def _norm_optim(name: str) -> str:
     for what in ("exp_avg_sq", "exp_avg"):
         if name.startswith("state.") and name.endswith("." + what):
@@ -101,12 +148,17 @@ def _norm_optim(name: str) -> str:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, tuple):
+    """A value as plain data, so two backends' forms of it compare equal (tensors as numbers or
+    lists, tuples as lists, stand-in objects as their type and fields)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return {"__type__": type(value).__name__, **{k: _plain(v) for k, v in vars(value).items()
+                                                      if not k.startswith("_")}}
     return value
 
 
@@ -116,6 +168,13 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
     oa = open_checkpoint(a, follow_links=options.follow_links)
     ob = open_checkpoint(b, follow_links=options.follow_links)
     (na, va), (nb, vb) = _named(oa, model_only), _named(ob, model_only)
+    if not model_only:  # extras and the step: what a training run restores besides model and optimizer
+        (ta, xa), (tb, xb) = _extras(oa), _extras(ob)
+        one_side = (set(ta) ^ set(tb))
+        na.update({k: v for k, v in ta.items() if k not in one_side})
+        nb.update({k: v for k, v in tb.items() if k not in one_side})
+        va.update(xa)
+        vb.update(xb)
     fa, fb = Fetcher(oa.source, index=oa.index), Fetcher(ob.source, index=ob.index)
     result = DiffResult()
     both = set(na) & set(nb)
@@ -136,6 +195,10 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
             continue
         result.rows.append(_compare(name, ea, eb, fa, fb, atol, options.slab_bytes, options.progress))
     options.progress.close()
+    if not model_only:
+        for name in sorted(one_side):
+            where = a if name in ta else b
+            result.rows.append(Row(name, "one_side", detail=f"tensor only in {where}"))
     for name in sorted(set(va) | set(vb)):
         result.rows.append(_compare_value(name, va, vb, a, b, atol))
     return result
@@ -149,53 +212,91 @@ def _compare_value(name: str, va: dict, vb: dict, a: str, b: str, atol: float) -
         return Row(name, "one_side", detail=f"only in {a if name in va else b}: {va.get(name, vb.get(name))!r}")
     x, y = va[name], vb[name]
     if x == y:
-        return Row(name, "equal", 0.0)
+        return Row(name, "equal", 0.0, rel_l2=0.0)
     if isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool):
         delta = abs(float(x) - float(y))
-        return Row(name, "close" if delta <= atol else "different", delta, f"{x!r} vs {y!r}")
-    return Row(name, "different", None, f"{x!r} vs {y!r}")
+        return Row(name, "close" if delta <= atol else "different", delta, f"{x!r} vs {y!r}",
+                   rel_l2=_relative(delta * delta, float(x) * float(x)))
+    return Row(name, "different", None, f"{_short(x)} vs {_short(y)}")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _relative(diff_sq: float, base_sq: float) -> float:
+    """sqrt(diff_sq / base_sq): 0 when nothing changed, inf when a change starts from zero."""
+    if diff_sq == 0:
+        return 0.0
+    if base_sq == 0 or not math.isfinite(base_sq):
+        return math.inf
+    return math.sqrt(diff_sq / base_sq)
 
 
 def _compare(name: str, ea: TensorEntry, eb: TensorEntry, fa: Fetcher, fb: Fetcher, atol: float,
              slab_bytes: int, progress: Progress | None = None) -> Row:
     worst = 0.0
     identical = True
+    base_sq = diff_sq = 0.0  # sum a^2 and sum (a-b)^2 in float64, for ||a-b|| / ||a||
     item = max(itemsize(ea.dtype), itemsize(eb.dtype))
     for slab in geometry.split_rowmajor(Box.whole(ea.shape), max(1, slab_bytes // (2 * item))):
         ta, tb = fa.fetch(ea, slab), fb.fetch(eb, slab)
         if progress is not None:
             progress.advance(slab.numel * (itemsize(ea.dtype) + itemsize(eb.dtype)))
+        da = ta.to(torch.float64)
+        base_sq += float(torch.nansum(da * da))
         if ta.dtype == tb.dtype and (ta.numel() == 0 or _bits(ta).equal(_bits(tb))):
             continue  # bit-identical slab (NaNs included)
         identical = False
-        if ta.dtype == torch.bool or tb.dtype == torch.bool:
-            worst = max(worst, float((ta != tb).any()))
-            continue
-        da, db = ta.to(torch.float64), tb.to(torch.float64)
+        db = tb.to(torch.float64)
         both_nan = torch.isnan(da) & torch.isnan(db)
-        delta = (da - db).abs().masked_fill(both_nan, 0.0)
-        worst = max(worst, float(torch.nan_to_num(delta, nan=math.inf).max()))
+        delta = torch.nan_to_num((da - db).abs().masked_fill(both_nan, 0.0), nan=math.inf)
+        worst = max(worst, float(delta.max()) if delta.numel() else 0.0)
+        diff_sq += float((delta * delta).sum())
     if identical and ea.dtype == eb.dtype:
-        return Row(name, "equal", 0.0)
+        return Row(name, "equal", 0.0, rel_l2=0.0)
+    rel = _relative(diff_sq, base_sq)
     if worst <= atol:
-        return Row(name, "close", worst)
-    return Row(name, "different", worst, f"max |a-b| = {worst:.6g}")
+        return Row(name, "close", worst, rel_l2=rel)
+    return Row(name, "different", worst, f"max |a-b| = {worst:.6g}", rel_l2=rel)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def render(result: DiffResult, a: str, b: str, atol: float, show: int = 50) -> list[str]:
-    """The differences, one string per line (the printer escapes each line: ckptkit.text)."""
+def render(result: DiffResult, a: str, b: str, atol: float, show: int = 50, stat: bool = False) -> list[str]:
+    """The differences, one string per line (the printer escapes each line: ckptkit.text).
+    `stat`: the counts and the STAT_TOP largest changes only, largest relative change first."""
     counts = result.counts()
     lines = [f"a: {a}", f"b: {b}",
              "compared " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + (f" (atol {atol:g})" if atol else "")]
-    shown = [r for r in result.rows if r.status not in ("equal", "one_side")]
-    for r in shown[:show]:
-        extra = f"max |a-b| {r.max_abs_diff:.6g}" if r.max_abs_diff is not None else r.detail
-        lines.append(f"  {r.status:<9} {r.name}  {extra}")
-    if len(shown) > show:
-        lines.append(f"  ... and {len(shown) - show} more (use --json for all)")
+    if stat:
+        top = result.largest(STAT_TOP)
+        if top:
+            lines.append(f"largest changes, top {STAT_TOP} by relative L2 change ||a-b||/||a||:")
+            lines.append(f"  {'rel L2':<12} {'max |a-b|':<12} {'status':<9} name")
+            lines += [f"  {_num(r.rel_l2):<12} {_num(r.max_abs_diff):<12} {r.status:<9} {r.name}"
+                      + (f"  ({r.detail})" if r.detail and not r.detail.startswith("max |a-b|") else "")
+                      for r in top]
+    else:
+        shown = [r for r in result.rows if r.status not in ("equal", "one_side")]
+        for r in shown[:show]:
+            lines.append(f"  {r.status:<9} {r.name}  {_measure(r) if r.max_abs_diff is not None else r.detail}")
+        if len(shown) > show:
+            lines.append(f"  ... and {len(shown) - show} more (use --json for all)")
     lines.append("equal" if result.equal else "not equal")
     return lines
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def _measure(r: Row) -> str:
+    if r.max_abs_diff is None:
+        return r.detail
+    rel = f"  rel L2 {r.rel_l2:.6g}" if r.rel_l2 is not None else ""
+    value = f"  ({r.detail})" if r.detail and not r.detail.startswith("max |a-b|") else ""
+    return f"max |a-b| {r.max_abs_diff:.6g}{rel}{value}"

@@ -2,14 +2,20 @@
 
 --deep also reads every byte: CRC32s of the zip members that torch.save containers carry,
 every tensor assembled from its pieces, and safetensors files opened by the safetensors library.
-Every problem found is listed; the caller exits 0 only when the list is empty.
+Every problem found is listed, each with its file, key and kind (index/problems.py): the readers
+run under `problems.collecting()`, so a missing or damaged rank file is recorded and the other
+files are still indexed and checked; tensors it left incomplete are not reported again as gaps.
+The caller exits 0 only when the list is empty.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..errors import CkptkitError, quote
 from ..formats.registry import Opened, open_checkpoint
 from ..formats.torch_save.archive import tensor_span_elems
-from ..index import geometry
+from ..index import geometry, problems as P
+from ..index.problems import Problem
 from ..index.dtypes import itemsize
 from ..index.types import Box, FlatRange
 from ..runner.fetch import Fetcher
@@ -19,57 +25,110 @@ from .options import RunOptions
 CRC_BLOCK = 8 << 20
 
 
+@dataclass
+class Report:
+    """What `verify` found in one checkpoint: `opened` is None when it could not be indexed."""
+
+    path: str
+    opened: Opened | None
+    problems: list[Problem]
+    deep: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self.problems:
+            out[p.kind] = out.get(p.kind, 0) + 1
+        return dict(sorted(out.items()))
+
+    def as_json(self) -> dict:
+        """`verify --json`: ok, a summary, and every problem with its file, key and kind."""
+        summary: dict = {"problems": len(self.problems), "by_kind": self.counts(), "deep": self.deep,
+                         "format": None, "tensors": None, "objects": None, "files": None}
+        if self.opened is not None:
+            idx = self.opened.index
+            summary.update({"format": idx.format, "tensors": len(idx.tensors), "objects": len(idx.objects),
+                            "files": len(idx.files)})
+            if self.deep:
+                summary["crc32_checked"] = len(idx.checks)
+        return {"path": self.path, "ok": self.ok, "summary": summary,
+                "problems": [p.as_json() for p in self.problems]}
+
+
+def check(path: str, deep: bool = False, options: RunOptions | None = None, tag: str | None = None) -> Report:
+    """Every problem of the checkpoint at `path`: those met while indexing (a missing or damaged
+    file, listed and stepped over where the rest can still be read), then structure, then --deep."""
+    options = options or RunOptions()
+    with P.collecting() as log:
+        try:
+            opened = open_checkpoint(path, tag=tag, follow_links=options.follow_links)
+        except CkptkitError as exc:
+            return Report(path, None, log.problems + [Problem(P.kind_of(exc), str(exc), path)], deep)
+    found = list(log.problems)
+    found += structural_findings(opened, skip=log.damaged)
+    if deep:  # a tensor already reported is not assembled again (it would fail for the same reason)
+        found += deep_findings(opened, options, skip=log.damaged | {p.key for p in found if p.key})
+    return Report(path, opened, found, deep)
+
+
 def verify(path: str, deep: bool = False, options: RunOptions | None = None,
            tag: str | None = None) -> tuple[Opened | None, list[str]]:
-    """(opened checkpoint or None, problems). Structural errors while reading become problems."""
-    options = options or RunOptions()
-    try:
-        opened = open_checkpoint(path, tag=tag, follow_links=options.follow_links)
-    except CkptkitError as exc:
-        return None, [str(exc)]
-    problems = structural_problems(opened)
-    if deep:
-        problems += deep_problems(opened, options)
-    return opened, problems
+    """(opened checkpoint or None, every problem's sentence); see check() for the details."""
+    report = check(path, deep, options, tag)
+    return report.opened, [p.message for p in report.problems]
 
 
 def structural_problems(opened: Opened) -> list[str]:
+    """The sentences of structural_findings (one per problem)."""
+    return [p.message for p in structural_findings(opened)]
+
+
+def structural_findings(opened: Opened, skip: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """Pieces inside their files and sized for their regions; each tensor covered exactly once.
+    Tensors in `skip` lost pieces to a problem already listed: their coverage is not checked."""
     index, source = opened.index, opened.source
-    problems: list[str] = []
+    problems: list[Problem] = []
     for key, t in index.tensors.items():
         item = itemsize(t.dtype)
         for p in t.pieces:
             loc = p.location
+            label = source.label(loc.file)
             try:
                 size = source.size(loc.file)
             except CkptkitError as exc:
-                problems.append(f"tensor {key}: {exc}")
+                problems.append(Problem(P.kind_of(exc), f"tensor {key}: {exc}", label, key))
                 continue
             if loc.offset < 0 or loc.offset + loc.length > size:
-                problems.append(f"{source.label(loc.file)}: tensor {key} bytes {loc.offset}..{loc.offset + loc.length} "
-                                f"lie past the end of the file ({size} bytes)")
+                problems.append(Problem(P.TRUNCATED, f"{label}: tensor {key} bytes {loc.offset}..{loc.offset + loc.length} "
+                                        f"lie past the end of the file ({size} bytes)", label, key))
             if loc.encoding == "raw":
                 if isinstance(p.region, FlatRange) or loc.stride is None:
                     expected = p.region.numel * item
                 else:
                     expected = tensor_span_elems(p.region.sizes, loc.stride) * item
                 if loc.length != expected:
-                    problems.append(f"{source.label(loc.file)}: tensor {key} piece holds {loc.length} bytes, "
-                                    f"its region needs {expected}")
+                    problems.append(Problem(P.SIZE_MISMATCH, f"{label}: tensor {key} piece holds {loc.length} "
+                                            f"bytes, its region needs {expected}", label, key))
             if isinstance(p.region, Box) and p.region.ndim != len(t.shape):
-                problems.append(f"tensor {key}: piece has rank {p.region.ndim}, tensor has rank {len(t.shape)}")
-        if t.attrs.get("alias_of"):
+                problems.append(Problem(P.FORMAT, f"tensor {key}: piece has rank {p.region.ndim}, tensor has "
+                                        f"rank {len(t.shape)}", label, key))
+        if t.attrs.get("alias_of") or key in skip:
             continue
+        where = source.label(t.pieces[0].location.file) if t.pieces else opened.path
         cov = geometry.coverage(t.shape, [p.region for p in t.pieces])
         if cov.out_of_bounds:
-            problems.append(f"tensor {key} {list(t.shape)}: {len(cov.out_of_bounds)} piece(s) lie outside "
-                            f"the tensor, e.g. {_region_text(cov.out_of_bounds[0])}")
+            problems.append(Problem(P.OUT_OF_BOUNDS, f"tensor {key} {list(t.shape)}: {len(cov.out_of_bounds)} "
+                                    f"piece(s) lie outside the tensor, e.g. {_region_text(cov.out_of_bounds[0])}",
+                                    where, key))
         if cov.missing:
-            problems.append(f"tensor {key} {list(t.shape)}: {cov.missing_elements} element(s) are in no piece, "
-                            f"e.g. {_region_text(cov.missing[0])}")
+            problems.append(Problem(P.COVERAGE_GAP, f"tensor {key} {list(t.shape)}: {cov.missing_elements} "
+                                    f"element(s) are in no piece, e.g. {_region_text(cov.missing[0])}", where, key))
         if cov.doubled:
-            problems.append(f"tensor {key} {list(t.shape)}: elements are stored twice, "
-                            f"e.g. {_region_text(cov.doubled[0])}")
+            problems.append(Problem(P.COVERAGE_OVERLAP, f"tensor {key} {list(t.shape)}: elements are stored "
+                                    f"twice, e.g. {_region_text(cov.doubled[0])}", where, key))
     return problems
 
 
@@ -80,9 +139,17 @@ def _region_text(region) -> str:
 
 
 def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
-    index, source = opened.index, opened.source
-    problems: list[str] = []
-    tensors = [(k, t) for k, t in index.tensors.items() if not t.attrs.get("alias_of") and t.numel]
+    """The sentences of deep_findings (one per problem)."""
+    return [p.message for p in deep_findings(opened, options)]
+
+
+def deep_findings(opened: Opened, options: RunOptions,
+                  skip: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """Every byte read: CRCs, every tensor assembled (except those in `skip`), safetensors files."""
+    index = opened.index
+    problems: list[Problem] = []
+    tensors = [(k, t) for k, t in index.tensors.items()
+               if not t.attrs.get("alias_of") and t.numel and k not in skip]
     options.progress.start(sum(c.length for c in index.checks) + sum(t.nbytes for _, t in tensors),
                            "verify --deep")
     try:
@@ -95,9 +162,9 @@ def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
     return problems
 
 
-def _crc_problems(opened: Opened, options: RunOptions) -> list[str]:
+def _crc_problems(opened: Opened, options: RunOptions) -> list[Problem]:
     index, source = opened.index, opened.source
-    problems: list[str] = []
+    problems: list[Problem] = []
     for check in index.checks:
         crc = 0
         pos = check.offset
@@ -109,17 +176,18 @@ def _crc_problems(opened: Opened, options: RunOptions) -> list[str]:
                 pos += n
                 options.progress.advance(n)
         except CkptkitError as exc:
-            problems.append(str(exc))
+            problems.append(Problem(P.kind_of(exc), str(exc), source.label(check.file)))
             continue
         if crc != check.crc32:
-            problems.append(f"{source.label(check.file)}: {check.what} at byte {check.offset} fails its CRC "
-                            f"(stored {check.crc32:08x}, computed {crc:08x}): the bytes were altered")
+            problems.append(Problem(P.CRC_MISMATCH, f"{source.label(check.file)}: {check.what} at byte "
+                                    f"{check.offset} fails its CRC (stored {check.crc32:08x}, computed "
+                                    f"{crc:08x}): the bytes were altered", source.label(check.file)))
     return problems
 
 
-def _tensor_problems(opened: Opened, tensors: list, options: RunOptions) -> list[str]:
+def _tensor_problems(opened: Opened, tensors: list, options: RunOptions) -> list[Problem]:
     """Every tensor assembled from its pieces, slab by slab (decoding and bounds checked)."""
-    problems: list[str] = []
+    problems: list[Problem] = []
     fetcher = Fetcher(opened.source, index=opened.index, memory_budget=options.memory_budget)
     for key, t in tensors:
         item = itemsize(t.dtype)
@@ -128,11 +196,13 @@ def _tensor_problems(opened: Opened, tensors: list, options: RunOptions) -> list
                 fetcher.fetch(t, slab)
                 options.progress.advance(slab.numel * item)
         except CkptkitError as exc:
-            problems.append(f"tensor {key}: {exc}")
+            kind = P.kind_of(exc)
+            where = opened.source.label(t.pieces[0].location.file) if t.pieces else opened.path
+            problems.append(Problem(P.UNREADABLE if kind == P.FORMAT else kind, f"tensor {key}: {exc}", where, key))
     return problems
 
 
-def _safetensors_library_check(opened: Opened) -> list[str]:
+def _safetensors_library_check(opened: Opened) -> list[Problem]:
     """The safetensors library itself must accept every file (it validates the header too)."""
     import os
 
@@ -149,7 +219,8 @@ def _safetensors_library_check(opened: Opened) -> list[str]:
             with safe_open(opened.source.opened_path(rel), framework="pt") as f:
                 list(f.keys())
         except CkptkitError as exc:
-            problems.append(str(exc))
+            problems.append(Problem(P.kind_of(exc), str(exc), path))
         except Exception as exc:  # the library raises its own error types
-            problems.append(f"{path}: the safetensors library rejects the file ({quote(str(exc), 200)})")
+            problems.append(Problem(P.FORMAT, f"{path}: the safetensors library rejects the file "
+                                    f"({quote(str(exc), 200)})", path))
     return problems

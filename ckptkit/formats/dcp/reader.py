@@ -13,7 +13,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ...errors import FormatError, quote
+from ...errors import CkptkitError, FormatError, quote
+from ...index import problems
 from ...index.dtypes import dtype_name, itemsize
 from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
@@ -179,14 +180,22 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
             raise FormatError(f"{label}: key {key} has unknown storage metadata {kind}")
 
     def run(job):
-        return _read_item(source, *job)
+        try:
+            return _read_item(source, *job)
+        except CkptkitError as exc:  # handed back: verify lists it and goes on (index.problems)
+            return exc
 
     if parallel > 1 and len(jobs) > 8:
         with ThreadPoolExecutor(parallel) as pool:
             results = list(pool.map(run, jobs))
     else:
         results = [run(j) for j in jobs]
-    for (target, _, _), (piece_or_value, checks) in zip(jobs, results):
+    for (target, _, info), result in zip(jobs, results):
+        if isinstance(result, CkptkitError):
+            if not problems.tolerate(result, _item_file(source, info), target.key):
+                raise result
+            continue
+        piece_or_value, checks = result
         if isinstance(target, TensorEntry):
             target.pieces.append(piece_or_value)
         else:
@@ -196,6 +205,15 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
     ranks = [int(m.group(1)) for n in index.files if (m := _DATA_FILE.match(n))]
     index.world_size = max(ranks) + 1 if ranks else None
     return index
+
+
+def _item_file(source: Source, info: Any) -> str:
+    """The path of the data file a storage record names (the folder when it names none usable)."""
+    path = getattr(info, "__dict__", {}).get("relative_path")
+    try:
+        return source.label(_safe_relpath(path, source.label("")))
+    except CkptkitError:
+        return source.label("")
 
 
 def _read_item(source: Source, target: Any, box: Box | None, info: Any):

@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass, field
 
 from ...errors import FormatError, NotACheckpointError, UnsupportedError, quote
+from ...index import problems
 from ...storage.source import Source
 
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -100,6 +101,17 @@ def locate(source: Source, tag: str | None = None) -> Layout:
     world = max(layout.optim_files) + 1
     missing = [r for r in range(world) if r not in layout.optim_files]
     if missing:
-        raise FormatError(f"{source.label(prefix or '')}: optim-states files for rank(s) {missing} are missing "
-                          f"(found {len(layout.optim_files)} of {world})")
+        error = FormatError(f"{source.label(prefix or '')}: optim-states files for rank(s) {missing} are missing "
+                            f"(found {len(layout.optim_files)} of {world})")
+        if not problems.collecting_now():
+            raise error
+        for rank in missing:  # verify: one problem per missing file, the other ranks still checked
+            name = optim_file_name(rank, layout.bf16_prefix)
+            problems.tolerate(FormatError(f"{source.label(prefix + name)}: file is missing (rank {rank} of "
+                                          f"{world})"), source.label(prefix + name))
     return layout
+
+
+def optim_file_name(rank: int, bf16_prefix: bool) -> str:
+    """The name DeepSpeed gives rank `rank`'s optim-states file (model-parallel rank 0)."""
+    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import FormatError, UnsupportedError
+from ...errors import CkptkitError, FormatError, UnsupportedError
+from ...index import problems
 from ...index.dtypes import itemsize
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
@@ -87,13 +88,28 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
 
     def load(name: str) -> Any:
         rel = layout.prefix + name
-        archives[rel] = open_archive(source, rel)
-        return load_structure(archives[rel], eager=False)
+        try:
+            archive = open_archive(source, rel)
+            structure = load_structure(archive, eager=False)
+        except CkptkitError as exc:  # verify: listed, and the other ranks are still checked
+            if not problems.collecting_now():
+                raise
+            if _truncated_zip(source, rel):
+                exc = FormatError(f"{source.label(rel)}: is truncated: a zip archive without its end record "
+                                  f"({source.size(rel)} bytes; the file was cut short)")
+            problems.tolerate(exc, source.label(rel))
+            return None
+        archives[rel] = archive
+        return structure
 
-    optim = {r: load(n) for r, n in sorted(layout.optim_files.items())}
-    model = {r: load(n) for r, n in sorted(layout.model_files.items())}
-    first_optim = layout.prefix + layout.optim_files[0]
-    osd0 = _get(optim[0], "optimizer_state_dict", source.label(first_optim))
+    optim = {r: v for r, n in sorted(layout.optim_files.items()) if (v := load(n)) is not None}
+    model = {r: v for r, n in sorted(layout.model_files.items()) if (v := load(n)) is not None}
+    if not optim or not model:
+        raise FormatError(f"{source.label(layout.prefix)}: no {'optim' if not optim else 'model'}-states file "
+                          f"of the tag could be read")
+    r0 = min(optim)
+    first_optim = layout.prefix + layout.optim_files[r0]
+    osd0 = _get(optim[r0], "optimizer_state_dict", source.label(first_optim))
     if "zero_stage" not in osd0:
         raise UnsupportedError(f"{source.label(first_optim)}: optimizer state without a zero_stage: the "
                                f"BF16_Optimizer / ZeRO stage 0 layout is not supported yet")
@@ -103,11 +119,11 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     if osd0.get("elastic_checkpoint") or (stage < 3 and "base_optimizer_state" in osd0
                                           and isinstance(osd0["base_optimizer_state"], list)):
         raise UnsupportedError(f"{source.label(first_optim)}: elastic ZeRO checkpoints are not supported yet")
-    world = len(layout.optim_files)
-    m0_name = layout.prefix + layout.model_files[min(layout.model_files)]
-    m0 = model[min(layout.model_files)]
+    world = max(layout.optim_files) + 1  # ranks short of it were missing (verify listed them)
+    m0_name = layout.prefix + layout.model_files[min(model)]
+    m0 = model[min(model)]
     label = source.label(m0_name)
-    if stage == 3 and len(layout.model_files) != world:
+    if stage == 3 and len(layout.model_files) != world and not _tolerate_missing_models(source, layout, world):
         raise FormatError(f"{source.label(layout.prefix)}: ZeRO-3 needs one model-states file per rank, found "
                           f"{len(layout.model_files)} for {world} optim-states files")
     dp = m0.get("dp_world_size") if isinstance(m0, dict) else None
@@ -136,7 +152,7 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
             target = index.tensors[f"model.{owner}"]
             index.add_tensor(TensorEntry(f"model.{alias}", target.dtype, target.shape, list(target.pieces),
                                          path=("model", alias), attrs={"alias_of": f"model.{owner}"}))
-    _objects(index, info, archives[m0_name], m0, optim[0])
+    _objects(index, info, archives[m0_name], m0, optim[r0])
     steps = index.objects.get("ds.global_steps")
     index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
     index.metadata["deepspeed"] = {"stage": stage, "world_size": world, "tag": layout.tag,
@@ -200,6 +216,8 @@ def _frozen(index: CheckpointIndex, info: ZeroInfo, archives: dict, model: dict,
                 if length:
                     item = loc.length // max(1, math.prod(fshape))
                     pieces.append(Piece(FlatRange(start, length), Location(loc.file, loc.offset, length * item)))
+        if info.stage == 3 and len(model) < info.world_size:  # a rank's file was missing (verify listed it)
+            problems.tolerate_keys([f"model.{name}"])
         index.add_tensor(TensorEntry(f"model.{name}", dtype, shape, pieces, path=("model", name),
                                      attrs={"ds_role": "frozen"}))
 
@@ -229,8 +247,8 @@ def _flat_pieces(params: list[partition.Placed], start: int, length: int, loc: L
 
 def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None:
     world = info.world_size
-    first = layout.prefix + layout.optim_files[0]
-    osd0 = optim[0]["optimizer_state_dict"]
+    first = layout.prefix + layout.optim_files[min(optim)]
+    osd0 = optim[min(optim)]["optimizer_state_dict"]
     paddings = osd0.get("param_alignment_paddings")
     base0 = _get(osd0, "base_optimizer_state", source.label(first))
     groups_meta = _get(base0, "param_groups", source.label(first))
@@ -248,10 +266,13 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
         info.groups.append(Group(g, g, names, list(pads) if pads else None))
         placed, total, ps = partition.stage12_group([(n, math.prod(s)) for n, s in names], pads, world)
         for rank in range(world):
+            expected = max(0, min(ps, total - rank * ps))  # saved without the end padding (or with it)
+            if rank not in optim:  # its file was missing or unreadable (verify listed it)
+                _damaged([p.name for p in placed if p.offset < rank * ps + expected and p.offset + p.numel > rank * ps])
+                continue
             rel = layout.prefix + layout.optim_files[rank]
             arch = archives[rel]
             osd = optim[rank]["optimizer_state_dict"]
-            expected = max(0, min(ps, total - rank * ps))  # saved without the end padding (or with it)
             loc = _partition(arch, osd, "single_partition_of_fp32_groups", g, "group", (expected, ps), world)
             _flat_pieces(placed, rank * ps, expected, loc, 4, masters)
             state = _get(_get(osd, "base_optimizer_state", arch.label), "state", arch.label)
@@ -297,8 +318,8 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
 
 def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
     world = info.world_size
-    first = layout.prefix + layout.optim_files[0]
-    inner0 = _get(optim[0]["optimizer_state_dict"], "optimizer_state_dict", source.label(first))
+    first = layout.prefix + layout.optim_files[min(optim)]
+    inner0 = _get(optim[min(optim)]["optimizer_state_dict"], "optimizer_state_dict", source.label(first))
     groups_meta = _get(inner0, "param_groups", source.label(first))
     info.param_group_count = len(groups_meta)
     sub_to_group = {}
@@ -320,6 +341,9 @@ def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
         per = [(n, math.prod(s), partition.stage3_slice(math.prod(s), world)) for n, s in names]
         flat_len = sum(p for _, _, p in per)
         for rank in range(world):
+            if rank not in optim:  # its file was missing or unreadable (verify listed it)
+                _damaged([n for n, numel, slice_len in per if numel > rank * slice_len])
+                continue
             rel = layout.prefix + layout.optim_files[rank]
             arch = archives[rel]
             osd = optim[rank]["optimizer_state_dict"]
@@ -358,6 +382,36 @@ def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
             index.add_tensor(TensorEntry(f"optim.state.{name}.{moment}", "float32", shape,
                                          moments[moment].get(name, []), path=("optim", "state", name, moment)))
     _param_groups(index, groups_meta, group_names)
+
+
+def _damaged(names: list[str]) -> None:
+    """Tensors of these parameters lack the pieces of a rank verify already reported."""
+    problems.tolerate_keys([k for n in names for k in (f"model.{n}", f"optim.state.{n}.exp_avg",
+                                                       f"optim.state.{n}.exp_avg_sq")])
+
+
+def _tolerate_missing_models(source: Source, layout: Layout, world: int) -> bool:
+    """ZeRO-3 model-states files missing for some ranks: listed when verify collects (True)."""
+    if not problems.collecting_now():
+        return False
+    for rank in range(world):
+        if rank not in layout.model_files:
+            name = layout.prefix + f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            problems.tolerate(FormatError(f"{source.label(name)}: file is missing (rank {rank} of {world})"),
+                              source.label(name))
+    return True
+
+
+def _truncated_zip(source: Source, rel: str) -> bool:
+    """A file that starts as a zip archive but has no end record: it was cut short."""
+    try:
+        size = source.size(rel)
+        if size < 4 or source.read(rel, 0, 4) != b"PK\x03\x04":
+            return False
+        tail = min(size, (1 << 16) + 22)
+        return b"PK\x05\x06" not in source.read(rel, size - tail, tail)
+    except CkptkitError:
+        return False
 
 
 def _param_groups(index: CheckpointIndex, groups_meta: list, names: list[list[str]]) -> None:
