@@ -244,6 +244,28 @@ def test_pointer_file_names_the_newest_complete_step_and_restore_falls_back(tmp_
     os.unlink(d / "latest")
     ck.save(5, model, optim)
     assert (d / "latest").read_text() == "step_000000005\n"
+    # a kill between writing the pointer's temporary and renaming it: restore removes a dead
+    # process's temporary, never a live one's
+    (d / ".latest.tmp-999999999-0badc0de").write_text("step_000000004\n")
+    (d / f".latest.tmp-{os.getpid()}-0badc0de").write_text("step_000000005\n")
+    assert ckptkit.Checkpointer(str(d)).restore(model, optim) == 5
+    assert sorted(n for n in os.listdir(d) if n.startswith(".")) == [f".latest.tmp-{os.getpid()}-0badc0de"]
+
+
+def test_a_pointer_that_cannot_be_written_leaves_the_step_saved(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    model, optim, *_ = _job()
+    ck = ckptkit.Checkpointer(str(d))
+    ck.save(1, model, optim)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pointer, "write", full)
+    with pytest.warns(UserWarning, match=r"could not update latest to step_000000002 \(No space left"):
+        ck.save(2, model, optim)
+    assert ck.steps() == [1, 2] and (d / "latest").read_text() == "step_000000001\n"
+    assert ckptkit.Checkpointer(str(d)).restore(model, optim) == 2
 
 
 def test_no_warning_in_one_process(tmp_path):
@@ -328,11 +350,26 @@ def test_inspect_lists_the_steps_of_a_checkpointer_directory(tmp_path):
     assert proc.returncode == 0 and "format      dcp" in proc.stdout
 
 
+class _Position42:
+    """What tests/dist/checkpointer_users_job.py's Position saves, at value 42."""
+
+    def state_dict(self) -> dict:
+        return {"value": 42, "seen": torch.tensor([42, 43])}
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise AssertionError("not restored here")
+
+
 @pytest.mark.slow
 def test_two_ranks_states_rng_extra_tensors_and_pointer(tmp_path):
     job = ROOT / "tests" / "dist" / "checkpointer_users_job.py"
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(2) + [str(job), "--dir", str(tmp_path / "run"), "--result", str(result)]
+    model = models.make_model(models.MODEL_SEED)
+    optim = models.make_optimizer(model)
+    models.train_steps(model, optim, 1, models.DATA_SEED)
+    ckptkit.Checkpointer(str(tmp_path / "one")).save(1, model, optim, states={"pos": _Position42()})
+    cmd = torchrun_cmd(2) + [str(job), "--dir", str(tmp_path / "run"), "--one", str(tmp_path / "one"),
+                             "--result", str(result)]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(result.read_text())

@@ -35,8 +35,8 @@ from ..runner.distributed import Group, group_of
 from ..storage.output import OutputDir, recover
 from . import pointer, rng
 from . import steps as step_folders
-from .rng import RngNotRestoredWarning
-from .saved import STATES, rank_key, template
+from .rng import RngNotRestoredWarning  # noqa: F401  (re-exported: restore warns with it)
+from .saved import STATES, has_prefix, rank_key, template
 from .steps import Folder
 
 TMP_MARK = ".ckptkit-tmp-"
@@ -244,7 +244,11 @@ class Checkpointer:
                 if step_folders.examine(self.directory, n, step, verify_unmarked=False).marked:
                     _remove(self.directory, n)
         if newest_name:
-            pointer.write(self.directory, newest_name)
+            try:
+                pointer.write(self.directory, newest_name)
+            except OSError as exc:  # the step is saved; restore never needs the pointer
+                warnings.warn(f"{self.directory}: could not update {pointer.NAME} to {newest_name} "
+                              f"({exc.strerror}); restore lists the folder instead", stacklevel=4)
 
     @staticmethod
     def _state_dict(model: Any, optimizer: Any) -> dict:
@@ -296,7 +300,7 @@ class Checkpointer:
             state["extra"] = extra
         rk = ""
         if states:
-            rk = self._states_rank(index, path)
+            rk = self._states_rank(index)
             saved = template(index, (STATES, rk)) or {}
             _check_states(path, states, saved)
             state[STATES] = {rk: {k: saved[k] for k in states}}
@@ -309,14 +313,11 @@ class Checkpointer:
             obj.load_state_dict(state[STATES][rk][k])
         self.extra = state.get("extra") or {}
 
-    def _states_rank(self, index: Any, path: str) -> str:
+    def _states_rank(self, index: Any) -> str:
         """Whose states this rank loads: its own rank's, or rank 0's for a rank the saving run
         did not have (a larger world size)."""
         own = rank_key(self._group.rank)
-        if any((o.path or ())[:2] == (STATES, own) for o in index.objects.values()) or \
-                any((t.path or ())[:2] == (STATES, own) for t in index.tensors.values()):
-            return own
-        return rank_key(0)
+        return own if has_prefix(index, (STATES, own)) else rank_key(0)
 
     def _restore_rng(self, step: int, path: str) -> None:
         """Every rank takes its own generator states back when the world size is the saved one;
@@ -415,6 +416,7 @@ class Checkpointer:
         targets = {m.group(1) or m.group(2) for n in listed if (m := LEFTOVER.fullmatch(n))}
         for target in sorted(targets):
             recover(os.path.join(self.directory, target))
+        pointer.sweep(self.directory)
 
 
 def _remove(directory: str, name: str) -> None:

@@ -6,6 +6,7 @@ trusts it only when it names a complete step and no newer folder is there (see r
 from __future__ import annotations
 
 import os
+import re
 import stat
 import uuid
 
@@ -13,10 +14,12 @@ from .steps import fsync_dir, step_of
 
 NAME = "latest"
 MAX_BYTES = 1024
+TMP_PREFIX = f".{NAME}.tmp-"
+_TMP = re.compile(rf"{re.escape(TMP_PREFIX)}([0-9]+)-[0-9a-f]{{8}}", re.ASCII)
 
 
 def write(directory: str, folder_name: str) -> None:
-    tmp = os.path.join(directory, f".{NAME}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(folder_name + "\n")
         f.flush()
@@ -46,3 +49,29 @@ def read(directory: str) -> str | None:
         return None
     return name if len(raw) <= MAX_BYTES and step_of(name) is not None else None
 
+
+
+def sweep(directory: str) -> None:
+    """Remove the temporaries of pointer writes whose process is gone (killed between writing and
+    renaming); a live writer's is left alone."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for n in names:
+        m = _TMP.fullmatch(n)
+        if m and not _alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(directory, n))
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True

@@ -15,6 +15,12 @@ def rank_key(rank: int) -> str:
     return f"rank_{rank}"
 
 
+def has_prefix(index: CheckpointIndex, prefix: tuple[str, ...]) -> bool:
+    n = len(prefix)
+    return any(path_of(e.path, e.key)[:n] == prefix
+               for entries in (index.tensors.values(), index.objects.values()) for e in entries)
+
+
 def template(index: CheckpointIndex, prefix: tuple[str, ...]) -> dict | None:
     """A state dict shaped like the entries under `prefix` (empty tensors of the saved dtype and
     shape, None for other values) for `ckptkit.load` to fill; None when there are none."""
@@ -25,15 +31,16 @@ def template(index: CheckpointIndex, prefix: tuple[str, ...]) -> dict | None:
     n = len(prefix)
     items: list[tuple[tuple, Any]] = []
     for t in index.tensors.values():
-        path = _path(t.path, t.key)
+        path = path_of(t.path, t.key)
         if path[:n] == prefix:
             items.append((path[n:], torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype))))
     for o in index.objects.values():
-        path = _path(o.path, o.key)
+        path = path_of(o.path, o.key)
         if path[:n] == prefix:
             items.append((path[n:], None))
     return unflatten(items) if items else None
 
 
-def _path(path: tuple | None, key: str) -> tuple:
+def path_of(path: tuple | None, key: str) -> tuple:
+    """An entry's nesting; its key split on dots where the index did not record one."""
     return tuple(path) if path else tuple(key.split("."))

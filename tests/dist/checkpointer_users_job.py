@@ -7,7 +7,9 @@ FSDP2 ToyModel + AdamW + StepLR + a per-rank stateful object (each rank's own po
 rank seeded apart. Save at step 3 with `states` and `extra` holding tensors; note each rank's
 next random draws; train on and reseed (the crash); restore into a fresh model: each rank's
 draws, its own stateful object, the scheduler, `extra`'s tensors and the full model/optimizer
-state (bit for bit) must be what they were at step 3, and `latest` names step 3.
+state (bit for bit) must be what they were at step 3, and `latest` names step 3. With --one, a
+step saved by one process is restored at 2 ranks: both ranks get its states, the generators
+stay as they are, rank 0 warns.
 Rank 0 writes the JSON result, with every rank's problems gathered.
 """
 from __future__ import annotations
@@ -95,6 +97,8 @@ def body(args) -> dict:
     got_state = full_state(fresh, fresh_optim)
     compared = len(want_state)
     problems += [f"rank {rank}: {p}" for p in compare(got_state, want_state)]
+    if args.one:  # saved by one process: rank 1 did not exist there
+        problems += at_another_world_size(args.one, rank)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"problems": problems, "draws": want_draws})
     all_problems = [p for e in everyone for p in e["problems"]]
@@ -105,10 +109,38 @@ def body(args) -> dict:
             "draws_differ_between_ranks": everyone[0]["draws"] != everyone[1]["draws"]}
 
 
+def at_another_world_size(directory: str, rank: int) -> list[str]:
+    """A step saved by one process, restored at 2 ranks: both ranks get rank 0's states; no
+    rank's generators are touched, and rank 0 alone says so in an RngNotRestoredWarning."""
+    import warnings
+
+    from ckptkit.hooks.rng import RngNotRestoredWarning
+
+    problems = []
+    fresh, fresh_optim = build(models.MODEL_SEED + 4)
+    position = Position(-5)
+    seed_all(50 + rank)
+    want_draws = draws()
+    seed_all(50 + rank)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step = Checkpointer(directory).restore(fresh, fresh_optim, states={"pos": position})
+    rng_warnings = [w for w in seen if issubclass(w.category, RngNotRestoredWarning)]
+    if step != 1 or position.value != 42:
+        problems.append(f"rank {rank}: one-process step: restore gave step {step}, position {position.value}")
+    if draws() != want_draws:
+        problems.append(f"rank {rank}: the generators changed at another world size")
+    wanted = 1 if rank == 0 else 0
+    if len(rng_warnings) != wanted or (wanted and "world size 1, this run has 2" not in str(rng_warnings[0].message)):
+        problems.append(f"rank {rank}: RNG warnings {[str(w.message) for w in rng_warnings]}")
+    return problems
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--one", default="", help="a Checkpointer folder saved by one process (step 1, pos 42)")
     ap.add_argument("--deadline", type=float, default=240)
     args = ap.parse_args()
     start_watchdog(args.deadline)
