@@ -304,3 +304,28 @@ def test_inapplicable_options_are_refused_in_one_sentence(args, says, tmp_path):
     line = one_error_line(run("convert", DCP, tmp_path / "out", *args))
     assert says in line
     assert left_in(tmp_path) == []
+
+
+# ---- a single-file output keeps the guarantees of a folder -------------------------------------
+
+def test_a_file_output_never_replaces_its_own_source(tmp_path):
+    src = tmp_path / "state.pt"
+    src.write_bytes(PLAIN.read_bytes())
+    line = one_error_line(run("convert", src, src, "--to", "torch", "--overwrite"))
+    assert "state.pt" in line
+    assert src.read_bytes() == PLAIN.read_bytes() and left_in(tmp_path) == ["state.pt"]
+
+
+def test_a_failed_file_output_leaves_nothing(tmp_path):
+    from ckptkit.storage.output import OutputFile
+
+    with pytest.raises(RuntimeError):
+        with OutputFile(str(tmp_path / "model.pt")) as out:
+            with out.open(out.name) as f:
+                f.write(b"half")
+            raise RuntimeError("the writer failed")
+    assert left_in(tmp_path) == []
+    with OutputFile(str(tmp_path / "model.pt")) as out:
+        with out.open(out.name) as f:
+            f.write(b"whole")
+    assert left_in(tmp_path) == ["model.pt"] and (tmp_path / "model.pt").read_bytes() == b"whole"
