@@ -29,7 +29,6 @@ from hostile import snapshot
 sys.path.insert(0, str(ROOT / "fixtures"))
 import models  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 TIMEOUT_S = 60
 
 
