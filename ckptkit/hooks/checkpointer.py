@@ -106,16 +106,23 @@ class Checkpointer:
         return good[0] if good else None
 
     def _on_root(self, fn: Callable[[], Any], group: Group | None = None) -> Any:
-        """`fn()` decided by rank 0 (the directory is shared), its result or its error on every rank."""
+        """`fn()` decided by rank 0 (the directory is shared), its result or its error on every rank.
+        A CkptkitError (a refusal: step already saved, no such step...) is raised as itself on every
+        rank at the same call, and the Checkpointer stays usable; anything else fails the group."""
         group = group or self._group
-        result, error = None, None
+        result, refusal, error = None, None, None
         if group.is_root:
             try:
                 result = fn()
+            except CkptkitError as exc:
+                refusal = exc
             except BaseException as exc:  # every rank must hear of it
                 error = exc
         group.check(error)
-        return group.share(result)
+        result, refusal = group.share((result, refusal))
+        if refusal is not None:
+            raise refusal
+        return result
 
     # ---- saving --------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ next random draws; train on and reseed (the crash); restore into a fresh model: 
 draws, its own stateful object, the scheduler, `extra`'s tensors and the full model/optimizer
 state (bit for bit) must be what they were at step 3, and `latest` names step 3. With --one, a
 step saved by one process is restored at 2 ranks: both ranks get its states, the generators
-stay as they are, rank 0 warns.
+stay as they are, rank 0 warns. Then, on every rank: a second save of step 3 is refused, an
+older step saved with keep=1 stays, restore(step=2) takes it, and nothing warns.
 Rank 0 writes the JSON result, with every rank's problems gathered.
 """
 from __future__ import annotations
@@ -97,6 +98,7 @@ def body(args) -> dict:
     got_state = full_state(fresh, fresh_optim)
     compared = len(want_state)
     problems += [f"rank {rank}: {p}" for p in compare(got_state, want_state)]
+    problems += misuse(args.dir, rank, fresh, fresh_optim)
     if args.one:  # saved by one process: rank 1 did not exist there
         problems += at_another_world_size(args.one, rank)
     everyone: list = [None] * dist.get_world_size()
@@ -107,6 +109,38 @@ def body(args) -> dict:
     return {"ok": not all_problems, "mismatches": all_problems, "step": step, "compared": compared,
             "world_size": dist.get_world_size(), "latest": latest, "rng_files": rng_files,
             "draws_differ_between_ranks": everyone[0]["draws"] != everyone[1]["draws"]}
+
+
+def misuse(directory: str, rank: int, model, optim) -> list[str]:
+    """On every rank: saving step 3 again is refused without overwrite; an older step saved
+    with keep=1 is kept (the step just written) and the pointer still names step 3; restore(step=2)
+    takes it; nothing warns."""
+    import warnings
+
+    from ckptkit.errors import OutputError
+
+    problems = []
+    ckpt = Checkpointer(directory, keep=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            ckpt.save(3, model, optim)
+            problems.append(f"rank {rank}: saving step 3 again was not refused")
+        except OutputError as exc:  # on every rank, and the Checkpointer stays usable
+            if "already saved" not in str(exc):
+                problems.append(f"rank {rank}: refusal {exc}")
+        ckpt.save(2, model, optim, states={"pos": Position(2)})
+        if ckpt.steps() != [2, 3]:
+            problems.append(f"rank {rank}: keep=1 after saving step 2 left {ckpt.steps()}")
+        latest = Path(directory, "latest").read_text()
+        if latest != "step_000000003\n":
+            problems.append(f"rank {rank}: latest is {latest!r} after saving an older step")
+        position = Position(-1)
+        step = Checkpointer(directory).restore(model, optim, states={"pos": position}, step=2)
+        if step != 2 or position.value != 2:
+            problems.append(f"rank {rank}: restore(step=2) gave {step}, position {position.value}")
+    problems += [f"rank {rank}: warned {w.category.__name__}: {w.message}" for w in seen]
+    return problems
 
 
 def at_another_world_size(directory: str, rank: int) -> list[str]:
