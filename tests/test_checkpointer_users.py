@@ -206,6 +206,12 @@ def test_a_damaged_rng_file_is_an_error_naming_it(tmp_path):
     (d / "step_000000001" / ".ckptkit-complete").unlink()   # else the marker's sizes catch it first
     with pytest.raises(FormatError, match=r"rank_00000\.json: is not a ckptkit RNG state"):
         ck.restore(model, optim)
+    doc = json.loads(path.read_text())
+    doc["python"]["state"] = [1]
+    doc["world_size"] = "\x1b[2J2"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"rank_00000\.json: is not a ckptkit RNG state \('world_size is not"):
+        ck.restore(model, optim)
 
 
 def test_pointer_file_names_the_newest_complete_step_and_restore_falls_back(tmp_path):

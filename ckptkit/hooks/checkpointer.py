@@ -340,7 +340,7 @@ class Checkpointer:
                 rng.apply(doc)
                 return
         if self._group.is_root:
-            why = (f"was saved without RNG state" if world is None
+            why = ("was saved without RNG state" if world is None
                    else f"was saved at world size {world}, this run has {self._group.world}")
             warnings.warn(f"{path}: step {step} {why}; the random generators are left as they are",
                           RngNotRestoredWarning, stacklevel=3)

@@ -91,6 +91,9 @@ def read(folder: str, rank: int) -> dict | None:
 def _check(doc: Any, rank: int) -> None:
     if not isinstance(doc, dict) or doc.get("version") != VERSION or doc.get("rank") != rank:
         raise ValueError(f"version {VERSION} and rank {rank} expected")
+    world = doc.get("world_size")
+    if type(world) is not int or not rank < world:
+        raise ValueError(f"world_size is not an int above rank {rank}")
     py = doc["python"]
     if not (isinstance(py["state"], list) and all(type(w) is int for w in py["state"])):
         raise ValueError("python state is not a list of ints")
