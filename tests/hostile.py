@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import resource
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -61,47 +61,49 @@ def _env() -> dict:
     return env
 
 
-def _limit_child() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_LIMIT, ADDRESS_LIMIT))
-    os.setsid()
+LAUNCHER = Path(__file__).resolve().parent / "_measured.py"
 
 
 def run_python(code: list[str], timeout: float = DEFAULT_TIMEOUT, cwd: str | None = None,
                interrupt_after: float | None = None) -> Run:
-    """Run `python CODE...` limited and measured; `interrupt_after` sends SIGINT after that many seconds.
+    """Run `python CODE...` limited and measured; `interrupt_after` sends SIGINT (to the process
+    group, as a terminal's Ctrl-C does) after that many seconds.
 
-    The child is reaped with wait4, which returns its own peak RSS."""
+    The command runs under tests/_measured.py, which reports its exit status and its own peak RSS."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, *code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=_env(), cwd=cwd, preexec_fn=_limit_child)
-    chunks: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report")
+        proc = subprocess.Popen([sys.executable, str(LAUNCHER), report, str(ADDRESS_LIMIT), sys.executable, *code],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                env=_env(), cwd=cwd, start_new_session=True)
+        chunks: dict[str, bytes] = {}
 
-    def drain(name: str, stream) -> None:
-        chunks[name] = stream.read()
+        def drain(name: str, stream) -> None:
+            chunks[name] = stream.read()
 
-    readers = [threading.Thread(target=drain, args=(n, s), daemon=True)
-               for n, s in (("out", proc.stdout), ("err", proc.stderr))]
-    for r in readers:
-        r.start()
-    timed_out, interrupted = False, False
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        elapsed = time.monotonic() - start
-        if interrupt_after is not None and not interrupted and elapsed >= interrupt_after:
-            os.kill(proc.pid, signal.SIGINT)
-            interrupted = True
-        if elapsed > timeout and not timed_out:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-        time.sleep(0.01)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    for r in readers:
-        r.join()
+        readers = [threading.Thread(target=drain, args=(n, s), daemon=True)
+                   for n, s in (("out", proc.stdout), ("err", proc.stderr))]
+        for r in readers:
+            r.start()
+        timed_out, interrupted = False, False
+        while proc.poll() is None:
+            elapsed = time.monotonic() - start
+            if interrupt_after is not None and not interrupted and elapsed >= interrupt_after:
+                os.killpg(proc.pid, signal.SIGINT)
+                interrupted = True
+            if elapsed > timeout and not timed_out:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.01)
+        for r in readers:
+            r.join()
+        code_, peak = proc.returncode, 0
+        if os.path.exists(report):
+            status, peak_text = open(report).read().split()
+            code_, peak = os.waitstatus_to_exitcode(int(status)), int(peak_text)
     seconds = time.monotonic() - start
-    return Run(tuple(code), proc.returncode, chunks.get("out", b"").decode(errors="replace"),
-               chunks.get("err", b"").decode(errors="replace"), usage.ru_maxrss * 1024, seconds, timed_out)
+    return Run(tuple(code), code_, chunks.get("out", b"").decode(errors="replace"),
+               chunks.get("err", b"").decode(errors="replace"), peak, seconds, timed_out)
 
 
 def run_ckptkit(*args: str, timeout: float = DEFAULT_TIMEOUT, cwd: str | None = None,

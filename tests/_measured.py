@@ -1,0 +1,28 @@
+"""Run one command and write its exit status and its own peak RSS to a report file.
+
+tests/hostile.py starts this small launcher, which forks the real command. Linux carries a
+process's peak RSS across exec from the memory it was forked with, so a command forked straight
+from a large pytest process would report pytest's pages as its own; forked from this launcher it
+reports only its own (plus the launcher's few MB). The launcher ignores SIGINT (a Ctrl-C sent to
+the group reaches the command, as on a terminal) and applies the address-space limit.
+
+usage: python _measured.py REPORT ADDRESS_LIMIT COMMAND...
+"""
+import os
+import resource
+import signal
+import sys
+
+report, limit, command = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+pid = os.fork()
+if pid == 0:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        os.execv(command[0], command)
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(report, "w") as f:
+    f.write(f"{status} {usage.ru_maxrss * 1024}\n")
