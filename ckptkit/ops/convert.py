@@ -21,13 +21,14 @@ from ..convert import NAMES, SOURCE_OF, SOURCES, TARGET_OF, TARGETS
 from ..convert.names import KeyRules
 from ..convert.state import TrainingState, describe, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
-from ..errors import UsageError
+from ..errors import CkptkitError, UsageError
 from ..formats.dcp.writer import write_dcp
 from ..formats.registry import open_checkpoint
 from ..formats.safetensors.writer import OutTensor, write_safetensors
 from ..formats.torch_save.writer import write_torch_save
 from ..runner.stream import find_aliases
 from ..storage.output import OutputDir, OutputFile
+from ..storage.paths import read_small_file
 from .. import knobs, safe_json
 from .options import RunOptions
 from .outputs import SAFETENSORS_SUFFIX, file_output, single_file_shards
@@ -61,11 +62,10 @@ def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
             return cfg
         raise UsageError(f"--to {'deepspeed' if target == 'zero' else target} needs --ds-config CONFIG.json: the DeepSpeed config the job will load "
                          f"with (stage, precision and sub_group_size decide the layout)")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise UsageError(f"--ds-config {path}: cannot read it ({e.strerror})") from None
+    try:  # never blocks on a FIFO, never reads a device
+        raw = read_small_file(path, f"--ds-config {path}", MAX_CONFIG_BYTES)
+    except CkptkitError as e:
+        raise UsageError(str(e)) from None
     cfg = safe_json.loads(raw, f"--ds-config {path}", "the config", UsageError, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(cfg, dict):
         raise UsageError(f"--ds-config {path}: expected a JSON object (a DeepSpeed config)")

@@ -96,6 +96,8 @@ class Boundary:
 
     def lexical(self, rel: str) -> str | None:
         """Where `rel` points before links are followed; None when it leaves by itself."""
+        if "\0" in rel:  # no file has this name; os calls would raise ValueError on it
+            return None
         if self.only is not None:
             return self.real if rel in ("", self.only) else None
         if not rel:
@@ -201,3 +203,31 @@ def check_folder(path: str, label: str) -> None:
         raise FormatError(f"{label}: cannot list it ({exc.strerror})") from None
     if not stat.S_ISDIR(st.st_mode):
         raise FormatError(f"{label}: is {kind_of(st.st_mode) or 'a file'}, expected a folder")
+
+
+def read_small_file(path: str, label: str, limit: int) -> bytes:
+    """At most `limit` + 1 bytes of a file the user named by an option (a config, not part of any
+    checkpoint): a FIFO, device or socket there is refused instead of blocking or reading forever."""
+    stat_regular(path, label)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise UnsafePathError(f"{label}: is a socket or a device, not a regular file; refused") from None
+        raise FormatError(f"{label}: cannot open ({exc.strerror})") from None
+    try:
+        kind = kind_of(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise UnsafePathError(f"{label}: is {kind}, not a regular file; refused")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, limit + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise FormatError(f"{label}: cannot read it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
