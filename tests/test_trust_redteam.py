@@ -147,3 +147,39 @@ def test_hostile_client_state_in_a_deepspeed_file_is_refused_by_consolidate(tmp_
     scene = Scene(src, out)
     run = run_ckptkit("consolidate", src, out, "--memory-budget", str(64 << 20), timeout=TIMEOUT)
     check_refused(run, str(target), scene=scene, rss_limit=rss_bound(64 << 20, target.stat().st_size))
+
+
+# ---- names a checkpoint gives to its own files are quoted at most ~100 characters -----------------
+
+LONG = "A" * 5000
+
+
+def _longest_run_of_a(text: str) -> int:
+    best = run = 0
+    for ch in text:
+        run = run + 1 if ch == "A" else 0
+        best = max(best, run)
+    return best
+
+
+@pytest.mark.parametrize("where", ["safetensors-index", "dcp-relative-path"])
+def test_a_file_name_from_the_metadata_is_shortened_in_the_message(tmp_path: Path, where: str) -> None:
+    # Found: a 5,000-character shard name in model.safetensors.index.json (or a DCP relative_path
+    # inside the folder) came back whole in "error: SRC/AAAA...: ... is missing".
+    import json
+    import struct
+
+    if where == "safetensors-index":
+        src = tmp_path / "src"
+        src.mkdir()
+        header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+        (src / "model-1.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+        (src / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"w": "model-1.safetensors", "v": LONG + ".safetensors"}}))
+    else:
+        src = _dcp_pointing_at(tmp_path, "sub/" + LONG)
+    out = tmp_path / "out"
+    scene = Scene(src, out)
+    run = run_ckptkit("consolidate", src, out, timeout=TIMEOUT)
+    check_refused(run, str(src), scene=scene)
+    assert _longest_run_of_a(run.stderr) <= 100, run.detail()

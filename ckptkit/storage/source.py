@@ -10,7 +10,7 @@ import os
 import threading
 from typing import Protocol
 
-from ..errors import FormatError, NotACheckpointError
+from ..errors import QUOTE_LIMIT, FormatError, NotACheckpointError
 from .paths import Boundary, check_folder, open_regular, stat_regular
 
 
@@ -30,6 +30,12 @@ class Source(Protocol):
     def label(self, rel: str) -> str: ...
 
 
+def shown_rel(rel: str) -> str:
+    """`rel` as a message shows it: the metadata names it, so a crafted 5,000-character name is cut
+    to QUOTE_LIMIT characters (no message quotes more of a file's content than that)."""
+    return rel if len(rel) <= QUOTE_LIMIT else rel[:QUOTE_LIMIT] + "..."
+
+
 class LocalSource:
     """A local folder or file, read with os.pread / os.preadv.
 
@@ -46,8 +52,8 @@ class LocalSource:
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
 
-    def _path(self, rel: str) -> str:
-        return os.path.join(self.root, rel) if rel else self.root
+    def _path(self, rel: str) -> str:  # for messages only: files are opened through the boundary
+        return os.path.join(self.root, shown_rel(rel)) if rel else self.root
 
     def label(self, rel: str) -> str:
         return self._path(rel)
@@ -143,7 +149,7 @@ class FsspecSource:
         return f"{self._base}/{rel}" if rel else self._base
 
     def label(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if rel else self.root
+        return f"{self.root}/{shown_rel(rel)}" if rel else self.root
 
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._path(rel)))
