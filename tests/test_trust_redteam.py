@@ -183,3 +183,14 @@ def test_a_file_name_from_the_metadata_is_shortened_in_the_message(tmp_path: Pat
     run = run_ckptkit("consolidate", src, out, timeout=TIMEOUT)
     check_refused(run, str(src), scene=scene)
     assert _longest_run_of_a(run.stderr) <= 100, run.detail()
+
+
+def test_a_bad_tag_option_is_blamed_on_the_option_not_on_latest(tmp_path: Path) -> None:
+    # Found: `--tag ../x` was reported as "SRC/latest: names tag '../x'", sending the user to a
+    # file that is fine.
+    src = tmp_path / "src"
+    shutil.copytree(DATA / "deepspeed" / "z1_fp32_w2", src)
+    scene = Scene(src)
+    run = run_ckptkit("inspect", src, "--tag", "../z1_fp16_w2", timeout=TIMEOUT)
+    check_refused(run, str(src), "--tag", scene=scene)
+    assert "latest" not in run.stderr, run.detail()

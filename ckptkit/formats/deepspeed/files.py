@@ -57,12 +57,15 @@ def read_latest(source: Source) -> str:
 
 def locate(source: Source, tag: str | None = None) -> Layout:
     names = source.listdir("")
+    named_by = "--tag" if tag is not None else "latest"
     if tag is None and not looks_like_tag_folder(names):
         if "latest" not in names:
             raise NotACheckpointError(f"{source.label('')}: no `latest` file and no ZeRO rank files")
         tag = read_latest(source)
     if tag is not None:
         if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not tag.isprintable():
+            if named_by == "--tag":  # the user's option, not the checkpoint's `latest`, is at fault
+                raise FormatError(f"{source.label('')}: --tag {quote(tag)} is not a folder name")
             raise FormatError(f"{source.label('latest')}: names tag {quote(tag)}, which is not a folder name")
         if not source.isdir(tag):
             raise FormatError(f"{source.label('')}: tag folder is missing ({quote(tag)}, named by `latest` "
