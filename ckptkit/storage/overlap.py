@@ -85,7 +85,41 @@ def _local_relation(src: str, out: str) -> str | None:
     if (out_st is not None and stat.S_ISREG(out_st.st_mode) and src_st is not None
             and stat.S_ISDIR(src_st.st_mode) and _holds_inode(src_real, out_st)):
         return "is a file of the source {src} (a hard link or a symlink to one of its files)"
+    if src_st is not None and stat.S_ISDIR(src_st.st_mode):
+        return _link_relation(src_real, out_real)
     return None
+
+
+def _link_relation(src_real: str, out_real: str) -> str | None:
+    """A source's files may really live elsewhere (a Hugging Face snapshot's links into blobs/, or
+    any link read with --follow-links): OUT may not be or contain what they lead to."""
+    for link, target in _link_targets(src_real):
+        shown = link.replace("{", "{{").replace("}", "}}")
+        if target == out_real or _under(target, out_real):
+            return f"holds the file the source {{src}} reads through its link {shown}"
+    return None
+
+
+def _link_targets(folder: str) -> list[tuple[str, str]]:
+    """(link, real target) of every symbolic link under `folder` (links to folders not entered)."""
+    found, seen, stack = [], 0, [folder]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > MAX_WALK:
+                return found
+            try:
+                if entry.is_symlink():
+                    found.append((entry.path, os.path.realpath(entry.path)))
+                elif entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+            except (OSError, ValueError):
+                continue
+    return found
 
 
 def _holds_inode(folder: str, target: os.stat_result) -> bool:
