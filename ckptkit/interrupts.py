@@ -11,7 +11,9 @@ its own handler and this module gives it what it needs:
 - while an output is open (`needs_cleanup`), a Ctrl-C only sets `cancelled`; every thread stops
   at its next `check()` (a slab, a copied range, the executor's wait) by raising `Cancelled`,
   and the output's `__exit__` removes what was written. An output whose `with` block ends after
-  a Ctrl-C is abandoned, not committed.
+  a Ctrl-C is abandoned, not committed;
+- once an output is committed (`committed`), the command has done its work: a later Ctrl-C is
+  ignored and the command ends with its summary and exit 0. So exit 130 always means no output.
 
 The library alone installs no handler: in a training process Ctrl-C keeps Python's meaning, and
 `cancelled` is never set.
@@ -25,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, TypeVar
 
 cancelled = threading.Event()   # set by the command line's Ctrl-C handler
+committed = threading.Event()   # an output was committed: the command's work is done, Ctrl-C ignored
 _open = [0]                     # outputs (and launchers) that must clean up before the process ends
 _open_lock = threading.Lock()
 _local = threading.local()      # .stop: the executor's per-run event, set when a sibling job failed
@@ -56,8 +59,9 @@ def cancel() -> None:
 
 
 def reset() -> None:
-    """Forget an earlier Ctrl-C (tests that run several commands in one process)."""
+    """Forget an earlier Ctrl-C and commit (tests that run several commands in one process)."""
     cancelled.clear()
+    committed.clear()
 
 
 def cleanup_pending() -> bool:
@@ -102,7 +106,13 @@ def guard_output(cls: type) -> type:
                 stop = Cancelled()
                 leave(self, Cancelled, stop, None)  # abandon: removes the temporary and the lock
                 raise stop
-            return leave(self, exc_type, exc, tb)
+            result = leave(self, exc_type, exc, tb)
+            if exc_type is None:
+                # the output is in place, complete: a Ctrl-C from here on (or one that came during
+                # the commit itself) cannot undo it, so the command ends as the success it is
+                committed.set()
+                cancelled.clear()
+            return result
         finally:
             with _open_lock:
                 _open[0] -= 1

@@ -60,8 +60,8 @@ def on_sigint(signum: int, frame: Any) -> None:
     interrupts = sys.modules.get("ckptkit.interrupts")  # not imported yet: nothing can be open
     if _presses[0] >= FORCE_AFTER or interrupts is None:
         exit_now()
-    if interrupts.cancelled.is_set():
-        return  # already stopping: let the cleanup finish
+    if interrupts.committed.is_set() or interrupts.cancelled.is_set():
+        return  # the output is complete (the command ends in success), or already stopping
     if interrupts.cleanup_pending():
         interrupts.cancel()  # the run stops at its next check point and removes what it wrote
         return
