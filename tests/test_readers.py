@@ -117,3 +117,22 @@ def test_compressed_items_without_codec_give_a_clear_error(monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"__\d_0\.distcp \(value .*\) is zstd-compressed; "
                                                      r"install the 'zstandard' package"):
         open_checkpoint(str(DATA / "dcp_zstd_w2"))
+
+
+def test_a_bare_optimizer_state_dict_is_counted_as_optimizer(tmp_path):
+    """torch.save(optimizer.state_dict(), "optimizer.pt") holds only optimizer state: inspect must
+    not call its moments model tensors (it did: "6 model, 0 optimizer")."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    res = subprocess.run([sys.executable, "-m", "ckptkit", "inspect", str(tmp_path / "optimizer.pt")],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "0 model, 6 optimizer" in res.stdout, res.stdout

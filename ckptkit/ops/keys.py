@@ -18,6 +18,7 @@ OPTIM_CONTAINERS = ("optim", "optimizer", "optimizers", "optim_state", "optimize
 OTHER_CONTAINERS = ("extra", "lr_scheduler", "scheduler", "dataloader", "train_state", "rng",
                     "rng_state", "client_state", "trainer", "args", "config")
 LOW_PRECISION_CONTAINERS = ("ds_module",)  # DeepSpeed's low-precision copies of the fp32 masters
+BARE_OPTIMIZER_KEYS = frozenset({"state", "param_groups"})  # what torch.optim's state_dict() holds
 STEP_NAMES = ("step", "global_step", "global_steps", "train_step", "iteration", "iter")
 
 
@@ -39,10 +40,12 @@ def split_roles(index: CheckpointIndex) -> Split:
              if e.path and len(e.path) > 1}
     container = next((c for c in MODEL_CONTAINERS if c in heads), None)
     split.container = container
+    # a bare optimizer.state_dict() saved on its own (torch.save(opt.state_dict(), "optimizer.pt"))
+    bare_optimizer = container is None and "param_groups" in heads and heads <= BARE_OPTIMIZER_KEYS
     for key, e in index.tensors.items():
         path = e.path if e.path else (key,)
         head = path[0] if len(path) > 1 else None
-        if e.attrs.get("role") == "optimizer":  # e.g. optimizer*.safetensors written by consolidate
+        if e.attrs.get("role") == "optimizer" or bare_optimizer:  # e.g. optimizer*.safetensors by consolidate
             split.optim[key] = key
         elif container is not None and head == container:
             split.model[key_of(path[1:])] = key
@@ -56,7 +59,7 @@ def split_roles(index: CheckpointIndex) -> Split:
             split.other.append(key)
     for key, o in index.objects.items():
         path = o.path if o.path else (key,)
-        if o.attrs.get("role") == "optimizer":
+        if o.attrs.get("role") == "optimizer" or bare_optimizer:
             split.optim_objects[key] = key
         elif len(path) > 1 and path[0] in OPTIM_CONTAINERS:
             split.optim_objects[key_of(path[1:])] = key
