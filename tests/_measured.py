@@ -3,8 +3,8 @@
 tests/hostile.py starts this small launcher, which forks the real command. Linux carries a
 process's peak RSS across exec from the memory it was forked with, so a command forked straight
 from a large pytest process would report pytest's pages as its own; forked from this launcher it
-reports only its own (plus the launcher's few MB). The launcher ignores SIGINT (a Ctrl-C sent to
-the group reaches the command, as on a terminal) and applies the address-space limit.
+reports only its own (plus the launcher's few MB). A SIGINT sent to the launcher is passed on to
+the command alone, and the launcher applies the address-space limit.
 
 usage: python _measured.py REPORT ADDRESS_LIMIT COMMAND...
 """
@@ -23,6 +23,9 @@ if pid == 0:
         os.execv(command[0], command)
     finally:
         os._exit(127)
+# a SIGINT sent to the launcher goes on to the command alone (as to the process a user runs);
+# wait4 is resumed after the handler (PEP 475)
+signal.signal(signal.SIGINT, lambda signum, frame: os.kill(pid, signal.SIGINT))
 _, status, usage = os.wait4(pid, 0)
 with open(report, "w") as f:
     f.write(f"{status} {usage.ru_maxrss * 1024}\n")

@@ -66,8 +66,8 @@ LAUNCHER = Path(__file__).resolve().parent / "_measured.py"
 
 def run_python(code: list[str], timeout: float = DEFAULT_TIMEOUT, cwd: str | None = None,
                interrupt_after: float | None = None) -> Run:
-    """Run `python CODE...` limited and measured; `interrupt_after` sends SIGINT (to the process
-    group, as a terminal's Ctrl-C does) after that many seconds.
+    """Run `python CODE...` limited and measured; `interrupt_after` sends SIGINT to the
+    command after that many seconds.
 
     The command runs under tests/_measured.py, which reports its exit status and its own peak RSS."""
     start = time.monotonic()
@@ -89,7 +89,7 @@ def run_python(code: list[str], timeout: float = DEFAULT_TIMEOUT, cwd: str | Non
         while proc.poll() is None:
             elapsed = time.monotonic() - start
             if interrupt_after is not None and not interrupted and elapsed >= interrupt_after:
-                os.killpg(proc.pid, signal.SIGINT)
+                os.kill(proc.pid, signal.SIGINT)  # the launcher passes it on
                 interrupted = True
             if elapsed > timeout and not timed_out:
                 timed_out = True

@@ -168,7 +168,7 @@ def stat_regular(path: str, label: str) -> os.stat_result:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise FormatError(f"{label}: file is missing") from None
+        raise FormatError(f"{label}: cannot read it (file is missing)") from None
     except OSError as exc:
         raise FormatError(f"{label}: cannot read it ({exc.strerror})") from None
     kind = kind_of(st.st_mode)
