@@ -279,7 +279,7 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(big_source, tmp_path, ea
 
 
 def test_ctrl_c_while_a_rank_waits_for_its_peers_ends_it_at_once(tmp_path):
-    """A rank inside torch's rendezvous (C++, where Python's handler cannot run) waiting for a
+    """A rank inside torch's rendezvous (init_process_group, in C++) waiting for a
     rank 0 that never comes: Ctrl-C ends it at once, with no trace, instead of after the timeout."""
     import socket
 
