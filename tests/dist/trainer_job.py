@@ -1,0 +1,187 @@
+"""One Hugging Face Trainer run on CPU (torchrun, gloo): train, or resume from a checkpoint folder.
+
+    torchrun --nproc_per_node N tests/dist/trainer_job.py --layout ds_z2|ds_z3|fsdp2 \
+        --output-dir DIR --max-steps S [--save-steps K] [--resume CHECKPOINT] --result R.json \
+        [--logits L.pt]
+
+The model is a tiny LlamaForCausalLM built from a LlamaConfig (nothing downloaded); every training
+sample is the same sequence, so the logged loss does not depend on how samples fall on ranks and a
+resume at another world size must log the same loss as one at the original size.
+  ds_z2   DeepSpeed ZeRO-2, bf16, NO optimizer section: the Trainer passes torch's AdamW
+  ds_z3   DeepSpeed ZeRO-3, bf16 (optimizer section: DeepSpeed's own Adam)
+  fsdp2   FSDP2 through accelerate, SHARDED_STATE_DICT (fp32)
+Rank 0 writes --result: the losses logged per step, the final global step, the world size and
+whether the model was really sharded. --logits: the trained model's fp32 weights (DeepSpeed's
+master weights, FSDP2's full tensors) loaded into a plain LlamaForCausalLM, its logits on a fixed
+input saved by rank 0 (truth for consolidate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("ACCELERATE_USE_CPU", "false")
+
+import torch  # noqa: E402
+
+SEQ = 16
+VOCAB = 64
+SAMPLES = 96
+LR = 1e-2
+
+
+def model_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+                       tie_word_embeddings=False, use_cache=False)
+
+
+def fixed_input() -> torch.Tensor:
+    return (torch.arange(SEQ) * 7 % VOCAB).unsqueeze(0)
+
+
+class Same(torch.utils.data.Dataset):
+    """SAMPLES copies of one sequence (labels = inputs)."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict:
+        ids = fixed_input()[0]
+        return {"input_ids": ids.clone(), "labels": ids.clone()}
+
+
+def ds_config(stage: int) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+    if stage == 3:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                        "betas": "auto", "eps": "auto", "torch_adam": True}}
+        cfg["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": False})
+    return cfg
+
+
+def training_args(layout: str, out: str, max_steps: int, save_steps: int):
+    from transformers import TrainingArguments
+
+    common = dict(output_dir=out, max_steps=max_steps, save_steps=save_steps, save_strategy="steps",
+                  logging_steps=1, per_device_train_batch_size=2, learning_rate=LR,
+                  lr_scheduler_type="constant", seed=7, data_seed=7, report_to=[], disable_tqdm=True,
+                  dataloader_num_workers=0)
+    if layout.startswith("ds_"):
+        return TrainingArguments(**common, deepspeed=ds_config(int(layout[-1])), bf16=True, use_cpu=True)
+    return TrainingArguments(**common, use_cpu=True, fsdp=True, fsdp_config={
+        "version": 2, "state_dict_type": "SHARDED_STATE_DICT", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True})
+
+
+def force_fsdp_on_cpu() -> None:
+    """accelerate turns FSDP on only for accelerator device types and trains a CPU job with DDP
+    instead; seen as a multi-GPU job (its device stays the CPU) it applies the FSDP plugin."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+def sharded(model, layout: str) -> bool:
+    """Is the model really partitioned across ranks (not a DDP replica)?"""
+    if layout == "fsdp2":
+        from torch.distributed.tensor import DTensor
+
+        return all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in model.parameters())
+    if layout == "ds_z3":
+        return all(hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
+    return True  # ZeRO-2 partitions the optimizer state; the engine is checked by its stage
+
+
+def full_fp32(trainer, layout: str) -> dict:
+    """Every parameter's fp32 value as the trained job holds it (collective)."""
+    model = trainer.model_wrapped
+    out = {}
+    inner = trainer.model
+    if layout.startswith("ds_"):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, p in inner.named_parameters():
+            out[name] = safe_get_full_fp32_param(p).detach().clone().float()
+    else:
+        for name, p in model.named_parameters():
+            out[name] = p.full_tensor().detach().clone().float()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp2"])
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--max-steps", type=int, required=True)
+    ap.add_argument("--save-steps", type=int, default=1000)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--result", required=True)
+    ap.add_argument("--logits", default=None)
+    a = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _checks import start_watchdog, write_result
+
+    start_watchdog(900)
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, set_seed
+
+    args = training_args(a.layout, a.output_dir, a.max_steps, a.save_steps)
+    if a.layout == "fsdp2":
+        args.device  # accelerate's state is set up (and reset) here
+        force_fsdp_on_cpu()
+    set_seed(7)
+    model = LlamaForCausalLM(model_config())
+    records: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                records.append({**logs, "step": state.global_step})
+
+    trainer = Trainer(model=model, args=args, train_dataset=Same(), callbacks=[Record()])
+    trainer.train(resume_from_checkpoint=a.resume)
+    rank = int(os.environ.get("RANK", "0"))
+    info = {"losses": {str(r["step"]): r["loss"] for r in records}, "global_step": trainer.state.global_step,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")), "layout": a.layout,
+            "sharded": sharded(trainer.model_wrapped if a.layout == "fsdp2" else trainer.model, a.layout),
+            "distributed_type": str(trainer.accelerator.distributed_type)}
+    if a.layout.startswith("ds_"):
+        info["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
+        info["optimizer"] = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
+                                 else trainer.optimizer).__name__
+        inner = getattr(trainer.model_wrapped, "optimizer", None)
+        base = getattr(inner, "optimizer", inner)
+        info["base_optimizer"] = type(base).__name__
+    if a.logits:
+        weights = full_fp32(trainer, a.layout)
+        if rank == 0:
+            plain = LlamaForCausalLM(model_config())
+            missing, unexpected = plain.load_state_dict(weights, strict=False)
+            assert not missing and not unexpected, (missing, unexpected)
+            plain.eval()
+            with torch.no_grad():
+                logits = plain(fixed_input()).logits
+            torch.save({"input_ids": fixed_input(), "logits": logits}, a.logits)
+    if rank == 0:
+        write_result(a.result, info)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(code)
