@@ -100,14 +100,14 @@ def _named(opened: Opened, model_only: bool) -> tuple[dict[str, TensorEntry], di
     fetcher = Fetcher(opened.source, index=opened.index)
     for name, key in split.optim.items():
         entry = opened.index.tensors[key]
-        if name.startswith("state.") and name.endswith(".step") and not entry.shape:
-            values[f"optimizer:state.{normalize(name[6:-5])}.step"] = fetcher.fetch(entry).item()
+        if _is_state(name) and not entry.shape:  # a 0-d state (torch's step): by value, as an int step is
+            values["optimizer:" + _norm_optim(name)] = fetcher.fetch(entry).item()
         else:
             out["optimizer:" + _norm_optim(name)] = entry
     for name, key in split.optim_objects.items():
         value = opened.index.objects[key].value
-        if name.startswith("state.") and name.endswith(".step"):
-            values[f"optimizer:state.{normalize(name[6:-5])}.step"] = _plain(value)
+        if _is_state(name):  # any per-parameter state kept whole (a step, a scalar), whatever its key
+            values["optimizer:" + _norm_optim(name)] = _plain(value)
         elif name.startswith("param_groups."):
             if name.endswith(".params") and isinstance(value, list):
                 value = [normalize(v) if isinstance(v, str) else v for v in value]
@@ -140,10 +140,16 @@ def _is_layout(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in LAYOUT_KEYS)
 
 
+def _is_state(name: str) -> bool:
+    """`state.<param>.<key>`: per-parameter optimizer state, whatever the optimizer calls it."""
+    return name.startswith("state.") and "." in name[len("state."):]
+
+
 def _norm_optim(name: str) -> str:
-    for what in ("exp_avg_sq", "exp_avg"):
-        if name.startswith("state.") and name.endswith("." + what):
-            return f"state.{normalize(name[6:-len(what) - 1])}.{what}"
+    """`state.<param>.<key>` with the parameter's name normalised (any state key: the last part)."""
+    if _is_state(name):
+        param, _, what = name[len("state."):].rpartition(".")
+        return f"state.{normalize(param)}.{what}"
     return name
 
 

@@ -3,7 +3,11 @@
 Keys follow torch's recipe so every other operation treats it like any checkpoint:
   model.<name>                    fp32 master weights (flat-range pieces of the rank partitions),
                                   frozen params (stored precision) and buffers
-  optim.state.<name>.exp_avg      Adam moments (flat-range pieces), .exp_avg_sq, .step (value)
+  optim.state.<name>.<key>        every key of the optimizer's state, whatever the optimizer: a key
+                                  with the flat partition's length (exp_avg, momentum_buffer, sum,
+                                  square_avg...) as flat-range pieces like the masters; any other
+                                  (torch's 0-d step, an int step) as the group's one value, kept
+                                  whole for each of its parameters (ckptkit.optim_state)
   optim.param_groups.<g>.<hyper>  hyperparameters; .params lists the group's names
   ds_module.<name>                the low-precision module weights of the model-states file
   ds.<key>                        DeepSpeed's own values (global_steps, lr_scheduler, loss_scaler, ...)
@@ -16,11 +20,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import CkptkitError, FormatError, UnsupportedError
+from ...errors import CkptkitError, FormatError, UnsupportedError, quote
 from ...index import problems
 from ...index.dtypes import itemsize
+from ...index.dtypes import is_floating
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
-from ...safeload import TensorRef
+from ...optim_state import PARTITIONED, WHOLE, kind_of, refuse_unmappable
+from ...safeload import Inert, TensorRef
 from ...storage.source import Source
 from ..torch_save.archive import Archive, load_structure, open_archive, tensor_location
 from ..torch_save.reader import materialize
@@ -223,16 +229,107 @@ def _frozen(index: CheckpointIndex, info: ZeroInfo, archives: dict, model: dict,
 
 
 def _partition(arch: Archive, osd: dict, key: str, i: int, what: str, sizes: tuple[int, ...],
-               world: int) -> Location:
-    """The location of rank-local fp32 partition `i` of `osd[key]`, its length checked."""
+               world: int) -> tuple[str, Location, int]:
+    """(dtype, location, length) of rank-local fp32 master partition `i` of `osd[key]`, its
+    length and its dtype (a floating one; DeepSpeed keeps fp32 masters) checked."""
     tensors = _get(osd, key, arch.label)
     if not isinstance(tensors, list) or i >= len(tensors):
         raise FormatError(f"{arch.label}: {key} has no {what} {i}")
-    _, loc, shape = _tensor(arch, tensors[i], f"fp32 partition of {what} {i}")
+    dtype, loc, shape = _tensor(arch, tensors[i], f"fp32 partition of {what} {i}")
     if len(shape) != 1 or shape[0] not in sizes:
         raise FormatError(f"{arch.label}: fp32 partition of {what} {i} has {list(shape)} elements, "
                           f"the layout of {world} ranks needs {sizes[0]}")
-    return loc
+    if not is_floating(dtype):
+        raise FormatError(f"{arch.label}: fp32 partition of {what} {i} is {quote(dtype)}, expected a "
+                          f"floating-point tensor (the optimizer's master weights)")
+    return dtype, loc, shape[0]
+
+
+@dataclass
+class _StateOf:
+    """The optimizer state of one (sub-)group, read rank by rank and checked for consistency."""
+
+    where: str                                   # "group 0" / "sub-group 2"
+    kinds: dict[str, str] = field(default_factory=dict)        # key -> PARTITIONED / WHOLE, in order
+    dtypes: dict[str, str] = field(default_factory=dict)       # partitioned key -> dtype
+    whole: dict[str, tuple[int, Any]] = field(default_factory=dict)  # whole key -> (first rank read, value)
+    keys_rank: int | None = None
+
+    def read(self, arch: Archive, rank: int, gstate: Any, flat: tuple[int, ...]) -> dict[str, Location]:
+        """Classify every key of this rank's state (`flat`: the flat partition lengths a
+        partitioned state may have); the locations of the partitioned ones."""
+        if gstate is None:
+            gstate = {}
+        if not isinstance(gstate, dict):
+            raise FormatError(f"{arch.label}: optimizer state of {self.where} is a "
+                              f"{type(gstate).__name__}, expected a dict of per-key values")
+        if self.keys_rank is not None and set(gstate) != set(self.kinds):
+            raise FormatError(f"{arch.label}: optimizer state of {self.where} has keys "
+                              f"{quote(str(sorted(map(str, gstate))))}, rank {self.keys_rank}'s has "
+                              f"{quote(str(sorted(map(str, self.kinds))))}; every rank's must match")
+        locs: dict[str, Location] = {}
+        for key, value in gstate.items():
+            refuse_unmappable(key, f"{arch.label}: {self.where}")
+            shape = tuple(value.size) if isinstance(value, TensorRef) else None
+            kind = WHOLE
+            if shape is not None and any(kind_of(str(key), shape, (n,)) == PARTITIONED for n in flat):
+                kind = PARTITIONED
+            if self.kinds.setdefault(key, kind) != kind:
+                raise FormatError(f"{arch.label}: optimizer state {quote(str(key))} of {self.where} has "
+                                  f"{list(shape or ())} elements, not those of rank {self.keys_rank}'s")
+            if kind == PARTITIONED:
+                dtype, loc, _ = _tensor(arch, value, f"optimizer state {key!r} of {self.where}")
+                if self.dtypes.setdefault(key, dtype) != dtype:
+                    raise FormatError(f"{arch.label}: optimizer state {quote(str(key))} of {self.where} is "
+                                      f"{quote(dtype)}, rank {self.keys_rank}'s is {quote(self.dtypes[key])}")
+                locs[key] = loc
+            else:
+                self._whole(arch, rank, key, value)
+        if self.keys_rank is None:
+            self.keys_rank = rank
+        return locs
+
+    def _whole(self, arch: Archive, rank: int, key: Any, value: Any) -> None:
+        """One value for the group: the first rank's, every other rank's checked equal to it
+        (a value that differs between ranks has no single owner and would be lost)."""
+        value = materialize(value, arch)
+        if key not in self.whole:
+            self.whole[key] = (rank, value)
+        elif not _same_value(self.whole[key][1], value):
+            first, kept = self.whole[key]
+            raise UnsupportedError(f"{arch.label}: optimizer state {quote(str(key))} of {self.where} is "
+                                   f"{quote(repr(value))} here and {quote(repr(kept))} on rank {first}: a value "
+                                   f"that is not partitioned with the parameters must be the same on every "
+                                   f"rank to be kept per parameter")
+
+    def partitioned(self) -> list[str]:
+        return [k for k, kind in self.kinds.items() if kind == PARTITIONED]
+
+    def add_whole(self, index: CheckpointIndex, names: list[str]) -> None:
+        """The group's whole values, one entry per parameter (the same value for each)."""
+        for key, kind in self.kinds.items():
+            if kind == WHOLE:
+                for name in names:
+                    index.add_object(ObjectEntry(_state_key(name, key), self.whole[key][1],
+                                                 path=("optim", "state", name, key)))
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal values of the same type, looking inside containers and stand-ins (NaN equals NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Inert):
+        return _same_value(a.to_data(), b.to_data())
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return b != b
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values of foreign types that cannot compare: treat as different
+        return False
 
 
 def _flat_pieces(params: list[partition.Placed], start: int, length: int, loc: Location, item: int,
@@ -243,6 +340,10 @@ def _flat_pieces(params: list[partition.Placed], start: int, length: int, loc: L
         if b > a:
             out.setdefault(p.name, []).append(
                 Piece(FlatRange(a - p.offset, b - a), Location(loc.file, loc.offset + (a - start) * item, (b - a) * item)))
+
+
+def _state_key(name: str, key: Any) -> str:
+    return f"optim.state.{name}.{key}"
 
 
 def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None:
@@ -257,53 +358,42 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
                           f"{len(param_shapes)}")
     info.param_group_count = len(groups_meta)
     shapes_by_name: dict[str, tuple[int, ...]] = {}
-    masters: dict[str, list[Piece]] = {}
-    moments: dict[str, dict[str, list[Piece]]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    pieces: dict[tuple, list[Piece]] = {}   # (name, state key or None for the master) -> pieces
+    dtypes: dict[tuple, str] = {}           # the same -> dtype
     for g, shapes in enumerate(param_shapes):
         names = [(n, _shape(s, f"param_shapes[{g}][{n}]")) for n, s in shapes.items()]
         shapes_by_name.update(names)
         pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
         info.groups.append(Group(g, g, names, list(pads) if pads else None))
         placed, total, ps = partition.stage12_group([(n, math.prod(s)) for n, s in names], pads, world)
+        of = _StateOf(f"group {g}")
+        damaged: list[str] = []
         for rank in range(world):
             expected = max(0, min(ps, total - rank * ps))  # saved without the end padding (or with it)
             if rank not in optim:  # its file was missing or unreadable (verify listed it)
-                _damaged([p.name for p in placed if p.offset < rank * ps + expected and p.offset + p.numel > rank * ps])
+                damaged += [p.name for p in placed if p.offset < rank * ps + expected and p.offset + p.numel > rank * ps]
                 continue
             rel = layout.prefix + layout.optim_files[rank]
             arch = archives[rel]
             osd = optim[rank]["optimizer_state_dict"]
-            loc = _partition(arch, osd, "single_partition_of_fp32_groups", g, "group", (expected, ps), world)
-            _flat_pieces(placed, rank * ps, expected, loc, 4, masters)
+            mdtype, loc, length = _partition(arch, osd, "single_partition_of_fp32_groups", g, "group",
+                                             (expected, ps), world)
+            cut: dict[str, list[Piece]] = {}
+            _flat_pieces(placed, rank * ps, expected, loc, itemsize(mdtype), cut)
+            _collect(cut, None, mdtype, pieces, dtypes, arch)
             state = _get(_get(osd, "base_optimizer_state", arch.label), "state", arch.label)
-            gstate = state.get(g) if isinstance(state, dict) else None
-            if gstate is None:
-                raise FormatError(f"{arch.label}: optimizer state has no entry for group {g}")
-            for moment in ("exp_avg", "exp_avg_sq"):
-                if moment not in gstate:
-                    raise UnsupportedError(f"{arch.label}: optimizer state of group {g} has no {moment} "
-                                           f"(only Adam-style optimizers are supported)")
-                mdtype, mloc, mshape = _tensor(arch, gstate[moment], f"{moment} of group {g}")
-                if mshape != (ps,):
-                    raise FormatError(f"{arch.label}: {moment} of group {g} has {list(mshape)} elements, "
-                                      f"expected the padded partition size {ps}")
-                _flat_pieces(placed, rank * ps, expected, mloc, itemsize(mdtype),
-                             moments[moment])
-        step = materialize(base0["state"].get(g, {}).get("step"), archives[first])  # once, shared by the names
-        for name, _ in names:
-            index.add_object(ObjectEntry(f"optim.state.{name}.step", step, path=("optim", "state", name, "step")))
-    for name, pieces in masters.items():
-        shape = shapes_by_name[name]
-        index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, pieces, path=("model", name),
-                                     attrs={"ds_role": "fp32_master"}))
-    for moment, per_param in moments.items():
-        for name, pieces in per_param.items():
-            shape = shapes_by_name[name]
-            index.add_tensor(TensorEntry(f"optim.state.{name}.{moment}", "float32", shape, pieces,
-                                         path=("optim", "state", name, moment)))
-    for name, shape in shapes_by_name.items():
-        if f"model.{name}" not in index.tensors:  # a zero-size parameter has no bytes anywhere
-            index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, [], path=("model", name)))
+            if not isinstance(state, dict):
+                raise FormatError(f"{arch.label}: optimizer state is a {type(state).__name__}, expected a dict")
+            for key, sloc in of.read(arch, rank, state.get(g), (ps, length)).items():
+                cut = {}
+                _flat_pieces(placed, rank * ps, expected, sloc, itemsize(of.dtypes[key]), cut)
+                _collect(cut, key, of.dtypes[key], pieces, dtypes, arch)
+        _damaged(damaged, of.partitioned())
+        of.add_whole(index, [n for n, _ in names])
+        for key in of.partitioned():  # a parameter with no elements still has its (empty) state
+            for name, _ in names:
+                dtypes.setdefault((name, key), of.dtypes[key])
+    _add_tensors(index, shapes_by_name, pieces, dtypes)
     if info.stage == 1:  # frozen params live only in `module`
         owned = set(shapes_by_name) | set(info.buffers) | set(info.shared)
         for key in [k for k in index.tensors if k.startswith("ds_module.")]:
@@ -314,6 +404,32 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
                 index.add_tensor(TensorEntry(f"model.{name}", e.dtype, e.shape, list(e.pieces),
                                              path=("model", name), attrs={"ds_role": "frozen"}))
     _param_groups(index, groups_meta, [[n for n, _ in grp.params] for grp in info.groups])
+
+
+def _collect(cut: dict[str, list[Piece]], what: Any, dtype: str, pieces: dict[tuple, list[Piece]],
+             dtypes: dict[tuple, str], arch: Archive) -> None:
+    """Add one rank's per-parameter pieces of one flat tensor (`what`: a state key, None for the
+    fp32 master); a parameter's pieces share one dtype."""
+    for name, got in cut.items():
+        if dtypes.setdefault((name, what), dtype) != dtype:
+            key = f"model.{name}" if what is None else _state_key(name, what)
+            raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, {quote(dtypes[(name, what)])} "
+                              f"on another rank")
+        pieces.setdefault((name, what), []).extend(got)
+
+
+def _add_tensors(index: CheckpointIndex, shapes_by_name: dict[str, tuple[int, ...]],
+                 pieces: dict[tuple, list[Piece]], dtypes: dict[tuple, str]) -> None:
+    """The masters (`model.<name>`), then every partitioned state key (`optim.state.<name>.<key>`),
+    one TensorEntry per parameter shaped like it; a zero-size parameter's have no pieces."""
+    for name, shape in shapes_by_name.items():
+        index.add_tensor(TensorEntry(f"model.{name}", dtypes.get((name, None), "float32"), shape,
+                                     pieces.get((name, None), []), path=("model", name),
+                                     attrs={"ds_role": "fp32_master"}))
+    for (name, what), dtype in dtypes.items():
+        if what is not None:
+            index.add_tensor(TensorEntry(_state_key(name, what), dtype, shapes_by_name[name],
+                                         pieces.get((name, what), []), path=("optim", "state", name, what)))
 
 
 def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
@@ -330,8 +446,8 @@ def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
         raise FormatError(f"{source.label(first)}: optimizer param groups name sub-groups {sorted(sub_to_group)}, "
                           f"param_shapes lists {len(param_shapes)}")
     shapes_by_name: dict[str, tuple[int, ...]] = {}
-    masters: dict[str, list[Piece]] = {}
-    moments: dict[str, dict[str, list[Piece]]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    pieces: dict[tuple, list[Piece]] = {}
+    dtypes: dict[tuple, str] = {}
     group_names: list[list[str]] = [[] for _ in groups_meta]
     for i, shapes in enumerate(param_shapes):
         names = [(n, _shape(s, f"param_shapes[{i}][{n}]")) for n, s in shapes.items()]
@@ -340,54 +456,46 @@ def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
         info.groups.append(Group(i, sub_to_group[i], names))
         per = [(n, math.prod(s), partition.stage3_slice(math.prod(s), world)) for n, s in names]
         flat_len = sum(p for _, _, p in per)
+        of = _StateOf(f"sub-group {i}")
+        damaged: list[str] = []
         for rank in range(world):
             if rank not in optim:  # its file was missing or unreadable (verify listed it)
-                _damaged([n for n, numel, slice_len in per if numel > rank * slice_len])
+                damaged += [n for n, numel, slice_len in per if numel > rank * slice_len]
                 continue
             rel = layout.prefix + layout.optim_files[rank]
             arch = archives[rel]
             osd = optim[rank]["optimizer_state_dict"]
-            loc = _partition(arch, osd, "fp32_flat_groups", i, "sub-group", (flat_len,), world)
-            state = _get(_get(osd, "optimizer_state_dict", arch.label), "state", arch.label).get(i)
-            if state is None:
-                raise FormatError(f"{arch.label}: optimizer state has no entry for sub-group {i}")
-            locs = {"fp32": loc}
-            for moment in ("exp_avg", "exp_avg_sq"):
-                if moment not in state:
-                    raise UnsupportedError(f"{arch.label}: optimizer state of sub-group {i} has no {moment} "
-                                           f"(only Adam-style optimizers are supported)")
-                _, mloc, mshape = _tensor(arch, state[moment], f"{moment} of sub-group {i}")
-                if mshape != (flat_len,):
-                    raise FormatError(f"{arch.label}: {moment} of sub-group {i} has {list(mshape)} elements, "
-                                      f"expected {flat_len}")
-                locs[moment] = mloc
-            pos = 0
-            for name, numel, slice_len in per:
-                start = rank * slice_len
-                length = max(0, min(slice_len, numel - start))
-                if length:
-                    for what, target in (("fp32", masters), ("exp_avg", moments["exp_avg"]),
-                                         ("exp_avg_sq", moments["exp_avg_sq"])):
-                        l = locs[what]
-                        target.setdefault(name, []).append(
-                            Piece(FlatRange(start, length), Location(l.file, l.offset + pos * 4, length * 4)))
-                pos += slice_len
-        step = materialize(inner0["state"].get(i, {}).get("step"), archives[first])  # once, shared by the names
-        for name, _ in names:
-            index.add_object(ObjectEntry(f"optim.state.{name}.step", step, path=("optim", "state", name, "step")))
-    for name, shape in shapes_by_name.items():
-        index.add_tensor(TensorEntry(f"model.{name}", "float32", shape, masters.get(name, []),
-                                     path=("model", name), attrs={"ds_role": "fp32_master"}))
-        for moment in ("exp_avg", "exp_avg_sq"):
-            index.add_tensor(TensorEntry(f"optim.state.{name}.{moment}", "float32", shape,
-                                         moments[moment].get(name, []), path=("optim", "state", name, moment)))
+            mdtype, loc, _ = _partition(arch, osd, "fp32_flat_groups", i, "sub-group", (flat_len,), world)
+            state = _get(_get(osd, "optimizer_state_dict", arch.label), "state", arch.label)
+            if not isinstance(state, dict):
+                raise FormatError(f"{arch.label}: optimizer state is a {type(state).__name__}, expected a dict")
+            flats = [(None, mdtype, loc)]
+            flats += [(key, of.dtypes[key], sloc)
+                      for key, sloc in of.read(arch, rank, state.get(i), (flat_len,)).items()]
+            for what, dtype, l in flats:
+                item = itemsize(dtype)
+                cut: dict[str, list[Piece]] = {}
+                pos = 0
+                for name, numel, slice_len in per:
+                    start = rank * slice_len
+                    length = max(0, min(slice_len, numel - start))
+                    if length:
+                        cut[name] = [Piece(FlatRange(start, length),
+                                           Location(l.file, l.offset + pos * item, length * item))]
+                    pos += slice_len
+                _collect(cut, what, dtype, pieces, dtypes, arch)
+        _damaged(damaged, of.partitioned())
+        of.add_whole(index, [n for n, _ in names])
+        for key in of.partitioned():
+            for name, _ in names:
+                dtypes.setdefault((name, key), of.dtypes[key])
+    _add_tensors(index, shapes_by_name, pieces, dtypes)
     _param_groups(index, groups_meta, group_names)
 
 
-def _damaged(names: list[str]) -> None:
+def _damaged(names: list[str], keys: list[str]) -> None:
     """Tensors of these parameters lack the pieces of a rank verify already reported."""
-    problems.tolerate_keys([k for n in names for k in (f"model.{n}", f"optim.state.{n}.exp_avg",
-                                                       f"optim.state.{n}.exp_avg_sq")])
+    problems.tolerate_keys([k for n in names for k in (f"model.{n}", *(_state_key(n, s) for s in keys))])
 
 
 def _tolerate_missing_models(source: Source, layout: Layout, world: int) -> bool:

@@ -1,11 +1,13 @@
 """Write a native (rigid, not universal) DeepSpeed ZeRO checkpoint for a new world size.
 
 Same stage and precision as the source. Everything DeepSpeed's loader and its own tools read is
-recomputed for M ranks: partition sizes and paddings, fp32 partitions and Adam moments (as
+recomputed for M ranks: partition sizes and paddings, fp32 partitions and every optimizer state
+partitioned with them, whatever the optimizer (exp_avg, momentum_buffer, sum, square_avg...: as
 virtual slices of the per-parameter tensors, streamed), stage-3 sub-groups and frozen fragments,
 param_shapes, partition_count, param_slice_mappings, group_paddings, dp_world_size. Everything
-else (scheduler, steps, loss scaler, client state, config) is carried over unchanged, the
-DeepSpeed classes re-emitted as themselves.
+else (scheduler, loss scaler, client state, config) is carried over unchanged, the DeepSpeed
+classes re-emitted as themselves; optimizer state kept whole (an int step, torch's 0-d step
+tensor) is each group's one value, of the same type and dtype.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from collections import OrderedDict
 from typing import Any
 
 from ...errors import FormatError, UnsupportedError, quote
-from ...index.types import CheckpointIndex, Piece, TensorEntry, Box
+from ...index.types import Box, CheckpointIndex, Piece, TensorEntry
 from ...index.virtual import Part, flat_slice
 from ...lazy_torch import is_tensor
+from ...optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ...progress import NullProgress, Progress
 from ...repickle import stand_in
 from ...runner.executor import run_jobs
@@ -60,16 +63,71 @@ def _config(index: CheckpointIndex) -> dict:
     return obj.data if obj is not None and isinstance(obj.data, dict) else {}
 
 
-def _step(index: CheckpointIndex, names: list[str]) -> Any:
-    steps: list[Any] = []
-    for n in names:
-        obj = index.objects.get(f"optim.state.{n}.step")
-        if obj is not None and not any(_same(obj.data, s) for s in steps):
-            steps.append(obj.data)
-    if len(steps) > 1:
-        raise UnsupportedError(f"parameters {names[:3]}... have different optimizer step counts "
-                               f"{sorted(map(repr, steps))}; they cannot share one ZeRO partition")
-    return steps[0] if steps else None
+class _States:
+    """How each optimizer state key of a (sub-)group is written: partitioned with the flat
+    buffer (a virtual slice of the per-parameter tensors) or whole (the group's one value).
+
+    The keys are the template's (the source rank's own state, or the one convert built), then any
+    other key the index holds for these parameters, so nothing read is left out."""
+
+    def __init__(self, index: CheckpointIndex, fetcher: Fetcher) -> None:
+        self.index, self.fetcher = index, fetcher
+        self.by_name: dict[str, list[str]] = {}   # param name -> its state keys, in index order
+        for key, e in list(index.tensors.items()) + list(index.objects.items()):
+            path = e.path if e.path and len(e.path) == 4 and tuple(e.path[:2]) == ("optim", "state") else None
+            if path is not None:
+                self.by_name.setdefault(str(path[2]), []).append(path[3])
+
+    def keys(self, template: Any, names: list[str]) -> list[Any]:
+        keys = list(template) if isinstance(template, dict) else []
+        for name in names:
+            keys += [k for k in self.by_name.get(name, []) if k not in keys]
+        return keys
+
+    def plan(self, keys: list[Any], params: list[tuple[str, tuple[int, ...]]], where: str) -> dict[Any, str | None]:
+        """key -> the dtype of a partitioned state, None for a whole one."""
+        out: dict[Any, str | None] = {}
+        for key in keys:
+            refuse_unmappable(str(key), where)
+            entries = [(self.index.tensors.get(_state_key(n, key)), s) for n, s in params]
+            kinds = [e is not None and kind_of(str(key), e.shape, s) == PARTITIONED for e, s in entries]
+            if params and all(kinds):
+                dtypes = {e.dtype for e, _ in entries}
+                if len(dtypes) > 1:
+                    raise UnsupportedError(f"{where}: optimizer state {quote(str(key))} has dtypes "
+                                           f"{sorted(dtypes)} across the parameters of one partition")
+                out[key] = dtypes.pop()
+            elif any(kinds):
+                odd = [n for (n, _), k in zip(params, kinds) if not k][:3]
+                raise UnsupportedError(f"{where}: optimizer state {quote(str(key))} is shaped like its parameter "
+                                       f"for some parameters but not for {odd}; they cannot share one ZeRO "
+                                       f"partition")
+            else:
+                out[key] = None
+        return out
+
+    def whole(self, key: Any, names: list[str], template: Any, where: str) -> Any:
+        """The one value of a whole state for these parameters (they must agree), else the template's."""
+        values: list[Any] = []
+        for n in names:
+            k = _state_key(n, key)
+            if k in self.index.objects:
+                value = self.index.objects[k].data
+            elif k in self.index.tensors:
+                value = self.fetcher.fetch(self.index.tensors[k])
+            else:
+                continue
+            if not any(_same(value, v) for v in values):
+                values.append(value)
+        if len(values) > 1:
+            raise UnsupportedError(f"{where}: parameters {names[:3]}... have different values of optimizer state "
+                                   f"{quote(str(key))} ({quote(', '.join(sorted(map(repr, values))))}); they "
+                                   f"cannot share one ZeRO partition")
+        return copy.deepcopy(values[0]) if values else template
+
+
+def _state_key(name: str, key: Any) -> str:
+    return f"optim.state.{name}.{key}"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -78,7 +136,10 @@ def _same(a: Any, b: Any) -> bool:
         return False
     if is_tensor(a):
         return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
-    return bool(a == b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values of foreign types that cannot compare: different
+        return False
 
 
 def _virtual(key: str, dtype: str, parts: list[Part], start: int, length: int) -> LazyTensor:
@@ -117,10 +178,11 @@ def write_zero_files(out: OutputDir, index: CheckpointIndex, source: Source, inf
     progress = progress or NullProgress()
     fetcher = Fetcher(source, index=index)
     files: dict[str, Any] = {}  # relative name -> structure
+    states = _States(index, fetcher)
     if info.stage < 3:
-        _stage12(index, info, world_size, tag, files)
+        _stage12(index, info, world_size, tag, files, states)
     else:
-        _stage3(index, info, world_size, tag, files, sub_group_size)
+        _stage3(index, info, world_size, tag, files, sub_group_size, states)
     jobs = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=slab_bytes, progress=progress))
             for n, s in files.items()]
     run_jobs(jobs, workers, group=out.group, weights=[structure_bytes(s) for s in files.values()])
@@ -150,51 +212,49 @@ def _template(info: ZeroInfo, kind: str, rank: int) -> tuple[Any, Archive]:
     return states[rank], info.archives.get(rel)  # no archive: a template convert built
 
 
-def _stage12(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files: dict) -> None:
+def _stage12(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files: dict, states: _States) -> None:
     m0, marchive = _template(info, "model", min(info.layout.model_files))
     model = _lazify(m0, marchive, {})
     model["dp_world_size"] = world
     files[f"{tag}/mp_rank_00_model_states.pt"] = model
 
     o0, oarchive = _template(info, "optim", 0)
+    osd_t = o0["optimizer_state_dict"]
+    base_t = osd_t["base_optimizer_state"]
     group_parts = []
     for grp in info.groups:
-        masters, avg, avg_sq = [], [], []
+        g = grp.index
+        names = [n for n, _ in grp.params]
+        template = base_t["state"].get(g) if isinstance(base_t["state"], dict) else None
+        plan = states.plan(states.keys(template, names), grp.params, f"group {g}")
+        flats: dict[Any, list[Part]] = {None: []}  # None: the fp32 masters
+        flats.update({key: [] for key, dtype in plan.items() if dtype is not None})
         for i, (name, shape) in enumerate(grp.params):
             n = math.prod(shape)
             pad = grp.paddings[i] if grp.paddings else 0
-            masters += [Part(f"model.{name}", 0, n), Part(None, 0, pad)]
-            avg += [Part(f"optim.state.{name}.exp_avg", 0, n), Part(None, 0, pad)]
-            avg_sq += [Part(f"optim.state.{name}.exp_avg_sq", 0, n), Part(None, 0, pad)]
+            for key, parts in flats.items():
+                parts += [Part(f"model.{name}" if key is None else _state_key(name, key), 0, n), Part(None, 0, pad)]
+        whole = {key: states.whole(key, names, _lazify((template or {}).get(key), oarchive, {}), f"group {g}")
+                 for key, dtype in plan.items() if dtype is None}
         placed, total, ps = partition.stage12_group([(n, math.prod(s)) for n, s in grp.params], grp.paddings, world)
-        group_parts.append((grp, masters, avg, avg_sq, placed, total, ps))
+        group_parts.append((grp, plan, flats, whole, _master_dtype(index, names), placed, total, ps,
+                            template is not None or bool(plan)))
     for rank in range(world):
-        osd_t = o0["optimizer_state_dict"]
         osd: dict = {}
         for key, value in osd_t.items():
             if key in ("base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings",
                        "partition_count", "param_slice_mappings"):
                 continue
             osd[key] = _lazify(value, oarchive, {})
-        base_t = osd_t["base_optimizer_state"]
         state, fp32, paddings, mappings = {}, [], [], []
-        for grp, masters, avg, avg_sq, placed, total, ps in group_parts:
+        for grp, plan, flats, whole, mdtype, placed, total, ps, has_state in group_parts:
             g = grp.index
             start = rank * ps
             own = max(0, min(ps, total - start))
-            fp32.append(_virtual(f"fp32.{g}.{rank}", "float32", masters, start, own))
-            gstate = {}
-            for key, value in base_t["state"][g].items():
-                if key == "exp_avg":
-                    gstate[key] = _virtual(f"exp_avg.{g}.{rank}", "float32", avg, start, ps)
-                elif key == "exp_avg_sq":
-                    gstate[key] = _virtual(f"exp_avg_sq.{g}.{rank}", "float32", avg_sq, start, ps)
-                elif isinstance(value, TensorRef):
-                    raise UnsupportedError(f"optimizer state {quote(str(key))} of group {g} is a tensor ckptkit cannot "
-                                           f"repartition (only Adam's exp_avg/exp_avg_sq are known)")
-                else:
-                    gstate[key] = copy.deepcopy(value)
-            state[g] = gstate
+            fp32.append(_virtual(f"fp32.{g}.{rank}", mdtype, flats[None], start, own))
+            if has_state:
+                state[g] = {key: (_virtual(f"{key}.{g}.{rank}", dtype, flats[key], start, ps) if dtype is not None
+                                  else copy.deepcopy(whole[key])) for key, dtype in plan.items()}
             # DeepSpeed's own bookkeeping of the end padding inside this rank's partition
             paddings.append(ps if total <= start else (start + ps - total if total < start + ps else 0))
             mappings.append(OrderedDict(
@@ -211,6 +271,15 @@ def _stage12(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files
         files[f"{tag}/{_optim_name(info, rank)}"] = {"optimizer_state_dict": _ordered_like(osd_t, osd), **top}
 
 
+def _master_dtype(index: CheckpointIndex, names: list[str]) -> str:
+    """The dtype of a flat buffer of fp32 masters (DeepSpeed's are float32), the same for all."""
+    dtypes = {index.tensors[f"model.{n}"].dtype for n in names}
+    if len(dtypes) > 1:
+        raise UnsupportedError(f"the master weights of one ZeRO partition have dtypes {sorted(dtypes)} "
+                               f"(parameters {names[:3]}...); they cannot share a flat buffer")
+    return dtypes.pop() if dtypes else "float32"
+
+
 def _ordered_like(template: dict, values: dict) -> dict:
     """Keep the template's key order (DeepSpeed does not care, humans diffing files do)."""
     out = {k: values[k] for k in template if k in values}
@@ -219,7 +288,7 @@ def _ordered_like(template: dict, values: dict) -> dict:
 
 
 def _stage3(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files: dict,
-            sub_group_size: int | None) -> None:
+            sub_group_size: int | None, states: _States) -> None:
     # params of each torch param group, in order, then DeepSpeed's sub-groups for the new size
     by_group: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
     for grp in info.groups:
@@ -235,7 +304,19 @@ def _stage3(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files:
     if "ds_zero_partition_groups" in osd_t:
         raise UnsupportedError("ZeRO-3 checkpoints with expert partition groups are not supported yet")
     inner_t = osd_t["optimizer_state_dict"]
-    first_state = next(iter(inner_t["state"].values()), {})
+    # the template's keys (every source sub-group has the same ones) and its value of each
+    template: dict = {}
+    for sub_state in (inner_t["state"].values() if isinstance(inner_t["state"], dict) else []):
+        if isinstance(sub_state, dict):
+            template.update({k: v for k, v in sub_state.items() if k not in template})
+    had_state = bool(inner_t["state"]) if isinstance(inner_t["state"], dict) else False
+    plans = []
+    for i, (g, params) in enumerate(subgroups):
+        names = [n for n, _ in params]
+        plan = states.plan(states.keys(template, names), params, f"sub-group {i}")
+        whole = {key: states.whole(key, names, _lazify(template.get(key), oarchive, {}), f"sub-group {i}")
+                 for key, dtype in plan.items() if dtype is None}
+        plans.append((plan, whole, _master_dtype(index, names), had_state or bool(plan)))
     for rank in range(world):
         # model states: one per rank
         m_t, marchive = _template(info, "model", 0)
@@ -257,30 +338,23 @@ def _stage3(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, files:
         # optim states
         state, flats = {}, []
         groups_params: dict[int, list[int]] = {}
-        for i, (g, params) in enumerate(subgroups):
+        for i, ((g, params), (plan, whole, mdtype, has_state)) in enumerate(zip(subgroups, plans)):
             groups_params.setdefault(g, []).append(i)
-            parts = {"model": [], "exp_avg": [], "exp_avg_sq": []}
+            parts: dict[Any, list[Part]] = {None: []}  # None: the fp32 masters
+            parts.update({key: [] for key, dtype in plan.items() if dtype is not None})
             for name, shape in params:
                 numel = math.prod(shape)
                 per = partition.stage3_slice(numel, world)
                 start = rank * per
                 length = max(0, min(per, numel - start))
-                for what, key in (("model", f"model.{name}"), ("exp_avg", f"optim.state.{name}.exp_avg"),
-                                  ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq")):
-                    parts[what] += [Part(key, start, length), Part(None, 0, per - length)]
-            size = sum(p.length for p in parts["model"])
-            flats.append(_virtual(f"fp32.{i}.{rank}", "float32", parts["model"], 0, size))
-            sub_state = {}
-            for key in first_state:
-                if key in ("exp_avg", "exp_avg_sq"):
-                    sub_state[key] = _virtual(f"{key}.{i}.{rank}", "float32", parts[key], 0, size)
-                elif key == "step":
-                    sub_state[key] = copy.deepcopy(_step(index, [n for n, _ in params]))
-                elif isinstance(first_state[key], TensorRef):
-                    raise UnsupportedError(f"optimizer state {quote(str(key))} is a tensor ckptkit cannot repartition")
-                else:
-                    sub_state[key] = copy.deepcopy(first_state[key])
-            state[i] = sub_state
+                for key, target in parts.items():
+                    target += [Part(f"model.{name}" if key is None else _state_key(name, key), start, length),
+                               Part(None, 0, per - length)]
+            size = sum(p.length for p in parts[None])
+            flats.append(_virtual(f"fp32.{i}.{rank}", mdtype, parts[None], 0, size))
+            if has_state:
+                state[i] = {key: (_virtual(f"{key}.{i}.{rank}", dtype, parts[key], 0, size) if dtype is not None
+                                  else copy.deepcopy(whole[key])) for key, dtype in plan.items()}
         param_groups = copy.deepcopy(inner_t["param_groups"])
         for g, meta in enumerate(param_groups):
             meta["params"] = groups_params.get(g, [])
