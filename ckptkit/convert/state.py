@@ -1,11 +1,17 @@
 """One canonical training state read from any backend: what convert writes to every other one.
 
 The state keeps references to the source's bytes (index entries), never the data: model tensors
-by parameter name, the Adam moments and step of each trainable parameter, the param groups (by
-name), which model tensors are trainable, frozen, buffers or tied, and everything else as
-extras. DeepSpeed checkpoints say all of this themselves; for torch checkpoints the roles come
-from the optimizer's param groups, from sharding (FSDP shards parameters, not buffers) and from
-values (a tied weight is a non-trainable tensor equal to a trainable one).
+by parameter name, each trainable parameter's optimizer state whatever the optimizer (tensors
+shaped like the parameter are partitioned with it; steps and other per-parameter values are
+kept whole, ckptkit/optim_state.py decides), the param groups (by name), which model tensors are
+trainable, frozen, buffers or tied, and everything else as extras. DeepSpeed checkpoints say all
+of this themselves; for torch checkpoints the roles come from the optimizer's param groups, from
+sharding (FSDP shards parameters, not buffers) and from values (a tied weight is a
+non-trainable tensor equal to a trainable one).
+
+Nothing read is lost silently: every tensor and object of the source index is carried, rebuilt
+by the target (`derived`, with why: DeepSpeed's low-precision copies and layout values), or
+listed in `unmapped` (with what it is), which convert refuses to drop unless asked to.
 """
 from __future__ import annotations
 
@@ -22,18 +28,20 @@ from ..index.dtypes import is_floating, itemsize
 from ..index.layouts import is_sharded
 from ..index.types import Box, TensorEntry
 from ..lazy_torch import is_tensor
+from ..optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
 from ..ops.keys import LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, guess_step, split_roles
 from ..torch_types import SmallTensor
-from .hyper import step_number
+from .hyper import DsOptimizer, ds_optimizer, source_is_ds_own, step_number
 from .names import KeyRules
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 # DeepSpeed's values that mean something outside DeepSpeed's own optimizer objects
 DS_CARRIED = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "data_sampler", "random_ltd",
               "iteration", "ds_config", "ds_version")
 FLAT_PARAM_MARKS = ("flat_param", "_flat_param")
+LOW_PRECISION_WHY = "low-precision copies of the fp32 masters"
+DS_LAYOUT_WHY = "DeepSpeed layout values of the saving run (world size, stage, loss scaler, clipping)"
 
 
 @dataclass
@@ -43,17 +51,43 @@ class TrainingState:
     frozen: list[str]
     buffers: list[str]
     ties: dict[str, str]                               # alias -> owner
-    moments: dict[str, dict[str, TensorEntry]]         # name -> {"exp_avg": entry, "exp_avg_sq": entry}
-    steps: dict[str, Any]                              # name -> int / float / 0-d tensor
+    param_states: dict[str, dict[str, TensorEntry]]    # name -> {state key: entry shaped like the parameter}
+    whole_states: dict[str, dict[str, Any]]            # name -> {state key: int / float / 0-d tensor ...}
     groups: list[dict[str, Any]]                       # hyperparameters, without "params"
     group_params: list[list[str]]
     extras: list[tuple[tuple, Any]] = field(default_factory=list)   # (path, value or TensorEntry)
     ds: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's own values (global_steps, ...)
     ds_config: dict | None = None
+    derived: dict[str, str] = field(default_factory=dict)    # source key -> why the target rebuilds it
+    unmapped: dict[str, str] = field(default_factory=dict)   # source key -> what it is (would be lost)
+    dropped: dict[str, str] = field(default_factory=dict)    # canonical key -> why (on request)
+    optimizer_dropped: bool = False                          # the whole optimizer left out on request
 
     @property
     def from_deepspeed(self) -> bool:
         return self.source.index.format == "deepspeed"
+
+    @property
+    def source_optimizer(self) -> DsOptimizer | None:
+        """The DeepSpeed optimizer that wrote a DeepSpeed source (None for a torch source)."""
+        return ds_optimizer(self.ds_config) if self.from_deepspeed else None
+
+    @property
+    def source_own(self) -> bool:
+        """Written by DeepSpeed's own Adam-style optimizer (int steps, bias_correction in the groups)."""
+        return source_is_ds_own(self.from_deepspeed, self.ds_config, self.groups)
+
+    @property
+    def steps(self) -> dict[str, Any]:
+        """name -> the parameter's optimizer step, where its optimizer keeps one."""
+        return {n: w["step"] for n, w in self.whole_states.items() if "step" in w}
+
+    @property
+    def state_keys(self) -> list[str]:
+        """Every per-parameter state key, partitioned ones first, in first-seen order."""
+        keys = dict.fromkeys(k for m in self.param_states.values() for k in m)
+        keys.update(dict.fromkeys(k for m in self.whole_states.values() for k in m))
+        return list(keys)
 
     @property
     def trainable(self) -> list[str]:
@@ -75,16 +109,33 @@ class TrainingState:
         values = {int(float(step_number(v))) for v in self.steps.values()}
         return max(values) if values else None
 
-    def group_step(self, g: int) -> Any:
-        """The step all params of group g share (ZeRO keeps one per group)."""
-        values = {repr(step_number(self.steps[n])) for n in self.group_params[g] if n in self.steps}
+    def group_whole(self, g: int, key: str) -> Any:
+        """The value of whole state `key` all params of group g share (ZeRO keeps one per group);
+        None when no parameter of the group has it."""
+        values = {_value_id(self.whole_states[n][key]) for n in self.group_params[g]
+                  if key in self.whole_states.get(n, {})}
         if len(values) > 1:
-            raise UnsupportedError(f"param group {g} has parameters at different optimizer steps "
-                                   f"({sorted(values)}); ZeRO keeps one step per group")
+            raise UnsupportedError(f"param group {g} has parameters with different optimizer {quote(key)} values "
+                                   f"({sorted(values)[:4]}); ZeRO keeps one per group")
         for n in self.group_params[g]:
-            if n in self.steps:
-                return self.steps[n]
-        return 0
+            if key in self.whole_states.get(n, {}):
+                return self.whole_states[n][key]
+        return None
+
+    def group_step(self, g: int) -> Any:
+        """The step all params of group g share (ZeRO keeps one per group), 0 when none has one."""
+        value = self.group_whole(g, "step")
+        return 0 if value is None else value
+
+
+def _value_id(value: Any) -> str:
+    """A comparable identity of a whole state value (a number, a SmallTensor, a torch tensor)."""
+    if isinstance(value, SmallTensor) or is_tensor(value):
+        try:
+            return repr(step_number(value))
+        except (UnsupportedError, RuntimeError, ValueError):
+            return repr(value.tolist())
+    return repr(value)
 
 
 def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: tuple[str, ...] = ()) -> TrainingState:
@@ -97,11 +148,31 @@ def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: t
     return state
 
 
+class _OptimState:
+    """Per-parameter optimizer state as read, each value placed by its shape (optim_state.kind_of)."""
+
+    def __init__(self, where: str, fetcher: Fetcher, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.where, self.fetcher, self.shapes = where, fetcher, shapes
+        self.partitioned: dict[str, dict[str, TensorEntry]] = {}
+        self.whole: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, key: str, value: Any, source_key: str) -> None:
+        refuse_unmappable(key, f"{self.where} ({source_key})")
+        if isinstance(value, TensorEntry):
+            shape = self.shapes.get(name)
+            if shape is not None and kind_of(key, value.shape, shape) == PARTITIONED:
+                self.partitioned.setdefault(name, {})[key] = value
+                return
+            value = self.fetcher.read_small(value)  # a step, a per-parameter scalar: small, kept whole
+        self.whole.setdefault(name, {})[key] = value
+
+
 def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
     index = opened.index
     names = [k[len("model."):] for k in index.tensors if k.startswith("model.")]
     rules = rules.for_names(names)
     model, frozen, buffers, ties = {}, [], [], {}
+    derived, unmapped = {}, {}
     for key, e in index.tensors.items():
         if not key.startswith("model."):
             continue
@@ -114,29 +185,42 @@ def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
             frozen.append(name)
         elif role == "buffer":
             buffers.append(name)
-    moments: dict[str, dict[str, TensorEntry]] = {}
-    steps: dict[str, Any] = {}
+    optim = _OptimState(str(opened.path), Fetcher(opened.source, index=index),
+                        {n: tuple(e.shape) for n, e in model.items()})
+    extras: list[tuple[tuple, Any]] = []
     for key, e in index.tensors.items():
-        p = e.path or ()
-        if len(p) == 4 and p[:2] == ("optim", "state") and p[3] in MOMENTS:
-            moments.setdefault(rules.apply(p[2]), {})[p[3]] = e
+        p = tuple(e.path or (key,))
+        if key.startswith("model."):
+            continue
+        if len(p) == 4 and p[:2] == ("optim", "state"):
+            optim.add(rules.apply(p[2]), str(p[3]), e, key)
+        elif p[0] == "client" and len(p) > 1:
+            extras.append((p[1:], e))
+        elif p[0] in LOW_PRECISION_CONTAINERS:
+            derived[key] = LOW_PRECISION_WHY
+        else:
+            unmapped[key] = "a DeepSpeed tensor outside the model, its optimizer state and the client state"
     groups: dict[int, dict[str, Any]] = {}
-    extras, ds = [], {}
+    ds = {}
     for key, o in index.objects.items():
-        p = o.path or (key,)
+        p = tuple(o.path or (key,))
         # values as read (stand-ins for torch's types): the writers re-emit them as torch's
-        if len(p) == 4 and p[:2] == ("optim", "state") and p[3] == "step":
-            steps[rules.apply(p[2])] = o.data
+        if len(p) == 4 and p[:2] == ("optim", "state"):
+            optim.add(rules.apply(p[2]), str(p[3]), o.data, key)
         elif len(p) == 4 and p[:2] == ("optim", "param_groups"):
             groups.setdefault(int(p[2]), {})[p[3]] = o.data
-        elif p[0] == "client":
-            extras.append((tuple(p[1:]), o.data))
+        elif p[0] == "client" and len(p) > 1:
+            extras.append((p[1:], o.data))
         elif p[0] == "ds" and len(p) == 2 and p[1] in DS_CARRIED:
             ds[p[1]] = o.data
+        elif p[0] == "ds":
+            derived[key] = DS_LAYOUT_WHY
+        else:
+            unmapped[key] = "a DeepSpeed value outside the model, its optimizer and the client state"
     group_list, group_params = _named_groups(groups, rules)
     cfg = ds.get("ds_config")
-    return TrainingState(opened, model, frozen, buffers, ties, moments, steps, group_list, group_params, extras, ds,
-                         cfg if isinstance(cfg, dict) else None)
+    return TrainingState(opened, model, frozen, buffers, ties, optim.partitioned, optim.whole, group_list,
+                         group_params, extras, ds, cfg if isinstance(cfg, dict) else None, derived, unmapped)
 
 
 def _named_groups(groups: dict[int, dict[str, Any]], rules: KeyRules) -> tuple[list[dict], list[list[str]]]:
@@ -166,11 +250,12 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     model = {rules.apply(n): index.tensors[k] for n, k in split.model.items()}
     if len(model) != len(split.model):
         raise UsageError(f"{opened.path}: the name rules map two model tensors to the same name")
-    moments: dict[str, dict[str, TensorEntry]] = {}
-    steps: dict[str, Any] = {}
     groups: dict[int, dict[str, Any]] = {}
     extras: list[tuple[tuple, Any]] = []
+    derived: dict[str, str] = {}
+    unmapped: dict[str, str] = {}
     fetcher = Fetcher(opened.source, index=index)
+    optim = _OptimState(str(opened.path), fetcher, {n: tuple(e.shape) for n, e in model.items()})
     model_keys = set(split.model.values())
 
     def optim_entry(parts: tuple, value: Any, where: str) -> bool:
@@ -182,14 +267,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
                     f"get_optimizer_state_dict (or FSDP.optim_state_dict), which key it by name")
             if len(parts) != 3:
                 return False
-            name, what = rules.apply(str(parts[1])), parts[2]
-            if what in MOMENTS and isinstance(value, TensorEntry):
-                moments.setdefault(name, {})[what] = value
-            elif what == "step":
-                steps[name] = fetcher.read_small(value) if isinstance(value, TensorEntry) else value
-            elif isinstance(value, TensorEntry):
-                raise UnsupportedError(f"{opened.path}: optimizer state {quote(str(what))} of {name_of(name)} ({where}) is not "
-                                       f"Adam's exp_avg/exp_avg_sq/step; only Adam-style optimizers convert")
+            optim.add(rules.apply(str(parts[1])), str(parts[2]), value, where)
             return True
         if len(parts) == 3 and parts[0] == "param_groups" and isinstance(parts[1], int):
             if parts[2] == "params" and isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
@@ -208,6 +286,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
         if parts is not None and optim_entry(parts, e, key):
             continue
         if path[0] in LOW_PRECISION_CONTAINERS:
+            derived[key] = LOW_PRECISION_WHY
             continue
         extras.append((path, e))
     for key, o in index.objects.items():
@@ -216,12 +295,22 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
         if parts is not None and optim_entry(parts, o.data, key):
             continue
         if path[0] in OPTIM_CONTAINERS or path[0] in MODEL_CONTAINERS:
-            continue  # leftovers of an optimizer (e.g. an empty state) or a model container
+            if _empty(o.data):  # an optimizer's empty state, an empty container: nothing to lose
+                derived[key] = "empty"
+            else:
+                unmapped[key] = (f"a value inside the {'optimizer' if path[0] in OPTIM_CONTAINERS else 'model'} "
+                                 f"state that is neither a parameter's state nor a param group")
+            continue
         extras.append((path, o.data))
     group_list, group_params = _named_groups(groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
     frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher)
-    return TrainingState(opened, model, frozen, buffers, ties, moments, steps, group_list, group_params, extras)
+    return TrainingState(opened, model, frozen, buffers, ties, optim.partitioned, optim.whole, group_list,
+                         group_params, extras, derived=derived, unmapped=unmapped)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (dict, list, tuple)) and not value)
 
 
 def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str], frozen_patterns: tuple[str, ...],
@@ -268,7 +357,7 @@ def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes:
 
 
 def _check_partners(state: TrainingState) -> None:
-    lonely = sorted(n for n in state.moments if n not in state.model)
+    lonely = sorted(n for n in set(state.param_states) | set(state.whole_states) if n not in state.model)
     lonely += sorted(f"{n} (param group {g})" for g, ps in enumerate(state.group_params) for n in ps
                      if n not in state.model)
     if lonely:
@@ -298,9 +387,17 @@ def flat_extras(extras: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
 
 
 def describe(state: TrainingState) -> str:
-    return (f"{len(state.trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
+    """One line: the model's roles, then the optimizer state by key name (never a silent 0)."""
+    partitioned = dict.fromkeys(k for m in state.param_states.values() for k in m)
+    whole = dict.fromkeys(k for m in state.whole_states.values() for k in m)
+    n_part = sum(len(m) for m in state.param_states.values())
+    n_whole = sum(len(m) for m in state.whole_states.values())
+    text = (f"{len(state.trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
             f"{len(state.ties)} tied; {len(state.group_params)} param groups; "
-            f"{sum(len(m) for m in state.moments.values())} moment tensors")
+            f"{n_part} optimizer state tensors" + (f" ({', '.join(partitioned)})" if partitioned else ""))
+    if n_whole:
+        text += f", {n_whole} per-parameter values ({', '.join(whole)})"
+    return text
 
 
 __all__ = ["TrainingState", "read_state", "flat_extras", "describe"]

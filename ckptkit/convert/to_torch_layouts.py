@@ -1,7 +1,8 @@
 """The canonical state as torch's recipe names it, for DCP folders and torch.save files.
 
 Keys are what `get_state_dict(model, optim)` flattened by DCP produces: `model.<name>`,
-`optim.state.<name>.exp_avg|exp_avg_sq|step` (step a 0-d float32 tensor),
+`optim.state.<name>.<key>` for every state key the optimizer keeps (exp_avg, momentum_buffer,
+sum...; a step that DeepSpeed's own optimizer kept as an int becomes torch's 0-d float32 tensor),
 `optim.param_groups.<g>.<hyper>` with `params` as names. Frozen params and buffers of a
 DeepSpeed source are upcast to float32 (FSDP keeps float32 masters); tied weights appear under
 both names, as `model.state_dict()` lists them. DeepSpeed's own values come along under `ds.`
@@ -15,8 +16,10 @@ from ..index.layouts import Assignment, Layout, chunk_dim0
 from ..index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ..index.virtual import REF, inline_tensor
 from ..runner.fetch import Fetcher
+from ..lazy_torch import is_tensor
+from ..torch_types import SmallTensor
 from .hyper import torch_groups, torch_step
-from .state import MOMENTS, TrainingState, flat_extras
+from .state import TrainingState, flat_extras
 
 SOURCE_PREFIX = "\0source:"  # keys of source tensors referenced by cast views (never written)
 
@@ -48,16 +51,23 @@ def torch_recipe_index(state: TrainingState, fmt: str) -> tuple[CheckpointIndex,
     for name, entry in state.model.items():
         entry = state.model[state.ties.get(name, name)]
         index.add_tensor(view(f"model.{name}", entry, resolver, ("model", name), "float32" if from_ds else None))
-    for name in state.trainable:
-        for what in MOMENTS:
-            entry = state.moments.get(name, {}).get(what)
-            if entry is not None:
-                index.add_tensor(view(f"optim.state.{name}.{what}", entry, resolver, ("optim", "state", name, what)))
-        if name in state.steps:
-            key = f"optim.state.{name}.step"
-            index.add_tensor(inline_tensor(key, torch_step(state.steps[name]), ("optim", "state", name, "step")))
-    for g, (hyper, params) in enumerate(zip(torch_groups(state.groups, state.ds_config, from_ds),
-                                            state.group_params)):
+    own = state.source_own
+    optim_names = [] if state.optimizer_dropped else state.trainable  # a dropped optimizer: no groups
+    for name in dict.fromkeys(optim_names + list(state.param_states) + list(state.whole_states)):
+        for what, entry in state.param_states.get(name, {}).items():
+            index.add_tensor(view(f"optim.state.{name}.{what}", entry, resolver, ("optim", "state", name, what)))
+        for what, value in state.whole_states.get(name, {}).items():
+            key, path = f"optim.state.{name}.{what}", ("optim", "state", name, what)
+            if what == "step" and own:
+                value = torch_step(value)  # DeepSpeed's own int step: torch keeps a 0-d float32 tensor
+            if isinstance(value, SmallTensor) or is_tensor(value):
+                index.add_tensor(inline_tensor(key, value, path))
+            else:
+                index.add_object(ObjectEntry(key, value, path=path))
+    src_opt = state.source_optimizer
+    groups = [] if state.optimizer_dropped else torch_groups(state.groups, own,
+                                                             src_opt.adam_w_mode if src_opt is not None else True)
+    for g, (hyper, params) in enumerate(zip(groups, state.group_params)):
         for k, v in list(hyper.items()) + [("params", list(params))]:
             index.add_object(ObjectEntry(f"optim.param_groups.{g}.{k}", v, path=("optim", "param_groups", g, k)))
     for k, v in state.ds.items():
@@ -74,14 +84,14 @@ def torch_recipe_index(state: TrainingState, fmt: str) -> tuple[CheckpointIndex,
 
 
 def fsdp2_training_layout(index: CheckpointIndex, state: TrainingState, world_size: int) -> Layout:
-    """FSDP2 at `world_size`: every N-d parameter and its moments Shard(0) (torch.chunk);
+    """FSDP2 at `world_size`: every N-d parameter and its partitioned state Shard(0) (torch.chunk);
     buffers, steps and 0-d values whole, written once by rank 0."""
     params = set(state.trainable) | set(state.frozen) | set(state.ties)
     layout = Layout(world_size, description=f"FSDP2 Shard(0) over {world_size} ranks")
     for key, entry in index.tensors.items():
         path = entry.path or ()
         sharded = (path[:1] == ("model",) and path[1] in params) or (
-            path[:2] == ("optim", "state") and path[-1] in MOMENTS)
+            path[:2] == ("optim", "state") and len(path) == 4 and path[3] in state.param_states.get(path[2], {}))
         if not sharded or not entry.shape:
             layout.tensors[key] = [Assignment(0, Box.whole(entry.shape))]
             continue

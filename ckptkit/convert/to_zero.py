@@ -2,10 +2,13 @@
 
 What DeepSpeed's layout depends on comes from the config: the stage, the precision (fp16 / bf16 /
 fp32 module weights, the `bf16_` file prefix), sub_group_size, parameter_alignment, the optimizer
-(DeepSpeed's Adam keeps an int step and `bias_correction`; torch_adam keeps torch's). Group
+(DeepSpeed's Adam keeps an int step and `bias_correction`; a torch optimizer, i.e. torch_adam, a
+torch.optim type or no "optimizer" section, keeps torch's state and groups as they are). Every
+optimizer state shaped like its parameter becomes a flat partition; whole values (a step) are
+each group's one value. Group
 membership and order come from the source optimizer's param groups. The files DeepSpeed's
 `load_checkpoint` reads are then assembled as templates and written by the same streaming writer
-that reshards ZeRO checkpoints: fp32 partitions and moments are virtual slices of the source
+that reshards ZeRO checkpoints: fp32 partitions and optimizer states are virtual slices of the source
 tensors, the low-precision module weights the cast of the masters.
 
 Values DeepSpeed keeps that a torch checkpoint does not have start fresh, as documented:
@@ -30,8 +33,8 @@ from ..progress import Progress
 from ..repickle import stand_in, stand_in_call
 from ..storage.output import OutputDir
 from ..torch_types import DType, Size, SmallTensor
-from .hyper import deepspeed_groups, deepspeed_step
-from .state import MOMENTS, TrainingState
+from .hyper import check_target_holds, deepspeed_groups, deepspeed_step, ds_optimizer, torch_groups
+from .state import TrainingState
 from .to_torch_layouts import view
 
 DS_FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose file layout this writes
@@ -81,7 +84,7 @@ def _alignment_paddings(names: list[tuple[str, int]], cfg_zero: dict, precision:
 
 def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, world_size: int, cfg: dict, *,
                           slab_bytes: int, workers: int, progress: Progress) -> list[str]:
-    if not state.has_optimizer:
+    if not state.has_optimizer or state.optimizer_dropped:
         raise UsageError(f"{state.source.path}: has no optimizer state (param groups); a ZeRO checkpoint is an "
                          f"optimizer checkpoint, so converting to ZeRO needs one")
     zero_cfg = cfg.get("zero_optimization") or {}
@@ -90,27 +93,38 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
         raise UsageError(f"--to zero{stage} but the DeepSpeed config says zero_optimization.stage {cfg_stage}")
     if zero_cfg.get("round_robin_gradients") and stage < 3:
         raise UnsupportedError("round_robin_gradients reorders ZeRO partitions; converting to it is not supported")
-    missing = [n for n in state.trainable if set(MOMENTS) - set(state.moments.get(n, {}))]
-    if missing:
-        raise UsageError(f"{state.source.path}: trainable parameters without Adam moments (never stepped?): "
-                         f"{missing[:5]}; a ZeRO checkpoint needs them for every parameter")
+    target = ds_optimizer(cfg)
+    check_target_holds(target, state.state_keys)
+    group_keys = _group_state_keys(state, target)
     precision = config_precision(cfg)
     step = state.global_step or 0
 
     index = CheckpointIndex(format="deepspeed", root="")
     resolver: dict[str, TensorEntry] = {}
-    for name in state.trainable:
-        index.add_tensor(view(f"model.{name}", state.model[name], resolver, ("model", name), "float32"))
-        for what in MOMENTS:
-            index.add_tensor(view(f"optim.state.{name}.{what}", state.moments[name][what], resolver, dtype="float32"))
+    for g, names in enumerate(state.group_params):
+        for name in names:
+            index.add_tensor(view(f"model.{name}", state.model[name], resolver, ("model", name), "float32"))
+            for what in group_keys[g][0]:
+                index.add_tensor(view(f"optim.state.{name}.{what}", state.param_states[name][what], resolver,
+                                      ("optim", "state", name, what), "float32"))
     for name in state.frozen:
         index.add_tensor(view(f"model.{name}", state.model[name], resolver, ("model", name), precision))
 
-    groups = deepspeed_groups(state.groups, cfg)
-    gsteps = [deepspeed_step(state.group_step(g), cfg) for g in range(len(groups))]
+    groups = deepspeed_groups(_target_groups(state, target), target)
+    # whole values: ZeRO keeps one per group (a step: an int for DeepSpeed's own optimizer, torch's
+    # 0-d tensor for a torch optimizer), also given per parameter for the writer to check
+    group_whole: list[OrderedDict[str, Any]] = []
     for g, names in enumerate(state.group_params):
+        values: OrderedDict[str, Any] = OrderedDict()
+        if target.own:
+            values["step"] = deepspeed_step(state.group_step(g), target)
+        for what in group_keys[g][1]:
+            value = state.group_whole(g, what)
+            values[what] = deepspeed_step(value, target) if what == "step" else value
+        group_whole.append(values)
         for n in names:
-            index.add_object(ObjectEntry(f"optim.state.{n}.step", gsteps[g]))
+            for what, value in values.items():
+                index.add_object(ObjectEntry(f"optim.state.{n}.{what}", value, path=("optim", "state", n, what)))
 
     # the module state dict DeepSpeed loads strictly: params cast to the module dtype (ZeRO-3:
     # empty placeholders), buffers as they are
@@ -177,7 +191,9 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
             value = _lazy(value, index)
         _nest(model_t, path, value)
 
-    group_states = OrderedDict((g, OrderedDict(step=gsteps[g], exp_avg=None, exp_avg_sq=None))
+    # the optimizer's state per group as its state_dict orders it: whole values (step) first, then
+    # the partitioned states (None here: the writer puts each rank's flat slice in their place)
+    group_states = OrderedDict((g, OrderedDict(list(group_whole[g].items()) + [(k, None) for k in group_keys[g][0]]))
                                for g in range(len(groups)))
     base_state = {"state": group_states, "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
     zero_stage = stand_in_call(ZERO_STAGE_ENUM, stage)
@@ -216,6 +232,40 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
     return write_zero_files(out, index, state.source.source, info, world_size, tag,
                             int(sub_group_size) if sub_group_size is not None else None,
                             slab_bytes=slab_bytes, workers=workers, progress=progress)
+
+
+def _group_state_keys(state: TrainingState, target: Any) -> list[tuple[list[str], list[str]]]:
+    """(partitioned keys, whole keys) of each param group. A ZeRO partition holds a key over the
+    whole flat group, so every parameter of a group must have it; DeepSpeed's own optimizer
+    needs exactly its own keys."""
+    out = []
+    for g, names in enumerate(state.group_params):
+        if not names:  # an empty group: nothing to partition
+            out.append(([], []))
+            continue
+        part = list(dict.fromkeys(k for n in names for k in state.param_states.get(n, {})))
+        whole = list(dict.fromkeys(k for n in names for k in state.whole_states.get(n, {})))
+        lacking = [n for n in names if set(part) - set(state.param_states.get(n, {}))]
+        need = sorted(target.holds() or ()) if target.own else []
+        if lacking or (need and set(need) - set(part)) or (not part and not whole and names):
+            shown = lacking[:5] or names[:5]
+            keys = ", ".join(need or part) or "any"
+            raise UsageError(f"{state.source.path}: trainable parameters of param group {g} without optimizer "
+                             f"state {keys} (never stepped?): {shown}; a ZeRO checkpoint needs it for every "
+                             f"parameter of a group")
+        if target.own:
+            whole = [k for k in whole if k != "step"]
+        out.append((part, whole))
+    return out
+
+
+def _target_groups(state: TrainingState, target: Any) -> list[dict]:
+    """The source's groups for the target optimizer: DeepSpeed's own Adam groups become torch's for
+    a torch optimizer; torch's pass to DeepSpeed's own untouched (deepspeed_groups adds its keys)."""
+    if state.source_own and not target.own:
+        src = state.source_optimizer
+        return torch_groups(state.groups, True, src.adam_w_mode if src is not None else True)
+    return state.groups
 
 
 def _lazy(entry: TensorEntry, index: CheckpointIndex) -> Any:

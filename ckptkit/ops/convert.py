@@ -10,6 +10,12 @@ Source (any format ckptkit reads) -> canonical training state (convert/state.py)
   safetensors hf     the model weights (Hugging Face layout): OUT itself when it ends in
                      .safetensors, else a folder
 An option that does not apply to the target is refused before anything is read.
+
+Nothing read is left out unless asked for: `model_only` (--model-only) writes the model alone,
+`drop` (--drop GLOB, repeatable) leaves out the canonical keys it matches; what a target rebuilds
+(DeepSpeed's low-precision copies, its layout values) and what was dropped are listed in the
+summary; a value that would be lost otherwise stops the command (convert/drops.py). safetensors
+holds weights only: like consolidate, it writes the model and lists what it did not write.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from typing import Callable
 
 from ..convert import NAMES, SOURCE_OF, SOURCES, TARGET_OF, TARGETS
 from ..convert.names import KeyRules
-from ..convert.state import TrainingState, describe, read_state
+from ..convert.drops import apply_drops, dropped_summary
+from ..convert.state import TrainingState, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UsageError
 from ..formats.dcp.writer import write_dcp
@@ -80,9 +87,12 @@ def target_of(to: str) -> str:
 
 
 def check_applies(to: str, world_size: int | None = None, ds_config: str | None = None,
-                  frozen: tuple[str, ...] = ()) -> None:
+                  frozen: tuple[str, ...] = (), model_only: bool = False) -> None:
     """Refuse, in one sentence, an option that the target named by `to` would ignore."""
     target = target_of(to)
+    if model_only and target in ZERO_TARGETS:
+        raise UsageError(f"--model-only does not apply to --to {to}: a ZeRO checkpoint is an optimizer "
+                         f"checkpoint (write dcp, torch or safetensors for the model alone)")
     if world_size is not None and target in ("torch", "safetensors"):
         raise UsageError(f"--world-size does not apply to --to {to}: its output is not laid out per rank")
     if ds_config is not None and target not in ZERO_TARGETS:
@@ -106,10 +116,11 @@ def check_source(src: str, index_format: str, stage: int | None, expect_from: st
 
 def convert(src: str, out: str, to: str, world_size: int | None = None, ds_config: str | None = None,
             expect_from: str | None = None, rules: KeyRules | None = None, frozen: tuple[str, ...] = (),
-            options: RunOptions | None = None, tag: str | None = None) -> ConvertResult:
+            options: RunOptions | None = None, tag: str | None = None, model_only: bool = False,
+            drop: tuple[str, ...] = ()) -> ConvertResult:
     options = options or RunOptions()
     target = target_of(to)
-    check_applies(to, world_size, ds_config, frozen)
+    check_applies(to, world_size, ds_config, frozen, model_only)
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {world_size})")
     opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
@@ -117,6 +128,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
         check_source(src, opened.index.format, stage, expect_from)
     state = read_state(opened, rules, frozen)
+    apply_drops(state, model_only, tuple(drop))
     world = world_size or opened.index.world_size or 1
     single = file_output(out, target)
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
@@ -129,7 +141,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         total = sum(t.nbytes for t in safetensors[0])
     else:
         total = sum(e.nbytes for e in state.model.values()) + sum(
-            e.nbytes for m in state.moments.values() for e in m.values())
+            e.nbytes for m in state.param_states.values() for e in m.values())
     options.progress.start(total, f"convert {opened.index.format} -> {target}")
     output = OutputFile if single else OutputDir
     with output(out, overwrite=options.overwrite, group=options.group, sources=(src, ds_config)) as dest:
@@ -153,6 +165,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
             files = _write_safetensors(dest, state, safetensors, options, single)
     options.progress.close()
     summary = _safetensors_summary(state, safetensors) if target == "safetensors" else describe(state)
+    summary = "; ".join(x for x in (summary, _derived_summary(state, target), dropped_summary(state)) if x)
     return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
                          summary, files)
 
@@ -190,14 +203,34 @@ def _safetensors_summary(state: TrainingState, plan: tuple) -> str:
     tensors, aliases, _ = plan
     text = f"{len(tensors)} model tensors" + (f" ({len(aliases)} tied, written once)" if aliases else "")
     dropped = []
-    moments = sum(len(m) for m in state.moments.values())
-    if moments or state.has_optimizer:
-        dropped.append(f"optimizer state ({moments} moment tensors, {len(state.group_params)} param groups)")
-    if state.extras or state.steps:
-        dropped.append("training counters and extras")
+    n_part = sum(len(m) for m in state.param_states.values())
+    n_whole = sum(len(m) for m in state.whole_states.values())
+    if n_part or n_whole or (state.has_optimizer and not state.optimizer_dropped):
+        keys = ", ".join(state.state_keys)
+        dropped.append(f"optimizer state ({n_part} state tensors, {n_whole} per-parameter values"
+                       + (f": {keys}" if keys else "") + f"; {len(state.group_params)} param groups)")
+    extras = len(flat_extras(state.extras)) + len(state.ds)
+    if extras:
+        dropped.append(f"{extras} training counters and extras")
     if dropped:
         text += f"; not written: {', '.join(dropped)} (safetensors holds weights only)"
     return text
+
+
+def _derived_summary(state: TrainingState, target: str) -> str:
+    """The source values the target does not copy because it rebuilds them (never lost silently)."""
+    shown = {k: w for k, w in state.derived.items() if w != "empty"}
+    if not shown:
+        return ""
+    by_why: dict[str, list[str]] = {}
+    for key, why in shown.items():
+        by_why.setdefault(why, []).append(key)
+    parts = []
+    for why, keys in by_why.items():
+        names = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        parts.append(f"{len(keys)} {why} ({names})")
+    verb = "rebuilt from the config and masters" if target.startswith("zero") else "not copied (DeepSpeed's own)"
+    return f"{verb}: " + "; ".join(parts)
 
 
 __all__ = ["convert", "ConvertResult", "TARGETS", "SOURCES", "TORCH_FILE", "check_applies", "check_source",
