@@ -410,13 +410,19 @@ def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | 
 @click.option("--add-prefix", default="", metavar="PREFIX", help="Prepend PREFIX to every name.")
 @click.option("--frozen", multiple=True, metavar="GLOB",
               help="Model tensors outside the optimizer that are frozen parameters, not buffers (repeatable glob).")
+@click.option("--model-only", is_flag=True,
+              help="Write the model alone: the optimizer, extras and counters are dropped (and listed).")
+@click.option("--drop", multiple=True, metavar="GLOB",
+              help="Leave out the canonical keys GLOB matches, e.g. 'optim.state.*.momentum_buffer' or 'extra.*' "
+                   "(repeatable; listed in the summary). Anything else read is written or the command stops.")
 @click.option("--tag", default=None, help=TAG_HELP)
 @run_options
 @click.pass_obj
 @handle_errors
 def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, ds_config: str | None,
             from_: str | None, rename: tuple[str, ...], strip_prefix: tuple[str, ...], add_prefix: str,
-            frozen: tuple[str, ...], tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
+            frozen: tuple[str, ...], model_only: bool, drop: tuple[str, ...], tag: str | None, memory_budget,
+            workers, overwrite, nproc) -> None:
     """Convert training checkpoint SRC to another backend in OUT, optimizer state included: a folder,
     or the file OUT itself for --to torch with OUT ending in .pt or .bin, and for --to safetensors/hf
     with OUT ending in .safetensors."""
@@ -427,7 +433,7 @@ def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, d
     opts = make_run_options(ctx, memory_budget, workers, overwrite)
     rules = KeyRules(strip=tuple(strip_prefix), renames=KeyRules.parse_renames(rename), add=add_prefix)
     res = run_convert(src, out, to, world_size=world_size, ds_config=ds_config, expect_from=from_, rules=rules,
-                      frozen=frozen, options=opts, tag=tag)
+                      frozen=frozen, options=opts, tag=tag, model_only=model_only, drop=drop)
     where = f" for {res.world_size} rank(s)" if res.world_size else ""
     files = "" if os.path.isfile(out) else f" ({len(res.files)} file{'' if len(res.files) == 1 else 's'})"
     ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out}{files}: {res.summary}")
