@@ -326,23 +326,32 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, m
 @click.option("--max-shard-size", default=knobs.MAX_SHARD_SIZE, show_default=True,
               help="Largest safetensors shard, e.g. 5GB, 500MB.")
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer state to optimizer*.safetensors.")
+@click.option("--config", "config", default=None, metavar="DIR",
+              help="Copy config.json (and generation config, tokenizer files) from DIR instead of those found "
+                   "beside SRC, its trainer folder or its run folder.")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Drop PREFIX from names that start with it (repeatable).")
+@click.option("--rename", multiple=True, metavar="OLD=NEW",
+              help="Replace the name prefix OLD by NEW (repeatable, applied in order).")
 @click.option("--tag", default=None, help=TAG_HELP)
 @run_options
 @click.pass_obj
 @handle_errors
 def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
-                include_optimizer: bool, tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
+                include_optimizer: bool, config: str | None, strip_prefix: tuple[str, ...], rename: tuple[str, ...],
+                tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
     """Write SRC's model as Hugging Face style safetensors: into folder OUT, or into the file OUT
     when it ends in .safetensors and the model fits in one file."""
     relaunch_if_asked(nproc, out)
+    from ckptkit.convert.names import KeyRules
     from ckptkit.index.dtypes import parse_dtype_option
     from ckptkit.ops.consolidate import consolidate as run_consolidate
     from ckptkit.ops.inspect import human_bytes
 
     opts = make_run_options(ctx, memory_budget, workers, overwrite)
+    rules = KeyRules(strip=tuple(strip_prefix), renames=KeyRules.parse_renames(rename))
     res = run_consolidate(src, out, dtype=parse_dtype_option(dtype) if dtype else None,
                           max_shard_size=max_shard_size, include_optimizer=include_optimizer, options=opts,
-                          tag=tag)
+                          tag=tag, rules=rules, config=config)
     into = f"into {out}" if os.path.isfile(out) else f"into {out}: {', '.join(res.files)}"
     ctx.say(f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
             f"from {res.source_format} {into}")
@@ -353,6 +362,8 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
     if res.skipped:
         shown = ", ".join(res.skipped[:5]) + (", ..." if len(res.skipped) > 5 else "")
         ctx.say(f"  not written (neither model nor optimizer): {len(res.skipped)} tensors ({shown})")
+    for note in res.side_notes:
+        ctx.say(f"  {note}")
     ctx.say_done()
 
 
@@ -386,6 +397,8 @@ def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | 
     res = run_reshard(src, out, target, expect_from=from_, options=opts, tag=tag)
     ctx.say(f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
             f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
+    if res.notes:
+        ctx.say(*res.notes)
     ctx.say_done()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import knobs
+from ..convert.names import KeyRules
 from ..errors import UsageError
 from ..formats.registry import open_checkpoint
 from ..formats.safetensors.writer import OutTensor, write_safetensors
@@ -21,6 +22,7 @@ from ..storage.output import OutputDir, OutputFile
 from .outputs import file_output, single_file_shards
 from .keys import split_roles
 from .options import RunOptions
+from . import side_files
 
 
 @dataclass
@@ -33,11 +35,16 @@ class ConsolidateResult:
     aliases: dict[str, str] = field(default_factory=dict)
     optimizer_tensors: int = 0
     skipped: list[str] = field(default_factory=list)
+    side_files: list[str] = field(default_factory=list)   # config/tokenizer files copied beside the model
+    side_notes: list[str] = field(default_factory=list)   # where they came from, or what from_pretrained lacks
 
 
 def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
                 include_optimizer: bool = False, options: RunOptions | None = None,
-                tag: str | None = None) -> ConsolidateResult:
+                tag: str | None = None, rules: KeyRules | None = None,
+                config: str | None = None) -> ConsolidateResult:
+    """`rules`: --strip-prefix/--rename (convert's KeyRules); `config`: --config DIR, the folder
+    whose config.json and tokenizer files are copied instead of those found beside the source."""
     options = options or RunOptions()
     opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
     index = opened.index
@@ -45,6 +52,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     if not split.model:
         raise UsageError(f"{src}: found no model tensors to consolidate "
                          f"({len(index.tensors)} tensors, none under a model container)")
+    names = _rename(split, index, key_rules(index, rules), src)
     max_bytes = knobs.parse_size(max_shard_size)
 
     # DeepSpeed: fp32 masters, with frozen params and buffers upcast as zero_to_fp32 does
@@ -65,7 +73,14 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
         if include_optimizer:
             raise UsageError(f"{out}: --include-optimizer writes optimizer*.safetensors beside the model, so "
                              f"OUT must be a folder, not a .safetensors file")
+        if config is not None:
+            raise UsageError(f"{out}: --config copies config.json beside the model, so OUT must be a folder, "
+                             f"not a .safetensors file")
         single_file_shards(out, model, max_bytes, " (or a larger --max-shard-size)")
+    sides = None
+    if not single:  # config/tokenizer files beside the model: from --config DIR, or found around the source
+        sides = (side_files.from_config_dir(config, options.follow_links) if config is not None
+                 else side_files.find(opened.path, options.follow_links))
     total = sum(t.nbytes for t in model + optim)
     options.progress.start(total, "consolidate")
     fetcher = Fetcher(opened.source, index=index)
@@ -77,10 +92,71 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
                                    slab_bytes=options.slab_bytes, workers=options.workers,
                                    aliases=aliases, progress=options.progress)
         if optim:
-            objects = {name: safe_value(index.objects[key].data) for name, key in split.optim_objects.items()}
+            objects = {name: _param_list(name, safe_value(index.objects[key].data), names)
+                       for name, key in split.optim_objects.items()}
             files += write_safetensors(target, fetcher, optim, basename="optimizer",
                                        max_shard_bytes=max_bytes, slab_bytes=options.slab_bytes,
                                        workers=options.workers, objects=objects, progress=options.progress)
+        if sides is not None:
+            try:
+                side_files.copy(sides, target)
+            finally:
+                sides.close()
     options.progress.close()
-    return ConsolidateResult(out, index.format, len(model_entries), sum(t.nbytes for t in model),
-                             files, aliases, len(optim), list(split.other))
+    result = ConsolidateResult(out, index.format, len(model_entries), sum(t.nbytes for t in model),
+                               files, aliases, len(optim), list(split.other))
+    if sides is not None:
+        result.side_files, result.side_notes = sides.names(), side_files.summary(sides)
+    else:
+        result.side_notes = [f"OUT is a single file: no {side_files.CONFIG} beside it; transformers' "
+                             f"from_pretrained needs a folder (consolidate into a folder to get one)"]
+    return result
+
+
+# The reader's own default name rules, used when the user gives none: a list of prefixes a format
+# reader knows every model name carries and the model's own names lack (formats/lightning.py sets
+# it to Lightning's `model.` attribute prefix). Explicit --strip-prefix/--rename replace it.
+DEFAULT_STRIP_KEY = "default_strip_prefixes"
+
+
+def key_rules(index, rules: KeyRules | None) -> KeyRules | None:
+    """The rules to apply to output names: the user's when given, else the reader's default
+    (index.metadata[DEFAULT_STRIP_KEY]); None leaves names exactly as the checkpoint has them."""
+    if rules is not None and (rules.strip or rules.renames or rules.add):
+        return rules
+    default = index.metadata.get(DEFAULT_STRIP_KEY)
+    return KeyRules(strip=tuple(default)) if default else None
+
+
+def _rename(split, index, rules: KeyRules | None, src: str) -> KeyRules | None:
+    """Apply `rules` to the model names, and to the parameter names inside optimizer state names
+    (`state.<name>.<key>`, and each param_groups' `params` list), as convert does."""
+    if rules is None:
+        return None
+    rules = rules.for_names(list(split.model))
+    renamed: dict[str, str] = {}
+    for name, key in split.model.items():
+        new = rules.apply(name)
+        if new in renamed:
+            raise UsageError(f"{src}: the name rules map two model tensors to the same name {new!r} "
+                             f"({renamed[new]} and {key})")
+        if not new:
+            raise UsageError(f"{src}: the name rules leave model tensor {key} without a name")
+        renamed[new] = key
+    split.model = renamed
+
+    def param_name(name: str, path: tuple) -> str:
+        if len(path) == 4 and path[1] == "state":
+            return f"state.{rules.apply(str(path[2]))}.{path[3]}"
+        return name
+
+    split.optim = {param_name(n, index.tensors[k].path or ()): k for n, k in split.optim.items()}
+    split.optim_objects = {param_name(n, index.objects[k].path or ()): k for n, k in split.optim_objects.items()}
+    return rules
+
+
+def _param_list(name: str, value, rules: KeyRules | None):
+    """A param group's `params` (parameter names) under the same rules as the model names."""
+    if rules is not None and name.endswith(".params") and isinstance(value, list):
+        return [rules.apply(v) if isinstance(v, str) else v for v in value]
+    return value
