@@ -4,7 +4,9 @@
         --ckpt DIR --truth TRUTH.pt --result OUT.json
 
 M may differ from the world size the checkpoint was saved at (DCP reshards on
-load). ``--model ds`` uses ``fixtures/deepspeed_models.py``'s DSToyModel instead (the model
+load). ``--optim sgd|adagrad|rmsprop`` builds that torch optimizer (``fixtures/models.py``
+OPTIMIZERS, the recipe of the ``fsdp2_<kind>_w2`` fixtures) instead of AdamW, and checks its
+own hyperparameters. ``--model ds`` uses ``fixtures/deepspeed_models.py``'s DSToyModel instead (the model
 of the DeepSpeed fixtures, with a frozen block), sharded and optimised as
 ``fixtures/generate_convert.py`` does, to load checkpoints converted from DeepSpeed.  Every rank builds ``fixtures/models.py``'s ToyModel (from a DIFFERENT
 seed, with its buffers scrambled, so nothing can pass by accident), applies
@@ -52,7 +54,12 @@ from _checks import compare_one, leave, start_watchdog, write_result  # noqa: E4
 
 import models  # noqa: E402
 
-HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
+HYPERPARAMS = {  # group hyperparameters that must be in the truth (and equal after the load)
+    "adamw": ("lr", "betas", "eps", "weight_decay"),
+    "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
+    "adagrad": ("lr", "lr_decay", "eps", "initial_accumulator_value", "weight_decay"),
+    "rmsprop": ("lr", "alpha", "eps", "momentum", "centered", "weight_decay"),
+}
 
 
 def _parse() -> argparse.Namespace:
@@ -64,12 +71,14 @@ def _parse() -> argparse.Namespace:
                     help="seed for the model before loading (default differs from the fixtures')")  # fmt: skip
     ap.add_argument("--model", choices=["toy", "ds"], default="toy",
                     help="toy: fixtures/models.py ToyModel; ds: deepspeed_models.DSToyModel")
+    ap.add_argument("--optim", choices=sorted(HYPERPARAMS), default="adamw",
+                    help="the torch optimizer of the checkpoint (toy model only; default adamw)")
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process group timeout, seconds")
     ap.add_argument("--deadline", type=float, default=300.0, help="kill this process after so many seconds")
     return ap.parse_args()
 
 
-def compare(flat: dict, truth: dict) -> tuple[int, list[str]]:
+def compare(flat: dict, truth: dict, hyperparams: tuple[str, ...] = HYPERPARAMS["adamw"]) -> tuple[int, list[str]]:
     """Compare every model.* / optim.* entry; returns (compared, mismatches)."""
     scope = ("model.", "optim.")
     want_keys = {k for k in truth if k.startswith(scope)}
@@ -87,7 +96,7 @@ def compare(flat: dict, truth: dict) -> tuple[int, list[str]]:
     if not groups:
         mismatches.append("truth has no optim.param_groups.* entries")
     for g in groups:
-        for h in HYPERPARAMS:
+        for h in hyperparams:
             k = f"optim.param_groups.{g}.{h}"
             if k not in want_keys:
                 mismatches.append(f"{k}: missing in truth")
@@ -106,10 +115,10 @@ def _scramble_buffers(model: torch.nn.Module) -> None:
 class _Recipe:
     """Model, sharding, optimizer and training step of --model."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, optim: str = "adamw") -> None:
         if kind == "toy":
             self.make_model, self.shard = models.make_model, models.shard_fsdp2
-            self.make_optimizer = models.make_optimizer
+            self.make_optimizer = lambda m: models.make_optimizer(m, kind=optim)
             self.train = lambda m, o, n: models.train_steps(m, o, n, models.DATA_SEED)
             self.default_seed = models.MODEL_SEED + 1
         else:
@@ -129,13 +138,13 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
 
     t0 = time.time()
     mesh = init_device_mesh("cpu", (world,))
-    recipe = _Recipe(args.model)
+    recipe = _Recipe(args.model, args.optim)
     model = recipe.make_model(args.init_seed if args.init_seed is not None else recipe.default_seed)
     _scramble_buffers(model)
     recipe.shard(model, mesh)
     optim = recipe.make_optimizer(model)
-    if optim.state:
-        raise AssertionError("fresh AdamW unexpectedly has state")
+    if optim.state and args.optim != "adagrad":  # Adagrad fills its state in __init__
+        raise AssertionError(f"fresh {args.optim} unexpectedly has state")
 
     # get_state_dict initialises the lazy AdamW state (zero grads, lr 0) so that
     # the optimizer state dict has DTensors for DCP to load into.
@@ -155,15 +164,15 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
     if rank == 0:
         flat, _ = flatten_state_dict({"model": full_msd, "optim": full_osd})
         truth = torch.load(args.truth, map_location="cpu", weights_only=True)
-        compared, mismatches = compare(dict(flat), truth)
+        compared, mismatches = compare(dict(flat), truth, HYPERPARAMS[args.optim])
 
     # One more training step on every rank: the loaded state must be usable.
     before = [p.detach().to_local().clone() for p in model.parameters() if p.requires_grad]
-    steps_before = [float(s["step"]) for s in optim.state.values()]
+    steps_before = [float(s["step"]) for s in optim.state.values() if "step" in s]  # SGD keeps none
     losses = recipe.train(model, optim, 1)
     changed = any(not torch.equal(b, p.detach().to_local())
                   for b, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
-    steps_after = [float(s["step"]) for s in optim.state.values()]
+    steps_after = [float(s["step"]) for s in optim.state.values() if "step" in s]
     local_ok = (
         math.isfinite(losses[0])
         and len(steps_after) == len(steps_before)
