@@ -37,6 +37,7 @@ class ConsolidateResult:
     skipped: list[str] = field(default_factory=list)
     side_files: list[str] = field(default_factory=list)   # config/tokenizer files copied beside the model
     side_notes: list[str] = field(default_factory=list)   # where they came from, or what from_pretrained lacks
+    not_written: list[str] = field(default_factory=list)  # what was read and left out, and how to keep it
 
 
 def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
@@ -105,6 +106,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     options.progress.close()
     result = ConsolidateResult(out, index.format, len(model_entries), sum(t.nbytes for t in model),
                                files, aliases, len(optim), list(split.other))
+    result.not_written = _not_written(index, split, include_optimizer)
     if sides is not None:
         result.side_files, result.side_notes = sides.names(), side_files.summary(sides)
     else:
@@ -160,3 +162,18 @@ def _param_list(name: str, value, rules: KeyRules | None):
     if rules is not None and name.endswith(".params") and isinstance(value, list):
         return [rules.apply(v) if isinstance(v, str) else v for v in value]
     return value
+
+
+def _not_written(index, split, include_optimizer: bool) -> list[str]:
+    """What consolidate read and, writing the model by design, left out: never a silent loss."""
+    notes = []
+    if not include_optimizer and (split.optim or split.optim_objects):
+        notes.append(f"not written: {len(split.optim)} optimizer tensors and {len(split.optim_objects)} optimizer "
+                     f"values (add --include-optimizer)")
+    optim_keys = set(split.optim_objects.values())
+    other = [k for k in index.objects if k not in optim_keys]
+    if other:
+        shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+        notes.append(f"not written: {len(other)} other values ({shown}); consolidate writes weights, "
+                     f"convert --to torch or dcp keeps them")
+    return notes
