@@ -301,9 +301,14 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, m
     if as_json:
         click.echo(dump_json(report.as_json()))
         sys.exit(0 if report.ok else EXIT_PROBLEMS)
+    trainer_lines = []
+    if report.opened is not None and report.opened.trainer is not None:
+        from ckptkit.ops.trainer_folder import verify_lines
+
+        trainer_lines = verify_lines(report.opened.trainer)
     if report.problems:
         echo(f"{src}: {len(report.problems)} problem(s) found",
-             *(f"  - {p.kind}: {p.message}" for p in report.problems), err=True)
+             *(f"  - {p.kind}: {p.message}" for p in report.problems), *trainer_lines, err=True)
         sys.exit(EXIT_PROBLEMS)
     index = report.opened.index
     if deep:
@@ -311,7 +316,8 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, m
         what = f"every byte read, {crcs} CRC32s match" if crcs else "every byte read (the format carries no CRCs)"
     else:
         what = "structure sound"
-    ctx.say(f"ok: {src} ({index.format}, {len(index.tensors)} tensors, {len(index.objects)} objects; {what})")
+    ctx.say(f"ok: {src} ({index.format}, {len(index.tensors)} tensors, {len(index.objects)} objects; {what})",
+            *trainer_lines)
     if deep:
         ctx.say_done()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..errors import NotACheckpointError
 from ..index.types import CheckpointIndex
 from ..storage.source import Source, is_url, open_source
-from . import accelerate
+from . import accelerate, trainer
 from .dcp import reader as dcp_reader
 from .deepspeed import files as ds_files
 from .deepspeed import reader as ds_reader
@@ -30,6 +30,7 @@ class Opened:
     source: Source
     index: CheckpointIndex
     path: str
+    trainer: "trainer.TrainerFolder | None" = None  # an HF Trainer checkpoint-N/ folder's parts
 
 
 def _parent_and_name(path: str) -> tuple[str, str]:
@@ -59,7 +60,20 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
         opened = _open_file(path, follow_links)
     if expect is not None and opened.index.format != expect:
         raise NotACheckpointError(f"{path}: is a {opened.index.format} checkpoint, expected {expect}")
+    if opened.source is source:
+        _note_trainer(opened, tag)
     return opened
+
+
+def _note_trainer(opened: Opened, tag: str | None) -> None:
+    """An HF Trainer folder: its parts and side files, and the step trainer_state.json records."""
+    folder = trainer.describe(opened.source, tag)
+    if folder is None:
+        return
+    opened.trainer = folder
+    opened.index.metadata["hf_trainer"] = folder.as_json()
+    if folder.step is not None:
+        opened.index.step = folder.step
 
 
 def _refuse_unfinished(path: str, source: Source) -> None:

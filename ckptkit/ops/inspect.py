@@ -90,6 +90,10 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
         "dtypes      " + ", ".join(f"{d} {human_bytes(b)}" for d, b in report.dtypes.items()),
         "",
     ]
+    if opened.trainer is not None:  # an HF Trainer checkpoint-N/: its parts and side files
+        from .trainer_folder import describe_lines
+
+        lines[-1:-1] = describe_lines(opened.trainer)
     tensors = sorted(opened.index.tensors.values(), key=lambda t: (-t.nbytes, t.key))
     shown = {t.key: escape(t.key) for t in tensors[:max_rows]}  # as printed, so the columns line up
     width = min(60, max((len(k) for k in shown.values()), default=10))

@@ -6,7 +6,7 @@ DeepSpeed: a native ZeRO checkpoint for M data-parallel ranks (formats/deepspeed
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError, UsageError
 from ..formats.dcp.writer import write_dcp
@@ -27,6 +27,7 @@ class ReshardResult:
     files: list[str]
     tensors: int
     bytes: int
+    notes: list[str] = field(default_factory=list)  # lines the summary adds (an HF Trainer folder's)
 
 
 def reshard(src: str, out: str, to: int, expect_from: int | None = None,
@@ -36,6 +37,14 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
         raise UsageError(f"--to must be at least 1 (got {to})")
     opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
     index = opened.index
+    if opened.trainer is not None:  # checkpoint-N/ as a unit: parts resharded, side files copied
+        from .trainer_folder import reshard_folder, source_world
+
+        if expect_from is not None and source_world(opened) != expect_from:
+            raise UsageError(f"{src}: was saved at world size {source_world(opened)}, not {expect_from} (--from)")
+        res = reshard_folder(opened, out, to, options, src)
+        return ReshardResult(out, index.format, res.from_world_size, to, res.files, res.tensors, res.bytes,
+                             res.notes())
     if expect_from is not None and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
     if index.format not in ("dcp", "deepspeed"):

@@ -54,6 +54,8 @@ class Report:
                             "files": len(idx.files)})
             if self.deep:
                 summary["crc32_checked"] = len(idx.checks)
+            if self.opened.trainer is not None:
+                summary["trainer"] = self.opened.trainer.as_json()
         return {"path": self.path, "ok": self.ok, "summary": summary,
                 "problems": [p.as_json() for p in self.problems]}
 
@@ -69,6 +71,10 @@ def check(path: str, deep: bool = False, options: RunOptions | None = None, tag:
             return Report(path, None, log.problems + [Problem(P.kind_of(exc), str(exc), path)], deep)
     found = list(log.problems)
     found += structural_findings(opened, skip=log.damaged)
+    if opened.trainer is not None:  # an HF Trainer folder: its state file and RNG files too
+        from .trainer_folder import folder_findings
+
+        found += folder_findings(opened)
     if deep:  # a tensor already reported is not assembled again (it would fail for the same reason)
         found += deep_findings(opened, options, skip=log.damaged | {p.key for p in found if p.key})
     return Report(path, opened, found, deep)

@@ -1,0 +1,221 @@
+"""Hugging Face Trainer `checkpoint-N/` folders: which entries are checkpoint parts, which are the
+trainer's side files, and which ckptkit does not understand.
+
+A Trainer folder is `trainer_state.json` beside one of
+  deepspeed  `latest` and the tag folder it names (`global_stepN/`), written by engine.save_checkpoint
+  fsdp       accelerate's DCP folders `pytorch_model_fsdp_<i>/` and `optimizer_<i>/` (FSDP1 or FSDP2,
+             SHARDED_STATE_DICT), or its one-file FULL_STATE_DICT `pytorch_model_fsdp[_<i>].bin` and
+             `optimizer[_<i>].bin`
+  plain      the model files save_model writes (model.safetensors, sharded or not, pytorch_model.bin)
+             and `optimizer.pt` (DDP or one process)
+Everything else the Trainer writes (trainer_state.json, training_args.bin, scheduler.pt,
+rng_state_<r>.pth, config.json, tokenizer files, DeepSpeed's zero_to_fp32.py...) is a side file:
+commands that write a Trainer folder copy it byte for byte. Nothing here unpickles anything:
+training_args.bin and the RNG files are only ever copied.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .. import safe_json
+from ..errors import CkptkitError
+from ..storage.source import Source
+from .accelerate import MODEL_DIR, OPTIM_DIR, SubSource
+from .dcp import reader as dcp_reader
+
+TRAINER_STATE = "trainer_state.json"
+RNG_SINGLE = "rng_state.pth"
+RNG_RANK = re.compile(r"^rng_state_(\d+)\.pth$")
+MAX_STATE_BYTES = 64 << 20  # log_history grows with the run; a few MB in long ones
+
+# The trainer's own files, by name: copied as bytes, never parsed beyond trainer_state.json.
+SIDE_FILES = {
+    TRAINER_STATE: "Trainer state (global step, log history)",
+    "training_args.bin": "TrainingArguments (a pickle: copied, never read)",
+    "scheduler.pt": "learning-rate scheduler state",
+    "scaler.pt": "gradient scaler state",
+    "config.json": "model config",
+    "generation_config.json": "generation config",
+    "zero_to_fp32.py": "DeepSpeed's recovery script",
+    "zero_to_torch.py": "DeepSpeed's recovery script",
+    "README.md": "model card",
+    "adapter_config.json": "PEFT adapter config",
+    "preprocessor_config.json": "processor config",
+    "processor_config.json": "processor config",
+    "chat_template.jinja": "tokenizer chat template",
+    "chat_template.json": "tokenizer chat template",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
+FULL_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?\.bin$")
+OPTIMIZER_FILE = "optimizer.pt"
+DS_TAG = re.compile(r"^global_step\d+$")
+
+
+@dataclass
+class Part:
+    """One checkpoint part: `name` is its entry in the folder (a file or a folder)."""
+
+    name: str
+    kind: str  # deepspeed | dcp-model | dcp-optimizer | full-state-dict | weights | optimizer
+    sharded: bool  # laid out per rank (resharded), or world-size free (copied as it is)
+
+
+@dataclass
+class TrainerFolder:
+    """What a Trainer checkpoint folder holds, entry by entry (names relative to the folder)."""
+
+    layout: str  # deepspeed | fsdp | plain
+    parts: list[Part]
+    side_files: list[str]
+    rng_files: dict[int | None, str]  # rank -> file; None: rng_state.pth (a one-process run)
+    unknown: list[str]
+    step: int | None = None
+    state_problem: str | None = None  # trainer_state.json unreadable (said by verify)
+    notes: list[str] = field(default_factory=list)
+
+    def part_entries(self) -> set[str]:
+        return {p.name for p in self.parts} | ({"latest"} if self.layout == "deepspeed" else set())
+
+    def as_json(self) -> dict:
+        return {"layout": self.layout, "step": self.step,
+                "parts": [{"name": p.name, "kind": p.kind, "sharded": p.sharded} for p in self.parts],
+                "side_files": self.side_files,
+                "rng_files": {("single" if r is None else str(r)): f for r, f in sorted(
+                    self.rng_files.items(), key=lambda kv: -1 if kv[0] is None else kv[0])},
+                "not_understood": self.unknown,
+                **({"state_problem": self.state_problem} if self.state_problem else {})}
+
+
+def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
+    """The Trainer folder at `source`, or None when it is not one (no trainer_state.json beside a
+    DeepSpeed, accelerate FSDP or model part). `tag` picks the DeepSpeed tag (default: `latest`'s)."""
+    try:
+        if not source.isdir("") or not source.exists(TRAINER_STATE) or source.isdir(TRAINER_STATE):
+            return None
+        names = sorted(source.listdir(""))
+    except CkptkitError:
+        return None
+    parts, layout = _parts(source, names, tag)
+    if not parts:
+        return None
+    taken = {p.name for p in parts} | ({"latest"} if layout == "deepspeed" else set())
+    side, rng, unknown = [], {}, []
+    for name in names:
+        if name in taken:
+            continue
+        kind = _side_kind(source, name, layout)
+        if kind == "rng":
+            m = RNG_RANK.match(name)
+            rng[int(m.group(1)) if m else None] = name
+        elif kind == "side":
+            side.append(name)
+        else:
+            unknown.append(name + ("/" if _isdir(source, name) else ""))
+    step, problem = _read_step(source)
+    return TrainerFolder(layout, parts, side, rng, unknown, step, problem)
+
+
+def _isdir(source: Source, name: str) -> bool:
+    try:
+        return source.isdir(name)
+    except CkptkitError:
+        return False
+
+
+def _parts(source: Source, names: list[str], tag: str | None) -> tuple[list[Part], str]:
+    if "latest" in names and not _isdir(source, "latest") or tag is not None:
+        chosen = tag or _read_latest(source)
+        if chosen and chosen in names and _isdir(source, chosen):
+            return [Part(chosen, "deepspeed", True)], "deepspeed"
+    dcp = [n for n in names if (MODEL_DIR.match(n) or OPTIM_DIR.match(n)) and _isdir(source, n)
+           and dcp_reader.detect(SubSource(source, n))]
+    if dcp:
+        dcp.sort(key=lambda n: (0 if MODEL_DIR.match(n) else 1, n))
+        return [Part(n, "dcp-model" if MODEL_DIR.match(n) else "dcp-optimizer", True) for n in dcp], "fsdp"
+    full = [n for n in names if FULL_FSDP_FILE.match(n) and not _isdir(source, n)]
+    if any(n.startswith("pytorch_model_fsdp") for n in full):
+        return [Part(n, "full-state-dict", False) for n in full], "fsdp"
+    weights = [n for n in names if WEIGHT_FILE.match(n) and not _isdir(source, n)]
+    if weights:
+        parts = [Part(n, "weights", False) for n in weights]
+        if OPTIMIZER_FILE in names:
+            parts.append(Part(OPTIMIZER_FILE, "optimizer", False))
+        return parts, "plain"
+    return [], ""
+
+
+def _read_latest(source: Source) -> str | None:
+    try:
+        size = source.size("latest")
+        if size > 4096:
+            return None
+        return source.read("latest", 0, size).decode("utf-8").strip() or None
+    except (CkptkitError, UnicodeDecodeError):
+        return None
+
+
+def _side_kind(source: Source, name: str, layout: str) -> str:
+    if _isdir(source, name):
+        return "unknown"
+    if RNG_RANK.match(name) or name == RNG_SINGLE:
+        return "rng"
+    if name in SIDE_FILES or name in TOKENIZER_FILES:
+        return "side"
+    if WEIGHT_FILE.match(name):  # save_model's copy of the weights beside a DeepSpeed/FSDP part
+        return "side"
+    return "unknown"
+
+
+def _read_step(source: Source) -> tuple[int | None, str | None]:
+    """global_step from trainer_state.json, or (None, the sentence saying why not)."""
+    label = source.label(TRAINER_STATE)
+    try:
+        size = source.size(TRAINER_STATE)
+        if size > MAX_STATE_BYTES:
+            return None, f"{label}: is {size:,} bytes, more than the {MAX_STATE_BYTES:,} a Trainer state holds"
+        doc = safe_json.loads(source.read(TRAINER_STATE, 0, size), label, "the Trainer state")
+    except CkptkitError as exc:
+        return None, str(exc)
+    step = doc.get("global_step") if isinstance(doc, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None, f"{label}: has no global_step (a non-negative integer)"
+    return step, None
+
+
+def rng_world(folder: TrainerFolder) -> int | None:
+    """The world size the RNG files were written for (rng_state.pth: one process)."""
+    ranks = [r for r in folder.rng_files if r is not None]
+    if ranks:
+        return max(ranks) + 1
+    return 1 if None in folder.rng_files else None
+
+
+RNG_POLICY = ("new rank r gets the RNG file of old rank r mod N (N the old world size); at one process the "
+              "Trainer reads rng_state.pth, which gets old rank 0's; old ranks' files with no new rank "
+              "are left out")
+
+
+def map_rng(rng_files: dict[int | None, str], to: int) -> tuple[dict[str, str], list[str]]:
+    """RNG_POLICY: (new file name -> old file name, old files left out). The Trainer reads
+    rng_state_{process_index}.pth when the world size is above 1, else rng_state.pth, and skips
+    restoring (with a log line) when its file is missing; resuming with another rank's generator
+    state is what a restart at a new world size can offer."""
+    if not rng_files:
+        return {}, []
+    ranks = sorted(r for r in rng_files if r is not None)
+    olds = [rng_files[r] for r in ranks] if ranks else [rng_files[None]]
+    new = {RNG_SINGLE: olds[0]} if to == 1 else {f"rng_state_{r}.pth": olds[r % len(olds)] for r in range(to)}
+    used = set(new.values())
+    left_out = [f for f in rng_files.values() if f not in used]
+    return new, sorted(left_out, key=_rank_order)
+
+
+def _rank_order(name: str) -> tuple[int, str]:
+    m = RNG_RANK.match(name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+__all__ = ["TrainerFolder", "Part", "describe", "map_rng", "rng_world", "RNG_POLICY", "TRAINER_STATE"]

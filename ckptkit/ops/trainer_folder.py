@@ -1,0 +1,212 @@
+"""Commands on an HF Trainer `checkpoint-N/` folder as a unit (formats/trainer.py says what it holds).
+
+`reshard` (and `convert` to the same kind of folder) write a folder the Trainer resumes from at the
+new world size with `trainer.train(resume_from_checkpoint=OUT)`:
+  - DeepSpeed: the tag's files rewritten for M ranks under the same tag, `latest` naming it;
+  - accelerate FSDP: each DCP subfolder (pytorch_model_fsdp_0/, optimizer_0/) resharded on its own,
+    in place of itself, so the Trainer's load_fsdp_model / load_fsdp_optimizer find them;
+  - parts that are not laid out per rank (model.safetensors, optimizer.pt, FULL_STATE_DICT files)
+    and every side file are copied byte for byte; entries ckptkit does not understand too, and the
+    summary names them;
+  - the RNG files follow formats.trainer.RNG_POLICY, which the summary states.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import UsageError
+from ..formats.accelerate import SubSource
+from ..formats.dcp import reader as dcp_reader
+from ..formats.dcp.writer import write_dcp
+from ..formats.registry import Opened
+from ..formats.trainer import RNG_POLICY, TrainerFolder, map_rng, rng_world
+from ..index.layouts import fsdp2_layout
+from ..runner.fetch import Fetcher
+from ..storage.output import OutputDir
+from ..storage.source import Source
+from .options import RunOptions
+
+COPY_BLOCK = 8 << 20
+
+
+class SubOutput:
+    """A folder inside an output, seen as an output of its own (what the writers use of one)."""
+
+    def __init__(self, parent: OutputDir, prefix: str) -> None:
+        self.parent, self.prefix = parent, prefix.rstrip("/") + "/"
+        self.group = parent.group
+
+    def open(self, rel: str):
+        return self.parent.open(self.prefix + rel)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.parent.write_bytes(self.prefix + rel, data)
+
+
+@dataclass
+class FolderResult:
+    """What a Trainer folder command wrote: parts rewritten, files copied, the RNG mapping."""
+
+    out: str
+    layout: str
+    from_world_size: int | None
+    to_world_size: int
+    parts: list[str]
+    copied: list[str]
+    rng: dict[str, str]
+    rng_left_out: list[str]
+    unknown: list[str]
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0
+
+    def notes(self) -> list[str]:
+        """The summary lines a command prints after its own (parts, side files, RNG policy)."""
+        lines = [f"HF Trainer folder ({self.layout}): rewrote {', '.join(self.parts)} for {self.to_world_size} rank(s)"]
+        if self.copied:
+            lines.append(f"copied byte for byte: {', '.join(self.copied)}")
+        if self.rng:
+            mapped = ", ".join(f"{new} <- {old}" for new, old in self.rng.items())
+            lines.append(f"RNG files ({RNG_POLICY}): {mapped}")
+        if self.rng_left_out:
+            lines.append(f"RNG files left out (no rank of {self.to_world_size} takes them): {', '.join(self.rng_left_out)}")
+        if self.unknown:
+            lines.append(f"not understood, copied as they are: {', '.join(self.unknown)}")
+        return lines
+
+
+def source_world(opened: Opened) -> int | None:
+    return opened.index.world_size or rng_world(opened.trainer)
+
+
+def reshard_folder(opened: Opened, out: str, to: int, options: RunOptions, src: str) -> FolderResult:
+    """`ckptkit reshard` of a Trainer folder: the same kind of folder for `to` ranks."""
+    return write_folder(opened, out, to, options, src, lambda target: _reshard_parts(opened, target, to, options))
+
+
+def write_folder(opened: Opened, out: str, to: int, options: RunOptions, src: str,
+                 write_parts: Callable[[OutputDir], list[str]], sources: tuple = ()) -> FolderResult:
+    """OUT as a Trainer folder: `write_parts` writes the sharded parts into it (their file list),
+    then the rest of the source folder is copied and the RNG files mapped to `to` ranks."""
+    folder: TrainerFolder = opened.trainer
+    if folder.state_problem:
+        raise UsageError(f"{src}: is an HF Trainer folder whose state cannot be read ({folder.state_problem})")
+    source = opened.source
+    rng, left_out = map_rng(folder.rng_files, to)
+    options.progress.start(opened.index.total_tensor_bytes, f"reshard {source_world(opened)}->{to}")
+    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src, *sources)) as target:
+        files = write_parts(target)
+        written = set(files)
+        copied = []
+        for part in folder.parts:
+            if not part.sharded:
+                copied += _copy_tree(source, target, part.name, written)
+        for name in folder.side_files:
+            copied += _copy_tree(source, target, name, written)
+        for name in folder.unknown:
+            _copy_tree(source, target, name.rstrip("/"), written)
+        for new, old in rng.items():
+            _copy_file(source, target, old, new)
+        files += copied + list(rng)
+    options.progress.close()
+    sharded = [p.name + "/" for p in folder.parts if p.sharded]
+    return FolderResult(out, folder.layout, source_world(opened), to, sharded, copied, rng, left_out,
+                        list(folder.unknown), files, len(opened.index.tensors), opened.index.total_tensor_bytes)
+
+
+def _reshard_parts(opened: Opened, target: OutputDir, to: int, options: RunOptions) -> list[str]:
+    folder, source, index = opened.trainer, opened.source, opened.index
+    if folder.layout == "deepspeed":
+        from ..formats.deepspeed.writer import write_zero
+
+        return write_zero(target, index, source, to, slab_bytes=options.slab_bytes, workers=options.workers,
+                          progress=options.progress)
+    files: list[str] = []
+    for part in folder.parts:
+        if part.sharded:  # a DCP folder: resharded on its own, under its own name
+            files += reshard_dcp_part(source, part.name, target, to, options)
+    return files
+
+
+def reshard_dcp_part(source: Source, name: str, target: OutputDir, to: int, options: RunOptions) -> list[str]:
+    """One accelerate DCP subfolder, laid out for `to` ranks into the same subfolder of OUT."""
+    sub = SubSource(source, name)
+    index = dcp_reader.read_index(sub)
+    written = write_dcp(SubOutput(target, name), index, Fetcher(sub), fsdp2_layout(index, to),
+                        slab_bytes=options.slab_bytes, workers=options.workers, source=sub,
+                        progress=options.progress)
+    return [f"{name}/{f}" for f in written]
+
+
+def _copy_tree(source: Source, target: OutputDir, rel: str, written: set[str]) -> list[str]:
+    """Copy the file or folder `rel` byte for byte (files some writer already put in OUT are kept)."""
+    if source.isdir(rel):
+        out: list[str] = []
+        for name in sorted(source.listdir(rel)):
+            out += _copy_tree(source, target, f"{rel}/{name}", written)
+        return out
+    if rel not in written:  # DeepSpeed's writer copies its recovery scripts itself
+        _copy_file(source, target, rel, rel)
+    return [rel]
+
+
+def _copy_file(source: Source, target: OutputDir, rel: str, new: str) -> None:
+    """Streamed in blocks (a model.safetensors can be large); rank 0 writes it."""
+    if not target.group.is_root:
+        return
+    size = source.size(rel)
+    with target.open(new) as f:
+        pos = 0
+        while pos < size:
+            n = min(COPY_BLOCK, size - pos)
+            f.write(source.read(rel, pos, n))
+            pos += n
+
+
+def describe_lines(folder: TrainerFolder) -> list[str]:
+    """inspect/verify: the folder's parts, side files, RNG files and what was not understood."""
+    lines = [f"trainer     HF Trainer checkpoint ({folder.layout}), global_step {folder.step if folder.step is not None else '-'}",
+             "parts       " + ", ".join(f"{p.name}{'/' if p.kind in ('deepspeed', 'dcp-model', 'dcp-optimizer') else ''} "
+                                       f"({p.kind})" for p in folder.parts)]
+    if folder.side_files:
+        lines.append("side files  " + ", ".join(folder.side_files))
+    if folder.rng_files:
+        lines.append("rng files   " + ", ".join(folder.rng_files[r] for r in sorted(
+            folder.rng_files, key=lambda r: -1 if r is None else r)))
+    lines.append("not understood  " + (", ".join(folder.unknown) if folder.unknown else "none"))
+    return lines
+
+
+__all__ = ["reshard_folder", "write_folder", "reshard_dcp_part", "FolderResult", "SubOutput", "describe_lines"]
+
+
+def folder_findings(opened: Opened) -> list:
+    """verify: what is wrong with the Trainer folder beyond its parts (an unreadable
+    trainer_state.json; a rank's RNG file missing among the others')."""
+    from ..index import problems as P
+    from ..index.problems import Problem
+
+    folder, source = opened.trainer, opened.source
+    found = []
+    if folder.state_problem:
+        found.append(Problem(P.FORMAT, folder.state_problem, source.label("trainer_state.json")))
+    world = opened.index.world_size
+    ranks = {r for r in folder.rng_files if r is not None}
+    if world and world > 1 and ranks:
+        for r in range(world):
+            if r not in ranks:
+                name = f"rng_state_{r}.pth"
+                found.append(Problem(P.MISSING_FILE, f"{source.label(name)}: rank {r}'s RNG file is missing (the "
+                                     f"others' are there; the Trainer would resume rank {r} without its generator "
+                                     f"state)", source.label(name)))
+    return found
+
+
+def verify_lines(folder: TrainerFolder) -> list[str]:
+    """verify's report on a Trainer folder: every part read, every entry not understood."""
+    read = ", ".join(p.name + ("/" if p.sharded else "") for p in folder.parts)
+    return [f"  HF Trainer folder ({folder.layout}, global_step {folder.step if folder.step is not None else '-'}): "
+            f"read {read}",
+            f"  side files (not read, copied by reshard/convert): {', '.join(folder.side_files + sorted(folder.rng_files.values(), key=str)) or 'none'}",
+            f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}"]
