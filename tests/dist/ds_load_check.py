@@ -27,7 +27,10 @@ for M), ``deepspeed.initialize`` with the same two param groups, then:
    with ==) with the truth: ``fp32.*``, ``exp_avg.*``, ``exp_avg_sq.*``,
    ``step.*``, ``frozen.*``, ``module.*``, ``buffer.*``, ``lr.*``,
    ``global_steps``, ``global_samples``, ``skipped_steps``, ``tied.*`` and the
-   returned client state (``client.*``);
+   returned client state (``client.*``); for a fixture of the generator's
+   OPTIM_FIXTURES (SGD, Adagrad, RMSprop, torch's AdamW) the engine is built
+   with that fixture's optimizer and EVERY key of its state is compared
+   (``state.<key>.*`` and the list ``state_keys``) instead of Adam's three;
 3. runs one more training step on all ranks (finite loss, ``global_steps``
    advances by one).
 
@@ -67,6 +70,11 @@ COMPARED_PREFIXES = ("fp32.", "exp_avg.", "exp_avg_sq.", "step.", "frozen.", "mo
                      "tied.", "client.")  # fmt: skip
 COMPARED_KEYS = ("global_steps", "global_samples", "skipped_steps")
 REQUIRED_PREFIXES = ("fp32.", "exp_avg.", "exp_avg_sq.", "frozen.", "buffer.", "lr.")
+# a truth with "state_keys" (fixtures of generate_deepspeed.OPTIM_FIXTURES) holds every key of the
+# optimizer's state as state.<key>.<param> instead of Adam's exp_avg/exp_avg_sq/step
+ALL_STATES_PREFIXES = ("fp32.", "state.", "frozen.", "module.", "buffer.", "lr.", "tied.", "client.")
+ALL_STATES_KEYS = COMPARED_KEYS + ("state_keys",)
+ALL_STATES_REQUIRED = ("fp32.", "state.", "frozen.", "buffer.", "lr.")
 
 
 def _parse() -> argparse.Namespace:
@@ -87,13 +95,16 @@ def _parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _in_scope(k: str) -> bool:
+def _in_scope(k: str, all_states: bool = False) -> bool:
+    if all_states:
+        return k.startswith(ALL_STATES_PREFIXES) or k in ALL_STATES_KEYS
     return k.startswith(COMPARED_PREFIXES) or k in COMPARED_KEYS
 
 
 def compare(got: dict, truth: dict) -> tuple[int, list[str]]:
-    want_keys = {k for k in truth if _in_scope(k)}
-    got_keys = {k for k in got if _in_scope(k)}
+    all_states = "state_keys" in truth
+    want_keys = {k for k in truth if _in_scope(k, all_states)}
+    got_keys = {k for k in got if _in_scope(k, all_states)}
     mismatches = [f"{k}: missing after load" for k in sorted(want_keys - got_keys)]
     mismatches += [f"{k}: not in truth" for k in sorted(got_keys - want_keys)]
     compared = 0
@@ -102,7 +113,7 @@ def compare(got: dict, truth: dict) -> tuple[int, list[str]]:
         problem = compare_one(k, got[k], truth[k])
         if problem:
             mismatches.append(problem)
-    for pre in REQUIRED_PREFIXES:
+    for pre in ALL_STATES_REQUIRED if all_states else REQUIRED_PREFIXES:
         if not any(k.startswith(pre) for k in want_keys):
             mismatches.append(f"truth has no {pre}* entries")
     if "global_steps" not in want_keys:
@@ -112,7 +123,11 @@ def compare(got: dict, truth: dict) -> tuple[int, list[str]]:
 
 def _find_config(args: argparse.Namespace) -> Path:
     cands = [Path(args.ds_config)] if args.ds_config else []
-    cands += [Path(args.ckpt) / "ds_config.json", REPO / "fixtures" / "data" / "deepspeed" / args.fixture / "ds_config.json"]
+    import generate_deepspeed as gen
+
+    fixture = gen.fixture_dir(args.fixture) if args.fixture in gen.OPTIM_FIXTURES else \
+        REPO / "fixtures" / "data" / "deepspeed" / args.fixture
+    cands += [Path(args.ckpt) / "ds_config.json", fixture / "ds_config.json"]
     for c in cands:
         if c.is_file():
             return c
@@ -147,8 +162,12 @@ def run(args: argparse.Namespace, rank: int, world: int, info: dict) -> dict:
 
     model = dm.make_model(args.init_seed)
     _scramble_buffers(model)
-    groups = dm.param_groups(model)
-    engine, _opt, _, _sched = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    if args.fixture in gen.OPTIM_FIXTURES:  # the fixture's own optimizer (a client one, or torch_adam)
+        engine = gen.initialize(args.fixture, model, cfg)
+        info["optimizer"] = type(engine.optimizer.optimizer).__name__
+    else:
+        groups = dm.param_groups(model)
+        engine, _opt, _, _sched = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
 
     load_path, client_state = engine.load_checkpoint(
         args.ckpt, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
@@ -156,8 +175,8 @@ def run(args: argparse.Namespace, rank: int, world: int, info: dict) -> dict:
     if load_path is None:
         raise RuntimeError(f"engine.load_checkpoint({args.ckpt!r}, tag={tag!r}) returned None (nothing loaded)")
 
-    got = gen.collect_truth(engine, stage)
     truth = torch.load(args.truth, map_location="cpu", weights_only=True)
+    got = gen.collect_truth(engine, stage, all_states="state_keys" in truth)
     for k in truth:
         if k.startswith("client."):
             sub = k[len("client."):]
