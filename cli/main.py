@@ -456,6 +456,8 @@ def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, d
     where = f" for {res.world_size} rank(s)" if res.world_size else ""
     files = "" if os.path.isfile(out) else f" ({len(res.files)} file{'' if len(res.files) == 1 else 's'})"
     ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out}{files}: {res.summary}")
+    if res.notes:
+        ctx.say(*res.notes)
     ctx.say_done()
 
 

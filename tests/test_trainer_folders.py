@@ -168,6 +168,42 @@ def test_reshard_from_checks_the_folder_world_size(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# --- convert ----------------------------------------------------------------------------------
+
+def test_convert_deepspeed_folder_to_zero3_at_three_ranks_is_a_trainer_folder(tmp_path):
+    src, out = ckpt("ds_z2"), tmp_path / "out"
+    code, text = run("convert", src, out, "--to", "zero3", "--world-size", "3")
+    assert code == 0, text
+    for name in SIDE["ds_z2"]:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert (out / "rng_state_2.pth").read_bytes() == (src / "rng_state_0.pth").read_bytes()
+    assert "HF Trainer folder (deepspeed)" in text and "r mod N" in text, text
+    doc = json.loads(run("inspect", "--json", out)[1])
+    assert doc["summary"]["world_size"] == 3 and doc["metadata"]["deepspeed"]["stage"] == 3
+    assert doc["metadata"]["hf_trainer"]["side_files"] == SIDE["ds_z2"]
+    code, text = run("diff", src, out)
+    assert code == 0, text
+
+
+def test_convert_fsdp_folder_to_fsdp2_keeps_the_subfolders(tmp_path):
+    src, out = ckpt("fsdp2"), tmp_path / "out"
+    code, text = run("convert", src, out, "--to", "fsdp2", "--world-size", "3")
+    assert code == 0, text
+    assert {p.name for p in out.iterdir()} == {"pytorch_model_fsdp_0", "optimizer_0", "scheduler.pt",
+                                              "trainer_state.json", *(f"rng_state_{r}.pth" for r in range(3))}
+    code, text = run("diff", src, out)
+    assert code == 0, text
+    code, text = run("convert", src, tmp_path / "renamed", "--to", "fsdp2", "--rename", "model.=m.")
+    assert code == 2 and "do not apply when an accelerate FSDP Trainer folder" in text, text
+    assert not (tmp_path / "renamed").exists()
+
+
+def test_convert_to_another_kind_names_the_trainer_files_it_leaves_behind(tmp_path):
+    code, text = run("convert", ckpt("ds_z3"), tmp_path / "out", "--to", "fsdp2")
+    assert code == 0, text
+    assert "not a Trainer folder; not copied: " + ", ".join(SIDE["ds_z3"] + RNG) in text, text
+
+
 # --- consolidate ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -53,6 +53,7 @@ class ConvertResult:
     world_size: int | None
     summary: str
     files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # lines the summary adds (an HF Trainer folder's)
 
 
 def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
@@ -134,6 +135,13 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
     if target == "zero":
         target = f"zero{_config_stage(cfg, ds_config)}"
+    if opened.trainer is not None and not single:
+        from .trainer_folder import convert_folder, same_kind
+
+        if same_kind(opened.trainer, target):  # checkpoint-N/ to its own kind: a Trainer folder again
+            reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
+            res = convert_folder(opened, out, target, world, state, cfg, options, src, ds_config, reshaped)
+            return ConvertResult(out, opened.index.format, target, world, describe(state), res.files, res.notes())
     safetensors = _safetensors_plan(state) if target == "safetensors" else None
     if safetensors is not None and single:
         single_file_shards(out, safetensors[0], knobs.parse_size(knobs.MAX_SHARD_SIZE))
@@ -166,8 +174,13 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
     options.progress.close()
     summary = _safetensors_summary(state, safetensors) if target == "safetensors" else describe(state)
     summary = "; ".join(x for x in (summary, _derived_summary(state, target), dropped_summary(state)) if x)
+    notes = []
+    if opened.trainer is not None:  # the trainer's side files stay behind: said, not silent
+        from .trainer_folder import left_behind
+
+        notes = left_behind(opened.trainer, target)
     return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
-                         summary, files)
+                         summary, files, notes)
 
 
 def _config_stage(cfg: dict | None, ds_config: str | None) -> int:

@@ -210,3 +210,40 @@ def verify_lines(folder: TrainerFolder) -> list[str]:
             f"read {read}",
             f"  side files (not read, copied by reshard/convert): {', '.join(folder.side_files + sorted(folder.rng_files.values(), key=str)) or 'none'}",
             f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}"]
+
+
+def same_kind(folder: TrainerFolder, target: str) -> bool:
+    """Does convert's `target` (dcp, zero1..3, ...) write this Trainer folder's own kind of part?"""
+    return (folder.layout == "deepspeed" and target.startswith("zero")) or (folder.layout == "fsdp" and target == "dcp"
+                                                                            and all(p.sharded for p in folder.parts))
+
+
+def convert_folder(opened: Opened, out: str, target: str, world: int, state, cfg: dict | None, options: RunOptions,
+                   src: str, ds_config: str | None, reshaped: bool) -> FolderResult:
+    """`ckptkit convert` of a Trainer folder to its own kind: a Trainer folder again. DeepSpeed: the
+    tag rewritten from the training state at the target's stage and world size (convert's ZeRO
+    writer); FSDP: each DCP subfolder laid out for `world` ranks. `reshaped`: names or state were
+    changed by options (--rename, --drop...), which an accelerate folder cannot carry."""
+    if opened.trainer.layout == "fsdp":
+        if reshaped:
+            raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
+                             f"not apply when an accelerate FSDP Trainer folder is written as one (its DCP "
+                             f"subfolders are laid out again as they are); convert to another target to change them")
+        return write_folder(opened, out, world, options, src, lambda t: _reshard_parts(opened, t, world, options))
+    from ..convert.to_zero import write_zero_from_state
+
+    def parts(t: OutputDir) -> list[str]:
+        return write_zero_from_state(t, state, int(target[-1]), world, cfg, slab_bytes=options.slab_bytes,
+                                     workers=options.workers, progress=options.progress)
+
+    return write_folder(opened, out, world, options, src, parts, sources=(ds_config,))
+
+
+def left_behind(folder: TrainerFolder, target: str) -> list[str]:
+    """convert to another kind: the Trainer's files the plain target does not hold, named."""
+    rest = folder.side_files + sorted(folder.rng_files.values(), key=str) + folder.unknown
+    rest += [p.name for p in folder.parts if not p.sharded and p.kind != "weights"]
+    if not rest:
+        return []
+    return [f"HF Trainer folder: --to {target} writes a plain checkpoint, not a Trainer folder; not copied: "
+            f"{', '.join(rest)}"]
