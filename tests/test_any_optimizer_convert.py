@@ -220,3 +220,27 @@ def test_fsdp2_loads_sgd_back_from_zero2_at_3(tmp_path):
     doc = _fsdp2_load(tmp_path, tmp_path / "back", "sgd", 3)
     assert doc["ok"], doc
     assert doc["world_size"] == 3 and doc["compared"] >= 30 and doc["trained_step"]
+
+
+@pytest.mark.parametrize("optimizer,step_type", [
+    ({"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, torch.Tensor),  # torch.optim.AdamW
+    (None, torch.Tensor),                                                          # the client's AdamW
+    ({"type": "AdamW", "params": {"lr": 0.01}}, int),                               # DeepSpeed's FusedAdam
+])
+def test_adamw_step_follows_the_target_optimizer(tmp_path, optimizer, step_type):
+    cfg = dict(CLIENT_CONFIG, **({"optimizer": optimizer} if optimizer else {}))
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    out = tmp_path / "z2"
+    res = _cli("convert", DATA / "fsdp2_w2", out, "--to", "zero2", "--world-size", "3", "--ds-config",
+               tmp_path / "c.json")
+    assert res.exit_code == 0, res.output
+    _, _, objects = read_all(out)
+    truth = torch.load(DATA / "fsdp2_w2.truth.pt", weights_only=True)
+    step = objects["optim.state.pos.step"]
+    assert type(step) is step_type
+    if step_type is torch.Tensor:  # torch's own 0-d float32 step, as it was
+        assert step.dtype == torch.float32 and step.shape == () and torch.equal(step, truth["optim.state.pos.step"])
+        assert "optim.param_groups.0.bias_correction" not in objects
+        assert objects["optim.param_groups.0.amsgrad"] is False  # torch's group keys carried as they are
+    else:
+        assert step == int(truth["optim.state.pos.step"]) and objects["optim.param_groups.0.bias_correction"] is True
