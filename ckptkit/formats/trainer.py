@@ -193,9 +193,8 @@ def rng_world(folder: TrainerFolder) -> int | None:
     return 1 if None in folder.rng_files else None
 
 
-RNG_POLICY = ("new rank r gets the RNG file of old rank r mod N (N the old world size); at one process the "
-              "Trainer reads rng_state.pth, which gets old rank 0's; old ranks' files with no new rank "
-              "are left out")
+RNG_POLICY = ("new rank r takes old rank (r mod N)'s file, N the old world size; one process reads "
+              "rng_state.pth, which takes old rank 0's")
 
 
 def map_rng(rng_files: dict[int | None, str], to: int) -> tuple[dict[str, str], list[str]]:
