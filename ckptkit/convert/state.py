@@ -254,6 +254,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     extras: list[tuple[tuple, Any]] = []
     derived: dict[str, str] = {}
     unmapped: dict[str, str] = {}
+    ds: dict[str, Any] = {}
     fetcher = Fetcher(opened.source, index=index)
     optim = _OptimState(str(opened.path), fetcher, {n: tuple(e.shape) for n, e in model.items()})
     model_keys = set(split.model.values())
@@ -301,12 +302,22 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
                 unmapped[key] = (f"a value inside the {'optimizer' if path[0] in OPTIM_CONTAINERS else 'model'} "
                                  f"state that is neither a parameter's state nor a param group")
             continue
-        extras.append((path, o.data))
+        if len(path) >= 2 and path[0] == "ds" and path[1] in DS_CARRIED:
+            _nest(ds, path[1:], o.data)  # DeepSpeed's counters a conversion from ZeRO wrote as ds.*
+        else:
+            extras.append((path, o.data))
     group_list, group_params = _named_groups(groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
     frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher)
     return TrainingState(opened, model, frozen, buffers, ties, optim.partitioned, optim.whole, group_list,
-                         group_params, extras, derived=derived, unmapped=unmapped)
+                         group_params, extras, ds, derived=derived, unmapped=unmapped)
+
+
+def _nest(root: dict, path: tuple, value: Any) -> None:
+    node = root
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
 
 
 def _empty(value: Any) -> bool:
