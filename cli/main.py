@@ -305,7 +305,7 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, m
     if report.opened is not None and report.opened.trainer is not None:
         from ckptkit.ops.trainer_folder import verify_lines
 
-        trainer_lines = verify_lines(report.opened.trainer)
+        trainer_lines = verify_lines(report.opened.trainer, list(report.opened.index.files))
     if report.problems:
         echo(f"{src}: {len(report.problems)} problem(s) found",
              *(f"  - {p.kind}: {p.message}" for p in report.problems), *trainer_lines, err=True)

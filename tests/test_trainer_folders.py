@@ -1,7 +1,8 @@
 """HF Trainer `checkpoint-N/` folders as a unit (issue 13, item 3), on real Trainer runs.
 
 fixtures/generate_trainer.py wrote fixtures/data/trainer/<layout>/checkpoint-2 with transformers'
-Trainer on 2 CPU processes (DeepSpeed ZeRO-2 with torch's AdamW, ZeRO-3, FSDP2 through accelerate),
+Trainer on 2 CPU processes (DeepSpeed ZeRO-2 with torch's AdamW, ZeRO-3, FSDP2 through accelerate,
+plain DDP),
 the trained model's logits, and the losses a 2-process resume from checkpoint-2 logged.
 Fast tests: inspect/verify list the parts, side files and what is not understood, with the step;
 reshard keeps every side file byte for byte and maps the RNG files by the stated policy;
@@ -23,15 +24,18 @@ from ckptkit_cli.main import cli
 from conftest import DATA, ROOT, subprocess_env, torchrun_cmd
 
 TRAINER = DATA / "trainer"
-LAYOUTS = ["ds_z2", "ds_z3", "fsdp2"]
+SHARDED = ["ds_z2", "ds_z3", "fsdp2"]  # the layouts the Trainer resumes from at 3 processes (slow tests)
+LAYOUTS = SHARDED + ["ddp"]
 STEP = 2
-PARTS = {"ds_z2": ["global_step2/ (deepspeed)"], "ds_z3": ["global_step2/ (deepspeed)"],
-         "fsdp2": ["pytorch_model_fsdp_0/ (dcp-model)", "optimizer_0/ (dcp-optimizer)"]}
+PARTS = {"ds_z2": [("global_step2", "deepspeed")], "ds_z3": [("global_step2", "deepspeed")],
+         "fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
+         "ddp": [("model.safetensors", "weights"), ("optimizer.pt", "optimizer")]}
 SIDE = {"ds_z2": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
                   "trainer_state.json", "training_args.bin", "zero_to_fp32.py", "zero_to_torch.py"],
         "ds_z3": ["config.json", "generation_config.json", "trainer_state.json", "training_args.bin",
                   "zero_to_fp32.py", "zero_to_torch.py"],
-        "fsdp2": ["scheduler.pt", "trainer_state.json"]}
+        "fsdp2": ["scheduler.pt", "trainer_state.json"],
+        "ddp": ["config.json", "generation_config.json", "scheduler.pt", "trainer_state.json", "training_args.bin"]}
 RNG = ["rng_state_0.pth", "rng_state_1.pth"]
 
 
@@ -62,8 +66,8 @@ def test_inspect_lists_parts_side_files_and_the_trainer_step(layout, tmp_path):
     assert code == 0, out
     assert "step        2" in out and "global_step 2" in out, out
     lines = {line.split("  ", 1)[0]: line for line in out.splitlines()}
-    for part in PARTS[layout]:
-        assert part in lines["parts"], out
+    for name, kind in PARTS[layout]:
+        assert f"{name}{'' if layout == 'ddp' else '/'} ({kind})" in lines["parts"], out
     for name in SIDE[layout]:
         assert name in lines["side files"], out
     assert all(r in lines["rng files"] for r in RNG), out
@@ -87,13 +91,16 @@ def test_verify_reports_every_part_read_and_every_file_not_understood(layout, tm
     code, out = run("verify", src)
     assert code == 0, out
     assert "ok:" in out
-    for part in PARTS[layout]:
-        assert part.split(" ")[0] in out, out
+    read = [name + ("" if layout == "ddp" else "/") for name, _ in PARTS[layout]]
+    if layout == "ddp":  # ckptkit reads the weights; optimizer.pt is named as not read
+        assert "read model.safetensors; not read (copied by reshard/convert): optimizer.pt" in out, out
+    else:
+        assert "read " + ", ".join(read) in out, out
     assert "not understood" in out and "notes.txt" in out and "extra/" in out, out
     code, out = run("verify", "--json", src)
     doc = json.loads(out)
     assert doc["ok"] and doc["summary"]["trainer"]["not_understood"] == ["extra/", "notes.txt"]
-    assert [p["name"] for p in doc["summary"]["trainer"]["parts"]] == [p.split("/")[0] for p in PARTS[layout]]
+    assert [(p["name"], p["kind"]) for p in doc["summary"]["trainer"]["parts"]] == PARTS[layout]
 
 
 def test_verify_reports_a_missing_rank_rng_file_and_a_broken_trainer_state(tmp_path):
@@ -123,20 +130,25 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
     # RNG policy: new rank r gets old rank r mod 2
     for r in range(3):
         assert (out / f"rng_state_{r}.pth").read_bytes() == (src / f"rng_state_{r % 2}.pth").read_bytes()
-    assert "copied byte for byte: " + ", ".join(SIDE[layout]) in text, text
+    copied = [name for name, _ in PARTS[layout]] if layout == "ddp" else []
+    assert "copied byte for byte: " + ", ".join(copied + SIDE[layout]) in text, text
     assert "r mod N" in text and "rng_state_2.pth <- rng_state_0.pth" in text, text
     assert "not understood, copied as they are: extra/, notes.txt" in text, text
     if layout == "fsdp2":  # the DCP parts stay subfolders, each laid out for 3 ranks
         for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
             assert {p.name for p in (out / sub).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                 "__2_0.distcp"}
+    elif layout == "ddp":  # nothing laid out per rank: the parts are copied
+        for name, _ in PARTS[layout]:
+            assert (out / name).read_bytes() == (src / name).read_bytes(), name
+        assert "no part is laid out per rank; all copied" in text, text
     else:
         assert (out / "latest").read_text() == "global_step2"
         assert sorted(p.name for p in (out / "global_step2").iterdir() if "optim_states" in p.name) == [
             f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
     code, text = run("inspect", "--json", out)
     doc = json.loads(text)
-    assert doc["summary"]["world_size"] == 3 and doc["summary"]["step"] == STEP
+    assert doc["summary"]["world_size"] == (None if layout == "ddp" else 3) and doc["summary"]["step"] == STEP
     code, text = run("diff", src, out)
     assert code == 0, text
 
@@ -243,7 +255,7 @@ def _job_module():
 # --- the Trainer resumes from a resharded folder (slow) ---------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", SHARDED)
 def test_trainer_resumes_from_the_resharded_folder_at_three_processes(layout, tmp_path):
     out = tmp_path / "checkpoint-2"
     code, text = run("reshard", ckpt(layout), out, "--to", "3")

@@ -63,7 +63,8 @@ class FolderResult:
 
     def notes(self) -> list[str]:
         """The summary lines a command prints after its own (parts, side files, RNG policy)."""
-        lines = [f"HF Trainer folder ({self.layout}): rewrote {', '.join(self.parts)} for {self.to_world_size} rank(s)"]
+        lines = [f"HF Trainer folder ({self.layout}): rewrote {', '.join(self.parts)} for {self.to_world_size} rank(s)"
+                 if self.parts else f"HF Trainer folder ({self.layout}): no part is laid out per rank; all copied"]
         if self.copied:
             lines.append(f"copied byte for byte: {', '.join(self.copied)}")
         if self.rng:
@@ -203,11 +204,16 @@ def folder_findings(opened: Opened) -> list:
     return found
 
 
-def verify_lines(folder: TrainerFolder) -> list[str]:
-    """verify's report on a Trainer folder: every part read, every entry not understood."""
-    read = ", ".join(p.name + ("/" if p.sharded else "") for p in folder.parts)
+def verify_lines(folder: TrainerFolder, index_files: list[str]) -> list[str]:
+    """verify's report on a Trainer folder: every part read (its files are in the index), the
+    parts not read (plain optimizer.pt), every entry not understood."""
+    def read(p) -> bool:
+        return any(f == p.name or f.startswith(p.name + "/") for f in index_files)
+
+    done = ", ".join(p.name + ("/" if p.sharded else "") for p in folder.parts if read(p))
+    unread = [p.name for p in folder.parts if not read(p)]
     return [f"  HF Trainer folder ({folder.layout}, global_step {folder.step if folder.step is not None else '-'}): "
-            f"read {read}",
+            f"read {done or 'nothing'}" + (f"; not read (copied by reshard/convert): {', '.join(unread)}" if unread else ""),
             f"  side files (not read, copied by reshard/convert): {', '.join(folder.side_files + sorted(folder.rng_files.values(), key=str)) or 'none'}",
             f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}"]
 

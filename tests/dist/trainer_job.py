@@ -1,6 +1,6 @@
 """One Hugging Face Trainer run on CPU (torchrun, gloo): train, or resume from a checkpoint folder.
 
-    torchrun --nproc_per_node N tests/dist/trainer_job.py --layout ds_z2|ds_z3|fsdp2 \
+    torchrun --nproc_per_node N tests/dist/trainer_job.py --layout ds_z2|ds_z3|fsdp2|ddp \
         --output-dir DIR --max-steps S [--save-steps K] [--resume CHECKPOINT] --result R.json \
         [--logits L.pt]
 
@@ -10,6 +10,7 @@ resume at another world size must log the same loss as one at the original size.
   ds_z2   DeepSpeed ZeRO-2, bf16, NO optimizer section: the Trainer passes torch's AdamW
   ds_z3   DeepSpeed ZeRO-3, bf16 (optimizer section: DeepSpeed's own Adam)
   fsdp2   FSDP2 through accelerate, SHARDED_STATE_DICT (fp32)
+  ddp     plain DDP (fp32): the checkpoint is model.safetensors and optimizer.pt
 Rank 0 writes --result: the losses logged per step, the final global step, the world size and
 whether the model was really sharded. --logits: the trained model's fp32 weights (DeepSpeed's
 master weights, FSDP2's full tensors) loaded into a plain LlamaForCausalLM, its logits on a fixed
@@ -76,6 +77,8 @@ def training_args(layout: str, out: str, max_steps: int, save_steps: int):
                   dataloader_num_workers=0)
     if layout.startswith("ds_"):
         return TrainingArguments(**common, deepspeed=ds_config(int(layout[-1])), bf16=True, use_cpu=True)
+    if layout == "ddp":
+        return TrainingArguments(**common, use_cpu=True)
     return TrainingArguments(**common, use_cpu=True, fsdp=True, fsdp_config={
         "version": 2, "state_dict_type": "SHARDED_STATE_DICT", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True})
@@ -100,7 +103,7 @@ def sharded(model, layout: str) -> bool:
         return all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in model.parameters())
     if layout == "ds_z3":
         return all(hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
-    return True  # ZeRO-2 partitions the optimizer state; the engine is checked by its stage
+    return layout == "ds_z2"  # ZeRO-2 partitions the optimizer state (the stage is recorded); DDP: False
 
 
 def full_fp32(trainer, layout: str) -> dict:
@@ -113,6 +116,9 @@ def full_fp32(trainer, layout: str) -> dict:
 
         for name, p in inner.named_parameters():
             out[name] = safe_get_full_fp32_param(p).detach().clone().float()
+    elif layout == "ddp":
+        for name, p in inner.named_parameters():
+            out[name] = p.detach().clone().float()
     else:
         for name, p in model.named_parameters():
             out[name] = p.full_tensor().detach().clone().float()
@@ -121,7 +127,7 @@ def full_fp32(trainer, layout: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp2"])
+    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp2", "ddp"])
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--max-steps", type=int, required=True)
     ap.add_argument("--save-steps", type=int, default=1000)
