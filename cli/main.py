@@ -256,9 +256,34 @@ def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
     """Read, verify, consolidate, reshard, convert and compare sharded training checkpoints
     (torch.distributed.checkpoint / FSDP, DeepSpeed ZeRO 1-3, torch.save files, safetensors)."""
     click_ctx.obj = Context(quiet, debug)
+    from ckptkit.formats import run_folder
+
+    obj = click_ctx.obj  # which checkpoint of a run folder was read: one line on stderr (not with --quiet)
+    run_folder.set_listener(lambda note: None if obj.quiet else echo(note, err=True))
 
 
-TAG_HELP = "DeepSpeed: read this tag instead of the one `latest` names."
+TAG_HELP = ("DeepSpeed: read this tag instead of the one `latest` names. Run folders: read the checkpoint of "
+            "this name (e.g. checkpoint-2) instead of the newest complete one.")
+
+
+def step_option(fn: Callable) -> Callable:
+    """--step N: in a run folder, the checkpoint of step N (checkpoint-N, step_N, global_stepN,
+    epoch=..-step=N), passed on as --tag with that entry's name."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, step: int | None = None, **kwargs: Any) -> Any:
+        if step is not None:
+            from ckptkit.errors import UsageError
+            from ckptkit.formats.run_folder import tag_for_step
+            from ckptkit.storage.source import open_source
+
+            if kwargs.get("tag") is not None:
+                raise UsageError("--step and --tag both pick a checkpoint: give one of them")
+            src = kwargs["src"]
+            kwargs["tag"] = tag_for_step(src, open_source(src, follow_links()), step)
+        return fn(*args, **kwargs)
+    return click.option("--step", type=click.IntRange(0), default=None, metavar="N",
+                        help="Run folders: read the checkpoint of step N instead of the newest complete one "
+                             "(DeepSpeed: tag global_stepN).")(wrapper)
 
 
 @cli.command(short_help="Show format, world size, step, tensors and values.",
@@ -271,6 +296,7 @@ TAG_HELP = "DeepSpeed: read this tag instead of the one `latest` names."
 @follow_links_option
 @click.pass_obj
 @handle_errors
+@step_option
 def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
     """Show format, world size, step, tensors and objects of SRC."""
     from ckptkit.ops.inspect import inspect as run_inspect, render, report_json
@@ -292,6 +318,7 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
 @read_options
 @click.pass_obj
 @handle_errors
+@step_option
 def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, memory_budget, workers) -> None:
     """Check that every piece of SRC is present, in bounds and covers its tensor exactly."""
     from ckptkit.ops.verify import check
@@ -342,6 +369,7 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, m
 @run_options
 @click.pass_obj
 @handle_errors
+@step_option
 def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
                 include_optimizer: bool, config: str | None, strip_prefix: tuple[str, ...], rename: tuple[str, ...],
                 tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
@@ -385,6 +413,7 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 @run_options
 @click.pass_obj
 @handle_errors
+@step_option
 def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | None, from_: int | None,
             tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
     """Rewrite SRC for world size M (--world-size M, or --to M) in folder OUT, in SRC's format."""
@@ -438,6 +467,7 @@ def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | 
 @run_options
 @click.pass_obj
 @handle_errors
+@step_option
 def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, ds_config: str | None,
             from_: str | None, rename: tuple[str, ...], strip_prefix: tuple[str, ...], add_prefix: str,
             frozen: tuple[str, ...], model_only: bool, drop: tuple[str, ...], tag: str | None, memory_budget,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..errors import NotACheckpointError
+from ..errors import NotACheckpointError, name_of
 from ..index.types import CheckpointIndex
 from ..storage.source import Source, is_url, open_source
-from . import accelerate, trainer
+from . import accelerate, run_folder, trainer
 from .dcp import reader as dcp_reader
 from .deepspeed import files as ds_files
 from .deepspeed import reader as ds_reader
@@ -31,6 +31,7 @@ class Opened:
     index: CheckpointIndex
     path: str
     trainer: "trainer.TrainerFolder | None" = None  # an HF Trainer checkpoint-N/ folder's parts
+    run: "run_folder.RunChoice | None" = None  # the checkpoint chosen when `path` was a run folder
 
 
 def _parent_and_name(path: str) -> tuple[str, str]:
@@ -48,6 +49,16 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1)."""
     source = open_source(path, follow_links)
     _refuse_unfinished(path, source)
+    run = run_folder.resolve(path, source, tag, follow_links) if source.isdir("") else None
+    if run is not None:  # a training output folder: its newest complete checkpoint (or the one --tag names)
+        opened = (run.opened if run.opened is not None and expect is None   # read whole while choosing
+                  else open_checkpoint(run.path, expect, run.tag, follow_links))
+        run.opened = None
+        opened.run = run
+        if opened.index.step is None:
+            opened.index.step = run.step
+        run_folder.announce(run)
+        return opened
     tag_folder = (tag is not None and source.isdir("") and source.isdir(tag)
                   and ds_files.looks_like_tag_folder(source.listdir(tag)))
     if tag is not None and not (source.isdir("") and ds_files.detect(source) or tag_folder):
@@ -130,8 +141,19 @@ def _open_folder(path: str, source: Source) -> Opened:
     if len(torch_files) == 1:
         index = ts_reader.read_index(source, torch_files[0])
         return Opened(source, index, path)
-    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-    found = f"found {len(names)} entries ({shown})" if names else "the folder is empty"
-    raise NotACheckpointError(
-        f"{path}: not a checkpoint ckptkit recognises (looked for a DCP .metadata, a DeepSpeed `latest` "
-        f"or ZeRO rank files, *.safetensors, or one torch.save file); {found}")
+    raise NotACheckpointError(f"{path}: not a checkpoint ckptkit recognises; {_found(source, names, torch_files)}. "
+                              f"Recognised: a DCP checkpoint (.metadata), a DeepSpeed save (`latest` or ZeRO rank "
+                              f"files), *.safetensors, one torch.save file ({', '.join(TORCH_SUFFIXES)}), "
+                              f"accelerate's pytorch_model_fsdp_N/, or {run_folder.RECOGNISED}")
+
+
+def _found(source: Source, names: list[str], torch_files: list[str]) -> str:
+    """What an unrecognised folder holds, in a few words (folders marked with a trailing /)."""
+    if not names:
+        return "the folder is empty"
+    if len(torch_files) > 1:  # several: which one is meant cannot be guessed
+        shown = ", ".join(torch_files[:8]) + (", ..." if len(torch_files) > 8 else "")
+        return f"found {len(torch_files)} torch.save files ({shown}): name the one to read"
+    marked = [n + "/" if source.isdir(n) else n for n in names[:8]]
+    shown = ", ".join(name_of(n) for n in marked) + (", ..." if len(names) > 8 else "")
+    return f"found {len(names)} entries ({shown})"

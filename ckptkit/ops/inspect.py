@@ -60,8 +60,18 @@ def report_json(opened: Opened | None, report: Report | StepsReport) -> dict:
         "format": report.format, "world_size": report.world_size, "step": report.step,
         "tensors": report.tensor_count, "tensor_bytes": report.tensor_bytes, "dtypes": report.dtypes,
         "roles": report.roles, "files": report.files, "file_bytes": report.file_bytes,
+        "run_folder": _run_json(opened),
     }
     return doc
+
+
+def _run_json(opened: Opened) -> dict | None:
+    """The checkpoint chosen in a run folder, and the newer ones passed over (None otherwise)."""
+    run = opened.run
+    if run is None:
+        return None
+    return {"folder": run.folder, "kind": run.kind, "chosen": run.entry, "step": run.step,
+            "skipped": [{"entry": n, "why": w} for n, w in run.skipped]}
 
 
 def human_bytes(n: int) -> str:
@@ -80,6 +90,8 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
         return listing.render(report, human_bytes)
     lines = [
         f"checkpoint  {report.path}",
+        *([f"chosen      {opened.run.entry} ({opened.run.why})"]
+          if opened.run is not None else []),
         f"format      {report.format}",
         f"world size  {report.world_size if report.world_size is not None else '-'}",
         f"step        {report.step if report.step is not None else '-'}",

@@ -1,0 +1,331 @@
+"""Training output folders ("run folders"): the newest complete checkpoint among several.
+
+Trainers save checkpoint after checkpoint into one folder. Pointed at such a folder, the
+read-only commands read its newest COMPLETE checkpoint and say which one (a save killed half-way
+leaves a newer folder that must not be read). Kinds, tried in this order:
+
+- an HF Trainer `output_dir`: `checkpoint-N/` folders; complete = `trainer_state.json` is there
+  (the Trainer writes it last) and the checkpoint inside opens whole (every rank file present);
+- a ckptkit Checkpointer directory: `step_N/` folders, complete as hooks/steps.py decides
+  (its completion marker, or an unmarked folder ckptkit's reader indexes whole);
+- a DeepSpeed save folder without `latest`: tag folders of ZeRO rank files; complete = the tag
+  opens whole (every rank's files present);
+- Lightning's `checkpoints/`: `*.ckpt` files or sharded checkpoint folders; complete = it opens whole.
+
+Newest is by step: `checkpoint-N`, `step_N`, a tag's trailing number (`global_stepN`), Lightning's
+`step=N`; where a name carries none (`last.ckpt`, a free-form tag), by modification time. The rule
+used is said. `--tag NAME` picks an entry by name, `--step N` the entry of step N.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import CkptkitError, NotACheckpointError, UsageError, name_of
+from ..storage.source import LocalSource, Source
+
+HF = "HF Trainer output folder"
+CHECKPOINTER = "Checkpointer directory"
+DEEPSPEED = "DeepSpeed save folder"
+LIGHTNING = "Lightning checkpoints folder"
+
+HF_ENTRY = re.compile(r"^checkpoint-(\d+)$")
+TRAILING_NUMBER = re.compile(r"(\d+)$")
+LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+TRAINER_STATE = "trainer_state.json"
+MAX_TRAINER_STATE = 64 << 20
+MAX_LISTED = 6
+
+# what inspect/verify/... recognise as a run folder, for the message on an unrecognised folder
+RECOGNISED = ("a run folder holding checkpoint-N/ (HF Trainer output_dir), step_N/ (ckptkit Checkpointer), "
+              "DeepSpeed tag folders (global_stepN/) or *.ckpt (Lightning checkpoints/)")
+
+
+@dataclass
+class Entry:
+    name: str
+    step: int | None
+    mtime: float = 0.0
+
+
+@dataclass
+class RunChoice:
+    """The checkpoint chosen in a run folder, and why (`note`, one line for the user)."""
+
+    folder: str                 # the run folder, as given
+    kind: str
+    entry: str                  # the chosen entry's name
+    path: str                   # the checkpoint to open (the entry, or the run folder itself with `tag`)
+    tag: str | None             # a DeepSpeed tag to open `path` at (DeepSpeed save folders), else None
+    step: int | None            # the step the trainer recorded (trainer_state.json) or the entry's name gives
+    why: str                    # why this one, e.g. "newest complete of 3 in this ...; checkpoint-3 is incomplete: ..."
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # newer entries passed over, and why
+    opened: Any = field(default=None, repr=False)  # the registry's Opened of the entry, when probing read it whole
+
+    @property
+    def note(self) -> str:
+        """One line for the user: which checkpoint of the run folder is read, and why."""
+        return f"{self.folder}: using {self.entry} ({self.why})"
+
+
+# ---- announcing the choice (the CLI prints it on stderr) -------------------------------------
+
+_listener: Callable[[str], None] | None = None
+_said: set[str] = set()
+
+
+def set_listener(fn: Callable[[str], None] | None) -> None:
+    """Where notes about the checkpoint chosen in a run folder go (the CLI: one line on stderr)."""
+    global _listener
+    _listener = fn
+    _said.clear()
+
+
+def announce(choice: RunChoice) -> None:
+    if _listener is not None and choice.note not in _said:  # a folder opened twice is said once
+        _said.add(choice.note)
+        _listener(choice.note)
+
+
+# ---- detection ------------------------------------------------------------------------------
+
+def _safe_listdir(source: Source, rel: str) -> list[str]:
+    try:
+        return source.listdir(rel)
+    except CkptkitError:
+        return []
+
+
+def _is_dir(source: Source, name: str) -> bool:
+    try:
+        return source.isdir(name)
+    except CkptkitError:
+        return False
+
+
+def detect(source: Source, names: list[str] | None = None) -> tuple[str, list[Entry]] | None:
+    """(kind, entries oldest first) when the folder is a run folder, else None. A folder that is
+    itself a checkpoint (DCP .metadata, DeepSpeed `latest` or rank files, accelerate's parts,
+    safetensors weights beside no checkpoint-N/) is not one."""
+    from . import accelerate
+    from .deepspeed import files as ds_files
+
+    if not source.isdir(""):
+        return None
+    names = source.listdir("") if names is None else names
+    if ".metadata" in names or ds_files.looks_like_tag_folder(names):
+        return None
+    if "latest" in names and not source.isdir("latest"):
+        return (CHECKPOINTER, _checkpointer_entries(source, names)) if _points_to_step(source) else None
+    hf = [Entry(n, int(m.group(1))) for n in names if (m := HF_ENTRY.match(n)) and _is_dir(source, n)]
+    if hf:
+        return HF, sorted(hf, key=lambda e: (e.step, e.name))
+    if accelerate.parts(source):
+        return None
+    steps = _checkpointer_entries(source, names)
+    if steps:
+        return CHECKPOINTER, steps
+    tags = [n for n in names if _is_dir(source, n) and ds_files.looks_like_tag_folder(_safe_listdir(source, n))]
+    if tags:
+        return DEEPSPEED, _ordered(source, [Entry(n, _number(TRAILING_NUMBER, n)) for n in tags])
+    if any(n.endswith(".safetensors") for n in names):
+        return None
+    ckpts = [n for n in names if n.endswith(".ckpt")]
+    if ckpts:
+        return LIGHTNING, _ordered(source, [Entry(n, _number(LIGHTNING_STEP, n)) for n in ckpts])
+    return None
+
+
+def _number(pattern: re.Pattern, name: str) -> int | None:
+    m = pattern.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _points_to_step(source: Source) -> bool:
+    from ..hooks import pointer
+
+    return isinstance(source, LocalSource) and pointer.read(source.root) is not None
+
+
+def _checkpointer_entries(source: Source, names: list[str]) -> list[Entry]:
+    from ..hooks.steps import step_of
+
+    if not isinstance(source, LocalSource):  # the Checkpointer writes local folders only
+        return []
+    found = [Entry(n, s) for n in names if (s := step_of(n)) is not None]
+    return sorted(found, key=lambda e: (e.step, e.name))
+
+
+def _ordered(source: Source, entries: list[Entry]) -> list[Entry]:
+    """Oldest first: by the step in the names when every name has one, else by modification time."""
+    for e in entries:
+        e.mtime = _mtime(source, e.name)
+    if all(e.step is not None for e in entries):
+        return sorted(entries, key=lambda e: (e.step, e.mtime, e.name))
+    return sorted(entries, key=lambda e: (e.mtime, e.name))
+
+
+def _mtime(source: Source, name: str) -> float:
+    if not isinstance(source, LocalSource):
+        return 0.0
+    try:
+        return os.stat(os.path.join(source.root, name)).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _rule(kind: str, entries: list[Entry]) -> str:
+    if kind in (DEEPSPEED, LIGHTNING) and not all(e.step is not None for e in entries):
+        return " by modification time"
+    return ""
+
+
+# ---- choosing ----------------------------------------------------------------------------------
+
+def resolve(path: str, source: Source, tag: str | None = None,
+            follow_links: bool | None = None) -> RunChoice | None:
+    """The checkpoint to read when `path` is a run folder (None when it is not one): the entry
+    `tag` names, or else the newest complete one. A DeepSpeed save folder's --tag is left to the
+    DeepSpeed reader (None), as for any DeepSpeed checkpoint."""
+    found = detect(source)
+    if found is None:
+        return None
+    kind, entries = found
+    if kind == DEEPSPEED and tag is not None:
+        return None
+    if not entries:
+        return None
+    if tag is not None:
+        return _asked(path, source, kind, entries, tag)
+    return _newest_complete(path, source, kind, entries, follow_links)
+
+
+def tag_for_step(path: str, source: Source, step: int) -> str:
+    """--step N: the name of the entry of step N (passed on as --tag). Also a DeepSpeed checkpoint's
+    `global_stepN` tag."""
+    from .deepspeed import files as ds_files
+
+    found = detect(source)
+    if found is None:
+        if source.isdir("") and ds_files.detect(source) and source.isdir(f"global_step{step}"):
+            return f"global_step{step}"
+        raise UsageError(f"{path}: --step picks a checkpoint in a run folder ({RECOGNISED}) or a DeepSpeed "
+                         f"tag global_stepN, and this is neither")
+    kind, entries = found
+    matching = [e.name for e in entries if e.step == step]
+    if not matching:
+        steps = ", ".join(str(e.step) for e in entries if e.step is not None) or "none in the names"
+        raise UsageError(f"{path}: no checkpoint of step {step} in this {kind} (steps: {steps})")
+    if len(matching) > 1:
+        raise UsageError(f"{path}: step {step} is saved more than once ({', '.join(matching)}); "
+                         f"pick one with --tag NAME")
+    return matching[0]
+
+
+def _asked(path: str, source: Source, kind: str, entries: list[Entry], tag: str) -> RunChoice:
+    chosen = next((e for e in entries if e.name == tag), None)
+    if chosen is None:
+        raise UsageError(f"{path}: no checkpoint {name_of(tag)} in this {kind} (it holds "
+                         f"{_list(e.name for e in reversed(entries))})")
+    step = _trainer_step(source, chosen.name, kind) if kind == HF else None
+    return _choice(path, kind, chosen, step, f"as asked; {len(entries)} checkpoint(s) in this {kind}", [])
+
+
+def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
+                     follow_links: bool | None) -> RunChoice:
+    skipped: list[tuple[str, str]] = []
+    for e in reversed(entries):
+        why, step, opened = _problem(path, source, kind, e, follow_links)
+        if not why:
+            why = f"newest complete of {len(entries)} in this {kind}{_rule(kind, entries)}"
+            why += "".join(f"; {n} is incomplete: {w}" for n, w in skipped[:MAX_LISTED])
+            choice = _choice(path, kind, e, step, why, skipped)
+            choice.opened = opened
+            return choice
+        skipped.append((e.name, why))
+    listed = "; ".join(f"{n}: {w}" for n, w in skipped[:MAX_LISTED])
+    more = f"; and {len(skipped) - MAX_LISTED} more" if len(skipped) > MAX_LISTED else ""
+    raise NotACheckpointError(f"{path}: a {kind} with {len(entries)} checkpoint(s), none complete ({listed}{more})")
+
+
+def _choice(path: str, kind: str, e: Entry, step: int | None, why: str,
+            skipped: list[tuple[str, str]]) -> RunChoice:
+    if kind == DEEPSPEED:  # opened as the user's own --tag would open it
+        return RunChoice(path, kind, e.name, path, e.name, step if step is not None else e.step, why, skipped)
+    sep = "" if path.endswith("/") else "/"
+    return RunChoice(path, kind, e.name, path + sep + e.name, None, step if step is not None else e.step,
+                     why, skipped)
+
+
+def _problem(path: str, source: Source, kind: str, e: Entry,
+             follow_links: bool | None) -> tuple[str, int | None, Any]:
+    """(why entry `e` is not a complete checkpoint, "" when it is; the step its trainer recorded;
+    the entry opened, when it was)."""
+    if kind == CHECKPOINTER:
+        from ..hooks import steps
+
+        folder = steps.examine(source.root, e.name, e.step)
+        return folder.why, e.step, None
+    step = None
+    if kind == HF:
+        if not source.exists(f"{e.name}/{TRAINER_STATE}"):
+            return f"no {TRAINER_STATE} (the Trainer writes it last)", None, None
+        try:
+            step = _trainer_step(source, e.name, kind)
+        except CkptkitError as exc:
+            return _short(str(exc)), None, None
+    try:
+        if isinstance(source, LocalSource):  # an entry linked outside the run folder is refused here too
+            source.boundary.resolve(e.name, source.label(e.name))
+        why, opened = _opens_whole(path, e, kind, follow_links)
+        return why, step, opened
+    except CkptkitError as exc:
+        return _short(str(exc)), step, None
+
+
+def _opens_whole(path: str, e: Entry, kind: str, follow_links: bool | None) -> tuple[str, Any]:
+    """Why the entry does not open as a whole checkpoint ("" when it does), and the entry opened:
+    read as verify reads, every missing or damaged file counted (in a log of its own, apart from
+    any verify running)."""
+    from ..index import problems
+    from ..ops.verify import structural_problems
+    from .registry import open_checkpoint
+
+    sep = "" if path.endswith("/") else "/"
+    with problems.collecting() as log:
+        if kind == DEEPSPEED:
+            opened = open_checkpoint(path, tag=e.name, follow_links=follow_links)
+        else:
+            opened = open_checkpoint(path + sep + e.name, follow_links=follow_links)
+    found = [p.message for p in log.problems] + structural_problems(opened)
+    return (_short(found[0]), None) if found else ("", opened)
+
+
+def _trainer_step(source: Source, name: str, kind: str) -> int | None:
+    """trainer_state.json's global_step (the step the HF Trainer recorded), None when absent."""
+    from ..errors import FormatError
+    from ..safe_json import loads
+
+    rel = f"{name}/{TRAINER_STATE}"
+    if kind != HF or not source.exists(rel):
+        return None
+    size = source.size(rel)
+    if size > MAX_TRAINER_STATE:
+        raise FormatError(f"{source.label(rel)}: is {size:,} bytes, more than a trainer state "
+                          f"({MAX_TRAINER_STATE:,} at most)")
+    doc = loads(source.read(rel, 0, size), source.label(rel), "the trainer state")
+    step = doc.get("global_step") if isinstance(doc, dict) else None
+    return step if type(step) is int else None
+
+
+def _short(text: str) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _list(names) -> str:
+    names = list(names)
+    shown = ", ".join(names[:MAX_LISTED])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > MAX_LISTED else "")
