@@ -1,8 +1,8 @@
 """HF Trainer `checkpoint-N/` folders as a unit (issue 13, item 3), on real Trainer runs.
 
 fixtures/generate_trainer.py wrote fixtures/data/trainer/<layout>/checkpoint-2 with transformers'
-Trainer on 2 CPU processes (DeepSpeed ZeRO-2 with torch's AdamW, ZeRO-3, FSDP2 through accelerate,
-plain DDP),
+Trainer on 2 CPU processes (DeepSpeed ZeRO-2 with torch's AdamW, ZeRO-3, FSDP1 and FSDP2 through
+accelerate, plain DDP),
 the trained model's logits, and the losses a 2-process resume from checkpoint-2 logged.
 Fast tests: inspect/verify list the parts, side files and what is not understood, with the step;
 reshard keeps every side file byte for byte and maps the RNG files by the stated policy;
@@ -24,16 +24,18 @@ from ckptkit_cli.main import cli
 from conftest import DATA, ROOT, subprocess_env, torchrun_cmd
 
 TRAINER = DATA / "trainer"
-SHARDED = ["ds_z2", "ds_z3", "fsdp2"]  # the layouts the Trainer resumes from at 3 processes (slow tests)
+SHARDED = ["ds_z2", "ds_z3", "fsdp1", "fsdp2"]  # the layouts the Trainer resumes from at 3 processes (slow tests)
 LAYOUTS = SHARDED + ["ddp"]
 STEP = 2
 PARTS = {"ds_z2": [("global_step2", "deepspeed")], "ds_z3": [("global_step2", "deepspeed")],
+         "fsdp1": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
          "fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
          "ddp": [("model.safetensors", "weights"), ("optimizer.pt", "optimizer")]}
 SIDE = {"ds_z2": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
                   "trainer_state.json", "training_args.bin", "zero_to_fp32.py", "zero_to_torch.py"],
         "ds_z3": ["config.json", "generation_config.json", "trainer_state.json", "training_args.bin",
                   "zero_to_fp32.py", "zero_to_torch.py"],
+        "fsdp1": ["scheduler.pt", "trainer_state.json"],
         "fsdp2": ["scheduler.pt", "trainer_state.json"],
         "ddp": ["config.json", "generation_config.json", "scheduler.pt", "trainer_state.json", "training_args.bin"]}
 RNG = ["rng_state_0.pth", "rng_state_1.pth"]
@@ -134,7 +136,7 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
     assert "copied byte for byte: " + ", ".join(copied + SIDE[layout]) in text, text
     assert "r mod N" in text and "rng_state_2.pth <- rng_state_0.pth" in text, text
     assert "not understood, copied as they are: extra/, notes.txt" in text, text
-    if layout == "fsdp2":  # the DCP parts stay subfolders, each laid out for 3 ranks
+    if layout.startswith("fsdp"):  # the DCP parts stay subfolders, each laid out for 3 ranks
         for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
             assert {p.name for p in (out / sub).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                 "__2_0.distcp"}
@@ -224,7 +226,7 @@ def test_consolidate_loads_in_from_pretrained_with_the_trained_logits(layout, tm
 
     out = tmp_path / "hf"
     args = ["consolidate", ckpt(layout), out]
-    if layout == "fsdp2":  # the Trainer writes no config.json into an FSDP sharded checkpoint
+    if layout.startswith("fsdp"):  # the Trainer writes no config.json into an FSDP sharded checkpoint
         cfg = tmp_path / "cfg"
         _job_module().model_config().save_pretrained(cfg)
         args += ["--config", cfg]

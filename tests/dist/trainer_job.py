@@ -1,6 +1,6 @@
 """One Hugging Face Trainer run on CPU (torchrun, gloo): train, or resume from a checkpoint folder.
 
-    torchrun --nproc_per_node N tests/dist/trainer_job.py --layout ds_z2|ds_z3|fsdp2|ddp \
+    torchrun --nproc_per_node N tests/dist/trainer_job.py --layout ds_z2|ds_z3|fsdp1|fsdp2|ddp \
         --output-dir DIR --max-steps S [--save-steps K] [--resume CHECKPOINT] --result R.json \
         [--logits L.pt]
 
@@ -9,11 +9,12 @@ sample is the same sequence, so the logged loss does not depend on how samples f
 resume at another world size must log the same loss as one at the original size.
   ds_z2   DeepSpeed ZeRO-2, bf16, NO optimizer section: the Trainer passes torch's AdamW
   ds_z3   DeepSpeed ZeRO-3, bf16 (optimizer section: DeepSpeed's own Adam)
+  fsdp1   FSDP1 through accelerate, SHARDED_STATE_DICT (fp32, use_orig_params)
   fsdp2   FSDP2 through accelerate, SHARDED_STATE_DICT (fp32)
   ddp     plain DDP (fp32): the checkpoint is model.safetensors and optimizer.pt
 Rank 0 writes --result: the losses logged per step, the final global step, the world size and
 whether the model was really sharded. --logits: the trained model's fp32 weights (DeepSpeed's
-master weights, FSDP2's full tensors) loaded into a plain LlamaForCausalLM, its logits on a fixed
+master weights, FSDP's full parameters) loaded into a plain LlamaForCausalLM, its logits on a fixed
 input saved by rank 0 (truth for consolidate).
 """
 from __future__ import annotations
@@ -79,9 +80,12 @@ def training_args(layout: str, out: str, max_steps: int, save_steps: int):
         return TrainingArguments(**common, deepspeed=ds_config(int(layout[-1])), bf16=True, use_cpu=True)
     if layout == "ddp":
         return TrainingArguments(**common, use_cpu=True)
-    return TrainingArguments(**common, use_cpu=True, fsdp=True, fsdp_config={
-        "version": 2, "state_dict_type": "SHARDED_STATE_DICT", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True})
+    fsdp = {"version": 1, "state_dict_type": "SHARDED_STATE_DICT", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "sync_module_states": False}  # on True accelerate's plugin looks for an accelerator device
+    if layout == "fsdp2":
+        fsdp.update(version=2, reshard_after_forward=True)
+    return TrainingArguments(**common, use_cpu=True, fsdp=True, fsdp_config=fsdp)
 
 
 def force_fsdp_on_cpu() -> None:
@@ -93,10 +97,16 @@ def force_fsdp_on_cpu() -> None:
     state = PartialState()
     if state.distributed_type == DistributedType.MULTI_CPU:
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        # FSDP1 takes it as device_id, and refuses "cpu:0" for a module it computes on "cpu"
+        PartialState._shared_state["device"] = torch.device("cpu")
 
 
-def sharded(model, layout: str) -> bool:
-    """Is the model really partitioned across ranks (not a DDP replica)?"""
+def sharded(model, layout: str, total: int) -> bool:
+    """Is the model really partitioned across ranks (not a DDP replica)? `total`: its element count."""
+    if layout == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return isinstance(model, FSDP) and sum(p.numel() for p in model.parameters()) < total
     if layout == "fsdp2":
         from torch.distributed.tensor import DTensor
 
@@ -116,6 +126,12 @@ def full_fp32(trainer, layout: str) -> dict:
 
         for name, p in inner.named_parameters():
             out[name] = safe_get_full_fp32_param(p).detach().clone().float()
+    elif layout == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False):
+            for name, p in model.named_parameters():
+                out[name.replace("_fsdp_wrapped_module.", "")] = p.detach().clone().float()
     elif layout == "ddp":
         for name, p in inner.named_parameters():
             out[name] = p.detach().clone().float()
@@ -127,7 +143,7 @@ def full_fp32(trainer, layout: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp2", "ddp"])
+    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp1", "fsdp2", "ddp"])
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--max-steps", type=int, required=True)
     ap.add_argument("--save-steps", type=int, default=1000)
@@ -142,11 +158,12 @@ def main() -> int:
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, set_seed
 
     args = training_args(a.layout, a.output_dir, a.max_steps, a.save_steps)
-    if a.layout == "fsdp2":
+    if a.layout.startswith("fsdp"):
         args.device  # accelerate's state is set up (and reset) here
         force_fsdp_on_cpu()
     set_seed(7)
     model = LlamaForCausalLM(model_config())
+    total = sum(p.numel() for p in model.parameters())
     records: list[dict] = []
 
     class Record(TrainerCallback):
@@ -159,7 +176,8 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     info = {"losses": {str(r["step"]): r["loss"] for r in records}, "global_step": trainer.state.global_step,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "layout": a.layout,
-            "sharded": sharded(trainer.model_wrapped if a.layout == "fsdp2" else trainer.model, a.layout),
+            "sharded": sharded(trainer.model_wrapped if a.layout.startswith("fsdp") else trainer.model, a.layout,
+                               total),
             "distributed_type": str(trainer.accelerator.distributed_type)}
     if a.layout.startswith("ds_"):
         info["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
