@@ -148,10 +148,10 @@ def test_drop_leaves_out_what_it_matches_and_nothing_else(tmp_path):
     assert res.exit_code == 2 and "matches nothing" in res.output
 
 
-def test_a_value_convert_cannot_carry_stops_it_unless_dropped(tmp_path):
-    sd = torch.load(DATA / "fsdp2_sgd_w2.truth.pt", weights_only=True)
+def _sgd_as_torch_save(tmp_path, **top) -> "Path":
+    """fsdp2_sgd_w2's truth, unflattened as a torch.save of {"model", "optim"} holds it, plus `top`."""
     nested = {"model": {}, "optim": {"state": {}, "param_groups": []}}
-    for k, v in sd.items():  # the truth, unflattened as torch.save would hold it
+    for k, v in _truth("sgd").items():
         head, rest = k.split(".", 1)
         if head == "model":
             nested["model"][rest] = v
@@ -163,15 +163,30 @@ def test_a_value_convert_cannot_carry_stops_it_unless_dropped(tmp_path):
             while len(nested["optim"]["param_groups"]) <= int(g):
                 nested["optim"]["param_groups"].append({})
             nested["optim"]["param_groups"][int(g)][hyper] = v
-    nested["optim"]["swa_n"] = 5  # a value inside the optimizer state that is neither state nor group
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(nested.get(k), dict):
+            nested[k].update(v)
+        else:
+            nested[k] = v
     src = tmp_path / "ckpt.pt"
     torch.save(nested, src)
+    return src
+
+
+def test_a_value_convert_cannot_carry_stops_it_unless_dropped(tmp_path):
+    src = _sgd_as_torch_save(tmp_path, optim={"swa_n": 5})  # in the optimizer: neither state nor group
     res = _cli("convert", src, tmp_path / "out", "--to", "dcp")
     assert res.exit_code == 2 and not (tmp_path / "out").exists()
     assert "optim.swa_n" in res.output and "--drop" in res.output and "Traceback" not in res.output
     res = _cli("convert", src, tmp_path / "out", "--to", "dcp", "--drop", "optim.swa_n")
     assert res.exit_code == 0, res.output
     assert "dropped on request" in res.output and "optim.swa_n" in res.output
+
+
+def test_two_optimizers_are_refused_not_merged(tmp_path):
+    src = _sgd_as_torch_save(tmp_path, optimizer={"state": {}, "param_groups": [{"lr": 0.1, "params": ["pos"]}]})
+    res = _cli("convert", src, tmp_path / "out", "--to", "torch")
+    assert res.exit_code == 2 and "2 optimizers (optim, optimizer)" in res.output
 
 
 def test_consolidate_include_optimizer_writes_every_state_key(tmp_path):

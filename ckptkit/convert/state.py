@@ -258,6 +258,12 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     fetcher = Fetcher(opened.source, index=index)
     optim = _OptimState(str(opened.path), fetcher, {n: tuple(e.shape) for n, e in model.items()})
     model_keys = set(split.model.values())
+    heads = sorted({str(e.path[0]) for e in list(index.tensors.values()) + list(index.objects.values())
+                    if e.path and len(e.path) > 1 and e.path[0] in OPTIM_CONTAINERS
+                    and e.key not in model_keys})
+    if len(heads) > 1:  # their groups and states would merge under one `optim`
+        raise UnsupportedError(f"{opened.path}: holds {len(heads)} optimizers ({', '.join(heads)}); convert "
+                               f"carries one optimizer's state (a run with several cannot be mapped onto one)")
 
     def optim_entry(parts: tuple, value: Any, where: str) -> bool:
         if len(parts) >= 2 and parts[0] == "state":
