@@ -115,6 +115,18 @@ def test_verify_reports_a_missing_rank_rng_file_and_a_broken_trainer_state(tmp_p
     assert "rng_state_1.pth" in out and "trainer_state.json" in out, out
 
 
+def test_an_unreadable_trainer_state_is_said_by_inspect_and_refused_by_reshard(tmp_path):
+    src = tmp_path / "checkpoint-2"
+    shutil.copytree(ckpt("fsdp2"), src)
+    (src / "trainer_state.json").write_text('{"global_step": "two"}')
+    code, out = run("inspect", src)
+    assert code == 0 and "problem     " in out and "has no global_step" in out, out
+    code, out = run("reshard", src, tmp_path / "out", "--to", "3")
+    assert code == 2, out
+    assert out.count("\n") == 1 and "trainer_state.json" in out and "Traceback" not in out, out
+    assert not (tmp_path / "out").exists()
+
+
 # --- reshard ----------------------------------------------------------------------------------
 
 def _files(root):

@@ -176,6 +176,8 @@ def describe_lines(folder: TrainerFolder) -> list[str]:
         lines.append("rng files   " + ", ".join(folder.rng_files[r] for r in sorted(
             folder.rng_files, key=lambda r: -1 if r is None else r)))
     lines.append("not understood  " + (", ".join(folder.unknown) if folder.unknown else "none"))
+    if folder.state_problem:
+        lines.append(f"problem     {folder.state_problem}")
     return lines
 
 
