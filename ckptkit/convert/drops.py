@@ -15,6 +15,7 @@ key of an unmapped value.
 from __future__ import annotations
 
 import fnmatch
+import os
 from typing import Iterable
 
 from ..errors import UsageError
@@ -120,11 +121,23 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
                          f"{', '.join(_examples(state))})")
     if state.unmapped:
         keys = list(state.unmapped)
-        shown = ", ".join(f"{k} ({state.unmapped[k]})" for k in keys[:4]) + (
-            f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+        by_why: dict[str, list[str]] = {}
+        for k in keys:
+            by_why.setdefault(state.unmapped[k], []).append(k)
+        shown = "; ".join(", ".join(ks[:4]) + (f" and {len(ks) - 4} more" if len(ks) > 4 else "") + f" ({why})"
+                          for why, ks in by_why.items())
         raise UsageError(f"{state.source.path}: convert would lose {len(keys)} value(s) it read and cannot carry "
                          f"to any target: {shown}; to go on without them, drop them explicitly with "
-                         f"--drop '{keys[0]}' (a glob over these keys, repeatable) or --model-only")
+                         f"--drop '{_glob_for(keys)}' (a glob over these keys, repeatable) or --model-only")
+
+
+def _glob_for(keys: list[str]) -> str:
+    """One glob matching all `keys`: their common dotted prefix and `*` (the key itself if one)."""
+    if len(keys) == 1:
+        return keys[0]
+    prefix = os.path.commonprefix(keys)
+    prefix = prefix[: prefix.rfind(".") + 1] if "." in prefix else ""
+    return f"{prefix}*"
 
 
 def _examples(state: TrainingState) -> list[str]:
