@@ -2,7 +2,7 @@
 
 fixtures/generate_trainer.py wrote fixtures/data/trainer/<layout>/checkpoint-2 with transformers'
 Trainer on 2 CPU processes (DeepSpeed ZeRO-2 with torch's AdamW, ZeRO-3, FSDP1 and FSDP2 through
-accelerate, plain DDP),
+accelerate with SHARDED_STATE_DICT, FSDP2 with FULL_STATE_DICT, plain DDP),
 the trained model's logits, and the losses a 2-process resume from checkpoint-2 logged.
 Fast tests: inspect/verify list the parts, side files and what is not understood, with the step;
 reshard keeps every side file byte for byte and maps the RNG files by the stated policy;
@@ -25,19 +25,23 @@ from conftest import DATA, ROOT, subprocess_env, torchrun_cmd
 
 TRAINER = DATA / "trainer"
 SHARDED = ["ds_z2", "ds_z3", "fsdp1", "fsdp2"]  # the layouts the Trainer resumes from at 3 processes (slow tests)
-LAYOUTS = SHARDED + ["ddp"]
+FLAT = ["ddp", "fsdp2_full"]  # parts not laid out per rank (model.safetensors + optimizer.pt; FULL_STATE_DICT)
+LAYOUTS = SHARDED + FLAT
 STEP = 2
 PARTS = {"ds_z2": [("global_step2", "deepspeed")], "ds_z3": [("global_step2", "deepspeed")],
          "fsdp1": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
          "fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
-         "ddp": [("model.safetensors", "weights"), ("optimizer.pt", "optimizer")]}
+         "ddp": [("model.safetensors", "weights"), ("optimizer.pt", "optimizer")],
+         "fsdp2_full": [("pytorch_model_fsdp.bin", "full-state-dict"), ("optimizer.bin", "full-state-dict")]}
 SIDE = {"ds_z2": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
                   "trainer_state.json", "training_args.bin", "zero_to_fp32.py", "zero_to_torch.py"],
         "ds_z3": ["config.json", "generation_config.json", "trainer_state.json", "training_args.bin",
                   "zero_to_fp32.py", "zero_to_torch.py"],
         "fsdp1": ["scheduler.pt", "trainer_state.json"],
         "fsdp2": ["scheduler.pt", "trainer_state.json"],
-        "ddp": ["config.json", "generation_config.json", "scheduler.pt", "trainer_state.json", "training_args.bin"]}
+        "ddp": ["config.json", "generation_config.json", "scheduler.pt", "trainer_state.json", "training_args.bin"],
+        "fsdp2_full": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
+                       "trainer_state.json", "training_args.bin"]}
 RNG = ["rng_state_0.pth", "rng_state_1.pth"]
 
 
@@ -69,7 +73,7 @@ def test_inspect_lists_parts_side_files_and_the_trainer_step(layout, tmp_path):
     assert "step        2" in out and "global_step 2" in out, out
     lines = {line.split("  ", 1)[0]: line for line in out.splitlines()}
     for name, kind in PARTS[layout]:
-        assert f"{name}{'' if layout == 'ddp' else '/'} ({kind})" in lines["parts"], out
+        assert f"{name}{'' if layout in FLAT else '/'} ({kind})" in lines["parts"], out
     for name in SIDE[layout]:
         assert name in lines["side files"], out
     assert all(r in lines["rng files"] for r in RNG), out
@@ -93,9 +97,12 @@ def test_verify_reports_every_part_read_and_every_file_not_understood(layout, tm
     code, out = run("verify", src)
     assert code == 0, out
     assert "ok:" in out
-    read = [name + ("" if layout == "ddp" else "/") for name, _ in PARTS[layout]]
+    read = [name + "/" for name, _ in PARTS[layout]]
     if layout == "ddp":  # ckptkit reads the weights; optimizer.pt is named as not read
         assert "read model.safetensors; not read (copied by reshard/convert): optimizer.pt" in out, out
+    elif layout == "fsdp2_full":  # the weights are read from save_model's copy
+        assert ("read model.safetensors (save_model's copy of the weights); not read (copied by reshard/convert): "
+                "pytorch_model_fsdp.bin, optimizer.bin") in out, out
     else:
         assert "read " + ", ".join(read) in out, out
     assert "not understood" in out and "notes.txt" in out and "extra/" in out, out
@@ -144,15 +151,15 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
     # RNG policy: new rank r gets old rank r mod 2
     for r in range(3):
         assert (out / f"rng_state_{r}.pth").read_bytes() == (src / f"rng_state_{r % 2}.pth").read_bytes()
-    copied = [name for name, _ in PARTS[layout]] if layout == "ddp" else []
+    copied = [name for name, _ in PARTS[layout]] if layout in FLAT else []
     assert "copied byte for byte: " + ", ".join(copied + SIDE[layout]) in text, text
     assert "r mod N" in text and "rng_state_2.pth <- rng_state_0.pth" in text, text
     assert "not understood, copied as they are: extra/, notes.txt" in text, text
-    if layout.startswith("fsdp"):  # the DCP parts stay subfolders, each laid out for 3 ranks
+    if layout in ("fsdp1", "fsdp2"):  # the DCP parts stay subfolders, each laid out for 3 ranks
         for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
             assert {p.name for p in (out / sub).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                 "__2_0.distcp"}
-    elif layout == "ddp":  # nothing laid out per rank: the parts are copied
+    elif layout in FLAT:  # nothing laid out per rank: the parts are copied
         for name, _ in PARTS[layout]:
             assert (out / name).read_bytes() == (src / name).read_bytes(), name
         assert "no part is laid out per rank; all copied" in text, text
@@ -162,7 +169,7 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
             f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
     code, text = run("inspect", "--json", out)
     doc = json.loads(text)
-    assert doc["summary"]["world_size"] == (None if layout == "ddp" else 3) and doc["summary"]["step"] == STEP
+    assert doc["summary"]["world_size"] == (None if layout in FLAT else 3) and doc["summary"]["step"] == STEP
     code, text = run("diff", src, out)
     assert code == 0, text
 
@@ -238,7 +245,7 @@ def test_consolidate_loads_in_from_pretrained_with_the_trained_logits(layout, tm
 
     out = tmp_path / "hf"
     args = ["consolidate", ckpt(layout), out]
-    if layout.startswith("fsdp"):  # the Trainer writes no config.json into an FSDP sharded checkpoint
+    if layout in ("fsdp1", "fsdp2"):  # the Trainer writes no config.json into an FSDP sharded checkpoint
         cfg = tmp_path / "cfg"
         _job_module().model_config().save_pretrained(cfg)
         args += ["--config", cfg]

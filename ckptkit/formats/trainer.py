@@ -135,7 +135,8 @@ def _parts(source: Source, names: list[str], tag: str | None) -> tuple[list[Part
     if dcp:
         dcp.sort(key=lambda n: (0 if MODEL_DIR.match(n) else 1, n))
         return [Part(n, "dcp-model" if MODEL_DIR.match(n) else "dcp-optimizer", True) for n in dcp], "fsdp"
-    full = [n for n in names if FULL_FSDP_FILE.match(n) and not _isdir(source, n)]
+    full = sorted((n for n in names if FULL_FSDP_FILE.match(n) and not _isdir(source, n)),
+                  key=lambda n: (0 if n.startswith("pytorch_model_fsdp") else 1, n))
     if any(n.startswith("pytorch_model_fsdp") for n in full):
         return [Part(n, "full-state-dict", False) for n in full], "fsdp"
     weights = [n for n in names if WEIGHT_FILE.match(n) and not _isdir(source, n)]

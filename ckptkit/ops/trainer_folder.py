@@ -212,11 +212,13 @@ def verify_lines(folder: TrainerFolder, index_files: list[str]) -> list[str]:
     def read(p) -> bool:
         return any(f == p.name or f.startswith(p.name + "/") for f in index_files)
 
-    done = ", ".join(p.name + ("/" if p.sharded else "") for p in folder.parts if read(p))
+    done = ", ".join([p.name + ("/" if p.sharded else "") for p in folder.parts if read(p)]
+                     + [f"{f} (save_model's copy of the weights)" for f in folder.side_files if f in index_files])
     unread = [p.name for p in folder.parts if not read(p)]
     return [f"  HF Trainer folder ({folder.layout}, global_step {folder.step if folder.step is not None else '-'}): "
             f"read {done or 'nothing'}" + (f"; not read (copied by reshard/convert): {', '.join(unread)}" if unread else ""),
-            f"  side files (not read, copied by reshard/convert): {', '.join(folder.side_files + sorted(folder.rng_files.values(), key=str)) or 'none'}",
+            f"  side files (not read, copied by reshard/convert): "
+            f"{', '.join([f for f in folder.side_files if f not in index_files] + sorted(folder.rng_files.values(), key=str)) or 'none'}",
             f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}"]
 
 

@@ -1,6 +1,6 @@
 """One Hugging Face Trainer run on CPU (torchrun, gloo): train, or resume from a checkpoint folder.
 
-    torchrun --nproc_per_node N tests/dist/trainer_job.py --layout ds_z2|ds_z3|fsdp1|fsdp2|ddp \
+    torchrun --nproc_per_node N tests/dist/trainer_job.py --layout ds_z2|ds_z3|fsdp1|fsdp2|fsdp2_full|ddp \
         --output-dir DIR --max-steps S [--save-steps K] [--resume CHECKPOINT] --result R.json \
         [--logits L.pt]
 
@@ -11,6 +11,7 @@ resume at another world size must log the same loss as one at the original size.
   ds_z3   DeepSpeed ZeRO-3, bf16 (optimizer section: DeepSpeed's own Adam)
   fsdp1   FSDP1 through accelerate, SHARDED_STATE_DICT (fp32, use_orig_params)
   fsdp2   FSDP2 through accelerate, SHARDED_STATE_DICT (fp32)
+  fsdp2_full  FSDP2 through accelerate, FULL_STATE_DICT: pytorch_model_fsdp.bin, optimizer.bin
   ddp     plain DDP (fp32): the checkpoint is model.safetensors and optimizer.pt
 Rank 0 writes --result: the losses logged per step, the final global step, the world size and
 whether the model was really sharded. --logits: the trained model's fp32 weights (DeepSpeed's
@@ -83,8 +84,10 @@ def training_args(layout: str, out: str, max_steps: int, save_steps: int):
     fsdp = {"version": 1, "state_dict_type": "SHARDED_STATE_DICT", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
             "sync_module_states": False}  # on True accelerate's plugin looks for an accelerator device
-    if layout == "fsdp2":
+    if layout.startswith("fsdp2"):
         fsdp.update(version=2, reshard_after_forward=True)
+    if layout == "fsdp2_full":
+        fsdp.update(state_dict_type="FULL_STATE_DICT")
     return TrainingArguments(**common, use_cpu=True, fsdp=True, fsdp_config=fsdp)
 
 
@@ -107,7 +110,7 @@ def sharded(model, layout: str, total: int) -> bool:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         return isinstance(model, FSDP) and sum(p.numel() for p in model.parameters()) < total
-    if layout == "fsdp2":
+    if layout.startswith("fsdp2"):
         from torch.distributed.tensor import DTensor
 
         return all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in model.parameters())
@@ -143,7 +146,7 @@ def full_fp32(trainer, layout: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp1", "fsdp2", "ddp"])
+    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp1", "fsdp2", "fsdp2_full", "ddp"])
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--max-steps", type=int, required=True)
     ap.add_argument("--save-steps", type=int, default=1000)
