@@ -54,7 +54,7 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
     # the optimizer: dropped whole (--model-only, or every param-group entry matched) or state by state
     group_keys = [f"optim.param_groups.{g}.{k}" for g, h in enumerate(state.groups) for k in list(h) + ["params"]]
     whole_optimizer = model_only or bool(group_keys and all([match(k) is not None for k in group_keys]))
-    whole_reason = MODEL_ONLY if model_only else f"{ON_REQUEST} (the whole optimizer)"
+    whole_reason = MODEL_ONLY if model_only else f"{ON_REQUEST} {', '.join(sorted(used))} (the whole optimizer)"
     for store in (state.param_states, state.whole_states):
         for name in list(store):
             for k in list(store[name]):

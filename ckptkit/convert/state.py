@@ -409,9 +409,13 @@ def describe(state: TrainingState) -> str:
     whole = dict.fromkeys(k for m in state.whole_states.values() for k in m)
     n_part = sum(len(m) for m in state.param_states.values())
     n_whole = sum(len(m) for m in state.whole_states.values())
-    text = (f"{len(state.trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
-            f"{len(state.ties)} tied; {len(state.group_params)} param groups; "
-            f"{n_part} optimizer state tensors" + (f" ({', '.join(partitioned)})" if partitioned else ""))
+    trainable = [n for n in state.trainable if n in state.model]
+    text = (f"{len(trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
+            f"{len(state.ties)} tied; ")
+    if state.optimizer_dropped:
+        return text + "no optimizer (dropped on request)"
+    text += (f"{len(state.group_params)} param groups; "
+             f"{n_part} optimizer state tensors" + (f" ({', '.join(partitioned)})" if partitioned else ""))
     if n_whole:
         text += f", {n_whole} per-parameter values ({', '.join(whole)})"
     return text
