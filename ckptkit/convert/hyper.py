@@ -111,7 +111,8 @@ def source_is_ds_own(from_deepspeed: bool, ds_config: dict | None, groups: list[
     if not from_deepspeed:
         return False
     if ds_config is not None and isinstance((ds_config or {}).get("optimizer"), dict):
-        return ds_optimizer(ds_config).own
+        opt = ds_optimizer(ds_config)
+        return opt.own and opt.kind in ADAM_TYPES  # Lamb, Lion: no torch equivalent, carried as they are
     return any("bias_correction" in g for g in groups)
 
 
