@@ -21,12 +21,10 @@ input saved by rank 0 (truth for consolidate).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("ACCELERATE_USE_CPU", "false")
 
 import torch  # noqa: E402
 
