@@ -396,7 +396,7 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
     if res.skipped:
         shown = ", ".join(res.skipped[:5]) + (", ..." if len(res.skipped) > 5 else "")
         ctx.say(f"  not written (neither model nor optimizer): {len(res.skipped)} tensors ({shown})")
-    for note in res.side_notes + res.not_written:
+    for note in res.notes + res.side_notes + res.not_written:
         ctx.say(f"  {note}")
     ctx.say_done()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..errors import NotACheckpointError, name_of
 from ..index.types import CheckpointIndex
 from ..storage.source import Source, is_url, open_source
-from . import accelerate, run_folder, trainer
+from . import accelerate, lightning, run_folder, trainer
 from .dcp import reader as dcp_reader
 from .deepspeed import files as ds_files
 from .deepspeed import reader as ds_reader
@@ -69,6 +69,7 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
         opened = _open_folder(path, source)
     else:
         opened = _open_file(path, follow_links)
+    lightning.annotate(opened.index)
     if expect is not None and opened.index.format != expect:
         raise NotACheckpointError(f"{path}: is a {opened.index.format} checkpoint, expected {expect}")
     if opened.source is source:
@@ -124,7 +125,9 @@ def _looks_like_safetensors(source: Source, name: str) -> bool:
 def _open_folder(path: str, source: Source) -> Opened:
     names = source.listdir("")
     if dcp_reader.detect(source):
-        return Opened(source, dcp_reader.read_index(source), path)
+        index = dcp_reader.read_index(source)
+        lightning.add_meta(source, index)  # Lightning's FSDP sharded checkpoint: meta.pt beside the DCP files
+        return Opened(source, index, path)
     subdirs = accelerate.parts(source)
     if subdirs:
         return Opened(source, accelerate.read_index(source, subdirs), path)

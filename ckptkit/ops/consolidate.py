@@ -38,6 +38,7 @@ class ConsolidateResult:
     side_files: list[str] = field(default_factory=list)   # config/tokenizer files copied beside the model
     side_notes: list[str] = field(default_factory=list)   # where they came from, or what from_pretrained lacks
     not_written: list[str] = field(default_factory=list)  # what was read and left out, and how to keep it
+    notes: list[str] = field(default_factory=list)        # how names were made (a default prefix stripped...)
 
 
 def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
@@ -93,7 +94,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
                                    slab_bytes=options.slab_bytes, workers=options.workers,
                                    aliases=aliases, progress=options.progress)
         if optim:
-            objects = {name: _param_list(name, safe_value(index.objects[key].data), names)
+            objects = {name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)), names)
                        for name, key in split.optim_objects.items()}
             files += write_safetensors(target, fetcher, optim, basename="optimizer",
                                        max_shard_bytes=max_bytes, slab_bytes=options.slab_bytes,
@@ -107,6 +108,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     result = ConsolidateResult(out, index.format, len(model_entries), sum(t.nbytes for t in model),
                                files, aliases, len(optim), list(split.other))
     result.not_written = _not_written(index, split, include_optimizer)
+    result.notes = _name_notes(index, split, rules, include_optimizer)
     if sides is not None:
         result.side_files, result.side_notes = sides.names(), side_files.summary(sides)
     else:
@@ -147,13 +149,14 @@ def _rename(split, index, rules: KeyRules | None, src: str) -> KeyRules | None:
         renamed[new] = key
     split.model = renamed
 
-    def param_name(name: str, path: tuple) -> str:
-        if len(path) == 4 and path[1] == "state":
-            return f"state.{rules.apply(str(path[2]))}.{path[3]}"
+    def param_name(name: str) -> str:
+        if name in split.optim_params:  # (optimizer slot prefix, parameter, state key); numbers stay numbers
+            prefix, param, statekey = split.optim_params[name]
+            return f"{prefix}state.{param if param.isdigit() else rules.apply(param)}.{statekey}"
         return name
 
-    split.optim = {param_name(n, index.tensors[k].path or ()): k for n, k in split.optim.items()}
-    split.optim_objects = {param_name(n, index.objects[k].path or ()): k for n, k in split.optim_objects.items()}
+    split.optim = {param_name(n): k for n, k in split.optim.items()}
+    split.optim_objects = {param_name(n): k for n, k in split.optim_objects.items()}
     return rules
 
 
@@ -162,6 +165,20 @@ def _param_list(name: str, value, rules: KeyRules | None):
     if rules is not None and name.endswith(".params") and isinstance(value, list):
         return [rules.apply(v) if isinstance(v, str) else v for v in value]
     return value
+
+
+def _name_notes(index, split, rules: KeyRules | None, include_optimizer: bool) -> list[str]:
+    """Names not as the checkpoint has them, or not named at all, said once each."""
+    notes = []
+    default = index.metadata.get(DEFAULT_STRIP_KEY)
+    if default and key_rules(index, rules) is not None and key_rules(index, rules).strip == tuple(default):
+        notes.append(f"names: stripped {', '.join(default)} from every model name (the LightningModule attribute "
+                     f"holding the network), so they are the network's own; --strip-prefix or --rename replace this")
+    if include_optimizer:
+        notes += [f"optimizer names: {why}; kept by parameter number" for why in split.numbered.values()]
+        notes += [f"optimizer names: {slot}'s parameter numbers named from the model's order (one param group "
+                  f"holding every model tensor, every state shaped like its tensor)" for slot in split.named_by_order]
+    return notes
 
 
 def _not_written(index, split, include_optimizer: bool) -> list[str]:

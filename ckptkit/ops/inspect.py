@@ -5,6 +5,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..formats import lightning
 from ..formats.registry import Opened, open_checkpoint
 from ..hooks import listing
 from ..hooks.listing import StepsReport
@@ -26,6 +27,7 @@ class Report:
     objects: dict[str, Any] = field(default_factory=dict)
     files: int = 0
     file_bytes: int = 0
+    notes: list[str] = field(default_factory=list)   # one sentence each: what the roles and names mean
 
 
 def inspect(path: str, tag: str | None = None,
@@ -35,8 +37,9 @@ def inspect(path: str, tag: str | None = None,
         return None, listing.describe(path)
     opened = open_checkpoint(path, tag=tag, follow_links=follow_links)
     index = opened.index
-    if index.step is None:
-        index.step = guess_step(index)
+    if index.step is None or lightning.is_lightning(index):  # Lightning's global_step over DeepSpeed's count
+        step = guess_step(index)
+        index.step = step if step is not None else index.step
     split = split_roles(index)
     dtypes = Counter()
     for t in index.tensors.values():
@@ -48,8 +51,25 @@ def inspect(path: str, tag: str | None = None,
         roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other),
                "low_precision": len(split.low_precision)},
         objects={k: safe_value(o.data) for k, o in index.objects.items()},
-        files=len(index.files), file_bytes=sum(index.files.values()))
+        files=len(index.files), file_bytes=sum(index.files.values()), notes=_notes(index, split))
     return opened, report
+
+
+def _notes(index, split) -> list[str]:
+    """Lightning's layout and model prefix, optimizer state left numbered, files not read."""
+    notes = []
+    info = index.metadata.get("lightning")
+    if info is not None:
+        prefix = info.get("model_prefix")
+        notes.append(f"Lightning checkpoint ({info.get('layout', '?')})" + (
+            f"; model names carry the LightningModule attribute {prefix!r}, which consolidate strips"
+            if prefix else ""))
+    for slot in split.named_by_order:
+        notes.append(f"optimizer state {slot}: parameter numbers named from the model's order "
+                     f"(one param group holding every model tensor, shapes matching)")
+    notes += [f"{why}: kept by number" for why in split.numbered.values()]
+    notes += [f"not read: {why}" for why in index.metadata.get("unread", {}).values()]
+    return notes
 
 
 def report_json(opened: Opened | None, report: Report | StepsReport) -> dict:
@@ -59,7 +79,7 @@ def report_json(opened: Opened | None, report: Report | StepsReport) -> dict:
     doc["summary"] = {
         "format": report.format, "world_size": report.world_size, "step": report.step,
         "tensors": report.tensor_count, "tensor_bytes": report.tensor_bytes, "dtypes": report.dtypes,
-        "roles": report.roles, "files": report.files, "file_bytes": report.file_bytes,
+        "roles": report.roles, "files": report.files, "file_bytes": report.file_bytes, "notes": report.notes,
         "run_folder": _run_json(opened),
     }
     return doc
@@ -100,6 +120,7 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
         f"{report.roles['model']} model, {report.roles['optimizer']} optimizer, {report.roles['other']} other"
         + (f", {report.roles['low_precision']} low-precision copies" if report.roles.get("low_precision") else ""),
         "dtypes      " + ", ".join(f"{d} {human_bytes(b)}" for d, b in report.dtypes.items()),
+        *[f"note        {n}" for n in report.notes],
         "",
     ]
     if opened.trainer is not None:  # an HF Trainer checkpoint-N/: its parts and side files
