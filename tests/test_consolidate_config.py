@@ -218,3 +218,12 @@ def test_from_pretrained_loads_the_consolidated_model(tmp_path):
     assert loaded.generation_config.max_new_tokens == 3
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tokenizer("a b")["input_ids"] == [1, 2]
+
+
+def test_a_fifo_among_the_side_files_is_refused_without_hanging(tmp_path):
+    run_dir, ckpt = _trainer_layout(tmp_path)
+    (run_dir / "tokenizer.json").unlink()
+    os.mkfifo(run_dir / "tokenizer.json")
+    code, output = run("consolidate", ckpt, tmp_path / "out")
+    assert code == 2 and f"{run_dir / 'tokenizer.json'}: is a FIFO (named pipe), not a regular file; refused" in output
+    assert not (tmp_path / "out").exists()

@@ -126,7 +126,7 @@ def find(checkpoint: str, follow_links: bool | None = None) -> SideFiles:
         if new:
             found._sources[folder] = source
             found.files += [SideFile(n, folder) for n in new]
-    _check_config(found)
+    _check(found)
     return found
 
 
@@ -149,19 +149,20 @@ def from_config_dir(config: str, follow_links: bool | None = None) -> SideFiles:
             shown = ", ".join(names) if names else "no config or tokenizer files"
             raise UsageError(f"--config {config}: has no {CONFIG} (found {shown}); pass the folder of the "
                              f"model's Hugging Face config")
-    _check_config(found)
+    _check(found)
     return found
 
 
-def _check_config(found: SideFiles) -> None:
-    """config.json must be a JSON object, or from_pretrained fails later on the output."""
+def _check(found: SideFiles) -> None:
+    """Every side file is a regular file that may be read (checked now, before any output is
+    written), and config.json a JSON object, or from_pretrained fails later on the output."""
     from ..safe_json import loads
 
     for f in found.files:
+        size = found._sources[f.folder].size(f.name)  # missing, a FIFO, a link leading out: one sentence
         if f.name != CONFIG:
             continue
         source = found._sources[f.folder]
-        size = source.size(CONFIG)
         if size > MAX_CONFIG_BYTES:
             raise FormatError(f"{source.label(CONFIG)}: is {size:,} bytes, more than a model config "
                               f"({MAX_CONFIG_BYTES:,} at most)")
