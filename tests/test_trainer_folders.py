@@ -2,7 +2,8 @@
 
 fixtures/generate_trainer.py wrote fixtures/data/trainer/<layout>/checkpoint-2 with transformers'
 Trainer on 2 CPU processes (DeepSpeed ZeRO-2 with torch's AdamW, ZeRO-3, FSDP1 and FSDP2 through
-accelerate with SHARDED_STATE_DICT, FSDP2 with FULL_STATE_DICT, plain DDP),
+accelerate with SHARDED_STATE_DICT, FSDP2 with FULL_STATE_DICT, plain DDP; and accelerate's own
+save_state() folder),
 the trained model's logits, and the losses a 2-process resume from checkpoint-2 logged.
 Fast tests: inspect/verify list the parts, side files and what is not understood, with the step;
 reshard keeps every side file byte for byte and maps the RNG files by the stated policy;
@@ -24,13 +25,14 @@ from ckptkit_cli.main import cli
 from conftest import DATA, ROOT, subprocess_env, torchrun_cmd
 
 TRAINER = DATA / "trainer"
-SHARDED = ["ds_z2", "ds_z3", "fsdp1", "fsdp2"]  # the layouts the Trainer resumes from at 3 processes (slow tests)
+SHARDED = ["ds_z2", "ds_z3", "fsdp1", "fsdp2", "accel_fsdp2"]  # the layouts the Trainer resumes from at 3 processes (slow tests)
 FLAT = ["ddp", "fsdp2_full"]  # parts not laid out per rank (model.safetensors + optimizer.pt; FULL_STATE_DICT)
 LAYOUTS = SHARDED + FLAT
 STEP = 2
 PARTS = {"ds_z2": [("global_step2", "deepspeed")], "ds_z3": [("global_step2", "deepspeed")],
          "fsdp1": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
          "fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
+         "accel_fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
          "ddp": [("model.safetensors", "weights"), ("optimizer.pt", "optimizer")],
          "fsdp2_full": [("pytorch_model_fsdp.bin", "full-state-dict"), ("optimizer.bin", "full-state-dict")]}
 SIDE = {"ds_z2": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
@@ -39,10 +41,20 @@ SIDE = {"ds_z2": ["config.json", "generation_config.json", "model.safetensors", 
                   "zero_to_fp32.py", "zero_to_torch.py"],
         "fsdp1": ["scheduler.pt", "trainer_state.json"],
         "fsdp2": ["scheduler.pt", "trainer_state.json"],
+        "accel_fsdp2": ["scheduler.bin"],
         "ddp": ["config.json", "generation_config.json", "scheduler.pt", "trainer_state.json", "training_args.bin"],
         "fsdp2_full": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
                        "trainer_state.json", "training_args.bin"]}
 RNG = ["rng_state_0.pth", "rng_state_1.pth"]
+ACCEL = "accel_fsdp2"  # accelerate's save_state() folder: no trainer_state.json, so no step
+
+
+def rng(layout: str, r: int) -> str:
+    return f"random_states_{r}.pkl" if layout == ACCEL else f"rng_state_{r}.pth"
+
+
+def step_of(layout: str):
+    return None if layout == ACCEL else STEP
 
 
 def ckpt(layout: str):
@@ -70,13 +82,16 @@ def copy_with_extra(layout: str, tmp_path):
 def test_inspect_lists_parts_side_files_and_the_trainer_step(layout, tmp_path):
     code, out = run("inspect", copy_with_extra(layout, tmp_path))
     assert code == 0, out
-    assert "step        2" in out and "global_step 2" in out, out
+    if layout == ACCEL:
+        assert "trainer     accelerate checkpoint (fsdp)" in out, out
+    else:
+        assert "step        2" in out and "global_step 2" in out, out
     lines = {line.split("  ", 1)[0]: line for line in out.splitlines()}
     for name, kind in PARTS[layout]:
         assert f"{name}{'' if layout in FLAT else '/'} ({kind})" in lines["parts"], out
     for name in SIDE[layout]:
         assert name in lines["side files"], out
-    assert all(r in lines["rng files"] for r in RNG), out
+    assert all(rng(layout, r) in lines["rng files"] for r in range(2)), out
     assert "notes.txt" in lines["not understood"] and "extra/" in lines["not understood"], out
 
 
@@ -86,9 +101,9 @@ def test_inspect_json_carries_the_folder(layout):
     assert code == 0, out
     doc = json.loads(out)
     folder = doc["metadata"]["hf_trainer"]
-    assert doc["summary"]["step"] == STEP and folder["step"] == STEP
+    assert doc["summary"]["step"] == step_of(layout) and folder["step"] == step_of(layout)
     assert folder["side_files"] == SIDE[layout] and folder["not_understood"] == []
-    assert folder["rng_files"] == {"0": RNG[0], "1": RNG[1]}
+    assert folder["rng_files"] == {"0": rng(layout, 0), "1": rng(layout, 1)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -150,12 +165,12 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
     # RNG policy: new rank r gets old rank r mod 2
     for r in range(3):
-        assert (out / f"rng_state_{r}.pth").read_bytes() == (src / f"rng_state_{r % 2}.pth").read_bytes()
+        assert (out / rng(layout, r)).read_bytes() == (src / rng(layout, r % 2)).read_bytes()
     copied = [name for name, _ in PARTS[layout]] if layout in FLAT else []
     assert "copied byte for byte: " + ", ".join(copied + SIDE[layout]) in text, text
-    assert "r mod N" in text and "rng_state_2.pth <- rng_state_0.pth" in text, text
+    assert "r mod N" in text and f"{rng(layout, 2)} <- {rng(layout, 0)}" in text, text
     assert "not understood, copied as they are: extra/, notes.txt" in text, text
-    if layout in ("fsdp1", "fsdp2"):  # the DCP parts stay subfolders, each laid out for 3 ranks
+    if layout in ("fsdp1", "fsdp2", ACCEL):  # the DCP parts stay subfolders, each laid out for 3 ranks
         for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
             assert {p.name for p in (out / sub).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                 "__2_0.distcp"}
@@ -169,7 +184,7 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
             f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
     code, text = run("inspect", "--json", out)
     doc = json.loads(text)
-    assert doc["summary"]["world_size"] == (None if layout in FLAT else 3) and doc["summary"]["step"] == STEP
+    assert doc["summary"]["world_size"] == (None if layout in FLAT else 3) and doc["summary"]["step"] == step_of(layout)
     code, text = run("diff", src, out)
     assert code == 0, text
 
@@ -193,6 +208,9 @@ def test_map_rng_policy():
     assert map_rng({None: RNG_SINGLE}, 2) == ({"rng_state_0.pth": RNG_SINGLE, "rng_state_1.pth": RNG_SINGLE}, [])
     assert map_rng(two, 1) == ({RNG_SINGLE: "rng_state_0.pth"}, ["rng_state_1.pth"])
     assert map_rng({}, 3) == ({}, [])
+    accel = {0: "random_states_0.pkl", 1: "random_states_1.pkl"}  # accelerate reads its own name at any size
+    assert map_rng(accel, 1, "accelerate") == ({"random_states_0.pkl": "random_states_0.pkl"}, ["random_states_1.pkl"])
+    assert map_rng(accel, 3, "accelerate")[0]["random_states_2.pkl"] == "random_states_0.pkl"
 
 
 def test_reshard_from_checks_the_folder_world_size(tmp_path):
@@ -245,7 +263,7 @@ def test_consolidate_loads_in_from_pretrained_with_the_trained_logits(layout, tm
 
     out = tmp_path / "hf"
     args = ["consolidate", ckpt(layout), out]
-    if layout in ("fsdp1", "fsdp2"):  # the Trainer writes no config.json into an FSDP sharded checkpoint
+    if layout in ("fsdp1", "fsdp2", ACCEL):  # the Trainer writes no config.json into an FSDP sharded checkpoint
         cfg = tmp_path / "cfg"
         _job_module().model_config().save_pretrained(cfg)
         args += ["--config", cfg]

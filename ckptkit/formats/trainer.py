@@ -52,6 +52,10 @@ WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})
 FULL_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?\.bin$")
 OPTIMIZER_FILE = "optimizer.pt"
 DS_TAG = re.compile(r"^global_step\d+$")
+# accelerate's save_state() beside its DCP folders (no trainer_state.json): its own side files
+ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
+ACCELERATE_SIDE = re.compile(r"^((scheduler|sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
+TRAINER, ACCELERATE = "HF Trainer", "accelerate"
 
 
 @dataclass
@@ -75,12 +79,13 @@ class TrainerFolder:
     step: int | None = None
     state_problem: str | None = None  # trainer_state.json unreadable (said by verify)
     notes: list[str] = field(default_factory=list)
+    kind: str = TRAINER  # HF Trainer (trainer_state.json) or accelerate (save_state's folder alone)
 
     def part_entries(self) -> set[str]:
         return {p.name for p in self.parts} | ({"latest"} if self.layout == "deepspeed" else set())
 
     def as_json(self) -> dict:
-        return {"layout": self.layout, "step": self.step,
+        return {"kind": self.kind, "layout": self.layout, "step": self.step,
                 "parts": [{"name": p.name, "kind": p.kind, "sharded": p.sharded} for p in self.parts],
                 "side_files": self.side_files,
                 "rng_files": {("single" if r is None else str(r)): f for r, f in sorted(
@@ -91,31 +96,35 @@ class TrainerFolder:
 
 def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
     """The Trainer folder at `source`, or None when it is not one (no trainer_state.json beside a
-    DeepSpeed, accelerate FSDP or model part). `tag` picks the DeepSpeed tag (default: `latest`'s)."""
+    DeepSpeed, accelerate FSDP or model part). `tag` picks the DeepSpeed tag (default: `latest`'s).
+    accelerate's save_state() folder (its DCP subfolders, no trainer_state.json) is one too, of
+    kind "accelerate": the same unit, with accelerate's own side and RNG file names."""
     try:
-        if not source.isdir("") or not source.exists(TRAINER_STATE) or source.isdir(TRAINER_STATE):
+        if not source.isdir(""):
             return None
         names = sorted(source.listdir(""))
+        trainer = source.exists(TRAINER_STATE) and not source.isdir(TRAINER_STATE)
     except CkptkitError:
         return None
     parts, layout = _parts(source, names, tag)
-    if not parts:
+    if not parts or not trainer and not (layout == "fsdp" and parts[0].sharded):
         return None
+    kind = TRAINER if trainer else ACCELERATE
     taken = {p.name for p in parts} | ({"latest"} if layout == "deepspeed" else set())
     side, rng, unknown = [], {}, []
     for name in names:
         if name in taken:
             continue
-        kind = _side_kind(source, name, layout)
-        if kind == "rng":
-            m = RNG_RANK.match(name)
+        what = _side_kind(source, name, kind)
+        if what == "rng":
+            m = RNG_RANK.match(name) or ACCELERATE_RNG.match(name)
             rng[int(m.group(1)) if m else None] = name
-        elif kind == "side":
+        elif what == "side":
             side.append(name)
         else:
             unknown.append(name + ("/" if _isdir(source, name) else ""))
-    step, problem = _read_step(source)
-    return TrainerFolder(layout, parts, side, rng, unknown, step, problem)
+    step, problem = _read_step(source) if trainer else (None, None)
+    return TrainerFolder(layout, parts, side, rng, unknown, step, problem, kind=kind)
 
 
 def _isdir(source: Source, name: str) -> bool:
@@ -158,9 +167,11 @@ def _read_latest(source: Source) -> str | None:
         return None
 
 
-def _side_kind(source: Source, name: str, layout: str) -> str:
+def _side_kind(source: Source, name: str, kind: str) -> str:
     if _isdir(source, name):
         return "unknown"
+    if kind == ACCELERATE:
+        return "rng" if ACCELERATE_RNG.match(name) else "side" if ACCELERATE_SIDE.match(name) else "unknown"
     if RNG_RANK.match(name) or name == RNG_SINGLE:
         return "rng"
     if name in SIDE_FILES or name in TOKENIZER_FILES:
@@ -196,9 +207,10 @@ def rng_world(folder: TrainerFolder) -> int | None:
 
 RNG_POLICY = ("new rank r takes old rank (r mod N)'s file, N the old world size; one process reads "
               "rng_state.pth, which takes old rank 0's")
+ACCELERATE_RNG_POLICY = "new rank r takes old rank (r mod N)'s file, N the old world size"
 
 
-def map_rng(rng_files: dict[int | None, str], to: int) -> tuple[dict[str, str], list[str]]:
+def map_rng(rng_files: dict[int | None, str], to: int, kind: str = TRAINER) -> tuple[dict[str, str], list[str]]:
     """RNG_POLICY: (new file name -> old file name, old files left out). The Trainer reads
     rng_state_{process_index}.pth when the world size is above 1, else rng_state.pth, and skips
     restoring (with a log line) when its file is missing; resuming with another rank's generator
@@ -207,14 +219,19 @@ def map_rng(rng_files: dict[int | None, str], to: int) -> tuple[dict[str, str], 
         return {}, []
     ranks = sorted(r for r in rng_files if r is not None)
     olds = [rng_files[r] for r in ranks] if ranks else [rng_files[None]]
-    new = {RNG_SINGLE: olds[0]} if to == 1 else {f"rng_state_{r}.pth": olds[r % len(olds)] for r in range(to)}
+    if kind == ACCELERATE:  # accelerate reads random_states_{process_index}.pkl, at any world size
+        new = {f"random_states_{r}.pkl": olds[r % len(olds)] for r in range(to)}
+    elif to == 1:
+        new = {RNG_SINGLE: olds[0]}
+    else:
+        new = {f"rng_state_{r}.pth": olds[r % len(olds)] for r in range(to)}
     used = set(new.values())
     left_out = [f for f in rng_files.values() if f not in used]
     return new, sorted(left_out, key=_rank_order)
 
 
 def _rank_order(name: str) -> tuple[int, str]:
-    m = RNG_RANK.match(name)
+    m = RNG_RANK.match(name) or ACCELERATE_RNG.match(name)
     return (int(m.group(1)) if m else -1, name)
 
 

@@ -20,7 +20,7 @@ from ..formats.accelerate import SubSource
 from ..formats.dcp import reader as dcp_reader
 from ..formats.dcp.writer import write_dcp
 from ..formats.registry import Opened
-from ..formats.trainer import RNG_POLICY, TrainerFolder, map_rng, rng_world
+from ..formats.trainer import ACCELERATE, ACCELERATE_RNG_POLICY, RNG_POLICY, TrainerFolder, map_rng, rng_world
 from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
 from ..storage.output import OutputDir
@@ -50,6 +50,7 @@ class FolderResult:
 
     out: str
     layout: str
+    kind: str
     from_world_size: int | None
     to_world_size: int
     parts: list[str]
@@ -63,13 +64,15 @@ class FolderResult:
 
     def notes(self) -> list[str]:
         """The summary lines a command prints after its own (parts, side files, RNG policy)."""
-        lines = [f"HF Trainer folder ({self.layout}): rewrote {', '.join(self.parts)} for {self.to_world_size} rank(s)"
-                 if self.parts else f"HF Trainer folder ({self.layout}): no part is laid out per rank; all copied"]
+        what = f"{self.kind} folder ({self.layout})"
+        lines = [f"{what}: rewrote {', '.join(self.parts)} for {self.to_world_size} rank(s)"
+                 if self.parts else f"{what}: no part is laid out per rank; all copied"]
         if self.copied:
             lines.append(f"copied byte for byte: {', '.join(self.copied)}")
         if self.rng:
             mapped = ", ".join(f"{new} <- {old}" for new, old in self.rng.items())
-            lines.append(f"RNG files ({RNG_POLICY}): {mapped}")
+            policy = ACCELERATE_RNG_POLICY if self.kind == ACCELERATE else RNG_POLICY
+            lines.append(f"RNG files ({policy}): {mapped}")
         if self.rng_left_out:
             lines.append(f"RNG files left out (no rank of {self.to_world_size} takes them): {', '.join(self.rng_left_out)}")
         if self.unknown:
@@ -92,9 +95,9 @@ def write_folder(opened: Opened, out: str, to: int, options: RunOptions, src: st
     then the rest of the source folder is copied and the RNG files mapped to `to` ranks."""
     folder: TrainerFolder = opened.trainer
     if folder.state_problem:
-        raise UsageError(f"{src}: is an HF Trainer folder whose state cannot be read ({folder.state_problem})")
+        raise UsageError(f"{src}: is an {folder.kind} folder whose state cannot be read ({folder.state_problem})")
     source = opened.source
-    rng, left_out = map_rng(folder.rng_files, to)
+    rng, left_out = map_rng(folder.rng_files, to, folder.kind)
     options.progress.start(opened.index.total_tensor_bytes, f"reshard {source_world(opened)}->{to}")
     with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src, *sources)) as target:
         files = write_parts(target)
@@ -112,7 +115,7 @@ def write_folder(opened: Opened, out: str, to: int, options: RunOptions, src: st
         files += copied + list(rng)
     options.progress.close()
     sharded = [p.name + "/" for p in folder.parts if p.sharded]
-    return FolderResult(out, folder.layout, source_world(opened), to, sharded, copied, rng, left_out,
+    return FolderResult(out, folder.layout, folder.kind, source_world(opened), to, sharded, copied, rng, left_out,
                         list(folder.unknown), files, len(opened.index.tensors), opened.index.total_tensor_bytes)
 
 
@@ -167,7 +170,8 @@ def _copy_file(source: Source, target: OutputDir, rel: str, new: str) -> None:
 
 def describe_lines(folder: TrainerFolder) -> list[str]:
     """inspect/verify: the folder's parts, side files, RNG files and what was not understood."""
-    lines = [f"trainer     HF Trainer checkpoint ({folder.layout}), global_step {folder.step if folder.step is not None else '-'}",
+    step = f", global_step {folder.step if folder.step is not None else '-'}" if folder.kind != ACCELERATE else ""
+    lines = [f"trainer     {folder.kind} checkpoint ({folder.layout}){step}",
              "parts       " + ", ".join(f"{p.name}{'/' if p.kind in ('deepspeed', 'dcp-model', 'dcp-optimizer') else ''} "
                                        f"({p.kind})" for p in folder.parts)]
     if folder.side_files:
@@ -199,7 +203,7 @@ def folder_findings(opened: Opened) -> list:
     if world and world > 1 and ranks:
         for r in range(world):
             if r not in ranks:
-                name = f"rng_state_{r}.pth"
+                name = f"random_states_{r}.pkl" if folder.kind == ACCELERATE else f"rng_state_{r}.pth"
                 found.append(Problem(P.MISSING_FILE, f"{source.label(name)}: rank {r}'s RNG file is missing (the "
                                      f"others' are there; the Trainer would resume rank {r} without its generator "
                                      f"state)", source.label(name)))
@@ -215,8 +219,8 @@ def verify_lines(folder: TrainerFolder, index_files: list[str]) -> list[str]:
     done = ", ".join([p.name + ("/" if p.sharded else "") for p in folder.parts if read(p)]
                      + [f"{f} (save_model's copy of the weights)" for f in folder.side_files if f in index_files])
     unread = [p.name for p in folder.parts if not read(p)]
-    return [f"  HF Trainer folder ({folder.layout}, global_step {folder.step if folder.step is not None else '-'}): "
-            f"read {done or 'nothing'}" + (f"; not read (copied by reshard/convert): {', '.join(unread)}" if unread else ""),
+    step = f", global_step {folder.step if folder.step is not None else '-'}" if folder.kind != ACCELERATE else ""
+    return [f"  {folder.kind} folder ({folder.layout}{step}): read {done or 'nothing'}" + (f"; not read (copied by reshard/convert): {', '.join(unread)}" if unread else ""),
             f"  side files (not read, copied by reshard/convert): "
             f"{', '.join([f for f in folder.side_files if f not in index_files] + sorted(folder.rng_files.values(), key=str)) or 'none'}",
             f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}"]
@@ -255,5 +259,5 @@ def left_behind(folder: TrainerFolder, target: str) -> list[str]:
     rest += [p.name for p in folder.parts if not p.sharded and p.kind != "weights"]
     if not rest:
         return []
-    return [f"HF Trainer folder: --to {target} writes a plain checkpoint, not a Trainer folder; not copied: "
+    return [f"{folder.kind} folder: --to {target} writes a plain checkpoint, not a Trainer folder; not copied: "
             f"{', '.join(rest)}"]

@@ -13,6 +13,9 @@ resume at another world size must log the same loss as one at the original size.
   fsdp2   FSDP2 through accelerate, SHARDED_STATE_DICT (fp32)
   fsdp2_full  FSDP2 through accelerate, FULL_STATE_DICT: pytorch_model_fsdp.bin, optimizer.bin
   ddp     plain DDP (fp32): the checkpoint is model.safetensors and optimizer.pt
+  accel_fsdp2  no Trainer: accelerate's own loop with FSDP2, SHARDED_STATE_DICT, torch's AdamW and
+          a constant LambdaLR; accelerator.save_state(OUTPUT_DIR/checkpoint-<max steps>) at the end,
+          accelerator.load_state(RESUME) to resume
 Rank 0 writes --result: the losses logged per step, the final global step, the world size and
 whether the model was really sharded. --logits: the trained model's fp32 weights (DeepSpeed's
 master weights, FSDP's full parameters) loaded into a plain LlamaForCausalLM, its logits on a fixed
@@ -144,7 +147,8 @@ def full_fp32(trainer, layout: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp1", "fsdp2", "fsdp2_full", "ddp"])
+    ap.add_argument("--layout", required=True, choices=["ds_z2", "ds_z3", "fsdp1", "fsdp2", "fsdp2_full", "ddp",
+                                                          "accel_fsdp2"])
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--max-steps", type=int, required=True)
     ap.add_argument("--save-steps", type=int, default=1000)
@@ -156,6 +160,8 @@ def main() -> int:
     from _checks import start_watchdog, write_result
 
     start_watchdog(900)
+    if a.layout == "accel_fsdp2":
+        return accelerate_main(a, write_result)
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, set_seed
 
     args = training_args(a.layout, a.output_dir, a.max_steps, a.save_steps)
@@ -200,6 +206,71 @@ def main() -> int:
     if rank == 0:
         write_result(a.result, info)
     return 0
+
+
+def accelerate_main(a, write_result) -> int:
+    """accelerate without the Trainer: its save_state()/load_state() folder."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from transformers import LlamaForCausalLM, set_seed
+
+    PartialState(cpu=True)
+    force_fsdp_on_cpu()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
+        cpu_ram_efficient_loading=False)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    set_seed(7)
+    model = LlamaForCausalLM(model_config())
+    total = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    loader = torch.utils.data.DataLoader(Same(), batch_size=2)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    start = 0
+    if a.resume:
+        accelerator.load_state(a.resume)
+        start = accelerator.step
+    losses = {}
+    batches = iter(loader)
+    for step in range(start + 1, a.max_steps + 1):
+        batch = next(batches)
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        accelerator.step = step
+        losses[str(step)] = accelerator.reduce(loss.detach(), "mean").item()
+    if not a.resume:
+        accelerator.save_state(os.path.join(a.output_dir, f"checkpoint-{a.max_steps}"))
+    info = {"losses": losses, "global_step": a.max_steps, "resumed_at": start, "layout": a.layout,
+            "world_size": accelerator.num_processes, "sharded": sharded(model, "fsdp2", total),
+            "distributed_type": str(accelerator.distributed_type)}
+    if a.logits:
+        weights = full_fp32_of(model)
+        if accelerator.is_main_process:
+            save_logits(weights, a.logits)
+    if accelerator.is_main_process:
+        write_result(a.result, info)
+    return 0
+
+
+def full_fp32_of(model) -> dict:
+    return {name: p.full_tensor().detach().clone().float() for name, p in model.named_parameters()}
+
+
+def save_logits(weights: dict, path: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    plain = LlamaForCausalLM(model_config())
+    missing, unexpected = plain.load_state_dict(weights, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    plain.eval()
+    with torch.no_grad():
+        logits = plain(fixed_input()).logits
+    torch.save({"input_ids": fixed_input(), "logits": logits}, path)
 
 
 if __name__ == "__main__":
