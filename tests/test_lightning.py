@@ -232,3 +232,50 @@ def test_model_prefix_only_when_every_name_shares_it():
     assert lightning.model_prefix(["model.a.weight", "head.b"]) is None
     assert lightning.model_prefix(["_forward_module.net.a", "_forward_module.net.b"]) == "_forward_module.net."
     assert lightning.model_prefix(["weight"]) is None
+
+
+def test_dcp_part_resharded_with_meta_copied_is_what_lightning_reads(tmp_path, fsdp_truth):
+    """formats.lightning.dcp_part is what a reshard of the folder needs: the DCP part written for 3
+    ranks and meta.pt copied byte for byte read back through Lightning's own loader as the source."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+    from ckptkit.formats.dcp.writer import write_dcp
+    from ckptkit.index.layouts import fsdp2_layout
+    from ckptkit.runner.fetch import Fetcher
+    from ckptkit.storage.output import OutputDir
+
+    opened = open_checkpoint(str(FSDP))
+    part, copies = lightning.dcp_part(opened.index)
+    assert copies == [lightning.META] and len(part.tensors) == 84
+    assert not any(o.attrs.get(lightning.META_ATTR) for o in part.objects.values())
+    out = tmp_path / "w3"
+    with OutputDir(str(out)) as target:
+        write_dcp(target, part, Fetcher(opened.source), fsdp2_layout(part, 3), slab_bytes=1 << 20)
+        for name in copies:
+            target.write_bytes(name, (FSDP / name).read_bytes())
+    got = _format_checkpoint(_load_distributed_checkpoint(out))
+    assert sorted(got) == sorted(fsdp_truth)
+    for k, v in fsdp_truth["state_dict"].items():
+        same(got["state_dict"][k], v, k)
+    for name, states in fsdp_truth["optimizer_states"][0]["state"].items():
+        for key, value in states.items():
+            same(got["optimizer_states"][0]["state"][name][key], value, f"{name}.{key}")
+    assert got["global_step"] == 2 and got["loops"] == fsdp_truth["loops"]
+
+
+def test_lightnings_consolidated_ckpt_is_read_by_name(tmp_path, fsdp_truth):
+    """The .ckpt `python -m lightning.pytorch.utilities.consolidate_checkpoint` writes (torch.save of
+    the formatted dict) keys optimizer_states by name: read as they are, no numbering rule needed."""
+    ckpt = tmp_path / "consolidated.ckpt"
+    torch.save(fsdp_truth, ckpt)
+    split = split_roles(open_checkpoint(str(ckpt)).index)
+    assert not split.numbered and not split.named_by_order
+    out = tmp_path / "out"
+    consolidate(str(ckpt), str(out), include_optimizer=True)
+    tensors, _ = read_optimizer(out)
+    for name, states in fsdp_truth["optimizer_states"][0]["state"].items():
+        for key, value in states.items():
+            same(tensors[f"state.{strip(name)}.{key}"], value, f"{name}.{key}")
+    _, report = inspect(str(ckpt))
+    assert report.step == 2 and report.roles["optimizer"] == 63

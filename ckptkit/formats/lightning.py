@@ -74,7 +74,7 @@ def annotate(index: CheckpointIndex) -> None:
         return
     info = index.metadata.setdefault("lightning", {})
     if "layout" not in info:
-        info["layout"] = "deepspeed" if index.format == "deepspeed" else "single_file"
+        info["layout"] = {"deepspeed": "deepspeed", "dcp": "fsdp_sharded"}.get(index.format, "single_file")
     heads = {e.path[0] for e in index.tensors.values() if e.path and len(e.path) > 1}
     container = next((c for c in MODEL_CONTAINERS if c in heads), None)
     if container is None:
@@ -85,6 +85,22 @@ def annotate(index: CheckpointIndex) -> None:
     if prefix is not None:
         info["model_prefix"] = prefix
         index.metadata.setdefault(DEFAULT_STRIP_KEY, [prefix])
+
+
+def dcp_part(index: CheckpointIndex) -> tuple[CheckpointIndex, list[str]]:
+    """A Lightning FSDP folder as a writer of the same kind needs it: the index of its DCP part
+    (meta.pt's entries left out) and the files to copy byte for byte beside it ([meta.pt]).
+
+    Lightning loads such a folder only with its meta.pt (`_is_sharded_checkpoint`), so a reshard
+    writes the DCP part for the new world size and copies meta.pt as it is."""
+    if (index.metadata.get("lightning") or {}).get("meta") != META:
+        return index, []
+    part = dataclasses.replace(
+        index, tensors={k: e for k, e in index.tensors.items() if not e.attrs.get(META_ATTR)},
+        objects={k: o for k, o in index.objects.items() if not o.attrs.get(META_ATTR)},
+        files={k: v for k, v in index.files.items() if k != META},
+        checks=[c for c in index.checks if c.file != META])
+    return part, [META]
 
 
 def is_lightning(index: CheckpointIndex) -> bool:
@@ -165,6 +181,7 @@ def number_names(group_params: list[Any], model: dict[str, TensorEntry], aliases
     return Numbering({i: order[i] for i in numbers})
 
 
-__all__ = ["META", "VERSION_KEY", "META_ATTR", "DEFAULT_STRIP_KEY", "add_meta", "annotate", "is_lightning",
+__all__ = ["META", "VERSION_KEY", "META_ATTR", "DEFAULT_STRIP_KEY", "add_meta", "annotate", "dcp_part",
+           "is_lightning",
            "global_step", "model_prefix",
            "Numbering", "number_names"]
