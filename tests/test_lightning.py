@@ -225,6 +225,7 @@ def test_meta_pt_the_unpickler_refuses_is_one_sentence(tmp_path):
     assert report.step is None
     res = consolidate(str(folder), str(tmp_path / "out"), include_optimizer=True)
     assert res.optimizer_tensors == 63
+    assert any(n.startswith("not read") and "argparse.Namespace" in n for n in res.not_written)
 
 
 def test_model_prefix_only_when_every_name_shares_it():

@@ -193,4 +193,5 @@ def _not_written(index, split, include_optimizer: bool) -> list[str]:
         shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
         notes.append(f"not written: {len(other)} other values ({shown}); consolidate writes weights, "
                      f"convert --to torch or dcp keeps them")
+    notes += [f"not read: {why}" for why in index.metadata.get("unread", {}).values()]  # e.g. Lightning's meta.pt
     return notes
