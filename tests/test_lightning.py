@@ -280,3 +280,14 @@ def test_lightnings_consolidated_ckpt_is_read_by_name(tmp_path, fsdp_truth):
             same(tensors[f"state.{strip(name)}.{key}"], value, f"{name}.{key}")
     _, report = inspect(str(ckpt))
     assert report.step == 2 and report.roles["optimizer"] == 63
+
+
+def test_optimizer_parts_names_both_lightning_layouts_alike():
+    from ckptkit.ops.keys import OPTIM_CONTAINERS, optimizer_parts
+
+    assert optimizer_parts(("optimizer_0", "state", "w", "exp_avg")) == ("optimizer_0", ("state", "w", "exp_avg"))
+    assert optimizer_parts(("optimizer_states", 1, "state", "3", "exp_avg")) == ("optimizer_1", ("state", "3", "exp_avg"))
+    assert optimizer_parts(("optim", "param_groups", 0, "lr")) == ("optim", ("param_groups", 0, "lr"))
+    assert optimizer_parts(("model", "w")) is None and optimizer_parts(("optimizer_x", "w")) is None
+    assert "optimizer_12" in OPTIM_CONTAINERS and "optimizer_states" in OPTIM_CONTAINERS
+    assert "optimizer_" not in OPTIM_CONTAINERS and 0 not in OPTIM_CONTAINERS
