@@ -297,3 +297,33 @@ def test_deepspeed_loads_its_optimizers_state_converted_through_dcp_at_3(tmp_pat
     for r in results:
         assert r["ok"], {k: r.get(k) for k in ("fixture", "error", "mismatches")}
         assert r["compared"] >= 40 and r["trained_step"], r["fixture"]
+
+
+# ---- Lightning: numbered optimizer state gets names (keys.py's rule), or is refused ------------
+
+LIGHTNING = DATA / "lightning"
+
+
+@pytest.mark.skipif(not (LIGHTNING / "single_w1.ckpt").exists(), reason="Lightning fixtures missing")
+def test_lightning_ckpt_optimizer_is_converted_under_names(tmp_path):
+    """single_w1.ckpt keeps AdamW's state by parameter number; Lightning's run recorded the order
+    (fixture.json optimizer_order): each converted state equals the .ckpt's own at that number."""
+    order = json.loads((LIGHTNING / "single_w1.ckpt.fixture.json").read_text())["optimizer_order"][0]
+    out = tmp_path / "l.pt"
+    res = _cli("convert", LIGHTNING / "single_w1.ckpt", out, "--to", "torch")
+    assert res.exit_code == 0, res.output
+    got = torch.load(out, weights_only=True)["optim"]
+    ckpt = torch.load(LIGHTNING / "single_w1.ckpt", weights_only=False)["optimizer_states"][0]
+    assert got["param_groups"][0]["params"] == order
+    for i, name in enumerate(order):
+        for key, value in ckpt["state"][i].items():
+            assert torch.equal(got["state"][name][key], value), (name, key)
+
+
+@pytest.mark.skipif(not (LIGHTNING / "groups_w1.ckpt").exists(), reason="Lightning fixtures missing")
+def test_numbered_optimizer_without_proven_names_is_refused_or_dropped_on_request(tmp_path):
+    res = _cli("convert", LIGHTNING / "groups_w1.ckpt", tmp_path / "o.pt", "--to", "torch")
+    assert res.exit_code == 2 and "keyed by parameter number" in res.output and "--model-only" in res.output
+    res = _cli("convert", LIGHTNING / "groups_w1.ckpt", tmp_path / "o.pt", "--to", "torch", "--model-only")
+    assert res.exit_code == 0, res.output
+    assert "no optimizer (dropped on request)" in res.output and "by --model-only" in res.output

@@ -18,7 +18,7 @@ import fnmatch
 import os
 from typing import Iterable
 
-from ..errors import UsageError
+from ..errors import UnsupportedError, UsageError
 from .state import TrainingState, flat_extras
 
 ON_REQUEST = "--drop"
@@ -65,6 +65,8 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
                     state.dropped[key] = reason
             if not store[name]:
                 del store[name]
+    if model_only:
+        state.optimizer_dropped = True
     if whole_optimizer and state.has_optimizer:
         for key in group_keys:
             state.dropped[key] = whole_reason
@@ -119,6 +121,8 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
     if unused:
         raise UsageError(f"--drop {unused[0]} matches nothing convert would write (keys look like "
                          f"{', '.join(_examples(state))})")
+    if state.unmapped and state.numbered_why:
+        raise UnsupportedError(state.numbered_why)
     if state.unmapped:
         keys = list(state.unmapped)
         by_why: dict[str, list[str]] = {}

@@ -31,7 +31,9 @@ from ..lazy_torch import is_tensor
 from ..optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
-from ..ops.keys import LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, guess_step, split_roles
+from ..index.flatten import key_of
+from ..ops.keys import (LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, Split, guess_step,
+                        optimizer_parts, split_roles)
 from ..torch_types import SmallTensor
 from .hyper import DsOptimizer, ds_optimizer, source_is_ds_own, step_number
 from .names import KeyRules
@@ -62,6 +64,7 @@ class TrainingState:
     unmapped: dict[str, str] = field(default_factory=dict)   # source key -> what it is (would be lost)
     dropped: dict[str, str] = field(default_factory=dict)    # canonical key -> why (on request)
     optimizer_dropped: bool = False                          # the whole optimizer left out on request
+    numbered_why: str = ""         # the optimizer is keyed by parameter number: the refusal, unless dropped
 
     @property
     def from_deepspeed(self) -> bool:
@@ -229,11 +232,18 @@ def _named_groups(groups: dict[int, dict[str, Any]], rules: KeyRules) -> tuple[l
     return group_list, [[rules.apply(n) for n in g.pop("params", [])] for g in group_list]
 
 
-def _optim_parts(path: tuple) -> tuple | None:
-    """The part of a path below its optimizer container, or None if not optimizer state."""
-    if len(path) > 1 and path[0] in OPTIM_CONTAINERS:
-        return tuple(path[1:])
-    return None
+def _optim_names(split: Split) -> tuple[dict[str, str], dict[str, Any]]:
+    """(index key -> parameter name of a state entry, index key -> a param group's `params` with
+    names): keys.py gives numbered state (Lightning's .ckpt) names where its rule proves them."""
+    names, values = {}, {}
+    for name, (_prefix, param, _statekey) in split.optim_params.items():
+        key = split.optim.get(name) or split.optim_objects.get(name)
+        if key is not None:
+            names[key] = param
+    for name, value in split.optim_values.items():
+        if name in split.optim_objects:
+            values[split.optim_objects[name]] = value
+    return names, values
 
 
 def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[str, ...]) -> TrainingState:
@@ -258,29 +268,42 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     fetcher = Fetcher(opened.source, index=index)
     optim = _OptimState(str(opened.path), fetcher, {n: tuple(e.shape) for n, e in model.items()})
     model_keys = set(split.model.values())
-    heads = sorted({str(e.path[0]) for e in list(index.tensors.values()) + list(index.objects.values())
-                    if e.path and len(e.path) > 1 and e.path[0] in OPTIM_CONTAINERS
-                    and e.key not in model_keys})
-    if len(heads) > 1:  # their groups and states would merge under one `optim`
-        raise UnsupportedError(f"{opened.path}: holds {len(heads)} optimizers ({', '.join(heads)}); convert "
-                               f"carries one optimizer's state (a run with several cannot be mapped onto one)")
+    state_names, group_values = _optim_names(split)
+    slots: dict[str, None] = {}
+
+    def parts_of(path: tuple, key: str) -> tuple | None:
+        """The path below its optimizer container (Lightning's numbered state given its names)."""
+        found = optimizer_parts(path) if key not in model_keys else None
+        if found is None:
+            return None
+        slot, rest = found
+        slots[slot] = None
+        if len(slots) > 1:  # their groups and states would merge under one `optim`
+            raise UnsupportedError(f"{opened.path}: holds {len(slots)} optimizers ({', '.join(slots)}); convert "
+                                   f"carries one optimizer's state (a run with several cannot be mapped onto one)")
+        if len(rest) >= 3 and rest[0] == "state":
+            return ("state", state_names.get(key, rest[1]), key_of(rest[2:]), slot)
+        return tuple(rest) + (slot,)
+
+    numbered: dict[str, str] = {}       # index key -> why its optimizer is keyed by parameter number
+    group_keys: dict[str, None] = {}    # index keys of param-group entries
 
     def optim_entry(parts: tuple, value: Any, where: str) -> bool:
+        slot, parts = parts[-1], parts[:-1]
         if len(parts) >= 2 and parts[0] == "state":
             if isinstance(parts[1], int) or str(parts[1]).isdigit():
-                raise UnsupportedError(
-                    f"{opened.path}: optimizer state is keyed by parameter number ({where}); ckptkit needs "
-                    f"parameter names: save it with torch.distributed.checkpoint.state_dict."
-                    f"get_optimizer_state_dict (or FSDP.optim_state_dict), which key it by name")
+                numbered[where] = split.numbered.get(slot, "")
+                return True
             if len(parts) != 3:
                 return False
             optim.add(rules.apply(str(parts[1])), str(parts[2]), value, where)
             return True
         if len(parts) == 3 and parts[0] == "param_groups" and isinstance(parts[1], int):
+            value = group_values.get(where, value)
+            group_keys[where] = None
             if parts[2] == "params" and isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-                raise UnsupportedError(
-                    f"{opened.path}: param group {parts[1]} lists parameters by number ({where}); ckptkit "
-                    f"needs names: save with get_optimizer_state_dict or FSDP.optim_state_dict")
+                numbered[where] = split.numbered.get(slot, "")
+                return True
             groups.setdefault(parts[1], {})[parts[2]] = value
             return True
         return False
@@ -289,7 +312,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
         if key in model_keys:
             continue
         path = tuple(e.path) if e.path else (key,)
-        parts = _optim_parts(path)
+        parts = parts_of(path, key)
         if parts is not None and optim_entry(parts, e, key):
             continue
         if path[0] in LOW_PRECISION_CONTAINERS:
@@ -298,7 +321,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
         extras.append((path, e))
     for key, o in index.objects.items():
         path = tuple(o.path) if o.path else (key,)
-        parts = _optim_parts(path)
+        parts = parts_of(path, key)
         if parts is not None and optim_entry(parts, o.data, key):
             continue
         if path[0] in OPTIM_CONTAINERS or path[0] in MODEL_CONTAINERS:
@@ -312,11 +335,23 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
             _nest(ds, path[1:], o.data)  # DeepSpeed's counters a conversion from ZeRO wrote as ds.*
         else:
             extras.append((path, o.data))
+    numbered_why = ""
+    if numbered:  # names unknown: the optimizer cannot be placed, only dropped (--model-only) or refused
+        why = next((w for w in numbered.values() if w), "")
+        numbered_why = (f"{opened.path}: optimizer state is keyed by parameter number ({next(iter(numbered))})"
+                        + (f": {why}" if why else "") + "; ckptkit needs parameter names: save it with "
+                        f"torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (or "
+                        f"FSDP.optim_state_dict), which key it by name, or convert the model alone (--model-only)")
+        for key in list(numbered) + list(group_keys) + [e.key for m in optim.partitioned.values() for e in m.values()]:
+            unmapped[key] = "optimizer state keyed by parameter number"
+        groups.clear()
+        optim.partitioned.clear()
+        optim.whole.clear()
     group_list, group_params = _named_groups(groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
     frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher)
     return TrainingState(opened, model, frozen, buffers, ties, optim.partitioned, optim.whole, group_list,
-                         group_params, extras, ds, derived=derived, unmapped=unmapped)
+                         group_params, extras, ds, derived=derived, unmapped=unmapped, numbered_why=numbered_why)
 
 
 def _nest(root: dict, path: tuple, value: Any) -> None:
