@@ -72,7 +72,8 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--model", choices=["toy", "ds"], default="toy",
                     help="toy: fixtures/models.py ToyModel; ds: deepspeed_models.DSToyModel")
     ap.add_argument("--optim", choices=sorted(HYPERPARAMS), default="adamw",
-                    help="the torch optimizer of the checkpoint (toy model only; default adamw)")
+                    help="the torch optimizer of the checkpoint (default adamw; with --model ds: "
+                         "deepspeed_models.client_optimizer's)")
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process group timeout, seconds")
     ap.add_argument("--deadline", type=float, default=300.0, help="kill this process after so many seconds")
     return ap.parse_args()
@@ -126,6 +127,9 @@ class _Recipe:
             import generate_convert as gc
 
             self.make_model, self.shard, self.make_optimizer = dm.make_model, gc.shard_fsdp2, gc.make_optimizer
+            if optim != "adamw":  # the client torch optimizer of the DeepSpeed optimizer fixtures
+                name = {"sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}[optim]
+                self.make_optimizer = lambda m: dm.client_optimizer(name, dm.param_groups(m))
             self.train = gc.train
             self.default_seed = dm.MODEL_SEED + 1
 
