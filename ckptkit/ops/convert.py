@@ -141,7 +141,8 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         if same_kind(opened.trainer, target):  # checkpoint-N/ to its own kind: a Trainer folder again
             reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
             res = convert_folder(opened, out, target, world, state, cfg, options, src, ds_config, reshaped)
-            return ConvertResult(out, opened.index.format, target, world, describe(state), res.files, res.notes())
+            return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
+                                 res.notes())
     safetensors = _safetensors_plan(state) if target == "safetensors" else None
     if safetensors is not None and single:
         single_file_shards(out, safetensors[0], knobs.parse_size(knobs.MAX_SHARD_SIZE))
@@ -172,8 +173,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         else:
             files = _write_safetensors(dest, state, safetensors, options, single)
     options.progress.close()
-    summary = _safetensors_summary(state, safetensors) if target == "safetensors" else describe(state)
-    summary = "; ".join(x for x in (summary, _derived_summary(state, target), dropped_summary(state)) if x)
+    summary = _summary(state, target, safetensors)
     notes = []
     if opened.trainer is not None:  # the trainer's side files stay behind: said, not silent
         from .trainer_folder import left_behind
@@ -181,6 +181,12 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         notes = left_behind(opened.trainer, target)
     return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
                          summary, files, notes)
+
+
+def _summary(state: TrainingState, target: str, safetensors: tuple | None) -> str:
+    """What was written, what the target rebuilds and what was dropped on request: one line."""
+    summary = _safetensors_summary(state, safetensors) if target == "safetensors" else describe(state)
+    return "; ".join(x for x in (summary, _derived_summary(state, target), dropped_summary(state)) if x)
 
 
 def _config_stage(cfg: dict | None, ds_config: str | None) -> int:
