@@ -238,6 +238,10 @@ def _group_state_keys(state: TrainingState, target: Any) -> list[tuple[list[str]
     """(partitioned keys, whole keys) of each param group. A ZeRO partition holds a key over the
     whole flat group, so every parameter of a group must have it; DeepSpeed's own optimizer
     needs exactly its own keys."""
+    outside = sorted((set(state.param_states) | set(state.whole_states)) - set(state.trainable))
+    if outside:  # ZeRO keeps state only inside its flat groups: it would be lost
+        raise UsageError(f"{state.source.path}: optimizer state of parameters in no param group ({outside[:5]}); "
+                         f"a ZeRO checkpoint holds state only for its groups' parameters")
     out = []
     for g, names in enumerate(state.group_params):
         if not names:  # an empty group: nothing to partition
