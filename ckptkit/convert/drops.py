@@ -9,8 +9,8 @@ and how to drop it, before anything is written.
 GLOBs match canonical keys (fnmatch, case-sensitive): `model.<name>` (buffers, frozen and tied
 tensors: a trainable parameter goes only with the whole optimizer), `optim.state.<name>.<key>`,
 `optim.param_groups.<g>.<hyper>` (all of them, with all of the state: the whole optimizer),
-an extra's dotted path (`extra.epoch`), DeepSpeed's values (`ds.lr_scheduler`), and the source
-key of an unmapped value.
+an extra's dotted path (`extra.epoch`), DeepSpeed's values (`ds.lr_scheduler`), the source
+key of an unmapped value, and the name of a file the reader could not read (`meta.pt`).
 """
 from __future__ import annotations
 
@@ -116,6 +116,16 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
         reason = why(key)
         if reason is not None:
             state.dropped[key] = f"{reason} ({state.unmapped.pop(key)})"
+
+    # files the reader could not read (a Lightning meta.pt the restricted unpickler refused): what
+    # they hold cannot be carried, so leaving them out is only ever the user's explicit choice
+    for name, unread in (state.source.index.metadata.get("unread") or {}).items():
+        reason = why(name)
+        if reason is None:
+            raise UsageError(f"{state.source.path}: convert cannot carry {name}, which it could not read "
+                             f"({unread.rstrip('.')}); to convert without it, drop it explicitly with "
+                             f"--drop '{name}' or --model-only")
+        state.dropped[name] = f"{reason} (a file that could not be read)"
 
     unused = [g for g in drop if g not in used]
     if unused:

@@ -87,12 +87,14 @@ def annotate(index: CheckpointIndex) -> None:
         index.metadata.setdefault(DEFAULT_STRIP_KEY, [prefix])
 
 
-def dcp_part(index: CheckpointIndex) -> tuple[CheckpointIndex, list[str]]:
+def dcp_part(index: CheckpointIndex, source: Source | None = None) -> tuple[CheckpointIndex, list[str]]:
     """A Lightning FSDP folder as a writer of the same kind needs it: the index of its DCP part
-    (meta.pt's entries left out) and the files to copy byte for byte beside it ([meta.pt]).
+    (meta.pt's entries left out) and the entries to copy byte for byte beside it: meta.pt first,
+    then, given the `source`, every other entry of the folder that is not a DCP file (sorted).
 
     Lightning loads such a folder only with its meta.pt (`_is_sharded_checkpoint`), so a reshard
-    writes the DCP part for the new world size and copies meta.pt as it is."""
+    writes the DCP part for the new world size and copies meta.pt as it is; nothing else in the
+    folder is left behind silently. ([] to copy: not a Lightning FSDP folder.)"""
     if (index.metadata.get("lightning") or {}).get("meta") != META:
         return index, []
     part = dataclasses.replace(
@@ -100,7 +102,8 @@ def dcp_part(index: CheckpointIndex) -> tuple[CheckpointIndex, list[str]]:
         objects={k: o for k, o in index.objects.items() if not o.attrs.get(META_ATTR)},
         files={k: v for k, v in index.files.items() if k != META},
         checks=[c for c in index.checks if c.file != META])
-    return part, [META]
+    others = sorted(n for n in source.listdir("") if n != META and n not in part.files) if source else []
+    return part, [META, *others]
 
 
 def is_lightning(index: CheckpointIndex) -> bool:

@@ -128,10 +128,30 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
     if expect_from is not None:
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
         check_source(src, opened.index.format, stage, expect_from)
-    state = read_state(opened, rules, frozen)
-    apply_drops(state, model_only, tuple(drop))
     world = world_size or opened.index.world_size or 1
     single = file_output(out, target)
+    notes: list[str] = []
+    if target == "safetensors":  # weights for from_pretrained: the reader's default prefix, as consolidate does
+        from .consolidate import key_rules
+
+        chosen = key_rules(opened.index, rules)
+        if chosen is not None and chosen is not rules:
+            rules = chosen
+            notes.append(f"names: stripped {', '.join(chosen.strip)} from every model name (the LightningModule "
+                         f"attribute holding the network), so they are the network's own; --strip-prefix or "
+                         f"--rename replace this")
+    state = read_state(opened, rules, frozen)
+    from .lightning_folder import is_folder, write_folder
+
+    if target == "dcp" and not single and is_folder(opened):  # Lightning's FSDP folder to its own kind
+        if rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop:
+            raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
+                             f"not apply when a Lightning FSDP folder is written as one (its DCP part is laid out "
+                             f"again as it is, beside its meta.pt); convert --to torch to change names or state")
+        res = write_folder(opened, out, world, options, src)
+        return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
+                             res.notes())
+    apply_drops(state, model_only, tuple(drop))
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
     if target == "zero":
         target = f"zero{_config_stage(cfg, ds_config)}"
@@ -174,11 +194,13 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
             files = _write_safetensors(dest, state, safetensors, options, single)
     options.progress.close()
     summary = _summary(state, target, safetensors)
-    notes = []
     if opened.trainer is not None:  # the trainer's side files stay behind: said, not silent
         from .trainer_folder import left_behind
 
-        notes = left_behind(opened.trainer, target)
+        notes += left_behind(opened.trainer, target)
+    from . import lightning_folder
+
+    notes += lightning_folder.left_behind(opened, target)  # a Lightning checkpoint written as a plain one
     return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
                          summary, files, notes)
 

@@ -47,6 +47,12 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
                              res.notes())
     if expect_from is not None and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
+    from .lightning_folder import is_folder, write_folder
+
+    if is_folder(opened):  # Lightning's FSDP folder as a unit: its DCP part resharded, meta.pt copied
+        res = write_folder(opened, out, to, options, src)
+        return ReshardResult(out, index.format, res.from_world_size, to, res.files, res.tensors, res.bytes,
+                             res.notes())
     if index.format not in ("dcp", "deepspeed"):
         raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
                                f"is nothing to reshard (reshard takes a DCP folder or a DeepSpeed checkpoint)")

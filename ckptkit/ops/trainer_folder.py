@@ -155,6 +155,9 @@ def _copy_tree(source: Source, target: OutputDir, rel: str, written: set[str]) -
     return [rel]
 
 
+copy_tree = _copy_tree  # public: the Lightning folder (ops/lightning_folder.py) copies its files the same way
+
+
 def _copy_file(source: Source, target: OutputDir, rel: str, new: str) -> None:
     """Streamed in blocks (a model.safetensors can be large); rank 0 writes it."""
     if not target.group.is_root:
@@ -185,7 +188,8 @@ def describe_lines(folder: TrainerFolder) -> list[str]:
     return lines
 
 
-__all__ = ["reshard_folder", "write_folder", "reshard_dcp_part", "FolderResult", "SubOutput", "describe_lines"]
+__all__ = ["reshard_folder", "write_folder", "reshard_dcp_part", "FolderResult", "SubOutput", "describe_lines",
+           "copy_tree"]
 
 
 def folder_findings(opened: Opened) -> list:
