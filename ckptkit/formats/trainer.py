@@ -188,7 +188,7 @@ def _read_step(source: Source) -> tuple[int | None, str | None]:
         size = source.size(TRAINER_STATE)
         if size > MAX_STATE_BYTES:
             return None, f"{label}: is {size:,} bytes, more than the {MAX_STATE_BYTES:,} a Trainer state holds"
-        doc = safe_json.loads(source.read(TRAINER_STATE, 0, size), label, "the Trainer state")
+        doc = safe_json.loads(source.read(TRAINER_STATE, 0, size), label, "the Trainer state", bounded=True)
     except CkptkitError as exc:
         return None, str(exc)
     step = doc.get("global_step") if isinstance(doc, dict) else None
