@@ -15,9 +15,16 @@ leaves a newer folder that must not be read). Kinds, tried in this order:
 Newest is by step: `checkpoint-N`, `step_N`, a tag's trailing number (`global_stepN`), Lightning's
 `step=N`; where a name carries none (`last.ckpt`, a free-form tag), by modification time. The rule
 used is said. `--tag NAME` picks an entry by name, `--step N` the entry of step N.
+
+Entry names are untrusted: only ASCII digits count as a step (`checkpoint-3\n` or a step in
+another script's digits is no entry); an entry linked outside the run folder is read only with
+--follow-links, whether chosen or asked for; an entry that is itself a run folder is not read as
+one (a link `checkpoint-9 -> .` would otherwise recurse). Choosing opens at most MAX_PROBED
+entries, newest first: a folder of thousands of broken saves costs the same as one of eight.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import re
 from dataclasses import dataclass, field
@@ -31,12 +38,17 @@ CHECKPOINTER = "Checkpointer directory"
 DEEPSPEED = "DeepSpeed save folder"
 LIGHTNING = "Lightning checkpoints folder"
 
-HF_ENTRY = re.compile(r"^checkpoint-(\d+)$")
-TRAILING_NUMBER = re.compile(r"(\d+)$")
-LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+HF_ENTRY = re.compile(r"checkpoint-([0-9]+)")  # fullmatch: no trailing line break, ASCII digits only
+TRAILING_NUMBER = re.compile(r"([0-9]+)\Z")
+LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=([0-9]+)")
 TRAINER_STATE = "trainer_state.json"
 MAX_TRAINER_STATE = 64 << 20
 MAX_LISTED = 6
+MAX_PROBED = 8  # entries opened (or their trainer state read) while looking for the newest complete one
+
+# set while an entry of a run folder is being opened: an entry is read as a checkpoint, never as
+# another run folder (no recursion through a link to the run folder itself)
+_inside_entry: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptkit_run_folder_entry", default=False)
 
 # what inspect/verify/... recognise as a run folder, for the message on an unrecognised folder
 RECOGNISED = ("a run folder holding checkpoint-N/ (HF Trainer output_dir), step_N/ (ckptkit Checkpointer), "
@@ -119,7 +131,7 @@ def detect(source: Source, names: list[str] | None = None) -> tuple[str, list[En
         return None
     if "latest" in names and not source.isdir("latest"):
         return (CHECKPOINTER, _checkpointer_entries(source, names)) if _points_to_step(source) else None
-    hf = [Entry(n, int(m.group(1))) for n in names if (m := HF_ENTRY.match(n)) and _is_dir(source, n)]
+    hf = [Entry(n, int(m.group(1))) for n in names if (m := HF_ENTRY.fullmatch(n)) and _is_dir(source, n)]
     if hf:
         return HF, sorted(hf, key=lambda e: (e.step, e.name))
     if accelerate.parts(source):
@@ -188,7 +200,10 @@ def resolve(path: str, source: Source, tag: str | None = None,
             follow_links: bool | None = None) -> RunChoice | None:
     """The checkpoint to read when `path` is a run folder (None when it is not one): the entry
     `tag` names, or else the newest complete one. A DeepSpeed save folder's --tag is left to the
-    DeepSpeed reader (None), as for any DeepSpeed checkpoint."""
+    DeepSpeed reader (None), as for any DeepSpeed checkpoint. Inside an entry being opened, None:
+    an entry is read as a checkpoint, not as another run folder."""
+    if _inside_entry.get():
+        return None
     found = detect(source)
     if found is None:
         return None
@@ -209,8 +224,12 @@ def tag_for_step(path: str, source: Source, step: int) -> str:
 
     found = detect(source)
     if found is None:
-        if source.isdir("") and ds_files.detect(source) and source.isdir(f"global_step{step}"):
-            return f"global_step{step}"
+        if source.isdir("") and ds_files.detect(source):
+            if source.isdir(f"global_step{step}"):
+                return f"global_step{step}"
+            tags = [n for n in _safe_listdir(source, "") if TRAILING_NUMBER.search(n) and _is_dir(source, n)]
+            raise UsageError(f"{path}: no tag global_step{step} in this DeepSpeed checkpoint (tags: "
+                             f"{_list(name_of(n) for n in tags) or 'none'})")
         raise UsageError(f"{path}: --step picks a checkpoint in a run folder ({RECOGNISED}) or a DeepSpeed "
                          f"tag global_stepN, and this is neither")
     kind, entries = found
@@ -229,6 +248,10 @@ def _asked(path: str, source: Source, kind: str, entries: list[Entry], tag: str)
     if chosen is None:
         raise UsageError(f"{path}: no checkpoint {name_of(tag)} in this {kind} (it holds "
                          f"{_list(e.name for e in reversed(entries))})")
+    _inside_run_folder(source, chosen)
+    why = _nested(path, source, kind, chosen)
+    if why:
+        raise NotACheckpointError(f"{path}: cannot read {name_of(chosen.name)}: {why}")
     step = _trainer_step(source, chosen.name, kind) if kind == HF else None
     return _choice(path, kind, chosen, step, f"as asked; {len(entries)} checkpoint(s) in this {kind}", [])
 
@@ -236,8 +259,15 @@ def _asked(path: str, source: Source, kind: str, entries: list[Entry], tag: str)
 def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
                      follow_links: bool | None) -> RunChoice:
     skipped: list[tuple[str, str]] = []
+    probed = 0
     for e in reversed(entries):
-        why, step, opened = _problem(path, source, kind, e, follow_links)
+        if probed >= MAX_PROBED:
+            raise NotACheckpointError(
+                f"{path}: a {kind} with {len(entries)} checkpoint(s), and the newest {MAX_PROBED} looked into are "
+                f"incomplete ({'; '.join(f'{name_of(n)}: {w}' for n, w in skipped[:MAX_LISTED])}"
+                f"{'; ...' if len(skipped) > MAX_LISTED else ''}); pick an older one with --step N or --tag NAME")
+        why, step, opened, costly = _problem(path, source, kind, e, follow_links)
+        probed += costly
         if not why:
             why = f"newest complete of {len(entries)} in this {kind}{_rule(kind, entries)}"
             why += "".join(f"; {n} is incomplete: {w}" for n, w in skipped[:MAX_LISTED])
@@ -245,7 +275,7 @@ def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
             choice.opened = opened
             return choice
         skipped.append((e.name, why))
-    listed = "; ".join(f"{n}: {w}" for n, w in skipped[:MAX_LISTED])
+    listed = "; ".join(f"{name_of(n)}: {w}" for n, w in skipped[:MAX_LISTED])
     more = f"; and {len(skipped) - MAX_LISTED} more" if len(skipped) > MAX_LISTED else ""
     raise NotACheckpointError(f"{path}: a {kind} with {len(entries)} checkpoint(s), none complete ({listed}{more})")
 
@@ -260,29 +290,59 @@ def _choice(path: str, kind: str, e: Entry, step: int | None, why: str,
 
 
 def _problem(path: str, source: Source, kind: str, e: Entry,
-             follow_links: bool | None) -> tuple[str, int | None, Any]:
+             follow_links: bool | None) -> tuple[str, int | None, Any, int]:
     """(why entry `e` is not a complete checkpoint, "" when it is; the step its trainer recorded;
-    the entry opened, when it was)."""
+    the entry opened, when it was; 1 when finding out read files, 0 when a look at names sufficed)."""
+    try:
+        _inside_run_folder(source, e)
+    except CkptkitError as exc:
+        return _short(str(exc)), None, None, 0
     if kind == CHECKPOINTER:
         from ..hooks import steps
 
         folder = steps.examine(source.root, e.name, e.step)
-        return folder.why, e.step, None
+        return folder.why, e.step, None, 1
+    if kind == HF and not source.exists(f"{e.name}/{TRAINER_STATE}"):
+        return f"no {TRAINER_STATE} (the Trainer writes it last)", None, None, 0
+    why = _nested(path, source, kind, e)
+    if why:
+        return why, None, None, 0
     step = None
     if kind == HF:
-        if not source.exists(f"{e.name}/{TRAINER_STATE}"):
-            return f"no {TRAINER_STATE} (the Trainer writes it last)", None, None
         try:
             step = _trainer_step(source, e.name, kind)
         except CkptkitError as exc:
-            return _short(str(exc)), None, None
+            return _short(str(exc)), None, None, 1
     try:
-        if isinstance(source, LocalSource):  # an entry linked outside the run folder is refused here too
-            source.boundary.resolve(e.name, source.label(e.name))
         why, opened = _opens_whole(path, e, kind, follow_links)
-        return why, step, opened
+        return why, step, opened, 1
     except CkptkitError as exc:
-        return _short(str(exc)), step, None
+        return _short(str(exc)), step, None, 1
+
+
+def _inside_run_folder(source: Source, e: Entry) -> None:
+    """An entry linked outside the run folder is refused (naming the link) unless links may be
+    followed: the run folder is the checkpoint the user named."""
+    if isinstance(source, LocalSource):
+        source.boundary.resolve(e.name, source.label(e.name))
+
+
+def _nested(path: str, source: Source, kind: str, e: Entry) -> str:
+    """Why entry `e` is not read ("" when it is): an HF or Lightning entry that is itself a run
+    folder (a link to the run folder, a run folder saved inside another). DeepSpeed tags are
+    opened in the run folder itself; Checkpointer steps are judged by hooks/steps.py."""
+    if kind not in (HF, LIGHTNING) or not _is_dir(source, e.name):
+        return ""
+    from ..storage.source import open_source
+
+    try:
+        inner = detect(open_source(path.rstrip("/") + "/" + e.name, True))
+    except CkptkitError as exc:
+        return _short(str(exc))
+    if inner is not None:
+        return (f"is itself a run folder ({inner[0]}, {len(inner[1])} checkpoint(s)), not a checkpoint; point ckptkit at "
+                f"it to read one of those")
+    return ""
 
 
 def _opens_whole(path: str, e: Entry, kind: str, follow_links: bool | None) -> tuple[str, Any]:
@@ -294,11 +354,15 @@ def _opens_whole(path: str, e: Entry, kind: str, follow_links: bool | None) -> t
     from .registry import open_checkpoint
 
     sep = "" if path.endswith("/") else "/"
-    with problems.collecting() as log:
-        if kind == DEEPSPEED:
-            opened = open_checkpoint(path, tag=e.name, follow_links=follow_links)
-        else:
-            opened = open_checkpoint(path + sep + e.name, follow_links=follow_links)
+    token = _inside_entry.set(True)
+    try:
+        with problems.collecting() as log:
+            if kind == DEEPSPEED:
+                opened = open_checkpoint(path, tag=e.name, follow_links=follow_links)
+            else:
+                opened = open_checkpoint(path + sep + e.name, follow_links=follow_links)
+    finally:
+        _inside_entry.reset(token)
     found = [p.message for p in log.problems] + structural_problems(opened)
     return (_short(found[0]), None) if found else ("", opened)
 
@@ -315,9 +379,9 @@ def _trainer_step(source: Source, name: str, kind: str) -> int | None:
     if size > MAX_TRAINER_STATE:
         raise FormatError(f"{source.label(rel)}: is {size:,} bytes, more than a trainer state "
                           f"({MAX_TRAINER_STATE:,} at most)")
-    doc = loads(source.read(rel, 0, size), source.label(rel), "the trainer state")
+    doc = loads(source.read(rel, 0, size), source.label(rel), "the trainer state", bounded=True)
     step = doc.get("global_step") if isinstance(doc, dict) else None
-    return step if type(step) is int else None
+    return step if type(step) is int and step >= 0 else None  # not a bool, a float, a string, negative
 
 
 def _short(text: str) -> str:
