@@ -88,7 +88,8 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     fetcher = Fetcher(opened.source, index=index)
     files: list[str] = []
     output = OutputFile if single else OutputDir
-    with output(out, overwrite=options.overwrite, group=options.group, sources=(src,)) as target:
+    sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
+    with output(out, overwrite=options.overwrite, group=options.group, sources=sources) as target:
         basename = target.name[: -len(".safetensors")] if single else "model"
         files += write_safetensors(target, fetcher, model, basename=basename, max_shard_bytes=max_bytes,
                                    slab_bytes=options.slab_bytes, workers=options.workers,

@@ -6,7 +6,9 @@ folder around it (`checkpoint-N/` around `global_stepN/` or `pytorch_model_fsdp_
 run folder above (the HF `output_dir`, where `save_model` writes them). They are found there,
 nearest first, and copied byte for byte through ckptkit's storage layer: each folder is read
 inside its own boundary (storage/paths.py), so a link leading out is refused as for any
-checkpoint file, and nothing is parsed but config.json (checked to be a JSON object).
+checkpoint file, and nothing is parsed but config.json (checked to be a JSON object, within the
+memory budget). The files copied are sources like the checkpoint: an OUT that is one of them, or
+holds one, is refused (`paths()` goes to the output's overlap check).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CkptkitError, FormatError, UsageError
+from ..storage.paths import kind_of
 from ..storage.source import Source, is_url, open_source
 
 CONFIG = "config.json"
@@ -61,6 +64,10 @@ class SideFiles:
 
     def names(self) -> list[str]:
         return [f.name for f in self.files]
+
+    def paths(self) -> list[str]:
+        """Every file that would be copied, as a path: sources an output must keep apart from."""
+        return [f"{f.folder.rstrip('/')}/{f.name}" for f in self.files]
 
     def close(self) -> None:
         for source in self._sources.values():
@@ -111,15 +118,16 @@ def find(checkpoint: str, follow_links: bool | None = None) -> SideFiles:
     first for each name. A folder that cannot be listed above the checkpoint is passed over."""
     found = SideFiles()
     for i, folder in enumerate(homes(checkpoint, follow_links)):
-        try:
+        try:  # a folder above that cannot be listed (permissions...) is passed over
             source = open_source(folder, follow_links)
-            names = _wanted(source)
+            source.listdir("")
         except CkptkitError:
             if i == 0:
                 raise
             continue
         except OSError:
             continue
+        names = _wanted(source)  # a bad entry (a chat template folder linked out...) is one sentence
         found.looked_in.append(folder)
         taken = set(found.names())
         new = [n for n in names if n not in taken]
@@ -133,6 +141,9 @@ def find(checkpoint: str, follow_links: bool | None = None) -> SideFiles:
 def from_config_dir(config: str, follow_links: bool | None = None) -> SideFiles:
     """--config DIR: the side files of DIR instead of the checkpoint's (DIR must hold config.json);
     a path to a config.json file takes that file alone."""
+    if not is_url(config) and os.path.exists(config) and not (os.path.isfile(config) or os.path.isdir(config)):
+        raise UsageError(f"--config {config}: is {kind_of(os.stat(config).st_mode)}, expected a folder holding "
+                         f"{CONFIG} (or {CONFIG} itself)")
     if not is_url(config) and os.path.isfile(config):
         if _base(config) != CONFIG:
             raise UsageError(f"--config {config}: expected a folder holding config.json (or config.json itself)")
@@ -166,7 +177,7 @@ def _check(found: SideFiles) -> None:
         if size > MAX_CONFIG_BYTES:
             raise FormatError(f"{source.label(CONFIG)}: is {size:,} bytes, more than a model config "
                               f"({MAX_CONFIG_BYTES:,} at most)")
-        doc = loads(source.read(CONFIG, 0, size), source.label(CONFIG), "the model config")
+        doc = loads(source.read(CONFIG, 0, size), source.label(CONFIG), "the model config", bounded=True)
         if not isinstance(doc, dict):
             raise FormatError(f"{source.label(CONFIG)}: is not a JSON object (a model config is one)")
 
