@@ -36,6 +36,11 @@ from .files import Layout, locate
 FORMAT = "deepspeed"
 STRUCTURAL_KEYS = {"module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                    "shared_params", "optimizer"}
+# A state kept whole is copied to every parameter of its group, and every command then walks it
+# once per parameter: its values (strings, bytes and tensor data one per 64 bytes) times the
+# parameters are held to this. torch's step is one value; a 2M-element list over 5 parameters
+# kept `inspect` busy for minutes.
+MAX_WHOLE_FANOUT = 1_000_000
 DS_KEYS = {"lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
            "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
            "checkpoint_parallel_dimensions", "universal_checkpoint_info", "iteration", "compression"}
@@ -250,6 +255,7 @@ class _StateOf:
     """The optimizer state of one (sub-)group, read rank by rank and checked for consistency."""
 
     where: str                                   # "group 0" / "sub-group 2"
+    params: int = 1                              # parameters of the group: each gets the whole values
     kinds: dict[str, str] = field(default_factory=dict)        # key -> PARTITIONED / WHOLE, in order
     dtypes: dict[str, str] = field(default_factory=dict)       # partitioned key -> dtype
     whole: dict[str, tuple[int, Any]] = field(default_factory=dict)  # whole key -> (first rank read, value)
@@ -268,7 +274,12 @@ class _StateOf:
                               f"{quote(str(sorted(map(str, gstate))))}, rank {self.keys_rank}'s has "
                               f"{quote(str(sorted(map(str, self.kinds))))}; every rank's must match")
         locs: dict[str, Location] = {}
+        named: dict[str, Any] = {}
         for key, value in gstate.items():
+            if named.setdefault(str(key), key) is not key:  # 1 and "1": one index entry, one value lost
+                raise FormatError(f"{arch.label}: optimizer state of {self.where} has keys "
+                                  f"{quote(repr(named[str(key)]))} and {quote(repr(key))}, which name the same "
+                                  f"state optim.state.<parameter>.{quote(str(key))}; refused, as one would be lost")
             refuse_unmappable(key, f"{arch.label}: {self.where}")
             shape = tuple(value.size) if isinstance(value, TensorRef) else None
             kind = WHOLE
@@ -294,6 +305,13 @@ class _StateOf:
         (a value that differs between ranks has no single owner and would be lost)."""
         value = materialize(value, arch)
         if key not in self.whole:
+            limit = MAX_WHOLE_FANOUT // max(1, self.params)
+            if _weight(value, limit) > limit:  # every command walks it once per parameter
+                raise UnsupportedError(
+                    f"{arch.label}: optimizer state {quote(str(key))} of {self.where} is not partitioned with the "
+                    f"parameters and too large to keep for each of its {self.params} parameters (over {limit:,} "
+                    f"values, {MAX_WHOLE_FANOUT:,} shared by them); a value kept per parameter is a step or "
+                    f"another small one")
             self.whole[key] = (rank, value)
         elif not _same_value(self.whole[key][1], value):
             first, kept = self.whole[key]
@@ -312,6 +330,28 @@ class _StateOf:
                 for name in names:
                     index.add_object(ObjectEntry(_state_key(name, key), self.whole[key][1],
                                                  path=("optim", "state", name, key)))
+
+
+def _weight(value: Any, limit: int) -> int:
+    """Values inside `value` (strings, bytes and tensor data one per 64 bytes), counted up to
+    just past `limit`."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        total += 1
+        if isinstance(v, Inert):
+            v = v.to_data()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+        elif isinstance(v, (str, bytes, bytearray)):
+            total += len(v) >> 6
+        else:
+            nbytes = getattr(v, "nbytes", 0)  # a tensor's data
+            total += nbytes >> 6 if isinstance(nbytes, int) else 0
+    return total
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -366,7 +406,7 @@ def _stage12(index, info, archives, optim, layout, param_shapes, source) -> None
         pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
         info.groups.append(Group(g, g, names, list(pads) if pads else None))
         placed, total, ps = partition.stage12_group([(n, math.prod(s)) for n, s in names], pads, world)
-        of = _StateOf(f"group {g}")
+        of = _StateOf(f"group {g}", len(names))
         damaged: list[str] = []
         for rank in range(world):
             expected = max(0, min(ps, total - rank * ps))  # saved without the end padding (or with it)
@@ -456,7 +496,7 @@ def _stage3(index, info, archives, optim, layout, param_shapes, source) -> None:
         info.groups.append(Group(i, sub_to_group[i], names))
         per = [(n, math.prod(s), partition.stage3_slice(math.prod(s), world)) for n, s in names]
         flat_len = sum(p for _, _, p in per)
-        of = _StateOf(f"sub-group {i}")
+        of = _StateOf(f"sub-group {i}", len(names))
         damaged: list[str] = []
         for rank in range(world):
             if rank not in optim:  # its file was missing or unreadable (verify listed it)
