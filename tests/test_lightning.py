@@ -226,6 +226,23 @@ def test_meta_pt_the_unpickler_refuses_is_one_sentence(tmp_path):
     res = consolidate(str(folder), str(tmp_path / "out"), include_optimizer=True)
     assert res.optimizer_tensors == 63
     assert any(n.startswith("not read") and "argparse.Namespace" in n for n in res.not_written)
+    # convert cannot carry what it could not read: one sentence, nothing written, unless asked
+    refused = run_cli("convert", str(folder), str(tmp_path / "c.pt"), "--to", "torch")
+    assert refused.code != 0 and refused.exception is None and refused.stderr.strip().count("\n") == 0
+    assert "meta.pt" in refused.stderr and "argparse.Namespace" in refused.stderr
+    assert "--drop 'meta.pt'" in refused.stderr and "--model-only" in refused.stderr
+    assert not (tmp_path / "c.pt").exists()
+    for ask in (("--drop", "meta.pt"), ("--model-only",)):
+        out = tmp_path / f"c{len(ask)}.pt"
+        res = run_cli("convert", str(folder), str(out), "--to", "torch", *ask)
+        assert res.code == 0, res.output
+        assert "dropped on request" in res.stdout and "meta.pt" in res.stdout
+    # reshard and convert to the same kind copy it byte for byte
+    for cmd in (("reshard", "--to", "3"), ("convert", "--to", "dcp")):
+        out = tmp_path / cmd[0]
+        res = run_cli(cmd[0], str(folder), str(out), *cmd[1:])
+        assert res.code == 0, res.output
+        assert (out / lightning.META).read_bytes() == (folder / lightning.META).read_bytes()
 
 
 def test_model_prefix_only_when_every_name_shares_it():
@@ -235,34 +252,95 @@ def test_model_prefix_only_when_every_name_shares_it():
     assert lightning.model_prefix(["weight"]) is None
 
 
-def test_dcp_part_resharded_with_meta_copied_is_what_lightning_reads(tmp_path, fsdp_truth):
-    """formats.lightning.dcp_part is what a reshard of the folder needs: the DCP part written for 3
-    ranks and meta.pt copied byte for byte read back through Lightning's own loader as the source."""
+def lightning_reads(folder) -> dict:
+    """Lightning's own loader of a sharded folder (DCP + meta.pt), formatted as its .ckpt."""
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
     from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
-    from ckptkit.formats.dcp.writer import write_dcp
-    from ckptkit.index.layouts import fsdp2_layout
-    from ckptkit.runner.fetch import Fetcher
-    from ckptkit.storage.output import OutputDir
+    return _format_checkpoint(_load_distributed_checkpoint(folder))
 
-    opened = open_checkpoint(str(FSDP))
-    part, copies = lightning.dcp_part(opened.index)
-    assert copies == [lightning.META] and len(part.tensors) == 84
-    assert not any(o.attrs.get(lightning.META_ATTR) for o in part.objects.values())
-    out = tmp_path / "w3"
-    with OutputDir(str(out)) as target:
-        write_dcp(target, part, Fetcher(opened.source), fsdp2_layout(part, 3), slab_bytes=1 << 20)
-        for name in copies:
-            target.write_bytes(name, (FSDP / name).read_bytes())
-    got = _format_checkpoint(_load_distributed_checkpoint(out))
-    assert sorted(got) == sorted(fsdp_truth)
-    for k, v in fsdp_truth["state_dict"].items():
+
+def same_checkpoint(got: dict, truth: dict) -> None:
+    """Every key, tensor (bit for bit) and value of Lightning's formatted checkpoint."""
+    assert sorted(got) == sorted(truth)
+    for k, v in truth["state_dict"].items():
         same(got["state_dict"][k], v, k)
-    for name, states in fsdp_truth["optimizer_states"][0]["state"].items():
+    (want,), (have,) = truth["optimizer_states"], got["optimizer_states"]
+    assert sorted(have["state"]) == sorted(want["state"])
+    for name, states in want["state"].items():
+        assert sorted(have["state"][name]) == sorted(states)
         for key, value in states.items():
-            same(got["optimizer_states"][0]["state"][name][key], value, f"{name}.{key}")
-    assert got["global_step"] == 2 and got["loops"] == fsdp_truth["loops"]
+            same(have["state"][name][key], value, f"{name}.{key}")
+    assert have["param_groups"] == want["param_groups"]
+    for k in truth:
+        if k not in ("state_dict", "optimizer_states"):
+            assert got[k] == truth[k], k
+
+
+def with_extra_file(tmp_path):
+    """The FSDP fixture with a file of the user's beside it (a reshard must not leave it behind)."""
+    folder = tmp_path / "src"
+    shutil.copytree(FSDP, folder)
+    (folder / "notes.txt").write_text("run 7\n")
+    return folder
+
+
+def test_dcp_part_leaves_meta_out_and_names_every_other_file(tmp_path):
+    opened = open_checkpoint(str(with_extra_file(tmp_path)))
+    part, copies = lightning.dcp_part(opened.index, opened.source)
+    assert copies == [lightning.META, "notes.txt"] and len(part.tensors) == 84
+    assert not any(o.attrs.get(lightning.META_ATTR) for o in part.objects.values())
+    assert lightning.dcp_part(open_checkpoint(str(DS)).index)[1] == []  # not a DCP folder: nothing to copy
+
+
+def test_reshard_writes_a_lightning_folder_lightning_reads(tmp_path, fsdp_truth):
+    """reshard --to 3: the DCP part for 3 ranks, meta.pt and the user's file copied byte for byte
+    and listed; Lightning's own loader reads back every tensor and value of the source."""
+    src, out = with_extra_file(tmp_path), tmp_path / "w3"
+    res = run_cli("reshard", str(src), str(out), "--to", "3")
+    assert res.code == 0, res.output
+    assert "copied byte for byte: meta.pt" in res.stdout and "copied as they are: notes.txt" in res.stdout
+    assert sorted(p.name for p in out.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
+    for name in (lightning.META, "notes.txt"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    same_checkpoint(lightning_reads(out), fsdp_truth)
+    assert open_checkpoint(str(out)).index.world_size == 3
+
+
+def test_convert_to_dcp_writes_the_same_kind_of_folder(tmp_path, fsdp_truth):
+    out = tmp_path / "c3"
+    res = run_cli("convert", str(FSDP), str(out), "--to", "dcp", "--world-size", "3")
+    assert res.code == 0, res.output
+    assert "Lightning folder (fsdp_sharded)" in res.stdout and "copied byte for byte: meta.pt" in res.stdout
+    assert (out / lightning.META).read_bytes() == (FSDP / lightning.META).read_bytes()
+    same_checkpoint(lightning_reads(out), fsdp_truth)
+    refused = run_cli("convert", str(FSDP), str(tmp_path / "r"), "--to", "dcp", "--model-only")
+    assert refused.code != 0 and refused.exception is None and refused.stderr.strip().count("\n") == 0
+    assert "Lightning FSDP folder" in refused.stderr and "--to torch" in refused.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_convert_to_a_plain_target_says_what_lightning_loses(tmp_path):
+    res = run_cli("convert", str(with_extra_file(tmp_path)), str(tmp_path / "c.pt"), "--to", "torch")
+    assert res.code == 0, res.output
+    (note,) = [line for line in res.stdout.splitlines() if line.startswith("Lightning FSDP sharded folder")]
+    assert "not a Lightning one" in note and "meta.pt's values" in note and "not copied: notes.txt" in note
+
+
+def test_convert_to_hf_strips_the_lightningmodule_attribute(tmp_path, fsdp_truth):
+    out = tmp_path / "hf"
+    res = run_cli("convert", str(FSDP), str(out), "--to", "hf")
+    assert res.code == 0, res.output
+    assert "stripped model. from every model name" in res.stdout
+    got = load_file(str(out / "model.safetensors"))
+    assert sorted(got) == sorted(strip(k) for k in fsdp_truth["state_dict"])
+    for k, v in fsdp_truth["state_dict"].items():
+        same(got[strip(k)], v, k)
+    mine = tmp_path / "mine"
+    res = run_cli("convert", str(FSDP), str(mine), "--to", "safetensors", "--rename", "model.=net.")
+    assert res.code == 0, res.output
+    assert "stripped" not in res.stdout  # an explicit rule replaces the default
+    assert sorted(load_file(str(mine / "model.safetensors"))) == sorted("net." + strip(k) for k in fsdp_truth["state_dict"])
 
 
 def test_lightnings_consolidated_ckpt_is_read_by_name(tmp_path, fsdp_truth):
@@ -291,3 +369,77 @@ def test_optimizer_parts_names_both_lightning_layouts_alike():
     assert optimizer_parts(("model", "w")) is None and optimizer_parts(("optimizer_x", "w")) is None
     assert "optimizer_12" in OPTIM_CONTAINERS and "optimizer_states" in OPTIM_CONTAINERS
     assert "optimizer_" not in OPTIM_CONTAINERS and 0 not in OPTIM_CONTAINERS
+
+
+def test_deepspeed_layout_reshard_keeps_lightnings_client_state(tmp_path):
+    """reshard --to 3 of Lightning's DeepSpeed layout: Lightning's own conversion (DeepSpeed's
+    zero_to_fp32 at the new world size, plus the client state) reads back the source's weights
+    bit for bit and every key Lightning put in the client state (epoch, global_step, loops,
+    callbacks, lr_schedulers, hyper_parameters...) equal."""
+    pytest.importorskip("deepspeed", reason="Lightning's DeepSpeed conversion needs deepspeed")
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    out = tmp_path / "w3"
+    res = run_cli("reshard", str(DS), str(out), "--to", "3")
+    assert res.code == 0, res.output
+    assert len(list((out / "checkpoint").glob("zero_pp_rank_*_optim_states.pt"))) == 3
+    truth = convert_zero_checkpoint_to_fp32_state_dict(DS, tmp_path / "src.pt")
+    got = convert_zero_checkpoint_to_fp32_state_dict(out, tmp_path / "out.pt")
+    assert sorted(got) == sorted(truth)
+    for k, v in truth["state_dict"].items():
+        same(got["state_dict"][k], v, k)
+    for key in ("epoch", "global_step", "loops", "callbacks", "lr_schedulers", "hyper_parameters",
+                "pytorch-lightning_version"):
+        assert key in truth and got[key] == truth[key], key
+    _, report = inspect(str(out))
+    assert report.step == 2 and report.world_size == 3
+
+
+# --- Lightning resumes the rewritten checkpoint at 3 processes (slow) ------------------------------
+
+def _resume_truth(strategy: str, tmp_path) -> dict:
+    """What the resumed run must hold before its first step, from Lightning's reading of the source
+    (DeepSpeed: Lightning's conversion for the weights and client state; its moments from ckptkit's
+    consolidation, which test_any_optimizer_deepspeed holds to DeepSpeed's own)."""
+    if strategy == "fsdp":
+        full = lightning_reads(FSDP)
+        optim = full["optimizer_states"][0]["state"]
+    else:
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        full = convert_zero_checkpoint_to_fp32_state_dict(DS, tmp_path / "lightning.pt")
+        out = tmp_path / "moments"
+        consolidate(str(DS), str(out), include_optimizer=True)
+        tensors, _ = read_optimizer(out)
+        optim = {k: {s: tensors[f"state.{strip(k)}.{s}"] for s in ("exp_avg", "exp_avg_sq")} for k in full["state_dict"]}
+    return {"state_dict": full["state_dict"], "optim": optim, "lr_scheduler": full["lr_schedulers"][0],
+            "global_step": full["global_step"], "epoch": full["epoch"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_lightning_resumes_the_reshard_at_three_processes(strategy, tmp_path):
+    """reshard 2 -> 3, then Lightning's Trainer.fit(ckpt_path=OUT) at 3 processes (the generator's
+    CPU strategies): before its first step every weight and moment equals the source's bit for
+    bit, with the step, epoch and scheduler restored; then it trains a step."""
+    import subprocess
+
+    from conftest import ROOT, subprocess_env, torchrun_cmd
+
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed", reason="Lightning's DeepSpeed strategy needs deepspeed")
+    out = tmp_path / "w3"
+    res = run_cli("reshard", str(FSDP if strategy == "fsdp" else DS), str(out), "--to", "3")
+    assert res.code == 0, res.output
+    truth, result = tmp_path / "truth.pt", tmp_path / "result.json"
+    torch.save(_resume_truth(strategy, tmp_path), truth)
+    cmd = torchrun_cmd(3) + [str(ROOT / "tests" / "dist" / "lightning_resume.py"), "--strategy", strategy,
+                             "--ckpt", str(out), "--truth", str(truth), "--result", str(result)]
+    env = subprocess_env()
+    env["DS_ACCELERATOR"] = "cpu"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = json.loads(result.read_text())
+    assert got["world_size"] == 3 and got["global_step_restored"] == 2, got
+    assert got["compared"] == (84 if strategy == "fsdp" else 63) and not got["mismatches"], got["mismatches"][:5]
+    assert got["ok"], got
