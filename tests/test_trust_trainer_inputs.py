@@ -86,6 +86,19 @@ def test_an_entry_linked_to_the_run_folder_itself_does_not_recurse(tmp_path: Pat
                   scene=scene)
 
 
+def test_thousands_of_links_to_the_run_folder_cost_a_bounded_number_of_listings(tmp_path: Path) -> None:
+    # Each checkpoint-N -> . is seen to be a run folder by listing it: 3000 of them listed the
+    # 3000-entry run folder 3000 times. Now at most MAX_PROBED entries are listed or opened.
+    run = _run_folder(tmp_path, steps=(1,))
+    shutil.copy(TRAINER / "trainer_state.json", run / "trainer_state.json")
+    for n in range(2, 3002):
+        os.symlink(".", run / f"checkpoint-{n}")
+    scene = Scene(run)
+    refused = run_ckptkit("inspect", run, timeout=TIMEOUT)
+    check_refused(refused, str(run), "is itself a run folder", "--step N", scene=scene)
+    assert refused.seconds < 10, refused.detail()
+
+
 def test_entry_names_count_only_ascii_digits_and_are_escaped(tmp_path: Path) -> None:
     # Found: `checkpoint-3\n` (the regex's $ matches before a final line break) and `checkpoint-٣`
     # (Arabic-Indic digits) were read as the newest checkpoint-N. A Lightning name with an escape

@@ -292,7 +292,8 @@ def _choice(path: str, kind: str, e: Entry, step: int | None, why: str,
 def _problem(path: str, source: Source, kind: str, e: Entry,
              follow_links: bool | None) -> tuple[str, int | None, Any, int]:
     """(why entry `e` is not a complete checkpoint, "" when it is; the step its trainer recorded;
-    the entry opened, when it was; 1 when finding out read files, 0 when a look at names sufficed)."""
+    the entry opened, when it was; 1 when finding out listed or read the entry, 0 when a look at
+    its name and a stat sufficed)."""
     try:
         _inside_run_folder(source, e)
     except CkptkitError as exc:
@@ -304,9 +305,9 @@ def _problem(path: str, source: Source, kind: str, e: Entry,
         return folder.why, e.step, None, 1
     if kind == HF and not source.exists(f"{e.name}/{TRAINER_STATE}"):
         return f"no {TRAINER_STATE} (the Trainer writes it last)", None, None, 0
-    why = _nested(path, source, kind, e)
+    why = _nested(path, source, kind, e)  # lists the entry: costly (10,000 links to the run folder...)
     if why:
-        return why, None, None, 0
+        return why, None, None, 1
     step = None
     if kind == HF:
         try:
