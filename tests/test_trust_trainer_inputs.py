@@ -81,7 +81,8 @@ def test_an_entry_linked_to_the_run_folder_itself_does_not_recurse(tmp_path: Pat
     scene = Scene(run)
     newest = run_ckptkit("inspect", run, timeout=TIMEOUT)
     assert newest.code == 0, newest.detail()
-    assert "using checkpoint-2" in newest.stderr and "checkpoint-7 is incomplete: is itself a run folder" in newest.stderr
+    assert "using checkpoint-2" in newest.stderr, newest.detail()
+    assert "checkpoint-7 is incomplete: is itself a run folder" in newest.stderr, newest.detail()
     check_refused(run_ckptkit("inspect", run, "--step", "7", timeout=TIMEOUT), "checkpoint-7", "is itself a run folder",
                   scene=scene)
 

@@ -341,8 +341,8 @@ def _nested(path: str, source: Source, kind: str, e: Entry) -> str:
     except CkptkitError as exc:
         return _short(str(exc))
     if inner is not None:
-        return (f"is itself a run folder ({inner[0]}, {len(inner[1])} checkpoint(s)), not a checkpoint; point ckptkit at "
-                f"it to read one of those")
+        return (f"is itself a run folder ({inner[0]}, {len(inner[1])} checkpoint(s)), not a checkpoint; point "
+                f"ckptkit at it to read one of those")
     return ""
 
 
