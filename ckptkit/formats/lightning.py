@@ -47,6 +47,9 @@ def add_meta(source: Source, index: CheckpointIndex) -> None:
     try:
         meta = ts_reader.read_index(source, META)
     except CkptkitError as e:
+        from ..index import problems
+
+        problems.tolerate(e, source.label(META))  # verify lists it among the problems; others say it in a note
         index.metadata.setdefault("unread", {})[META] = (
             f"{e} (Lightning's step, loops, callbacks and scheduler state in it are not read; the model "
             f"and optimizer in the DCP files are)")
