@@ -226,6 +226,9 @@ def test_meta_pt_the_unpickler_refuses_is_one_sentence(tmp_path):
     res = consolidate(str(folder), str(tmp_path / "out"), include_optimizer=True)
     assert res.optimizer_tensors == 63
     assert any(n.startswith("not read") and "argparse.Namespace" in n for n in res.not_written)
+    compared = run_cli("diff", str(FSDP), str(folder))  # what was not read was not compared: not "equal"
+    assert compared.code == 1 and "unread" in compared.stdout and "argparse.Namespace" in compared.stdout
+    assert "\nnot equal\n" in compared.stdout, compared.stdout
     checked = run_cli("verify", str(folder))  # verify lists it among the problems
     assert checked.code != 0 and "meta.pt" in checked.output and "argparse.Namespace" in checked.output
     # convert cannot carry what it could not read: one sentence, nothing written, unless asked

@@ -56,7 +56,7 @@ def normalize(name: str) -> str:
 @dataclass
 class Row:
     name: str
-    status: str                 # equal | close | different | missing_a | missing_b | dtype | shape | one_side
+    status: str                 # equal | close | different | missing_a | missing_b | dtype | shape | one_side | unread
     max_abs_diff: float | None = None
     detail: str = ""
     rel_l2: float | None = None   # ||a-b|| / ||a|| (|a-b| / |a| for a number); inf when a is 0 and b is not
@@ -207,7 +207,15 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
             result.rows.append(Row(name, "one_side", detail=f"tensor only in {where}"))
     for name in sorted(set(va) | set(vb)):
         result.rows.append(_compare_value(name, va, vb, a, b, atol))
+    result.rows += _unread(oa, a) + _unread(ob, b)
     return result
+
+
+def _unread(opened: Opened, label: str) -> list[Row]:
+    """Files a reader could not read (e.g. a Lightning meta.pt the restricted unpickler refused):
+    what they hold was not compared, so the two checkpoints cannot be called equal."""
+    unread = opened.index.metadata.get("unread") or {}
+    return [Row(f"unread:{name}", "unread", detail=f"not read in {label}: {why}") for name, why in unread.items()]
 
 
 def _compare_value(name: str, va: dict, vb: dict, a: str, b: str, atol: float) -> Row:
