@@ -229,3 +229,18 @@ def test_an_output_beside_the_blobs_still_works(tmp_path: Path) -> None:
     run = run_ckptkit("consolidate", snap, out, timeout=TIMEOUT)
     assert run.code == 0, run.detail()
     assert (snap / "model.safetensors").read_bytes().endswith(b"\1" * 8)
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "consolidate", "convert"])
+def test_two_entries_that_flatten_to_one_name_are_refused_not_merged(tmp_path: Path, cmd: str) -> None:
+    """{"a.b": x, "a": {"b": y}}: both join to the name "a.b". Kept silently, one hid the other
+    (inspect counted 1 tensor, convert wrote one of them, exit 0)."""
+    import torch
+
+    src = tmp_path / "two.pt"
+    torch.save({"model": {"a.b": torch.ones(3), "a": {"b": torch.zeros(3)}}}, src)
+    out = tmp_path / "out"
+    scene = Scene(src, out if cmd != "inspect" else None)
+    extra = {"inspect": [], "consolidate": [str(out)], "convert": [str(out), "--to", "torch"]}[cmd]
+    run = run_ckptkit(cmd, src, *extra)
+    check_refused(run, str(src), "same name", "model.a.b", scene=scene)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ..errors import FormatError, quote
 from .dtypes import itemsize
 
 
@@ -157,6 +158,15 @@ class IntegrityCheck:
     what: str
 
 
+class NameCollision(FormatError):
+    """Two entries of one checkpoint flatten to the same name; `detail` is the sentence without
+    the place, for a reader that knows the file better than the index's root."""
+
+    def __init__(self, where: str, detail: str) -> None:
+        super().__init__(f"{where}: {detail}")
+        self.detail = detail
+
+
 @dataclass
 class CheckpointIndex:
     """Everything a reader learned about a checkpoint, with no payload loaded."""
@@ -174,11 +184,30 @@ class CheckpointIndex:
     native: Any = None
 
     def add_tensor(self, entry: TensorEntry) -> None:
+        self._refuse_collision(entry.key, entry.path)
         self.tensors[entry.key] = entry
 
     def add_object(self, entry: ObjectEntry) -> None:
+        self._refuse_collision(entry.key, entry.path)
         self.objects[entry.key] = entry
+
+    def _refuse_collision(self, key: str, path: Any) -> None:
+        """Two different entries whose paths join to one key ({"a.b": x, "a": {"b": y}}): one
+        would silently hide the other, in every command. A reader replacing its own entry (the
+        same path, or none) is not a collision."""
+        old = self.tensors.get(key) or self.objects.get(key)
+        if old is None or old.path is None or path is None or tuple(old.path) == tuple(path):
+            return
+        raise NameCollision(self.root, f"two entries have the same name {quote(key)} (at "
+                            f"{_shown(old.path)} and {_shown(path)}); ckptkit names an entry "
+                            f"by joining its path with '.', so one would hide the other")
 
     @property
     def total_tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def _shown(path: Any) -> str:
+    """A path as Python subscripts (['a.b'] vs ['a']['b']): what tells two colliding entries apart."""
+    return "".join(f"[{quote(p) if isinstance(p, str) else int(p) if isinstance(p, int) else quote(str(p))}]"
+                   for p in path)

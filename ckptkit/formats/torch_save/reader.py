@@ -11,7 +11,7 @@ from typing import Any
 
 from ...errors import FormatError
 from ...index.flatten import flatten, key_of
-from ...index.types import Box, CheckpointIndex, ObjectEntry, Piece, TensorEntry
+from ...index.types import Box, CheckpointIndex, NameCollision, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
 from .archive import Archive, load_structure, load_values, open_archive, tensor_location
@@ -30,6 +30,8 @@ def read_index(source: Source, rel: str) -> CheckpointIndex:
     except RecursionError:
         raise FormatError(f"{archive.label}: the state dict is nested too deeply (or refers to "
                           f"itself) to be a checkpoint") from None
+    except NameCollision as e:
+        raise FormatError(f"{archive.label}: {e.detail}") from None
     return index
 
 
