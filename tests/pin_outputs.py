@@ -1,0 +1,130 @@
+"""Pin the bytes that consolidate, reshard and convert write for the committed fixtures.
+
+Issue 15 refactors the readers, writers and planner; its promise is that outputs stay
+byte-identical. This script runs a representative set of commands (each fixture family, a few
+targets each) in-process and records a SHA-256 per output file. `tests/test_output_digests.py`
+recomputes them and names the output that changed. Regenerate only on purpose:
+
+    .venv/bin/python tests/pin_outputs.py          # rewrites tests/data/output_digests.json
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "fixtures" / "data"
+DIGESTS = ROOT / "tests" / "data" / "output_digests.json"
+
+# Files whose bytes are not a function of the input. None today: the torch.save writer stamps a
+# fixed zip date, the DCP writer derives its metadata uuid from the plan (uuid5), temporary names
+# (uuid4 tokens) never reach a committed output. Name a file here only if a writer must stamp time.
+SKIP_NAMES: frozenset[str] = frozenset()
+
+# (case id, fixture path relative to fixtures/data, ckptkit arguments after SRC OUT).
+CASES: list[tuple[str, str, list[str]]] = [
+    # DCP / FSDP2
+    ("fsdp2_w2.consolidate", "fsdp2_w2", ["consolidate", "--include-optimizer"]),
+    ("fsdp2_w2.reshard3", "fsdp2_w2", ["reshard", "--to", "3"]),
+    ("fsdp2_w2.to_zero3", "fsdp2_w2", ["convert", "--to", "zero3", "--world-size", "2",
+                                       "--ds-config", "deepspeed/z3_bf16_w2/ds_config.json"]),
+    ("fsdp2_w3.to_torch", "fsdp2_w3", ["convert", "--to", "torch"]),
+    ("fsdp2_sgd_w2.to_zero2", "fsdp2_sgd_w2", ["convert", "--to", "zero2", "--world-size", "2", "--ds-config",
+                                               "deepspeed_optimizers/z2_sgd_fp32_w2/ds_config.json"]),
+    ("dcp_zstd_w2.consolidate", "dcp_zstd_w2", ["consolidate"]),
+    ("dcp_rank_local_w2.consolidate", "dcp_rank_local_w2", ["consolidate"]),
+    # FSDP1 sharded state dict
+    ("fsdp1_sharded_w2.reshard1", "fsdp1_sharded_w2", ["reshard", "--to", "1"]),
+    ("fsdp1_sharded_w2.to_zero2", "fsdp1_sharded_w2", ["convert", "--to", "zero2", "--world-size", "2",
+                                                       "--ds-config", "deepspeed/z2_fp32_w2/ds_config.json"]),
+    # torch.save files
+    ("plain_state_dict.consolidate", "plain_state_dict.pt", ["consolidate"]),
+    ("fsdp1_full_state_dict.to_dcp", "fsdp1_full_state_dict.pt", ["convert", "--to", "dcp", "--world-size", "2"]),
+    # DeepSpeed ZeRO 1/2/3
+    ("z1_fp16_w2.reshard3", "deepspeed/z1_fp16_w2", ["reshard", "--to", "3"]),
+    ("z1_bf16_w2.to_fsdp2", "deepspeed/z1_bf16_w2", ["convert", "--to", "fsdp2", "--world-size", "3"]),
+    ("z2_bf16_w2.consolidate", "deepspeed/z2_bf16_w2", ["consolidate", "--include-optimizer"]),
+    ("z2_fp32_w2.to_zero3", "deepspeed/z2_fp32_w2", ["convert", "--to", "zero3"]),
+    ("z3_bf16_w4.reshard2", "deepspeed/z3_bf16_w4", ["reshard", "--to", "2"]),
+    ("z3_bf16_w2.to_torch", "deepspeed/z3_bf16_w2", ["convert", "--to", "torch"]),
+    # DeepSpeed with other optimizers
+    ("z1_adagrad_fp32_w2.to_dcp", "deepspeed_optimizers/z1_adagrad_fp32_w2", ["convert", "--to", "dcp"]),
+    ("z2_sgd_fp32_w2.reshard3", "deepspeed_optimizers/z2_sgd_fp32_w2", ["reshard", "--to", "3"]),
+    ("z3_rmsprop_bf16_w2.to_zero1", "deepspeed_optimizers/z3_rmsprop_bf16_w2", ["convert", "--to", "zero1"]),
+    # Trainer folders
+    ("trainer_fsdp2.consolidate", "trainer/fsdp2", ["consolidate"]),
+    ("trainer_fsdp1.to_dcp", "trainer/fsdp1", ["convert", "--to", "dcp"]),
+    ("trainer_ds_z2.reshard3", "trainer/ds_z2", ["reshard", "--to", "3"]),
+    ("trainer_ds_z3.to_torch", "trainer/ds_z3", ["convert", "--to", "torch"]),
+    ("trainer_ddp.consolidate", "trainer/ddp", ["consolidate"]),
+    # Lightning
+    ("lightning_single.consolidate", "lightning/single_w1.ckpt", ["consolidate"]),
+    ("lightning_groups.to_dcp", "lightning/groups_w1.ckpt",
+     ["convert", "--to", "dcp", "--world-size", "2", "--model-only"]),
+    ("lightning_fsdp.reshard3", "lightning/fsdp_sharded_w2", ["reshard", "--to", "3"]),
+    ("lightning_ds_z2.to_torch", "lightning/deepspeed_z2_w2", ["convert", "--to", "torch"]),
+]
+
+
+def _args(case_args: list[str]) -> list[str]:
+    """Resolve fixture-relative --ds-config paths so the command works from any directory."""
+    out = list(case_args)
+    for i, a in enumerate(out):
+        if i and out[i - 1] == "--ds-config":
+            out[i] = str(DATA / a)
+    return out
+
+
+def digest_tree(out: Path) -> dict[str, str]:
+    """SHA-256 of every file under `out` (or of `out` itself), keyed by its path relative to `out`."""
+    files = [out] if out.is_file() else sorted(p for p in out.rglob("*") if p.is_file())
+    result: dict[str, str] = {}
+    for p in files:
+        rel = p.name if p == out else p.relative_to(out).as_posix()
+        if p.name in SKIP_NAMES:
+            continue
+        result[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return result
+
+
+def run_case(case_id: str, src: str, args: list[str], work: Path) -> dict[str, str]:
+    """Run one command in-process; its output digests, or an 'error' entry with the exit and text."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    command, rest = args[0], _args(args[1:])
+    suffix = ".pt" if command == "convert" and rest[:2] == ["--to", "torch"] else ""
+    out = work / f"{case_id}{suffix}"
+    result = CliRunner().invoke(cli, ["-q", command, str(DATA / src), str(out), *rest])
+    if result.exit_code != 0:
+        return {"error": f"exit {result.exit_code}: {result.output.strip()[-300:]}"}
+    return digest_tree(out)
+
+
+def compute_all(skip: set[str] | frozenset[str] = frozenset()) -> dict[str, dict[str, str]]:
+    """Digests of every case not in `skip`, run in a fresh temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="ckptkit-pin-") as tmp:
+        return {cid: run_case(cid, src, args, Path(tmp)) for cid, src, args in CASES if cid not in skip}
+
+
+def main() -> int:
+    digests = compute_all()
+    failed = {k: v["error"] for k, v in digests.items() if "error" in v}
+    if failed:
+        for k, v in failed.items():
+            print(f"{k}: {v}", file=sys.stderr)
+        return 1
+    DIGESTS.parent.mkdir(parents=True, exist_ok=True)
+    DIGESTS.write_text(json.dumps({"cases": digests}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {DIGESTS.relative_to(ROOT)}: {len(digests)} cases, "
+          f"{sum(len(v) for v in digests.values())} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())
