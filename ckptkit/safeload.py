@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import CkptkitError, FormatError, quote
+from .errors import CkptkitError, FormatError, InternalError, quote
 from .torch_types import DType
 
 
@@ -179,7 +179,9 @@ class _RestrictedUnpickler:
 
 def restricted_loads(data: bytes, file: str,
                      persistent_load: Callable[[Any], Any] | None = None) -> Any:
-    """Unpickle `data` as data only, within limits; any failure becomes one sentence naming `file`."""
+    """Unpickle `data` as data only, within limits. A refusal or malformed input is a CkptkitError naming
+    `file`; any other exception is ckptkit's own bug, raised as an InternalError (exit 3) with its cause
+    kept, never disguised as bad input."""
     try:
         return _RestrictedUnpickler(data, file, persistent_load).load()
     except CkptkitError as exc:
@@ -190,8 +192,9 @@ def restricted_loads(data: bytes, file: str,
         raise FormatError(f"{file}: pickle is nested too deeply to be a checkpoint") from None
     except MemoryError:
         raise FormatError(f"{file}: pickle needs more memory than this machine has") from None
-    except Exception as exc:  # a rebuild over unexpected values; the machine itself raises CkptkitErrors
-        raise FormatError(f"{file}: cannot read pickle ({type(exc).__name__}: {quote(str(exc))})") from None
+    except Exception as exc:  # refusals and malformed input are CkptkitErrors: anything else is a bug
+        raise InternalError(f"{file}: the restricted unpickler failed on its own ({type(exc).__name__}: "
+                            f"{quote(str(exc))})") from exc
 
 
 def _with_file(exc: CkptkitError, file: str) -> CkptkitError:

@@ -412,6 +412,8 @@ class Machine:
             pass
         except (IndexError, struct.error):
             raise FormatError("pickle is truncated (or an opcode's argument runs past its end)") from None
+        except UnicodeDecodeError:  # the text opcodes decode in the hot loop: checked here, once
+            raise FormatError("pickle holds text that is not UTF-8") from None
         finally:
             if collecting:
                 gc.enable()
