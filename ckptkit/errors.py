@@ -88,14 +88,6 @@ class UsageError(CkptkitError):
     """Options that contradict each other or the checkpoint (e.g. --from 3 on a 2-rank checkpoint)."""
 
 
-class VerificationError(CkptkitError):
-    """A checkpoint failed verification; ``problems`` lists every finding."""
-
-    def __init__(self, message: str, problems: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.problems = list(problems or [])
-
-
 class InternalError(Exception):
     """A bug in ckptkit, met while handling a file (not a CkptkitError: the input is not to blame).
     It names the file and keeps the bug as its __cause__; the CLI exits 3 and shows the traceback

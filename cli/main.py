@@ -29,7 +29,7 @@ from . import entry
 from .progress import CliProgress, make_progress
 
 EXIT_PROBLEMS = 1   # verify found problems
-EXIT_ERROR = 2      # a CkptkitError: bad input, bad options, output not writable
+# exit 2: a CkptkitError (its exit_code): bad input, bad options, output not writable
 EXIT_INTERNAL = 3   # a bug in ckptkit
 EXIT_INTERRUPTED = entry.EXIT_INTERRUPTED  # Ctrl-C
 

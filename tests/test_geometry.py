@@ -502,18 +502,12 @@ def test_row_major_strides():
 
 
 def test_standard_layouts_as_values():
-    """Writers receive layouts as values: FSDP2 chunking, whole tensors, replicated."""
+    """Writers receive layouts as values: FSDP2 chunking."""
     from ckptkit.formats.registry import open_checkpoint
-    from ckptkit.index.layouts import fsdp2_layout, replicated_layout, whole_tensor_layout
+    from ckptkit.index.layouts import fsdp2_layout
     from conftest import DATA
 
     index = open_checkpoint(str(DATA / "fsdp2_w2")).index
-    whole = whole_tensor_layout(index)
-    assert whole.world_size == 1
-    assert all(a == [Assignment(0, Box.whole(index.tensors[k].shape))] for k, a in whole.tensors.items())
-    rep = replicated_layout(index, 3)
-    assert all([x.rank for x in a] == [0, 1, 2] and all(x.box == Box.whole(index.tensors[k].shape) for x in a)
-               for k, a in rep.tensors.items())
     fsdp = fsdp2_layout(index, 3)
     emb = fsdp.tensors["model.embed.weight"]
     assert [(a.rank, a.box.sizes[0]) for a in emb] == [(0, 13), (1, 13), (2, 11)]

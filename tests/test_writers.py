@@ -65,12 +65,15 @@ def test_dcp_writer_stores_replicated_tensors_once(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from ckptkit.index.layouts import replicated_layout
+    from ckptkit.index.types import Box
+    from ckptkit.index.layouts import Assignment, Layout
 
     truth = load_truth("fsdp2_w2")
     opened = open_checkpoint(str(DATA / "fsdp2_w2"))
+    replicated = Layout(3, {k: [Assignment(r, Box.whole(t.shape)) for r in range(3)]  # DDP: every rank, whole
+                            for k, t in opened.index.tensors.items()})
     with OutputDir(str(tmp_path / "out")) as out:
-        write_dcp(out, opened.index, Fetcher(opened.source), replicated_layout(opened.index, 3),
+        write_dcp(out, opened.index, Fetcher(opened.source), replicated,
                   slab_bytes=1 << 20, source=opened.source)
     again = open_checkpoint(str(tmp_path / "out")).index
     assert all(len(t.pieces) == 1 for t in again.tensors.values())

@@ -81,9 +81,6 @@ class TrainerFolder:
     notes: list[str] = field(default_factory=list)
     kind: str = TRAINER  # HF Trainer (trainer_state.json) or accelerate (save_state's folder alone)
 
-    def part_entries(self) -> set[str]:
-        return {p.name for p in self.parts} | ({"latest"} if self.layout == "deepspeed" else set())
-
     def as_json(self) -> dict:
         return {"kind": self.kind, "layout": self.layout, "step": self.step,
                 "parts": [{"name": p.name, "kind": p.kind, "sharded": p.sharded} for p in self.parts],

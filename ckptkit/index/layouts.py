@@ -43,19 +43,6 @@ class Layout:
     description: str = ""
 
 
-def whole_tensor_layout(index: CheckpointIndex) -> Layout:
-    """Every tensor whole, written by rank 0 (a torch.save file, one safetensors set)."""
-    return Layout(1, {k: [Assignment(0, Box.whole(t.shape))] for k, t in index.tensors.items()},
-                  "whole tensors")
-
-
-def replicated_layout(index: CheckpointIndex, world_size: int) -> Layout:
-    """Every rank holds every tensor whole (DDP): the assignments overlap by design, so a
-    writer stores each tensor once (rank 0's) and every rank reads that copy."""
-    return Layout(world_size, {k: [Assignment(r, Box.whole(t.shape)) for r in range(world_size)]
-                               for k, t in index.tensors.items()}, f"replicated on {world_size} ranks")
-
-
 def is_sharded(entry: TensorEntry) -> bool:
     """A tensor the source split across ranks (more than one piece), as opposed to replicated."""
     return len(entry.pieces) > 1

@@ -144,11 +144,6 @@ def _region_text(region) -> str:
     return f"flat range {region.start}..{region.end}"
 
 
-def deep_problems(opened: Opened, options: RunOptions) -> list[str]:
-    """The sentences of deep_findings (one per problem)."""
-    return [p.message for p in deep_findings(opened, options)]
-
-
 def deep_findings(opened: Opened, options: RunOptions,
                   skip: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """Every byte read: CRCs, every tensor assembled (except those in `skip`), safetensors files."""

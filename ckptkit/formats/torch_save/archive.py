@@ -373,23 +373,6 @@ def item_tensor(archive: Archive, what: str) -> tuple[TensorRef, str, Location] 
     return ref, dtype, loc
 
 
-def load_bytes_tensor(data: bytearray, label: str) -> Any:
-    """The tensor a torch.save archive held in memory stores (a decompressed DCP tensor item),
-    as a torch tensor viewing `data` itself (no copy); None if it holds something else."""
-    import torch
-
-    from ...index.dtypes import torch_dtype
-
-    found = item_tensor(open_item(BytesSource(data, label), label), "item")
-    if found is None:
-        return None
-    ref, dtype, loc = found
-    tdtype = torch_dtype(dtype)
-    flat = torch.frombuffer(data, dtype=tdtype, count=loc.length // tdtype.itemsize, offset=loc.offset) \
-        if loc.length else torch.empty(0, dtype=tdtype)
-    return flat.as_strided(tuple(ref.size), loc.stride or row_major_strides(tuple(ref.size)))
-
-
 class BytesSource:
     """A Source over bytes in memory."""
 
