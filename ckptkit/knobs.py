@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import os
 
-# Peak bytes of tensor data held in flight by an executor (all threads together).
-MEMORY_BUDGET = int(os.environ.get("CKPTKIT_MEMORY_BUDGET", 512 * 1024 * 1024))
+# Peak bytes of tensor data held in flight by an executor (all threads together). The built-in
+# default and the variable that overrides it are named apart so help text can say both without
+# showing a value the environment of one run chose.
+DEFAULT_MEMORY_BUDGET = 512 * 1024 * 1024
+MEMORY_BUDGET_ENV = "CKPTKIT_MEMORY_BUDGET"
+MEMORY_BUDGET = int(os.environ.get(MEMORY_BUDGET_ENV, DEFAULT_MEMORY_BUDGET))
 # Worker threads for reading/writing (IO-bound; copies release the GIL).
-WORKERS = int(os.environ.get("CKPTKIT_WORKERS", 4))
+DEFAULT_WORKERS = 4
+WORKERS_ENV = "CKPTKIT_WORKERS"
+WORKERS = int(os.environ.get(WORKERS_ENV, DEFAULT_WORKERS))
 # Default --max-shard-size for safetensors output.
 MAX_SHARD_SIZE = "5GB"
 

@@ -173,9 +173,10 @@ def read_options(fn: Callable) -> Callable:
     fn = quiet_option(fn)
     fn = follow_links_option(fn)
     fn = click.option("--memory-budget", default=None, metavar="SIZE",
-                      help="Peak tensor bytes in flight (default 512MiB), e.g. 256MB, 2GiB.")(fn)
+                      help=f"Peak tensor bytes in flight, e.g. 256MB, 2GiB (default "
+                           f"{knobs.DEFAULT_MEMORY_BUDGET >> 20}MiB, or {knobs.MEMORY_BUDGET_ENV} in bytes).")(fn)
     fn = click.option("--workers", type=click.IntRange(1, 64), default=None,
-                      help=f"IO threads (default {knobs.WORKERS}).")(fn)
+                      help=f"IO threads (default {knobs.DEFAULT_WORKERS}, or {knobs.WORKERS_ENV}).")(fn)
     return fn
 
 
