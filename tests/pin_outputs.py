@@ -3,7 +3,9 @@
 Issue 15 refactors the readers, writers and planner; its promise is that outputs stay
 byte-identical. This script runs a representative set of commands (each fixture family, a few
 targets each) in-process and records a SHA-256 per output file. `tests/test_output_digests.py`
-recomputes them and names the output that changed. Regenerate only on purpose:
+recomputes them and names the output that changed. The bytes depend on neither the worker count
+nor the memory budget (checked with CKPTKIT_WORKERS=1/16, CKPTKIT_MEMORY_BUDGET=2MiB), nor on the
+output's path. Regenerate only on purpose:
 
     .venv/bin/python tests/pin_outputs.py          # rewrites tests/data/output_digests.json
 """
@@ -34,6 +36,7 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("fsdp2_w3.to_torch", "fsdp2_w3", ["convert", "--to", "torch"]),
     ("fsdp2_sgd_w2.to_zero2", "fsdp2_sgd_w2", ["convert", "--to", "zero2", "--world-size", "2", "--ds-config",
                                                "deepspeed_optimizers/z2_sgd_fp32_w2/ds_config.json"]),
+    ("fsdp2_w3.consolidate_bf16_shards", "fsdp2_w3", ["consolidate", "--dtype", "bf16", "--max-shard-size", "400B"]),
     ("dcp_zstd_w2.consolidate", "dcp_zstd_w2", ["consolidate"]),
     ("dcp_rank_local_w2.consolidate", "dcp_rank_local_w2", ["consolidate"]),
     # FSDP1 sharded state dict
@@ -42,6 +45,7 @@ CASES: list[tuple[str, str, list[str]]] = [
                                                        "--ds-config", "deepspeed/z2_fp32_w2/ds_config.json"]),
     # torch.save files
     ("plain_state_dict.consolidate", "plain_state_dict.pt", ["consolidate"]),
+    ("plain_state_dict.to_one_safetensors", "plain_state_dict.pt", ["convert", "--to", "safetensors"]),
     ("fsdp1_full_state_dict.to_dcp", "fsdp1_full_state_dict.pt", ["convert", "--to", "dcp", "--world-size", "2"]),
     # DeepSpeed ZeRO 1/2/3
     ("z1_fp16_w2.reshard3", "deepspeed/z1_fp16_w2", ["reshard", "--to", "3"]),
@@ -54,7 +58,14 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("z1_adagrad_fp32_w2.to_dcp", "deepspeed_optimizers/z1_adagrad_fp32_w2", ["convert", "--to", "dcp"]),
     ("z2_sgd_fp32_w2.reshard3", "deepspeed_optimizers/z2_sgd_fp32_w2", ["reshard", "--to", "3"]),
     ("z3_rmsprop_bf16_w2.to_zero1", "deepspeed_optimizers/z3_rmsprop_bf16_w2", ["convert", "--to", "zero1"]),
+    ("z3_torchadamw_fp32_w2.to_hf", "deepspeed_optimizers/z3_torchadamw_fp32_w2", ["convert", "--to", "hf"]),
+    # FSDP runs of the convert fixtures (accelerate, FSDP2 trained beside DeepSpeed)
+    ("accelerate_fsdp1_w2.to_zero2", "convert/accelerate_fsdp1_w2",
+     ["convert", "--to", "zero2", "--world-size", "3", "--ds-config", "deepspeed/z2_fp32_w2/ds_config.json"]),
+    ("fsdp2ds_w3.reshard2", "convert/fsdp2ds_w3", ["reshard", "--to", "2"]),
     # Trainer folders
+    ("trainer_accel_fsdp2.to_safetensors", "trainer/accel_fsdp2/checkpoint-2",
+     ["convert", "--to", "safetensors"]),
     ("trainer_fsdp2.consolidate", "trainer/fsdp2", ["consolidate"]),
     ("trainer_fsdp1.to_dcp", "trainer/fsdp1", ["convert", "--to", "dcp"]),
     ("trainer_ds_z2.reshard3", "trainer/ds_z2", ["reshard", "--to", "3"]),
@@ -97,7 +108,8 @@ def run_case(case_id: str, src: str, args: list[str], work: Path) -> dict[str, s
     from cli.main import cli
 
     command, rest = args[0], _args(args[1:])
-    suffix = ".pt" if command == "convert" and rest[:2] == ["--to", "torch"] else ""
+    suffix = ".pt" if command == "convert" and rest[:2] == ["--to", "torch"] else \
+        ".safetensors" if case_id.endswith("to_one_safetensors") else ""
     out = work / f"{case_id}{suffix}"
     result = CliRunner().invoke(cli, ["-q", command, str(DATA / src), str(out), *rest])
     if result.exit_code != 0:
