@@ -38,6 +38,7 @@ _INT = {int}
 _I64 = 1 << 63
 MAX_DIMS = 64
 BYTEARRAY_SIZE = 1 << 20        # bytearray(n): pickles write a bytearray's content, never its size
+_NOT_SEEN = object()           # a dict lookup's default that no unpickled value can be
 
 
 def _ints(value: Any, what: str, low: int = 0) -> tuple:
@@ -511,7 +512,7 @@ class RestrictedGrammar:
             raise self._refuse(func, inner, str(exc)) from None
 
     def new(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
-        if self._stand_ins.get(id(cls)) is cls and not kwargs:
+        if self._stand_ins.get(id(cls), _NOT_SEEN) is cls and not kwargs:  # (None is no stand-in)
             return cls.__new__(cls)
         if isinstance(cls, type) and issubclass(cls, Inert):
             self._stand_ins[id(cls)] = cls

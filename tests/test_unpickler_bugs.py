@@ -71,3 +71,15 @@ def test_hostile_and_malformed_input_are_still_exit_2(tmp_path):
         restricted_loads(b"\x80\x04]\x94(K\x01", "x.pkl")
     with pytest.raises(FormatError, match="x.pkl: pickle holds text that is not UTF-8"):  # found by the fuzz test
         restricted_loads(b"\x80\x04\x8c\x02\xff\xfe\x94.", "x.pkl")
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x80\x02N)\x81.",          # NEWOBJ of None: looked like a known stand-in (the lookup's default was None)
+    b"\x80\x04N)}\x92.",         # NEWOBJ_EX of None
+    b"\x80\x02K\x01)\x81.",      # NEWOBJ of an int
+], ids=["newobj-none", "newobj_ex-none", "newobj-int"])
+def test_newobj_of_a_value_that_is_not_a_class_is_refused(payload):
+    """Found by test_reliability's fuzzer once bugs stopped being disguised as bad input: NEWOBJ
+    with None as the class passed the stand-in check and reached None.__new__ (exit 3)."""
+    with pytest.raises(UnsafePickleError):
+        restricted_loads(payload, "x.pkl")
