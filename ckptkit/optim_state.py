@@ -59,13 +59,4 @@ def refuse_unmappable(key: str, where: str) -> None:
         raise UnsupportedError(f"{where}: optimizer state {quote(str(key))} cannot be mapped: {why}")
 
 
-def is_partitioned_key(path: Sequence, entry_shape: Sequence[int] | None,
-                       model_shapes: dict[str, tuple[int, ...]]) -> bool:
-    """For a canonical `optim.state.<name>.<key>` path: is this tensor elementwise with its parameter?"""
-    if len(path) != 4 or tuple(path[:2]) != ("optim", "state"):
-        return False
-    shape = model_shapes.get(str(path[2]))
-    return shape is not None and kind_of(str(path[3]), entry_shape, shape) == PARTITIONED
-
-
-__all__ = ["PARTITIONED", "WHOLE", "UNMAPPABLE", "kind_of", "refuse_unmappable", "is_partitioned_key"]
+__all__ = ["PARTITIONED", "WHOLE", "UNMAPPABLE", "kind_of", "refuse_unmappable"]
