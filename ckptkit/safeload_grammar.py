@@ -19,16 +19,11 @@ from typing import Any, Callable
 from . import knobs
 from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
-from .safeload import Inert, RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage, extra_allowed, inert_class
+from .safeload_inert import Inert, inert_class
+from .safeload_refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage
+from .safeload_rules import Refused, Rule, extra_allowed
 from .safeload_vm import Placeholder, check_keys
 from .torch_types import DType, GlobalRef, Size, SmallTensor
-
-Rule = Callable[[tuple], Any]
-
-
-class Refused(Exception):
-    """Raised by a rule: the arguments are outside the grammar (the caller names the global)."""
-
 
 def _kinds(args: tuple) -> str:
     return "(" + ", ".join(type(a).__name__ for a in args) + ")"

@@ -17,7 +17,7 @@ from typing import Any
 import numpy
 
 from .errors import FormatError
-from .safeload_grammar import Refused, Rule
+from .safeload_rules import Refused, Rule
 from .safeload_vm import Placeholder
 
 # numpy's pickled spec for each plain dtype (numpy.dtype(x).__reduce__()[1][0])

@@ -15,7 +15,8 @@ from typing import Any
 
 from .errors import FormatError, UnsupportedError
 from .index.dtypes import ALIASES, FLOATING, itemsize, torch_dtype
-from .index.geometry import row_major_strides, strided_span
+from .index.strides import row_major_strides, strided_span
+from .safeload_inert import Inert
 
 
 class Size(tuple):
@@ -233,8 +234,6 @@ def _gather(storage: bytes, offset: int, shape: tuple[int, ...], stride: tuple[i
 def realize(value: Any) -> Any:
     """`value` with torch's own objects in place of the stand-ins (imports torch only if it
     holds any); containers are rebuilt, everything else is returned as is."""
-    from .safeload import Inert
-
     if isinstance(value, SmallTensor):
         return value.to_torch()
     if isinstance(value, DType):

@@ -1,6 +1,6 @@
-"""The canonical tensor index and its geometry."""
-from .types import (Box, CheckpointIndex, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece,
-                    Region, TensorEntry)
+"""The canonical tensor index and its geometry.
 
-__all__ = ["Box", "CheckpointIndex", "FlatRange", "IntegrityCheck", "Location", "ObjectEntry",
-           "Piece", "Region", "TensorEntry"]
+Import the modules themselves (index.types, index.geometry, ...): this package runs no code, so
+that index.dtypes and index.strides, which sit below the stand-ins of torch's types, can be
+imported without the index types above them.
+"""

@@ -10,16 +10,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .strides import row_major_strides, strided_span
 from .types import Box, FlatRange, Region
-
-
-def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -206,13 +198,6 @@ def split_rowmajor(box: Box, max_elems: int) -> Iterator[Box]:
     for r in range(box.sizes[0]):
         for sub in split_rowmajor(row, max_elems):
             yield Box((box.offsets[0] + r,) + sub.offsets, (1,) + sub.sizes)
-
-
-def strided_span(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int:
-    """Elements from the first to the last element of a strided view (0 when it is empty)."""
-    if any(n == 0 for n in sizes):
-        return 0
-    return 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
 
 
 def split_by_span(box: Box, strides: tuple[int, ...], max_span: int) -> Iterator[Box]:

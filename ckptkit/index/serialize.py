@@ -8,6 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..errors import FormatError, quote
+from ..lazy_torch import is_instance, is_tensor
+from ..safeload_inert import Inert
+from ..torch_types import DType, Size, SmallTensor
 from .types import (Box, CheckpointIndex, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece,
                     TensorEntry)
 
@@ -17,10 +21,6 @@ SCHEMA = "ckptkit.index/1"
 def safe_value(value: Any, depth: int = 0) -> Any:
     """A JSON-friendly description of any value the restricted unpickler can produce (and of
     torch's own objects, for values built in memory)."""
-    from ..lazy_torch import is_instance, is_tensor
-    from ..safeload import Inert
-    from ..torch_types import DType, Size, SmallTensor
-
     if depth > 32:
         return {"__repr__": "<nested too deeply>"}
     if value is None or isinstance(value, (bool, int, str)):
@@ -115,7 +115,6 @@ def to_json(index: CheckpointIndex) -> dict:
 
 def from_json(doc: dict) -> CheckpointIndex:
     if doc.get("schema") != SCHEMA:
-        from ..errors import FormatError, quote
         raise FormatError(f"index JSON has schema {quote(str(doc.get('schema')))}, expected {SCHEMA!r}")
     index = CheckpointIndex(format=doc["format"], root=doc["root"], world_size=doc.get("world_size"),
                             step=doc.get("step"), files=dict(doc.get("files", {})),

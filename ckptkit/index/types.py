@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Union
 
 from ..errors import FormatError, quote
+from ..torch_types import realize
 from .dtypes import itemsize
 
 
@@ -62,22 +64,31 @@ class FlatRange:
 Region = Union[Box, FlatRange]
 
 
+class Encoding(StrEnum):
+    """How a piece's (or a value's) bytes are stored. A str, so an index read back from JSON
+    (plain strings) compares equal to these."""
+
+    RAW = "raw"                # elements at ``offset`` with element ``stride`` (None: contiguous
+                               # row-major over the region; a FlatRange is always contiguous);
+                               # ``length`` is the byte span that holds them
+    TORCH_SAVE = "torch_save"  # [offset, offset+length) is a whole torch.save archive holding the
+                               # piece as its only tensor (a DCP item, decoded first: ``transforms``)
+    BYTES = "bytes"            # a DCP bytes item: a value's serialised bytes
+    REF = "ref"                # virtual: elements [offset, offset+length) of the flattening of tensor ``file``
+    ZEROS = "zeros"            # virtual: zero padding
+    INLINE = "inline"          # virtual: a small value held in memory, in entry.attrs["value"]
+
+    __hash__ = str.__hash__  # Enum hashes its name: equal to "raw", it must hash like "raw" too
+
+
 @dataclass(frozen=True)
 class Location:
-    """Where a piece's bytes live.
-
-    encoding:
-      "raw"        elements stored at ``offset`` with element ``stride`` (None = contiguous
-                   row-major over the piece's region; for a FlatRange always contiguous).
-                   ``length`` is the byte span that holds them.
-      "torch_save" [offset, offset+length) is a whole torch.save archive holding the piece as its
-                   only tensor (a DCP item whose stream must be decoded first: ``transforms``).
-    """
+    """Where a piece's bytes live: ``file``, ``offset``, ``length`` as ``encoding`` reads them."""
 
     file: str
     offset: int
     length: int
-    encoding: str = "raw"
+    encoding: str = Encoding.RAW
     stride: tuple[int, ...] | None = None
     transforms: tuple[str, ...] = ()
 
@@ -137,9 +148,6 @@ class ObjectEntry:
     def value(self) -> Any:
         """`data` with torch.Size, dtypes and tensors from torch (imports torch if it holds any)."""
         if self._value is _UNREALIZED:
-            from ..errors import FormatError
-            from ..torch_types import realize
-
             try:
                 self._value = realize(self.data)
             except RecursionError:

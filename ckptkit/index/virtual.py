@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .types import FlatRange, Location, Piece, TensorEntry
+from ..torch_types import SmallTensor
+from .dtypes import dtype_name
+from .types import Box, FlatRange, Location, Piece, TensorEntry
 
 if TYPE_CHECKING:
     import torch
-
-    from ..torch_types import SmallTensor
 
 REF = "ref"
 ZEROS = "zeros"
@@ -67,10 +67,6 @@ def flat_slice(key: str, dtype: str, parts: list[Part], start: int, length: int)
 def inline_tensor(key: str, value: "torch.Tensor | SmallTensor", path: tuple | None = None) -> TensorEntry:
     """A small tensor that exists only in memory (e.g. AdamW's 0-d step made from DeepSpeed's
     int): a SmallTensor (written without torch) or a torch tensor."""
-    from ..torch_types import SmallTensor
-    from .dtypes import dtype_name
-    from .types import Box
-
     if isinstance(value, SmallTensor):
         dtype, shape, nbytes = value.dtype, value.shape, len(value.data)
     else:

@@ -1,0 +1,74 @@
+"""What the restricted unpickler returns for a torch.save archive's tensors: references to storage
+bytes (StorageRef, TensorRef) or bytes read whole (RawStorage), never tensors, and the decoding of
+torch's persistent ids that name those storages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import FormatError, quote
+from .torch_types import DType
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage of a torch.save archive, not loaded: its member key, dtype and element count."""
+
+    key: str
+    dtype: DType
+    numel: int
+
+
+@dataclass(frozen=True)
+class RawStorage:
+    """A storage read whole (eager loading of a small pickle): its bytes."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of a torch.save archive described without loading it (a view of a storage)."""
+
+    storage: StorageRef
+    dtype: DType
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class _TypedStorage:
+    """What persistent_load returns: the storage plus the dtype its legacy class named."""
+
+    ref: Any
+    dtype: DType
+
+
+class _StorageType:
+    """Stand-in for torch's legacy `torch.FloatStorage`-style classes: only names a dtype."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: DType) -> None:
+        self.dtype = dtype
+
+
+def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
+    """Decode torch.save's persistent id ('storage', type, key, location, numel)."""
+    if not (type(pid) is tuple and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+        raise FormatError(f"{file}: unexpected persistent id {quote(repr(pid)[:200], 80)} in a torch.save archive")
+    _, storage_type, key, _location, numel = pid
+    if not isinstance(storage_type, _StorageType):
+        raise FormatError(f"{file}: persistent id names an unknown storage type {quote(repr(storage_type), 60)}")
+    if type(key) not in (str, bytes) or type(numel) is not int or numel < 0:
+        raise FormatError(f"{file}: persistent id {quote(repr(pid)[:200], 80)} lacks a storage key and an "
+                          f"element count")
+    key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    return key, storage_type.dtype, numel
+
+
+def typed_storage(ref: Any, dtype: DType) -> _TypedStorage:
+    return _TypedStorage(ref, dtype)
