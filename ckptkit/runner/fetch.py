@@ -1,11 +1,12 @@
 """Reading any region of a logical tensor from its pieces, with exact byte-range reads.
 
-`Fetcher.fetch(entry, box)` assembles a contiguous tensor for `box` from whichever pieces
-overlap it: for each overlap it reads only the byte span that holds those elements (one
-positional read), views it with the piece's strides and copies it into place. A span larger than
-a window of the memory budget (a strided piece, a transposed tensor) is read in windows, in the
-storage's own order. Compressed items are decoded within bounds (runner/codecs): held whole when
-small, streamed through windows when larger than the budget allows.
+`Fetcher.fetch(entry, box)` plans, then executes the plan: runner/plan.py says which byte span of
+which piece holds each part of `box` (pure, validated), and this module reads each span (one
+positional read straight into place where both sides are one run of bytes), views it with the
+piece's strides and copies it into place. A span larger than a window of the memory budget (a
+strided piece, a transposed tensor) is read in windows, in the storage's own order. Compressed
+items are decoded within bounds (runner/codecs): held whole when small, streamed through windows
+when larger than the budget allows.
 """
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ from .. import interrupts
 from ..errors import FormatError
 from ..index import geometry
 from ..index.dtypes import itemsize, torch_dtype
-from ..index.types import Box, CheckpointIndex, FlatRange, Piece, TensorEntry
-from ..index.virtual import INLINE, REF, ZEROS
+from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, Piece, TensorEntry
 from ..storage import kernel_copy
 from ..storage.source import Source
 from ..torch_types import SmallTensor
 from .. import knobs
 from . import codecs, limits
+from .plan import ReadPlan, ReadSpan, check_tiling, plan_byte_ranges, plan_reads
 
 if TYPE_CHECKING:
     import torch
@@ -62,115 +63,84 @@ class Fetcher:
         self._tiled: dict[int, TensorEntry] = {}  # keeps entries alive so ids stay unique
 
     def check_tiling(self, entry: TensorEntry) -> None:
-        """Refuse a tensor whose pieces do not cover it exactly once.
-
-        Counting filled elements is not enough (a doubled row and a missing row add up), and a
-        gap would otherwise leave uninitialised memory in the output.
-        """
+        """Refuse a tensor whose pieces do not cover it exactly once (plan.check_tiling), once
+        per entry."""
         if id(entry) in self._tiled:
             return
-        cov = geometry.coverage(entry.shape, [p.region for p in entry.pieces], max_report=1)
-        if not cov.exact:
-            if cov.out_of_bounds:
-                why = "a piece lies outside the tensor"
-            elif cov.missing:
-                b = cov.missing[0]
-                why = f"{cov.missing_elements} element(s) are in no piece (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
-            else:
-                b = cov.doubled[0]
-                why = f"elements are stored twice (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
-            raise FormatError(f"{self.source.label('')}: tensor {entry.key} {list(entry.shape)} is not "
-                              f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems")
+        check_tiling(entry, self._label)
         if not entry.attrs.get("virtual"):  # one-use virtual tensors are not remembered
             with self._lock:
                 self._tiled[id(entry)] = entry
 
+    def plan(self, entry: TensorEntry, box: Box | None = None) -> ReadPlan:
+        """The validated read plan of `box` (default: the whole tensor); reads nothing."""
+        return plan_reads(self.index, entry, box, label=self._label, tiling=self.check_tiling)
+
     def fetch(self, entry: TensorEntry, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The elements of `box` (default: the whole tensor), contiguous, in the entry's dtype."""
+        """The elements of `box` (default: the whole tensor), contiguous, in the entry's dtype:
+        planned, then read."""
         interrupts.check()  # after a Ctrl-C, every writer stops at its next read
-        self.check_tiling(entry)
-        box = box or Box.whole(entry.shape)
-        dtype = torch_dtype(entry.dtype)
+        plan = self.plan(entry, box)
         if out is None:
-            out = torch.empty(box.sizes, dtype=dtype)
-        filled = 0
-        for piece in entry.pieces:
-            for sub, elem_offset in geometry.region_boxes(piece.region, entry.shape):
-                inter = geometry.intersect(sub, box)
-                if inter is None:
-                    continue
-                dst = out
-                for d, (o, s) in enumerate(zip(inter.offsets, inter.sizes)):
-                    dst = dst.narrow(d, o - box.offsets[d], s)
-                if not self._read_direct(entry, piece, sub, elem_offset, inter, dst):
-                    dst.copy_(self._read(entry, piece, sub, elem_offset, inter))
-                filled += inter.numel
-        if filled != box.numel:
-            raise FormatError(
-                f"{self.source.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
-                f"is not covered by its pieces ({filled} of {box.numel} elements found)")
+            out = torch.empty(plan.box.sizes, dtype=torch_dtype(entry.dtype))
+        self._execute(plan, entry, out)
         return out
 
-    def _span(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int,
-              inter: Box) -> tuple[int, int, tuple[int, ...]]:
-        """(first element, last element, strides) of `inter` inside the piece's raw bytes."""
-        loc = piece.location
-        if isinstance(piece.region, FlatRange) or loc.stride is None:
-            strides = geometry.row_major_strides(sub.sizes)
-        else:
-            strides = loc.stride
-        local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
-        first = elem_offset + sum(l * st for l, st in zip(local, strides))
-        last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
-        item = itemsize(entry.dtype)
-        if inter.numel and (first < 0 or (last + 1) * item > loc.length):
-            raise FormatError(f"{self.source.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
-        return first, last, tuple(strides)
+    def _execute(self, plan: ReadPlan, entry: TensorEntry, out: torch.Tensor) -> None:
+        """Read every span of `plan` into its place in `out` (a tensor of the plan's box)."""
+        for span in plan.spans:
+            dst = out
+            for d, (o, bo, s) in enumerate(zip(span.box.offsets, plan.box.offsets, span.box.sizes)):
+                dst = dst.narrow(d, o - bo, s)
+            encoding = span.encoding
+            if encoding is Encoding.RAW:
+                self._read_raw(entry, span, dst)
+            elif encoding is Encoding.TORCH_SAVE:
+                self._read_item(entry, span, dst)
+            elif encoding is Encoding.ZEROS:
+                dst.zero_()
+            elif encoding is Encoding.REF:
+                self._read_ref(span, dst)
+            else:  # INLINE: the plan knows no other encoding
+                value = entry.attrs["value"]
+                if isinstance(value, SmallTensor):
+                    value = value.to_torch()
+                dst.copy_(_narrow(value, span.region, span.box))
 
-    def _read_direct(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int,
-                     inter: Box, dst: torch.Tensor) -> bool:
-        """Read straight into `dst`: one read when both sides are one contiguous run of bytes,
-        windows in storage order for a strided piece or a streamed compressed item; virtual
-        pieces (zeros, a flat range of another tensor, an inline value) are filled in place.
-        False for a compressed item held in memory (_read narrows it)."""
-        encoding = piece.location.encoding
-        if encoding == ZEROS:
-            dst.zero_()
-            return True
-        if encoding == REF:
-            self._read_ref(entry, piece, sub, elem_offset, inter, dst)
-            return True
-        if encoding == INLINE:
-            value = entry.attrs["value"]
-            if isinstance(value, SmallTensor):
-                value = value.to_torch()
-            for d, (o, so, s) in enumerate(zip(inter.offsets, sub.offsets, inter.sizes)):
-                value = value.narrow(d, o - so, s)
-            dst.copy_(value)
-            return True
-        if encoding == "torch_save":
-            decoded = self._decoded(entry, piece)
-            if decoded.stream is None:
-                return False  # held in memory: _read narrows it
-            self._gather_streamed(entry, piece, decoded, sub, elem_offset, inter, dst)
-            return True
-        if encoding != "raw" or not inter.numel:
-            return False
-        first, _last, strides = self._span(entry, piece, sub, elem_offset, inter)  # bounds-checked
-        loc = piece.location
-        item = dst.element_size()
-        dense = geometry.row_major_strides(inter.sizes)
-        if dst.is_contiguous() and all(n == 1 or st == want for n, st, want in zip(inter.sizes, strides, dense)):
-            view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
-            self.source.readinto(loc.file, loc.offset + first * item, view)
-            return True
-        local = Box(tuple(o - so for o, so in zip(inter.offsets, sub.offsets)), inter.sizes)
+    def _read_raw(self, entry: TensorEntry, span: ReadSpan, dst: torch.Tensor) -> None:
+        """One read straight into `dst` when both sides are one run of bytes, else windows in
+        the storage's order (a strided piece, a transposed tensor)."""
+        if span.dense and dst.is_contiguous():
+            self.source.readinto(span.file, span.offset, memoryview(dst.reshape(-1).view(torch.uint8).numpy()))
+            return
+        origin = entry.pieces[span.piece].location.offset
 
         def read(start: int, buf: memoryview) -> None:
-            self.source.readinto(loc.file, loc.offset + start, buf)
+            self.source.readinto(span.file, origin + start, buf)
 
-        self._gather(read, elem_offset, strides, local, dst)
-        return True
+        self._gather(read, span.base, span.strides, _local(span), dst)
+
+    def _read_item(self, entry: TensorEntry, span: ReadSpan, dst: torch.Tensor) -> None:
+        """Elements of a compressed item: narrowed from the decoded tensor when it is held in
+        memory, else gathered window by window from the streamed item."""
+        piece = entry.pieces[span.piece]
+        decoded = self._decoded(entry, piece)
+        if decoded.stream is None:
+            view = decoded.tensor
+            if span.strides is not None:  # a flat piece: its elements from span.base, row-major
+                view = view.narrow(0, span.base, span.region.numel).reshape(span.region.sizes)
+            dst.copy_(_narrow(view, span.region, span.box))
+            return
+        if span.strides is not None:
+            strides, base = span.strides, span.base
+        else:
+            strides, base = decoded.strides, 0
+        stream = decoded.stream
+
+        def read(start: int, buf: memoryview) -> None:
+            stream.readinto("", decoded.offset + start, buf)
+
+        self._gather(read, base, strides, _local(span), dst)
 
     def _gather(self, read: Callable[[int, memoryview], None], base: int, strides: tuple[int, ...],
                 box: Box, dst: torch.Tensor) -> None:
@@ -195,20 +165,24 @@ class Fetcher:
                 target = target.narrow(d, o - po, n)
             target.copy_(src)
 
-    def _gather_streamed(self, entry: TensorEntry, piece: Piece, decoded: _Decoded, sub: Box, elem_offset: int,
-                         inter: Box, dst: torch.Tensor) -> None:
-        """Elements of `inter` from a streamed compressed item, window by window."""
-        local = Box(tuple(o - so for o, so in zip(inter.offsets, sub.offsets)), inter.sizes)
-        if isinstance(piece.region, FlatRange):  # the item holds the piece's elements in row-major order
-            strides, base = geometry.row_major_strides(sub.sizes), elem_offset
-        else:
-            strides, base = decoded.strides, 0
-        stream = decoded.stream
-
-        def read(start: int, buf: memoryview) -> None:
-            stream.readinto("", decoded.offset + start, buf)
-
-        self._gather(read, base, strides, local, dst)
+    def _read_ref(self, span: ReadSpan, dst: torch.Tensor) -> None:
+        """A virtual piece: the planned boxes of another logical tensor, in its flat order."""
+        target = self.index.tensors[span.file]  # the plan resolved it
+        flat = dst.reshape(-1) if dst.is_contiguous() else torch.empty(span.length, dtype=dst.dtype)
+        same_dtype = flat.dtype == torch_dtype(target.dtype)
+        pos = 0
+        for ref in span.refs:
+            interrupts.check()
+            window = flat[pos:pos + ref.box.numel]
+            if same_dtype:  # each box is contiguous in the flattening: read straight into place
+                self._execute(ref, target, window.view(ref.box.sizes))
+            else:
+                part = torch.empty(ref.box.sizes, dtype=torch_dtype(target.dtype))
+                self._execute(ref, target, part)
+                window.copy_(part.reshape(-1))
+            pos += ref.box.numel
+        if not dst.is_contiguous():
+            dst.copy_(flat.view(span.box.sizes))
 
     def read_small(self, entry: TensorEntry) -> "SmallTensor | torch.Tensor":
         """A small tensor (an optimizer step) whole: a SmallTensor read without torch where its
@@ -222,95 +196,29 @@ class Fetcher:
                     dtype: str | None = None) -> list[tuple[str | bytes | None, int, int]] | None:
         """Elements [start, start+length) of the entry's flattening as raw source byte ranges
         (file, offset, nbytes), or (None, 0, nbytes) for zero padding, or (bytes, offset,
-        nbytes) for a small tensor held in memory, in order. None when the
-        bytes are not stored that simply (strided, encoded, another dtype): callers then fall
-        back to fetch(). Lets writers copy bytes in the kernel instead of through Python."""
-        dtype = dtype or entry.dtype
-        if dtype != entry.dtype:
+        nbytes) for a small tensor held in memory, in order: a view of the read plan
+        (plan.plan_byte_ranges). None when the bytes are not stored that simply (strided,
+        encoded, another dtype): callers then fall back to fetch(). Lets writers copy bytes in
+        the kernel instead of through Python."""
+        if (dtype or entry.dtype) != entry.dtype:
             return None
         self.check_tiling(entry)  # the same refusal fetch() gives: never copy a doubled or gappy tensor
-        item = itemsize(entry.dtype)
         length = entry.numel - start if length is None else length
-        spans: list[tuple[int, int, Piece]] = []
-        for piece in entry.pieces:
-            region, loc = piece.region, piece.location
-            if isinstance(region, FlatRange):
-                a, n = region.start, region.length
-            elif (region.ndim and region.sizes[1:] == tuple(entry.shape[1:]) and not any(region.offsets[1:])
-                  and (loc.stride is None or loc.encoding != "raw")):
-                inner = math.prod(entry.shape[1:])  # a dim-0 chunk is a flat range
-                a, n = region.offsets[0] * inner, region.sizes[0] * inner
-            elif region.sizes == tuple(entry.shape) and (loc.stride is None or loc.encoding != "raw"):
-                a, n = 0, entry.numel
-            else:
+        if start == 0 and length == entry.numel:
+            boxes = [Box.whole(entry.shape)]
+        else:
+            boxes = [box for box, _ in geometry.flat_to_boxes(FlatRange(start, length), entry.shape)]
+        tensors = self.index.tensors if self.index is not None else None
+        out: list[tuple[str | bytes | None, int, int]] = []
+        for box in boxes:
+            ranges = plan_byte_ranges(self.plan(entry, box), tensors, entry)
+            if ranges is None:
                 return None
-            if loc.encoding == INLINE and not isinstance(entry.attrs.get("value"), SmallTensor):
-                return None
-            if loc.encoding not in ("raw", REF, ZEROS, INLINE) or (loc.encoding == "raw" and loc.stride is not None
-                                                                  and isinstance(region, Box)):
-                return None
-            spans.append((a, n, piece))
-        spans.sort(key=lambda s: s[0])
-        out: list[tuple[str | None, int, int]] = []
-        pos, end = start, start + length
-        for a, n, piece in spans:
-            lo, hi = max(pos, a), min(end, a + n)
-            if hi <= lo:
-                continue
-            if lo != pos:
-                return None  # a gap: let fetch() report it
-            loc = piece.location
-            if loc.encoding == ZEROS:
-                out.append((None, 0, (hi - lo) * item))
-            elif loc.encoding == INLINE:
-                out.append((entry.attrs["value"].data, (lo - a) * item, (hi - lo) * item))
-            elif loc.encoding == REF:
-                if self.index is None or loc.file not in self.index.tensors:
-                    return None
-                inner = self.byte_ranges(self.index.tensors[loc.file], loc.offset + (lo - a), hi - lo, dtype)
-                if inner is None:
-                    return None
-                out.extend(inner)
-            else:
-                out.append((loc.file, loc.offset + (lo - a) * item, (hi - lo) * item))
-            pos = hi
-        return out if pos == end else None
+            out += ranges
+        return out
 
-    def _read_ref(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box,
-                  dst: torch.Tensor) -> None:
-        """A virtual piece: elements of another logical tensor's row-major flattening."""
-        if self.index is None or piece.location.file not in self.index.tensors:
-            raise FormatError(f"virtual tensor {entry.key} refers to unknown tensor {piece.location.file!r}")
-        target = self.index.tensors[piece.location.file]
-        # position of inter's first element inside the piece, then inside the referenced tensor
-        strides = geometry.row_major_strides(sub.sizes)
-        local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
-        first = elem_offset + sum(l * st for l, st in zip(local, strides))
-        start = piece.location.offset + first
-        if start + inter.numel > target.numel:
-            raise FormatError(f"virtual tensor {entry.key} reads past the end of {target.key}")
-        flat = dst.reshape(-1) if dst.is_contiguous() else torch.empty(inter.numel, dtype=dst.dtype)
-        same_dtype = flat.dtype == torch_dtype(target.dtype)
-        pos = 0
-        for box, _ in geometry.flat_to_boxes(FlatRange(start, inter.numel), target.shape):
-            window = flat[pos:pos + box.numel]
-            if same_dtype:  # each box is contiguous in the flattening: read straight into place
-                self.fetch(target, box, out=window.view(box.sizes))
-            else:
-                window.copy_(self.fetch(target, box).reshape(-1))
-            pos += box.numel
-        if not dst.is_contiguous():
-            dst.copy_(flat.view(inter.sizes))
-
-    def _read(self, entry: TensorEntry, piece: Piece, sub: Box, elem_offset: int, inter: Box) -> torch.Tensor:
-        loc = piece.location
-        if loc.encoding == "torch_save":
-            decoded = self._decoded(entry, piece)
-            view = decoded.tensor
-            if isinstance(piece.region, FlatRange):  # the piece's elements from elem_offset, row-major
-                view = view.narrow(0, elem_offset, sub.numel).reshape(sub.sizes)
-            return _narrow(view, sub, inter)
-        raise FormatError(f"{self.source.label(loc.file)}: unknown piece encoding {loc.encoding!r}")
+    def _label(self, rel: str) -> str:
+        return self.source.label(rel)
 
     def _decoded(self, entry: TensorEntry, piece: Piece) -> _Decoded:
         """A compressed item decoded within bounds (its declared bytes plus the archive around
@@ -361,7 +269,13 @@ class Fetcher:
         return decoded
 
 
-def _narrow(view: torch.Tensor, sub: Box, inter: Box) -> torch.Tensor:
-    for d, (o, so, s) in enumerate(zip(inter.offsets, sub.offsets, inter.sizes)):
+def _narrow(view: torch.Tensor, region: Box, box: Box) -> torch.Tensor:
+    """The elements of `box` from a tensor holding `region`."""
+    for d, (o, so, s) in enumerate(zip(box.offsets, region.offsets, box.sizes)):
         view = view.narrow(d, o - so, s)
     return view
+
+
+def _local(span: ReadSpan) -> Box:
+    """The span's elements relative to the region holding them."""
+    return Box(tuple(o - so for o, so in zip(span.box.offsets, span.region.offsets)), span.box.sizes)

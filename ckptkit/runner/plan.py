@@ -1,0 +1,259 @@
+"""The read plan: which bytes a region of a logical tensor is read from, as typed, frozen values.
+
+Planning is pure (no IO): `plan_reads(index, entry, box)` walks the pieces that overlap `box` and
+returns a ReadPlan of ReadSpans, each one positional read (or one decoded item, one virtual fill)
+saying where its elements land. It validates as it plans, with the sentences users already know:
+the pieces tile the tensor exactly once, the box is covered, a read stays inside the piece's
+recorded bytes (and inside its file, when sizes are given), a reference names a tensor of the
+index. `Fetcher` (runner/fetch.py) executes plans; `byte_ranges` and `ckptkit plan` are views of
+them. The shape follows torch.distributed.checkpoint: typed ReadItem/LoadPlan values (planner.py),
+planning before storage IO (storage.py), a validation pass (default_planner._validate_global_plan).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from ..errors import FormatError
+from ..index import geometry
+from ..index.dtypes import itemsize
+from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
+from ..torch_types import SmallTensor
+
+__all__ = ["Encoding", "ReadPlan", "ReadSpan", "check_tiling", "plan_byte_ranges", "plan_reads"]
+
+_ENCODINGS = {e.value: e for e in Encoding}  # str -> member (a dict lookup: Encoding(x) is slow)
+
+ByteRange = tuple["str | bytes | None", int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSpan:
+    """One read of one piece, and where its elements land.
+
+    `file`, `offset`, `length` by encoding: RAW, the file and the bytes from the first element
+    read to the last; TORCH_SAVE, the encoded item (decoded whole or streamed); REF, the referenced
+    tensor's key, its first flat element and the element count; ZEROS and INLINE, no file.
+    """
+
+    key: str                          # the tensor whose piece is read
+    piece: int                        # index of that piece in the tensor's pieces
+    encoding: Encoding
+    file: str
+    offset: int
+    length: int
+    box: Box                          # the elements read, in the tensor's coordinates
+    region: Box                       # the piece's box holding them (one run of a flat piece)
+    base: int                         # element offset of region's first element in the piece's storage
+    strides: tuple[int, ...] | None   # element strides in that storage (None: the decoded item's own)
+    dense: bool                       # RAW: the bytes are one run, in the box's row-major order
+    refs: tuple[ReadPlan, ...] = ()   # REF: plans of the referenced tensor's boxes, in flat order
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """Every span that fills `box` of tensor `key`, each element exactly once."""
+
+    key: str
+    dtype: str
+    box: Box
+    spans: tuple[ReadSpan, ...]
+
+    def walk(self) -> Iterator[ReadSpan]:
+        """Every span, with the spans of referenced tensors after the REF span that needs them."""
+        for span in self.spans:
+            yield span
+            for ref in span.refs:
+                yield from ref.walk()
+
+    def bytes_per_file(self) -> dict[str, int]:
+        """Bytes read from each file (an item several spans take elements of counts once)."""
+        seen: set[tuple[str, int, int]] = set()
+        totals: dict[str, int] = {}
+        for span in self.walk():
+            if span.encoding in (Encoding.RAW, Encoding.TORCH_SAVE) and (span.file, span.offset, span.length) not in seen:
+                seen.add((span.file, span.offset, span.length))
+                totals[span.file] = totals.get(span.file, 0) + span.length
+        return totals
+
+    def encodings(self) -> dict[str, int]:
+        """How many spans each encoding has."""
+        return dict(Counter(str(span.encoding) for span in self.walk()))
+
+
+def _as_is(rel: str) -> str:
+    return rel
+
+
+def check_tiling(entry: TensorEntry, label: Callable[[str], str] = _as_is) -> None:
+    """Refuse a tensor whose pieces do not cover it exactly once.
+
+    Counting filled elements is not enough (a doubled row and a missing row add up), and a gap
+    would otherwise leave uninitialised memory in the output.
+    """
+    cov = geometry.coverage(entry.shape, [p.region for p in entry.pieces], max_report=1)
+    if cov.exact:
+        return
+    if cov.out_of_bounds:
+        why = "a piece lies outside the tensor"
+    elif cov.missing:
+        b = cov.missing[0]
+        why = f"{cov.missing_elements} element(s) are in no piece (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
+    else:
+        b = cov.doubled[0]
+        why = f"elements are stored twice (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
+    raise FormatError(f"{label('')}: tensor {entry.key} {list(entry.shape)} is not "
+                      f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems")
+
+
+def plan_reads(index: CheckpointIndex | None, entry: TensorEntry, box: Box | None = None, *,
+               label: Callable[[str], str] = _as_is,
+               tiling: Callable[[TensorEntry], None] | None = None,
+               file_sizes: Mapping[str, int] | None = None) -> ReadPlan:
+    """The reads that fill `box` (default: the whole tensor) of `entry`, validated.
+
+    `index` resolves REF pieces; `label` names a file in errors (the source's label); `tiling`
+    replaces the exact-tiling check (a caller caching it per entry); `file_sizes`, when given,
+    refuses a read past the end of its file before anything is read.
+    """
+    planner = _Planner(index, label, tiling or (lambda e: check_tiling(e, label)), file_sizes)
+    planner.tiling(entry)
+    return planner.plan(entry, box or Box.whole(entry.shape))
+
+
+class _Planner:
+    """The recursion of plan_reads (REF pieces plan boxes of the tensors they refer to)."""
+
+    def __init__(self, index: CheckpointIndex | None, label: Callable[[str], str],
+                 tiling: Callable[[TensorEntry], None], file_sizes: Mapping[str, int] | None) -> None:
+        self.index = index
+        self.label = label
+        self.tiling = tiling
+        self.file_sizes = file_sizes
+
+    def plan(self, entry: TensorEntry, box: Box) -> ReadPlan:
+        spans = []
+        filled = 0
+        for i, piece in enumerate(entry.pieces):
+            for sub, elem_offset in geometry.region_boxes(piece.region, entry.shape):
+                inter = geometry.intersect(sub, box)
+                if inter is not None:
+                    spans.append(self.span(entry, i, sub, elem_offset, inter))
+                    filled += inter.numel
+        if filled != box.numel:
+            raise FormatError(
+                f"{self.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
+                f"is not covered by its pieces ({filled} of {box.numel} elements found)")
+        return ReadPlan(entry.key, entry.dtype, box, tuple(spans))
+
+    def span(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box) -> ReadSpan:
+        piece = entry.pieces[i]
+        loc = piece.location
+        encoding = _ENCODINGS.get(loc.encoding)
+        flat = isinstance(piece.region, FlatRange)
+        if encoding is Encoding.RAW:
+            strides = geometry.row_major_strides(sub.sizes) if flat or loc.stride is None else tuple(loc.stride)
+            local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
+            first = elem_offset + sum(p * st for p, st in zip(local, strides))
+            last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
+            item = itemsize(entry.dtype)
+            if first < 0 or (last + 1) * item > loc.length:
+                raise FormatError(f"{self.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
+            offset, length = loc.offset + first * item, (last - first + 1) * item
+            self._inside_file(loc.file, offset + length)
+            dense = all(n == 1 or st == want for n, st, want
+                        in zip(inter.sizes, strides, geometry.row_major_strides(inter.sizes)))
+            return ReadSpan(entry.key, i, encoding, loc.file, offset, length, inter, sub, elem_offset, strides, dense)
+        if encoding is Encoding.TORCH_SAVE:
+            self._inside_file(loc.file, loc.offset + loc.length)
+            strides = geometry.row_major_strides(sub.sizes) if flat else None
+            return ReadSpan(entry.key, i, encoding, loc.file, loc.offset, loc.length, inter, sub, elem_offset,
+                            strides, False)
+        if encoding is Encoding.ZEROS:
+            return ReadSpan(entry.key, i, encoding, "", 0, 0, inter, sub, elem_offset, None, False)
+        if encoding is Encoding.INLINE:
+            return ReadSpan(entry.key, i, encoding, "", 0, loc.length, inter, sub, elem_offset, None, False)
+        if encoding is Encoding.REF:
+            return self.ref(entry, i, sub, elem_offset, inter)
+        raise FormatError(f"{self.label(loc.file)}: unknown piece encoding {str(loc.encoding)!r}")
+
+    def ref(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box) -> ReadSpan:
+        """A virtual piece: elements of another logical tensor's row-major flattening."""
+        loc = entry.pieces[i].location
+        if self.index is None or loc.file not in self.index.tensors:
+            raise FormatError(f"virtual tensor {entry.key} refers to unknown tensor {loc.file!r}")
+        target = self.index.tensors[loc.file]
+        strides = geometry.row_major_strides(sub.sizes)
+        first = elem_offset + sum((o - so) * st for o, so, st in zip(inter.offsets, sub.offsets, strides))
+        start = loc.offset + first
+        if start + inter.numel > target.numel:
+            raise FormatError(f"virtual tensor {entry.key} reads past the end of {target.key}")
+        refs = []
+        for box, _ in geometry.flat_to_boxes(FlatRange(start, inter.numel), target.shape):
+            self.tiling(target)
+            refs.append(self.plan(target, box))
+        return ReadSpan(entry.key, i, Encoding.REF, loc.file, start, inter.numel, inter, sub, elem_offset,
+                        strides, False, tuple(refs))
+
+    def _inside_file(self, rel: str, end: int) -> None:
+        size = None if self.file_sizes is None else self.file_sizes.get(rel)
+        if size is not None and end > size:
+            raise FormatError(f"{self.label(rel)}: file ends before byte {end} (truncated?)")
+
+
+def plan_byte_ranges(plan: ReadPlan, entries: Mapping[str, TensorEntry] | None,
+                     entry: TensorEntry) -> list[ByteRange] | None:
+    """The plan as source byte ranges in the box's row-major order: (file, offset, nbytes), or
+    (None, 0, nbytes) for zero padding, or (bytes, offset, nbytes) for a small value in memory.
+    None when some span is not stored that simply (strided, encoded, another dtype, a torch value
+    in memory, a run that is not contiguous in the box). `entries` resolves REF spans' tensors."""
+    item = itemsize(plan.dtype)
+    outer = geometry.row_major_strides(plan.box.sizes)
+    placed: list[tuple[int, ReadSpan]] = []
+    for span in plan.spans:
+        rel = tuple(o - bo for o, bo in zip(span.box.offsets, plan.box.offsets))
+        if not _is_run(span.box.sizes, plan.box.sizes):
+            return None
+        placed.append((sum(o * st for o, st in zip(rel, outer)), span))
+    placed.sort(key=lambda p: p[0])
+    out: list[ByteRange] = []
+    pos = 0
+    for at, span in placed:
+        if at != pos:
+            return None
+        n = span.box.numel
+        if span.encoding is Encoding.RAW and span.dense:
+            out.append((span.file, span.offset, n * item))
+        elif span.encoding is Encoding.ZEROS:
+            out.append((None, 0, n * item))
+        elif span.encoding is Encoding.INLINE:
+            value = entry.attrs.get("value")
+            if not isinstance(value, SmallTensor):
+                return None
+            local = tuple(o - ro for o, ro in zip(span.box.offsets, span.region.offsets))
+            first = sum(o * st for o, st in zip(local, geometry.row_major_strides(span.region.sizes)))
+            out.append((value.data, first * item, n * item))
+        elif span.encoding is Encoding.REF and entries is not None:
+            for ref in span.refs:
+                if ref.dtype != plan.dtype:
+                    return None
+                inner = plan_byte_ranges(ref, entries, entries[ref.key])
+                if inner is None:
+                    return None
+                out.extend(inner)
+        else:
+            return None
+        pos += n
+    return out if pos == plan.box.numel else None
+
+
+def _is_run(sizes: tuple[int, ...], outer: tuple[int, ...]) -> bool:
+    """Whether a box of `sizes` inside a box of `outer` sizes is one run of its row-major order:
+    after the first dimension it spans more than one index of, it spans every dimension whole."""
+    spread = False
+    for s, o in zip(sizes, outer):
+        if spread and s != o:
+            return False
+        spread = spread or s > 1
+    return True
