@@ -12,7 +12,7 @@ from ..errors import FormatError, quote
 from ..lazy_torch import is_instance, is_tensor
 from ..safeload_inert import Inert
 from ..torch_types import DType, Size, SmallTensor
-from .types import (Box, CheckpointIndex, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece,
+from .types import (Box, CheckpointIndex, Encoding, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece,
                     TensorEntry)
 
 SCHEMA = "ckptkit.index/1"
@@ -79,7 +79,7 @@ def _location_to_json(loc: Location) -> dict:
 
 
 def _location_from_json(doc: dict) -> Location:
-    return Location(doc["file"], doc["offset"], doc["length"], doc.get("encoding", "raw"),
+    return Location(doc["file"], doc["offset"], doc["length"], doc.get("encoding", Encoding.RAW),
                     tuple(doc["stride"]) if doc.get("stride") is not None else None,
                     tuple(doc.get("transforms", ())))
 

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 from ..torch_types import SmallTensor
 from .dtypes import dtype_name
-from .types import Box, FlatRange, Location, Piece, TensorEntry
+from .types import Box, Encoding, FlatRange, Location, Piece, TensorEntry
 
 if TYPE_CHECKING:
     import torch
 
-REF = "ref"
-ZEROS = "zeros"
-INLINE = "inline"  # a small value built in memory (a converted optimizer step), in entry.attrs["value"]
+REF = Encoding.REF
+ZEROS = Encoding.ZEROS
+INLINE = Encoding.INLINE  # a small value built in memory (a converted optimizer step), in entry.attrs["value"]
 
 
 @dataclass(frozen=True)

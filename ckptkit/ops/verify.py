@@ -17,7 +17,7 @@ from ..formats.torch_save.archive import tensor_span_elems
 from ..index import geometry, problems as P
 from ..index.problems import Problem
 from ..index.dtypes import itemsize
-from ..index.types import Box, FlatRange
+from ..index.types import Box, Encoding, FlatRange
 from ..runner.fetch import Fetcher
 from ..storage.checksum import crc32
 from .options import RunOptions
@@ -110,7 +110,7 @@ def structural_findings(opened: Opened, skip: set[str] | frozenset[str] = frozen
             if loc.offset < 0 or loc.offset + loc.length > size:
                 problems.append(Problem(P.TRUNCATED, f"{label}: tensor {key} bytes {loc.offset}..{loc.offset + loc.length} "
                                         f"lie past the end of the file ({size} bytes)", label, key))
-            if loc.encoding == "raw":
+            if loc.encoding == Encoding.RAW:
                 if isinstance(p.region, FlatRange) or loc.stride is None:
                     expected = p.region.numel * item
                 else:

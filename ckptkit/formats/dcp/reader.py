@@ -16,7 +16,7 @@ from typing import Any
 from ...errors import CkptkitError, FormatError, quote
 from ...index import problems
 from ...index.dtypes import dtype_name, itemsize
-from ...index.types import Box, CheckpointIndex, Location, ObjectEntry, Piece, TensorEntry
+from ...index.types import Box, CheckpointIndex, Encoding, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads
 from ...torch_types import DType
@@ -237,7 +237,7 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any):
         if transforms:  # decoded (within bounds) when read; a size no frame can reach is refused now
             codecs.check_declared(transforms, length, box.numel * itemsize(target.dtype), f"{source.label(rel)} "
                                   f"(item of {target.key})")
-            return Piece(box, Location(rel, offset, length, "torch_save", transforms=transforms)), []
+            return Piece(box, Location(rel, offset, length, Encoding.TORCH_SAVE, transforms=transforms)), []
         archive = open_archive(source, rel, offset, length)
         ref = load_structure(archive, eager=False)
         if not isinstance(ref, TensorRef):
@@ -251,8 +251,8 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any):
     data = codecs.decode(raw, transforms, f"{source.label(rel)} (value {target.key})")
     if data[:4] == b"PK\x03\x04":
         value = load_bytes_archive(data, f"{source.label(rel)} (value {target.key})")
-        encoding = "torch_save"
+        encoding = Encoding.TORCH_SAVE
     else:
         value = data  # a raw io.BytesIO value saved as is
-        encoding = "bytes"
+        encoding = Encoding.BYTES
     return (value, Location(rel, offset, length, encoding, transforms=transforms)), []

@@ -17,7 +17,7 @@ from typing import Any
 from ...index import geometry
 from ...index.dtypes import itemsize
 from ...index.layouts import Layout
-from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
+from ...index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...index.virtual import REF
 from ...progress import NullProgress, Progress
 from ...repickle import dumps, stand_in, stand_in_call
@@ -132,10 +132,10 @@ def _write_object(f: Any, obj: ObjectEntry, index: CheckpointIndex, source: Sour
     """Copy a DCP bytes item verbatim when we have its bytes; otherwise write the value as a
     torch.save archive (stand-ins re-emitted as torch's and foreign classes)."""
     loc = obj.location
-    if loc is not None and source is not None and index.format == "dcp" and loc.encoding in ("torch_save", "bytes"):
+    if loc is not None and source is not None and index.format == "dcp" and loc.encoding in (Encoding.TORCH_SAVE, Encoding.BYTES):
         f.write(source.read(loc.file, loc.offset, loc.length))
         return tuple(loc.transforms)
-    if isinstance(obj.data, (bytes, bytearray)) and loc is not None and loc.encoding == "bytes":
+    if isinstance(obj.data, (bytes, bytearray)) and loc is not None and loc.encoding == Encoding.BYTES:
         f.write(obj.data)
         return ()
     write_archive_to(f, obj.data, fetcher, slab_bytes=1 << 20)
