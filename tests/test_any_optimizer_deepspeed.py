@@ -24,7 +24,7 @@ from safetensors import safe_open
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.ops.consolidate import consolidate
 from ckptkit.ops.diff import diff
-from ckptkit.ops.keys import split_roles
+from ckptkit.convert.keys import split_roles
 from ckptkit.ops.reshard import reshard
 from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
 from ds_helpers import needs_deepspeed

@@ -24,7 +24,7 @@ from ckptkit.formats import lightning
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.ops.consolidate import consolidate
 from ckptkit.ops.inspect import inspect
-from ckptkit.ops.keys import split_roles
+from ckptkit.convert.keys import split_roles
 
 pytest.importorskip("lightning", reason="the Lightning tests take truth from Lightning's own consolidation")
 LT = DATA / "lightning"
@@ -366,7 +366,7 @@ def test_lightnings_consolidated_ckpt_is_read_by_name(tmp_path, fsdp_truth):
 
 
 def test_optimizer_parts_names_both_lightning_layouts_alike():
-    from ckptkit.ops.keys import OPTIM_CONTAINERS, optimizer_parts
+    from ckptkit.convert.keys import OPTIM_CONTAINERS, optimizer_parts
 
     assert optimizer_parts(("optimizer_0", "state", "w", "exp_avg")) == ("optimizer_0", ("state", "w", "exp_avg"))
     assert optimizer_parts(("optimizer_states", 1, "state", "3", "exp_avg")) == ("optimizer_1", ("state", "3", "exp_avg"))

@@ -32,7 +32,7 @@ from ..optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
 from ..index.flatten import key_of
-from ..ops.keys import (LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, Split, guess_step,
+from .keys import (LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, Split, guess_step,
                         optimizer_parts, split_roles)
 from ..torch_types import SmallTensor
 from .hyper import DsOptimizer, ds_optimizer, source_is_ds_own, step_number

@@ -20,7 +20,7 @@ from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
 from ..storage.output import OutputDir, OutputFile
 from .outputs import file_output, single_file_shards
-from .keys import split_roles
+from ..convert.keys import split_roles
 from .options import RunOptions
 from . import side_files
 

@@ -1,6 +1,6 @@
 """`ckptkit diff`: compare two checkpoints of any formats, tensor by tensor.
 
-Both sides are split into model and optimizer state (ops/keys.py) and model names are
+Both sides are split into model and optimizer state (convert/keys.py) and model names are
 normalised (wrapper prefixes such as `module.`, `_orig_mod.`, `_fsdp_wrapped_module.` dropped),
 so an FSDP2 DCP, a ZeRO checkpoint and a safetensors file of the same model line up. Values are
 compared slab by slab within the memory budget: equal, or the largest absolute difference and
@@ -27,7 +27,7 @@ from ..index.dtypes import itemsize
 from ..index.types import Box, TensorEntry
 from ..progress import Progress
 from ..runner.fetch import Fetcher
-from .keys import STEP_NAMES, OPTIM_CONTAINERS, guess_step, split_roles
+from ..convert.keys import STEP_NAMES, OPTIM_CONTAINERS, guess_step, split_roles
 from .options import RunOptions
 
 LAYOUT_KEYS = frozenset({"ds.dp_world_size", "ds.mp_world_size", "ds.zero_stage", "ds.ds_config", "ds.ds_version",

@@ -11,7 +11,7 @@ from ..hooks import listing
 from ..hooks.listing import StepsReport
 from ..index.serialize import safe_value, to_json
 from ..text import escape
-from .keys import guess_step, split_roles
+from ..convert.keys import guess_step, split_roles
 
 
 @dataclass

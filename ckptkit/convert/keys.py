@@ -22,6 +22,7 @@ from ..formats import lightning
 from ..index.flatten import key_of
 from ..index.types import CheckpointIndex
 from ..lazy_torch import is_tensor
+from ..runner.stream import find_aliases
 from ..torch_types import SmallTensor
 
 
@@ -180,8 +181,6 @@ def _slot_names(index: CheckpointIndex, split: Split, slot: str, tensors: list, 
     for key, rest in state:
         if key in index.tensors:
             shapes.setdefault(int(rest[1]), {})[key_of(rest[2:])] = tuple(index.tensors[key].shape)
-    from ..runner.stream import find_aliases
-
     model = {name: index.tensors[key] for name, key in split.model.items()}
     numbering = lightning.number_names([groups[g] for g in sorted(groups)], model, find_aliases(model),
                                        shapes, where)
