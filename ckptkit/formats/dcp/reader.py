@@ -11,6 +11,7 @@ import os
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CkptkitError, FormatError, quote
@@ -107,89 +108,129 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
     names = metadata_files(source)
     if not names:
         raise FormatError(f"{source.label('')}: no .metadata file (incomplete or not a DCP checkpoint)")
-    sd_meta: dict[str, Any] = {}
-    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
-    planner: dict[str, Any] = {}
-    versions = set()
-    save_id = None
+    merged = _Merged()
     for name in names:
-        label = source.label(name)
-        md = _load_metadata(source, name)
-        versions.add(_field(md, "version", "Metadata", label, None))
+        merged.add(_load_metadata(source, name), source.label(name))
+    index = _new_index(source, names, merged)
+    jobs = _item_jobs(index, merged, source.label(names[0]))
+    _add_items(index, source, jobs, _read_items(source, jobs, parallel))
+    ranks = [int(m.group(1)) for n in index.files if (m := _DATA_FILE.match(n))]
+    index.world_size = max(ranks) + 1 if ranks else None
+    return index
+
+
+# a storage record's key: the item's fqn and, for a tensor chunk, its offsets
+_StorageKey = tuple[str, tuple[int, ...] | None]
+# one item to read: the entry it fills, its box (None for a value) and its storage record
+_Job = tuple[Any, Box | None, Any]
+
+
+@dataclass
+class _Merged:
+    """What every metadata file of the checkpoint says, merged (the first file wins a key)."""
+
+    sd_meta: dict[str, Any] = field(default_factory=dict)
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)
+    storage: dict[_StorageKey, Any] = field(default_factory=dict)
+    planner: dict[str, Any] = field(default_factory=dict)
+    versions: set = field(default_factory=set)
+    save_id: Any = None
+
+    def add(self, md: Any, label: str) -> None:
+        self.versions.add(_field(md, "version", "Metadata", label, None))
         sm = _field(md, "storage_meta", "Metadata", label, None)
         if sm is not None:
-            save_id = getattr(sm, "__dict__", {}).get("save_id", save_id)
+            self.save_id = getattr(sm, "__dict__", {}).get("save_id", self.save_id)
         for key, meta in _field(md, "state_dict_metadata", "Metadata", label).items():
             if not isinstance(key, str):
                 raise FormatError(f"{label}: state_dict_metadata has a non-string key {key!r:.60}")
-            sd_meta.setdefault(key, meta)
+            self.sd_meta.setdefault(key, meta)
             if type(meta).__name__ == "TensorStorageMetadata":
-                seen = chunks.setdefault(key, [])
-                rank = len(_ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label))
-                chunk_list = _field(meta, "chunks", f"tensor {key}", label)
-                if not isinstance(chunk_list, (list, tuple)):
-                    raise FormatError(f"{label}: tensor {key} chunks must be a list, found {type(chunk_list).__name__}")
-                for ch in chunk_list:
-                    box = (_ints(_field(ch, "offsets", "chunk", label), f"tensor {key} chunk offsets", label),
-                           _ints(_field(ch, "sizes", "chunk", label), f"tensor {key} chunk sizes", label))
-                    if len(box[0]) != rank or len(box[1]) != rank:
-                        raise FormatError(f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
-                                          f"(offsets {list(box[0])}), the tensor has rank {rank}")
-                    if box not in seen:
-                        seen.append(box)
+                self._add_chunks(key, meta, label)
         for mi, info in _mapping(_field(md, "storage_data", "Metadata", label, None), "storage_data", label).items():
             fqn = _field(mi, "fqn", "MetadataIndex", label)
             off = _field(mi, "offset", "MetadataIndex", label, None)
             where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
-            storage.setdefault((fqn, where), info)
+            self.storage.setdefault((fqn, where), info)
         for key, path in _mapping(_field(md, "planner_data", "Metadata", label, None), "planner_data", label).items():
             if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
-                planner[key] = tuple(path)
+                self.planner[key] = tuple(path)
 
+    def _add_chunks(self, key: str, meta: Any, label: str) -> None:
+        """The chunk boxes of tensor `key`, each once, checked against the tensor's rank."""
+        seen = self.chunks.setdefault(key, [])
+        rank = len(_ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label))
+        chunk_list = _field(meta, "chunks", f"tensor {key}", label)
+        if not isinstance(chunk_list, (list, tuple)):
+            raise FormatError(f"{label}: tensor {key} chunks must be a list, found {type(chunk_list).__name__}")
+        for ch in chunk_list:
+            box = (_ints(_field(ch, "offsets", "chunk", label), f"tensor {key} chunk offsets", label),
+                   _ints(_field(ch, "sizes", "chunk", label), f"tensor {key} chunk sizes", label))
+            if len(box[0]) != rank or len(box[1]) != rank:
+                raise FormatError(f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
+                                  f"(offsets {list(box[0])}), the tensor has rank {rank}")
+            if box not in seen:
+                seen.append(box)
+
+
+def _new_index(source: Source, names: list[str], merged: _Merged) -> CheckpointIndex:
+    """The index before its entries: versions, metadata files, save id, the files and their sizes."""
     index = CheckpointIndex(format=FORMAT, root=source.root)
-    index.metadata["dcp_version"] = sorted(v for v in versions if v) or None
+    index.metadata["dcp_version"] = sorted(v for v in merged.versions if v) or None
     index.metadata["metadata_files"] = names
-    if save_id:
-        index.metadata["save_id"] = save_id
+    if merged.save_id:
+        index.metadata["save_id"] = merged.save_id
     for name in source.listdir(""):
         if _DATA_FILE.match(name) or name in names:
             index.files[name] = source.size(name)
+    return index
 
-    jobs = []
-    for key, meta in sd_meta.items():
-        path = planner.get(key)
-        label = source.label(names[0])
+
+def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job]:
+    """One job per tensor chunk and per value, each with its storage record; tensors are added to
+    `index` now (their pieces come from the jobs), values when read."""
+    jobs: list[_Job] = []
+    for key, meta in merged.sd_meta.items():
+        path = merged.planner.get(key)
         kind = type(meta).__name__
         if kind == "TensorStorageMetadata":
             dtype = _props_dtype(_field(meta, "properties", f"tensor {key}", label), label, key)
             shape = _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
             entry = TensorEntry(key, dtype_name(dtype), shape, [], path=path)
             index.add_tensor(entry)
-            for offsets, sizes in chunks[key]:
-                info = storage.get((key, offsets))
+            for offsets, sizes in merged.chunks[key]:
+                info = merged.storage.get((key, offsets))
                 if info is None:
                     raise FormatError(f"{label}: tensor {key} chunk at offsets {list(offsets)} has no storage record")
                 jobs.append((entry, Box(offsets, sizes), info))
         elif kind == "BytesStorageMetadata":
-            info = storage.get((key, None))
+            info = merged.storage.get((key, None))
             if info is None:
                 raise FormatError(f"{label}: value {key} has no storage record")
             jobs.append((ObjectEntry(key, None, path=path), None, info))
         else:
             raise FormatError(f"{label}: key {key} has unknown storage metadata {kind}")
+    return jobs
 
-    def run(job):
+
+def _read_items(source: Source, jobs: list[_Job], parallel: int) -> list[Any]:
+    """Each job's (piece or value, checks), or the CkptkitError that stopped it: handed back, so
+    that verify lists it and goes on (index.problems)."""
+    def run(job: _Job) -> Any:
         try:
             return _read_item(source, *job)
-        except CkptkitError as exc:  # handed back: verify lists it and goes on (index.problems)
+        except CkptkitError as exc:
             return exc
 
     if parallel > 1 and len(jobs) > 8:
         with ThreadPoolExecutor(parallel) as pool:
-            results = list(pool.map(run, jobs))
-    else:
-        results = [run(j) for j in jobs]
+            return list(pool.map(run, jobs))
+    return [run(j) for j in jobs]
+
+
+def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:
+    """Pieces to their tensors, values to the index, checks to the index's checks; an item that
+    could not be read is raised unless problems are being collected."""
     for (target, _, info), result in zip(jobs, results):
         if isinstance(result, CkptkitError):
             if not problems.tolerate(result, _item_file(source, info), target.key):
@@ -202,9 +243,6 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
             target.data, target.location = piece_or_value
             index.add_object(target)
         index.checks.extend(checks)
-    ranks = [int(m.group(1)) for n in index.files if (m := _DATA_FILE.match(n))]
-    index.world_size = max(ranks) + 1 if ranks else None
-    return index
 
 
 def _item_file(source: Source, info: Any) -> str:
