@@ -211,13 +211,13 @@ def test_whole_state_that_differs_between_ranks_is_refused(monkeypatch):
     """A value kept whole per group (torch's step) must be one value: ranks that disagree are
     refused by name, not resolved silently by taking one of them."""
     from ckptkit.errors import UnsupportedError
-    from ckptkit.formats.deepspeed import reader
+    from ckptkit.formats.deepspeed import group_state
     from ckptkit.torch_types import SmallTensor
 
     name = next((n for n in FIXTURES if "torchadamw" in n and n.startswith("z1")), None)
     if name is None:
         pytest.skip("needs the z1 torch AdamW fixture")
-    real = reader.materialize
+    real = group_state.materialize
 
     def rank1_ahead(value, archive):
         out = real(value, archive)
@@ -225,7 +225,7 @@ def test_whole_state_that_differs_between_ranks_is_refused(monkeypatch):
             return SmallTensor(out.dtype, (), torch.tensor(9.0, dtype=torch.float32).numpy().tobytes())
         return out
 
-    monkeypatch.setattr(reader, "materialize", rank1_ahead)
+    monkeypatch.setattr(group_state, "materialize", rank1_ahead)
     with pytest.raises(UnsupportedError, match=r"optimizer state 'step' of group 0 is .* on rank 0"):
         open_checkpoint(str(OPT_DATA / name))
 

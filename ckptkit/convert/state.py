@@ -46,7 +46,7 @@ LOW_PRECISION_WHY = "low-precision copies of the fp32 masters"
 DS_LAYOUT_WHY = "DeepSpeed layout values of the saving run (world size, stage, loss scaler, clipping)"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainingState:
     source: Opened
     model: dict[str, TensorEntry]                      # name -> source entry
@@ -222,8 +222,10 @@ def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
             unmapped[key] = "a DeepSpeed value outside the model, its optimizer and the client state"
     group_list, group_params = _named_groups(groups, rules)
     cfg = ds.get("ds_config")
-    return TrainingState(opened, model, frozen, buffers, ties, optim.partitioned, optim.whole, group_list,
-                         group_params, extras, ds, cfg if isinstance(cfg, dict) else None, derived, unmapped)
+    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
+                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
+                         group_params=group_params, extras=extras, ds=ds,
+                         ds_config=cfg if isinstance(cfg, dict) else None, derived=derived, unmapped=unmapped)
 
 
 def _named_groups(groups: dict[int, dict[str, Any]], rules: KeyRules) -> tuple[list[dict], list[list[str]]]:
@@ -350,8 +352,10 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     group_list, group_params = _named_groups(groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
     frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher)
-    return TrainingState(opened, model, frozen, buffers, ties, optim.partitioned, optim.whole, group_list,
-                         group_params, extras, ds, derived=derived, unmapped=unmapped, numbered_why=numbered_why)
+    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
+                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
+                         group_params=group_params, extras=extras, ds=ds, derived=derived, unmapped=unmapped,
+                         numbered_why=numbered_why)
 
 
 def _nest(root: dict, path: tuple, value: Any) -> None:

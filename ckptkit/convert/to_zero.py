@@ -20,20 +20,22 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedError, UsageError
-from ..formats.deepspeed.files import Layout as ZeroFiles
-from ..formats.deepspeed.reader import Group, ZeroInfo
+from ..formats.deepspeed.files import ZeroFiles
+from ..formats.deepspeed.info import ZeroGroup, ZeroInfo
 from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE, write_zero_files
 from ..index.dtypes import itemsize
+from ..index.state_keys import model_key, model_path, state_key, state_path
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ..index.virtual import inline_tensor
 from ..progress import Progress
 from ..repickle import stand_in, stand_in_call
 from ..storage.output import OutputDir
 from ..torch_types import DType, Size, SmallTensor
-from .hyper import check_target_holds, deepspeed_groups, deepspeed_step, ds_optimizer, torch_groups
+from .hyper import DsOptimizer, check_target_holds, deepspeed_groups, deepspeed_step, ds_optimizer, torch_groups
 from .state import TrainingState
 from .to_torch_layouts import view
 
@@ -82,8 +84,46 @@ def _alignment_paddings(names: list[tuple[str, int]], cfg_zero: dict, precision:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Target:
+    """The ZeRO checkpoint asked for: --to zeroN, --world-size and the DeepSpeed config."""
+
+    stage: int
+    world_size: int
+    cfg: dict
+    zero_cfg: dict
+    precision: str          # the module weights' dtype
+    step: int
+    optimizer: DsOptimizer  # the optimizer the config makes
+
+
 def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, world_size: int, cfg: dict, *,
                           slab_bytes: int, workers: int, progress: Progress) -> list[str]:
+    target = _target(state, stage, world_size, cfg)
+    group_keys = _group_state_keys(state, target.optimizer)
+    index, resolver = _state_tensors(state, group_keys, target.precision)
+    hypers = deepspeed_groups(_target_groups(state, target.optimizer), target.optimizer)
+    group_whole = _whole_values(state, target.optimizer, group_keys, index)
+    module = _module(state, target, index, resolver)
+    index.tensors.update(resolver)
+    groups = _zero_groups(state, target)
+    model_t = _model_template(state, target, module, groups, index)
+    optim_t = _optim_template(target, hypers, group_whole, group_keys, groups)
+    tag = f"global_step{target.step}"
+    files = ZeroFiles(tag=tag, prefix=f"{tag}/", model_files={0: "model"}, optim_files={0: "optim"},
+                      bf16_prefix=target.precision == "bfloat16")
+    info = ZeroInfo(stage=stage, world_size=world_size, files=files, groups=groups,
+                    frozen={n: tuple(state.model[n].shape) for n in state.frozen}, buffers=list(state.buffers),
+                    shared=dict(state.ties), model_states={0: model_t}, optim_states={0: optim_t}, archives={},
+                    param_group_count=len(hypers), dtype=target.precision)
+    sub_group_size = target.zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    return write_zero_files(out, index, state.source.source, info, world_size, tag,
+                            int(sub_group_size) if sub_group_size is not None else None,
+                            slab_bytes=slab_bytes, workers=workers, progress=progress)
+
+
+def _target(state: TrainingState, stage: int, world_size: int, cfg: dict) -> _Target:
+    """What to write, refusing what a ZeRO checkpoint of this config cannot hold."""
     if not state.has_optimizer or state.optimizer_dropped:
         raise UsageError(f"{state.source.path}: has no optimizer state (param groups); a ZeRO checkpoint is an "
                          f"optimizer checkpoint, so converting to ZeRO needs one")
@@ -93,96 +133,95 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
         raise UsageError(f"--to zero{stage} but the DeepSpeed config says zero_optimization.stage {cfg_stage}")
     if zero_cfg.get("round_robin_gradients") and stage < 3:
         raise UnsupportedError("round_robin_gradients reorders ZeRO partitions; converting to it is not supported")
-    target = ds_optimizer(cfg)
-    check_target_holds(target, state.state_keys)
-    group_keys = _group_state_keys(state, target)
-    precision = config_precision(cfg)
-    step = state.global_step or 0
+    optimizer = ds_optimizer(cfg)
+    check_target_holds(optimizer, state.state_keys)
+    return _Target(stage=stage, world_size=world_size, cfg=cfg, zero_cfg=zero_cfg, precision=config_precision(cfg),
+                   step=state.global_step or 0, optimizer=optimizer)
 
+
+def _state_tensors(state: TrainingState, group_keys: list[tuple[list[str], list[str]]],
+                   precision: str) -> tuple[CheckpointIndex, dict[str, TensorEntry]]:
+    """The index the writer reads: fp32 masters and partitioned states of each group, then the
+    frozen params in the module's precision (views over the source's tensors, resolved by `resolver`)."""
     index = CheckpointIndex(format="deepspeed", root="")
     resolver: dict[str, TensorEntry] = {}
     for g, names in enumerate(state.group_params):
         for name in names:
-            index.add_tensor(view(f"model.{name}", state.model[name], resolver, ("model", name), "float32"))
+            index.add_tensor(view(model_key(name), state.model[name], resolver, model_path(name), "float32"))
             for what in group_keys[g][0]:
-                index.add_tensor(view(f"optim.state.{name}.{what}", state.param_states[name][what], resolver,
-                                      ("optim", "state", name, what), "float32"))
+                index.add_tensor(view(state_key(name, what), state.param_states[name][what], resolver,
+                                      state_path(name, what), "float32"))
     for name in state.frozen:
-        index.add_tensor(view(f"model.{name}", state.model[name], resolver, ("model", name), precision))
+        index.add_tensor(view(model_key(name), state.model[name], resolver, model_path(name), precision))
+    return index, resolver
 
-    groups = deepspeed_groups(_target_groups(state, target), target)
-    # whole values: ZeRO keeps one per group (a step: an int for DeepSpeed's own optimizer, torch's
-    # 0-d tensor for a torch optimizer), also given per parameter for the writer to check
+
+def _whole_values(state: TrainingState, optimizer: DsOptimizer, group_keys: list[tuple[list[str], list[str]]],
+                  index: CheckpointIndex) -> list[OrderedDict[str, Any]]:
+    """Whole values: ZeRO keeps one per group (a step: an int for DeepSpeed's own optimizer, torch's
+    0-d tensor for a torch optimizer), also given per parameter for the writer to check."""
     group_whole: list[OrderedDict[str, Any]] = []
     for g, names in enumerate(state.group_params):
         values: OrderedDict[str, Any] = OrderedDict()
-        if target.own:
-            values["step"] = deepspeed_step(state.group_step(g), target)
+        if optimizer.own:
+            values["step"] = deepspeed_step(state.group_step(g), optimizer)
         for what in group_keys[g][1]:
             value = state.group_whole(g, what)
-            values[what] = deepspeed_step(value, target) if what == "step" else value
+            values[what] = deepspeed_step(value, optimizer) if what == "step" else value
         group_whole.append(values)
         for n in names:
             for what, value in values.items():
-                index.add_object(ObjectEntry(f"optim.state.{n}.{what}", value, path=("optim", "state", n, what)))
+                index.add_object(ObjectEntry(state_key(n, what), value, path=state_path(n, what)))
+    return group_whole
 
-    # the module state dict DeepSpeed loads strictly: params cast to the module dtype (ZeRO-3:
-    # empty placeholders), buffers as they are
+
+def _module(state: TrainingState, target: _Target, index: CheckpointIndex,
+            resolver: dict[str, TensorEntry]) -> OrderedDict[str, Any]:
+    """The module state dict DeepSpeed loads strictly: params cast to the module dtype (ZeRO-3:
+    empty placeholders), buffers as they are."""
     module: OrderedDict[str, Any] = OrderedDict()
     for name, entry in state.model.items():
         if name in state.buffers:
             module[name] = _lazy(view(f"module.{name}", entry, resolver), index)
-        elif stage == 3:
-            module[name] = _lazy(inline_tensor(f"module.{name}", SmallTensor(precision, (0,), b"")), index)
+        elif target.stage == 3:
+            module[name] = _lazy(inline_tensor(f"module.{name}", SmallTensor(target.precision, (0,), b"")), index)
         else:
             owner = state.ties.get(name, name)
-            src = index.tensors.get(f"model.{owner}") or state.model[owner]
-            module[name] = _lazy(view(f"module.{name}", src, resolver, dtype=precision), index)
-    index.tensors.update(resolver)
+            src = index.tensors.get(model_key(owner)) or state.model[owner]
+            module[name] = _lazy(view(f"module.{name}", src, resolver, dtype=target.precision), index)
+    return module
 
-    info_groups: list[Group] = []
-    param_shapes = []
-    alignment_paddings = []
+
+def _zero_groups(state: TrainingState, target: _Target) -> list[ZeroGroup]:
+    """One ZeRO group per param group, with stage 1/2's alignment paddings."""
+    groups = []
     for g, names in enumerate(state.group_params):
-        shaped = [(n, tuple(state.model[n].shape)) for n in names]
-        if stage < 3:
-            pads = _alignment_paddings([(n, math.prod(s)) for n, s in shaped], zero_cfg, precision)
-            info_groups.append(Group(g, g, shaped, pads if any(pads) else None))
-            alignment_paddings.append(pads)
-            param_shapes.append(OrderedDict((n, Size(s)) for n, s in shaped))
-        else:
-            info_groups.append(Group(g, g, shaped))
+        shaped = tuple((n, tuple(state.model[n].shape)) for n in names)
+        pads = None
+        if target.stage < 3:
+            pads = _alignment_paddings([(n, math.prod(s)) for n, s in shaped], target.zero_cfg, target.precision)
+        groups.append(ZeroGroup(index=g, param_group=g, params=shaped,
+                                paddings=tuple(pads) if pads and any(pads) else None))
+    return groups
+
+
+def _model_template(state: TrainingState, target: _Target, module: OrderedDict[str, Any], groups: list[ZeroGroup],
+                    index: CheckpointIndex) -> OrderedDict[str, Any]:
+    """The model-states file as DeepSpeed saves it, in its key order; extras (client state) last."""
+    stage = target.stage
     frozen_shapes = OrderedDict((n, Size(state.model[n].shape)) for n in state.frozen)
-    scaler, dynamic = _loss_scaler(cfg, precision, step)
-    train_batch = cfg.get("train_batch_size")
-    if not isinstance(train_batch, int):
-        micro = cfg.get("train_micro_batch_size_per_gpu", 1)
-        train_batch = int(micro) * int(cfg.get("gradient_accumulation_steps", 1)) * world_size
-    cfg_out = dict(cfg)
     model_t: OrderedDict[str, Any] = OrderedDict()
     model_t["module"] = module
     model_t["buffer_names"] = list(state.buffers)
     model_t["optimizer"] = None
-    model_t["param_shapes"] = param_shapes
+    model_t["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in groups] if stage < 3 else []
     model_t["frozen_param_shapes"] = frozen_shapes if (stage > 1 and frozen_shapes) else None
     model_t["shared_params"] = dict(state.ties)
+    model_t["frozen_param_fragments"] = None
     if stage == 2 and state.frozen:
         model_t["frozen_param_fragments"] = OrderedDict(
-            (n, _lazy(index.tensors[f"model.{n}"], index)) for n in state.frozen)
-    else:
-        model_t["frozen_param_fragments"] = None
-    model_t["lr_scheduler"] = state.ds.get("lr_scheduler", {"last_batch_iteration": step - 1}
-                                           if cfg.get("scheduler") else None)
-    model_t["data_sampler"] = state.ds.get("data_sampler")
-    model_t["random_ltd"] = state.ds.get("random_ltd")
-    model_t["skipped_steps"] = state.ds.get("skipped_steps", 0)
-    model_t["global_steps"] = step
-    model_t["global_samples"] = state.ds.get("global_samples", step * train_batch)
-    model_t["dp_world_size"] = world_size
-    model_t["mp_world_size"] = 1
-    model_t["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
-    model_t["ds_config"] = cfg_out
-    model_t["ds_version"] = DS_FORMAT_VERSION
+            (n, _lazy(index.tensors[model_key(n)], index)) for n in state.frozen)
+    model_t.update(_deepspeed_values(state, target))
     reserved = set(model_t)
     for path, value in state.extras:
         if len(path) == 1 and path[0] in reserved:
@@ -190,48 +229,65 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
         if isinstance(value, TensorEntry):
             value = _lazy(value, index)
         _nest(model_t, path, value)
+    return model_t
 
-    # the optimizer's state per group as its state_dict orders it: whole values (step) first, then
-    # the partitioned states (None here: the writer puts each rank's flat slice in their place)
+
+def _deepspeed_values(state: TrainingState, target: _Target) -> OrderedDict[str, Any]:
+    """DeepSpeed's own values: carried from a DeepSpeed source, else started fresh (module docstring)."""
+    cfg, step = target.cfg, target.step
+    train_batch = cfg.get("train_batch_size")
+    if not isinstance(train_batch, int):
+        micro = cfg.get("train_micro_batch_size_per_gpu", 1)
+        train_batch = int(micro) * int(cfg.get("gradient_accumulation_steps", 1)) * target.world_size
+    values: OrderedDict[str, Any] = OrderedDict()
+    values["lr_scheduler"] = state.ds.get("lr_scheduler", {"last_batch_iteration": step - 1}
+                                          if cfg.get("scheduler") else None)
+    values["data_sampler"] = state.ds.get("data_sampler")
+    values["random_ltd"] = state.ds.get("random_ltd")
+    values["skipped_steps"] = state.ds.get("skipped_steps", 0)
+    values["global_steps"] = step
+    values["global_samples"] = state.ds.get("global_samples", step * train_batch)
+    values["dp_world_size"] = target.world_size
+    values["mp_world_size"] = 1
+    values["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
+    values["ds_config"] = dict(cfg)
+    values["ds_version"] = DS_FORMAT_VERSION
+    return values
+
+
+def _optim_template(target: _Target, hypers: list[dict], group_whole: list[OrderedDict[str, Any]],
+                    group_keys: list[tuple[list[str], list[str]]], groups: list[ZeroGroup]) -> OrderedDict[str, Any]:
+    """The optim-states file as the stage saves it. The optimizer's state per group as its
+    state_dict orders it: whole values (step) first, then the partitioned states (None here: the
+    writer puts each rank's flat slice in their place)."""
     group_states = OrderedDict((g, OrderedDict(list(group_whole[g].items()) + [(k, None) for k in group_keys[g][0]]))
-                               for g in range(len(groups)))
-    base_state = {"state": group_states, "param_groups": [dict(h, params=[g]) for g, h in enumerate(groups)]}
-    zero_stage = stand_in_call(ZERO_STAGE_ENUM, stage)
-    if stage < 3:
-        osd: OrderedDict[str, Any] = OrderedDict()
+                               for g in range(len(hypers)))
+    base_state = {"state": group_states, "param_groups": [dict(h, params=[g]) for g, h in enumerate(hypers)]}
+    scaler, dynamic = _loss_scaler(target.cfg, target.precision, target.step)
+    zero_stage = stand_in_call(ZERO_STAGE_ENUM, target.stage)
+    osd: OrderedDict[str, Any] = OrderedDict()
+    if target.stage < 3:
         osd["loss_scaler"] = scaler
         osd["dynamic_loss_scale"] = dynamic
         osd["overflow"] = False
-        osd["clip_grad"] = float(cfg.get("gradient_clipping", 1.0))
+        osd["clip_grad"] = float(target.cfg.get("gradient_clipping", 1.0))
         osd["base_optimizer_state"] = base_state
         osd["single_partition_of_fp32_groups"] = []
         osd["zero_stage"] = zero_stage
         osd["group_paddings"] = []
-        osd["param_alignment_paddings"] = alignment_paddings
-        osd["partition_count"] = [world_size] * len(groups)
+        osd["param_alignment_paddings"] = [list(g.paddings) if g.paddings else [0] * len(g.params) for g in groups]
+        osd["partition_count"] = [target.world_size] * len(hypers)
         osd["ds_version"] = DS_FORMAT_VERSION
         osd["param_slice_mappings"] = []
     else:
-        osd = OrderedDict()
         osd["zero_stage"] = zero_stage
         osd["loss_scaler"] = scaler
         osd["dynamic_loss_scale"] = dynamic
         osd["overflow"] = False
-        osd["partition_count"] = world_size
+        osd["partition_count"] = target.world_size
         osd["optimizer_state_dict"] = base_state
         osd["fp32_flat_groups"] = []
-    optim_t = OrderedDict(optimizer_state_dict=osd, ds_config=cfg_out, ds_version=DS_FORMAT_VERSION)
-
-    tag = f"global_step{step}"
-    bf16 = precision == "bfloat16"
-    files = ZeroFiles(tag, f"{tag}/", {0: "model"}, {0: "optim"}, bf16)
-    info = ZeroInfo(stage, world_size, files, info_groups, {n: tuple(state.model[n].shape) for n in state.frozen},
-                    list(state.buffers), dict(state.ties), {0: model_t}, {0: optim_t}, {},
-                    len(groups), precision)
-    sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
-    return write_zero_files(out, index, state.source.source, info, world_size, tag,
-                            int(sub_group_size) if sub_group_size is not None else None,
-                            slab_bytes=slab_bytes, workers=workers, progress=progress)
+    return OrderedDict(optimizer_state_dict=osd, ds_config=dict(target.cfg), ds_version=DS_FORMAT_VERSION)
 
 
 def _group_state_keys(state: TrainingState, target: Any) -> list[tuple[list[str], list[str]]]:

@@ -14,8 +14,8 @@ MAX_LATEST_BYTES = 1024  # `latest` holds one tag (a folder name: 255 bytes on m
 EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 
 
-@dataclass
-class Layout:
+@dataclass(frozen=True, kw_only=True)
+class ZeroFiles:
     """The files of one tag: model-states per rank (one at stage 1/2) and optim-states per rank."""
 
     tag: str | None           # None when the path given is the tag folder itself
@@ -55,7 +55,7 @@ def read_latest(source: Source) -> str:
     return head.decode("utf-8", "replace").strip()
 
 
-def locate(source: Source, tag: str | None = None) -> Layout:
+def locate(source: Source, tag: str | None = None) -> ZeroFiles:
     names = source.listdir("")
     named_by = "--tag" if tag is not None else "latest"
     if tag is None and not looks_like_tag_folder(names):
@@ -73,21 +73,31 @@ def locate(source: Source, tag: str | None = None) -> Layout:
         prefix = tag + "/"
     else:
         prefix = ""
-    layout = Layout(tag, prefix)
+    files = _rank_files(source, tag, prefix)
+    _check_ranks(source, files)
+    return files
+
+
+def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
+    """The tag folder's files by kind and rank; the variants not read yet refused by name."""
+    model_files: dict[int, str] = {}
+    optim_files: dict[int, str] = {}
+    extra: list[str] = []
+    bf16_prefix = False
     for name in _tag_names(source, prefix.rstrip("/") or ""):
         if m := MODEL_STATES.match(name):
             rank, mp = int(m.group(1) or 0), int(m.group(2))
             if mp != 0:
                 raise UnsupportedError(f"{source.label(prefix + name)}: tensor/pipeline-parallel checkpoints "
                                        f"(model-parallel rank {mp}) are not supported yet")
-            layout.model_files[rank] = name
+            model_files[rank] = name
         elif m := OPTIM_STATES.match(name):
             rank, mp = int(m.group(2)), int(m.group(3))
             if mp != 0:
                 raise UnsupportedError(f"{source.label(prefix + name)}: tensor/pipeline-parallel checkpoints "
                                        f"(model-parallel rank {mp}) are not supported yet")
-            layout.optim_files[rank] = name
-            layout.bf16_prefix = bool(m.group(1))
+            optim_files[rank] = name
+            bf16_prefix = bool(m.group(1))
         elif EXPERT.match(name):
             raise UnsupportedError(f"{source.label(prefix + name)}: mixture-of-experts checkpoints (expert "
                                    f"files) are not supported yet")
@@ -95,24 +105,31 @@ def locate(source: Source, tag: str | None = None) -> Layout:
             raise UnsupportedError(f"{source.label(prefix + name)}: NVMe-offloaded optimizer state "
                                    f"(offloaded_tensors) is not supported yet")
         else:
-            layout.extra.append(name)
-    if not layout.model_files:
+            extra.append(name)
+    return ZeroFiles(tag=tag, prefix=prefix, model_files=model_files, optim_files=optim_files,
+                     bf16_prefix=bf16_prefix, extra=extra)
+
+
+def _check_ranks(source: Source, files: ZeroFiles) -> None:
+    """Model-states and optim-states files are there, and no rank's optim-states file is missing
+    (verify: each missing one listed, the others still read)."""
+    prefix = files.prefix
+    if not files.model_files:
         raise FormatError(f"{source.label(prefix or '')}: no *_model_states.pt file in the DeepSpeed tag folder")
-    if not layout.optim_files:
+    if not files.optim_files:
         raise FormatError(f"{source.label(prefix or '')}: no *_optim_states.pt files (a checkpoint saved "
                           f"without optimizer state cannot be read yet)")
-    world = max(layout.optim_files) + 1
-    missing = [r for r in range(world) if r not in layout.optim_files]
+    world = max(files.optim_files) + 1
+    missing = [r for r in range(world) if r not in files.optim_files]
     if missing:
         error = FormatError(f"{source.label(prefix or '')}: optim-states files for rank(s) {missing} are missing "
-                            f"(found {len(layout.optim_files)} of {world})")
+                            f"(found {len(files.optim_files)} of {world})")
         if not problems.collecting_now():
             raise error
         for rank in missing:  # verify: one problem per missing file, the other ranks still checked
-            name = optim_file_name(rank, layout.bf16_prefix)
+            name = optim_file_name(rank, files.bf16_prefix)
             problems.tolerate(FormatError(f"{source.label(prefix + name)}: file is missing (rank {rank} of "
                                           f"{world})"), source.label(prefix + name))
-    return layout
 
 
 def optim_file_name(rank: int, bf16_prefix: bool) -> str:

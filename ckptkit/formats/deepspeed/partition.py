@@ -5,43 +5,84 @@ padding), padded at the end to a multiple of 2*W; rank r owns [r*ps, (r+1)*ps) w
 Stage 3: every parameter is padded to ceil(n/W)*W and rank r holds slice r of each; a sub-group's
 flat tensor is its params' slices concatenated; sub-groups close when the running size of the
 rank-local slices reaches sub_group_size.
+
+Both stages are described the same way, by a `RankShare` per rank: the reader cuts a rank's
+flat tensors into per-parameter pieces with it, the writer assembles them from it.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 
-@dataclass(frozen=True)
-class Placed:
-    """A parameter inside a stage-1/2 group's flat buffer."""
+@dataclass(frozen=True, kw_only=True)
+class Slot:
+    """Elements [start, start+length) of parameter `name`, at `position` of a rank's flat tensor."""
 
     name: str
-    numel: int
-    offset: int
+    start: int
+    length: int
+    position: int
 
 
-def stage12_group(names_numels: list[tuple[str, int]], paddings: list[int] | None,
-                  world_size: int) -> tuple[list[Placed], int, int]:
-    """(placed params, unpadded flat length incl. per-param padding, partition size)."""
-    placed, offset = [], 0
-    for i, (name, numel) in enumerate(names_numels):
-        placed.append(Placed(name, numel, offset))
-        offset += numel + (paddings[i] if paddings else 0)
+@dataclass(frozen=True, kw_only=True)
+class RankShare:
+    """What one rank holds of one (sub-)group's flat buffer."""
+
+    slots: tuple[Slot, ...]   # the parameters' elements it holds, in order (none of zero length)
+    own: int                  # elements up to the end of the parameters: the fp32 masters' length
+    size: int                 # the partition's length with its end padding: the optimizer states'
+
+    @property
+    def end_padding(self) -> int:
+        return self.size - self.own
+
+
+def stage12_shares(params: Sequence[tuple[str, int]], paddings: Sequence[int] | None,
+                   world_size: int) -> list[RankShare]:
+    """Each rank's share of a stage-1/2 group of (name, numel), with its alignment paddings."""
+    offsets, total = [], 0
+    for i, (_, numel) in enumerate(params):
+        offsets.append(total)
+        total += numel + (paddings[i] if paddings else 0)
     align = 2 * world_size
-    padded = int(math.ceil(offset / align)) * align
-    return placed, offset, padded // world_size
+    size = int(math.ceil(total / align)) * align // world_size
+    shares = []
+    for rank in range(world_size):
+        lo = rank * size
+        own = max(0, min(size, total - lo))
+        slots = []
+        for (name, numel), offset in zip(params, offsets):
+            a, b = max(lo, offset), min(lo + own, offset + numel)
+            if b > a:
+                slots.append(Slot(name=name, start=a - offset, length=b - a, position=a - lo))
+        shares.append(RankShare(slots=tuple(slots), own=own, size=size))
+    return shares
 
 
-def stage12_slice_mappings(placed: list[Placed], partition_size: int, rank: int) -> list[tuple[str, int, int]]:
-    """(name, numel, start-in-partition) of each param overlapping rank's partition, in order."""
-    lo, hi = rank * partition_size, (rank + 1) * partition_size
-    out = []
-    for p in placed:
-        a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-        if b > a:
-            out.append((p.name, b - a, a - lo))
-    return out
+def stage3_shares(params: Sequence[tuple[str, int]], world_size: int) -> list[RankShare]:
+    """Each rank's share of a stage-3 sub-group of (name, numel): slice r of every parameter."""
+    size = sum(stage3_slice(numel, world_size) for _, numel in params)
+    shares = []
+    for rank in range(world_size):
+        slots, position = [], 0
+        for name, numel in params:
+            per = stage3_slice(numel, world_size)
+            length = max(0, min(per, numel - rank * per))
+            if length:
+                slots.append(Slot(name=name, start=rank * per, length=length, position=position))
+            position += per
+        shares.append(RankShare(slots=tuple(slots), own=size, size=size))
+    return shares
+
+
+def rank_shares(stage: int, params: Sequence[tuple[str, int]], paddings: Sequence[int] | None,
+                world_size: int) -> list[RankShare]:
+    """Each rank's share of one (sub-)group at `stage`."""
+    if stage < 3:
+        return stage12_shares(params, paddings, world_size)
+    return stage3_shares(params, world_size)
 
 
 def stage3_slice(numel: int, world_size: int) -> int:

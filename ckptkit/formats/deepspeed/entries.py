@@ -1,0 +1,30 @@
+"""Entries of DeepSpeed's pickled structures, checked as they are taken: one sentence naming the
+file and the entry when one is missing or malformed."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import FormatError
+from ...index.types import Location
+from ...safeload import TensorRef
+from ..torch_save.archive import Archive, tensor_location
+
+
+def entry(mapping: Any, key: str, where: str) -> Any:
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise FormatError(f"{where}: has no {key!r} entry (not a DeepSpeed ZeRO checkpoint of a known version)")
+    return mapping[key]
+
+
+def shape_of(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in value):
+        raise FormatError(f"{where}: malformed shape {value!r:.60}")
+    return tuple(int(d) for d in value)
+
+
+def tensor_of(archive: Archive, value: Any, what: str) -> tuple[str, Location, tuple[int, ...]]:
+    """(dtype, location, shape) of a tensor entry."""
+    if not isinstance(value, TensorRef):
+        raise FormatError(f"{archive.label}: {what} is not a tensor (found {type(value).__name__})")
+    dtype, loc = tensor_location(archive, value, what)
+    return dtype, loc, tuple(value.size)

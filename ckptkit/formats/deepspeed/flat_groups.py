@@ -1,0 +1,131 @@
+"""The flat buffers of a ZeRO checkpoint, read group by group for stages 1, 2 and 3 alike.
+
+Each rank's optim-states file holds, per (sub-)group, a flat fp32 partition of the masters and
+one flat partition per partitioned optimizer state. partition.py says which elements of which
+parameter each rank's partition holds; here those become `FlatRange` pieces of `model.<name>`
+and `optim.state.<name>.<key>`, one tensor per parameter shaped like it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import FormatError, quote
+from ...index import problems
+from ...index.dtypes import is_floating, itemsize
+from ...index.state_keys import model_key, model_path, state_key, state_path
+from ...index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
+from ..torch_save.archive import Archive
+from . import partition
+from .entries import entry, tensor_of
+from .files import ZeroFiles
+from .group_state import GroupState
+from .info import StageNames, ZeroGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFiles:
+    """The optim-states files as opened: rank -> structure (a rank verify found unreadable is absent)."""
+
+    files: ZeroFiles
+    archives: dict[str, Archive]
+    optim: dict[int, Any]
+    world_size: int
+
+    def archive(self, rank: int) -> Archive:
+        return self.archives[self.files.prefix + self.files.optim_files[rank]]
+
+
+@dataclass(kw_only=True)
+class _FlatPieces:
+    """Per-parameter pieces of every flat tensor read so far, keyed by (name, state key or None
+    for the master); a parameter's pieces share one dtype."""
+
+    pieces: dict[tuple[str, Any], list[Piece]] = field(default_factory=dict)
+    dtypes: dict[tuple[str, Any], str] = field(default_factory=dict)
+
+    def add(self, arch: Archive, share: partition.RankShare, what: Any, dtype: str, loc: Location) -> None:
+        """Cut one rank's flat tensor at `loc` (`what`: a state key, None for the masters)."""
+        item = itemsize(dtype)
+        for slot in share.slots:
+            if self.dtypes.setdefault((slot.name, what), dtype) != dtype:
+                key = model_key(slot.name) if what is None else state_key(slot.name, what)
+                raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, "
+                                  f"{quote(self.dtypes[(slot.name, what)])} on another rank")
+            self.pieces.setdefault((slot.name, what), []).append(
+                Piece(FlatRange(slot.start, slot.length),
+                      Location(loc.file, loc.offset + slot.position * item, slot.length * item)))
+
+    def add_tensors(self, index: CheckpointIndex, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The masters (`model.<name>`), then every partitioned state key (`optim.state.<name>.<key>`),
+        one TensorEntry per parameter shaped like it; a zero-size parameter's have no pieces."""
+        for name, shape in shapes.items():
+            index.add_tensor(TensorEntry(model_key(name), self.dtypes.get((name, None), "float32"), shape,
+                                         self.pieces.get((name, None), []), path=model_path(name),
+                                         attrs={"ds_role": "fp32_master"}))
+        for (name, what), dtype in self.dtypes.items():
+            if what is not None:
+                index.add_tensor(TensorEntry(state_key(name, what), dtype, shapes[name],
+                                             self.pieces.get((name, what), []), path=state_path(name, what)))
+
+
+def read_flat_groups(index: CheckpointIndex, stage: int, ranks: RankFiles, groups: list[ZeroGroup],
+                     names: StageNames) -> None:
+    """Every group's masters and optimizer state into `index`."""
+    flats = _FlatPieces()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for group in groups:
+        shapes.update(group.params)
+        _read_group(index, stage, ranks, group, names, flats)
+    flats.add_tensors(index, shapes)
+
+
+def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: ZeroGroup, names: StageNames,
+                flats: _FlatPieces) -> None:
+    numels = [(name, math.prod(shape)) for name, shape in group.params]
+    state = GroupState(where=f"{names.group} {group.index}", params=len(group.params))
+    damaged: list[str] = []
+    for rank, share in enumerate(partition.rank_shares(stage, numels, group.paddings, ranks.world_size)):
+        if rank not in ranks.optim:  # its file was missing or unreadable (verify listed it)
+            damaged += [slot.name for slot in share.slots]
+            continue
+        arch = ranks.archive(rank)
+        osd = ranks.optim[rank]["optimizer_state_dict"]
+        mdtype, loc, length = _masters(arch, osd, names, group.index, share, ranks.world_size)
+        flats.add(arch, share, None, mdtype, loc)
+        values = entry(entry(osd, names.optimizer, arch.label), "state", arch.label)
+        if not isinstance(values, dict):
+            raise FormatError(f"{arch.label}: optimizer state is a {type(values).__name__}, expected a dict")
+        for key, sloc in state.read(arch, rank, values.get(group.index), (share.size, length)).items():
+            flats.add(arch, share, key, state.dtypes[key], sloc)
+    _tolerate_damaged(damaged, state.partitioned())
+    state.add_whole(index, group.names)
+    for key in state.partitioned():  # a parameter with no elements still has its (empty) state
+        for name in group.names:
+            flats.dtypes.setdefault((name, key), state.dtypes[key])
+
+
+def _tolerate_damaged(names: list[str], keys: list[str]) -> None:
+    """Tensors of these parameters lack the pieces of a rank verify already reported."""
+    problems.tolerate_keys([k for n in names for k in (model_key(n), *(state_key(n, key) for key in keys))])
+
+
+def _masters(arch: Archive, osd: dict, names: StageNames, i: int, share: partition.RankShare,
+             world: int) -> tuple[str, Location, int]:
+    """(dtype, location, length) of this rank's fp32 master partition of (sub-)group `i`: its
+    length is the share's (with or without the end padding) and its dtype a floating one
+    (DeepSpeed keeps fp32 masters; another float is read as what it is)."""
+    what = names.group
+    tensors = entry(osd, names.masters, arch.label)
+    if not isinstance(tensors, list) or i >= len(tensors):
+        raise FormatError(f"{arch.label}: {names.masters} has no {what} {i}")
+    dtype, loc, shape = tensor_of(arch, tensors[i], f"fp32 partition of {what} {i}")
+    if len(shape) != 1 or shape[0] not in (share.own, share.size):
+        raise FormatError(f"{arch.label}: fp32 partition of {what} {i} has {list(shape)} elements, "
+                          f"the layout of {world} ranks needs {share.own}")
+    if not is_floating(dtype):
+        raise FormatError(f"{arch.label}: fp32 partition of {what} {i} is {quote(dtype)}, expected a "
+                          f"floating-point tensor (the optimizer's master weights)")
+    return dtype, loc, shape[0]
+

@@ -1,0 +1,179 @@
+"""How each ZeRO (sub-)group is written at a new world size: its state keys (partitioned or
+whole), its whole values, the masters' dtype and each rank's share of its flat buffer (virtual
+slices of the per-parameter tensors, streamed when written)."""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...errors import UnsupportedError, quote
+from ...index.state_keys import model_key, state_key
+from ...index.types import CheckpointIndex
+from ...index.virtual import Part, flat_slice
+from ...optim_state import PARTITIONED, kind_of, refuse_unmappable
+from ...runner.fetch import Fetcher
+from ..torch_save.archive import Archive
+from ..torch_save.archive_writer import LazyTensor
+from . import partition
+from .info import ZeroGroup, ZeroInfo
+from .templates import lazify
+from .values import same_value
+
+
+class StatePlanner:
+    """How each optimizer state key of a (sub-)group is written: partitioned with the flat
+    buffer (a virtual slice of the per-parameter tensors) or whole (the group's one value).
+
+    The keys are the template's (the source rank's own state, or the one convert built), then any
+    other key the index holds for these parameters, so nothing read is left out."""
+
+    def __init__(self, index: CheckpointIndex, fetcher: Fetcher) -> None:
+        self.index, self.fetcher = index, fetcher
+        self.by_name: dict[str, list[str]] = {}   # param name -> its state keys, in index order
+        for key, e in list(index.tensors.items()) + list(index.objects.items()):
+            path = e.path if e.path and len(e.path) == 4 and tuple(e.path[:2]) == ("optim", "state") else None
+            if path is not None:
+                self.by_name.setdefault(str(path[2]), []).append(path[3])
+
+    def keys(self, template: Any, names: list[str]) -> list[Any]:
+        keys = list(template) if isinstance(template, dict) else []
+        for name in names:
+            keys += [k for k in self.by_name.get(name, []) if k not in keys]
+        return keys
+
+    def plan(self, keys: list[Any], params: list[tuple[str, tuple[int, ...]]], where: str) -> dict[Any, str | None]:
+        """key -> the dtype of a partitioned state, None for a whole one."""
+        out: dict[Any, str | None] = {}
+        for key in keys:
+            refuse_unmappable(str(key), where)
+            entries = [(self.index.tensors.get(state_key(n, key)), s) for n, s in params]
+            kinds = [e is not None and kind_of(str(key), e.shape, s) == PARTITIONED for e, s in entries]
+            if params and all(kinds):
+                dtypes = {e.dtype for e, _ in entries}
+                if len(dtypes) > 1:
+                    raise UnsupportedError(f"{where}: optimizer state {quote(str(key))} has dtypes "
+                                           f"{sorted(dtypes)} across the parameters of one partition")
+                out[key] = dtypes.pop()
+            elif any(kinds):
+                odd = [n for (n, _), k in zip(params, kinds) if not k][:3]
+                raise UnsupportedError(f"{where}: optimizer state {quote(str(key))} is shaped like its parameter "
+                                       f"for some parameters but not for {odd}; they cannot share one ZeRO "
+                                       f"partition")
+            else:
+                out[key] = None
+        return out
+
+    def whole(self, key: Any, names: list[str], template: Any, where: str) -> Any:
+        """The one value of a whole state for these parameters (they must agree), else the template's."""
+        values: list[Any] = []
+        for n in names:
+            k = state_key(n, key)
+            if k in self.index.objects:
+                value = self.index.objects[k].data
+            elif k in self.index.tensors:
+                value = self.fetcher.fetch(self.index.tensors[k])
+            else:
+                continue
+            if not any(same_value(value, v) for v in values):
+                values.append(value)
+        if len(values) > 1:
+            raise UnsupportedError(f"{where}: parameters {names[:3]}... have different values of optimizer state "
+                                   f"{quote(str(key))} ({quote(', '.join(sorted(map(repr, values))))}); they "
+                                   f"cannot share one ZeRO partition")
+        return copy.deepcopy(values[0]) if values else template
+
+
+def virtual(key: str, dtype: str, parts: list[Part], start: int, length: int) -> LazyTensor:
+    """Elements [start, start+length) of the concatenated parts, streamed when written."""
+    return LazyTensor(flat_slice(key, dtype, parts, start, length))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """How one (sub-)group is written at the new world size: its state keys, whole values and
+    each rank's share of its flat buffer."""
+
+    group: ZeroGroup
+    keys: dict[Any, str | None]        # state key -> dtype of a partitioned one, None for a whole one
+    whole: dict[Any, Any]              # whole state key -> the group's one value
+    master_dtype: str
+    has_state: bool                    # the optimizer holds state for it (else it is left out)
+    shares: list[partition.RankShare]
+
+    def masters(self, rank: int) -> LazyTensor:
+        """This rank's flat partition of the fp32 masters."""
+        share = self.shares[rank]
+        return virtual(f"fp32.{self.group.index}.{rank}", self.master_dtype,
+                        _parts(share, model_key), 0, share.own)
+
+    def state(self, rank: int) -> dict[Any, Any]:
+        """This rank's optimizer state of the group: flat partitions and whole values."""
+        share = self.shares[rank]
+        return {key: (virtual(f"{key}.{self.group.index}.{rank}", dtype,
+                               _parts(share, lambda name, key=key: state_key(name, key)), 0, share.size)
+                      if dtype is not None else copy.deepcopy(self.whole[key]))
+                for key, dtype in self.keys.items()}
+
+
+def _parts(share: partition.RankShare, key_of: Callable[[str], str]) -> list[Part]:
+    """A rank's flat tensor as parts of per-parameter tensors, zeros where it is padded."""
+    parts, position = [], 0
+    for slot in share.slots:
+        if slot.position > position:
+            parts.append(Part(None, 0, slot.position - position))
+        parts.append(Part(key_of(slot.name), slot.start, slot.length))
+        position = slot.position + slot.length
+    return parts
+
+
+def target_groups(info: ZeroInfo, world: int, sub_group_size: int | None) -> list[ZeroGroup]:
+    """The (sub-)groups at the new world size: stage 1/2 keeps the groups; stage 3 splits each
+    param group into sub-groups the way DeepSpeed does at that size."""
+    if info.stage < 3:
+        return info.groups
+    by_group: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for grp in info.groups:
+        by_group.setdefault(grp.param_group, []).extend(grp.params)
+    groups: list[ZeroGroup] = []
+    for g in range(info.param_group_count):
+        shapes = dict(by_group.get(g, []))
+        for sub in partition.stage3_sub_groups([(n, math.prod(s)) for n, s in by_group.get(g, [])], world,
+                                               sub_group_size):
+            groups.append(ZeroGroup(index=len(groups), param_group=g, params=tuple((n, shapes[n]) for n, _ in sub)))
+    return groups
+
+
+def state_templates(stage: int, template_state: Any, groups: list[ZeroGroup]) -> list[dict | None]:
+    """Each group's state in the template, None where the optimizer held none. Stage 3's
+    sub-groups change with the world size: each gets every key any source sub-group had."""
+    if not isinstance(template_state, dict):
+        return [None] * len(groups)
+    if stage < 3:
+        return [template_state.get(grp.index) for grp in groups]
+    keys: dict = {}
+    for sub_state in template_state.values():
+        if isinstance(sub_state, dict):
+            keys.update({k: v for k, v in sub_state.items() if k not in keys})
+    return [keys if template_state else None] * len(groups)
+
+
+def plan_group(index: CheckpointIndex, states: StatePlanner, stage: int, group: ZeroGroup, template: dict | None,
+                oarchive: Archive | None, where: str, world: int) -> GroupPlan:
+    names = group.names
+    keys = states.plan(states.keys(template, names), group.params, where)
+    whole = {key: states.whole(key, names, lazify((template or {}).get(key), oarchive, {}), where)
+             for key, dtype in keys.items() if dtype is None}
+    shares = partition.rank_shares(stage, [(n, math.prod(s)) for n, s in group.params], group.paddings, world)
+    return GroupPlan(group=group, keys=keys, whole=whole, master_dtype=master_dtype(index, names),
+                      has_state=template is not None or bool(keys), shares=shares)
+
+
+def master_dtype(index: CheckpointIndex, names: list[str]) -> str:
+    """The dtype of a flat buffer of fp32 masters (DeepSpeed's are float32), the same for all."""
+    dtypes = {index.tensors[model_key(n)].dtype for n in names}
+    if len(dtypes) > 1:
+        raise UnsupportedError(f"the master weights of one ZeRO partition have dtypes {sorted(dtypes)} "
+                               f"(parameters {names[:3]}...); they cannot share a flat buffer")
+    return dtypes.pop() if dtypes else "float32"
