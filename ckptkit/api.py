@@ -84,11 +84,11 @@ def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,
 def _open_for_load(path: str, tag: str | None, follow_links: bool | None = None) -> tuple[CheckpointIndex, Any]:
     from .convert.state import read_state
     from .convert.to_torch_layouts import fetcher_for, torch_recipe_index
-    from .formats.registry import open_checkpoint
+    from .formats.registry import capabilities_of, open_checkpoint
     from .runner.fetch import Fetcher
 
     opened = open_checkpoint(path, tag=tag, follow_links=follow_links)
-    if opened.index.format == "dcp":
+    if capabilities_of(opened.index).recipe_keys:  # DCP: its keys are already the state dict's
         return opened.index, Fetcher(opened.source, index=opened.index)
     state = read_state(opened)
     index, resolver = torch_recipe_index(state, "load")

@@ -8,6 +8,7 @@ Ctrl-C: see entry.py; a command that was interrupted says "interrupted" and exit
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -16,11 +17,13 @@ import signal
 import sys
 import traceback
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 import click
 
 from ckptkit import interrupts, knobs
+from ckptkit.context import RunContext
 from ckptkit.convert import SOURCES as CONVERT_SOURCES, TARGETS as CONVERT_TARGETS
 from ckptkit.errors import CkptkitError
 from ckptkit.text import escape
@@ -57,7 +60,7 @@ class _Escaping:
 class Context:
     def __init__(self, quiet: bool, debug: bool) -> None:
         self.quiet, self.debug = quiet, debug
-        self.progress: CliProgress | None = None  # set by make_run_options: shows and times the run
+        self.progress: CliProgress | None = None  # set by make_run_context: shows and times the run
 
     def say_done(self, nbytes: int | None = None) -> None:
         """The closing line of a command that moved data: elapsed time and throughput."""
@@ -196,24 +199,47 @@ def relaunch_if_asked(nproc: int | None, out: str) -> None:
         sys.exit(relaunch(nproc, out))
 
 
-def make_run_options(ctx: Context, memory_budget: str | None, workers: int | None, overwrite: bool = False):
-    from ckptkit.ops.options import RunOptions
+@dataclass(frozen=True)
+class RunFlags:
+    """--memory-budget, --workers, --overwrite and --nproc: how a command runs, not what it does."""
+
+    memory_budget: str | None = None
+    workers: int | None = None
+    overwrite: bool = False
+    nproc: int | None = None
+
+
+def grouped(**groups: type) -> Callable:
+    """Gather click's keyword arguments into option dataclasses: `name=Cls` hands the command
+    Cls(<its fields>) as `name` (the click options themselves stay as they are)."""
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for name, cls in groups.items():
+                fields = [f.name for f in dataclasses.fields(cls) if f.name in kwargs]
+                kwargs[name] = cls(**{f: kwargs.pop(f) for f in fields})
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorate
+
+
+def make_run_context(ctx: Context, flags: RunFlags) -> RunContext:
+    """The one RunContext of this command: budget, workers, progress, group, links, overwrite."""
     from ckptkit.runner.distributed import from_environment
 
     group = from_environment()
     if not group.is_root:
         ctx.quiet = True  # rank 0 reports for the job
     ctx.progress = make_progress(ctx.quiet)
-    opts = RunOptions(progress=ctx.progress, overwrite=overwrite, group=group,
-                      follow_links=follow_links())
-    if memory_budget:
-        opts.memory_budget = knobs.parse_size(memory_budget)
-    if workers:
-        opts.workers = workers
+    run = RunContext(progress=ctx.progress, overwrite=flags.overwrite, group=group, follow_links=follow_links())
+    if flags.memory_budget:
+        run.memory_budget = knobs.parse_size(flags.memory_budget)
+    if flags.workers:
+        run.workers = flags.workers
     from ckptkit.runner import limits
 
-    limits.set_budget(opts.memory_budget)  # also bounds what indexing loads whole (this one command)
-    return opts
+    limits.set_budget(run.memory_budget)  # also bounds what indexing loads whole (this one command)
+    return run
 
 
 class _Group(click.Group):
@@ -320,12 +346,12 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
 @click.pass_obj
 @handle_errors
 @step_option
-def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, memory_budget, workers) -> None:
+@grouped(flags=RunFlags)
+def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, flags: RunFlags) -> None:
     """Check that every piece of SRC is present, in bounds and covers its tensor exactly."""
     from ckptkit.ops.verify import check
 
-    opts = make_run_options(ctx, memory_budget, workers)
-    report = check(src, deep=deep, options=opts, tag=tag)
+    report = check(src, deep=deep, tag=tag, ctx=make_run_context(ctx, flags))
     if as_json:
         click.echo(dump_json(report.as_json()))
         sys.exit(0 if report.ok else EXIT_PROBLEMS)
@@ -371,22 +397,23 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, m
 @click.pass_obj
 @handle_errors
 @step_option
+@grouped(flags=RunFlags)
 def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
                 include_optimizer: bool, config: str | None, strip_prefix: tuple[str, ...], rename: tuple[str, ...],
-                tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
+                tag: str | None, flags: RunFlags) -> None:
     """Write SRC's model as Hugging Face style safetensors: into folder OUT, or into the file OUT
     when it ends in .safetensors and the model fits in one file."""
-    relaunch_if_asked(nproc, out)
+    relaunch_if_asked(flags.nproc, out)
     from ckptkit.convert.names import KeyRules
     from ckptkit.index.dtypes import parse_dtype_option
     from ckptkit.ops.consolidate import consolidate as run_consolidate
     from ckptkit.ops.inspect import human_bytes
 
-    opts = make_run_options(ctx, memory_budget, workers, overwrite)
+    run = make_run_context(ctx, flags)
     rules = KeyRules(strip=tuple(strip_prefix), renames=KeyRules.parse_renames(rename))
     res = run_consolidate(src, out, dtype=parse_dtype_option(dtype) if dtype else None,
-                          max_shard_size=max_shard_size, include_optimizer=include_optimizer, options=opts,
-                          tag=tag, rules=rules, config=config)
+                          max_shard_size=max_shard_size, include_optimizer=include_optimizer,
+                          tag=tag, rules=rules, config=config, ctx=run)
     into = f"into {out}" if os.path.isfile(out) else f"into {out}: {', '.join(res.files)}"
     ctx.say(f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
             f"from {res.source_format} {into}")
@@ -415,8 +442,9 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 @click.pass_obj
 @handle_errors
 @step_option
+@grouped(flags=RunFlags)
 def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | None, from_: int | None,
-            tag: str | None, memory_budget, workers, overwrite, nproc) -> None:
+            tag: str | None, flags: RunFlags) -> None:
     """Rewrite SRC for world size M (--world-size M, or --to M) in folder OUT, in SRC's format."""
     from ckptkit.errors import UsageError
 
@@ -425,17 +453,44 @@ def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | 
     target = world_size if world_size is not None else to
     if target is None:
         raise UsageError("reshard needs the target world size: --world-size M (or --to M)")
-    relaunch_if_asked(nproc, out)
+    relaunch_if_asked(flags.nproc, out)
     from ckptkit.ops.inspect import human_bytes
     from ckptkit.ops.reshard import reshard as run_reshard
 
-    opts = make_run_options(ctx, memory_budget, workers, overwrite)
-    res = run_reshard(src, out, target, expect_from=from_, options=opts, tag=tag)
+    res = run_reshard(src, out, target, expect_from=from_, tag=tag, ctx=make_run_context(ctx, flags))
     ctx.say(f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
             f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
     if res.notes:
         ctx.say(*res.notes)
     ctx.say_done()
+
+
+@dataclass(frozen=True)
+class ConvertTarget:
+    """What convert writes: --to, --world-size, --ds-config, and the source it expects (--from)."""
+
+    to: str
+    world_size: int | None = None
+    ds_config: str | None = None
+    from_: str | None = None
+
+
+@dataclass(frozen=True)
+class NameOptions:
+    """How names change on the way: --rename, --strip-prefix, --add-prefix."""
+
+    rename: tuple[str, ...] = ()
+    strip_prefix: tuple[str, ...] = ()
+    add_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class StateOptions:
+    """Which state is kept, and as what: --frozen, --model-only, --drop."""
+
+    frozen: tuple[str, ...] = ()
+    model_only: bool = False
+    drop: tuple[str, ...] = ()
 
 
 @cli.command(short_help="Convert to another backend, optimizer state included.",
@@ -469,21 +524,22 @@ def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: int | 
 @click.pass_obj
 @handle_errors
 @step_option
-def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, ds_config: str | None,
-            from_: str | None, rename: tuple[str, ...], strip_prefix: tuple[str, ...], add_prefix: str,
-            frozen: tuple[str, ...], model_only: bool, drop: tuple[str, ...], tag: str | None, memory_budget,
-            workers, overwrite, nproc) -> None:
+@grouped(target=ConvertTarget, names=NameOptions, keep=StateOptions, flags=RunFlags)
+def convert(ctx: Context, src: str, out: str, tag: str | None, target: ConvertTarget, names: NameOptions,
+            keep: StateOptions, flags: RunFlags) -> None:
     """Convert training checkpoint SRC to another backend in OUT, optimizer state included: a folder,
     or the file OUT itself for --to torch with OUT ending in .pt or .bin, and for --to safetensors/hf
     with OUT ending in .safetensors."""
-    relaunch_if_asked(nproc, out)
+    relaunch_if_asked(flags.nproc, out)
     from ckptkit.convert.names import KeyRules
     from ckptkit.ops.convert import convert as run_convert
 
-    opts = make_run_options(ctx, memory_budget, workers, overwrite)
-    rules = KeyRules(strip=tuple(strip_prefix), renames=KeyRules.parse_renames(rename), add=add_prefix)
-    res = run_convert(src, out, to, world_size=world_size, ds_config=ds_config, expect_from=from_, rules=rules,
-                      frozen=frozen, options=opts, tag=tag, model_only=model_only, drop=drop)
+    run = make_run_context(ctx, flags)
+    rules = KeyRules(strip=tuple(names.strip_prefix), renames=KeyRules.parse_renames(names.rename),
+                     add=names.add_prefix)
+    res = run_convert(src, out, target.to, world_size=target.world_size, ds_config=target.ds_config,
+                      expect_from=target.from_, rules=rules, frozen=keep.frozen, tag=tag,
+                      model_only=keep.model_only, drop=keep.drop, ctx=run)
     where = f" for {res.world_size} rank(s)" if res.world_size else ""
     files = "" if os.path.isfile(out) else f" ({len(res.files)} file{'' if len(res.files) == 1 else 's'})"
     ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out}{files}: {res.summary}")
@@ -506,14 +562,14 @@ def convert(ctx: Context, src: str, out: str, to: str, world_size: int | None, d
 @read_options
 @click.pass_obj
 @handle_errors
+@grouped(flags=RunFlags)
 def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: bool, stat: bool,
-         memory_budget, workers) -> None:
+         flags: RunFlags) -> None:
     """Compare checkpoints A and B (any formats) tensor by tensor, with their extras and step;
     exit 0 only when equal."""
     from ckptkit.ops.diff import STAT_TOP, diff as run_diff, render
 
-    opts = make_run_options(ctx, memory_budget, workers)
-    result = run_diff(a, b, atol=atol, model_only=model_only, options=opts)
+    result = run_diff(a, b, atol=atol, model_only=model_only, ctx=make_run_context(ctx, flags))
     if as_json:
         doc = {"equal": result.equal, "counts": result.counts(), "rows": [r.as_json() for r in result.rows]}
         if stat:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckptkit.context import RunContext
 from ckptkit.formats.dcp.writer import write_dcp
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.formats.torch_save.writer import write_torch_save
@@ -16,7 +17,7 @@ from conftest import DATA, assert_tensor_equal, load_truth
 def test_torch_save_writer_is_read_by_torch_load(tmp_path):
     opened = open_checkpoint(str(DATA / "plain_state_dict.pt"))
     with OutputDir(str(tmp_path / "out")) as out:
-        write_torch_save(out, "model.pt", opened.index, Fetcher(opened.source), slab_bytes=64)
+        write_torch_save(out, "model.pt", opened.index, Fetcher(opened.source), ctx=RunContext(fixed_slab=64))
     truth = torch.load(DATA / "plain_state_dict.pt", weights_only=True)
     ours = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert set(ours) == set(truth)
@@ -32,7 +33,7 @@ def test_torch_save_writer_keeps_nesting_and_values(tmp_path):
     truth = load_truth("fsdp2_w2")
     opened = open_checkpoint(str(DATA / "fsdp2_w2"))
     with OutputDir(str(tmp_path / "out")) as out:
-        write_torch_save(out, "full.pt", opened.index, Fetcher(opened.source), slab_bytes=1 << 20)
+        write_torch_save(out, "full.pt", opened.index, Fetcher(opened.source), ctx=RunContext(fixed_slab=1 << 20))
     full = torch.load(tmp_path / "out" / "full.pt", weights_only=True)
     assert full["optim"]["param_groups"][1]["weight_decay"] == 0.0
     assert_tensor_equal(full["model"]["embed.weight"], truth["model.embed.weight"], "embed")
@@ -48,7 +49,7 @@ def test_dcp_writer_is_read_by_torch_dcp(tmp_path, slab):
     opened = open_checkpoint(str(DATA / "fsdp2_w3"))
     with OutputDir(str(tmp_path / "out")) as out:
         write_dcp(out, opened.index, Fetcher(opened.source), fsdp2_layout(opened.index, 2),
-                  slab_bytes=slab, source=opened.source)
+                  ctx=RunContext(fixed_slab=slab), source=opened.source)
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "full.pt"))
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -74,7 +75,7 @@ def test_dcp_writer_stores_replicated_tensors_once(tmp_path):
                             for k, t in opened.index.tensors.items()})
     with OutputDir(str(tmp_path / "out")) as out:
         write_dcp(out, opened.index, Fetcher(opened.source), replicated,
-                  slab_bytes=1 << 20, source=opened.source)
+                  ctx=RunContext(fixed_slab=1 << 20), source=opened.source)
     again = open_checkpoint(str(tmp_path / "out")).index
     assert all(len(t.pieces) == 1 for t in again.tensors.values())
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "full.pt"))

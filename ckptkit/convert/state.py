@@ -21,8 +21,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..context import RunContext
 from ..errors import UnsupportedError, UsageError, name_of, quote
-from ..formats.registry import Opened
+from ..formats.registry import Opened, capabilities_of
 from ..index import geometry
 from ..index.dtypes import is_floating, itemsize
 from ..index.layouts import is_sharded
@@ -68,7 +69,8 @@ class TrainingState:
 
     @property
     def from_deepspeed(self) -> bool:
-        return self.source.index.format == "deepspeed"
+        """Its tensors are DeepSpeed's flat partitions, read through DeepSpeed's own records."""
+        return capabilities_of(self.source.index).flat_partitions
 
     @property
     def source_optimizer(self) -> DsOptimizer | None:
@@ -141,12 +143,14 @@ def _value_id(value: Any) -> str:
     return repr(value)
 
 
-def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: tuple[str, ...] = ()) -> TrainingState:
+def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: tuple[str, ...] = (),
+               ctx: RunContext | None = None) -> TrainingState:
+    """`ctx`: the run's context (the bit-identity check of tied weights reads within its budget)."""
     rules = rules or KeyRules()
-    if opened.index.format == "deepspeed":
+    if capabilities_of(opened.index).flat_partitions:
         state = _from_deepspeed(opened, rules)
     else:
-        state = _from_torch_layout(opened, rules, frozen_patterns)
+        state = _from_torch_layout(opened, rules, frozen_patterns, (ctx or RunContext()).slab_bytes_for(2))
     _check_partners(state)
     return state
 
@@ -248,7 +252,8 @@ def _optim_names(split: Split) -> tuple[dict[str, str], dict[str, Any]]:
     return names, values
 
 
-def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[str, ...]) -> TrainingState:
+def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[str, ...],
+                       slab_bytes: int) -> TrainingState:
     index = opened.index
     split = split_roles(index)
     raw_names = list(split.model)
@@ -351,7 +356,7 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
         optim.whole.clear()
     group_list, group_params = _named_groups(groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
-    frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher)
+    frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher, slab_bytes)
     return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
                          param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
                          group_params=group_params, extras=extras, ds=ds, derived=derived, unmapped=unmapped,
@@ -370,7 +375,7 @@ def _empty(value: Any) -> bool:
 
 
 def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str], frozen_patterns: tuple[str, ...],
-              fetcher: Fetcher) -> tuple[list[str], list[str], dict[str, str]]:
+              fetcher: Fetcher, slab_bytes: int) -> tuple[list[str], list[str], dict[str, str]]:
     """Sort the model tensors outside the param groups into frozen params, buffers and ties."""
     aliases = find_aliases(model)
     multi_rank = (opened.index.world_size or 1) > 1
@@ -385,7 +390,7 @@ def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str]
             ties[name] = aliases[name]
             continue
         owner = next((t for t in by_shape.get((e.shape, e.dtype), [])
-                      if e.numel > 0 and _bit_identical(fetcher, e, model[t])), None)
+                      if e.numel > 0 and _bit_identical(fetcher, e, model[t], slab_bytes)), None)
         if owner is not None:
             ties[name] = owner
         elif any(fnmatch.fnmatchcase(name, p) for p in frozen_patterns):
@@ -397,9 +402,10 @@ def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str]
     return frozen, buffers, ties
 
 
-def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes: int = 8 << 20) -> bool:
+def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes: int) -> bool:
     """Same bytes, read slab by slab and stopping at the first difference (a few elements first,
-    so a frozen layer shaped like a trainable one costs almost nothing)."""
+    so a frozen layer shaped like a trainable one costs almost nothing). Two slabs are held at
+    once: `slab_bytes` is each one's share of the run's budget (RunContext.slab_bytes_for(2))."""
     head = Box((0,) * len(a.shape), tuple([1] * (len(a.shape) - 1) + [min(a.shape[-1], 64)])) if a.shape else None
     boxes = itertools.chain([head] if head is not None else [],  # slabs made as they are compared
                             geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))))

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from ..context import RunContext
 from ..errors import UnsupportedError, UsageError
 from ..formats.deepspeed.files import ZeroFiles
 from ..formats.deepspeed.info import ZeroGroup, ZeroInfo
@@ -31,7 +32,6 @@ from ..index.dtypes import itemsize
 from ..index.state_keys import model_key, model_path, state_key, state_path
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ..index.virtual import inline_tensor
-from ..progress import Progress
 from ..repickle import stand_in, stand_in_call
 from ..storage.output import OutputDir
 from ..torch_types import DType, Size, SmallTensor
@@ -98,7 +98,7 @@ class _Target:
 
 
 def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, world_size: int, cfg: dict, *,
-                          slab_bytes: int, workers: int, progress: Progress) -> list[str]:
+                          ctx: RunContext) -> list[str]:
     target = _target(state, stage, world_size, cfg)
     group_keys = _group_state_keys(state, target.optimizer)
     index, resolver = _state_tensors(state, group_keys, target.precision)
@@ -119,7 +119,7 @@ def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, worl
     sub_group_size = target.zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     return write_zero_files(out, index, state.source.source, info, world_size, tag,
                             int(sub_group_size) if sub_group_size is not None else None,
-                            slab_bytes=slab_bytes, workers=workers, progress=progress)
+                            ctx=ctx)
 
 
 def _target(state: TrainingState, stage: int, world_size: int, cfg: dict) -> _Target:

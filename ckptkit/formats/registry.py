@@ -1,26 +1,56 @@
-"""Find a checkpoint's format from its path and build its index.
+"""The one registry of formats: find a checkpoint's format from its path, build its index, and
+answer what a format can do.
 
 Every command takes a path (a folder or a file) and lands here. Detection is by content
 (DCP's .metadata, safetensors headers, torch.save's zip magic), never by trust in a name alone;
 a path nothing recognises gets one sentence saying what was looked for and what was found.
+
+The formats are Reader/Writer adapters (formats/adapters.py, the contract in protocols.py),
+registered in FORMATS with their capabilities. Operations ask `capabilities_of(index)` or
+`format_of(index)`, never compare format names. The folder kinds around them (run folders,
+accelerate's subfolders, HF Trainer and Lightning folders) are resolvers here: each finds one of
+the registered formats inside a folder.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from ..errors import NotACheckpointError, name_of
+from ..errors import NotACheckpointError, UnsupportedError, name_of
 from ..index.types import CheckpointIndex
 from ..storage.source import Source, is_url, open_source
 from . import accelerate, lightning, run_folder, trainer
-from .dcp import reader as dcp_reader
+from .adapters import DCP, DEEPSPEED, SAFETENSORS, TORCH_SAVE, TORCH_SUFFIXES, looks_like_safetensors, torch_files
 from .deepspeed import files as ds_files
-from .deepspeed import reader as ds_reader
+from .protocols import Capabilities, Reader, Writer
 from .safetensors import reader as st_reader
-from .torch_save import reader as ts_reader
 from .torch_save.archive import ZIP_MAGIC
 
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+FORMATS: tuple = (DEEPSPEED, DCP, SAFETENSORS, TORCH_SAVE)  # each a Reader and a Writer; folder kinds resolve to them
+
+
+def format_named(name: str) -> "Reader | Writer":
+    """The registered format of this name (an index's `format`); any other name is refused."""
+    for fmt in FORMATS:
+        if fmt.name == name:
+            return fmt
+    raise UnsupportedError(f"no reader or writer for the format {name!r} (ckptkit has "
+                           f"{', '.join(f.name for f in FORMATS)})")
+
+
+def format_of(index: CheckpointIndex) -> "Reader | Writer":
+    """The registered format that read `index`."""
+    return format_named(index.format)
+
+
+def capabilities_of(index: CheckpointIndex) -> Capabilities:
+    """What the format of `index` can do (its writer's layouts, world sizes, optimizer state...)."""
+    return format_of(index).capabilities
+
+
+def detect(source: Source, name: str | None = None) -> list[str]:
+    """The names of the formats whose reader recognises `source` (or its file `name`)."""
+    return [fmt.name for fmt in FORMATS if fmt.detect(source, name)]
 
 
 @dataclass
@@ -64,7 +94,7 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     if tag is not None and not (source.isdir("") and ds_files.detect(source) or tag_folder):
         raise NotACheckpointError(f"{path}: --tag is for DeepSpeed checkpoints, and this is not one")
     if source.isdir("") and (ds_files.detect(source) or tag_folder):
-        opened = Opened(source, ds_reader.read_index(source, tag), path)
+        opened = Opened(source, DEEPSPEED.read_index(source, tag=tag), path)
     elif source.isdir(""):
         opened = _open_folder(path, source)
     else:
@@ -102,11 +132,11 @@ def _open_file(path: str, follow_links: bool | None) -> Opened:
     source = open_source(parent, follow_links, only=name)
     head = source.read(name, 0, min(8, source.size(name)))
     if head[:4] == ZIP_MAGIC:
-        index = ts_reader.read_index(source, name)
-    elif name.endswith(".safetensors") or _looks_like_safetensors(source, name):
-        index = st_reader.read_index(source, [name])
+        index = TORCH_SAVE.read_index(source, name=name)
+    elif name.endswith(".safetensors") or looks_like_safetensors(source, name):
+        index = SAFETENSORS.read_index(source, name=name)
     elif name.endswith(TORCH_SUFFIXES):
-        index = ts_reader.read_index(source, name)  # raises a precise error (legacy / damaged)
+        index = TORCH_SAVE.read_index(source, name=name)  # raises a precise error (legacy / damaged)
     else:
         raise NotACheckpointError(f"{path}: not a checkpoint ckptkit recognises "
                                   f"(not a torch.save archive nor a safetensors file)")
@@ -114,18 +144,10 @@ def _open_file(path: str, follow_links: bool | None) -> Opened:
     return Opened(source, index, path)
 
 
-def _looks_like_safetensors(source: Source, name: str) -> bool:
-    size = source.size(name)
-    if size < 10:
-        return False
-    n = int.from_bytes(source.read(name, 0, 8), "little")
-    return 0 < n <= size - 8 and source.read(name, 8, 1) == b"{"
-
-
 def _open_folder(path: str, source: Source) -> Opened:
     names = source.listdir("")
-    if dcp_reader.detect(source):
-        index = dcp_reader.read_index(source)
+    if DCP.detect(source):
+        index = DCP.read_index(source)
         lightning.add_meta(source, index)  # Lightning's FSDP sharded checkpoint: meta.pt beside the DCP files
         return Opened(source, index, path)
     subdirs = accelerate.parts(source)
@@ -133,18 +155,16 @@ def _open_folder(path: str, source: Source) -> Opened:
         return Opened(source, accelerate.read_index(source, subdirs), path)
     local = accelerate.has_local_state_dict(source)
     if local:  # reading one explains (ShardedTensor flat parameters) in one sentence
-        ts_reader.read_index(source, local[0])
+        TORCH_SAVE.read_index(source, name=local[0])
     if any(n.endswith(".distcp") for n in names):
         raise NotACheckpointError(f"{path}: has .distcp data files but no .metadata: an incomplete DCP "
                                   f"checkpoint (the save did not finish)")
-    st_files = st_reader.safetensors_files(source)
-    if st_files:
-        return Opened(source, st_reader.read_index(source, st_files), path)
-    torch_files = [n for n in names if n.endswith(TORCH_SUFFIXES)]
-    if len(torch_files) == 1:
-        index = ts_reader.read_index(source, torch_files[0])
-        return Opened(source, index, path)
-    raise NotACheckpointError(f"{path}: not a checkpoint ckptkit recognises; {_found(source, names, torch_files)}. "
+    if st_reader.safetensors_files(source):
+        return Opened(source, SAFETENSORS.read_index(source), path)
+    found = torch_files(source)
+    if len(found) == 1:
+        return Opened(source, TORCH_SAVE.read_index(source), path)
+    raise NotACheckpointError(f"{path}: not a checkpoint ckptkit recognises; {_found(source, names, found)}. "
                               f"Recognised: a DCP checkpoint (.metadata), a DeepSpeed save (`latest` or ZeRO rank "
                               f"files), *.safetensors, one torch.save file ({', '.join(TORCH_SUFFIXES)}), "
                               f"accelerate's pytorch_model_fsdp_N/, or {run_folder.RECOGNISED}")

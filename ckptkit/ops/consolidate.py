@@ -21,7 +21,7 @@ from ..runner.stream import find_aliases
 from ..storage.output import OutputDir, OutputFile
 from .outputs import file_output, single_file_shards
 from ..convert.keys import split_roles
-from .options import RunOptions
+from ..context import RunContext, context_of
 from . import side_files
 
 
@@ -42,13 +42,13 @@ class ConsolidateResult:
 
 
 def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
-                include_optimizer: bool = False, options: RunOptions | None = None,
+                include_optimizer: bool = False, options: RunContext | None = None,
                 tag: str | None = None, rules: KeyRules | None = None,
-                config: str | None = None) -> ConsolidateResult:
+                config: str | None = None, *, ctx: RunContext | None = None) -> ConsolidateResult:
     """`rules`: --strip-prefix/--rename (convert's KeyRules); `config`: --config DIR, the folder
     whose config.json and tokenizer files are copied instead of those found beside the source."""
-    options = options or RunOptions()
-    opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
+    ctx = context_of(ctx, options)
+    opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     index = opened.index
     split = split_roles(index)
     if not split.model:
@@ -81,31 +81,29 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
         single_file_shards(out, model, max_bytes, " (or a larger --max-shard-size)")
     sides = None
     if not single:  # config/tokenizer files beside the model: from --config DIR, or found around the source
-        sides = (side_files.from_config_dir(config, options.follow_links) if config is not None
-                 else side_files.find(opened.path, options.follow_links))
+        sides = (side_files.from_config_dir(config, ctx.follow_links) if config is not None
+                 else side_files.find(opened.path, ctx.follow_links))
     total = sum(t.nbytes for t in model + optim)
-    options.progress.start(total, "consolidate")
+    ctx.progress.start(total, "consolidate")
     fetcher = Fetcher(opened.source, index=index)
     files: list[str] = []
     output = OutputFile if single else OutputDir
     sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
-    with output(out, overwrite=options.overwrite, group=options.group, sources=sources) as target:
+    with output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources) as target:
         basename = target.name[: -len(".safetensors")] if single else "model"
         files += write_safetensors(target, fetcher, model, basename=basename, max_shard_bytes=max_bytes,
-                                   slab_bytes=options.slab_bytes, workers=options.workers,
-                                   aliases=aliases, progress=options.progress)
+                                   aliases=aliases, ctx=ctx)
         if optim:
             objects = {name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)), names)
                        for name, key in split.optim_objects.items()}
             files += write_safetensors(target, fetcher, optim, basename="optimizer",
-                                       max_shard_bytes=max_bytes, slab_bytes=options.slab_bytes,
-                                       workers=options.workers, objects=objects, progress=options.progress)
+                                       max_shard_bytes=max_bytes, objects=objects, ctx=ctx)
         if sides is not None:
             try:
                 side_files.copy(sides, target)
             finally:
                 sides.close()
-    options.progress.close()
+    ctx.progress.close()
     result = ConsolidateResult(out, index.format, len(model_entries), sum(t.nbytes for t in model),
                                files, aliases, len(optim), list(split.other))
     result.not_written = _not_written(index, split, include_optimizer)

@@ -37,7 +37,7 @@ from ..runner.stream import find_aliases
 from ..storage.output import OutputDir, OutputFile
 from ..storage.paths import read_small_file
 from .. import knobs, safe_json
-from .options import RunOptions
+from ..context import RunContext, context_of
 from .outputs import SAFETENSORS_SUFFIX, file_output, single_file_shards
 
 TORCH_FILE = "checkpoint.pt"
@@ -58,7 +58,7 @@ class ConvertResult:
 
 def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
     if path is None:
-        if state.ds_config is not None and state.source.index.format == "deepspeed":
+        if state.ds_config is not None and state.from_deepspeed:
             # ZeRO -> ZeRO of another stage: the source's own config, with the target's stage
             try:
                 cfg = json.loads(json.dumps(state.ds_config))
@@ -117,14 +117,15 @@ def check_source(src: str, index_format: str, stage: int | None, expect_from: st
 
 def convert(src: str, out: str, to: str, world_size: int | None = None, ds_config: str | None = None,
             expect_from: str | None = None, rules: KeyRules | None = None, frozen: tuple[str, ...] = (),
-            options: RunOptions | None = None, tag: str | None = None, model_only: bool = False,
-            drop: tuple[str, ...] = ()) -> ConvertResult:
-    options = options or RunOptions()
+            options: RunContext | None = None, tag: str | None = None, model_only: bool = False,
+            drop: tuple[str, ...] = (), *, ctx: RunContext | None = None) -> ConvertResult:
+    """`ctx`: the run's context (`options=` is its older name)."""
+    ctx = context_of(ctx, options)
     target = target_of(to)
     check_applies(to, world_size, ds_config, frozen, model_only)
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {world_size})")
-    opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
+    opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     if expect_from is not None:
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
         check_source(src, opened.index.format, stage, expect_from)
@@ -140,7 +141,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
             notes.append(f"names: stripped {', '.join(chosen.strip)} from every model name (the LightningModule "
                          f"attribute holding the network), so they are the network's own; --strip-prefix or "
                          f"--rename replace this")
-    state = read_state(opened, rules, frozen)
+    state = read_state(opened, rules, frozen, ctx)
     from .lightning_folder import is_folder, write_folder
 
     if target == "dcp" and not single and is_folder(opened):  # Lightning's FSDP folder to its own kind
@@ -148,7 +149,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
             raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
                              f"not apply when a Lightning FSDP folder is written as one (its DCP part is laid out "
                              f"again as it is, beside its meta.pt); convert --to torch to change names or state")
-        res = write_folder(opened, out, world, options, src)
+        res = write_folder(opened, out, world, ctx, src)
         return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
                              res.notes())
     apply_drops(state, model_only, tuple(drop))
@@ -160,7 +161,7 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
 
         if same_kind(opened.trainer, target):  # checkpoint-N/ to its own kind: a Trainer folder again
             reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
-            res = convert_folder(opened, out, target, world, state, cfg, options, src, ds_config, reshaped)
+            res = convert_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
             return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
                                  res.notes())
     safetensors = _safetensors_plan(state) if target == "safetensors" else None
@@ -171,28 +172,26 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
     else:
         total = sum(e.nbytes for e in state.model.values()) + sum(
             e.nbytes for m in state.param_states.values() for e in m.values())
-    options.progress.start(total, f"convert {opened.index.format} -> {target}")
+    ctx.progress.start(total, f"convert {opened.index.format} -> {target}")
     output = OutputFile if single else OutputDir
-    with output(out, overwrite=options.overwrite, group=options.group, sources=(src, ds_config)) as dest:
+    with output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src, ds_config)) as dest:
         if target == "dcp":
             index, resolver = torch_recipe_index(state, "dcp")
             index.world_size = world
             files = write_dcp(dest, index, fetcher_for(state, resolver), fsdp2_training_layout(index, state, world),
-                              slab_bytes=options.slab_bytes, workers=options.workers, progress=options.progress)
+                              ctx=ctx)
         elif target.startswith("zero"):
             from ..convert.to_zero import write_zero_from_state
 
-            files = write_zero_from_state(dest, state, int(target[-1]), world, cfg, slab_bytes=options.slab_bytes,
-                                          workers=options.workers, progress=options.progress)
+            files = write_zero_from_state(dest, state, int(target[-1]), world, cfg, ctx=ctx)
         elif target == "torch":
             name = dest.name if single else TORCH_FILE
             index, resolver = torch_recipe_index(state, "torch")
-            write_torch_save(dest, name, index, fetcher_for(state, resolver), slab_bytes=options.slab_bytes,
-                             progress=options.progress)
+            write_torch_save(dest, name, index, fetcher_for(state, resolver), ctx=ctx)
             files = [name]
         else:
-            files = _write_safetensors(dest, state, safetensors, options, single)
-    options.progress.close()
+            files = _write_safetensors(dest, state, safetensors, ctx, single)
+    ctx.progress.close()
     summary = _summary(state, target, safetensors)
     if opened.trainer is not None:  # the trainer's side files stay behind: said, not silent
         from .trainer_folder import left_behind
@@ -230,13 +229,12 @@ def _safetensors_plan(state: TrainingState) -> tuple[list[OutTensor], dict[str, 
     return tensors, aliases, fetcher_for(state, resolver)
 
 
-def _write_safetensors(target: OutputDir, state: TrainingState, plan: tuple, options: RunOptions,
+def _write_safetensors(target: OutputDir, state: TrainingState, plan: tuple, ctx: RunContext,
                        single: bool) -> list[str]:
     tensors, aliases, fetcher = plan
     basename = target.name[: -len(SAFETENSORS_SUFFIX)] if single else "model"
     return write_safetensors(target, fetcher, tensors, basename=basename,
-                             max_shard_bytes=knobs.parse_size(knobs.MAX_SHARD_SIZE), slab_bytes=options.slab_bytes,
-                             workers=options.workers, aliases=aliases, progress=options.progress)
+                             max_shard_bytes=knobs.parse_size(knobs.MAX_SHARD_SIZE), aliases=aliases, ctx=ctx)
 
 
 def _safetensors_summary(state: TrainingState, plan: tuple) -> str:

@@ -28,7 +28,7 @@ from ..index.types import Box, TensorEntry
 from ..progress import Progress
 from ..runner.fetch import Fetcher
 from ..convert.keys import STEP_NAMES, OPTIM_CONTAINERS, guess_step, split_roles
-from .options import RunOptions
+from ..context import RunContext, context_of
 
 LAYOUT_KEYS = frozenset({"ds.dp_world_size", "ds.mp_world_size", "ds.zero_stage", "ds.ds_config", "ds.ds_version",
                          "ds.checkpoint_parallel_dimensions"})
@@ -169,10 +169,10 @@ def _plain(value: Any) -> Any:
 
 
 def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
-         options: RunOptions | None = None) -> DiffResult:
-    options = options or RunOptions()
-    oa = open_checkpoint(a, follow_links=options.follow_links)
-    ob = open_checkpoint(b, follow_links=options.follow_links)
+         options: RunContext | None = None, *, ctx: RunContext | None = None) -> DiffResult:
+    ctx = context_of(ctx, options)
+    oa = open_checkpoint(a, follow_links=ctx.follow_links)
+    ob = open_checkpoint(b, follow_links=ctx.follow_links)
     (na, va), (nb, vb) = _named(oa, model_only), _named(ob, model_only)
     if not model_only:  # extras and the step: what a training run restores besides model and optimizer
         (ta, xa), (tb, xb) = _extras(oa), _extras(ob)
@@ -184,7 +184,7 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
     fa, fb = Fetcher(oa.source, index=oa.index), Fetcher(ob.source, index=ob.index)
     result = DiffResult()
     both = set(na) & set(nb)
-    options.progress.start(sum(na[n].nbytes + nb[n].nbytes for n in both), "diff")
+    ctx.progress.start(sum(na[n].nbytes + nb[n].nbytes for n in both), "diff")
     for name in sorted(set(na) | set(nb)):
         if name not in nb:
             result.rows.append(Row(name, "missing_b", detail=f"only in {a}"))
@@ -199,8 +199,8 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
         if ea.dtype != eb.dtype and atol == 0:
             result.rows.append(Row(name, "dtype", detail=f"{ea.dtype} vs {eb.dtype}"))
             continue
-        result.rows.append(_compare(name, ea, eb, fa, fb, atol, options.slab_bytes, options.progress))
-    options.progress.close()
+        result.rows.append(_compare(name, ea, eb, fa, fb, atol, ctx.slab_bytes, ctx.progress))
+    ctx.progress.close()
     if not model_only:
         for name in sorted(one_side):
             where = a if name in ta else b

@@ -14,7 +14,7 @@ from ..formats.registry import Opened
 from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
 from ..storage.output import OutputDir
-from .options import RunOptions
+from ..context import RunContext
 from .trainer_folder import FolderResult, copy_tree
 
 KIND, LAYOUT = "Lightning", "fsdp_sharded"
@@ -22,23 +22,23 @@ DCP_FILES = "the DCP files (.metadata, __<rank>_0.distcp)"
 
 
 def is_folder(opened: Opened) -> bool:
-    """A Lightning FSDP sharded checkpoint with its meta.pt: a folder written as a unit."""
-    return opened.index.format == "dcp" and bool(lightning.dcp_part(opened.index)[1])
+    """A Lightning FSDP sharded checkpoint with its meta.pt: a folder written as a unit (only a DCP
+    folder's reader adds a meta.pt, lightning.add_meta, so no format needs naming here)."""
+    return bool(lightning.dcp_part(opened.index)[1])
 
 
-def write_folder(opened: Opened, out: str, to: int, options: RunOptions, src: str) -> FolderResult:
+def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str) -> FolderResult:
     """OUT as a Lightning FSDP folder for `to` ranks: the DCP part rewritten, the rest copied."""
     index, source = opened.index, opened.source
     part, copies = lightning.dcp_part(index, source)
-    options.progress.start(part.total_tensor_bytes, f"reshard {index.world_size}->{to}")
-    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src,)) as target:
-        files = write_dcp(target, part, Fetcher(source), fsdp2_layout(part, to), slab_bytes=options.slab_bytes,
-                          workers=options.workers, source=source, progress=options.progress)
+    ctx.progress.start(part.total_tensor_bytes, f"reshard {index.world_size}->{to}")
+    with OutputDir(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+        files = write_dcp(target, part, Fetcher(source), fsdp2_layout(part, to), source=source, ctx=ctx)
         written = set(files)
         copied = copy_tree(source, target, copies[0], written)
         for name in copies[1:]:
             copy_tree(source, target, name, written)
-    options.progress.close()
+    ctx.progress.close()
     unknown = [n + ("/" if source.isdir(n) else "") for n in copies[1:]]
     return FolderResult(out, LAYOUT, KIND, index.world_size, to, [DCP_FILES], copied, {}, [], unknown,
                         files + copied + copies[1:], len(part.tensors), part.total_tensor_bytes)

@@ -1,22 +1,8 @@
-"""Options every data-moving operation shares."""
+"""Deprecated name: `RunOptions` is ckptkit.context.RunContext (kept for `options=` callers)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ..context import RunContext
 
-from .. import knobs
-from ..progress import NullProgress, Progress
-from ..runner.distributed import LOCAL, Group
+RunOptions = RunContext
 
-
-@dataclass
-class RunOptions:
-    memory_budget: int = field(default_factory=lambda: knobs.MEMORY_BUDGET)
-    workers: int = field(default_factory=lambda: knobs.WORKERS)
-    progress: Progress = field(default_factory=NullProgress)
-    overwrite: bool = False
-    group: Group = field(default_factory=lambda: LOCAL)  # the torchrun job sharing this operation
-    follow_links: bool | None = None  # let a local source's links lead outside it (None: CKPTKIT_FOLLOW_LINKS)
-
-    @property
-    def slab_bytes(self) -> int:
-        return knobs.slab_bytes(self.memory_budget, self.workers)
+__all__ = ["RunOptions"]

@@ -1,5 +1,6 @@
 """`ckptkit reshard`: the same format, laid out for a new world size.
 
+Any registered format whose capabilities say it `reshards` (formats/registry.py) writes itself:
 DCP: FSDP2's layout at M ranks (torch.chunk on dim 0 for the tensors the source sharded;
 replicated tensors stay whole, written once), one data file per rank, values copied verbatim.
 DeepSpeed: a native ZeRO checkpoint for M data-parallel ranks (formats/deepspeed/writer.py).
@@ -9,13 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError, UsageError
-from ..formats.dcp.writer import write_dcp
-from ..formats.deepspeed.writer import write_zero
-from ..formats.registry import open_checkpoint
-from ..index.layouts import fsdp2_layout
-from ..runner.fetch import Fetcher
+from ..formats.registry import format_of, open_checkpoint
 from ..storage.output import OutputDir
-from .options import RunOptions
+from ..context import RunContext, context_of
 
 
 @dataclass
@@ -31,18 +28,20 @@ class ReshardResult:
 
 
 def reshard(src: str, out: str, to: int, expect_from: int | None = None,
-            options: RunOptions | None = None, tag: str | None = None) -> ReshardResult:
-    options = options or RunOptions()
+            options: RunContext | None = None, tag: str | None = None, *,
+            ctx: RunContext | None = None) -> ReshardResult:
+    """`ctx`: the run's context (`options=` is its older name)."""
+    ctx = context_of(ctx, options)
     if to < 1:
         raise UsageError(f"--to must be at least 1 (got {to})")
-    opened = open_checkpoint(src, tag=tag, follow_links=options.follow_links)
+    opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     index = opened.index
     if opened.trainer is not None:  # checkpoint-N/ as a unit: parts resharded, side files copied
         from .trainer_folder import reshard_folder, source_world
 
         if expect_from is not None and source_world(opened) != expect_from:
             raise UsageError(f"{src}: was saved at world size {source_world(opened)}, not {expect_from} (--from)")
-        res = reshard_folder(opened, out, to, options, src)
+        res = reshard_folder(opened, out, to, ctx, src)
         return ReshardResult(out, index.format, res.from_world_size, to, res.files, res.tensors, res.bytes,
                              res.notes())
     if expect_from is not None and index.world_size != expect_from:
@@ -50,21 +49,16 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
     from .lightning_folder import is_folder, write_folder
 
     if is_folder(opened):  # Lightning's FSDP folder as a unit: its DCP part resharded, meta.pt copied
-        res = write_folder(opened, out, to, options, src)
+        res = write_folder(opened, out, to, ctx, src)
         return ReshardResult(out, index.format, res.from_world_size, to, res.files, res.tensors, res.bytes,
                              res.notes())
-    if index.format not in ("dcp", "deepspeed"):
+    fmt = format_of(index)
+    if not fmt.capabilities.reshards:
         raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
                                f"is nothing to reshard (reshard takes a DCP folder or a DeepSpeed checkpoint)")
-    options.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
-    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src,)) as target:
-        if index.format == "deepspeed":
-            files = write_zero(target, index, opened.source, to, slab_bytes=options.slab_bytes,
-                               workers=options.workers, progress=options.progress)
-        else:
-            files = write_dcp(target, index, Fetcher(opened.source), fsdp2_layout(index, to),
-                              slab_bytes=options.slab_bytes, workers=options.workers, source=opened.source,
-                              progress=options.progress)
-    options.progress.close()
+    ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
+    with OutputDir(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+        files = fmt.reshard(opened, target, to, ctx)
+    ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),
                          index.total_tensor_bytes)

@@ -25,7 +25,7 @@ from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
 from ..storage.output import OutputDir
 from ..storage.source import Source
-from .options import RunOptions
+from ..context import RunContext
 
 COPY_BLOCK = 8 << 20
 
@@ -84,12 +84,12 @@ def source_world(opened: Opened) -> int | None:
     return opened.index.world_size or rng_world(opened.trainer)
 
 
-def reshard_folder(opened: Opened, out: str, to: int, options: RunOptions, src: str) -> FolderResult:
+def reshard_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str) -> FolderResult:
     """`ckptkit reshard` of a Trainer folder: the same kind of folder for `to` ranks."""
-    return write_folder(opened, out, to, options, src, lambda target: _reshard_parts(opened, target, to, options))
+    return write_folder(opened, out, to, ctx, src, lambda target: _reshard_parts(opened, target, to, ctx))
 
 
-def write_folder(opened: Opened, out: str, to: int, options: RunOptions, src: str,
+def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str,
                  write_parts: Callable[[OutputDir], list[str]], sources: tuple = ()) -> FolderResult:
     """OUT as a Trainer folder: `write_parts` writes the sharded parts into it (their file list),
     then the rest of the source folder is copied and the RNG files mapped to `to` ranks."""
@@ -98,8 +98,8 @@ def write_folder(opened: Opened, out: str, to: int, options: RunOptions, src: st
         raise UsageError(f"{src}: is an {folder.kind} folder whose state cannot be read ({folder.state_problem})")
     source = opened.source
     rng, left_out = map_rng(folder.rng_files, to, folder.kind)
-    options.progress.start(opened.index.total_tensor_bytes, f"reshard {source_world(opened)}->{to}")
-    with OutputDir(out, overwrite=options.overwrite, group=options.group, sources=(src, *sources)) as target:
+    ctx.progress.start(opened.index.total_tensor_bytes, f"reshard {source_world(opened)}->{to}")
+    with OutputDir(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src, *sources)) as target:
         files = write_parts(target)
         written = set(files)
         copied = []
@@ -113,33 +113,31 @@ def write_folder(opened: Opened, out: str, to: int, options: RunOptions, src: st
         for new, old in rng.items():
             _copy_file(source, target, old, new)
         files += copied + list(rng)
-    options.progress.close()
+    ctx.progress.close()
     sharded = [p.name + "/" for p in folder.parts if p.sharded]
     return FolderResult(out, folder.layout, folder.kind, source_world(opened), to, sharded, copied, rng, left_out,
                         list(folder.unknown), files, len(opened.index.tensors), opened.index.total_tensor_bytes)
 
 
-def _reshard_parts(opened: Opened, target: OutputDir, to: int, options: RunOptions) -> list[str]:
+def _reshard_parts(opened: Opened, target: OutputDir, to: int, ctx: RunContext) -> list[str]:
     folder, source, index = opened.trainer, opened.source, opened.index
     if folder.layout == "deepspeed":
         from ..formats.deepspeed.writer import write_zero
 
-        return write_zero(target, index, source, to, slab_bytes=options.slab_bytes, workers=options.workers,
-                          progress=options.progress)
+        return write_zero(target, index, source, to, ctx=ctx)
     files: list[str] = []
     for part in folder.parts:
         if part.sharded:  # a DCP folder: resharded on its own, under its own name
-            files += reshard_dcp_part(source, part.name, target, to, options)
+            files += reshard_dcp_part(source, part.name, target, to, ctx)
     return files
 
 
-def reshard_dcp_part(source: Source, name: str, target: OutputDir, to: int, options: RunOptions) -> list[str]:
+def reshard_dcp_part(source: Source, name: str, target: OutputDir, to: int, ctx: RunContext) -> list[str]:
     """One accelerate DCP subfolder, laid out for `to` ranks into the same subfolder of OUT."""
     sub = SubSource(source, name)
     index = dcp_reader.read_index(sub)
     written = write_dcp(SubOutput(target, name), index, Fetcher(sub), fsdp2_layout(index, to),
-                        slab_bytes=options.slab_bytes, workers=options.workers, source=sub,
-                        progress=options.progress)
+                        source=sub, ctx=ctx)
     return [f"{name}/{f}" for f in written]
 
 
@@ -236,7 +234,7 @@ def same_kind(folder: TrainerFolder, target: str) -> bool:
                                                                             and all(p.sharded for p in folder.parts))
 
 
-def convert_folder(opened: Opened, out: str, target: str, world: int, state, cfg: dict | None, options: RunOptions,
+def convert_folder(opened: Opened, out: str, target: str, world: int, state, cfg: dict | None, ctx: RunContext,
                    src: str, ds_config: str | None, reshaped: bool) -> FolderResult:
     """`ckptkit convert` of a Trainer folder to its own kind: a Trainer folder again. DeepSpeed: the
     tag rewritten from the training state at the target's stage and world size (convert's ZeRO
@@ -247,14 +245,13 @@ def convert_folder(opened: Opened, out: str, target: str, world: int, state, cfg
             raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
                              f"not apply when an accelerate FSDP Trainer folder is written as one (its DCP "
                              f"subfolders are laid out again as they are); convert to another target to change them")
-        return write_folder(opened, out, world, options, src, lambda t: _reshard_parts(opened, t, world, options))
+        return write_folder(opened, out, world, ctx, src, lambda t: _reshard_parts(opened, t, world, ctx))
     from ..convert.to_zero import write_zero_from_state
 
     def parts(t: OutputDir) -> list[str]:
-        return write_zero_from_state(t, state, int(target[-1]), world, cfg, slab_bytes=options.slab_bytes,
-                                     workers=options.workers, progress=options.progress)
+        return write_zero_from_state(t, state, int(target[-1]), world, cfg, ctx=ctx)
 
-    return write_folder(opened, out, world, options, src, parts, sources=(ds_config,))
+    return write_folder(opened, out, world, ctx, src, parts, sources=(ds_config,))
 
 
 def left_behind(folder: TrainerFolder, target: str) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CkptkitError, quote
-from ..formats.registry import Opened, open_checkpoint
+from ..formats.registry import Opened, capabilities_of, open_checkpoint
 from ..formats.torch_save.archive import tensor_span_elems
 from ..index import geometry, problems as P
 from ..index.problems import Problem
@@ -20,7 +20,7 @@ from ..index.dtypes import itemsize
 from ..index.types import Box, Encoding, FlatRange
 from ..runner.fetch import Fetcher
 from ..storage.checksum import crc32
-from .options import RunOptions
+from ..context import RunContext, context_of
 
 CRC_BLOCK = 8 << 20
 
@@ -60,13 +60,14 @@ class Report:
                 "problems": [p.as_json() for p in self.problems]}
 
 
-def check(path: str, deep: bool = False, options: RunOptions | None = None, tag: str | None = None) -> Report:
+def check(path: str, deep: bool = False, options: RunContext | None = None, tag: str | None = None, *,
+          ctx: RunContext | None = None) -> Report:
     """Every problem of the checkpoint at `path`: those met while indexing (a missing or damaged
     file, listed and stepped over where the rest can still be read), then structure, then --deep."""
-    options = options or RunOptions()
+    ctx = context_of(ctx, options)
     with P.collecting() as log:
         try:
-            opened = open_checkpoint(path, tag=tag, follow_links=options.follow_links)
+            opened = open_checkpoint(path, tag=tag, follow_links=ctx.follow_links)
         except CkptkitError as exc:
             return Report(path, None, log.problems + [Problem(P.kind_of(exc), str(exc), path)], deep)
     found = list(log.problems)
@@ -76,14 +77,14 @@ def check(path: str, deep: bool = False, options: RunOptions | None = None, tag:
 
         found += folder_findings(opened)
     if deep:  # a tensor already reported is not assembled again (it would fail for the same reason)
-        found += deep_findings(opened, options, skip=log.damaged | {p.key for p in found if p.key})
+        found += deep_findings(opened, ctx, skip=log.damaged | {p.key for p in found if p.key})
     return Report(path, opened, found, deep)
 
 
-def verify(path: str, deep: bool = False, options: RunOptions | None = None,
-           tag: str | None = None) -> tuple[Opened | None, list[str]]:
+def verify(path: str, deep: bool = False, options: RunContext | None = None,
+           tag: str | None = None, *, ctx: RunContext | None = None) -> tuple[Opened | None, list[str]]:
     """(opened checkpoint or None, every problem's sentence); see check() for the details."""
-    report = check(path, deep, options, tag)
+    report = check(path, deep, tag=tag, ctx=context_of(ctx, options))
     return report.opened, [p.message for p in report.problems]
 
 
@@ -144,26 +145,26 @@ def _region_text(region) -> str:
     return f"flat range {region.start}..{region.end}"
 
 
-def deep_findings(opened: Opened, options: RunOptions,
+def deep_findings(opened: Opened, ctx: RunContext,
                   skip: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """Every byte read: CRCs, every tensor assembled (except those in `skip`), safetensors files."""
     index = opened.index
     problems: list[Problem] = []
     tensors = [(k, t) for k, t in index.tensors.items()
                if not t.attrs.get("alias_of") and t.numel and k not in skip]
-    options.progress.start(sum(c.length for c in index.checks) + sum(t.nbytes for _, t in tensors),
+    ctx.progress.start(sum(c.length for c in index.checks) + sum(t.nbytes for _, t in tensors),
                            "verify --deep")
     try:
-        problems += _crc_problems(opened, options)
-        problems += _tensor_problems(opened, tensors, options)
+        problems += _crc_problems(opened, ctx)
+        problems += _tensor_problems(opened, tensors, ctx)
     finally:
-        options.progress.close()
-    if index.format == "safetensors":
+        ctx.progress.close()
+    if capabilities_of(index).library_check:
         problems += _safetensors_library_check(opened)
     return problems
 
 
-def _crc_problems(opened: Opened, options: RunOptions) -> list[Problem]:
+def _crc_problems(opened: Opened, ctx: RunContext) -> list[Problem]:
     index, source = opened.index, opened.source
     problems: list[Problem] = []
     for check in index.checks:
@@ -175,7 +176,7 @@ def _crc_problems(opened: Opened, options: RunOptions) -> list[Problem]:
                 n = min(CRC_BLOCK, end - pos)
                 crc = crc32(source.read(check.file, pos, n), crc)
                 pos += n
-                options.progress.advance(n)
+                ctx.progress.advance(n)
         except CkptkitError as exc:
             problems.append(Problem(P.kind_of(exc), str(exc), source.label(check.file)))
             continue
@@ -186,16 +187,16 @@ def _crc_problems(opened: Opened, options: RunOptions) -> list[Problem]:
     return problems
 
 
-def _tensor_problems(opened: Opened, tensors: list, options: RunOptions) -> list[Problem]:
+def _tensor_problems(opened: Opened, tensors: list, ctx: RunContext) -> list[Problem]:
     """Every tensor assembled from its pieces, slab by slab (decoding and bounds checked)."""
     problems: list[Problem] = []
-    fetcher = Fetcher(opened.source, index=opened.index, memory_budget=options.memory_budget)
+    fetcher = Fetcher(opened.source, index=opened.index, memory_budget=ctx.memory_budget)
     for key, t in tensors:
         item = itemsize(t.dtype)
         try:
-            for slab in geometry.split_rowmajor(Box.whole(t.shape), max(1, options.slab_bytes // item)):
+            for slab in geometry.split_rowmajor(Box.whole(t.shape), max(1, ctx.slab_bytes // item)):
                 fetcher.fetch(t, slab)
-                options.progress.advance(slab.numel * item)
+                ctx.progress.advance(slab.numel * item)
         except CkptkitError as exc:
             kind = P.kind_of(exc)
             where = opened.source.label(t.pieces[0].location.file) if t.pieces else opened.path

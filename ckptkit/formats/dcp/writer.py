@@ -19,7 +19,8 @@ from ...index.dtypes import itemsize
 from ...index.layouts import Layout
 from ...index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...index.virtual import REF
-from ...progress import NullProgress, Progress
+from ...context import RunContext
+from ...progress import Progress
 from ...repickle import dumps, stand_in, stand_in_call
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
@@ -52,10 +53,10 @@ def data_file(rank: int) -> str:
 
 
 def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: Layout, *,
-              slab_bytes: int, workers: int = 4, source: Source | None = None,
-              progress: Progress | None = None) -> list[str]:
-    """Write `index`'s tensors in `layout` and its objects (on rank 0) into `out`."""
-    progress = progress or NullProgress()
+              ctx: RunContext, source: Source | None = None) -> list[str]:
+    """Write `index`'s tensors in `layout` and its objects (on rank 0) into `out`. `source`: the DCP
+    checkpoint `index` was read from, whose bytes items are copied as they are (None: re-serialised)."""
+    slab_bytes, progress = ctx.slab_bytes, ctx.progress
     if fetcher.index is None or any(k not in fetcher.index.tensors for k in index.tensors):
         fetcher = Fetcher(fetcher.source, index=index)  # items are virtual tensors referring to index keys
     per_rank: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(layout.world_size)}
@@ -85,14 +86,14 @@ def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: 
                 if rank == 0:
                     for obj in index.objects.values():
                         start = f.tell()
-                        transforms = _write_object(f, obj, index, source, fetcher)
+                        transforms = _write_object(f, obj, source, fetcher, slab_bytes)
                         written.append(_Written(obj.key, None, name, start, f.tell() - start, transforms))
             return written
         return run
 
     weights = [sum(box.numel * itemsize(index.tensors[key].dtype) for key, box in per_rank[r])
                for r in range(layout.world_size)]
-    results = run_jobs([job(r) for r in range(layout.world_size)], workers, group=out.group, weights=weights)
+    results = run_jobs([job(r) for r in range(layout.world_size)], ctx.workers, group=out.group, weights=weights)
     out.write_bytes(".metadata", build_metadata(index, [w for ws in results for w in ws]))
     return [data_file(r) for r in range(layout.world_size)] + [".metadata"]
 
@@ -127,18 +128,19 @@ def _flat_start(shape: tuple[int, ...], box: Box) -> int | None:
     return sum(o * st for o, st in zip(box.offsets, geometry.row_major_strides(tuple(shape))))
 
 
-def _write_object(f: Any, obj: ObjectEntry, index: CheckpointIndex, source: Source | None,
-                  fetcher: Fetcher) -> tuple[str, ...]:
-    """Copy a DCP bytes item verbatim when we have its bytes; otherwise write the value as a
-    torch.save archive (stand-ins re-emitted as torch's and foreign classes)."""
+def _write_object(f: Any, obj: ObjectEntry, source: Source | None, fetcher: Fetcher,
+                  slab_bytes: int) -> tuple[str, ...]:
+    """Copy a DCP bytes item verbatim when we have its bytes (`source` is given only as the DCP
+    checkpoint the object was read from); otherwise write the value as a torch.save archive
+    (stand-ins re-emitted as torch's and foreign classes)."""
     loc = obj.location
-    if loc is not None and source is not None and index.format == "dcp" and loc.encoding in (Encoding.TORCH_SAVE, Encoding.BYTES):
+    if loc is not None and source is not None and loc.encoding in (Encoding.TORCH_SAVE, Encoding.BYTES):
         f.write(source.read(loc.file, loc.offset, loc.length))
         return tuple(loc.transforms)
     if isinstance(obj.data, (bytes, bytearray)) and loc is not None and loc.encoding == Encoding.BYTES:
         f.write(obj.data)
         return ()
-    write_archive_to(f, obj.data, fetcher, slab_bytes=1 << 20)
+    write_archive_to(f, obj.data, fetcher, slab_bytes=slab_bytes)
     return ()
 
 

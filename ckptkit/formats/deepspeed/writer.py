@@ -16,11 +16,11 @@ import math
 from collections import OrderedDict
 from typing import Any
 
+from ...context import RunContext
 from ...errors import FormatError, UnsupportedError
 from ...index.state_keys import model_key
 from ...index.types import CheckpointIndex
 from ...index.virtual import Part
-from ...progress import NullProgress, Progress
 from ...repickle import stand_in
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
@@ -45,7 +45,7 @@ def _config(index: CheckpointIndex) -> dict:
 
 
 def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_size: int, *,
-               slab_bytes: int, workers: int = 4, progress: Progress | None = None) -> list[str]:
+               ctx: RunContext) -> list[str]:
     """Reshard: the source's own files, recomputed for `world_size` ranks."""
     info: ZeroInfo = index.native
     if not isinstance(info, ZeroInfo):
@@ -59,7 +59,7 @@ def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_siz
     sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero_cfg, dict) else None
     written = write_zero_files(out, index, source, info, world_size, tag,
                                int(sub_group_size) if sub_group_size is not None else None,
-                               slab_bytes=slab_bytes, workers=workers, progress=progress)
+                               ctx=ctx)
     for script in HELPER_SCRIPTS:  # DeepSpeed copies its recovery scripts next to every save
         if info.files.tag is not None and source.exists(script) and not source.isdir(script):
             out.write_bytes(script, source.read(script, 0, source.size(script)))
@@ -68,16 +68,15 @@ def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_siz
 
 
 def write_zero_files(out: OutputDir, index: CheckpointIndex, source: Source, info: ZeroInfo, world_size: int,
-                     tag: str, sub_group_size: int | None, *, slab_bytes: int, workers: int = 4,
-                     progress: Progress | None = None) -> list[str]:
+                     tag: str, sub_group_size: int | None, *, ctx: RunContext) -> list[str]:
     """`latest` and the tag's model/optim files for `world_size` ranks, from `info`'s templates
     (a source checkpoint's own structures, or ones convert built from a DeepSpeed config)."""
-    progress = progress or NullProgress()
+    slab_bytes, progress = ctx.slab_bytes, ctx.progress
     fetcher = Fetcher(source, index=index)
     files = _files(index, info, world_size, tag, sub_group_size, StatePlanner(index, fetcher))
     jobs = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=slab_bytes, progress=progress))
             for n, s in files.items()]
-    run_jobs(jobs, workers, group=out.group, weights=[structure_bytes(s) for s in files.values()])
+    run_jobs(jobs, ctx.workers, group=out.group, weights=[structure_bytes(s) for s in files.values()])
     out.write_bytes("latest", tag.encode())
     return ["latest", *files]
 

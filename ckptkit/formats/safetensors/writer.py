@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ...index.dtypes import itemsize, to_safetensors
 from ...index.types import TensorEntry
-from ...progress import NullProgress, Progress
+from ...context import RunContext
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor
@@ -65,12 +65,11 @@ def build_header(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
 
 
 def write_safetensors(out: OutputDir, fetcher: Fetcher, tensors: list[OutTensor], *,
-                      basename: str = "model", max_shard_bytes: int, slab_bytes: int,
-                      workers: int = 4, aliases: dict[str, str] | None = None,
-                      objects: dict | None = None, progress: Progress | None = None,
+                      basename: str = "model", max_shard_bytes: int, ctx: RunContext,
+                      aliases: dict[str, str] | None = None, objects: dict | None = None,
                       write_index: bool = True) -> list[str]:
     """Write `tensors` into one or more shards in `out`; returns the file names written."""
-    progress = progress or NullProgress()
+    slab_bytes, progress = ctx.slab_bytes, ctx.progress
     shards = plan_shards(tensors, max_shard_bytes) or [[]]
     names = shard_names(basename, len(shards))
     base_meta: dict[str, str] = {"format": "pt"}
@@ -93,7 +92,7 @@ def write_safetensors(out: OutputDir, fetcher: Fetcher, tensors: list[OutTensor]
                         progress.advance(len(chunk))
         return run
 
-    run_jobs([job(n, s) for n, s in zip(names, shards)], workers, group=out.group,
+    run_jobs([job(n, s) for n, s in zip(names, shards)], ctx.workers, group=out.group,
              weights=[sum(t.nbytes for t in s) for s in shards])
     if len(shards) > 1 and write_index:
         weight_map = {t.name: n for n, s in zip(names, shards) for t in s}

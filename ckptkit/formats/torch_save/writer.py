@@ -5,9 +5,9 @@ share one storage in the output, as in the original file.
 """
 from __future__ import annotations
 
+from ...context import RunContext
 from ...index.flatten import unflatten
 from ...index.types import CheckpointIndex
-from ...progress import Progress
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...runner.stream import find_aliases
@@ -16,8 +16,8 @@ from .archive_writer import LazyTensor, write_archive
 
 
 def write_torch_save(out: OutputDir, name: str, index: CheckpointIndex, fetcher: Fetcher, *,
-                     slab_bytes: int, keys: list[str] | None = None, include_objects: bool = True,
-                     key_map: dict[str, tuple] | None = None, progress: Progress | None = None) -> None:
+                     ctx: RunContext, keys: list[str] | None = None, include_objects: bool = True,
+                     key_map: dict[str, tuple] | None = None) -> None:
     """Write index tensors (and objects) as one torch.save file `name` in `out`."""
     keys = list(index.tensors) if keys is None else keys
     aliases = find_aliases({k: index.tensors[k] for k in keys})
@@ -31,5 +31,6 @@ def write_torch_save(out: OutputDir, name: str, index: CheckpointIndex, fetcher:
         for obj in index.objects.values():
             items.append(((key_map or {}).get(obj.key) or (tuple(obj.path) if obj.path else (obj.key,)), obj.data))
     structure = unflatten(items)
-    run_jobs([lambda: write_archive(out, name, structure, fetcher, slab_bytes=slab_bytes, progress=progress)], 1,
+    run_jobs([lambda: write_archive(out, name, structure, fetcher, slab_bytes=ctx.slab_bytes,
+                                    progress=ctx.progress)], 1,
              group=out.group)

@@ -1,0 +1,140 @@
+"""One Reader/Writer adapter per format (formats/protocols.py), over each package's own functions.
+
+The packages (dcp/, deepspeed/, torch_save/, safetensors/) keep their natural signatures; these
+adapters give them the one shape the registry and the operations use, and declare what each
+format's writer can produce. The folder kinds around them (accelerate, HF Trainer, Lightning, run
+folders) are resolvers in registry.py: they find one of these formats inside a folder.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..index.layouts import fsdp2_layout
+from ..index.types import CheckpointIndex
+from ..runner.fetch import Fetcher
+from ..storage.source import Source
+from .dcp import reader as dcp_reader
+from .dcp.writer import write_dcp
+from .deepspeed import files as ds_files
+from .deepspeed import reader as ds_reader
+from .deepspeed.writer import write_zero
+from .protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Capabilities, DcpTarget,
+                        SafetensorsTarget, TorchSaveTarget, ZeroTarget)
+from .safetensors import reader as st_reader
+from .safetensors.writer import write_safetensors
+from .torch_save import reader as ts_reader
+from .torch_save.archive import ZIP_MAGIC
+from .torch_save.writer import write_torch_save
+
+if TYPE_CHECKING:
+    from ..context import RunContext
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+class _CannotReshard:
+    """A format whose output is one whole copy: there is nothing laid out per rank to redo."""
+
+    name: str
+
+    def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
+        raise NotImplementedError(f"{self.name} is not laid out by world size (capabilities.reshards is False)")
+
+
+class DcpFormat:
+    name = "dcp"
+    capabilities = Capabilities(layouts=(FSDP2_SHARDS, WHOLE_TENSORS), world_sizes=ANY_WORLD, optimizer_state=True,
+                                reshards=True, recipe_keys=True)
+
+    def detect(self, source: Source, name: str | None = None) -> bool:
+        return name is None and dcp_reader.detect(source)
+
+    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
+                   tag: str | None = None) -> CheckpointIndex:
+        return dcp_reader.read_index(source)
+
+    def write(self, target: DcpTarget, out: object, ctx: "RunContext") -> list[str]:
+        return write_dcp(out, target.index, target.fetcher, target.layout, source=target.source, ctx=ctx)
+
+    def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
+        index = opened.index
+        return self.write(DcpTarget(index, Fetcher(opened.source), fsdp2_layout(index, world_size), opened.source),
+                          out, ctx)
+
+
+class DeepSpeedFormat:
+    name = "deepspeed"
+    capabilities = Capabilities(layouts=(ZERO_PARTITIONS,), world_sizes=ANY_WORLD, optimizer_state=True,
+                                reshards=True, flat_partitions=True)
+
+    def detect(self, source: Source, name: str | None = None) -> bool:
+        return name is None and ds_files.detect(source)
+
+    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
+                   tag: str | None = None) -> CheckpointIndex:
+        return ds_reader.read_index(source, tag)
+
+    def write(self, target: ZeroTarget, out: object, ctx: "RunContext") -> list[str]:
+        return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
+
+    def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
+        return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
+
+
+class TorchSaveFormat(_CannotReshard):
+    name = "torch_save"
+    capabilities = Capabilities(layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=True, reshards=False)
+
+    def detect(self, source: Source, name: str | None = None) -> bool:
+        if name is not None:
+            return source.read(name, 0, min(4, source.size(name))) == ZIP_MAGIC
+        return (not dcp_reader.detect(source) and not ds_files.detect(source)  # one file, no other checkpoint
+                and not st_reader.safetensors_files(source) and len(torch_files(source)) == 1)
+
+    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
+                   tag: str | None = None) -> CheckpointIndex:
+        return ts_reader.read_index(source, name if name is not None else torch_files(source)[0])
+
+    def write(self, target: TorchSaveTarget, out: object, ctx: "RunContext") -> list[str]:
+        write_torch_save(out, target.name, target.index, target.fetcher, ctx=ctx, keys=target.keys,
+                         include_objects=target.include_objects, key_map=target.key_map)
+        return [target.name]
+
+
+class SafetensorsFormat(_CannotReshard):
+    name = "safetensors"
+    capabilities = Capabilities(layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=False,
+                                reshards=False, library_check=True)
+
+    def detect(self, source: Source, name: str | None = None) -> bool:
+        if name is not None:
+            return source.read(name, 0, min(4, source.size(name))) != ZIP_MAGIC and looks_like_safetensors(source, name)
+        return (not dcp_reader.detect(source) and not ds_files.detect(source)
+                and bool(st_reader.safetensors_files(source)))
+
+    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
+                   tag: str | None = None) -> CheckpointIndex:
+        return st_reader.read_index(source, [name] if name is not None else st_reader.safetensors_files(source))
+
+    def write(self, target: SafetensorsTarget, out: object, ctx: "RunContext") -> list[str]:
+        return write_safetensors(out, target.fetcher, target.tensors, basename=target.basename,
+                                 max_shard_bytes=target.max_shard_bytes, aliases=target.aliases,
+                                 objects=target.objects, ctx=ctx)
+
+
+def torch_files(source: Source) -> list[str]:
+    return [n for n in source.listdir("") if n.endswith(TORCH_SUFFIXES)]
+
+
+def looks_like_safetensors(source: Source, name: str) -> bool:
+    """An 8-byte little-endian header length that fits the file, then a JSON object."""
+    size = source.size(name)
+    if size < 10:
+        return False
+    n = int.from_bytes(source.read(name, 0, 8), "little")
+    return 0 < n <= size - 8 and source.read(name, 8, 1) == b"{"
+
+
+DCP, DEEPSPEED, TORCH_SAVE, SAFETENSORS = DcpFormat(), DeepSpeedFormat(), TorchSaveFormat(), SafetensorsFormat()
+
+__all__ = ["DCP", "DEEPSPEED", "TORCH_SAVE", "SAFETENSORS", "TORCH_SUFFIXES", "torch_files", "looks_like_safetensors"]

@@ -1,0 +1,115 @@
+"""The contract every format keeps: a Reader, a Writer, and what the writer can produce.
+
+Operations never ask which format a checkpoint is; they ask the registry (formats/registry.py)
+what its format can do: "can it be resharded in its own format?", "are its tensors flat ZeRO
+partitions?". A new format is one adapter object (formats/adapters.py) that answers these
+through its `capabilities`, registered once; no operation changes (Orbax's one handler
+contract per kind of item).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..context import RunContext
+    from ..index.layouts import Layout
+    from ..index.types import CheckpointIndex
+    from ..runner.fetch import Fetcher
+    from ..storage.source import Source
+
+ANY_WORLD = "any M >= 1"  # a writer that lays its output out for any number of ranks
+ONE_WORLD = "1"           # a writer whose output is one whole copy, read by any number of ranks
+
+FSDP2_SHARDS = "fsdp2 shard(0)"                  # torch.chunk on dim 0 per rank, replicated tensors once
+ZERO_PARTITIONS = "zero1/2/3 flat partitions"    # DeepSpeed's flat groups cut into equal rank ranges
+WHOLE_TENSORS = "whole tensors"                  # every tensor in one piece
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a format's writer produces and what its reader's index means, declared once."""
+
+    layouts: tuple[str, ...]   # the layouts its writer lays tensors out in
+    world_sizes: str           # ANY_WORLD or ONE_WORLD
+    optimizer_state: bool      # its files carry optimizer state (safetensors: weights only)
+    reshards: bool             # `reshard` rewrites it in its own format for a new world size
+    flat_partitions: bool = False   # its tensors are flat partitions: the training state comes from its own records
+    recipe_keys: bool = False       # its keys are already torch's state-dict flattening (ckptkit.load reads it as is)
+    library_check: bool = False     # verify --deep also has the format's own library open every file
+
+    def writes(self, layout: str) -> bool:
+        return layout in self.layouts
+
+    def writes_world(self, world_size: int) -> bool:
+        return world_size >= 1 and (self.world_sizes == ANY_WORLD or world_size == 1)
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """Finds its format in a source and indexes it (never decides what happens to the data)."""
+
+    name: str
+
+    def detect(self, source: "Source", name: str | None = None) -> bool:
+        """Is `source` (a folder; or its file `name`) this format? By content, never by name alone."""
+
+    def read_index(self, source: "Source", ctx: "RunContext | None" = None, *, name: str | None = None,
+                   tag: str | None = None) -> "CheckpointIndex":
+        """The canonical index of `source` (`name`: its one file; `tag`: a DeepSpeed tag)."""
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """Turns a target (what to write, laid out) into files in an output, within ctx's budget."""
+
+    name: str
+    capabilities: Capabilities
+
+    def write(self, target: Any, out: Any, ctx: "RunContext") -> list[str]:
+        """Write `target` (this format's *Target dataclass) into `out`; the file names written."""
+
+    def reshard(self, opened: Any, out: Any, world_size: int, ctx: "RunContext") -> list[str]:
+        """`opened` (a registry.Opened of this format) laid out for `world_size` ranks (only where
+        capabilities.reshards)."""
+
+
+# ---- what each writer is given ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DcpTarget:
+    index: "CheckpointIndex"
+    fetcher: "Fetcher"
+    layout: "Layout"
+    source: "Source | None" = None  # the DCP checkpoint `index` was read from: its bytes items copied as they are
+
+
+@dataclass(frozen=True)
+class ZeroTarget:
+    index: "CheckpointIndex"   # a DeepSpeed index read by ckptkit (its ZeroInfo is the template)
+    source: "Source"
+    world_size: int
+
+
+@dataclass(frozen=True)
+class TorchSaveTarget:
+    name: str
+    index: "CheckpointIndex"
+    fetcher: "Fetcher"
+    keys: list[str] | None = None
+    include_objects: bool = True
+    key_map: dict[str, tuple] | None = None
+
+
+@dataclass(frozen=True)
+class SafetensorsTarget:
+    fetcher: "Fetcher"
+    tensors: list            # safetensors.writer.OutTensor
+    max_shard_bytes: int
+    basename: str = "model"
+    aliases: dict[str, str] | None = None
+    objects: dict | None = None
+
+
+__all__ = ["Capabilities", "Reader", "Writer", "DcpTarget", "ZeroTarget", "TorchSaveTarget", "SafetensorsTarget",
+           "ANY_WORLD", "ONE_WORLD", "FSDP2_SHARDS", "ZERO_PARTITIONS", "WHOLE_TENSORS"]
