@@ -27,7 +27,7 @@ from ..storage.source import Source
 from ..torch_types import SmallTensor
 from .. import knobs
 from . import codecs, limits
-from .plan import ReadPlan, ReadSpan, check_tiling, plan_byte_ranges, plan_reads
+from .plan import Planner, ReadPlan, ReadSpan, check_tiling, plan_byte_ranges
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +61,7 @@ class Fetcher:
         self._cache_items = cache_items
         self._lock = threading.Lock()
         self._tiled: dict[int, TensorEntry] = {}  # keeps entries alive so ids stay unique
+        self._planner = Planner(index, label=self._label, tiling=self.check_tiling)
 
     def check_tiling(self, entry: TensorEntry) -> None:
         """Refuse a tensor whose pieces do not cover it exactly once (plan.check_tiling), once
@@ -74,7 +75,7 @@ class Fetcher:
 
     def plan(self, entry: TensorEntry, box: Box | None = None) -> ReadPlan:
         """The validated read plan of `box` (default: the whole tensor); reads nothing."""
-        return plan_reads(self.index, entry, box, label=self._label, tiling=self.check_tiling)
+        return self._planner(entry, box)
 
     def fetch(self, entry: TensorEntry, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The elements of `box` (default: the whole tensor), contiguous, in the entry's dtype:
@@ -90,8 +91,9 @@ class Fetcher:
         """Read every span of `plan` into its place in `out` (a tensor of the plan's box)."""
         for span in plan.spans:
             dst = out
-            for d, (o, bo, s) in enumerate(zip(span.box.offsets, plan.box.offsets, span.box.sizes)):
-                dst = dst.narrow(d, o - bo, s)
+            if span.box is not plan.box:  # (the planner hands the plan's own box to a span that fills it)
+                for d, (o, bo, s) in enumerate(zip(span.box.offsets, plan.box.offsets, span.box.sizes)):
+                    dst = dst.narrow(d, o - bo, s)
             encoding = span.encoding
             if encoding is Encoding.RAW:
                 self._read_raw(entry, span, dst)
@@ -202,15 +204,13 @@ class Fetcher:
         the kernel instead of through Python."""
         if (dtype or entry.dtype) != entry.dtype:
             return None
+        tensors = self.index.tensors if self.index is not None else None
+        if start == 0 and length is None:  # the whole tensor: one plan (planning refuses a bad tiling, as fetch does)
+            return plan_byte_ranges(self.plan(entry), tensors, entry)
         self.check_tiling(entry)  # the same refusal fetch() gives: never copy a doubled or gappy tensor
         length = entry.numel - start if length is None else length
-        if start == 0 and length == entry.numel:
-            boxes = [Box.whole(entry.shape)]
-        else:
-            boxes = [box for box, _ in geometry.flat_to_boxes(FlatRange(start, length), entry.shape)]
-        tensors = self.index.tensors if self.index is not None else None
         out: list[tuple[str | bytes | None, int, int]] = []
-        for box in boxes:
+        for box, _ in geometry.flat_to_boxes(FlatRange(start, length), entry.shape):
             ranges = plan_byte_ranges(self.plan(entry, box), tensors, entry)
             if ranges is None:
                 return None

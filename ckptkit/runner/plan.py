@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import FormatError
 from ..index import geometry
@@ -21,16 +21,16 @@ from ..index.dtypes import itemsize
 from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
 from ..torch_types import SmallTensor
 
-__all__ = ["Encoding", "ReadPlan", "ReadSpan", "check_tiling", "plan_byte_ranges", "plan_reads"]
+__all__ = ["Encoding", "Planner", "ReadPlan", "ReadSpan", "check_tiling", "plan_byte_ranges", "plan_reads"]
 
 _ENCODINGS = {e.value: e for e in Encoding}  # str -> member (a dict lookup: Encoding(x) is slow)
 
 ByteRange = tuple["str | bytes | None", int, int]
 
 
-@dataclass(frozen=True, slots=True)
-class ReadSpan:
-    """One read of one piece, and where its elements land.
+class ReadSpan(NamedTuple):
+    """One read of one piece, and where its elements land. Immutable (a NamedTuple: a fetch of a
+    small tensor builds one, and a frozen dataclass costs four times as much to build).
 
     `file`, `offset`, `length` by encoding: RAW, the file and the bytes from the first element
     read to the last; TORCH_SAVE, the encoded item (decoded whole or streamed); REF, the referenced
@@ -51,8 +51,7 @@ class ReadSpan:
     refs: tuple[ReadPlan, ...] = ()   # REF: plans of the referenced tensor's boxes, in flat order
 
 
-@dataclass(frozen=True, slots=True)
-class ReadPlan:
+class ReadPlan(NamedTuple):
     """Every span that fills `box` of tensor `key`, each element exactly once."""
 
     key: str
@@ -117,34 +116,43 @@ def plan_reads(index: CheckpointIndex | None, entry: TensorEntry, box: Box | Non
     replaces the exact-tiling check (a caller caching it per entry); `file_sizes`, when given,
     refuses a read past the end of its file before anything is read.
     """
-    planner = _Planner(index, label, tiling or (lambda e: check_tiling(e, label)), file_sizes)
-    planner.tiling(entry)
-    return planner.plan(entry, box or Box.whole(entry.shape))
+    return Planner(index, label=label, tiling=tiling, file_sizes=file_sizes)(entry, box)
 
 
-class _Planner:
-    """The recursion of plan_reads (REF pieces plan boxes of the tensors they refer to)."""
+class Planner:
+    """plan_reads with its settings bound, for a caller planning many reads (a Fetcher)."""
 
-    def __init__(self, index: CheckpointIndex | None, label: Callable[[str], str],
-                 tiling: Callable[[TensorEntry], None], file_sizes: Mapping[str, int] | None) -> None:
+    def __init__(self, index: CheckpointIndex | None, *, label: Callable[[str], str] = _as_is,
+                 tiling: Callable[[TensorEntry], None] | None = None,
+                 file_sizes: Mapping[str, int] | None = None) -> None:
         self.index = index
         self.label = label
-        self.tiling = tiling
+        self.tiling = tiling or (lambda e: check_tiling(e, label))
         self.file_sizes = file_sizes
 
+    def __call__(self, entry: TensorEntry, box: Box | None = None) -> ReadPlan:
+        self.tiling(entry)
+        return self.plan(entry, box or Box((0,) * len(entry.shape), tuple(entry.shape)))
+
     def plan(self, entry: TensorEntry, box: Box) -> ReadPlan:
+        """The spans of `box` of an entry whose tiling is checked (REF spans recurse here)."""
         spans = []
         filled = 0
+        want = box.numel
         for i, piece in enumerate(entry.pieces):
-            for sub, elem_offset in geometry.region_boxes(piece.region, entry.shape):
-                inter = geometry.intersect(sub, box)
+            region = piece.region
+            for sub, elem_offset in ((region, 0),) if type(region) is Box else geometry.flat_to_boxes(region, entry.shape):
+                if sub == box:  # the common case (a whole tensor in one piece): the box itself, no arithmetic
+                    inter = box if want else None
+                else:
+                    inter = geometry.intersect(sub, box)
                 if inter is not None:
                     spans.append(self.span(entry, i, sub, elem_offset, inter))
                     filled += inter.numel
-        if filled != box.numel:
+        if filled != want:
             raise FormatError(
                 f"{self.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
-                f"is not covered by its pieces ({filled} of {box.numel} elements found)")
+                f"is not covered by its pieces ({filled} of {want} elements found)")
         return ReadPlan(entry.key, entry.dtype, box, tuple(spans))
 
     def span(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box) -> ReadSpan:
@@ -154,16 +162,21 @@ class _Planner:
         flat = isinstance(piece.region, FlatRange)
         if encoding is Encoding.RAW:
             strides = geometry.row_major_strides(sub.sizes) if flat or loc.stride is None else tuple(loc.stride)
-            local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
-            first = elem_offset + sum(p * st for p, st in zip(local, strides))
-            last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
+            dense = inter == sub and (flat or loc.stride is None)
+            if dense:  # the whole run of the piece, row-major
+                first, last = elem_offset, elem_offset + inter.numel - 1
+            else:
+                local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
+                first = elem_offset + sum(p * st for p, st in zip(local, strides))
+                last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
+                dense = all(n == 1 or st == want for n, st, want
+                            in zip(inter.sizes, strides, geometry.row_major_strides(inter.sizes)))
             item = itemsize(entry.dtype)
             if first < 0 or (last + 1) * item > loc.length:
                 raise FormatError(f"{self.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
             offset, length = loc.offset + first * item, (last - first + 1) * item
-            self._inside_file(loc.file, offset + length)
-            dense = all(n == 1 or st == want for n, st, want
-                        in zip(inter.sizes, strides, geometry.row_major_strides(inter.sizes)))
+            if self.file_sizes is not None:
+                self._inside_file(loc.file, offset + length)
             return ReadSpan(entry.key, i, encoding, loc.file, offset, length, inter, sub, elem_offset, strides, dense)
         if encoding is Encoding.TORCH_SAVE:
             self._inside_file(loc.file, loc.offset + loc.length)
@@ -197,7 +210,7 @@ class _Planner:
                         strides, False, tuple(refs))
 
     def _inside_file(self, rel: str, end: int) -> None:
-        size = None if self.file_sizes is None else self.file_sizes.get(rel)
+        size = self.file_sizes.get(rel) if self.file_sizes is not None else None
         if size is not None and end > size:
             raise FormatError(f"{self.label(rel)}: file ends before byte {end} (truncated?)")
 
@@ -209,14 +222,16 @@ def plan_byte_ranges(plan: ReadPlan, entries: Mapping[str, TensorEntry] | None,
     None when some span is not stored that simply (strided, encoded, another dtype, a torch value
     in memory, a run that is not contiguous in the box). `entries` resolves REF spans' tensors."""
     item = itemsize(plan.dtype)
-    outer = geometry.row_major_strides(plan.box.sizes)
-    placed: list[tuple[int, ReadSpan]] = []
-    for span in plan.spans:
-        rel = tuple(o - bo for o, bo in zip(span.box.offsets, plan.box.offsets))
-        if not _is_run(span.box.sizes, plan.box.sizes):
-            return None
-        placed.append((sum(o * st for o, st in zip(rel, outer)), span))
-    placed.sort(key=lambda p: p[0])
+    if len(plan.spans) == 1 and plan.spans[0].box is plan.box:  # one span fills the box
+        placed = [(0, plan.spans[0])]
+    else:
+        outer = geometry.row_major_strides(plan.box.sizes)
+        placed = []
+        for span in plan.spans:
+            if not _is_run(span.box.sizes, plan.box.sizes):
+                return None
+            placed.append((sum((o - bo) * st for o, bo, st in zip(span.box.offsets, plan.box.offsets, outer)), span))
+        placed.sort(key=lambda p: p[0])
     out: list[ByteRange] = []
     pos = 0
     for at, span in placed:
