@@ -12,7 +12,6 @@ takes `slab_bytes_for(n)` bytes per buffer, so all workers together stay within 
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 from . import interrupts, knobs
@@ -30,7 +29,6 @@ class RunContext:
     overwrite: bool = False
     group: Group = field(default_factory=lambda: LOCAL)  # the torchrun job sharing this operation
     follow_links: bool | None = None  # let a local source's links lead outside it (None: CKPTKIT_FOLLOW_LINKS)
-    cancelled: threading.Event = field(default_factory=lambda: interrupts.cancelled)  # set by Ctrl-C
     fixed_slab: int | None = None  # a slab of exactly this many bytes, budget aside (tests of slab edges)
 
     def slab_bytes_for(self, buffers: int) -> int:
@@ -46,7 +44,8 @@ class RunContext:
         return self.slab_bytes_for(2)
 
     def check(self) -> None:
-        """A point where the run may stop (Ctrl-C, or a sibling job failed): ckptkit.interrupts."""
+        """A point where the run may stop: raises interrupts.Cancelled after the command line's Ctrl-C
+        (interrupts.cancel), interrupts.Stopped when a sibling job of the executor failed."""
         interrupts.check()
 
 

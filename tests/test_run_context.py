@@ -128,3 +128,16 @@ def test_run_options_is_the_old_name_of_run_context(tmp_path):
     opts = RunOptions(workers=2, overwrite=True)
     res = reshard(str(DATA / "fsdp2_w2"), str(tmp_path / "o"), 3, options=opts)  # the old keyword still works
     assert res.to_world_size == 3 and (tmp_path / "o" / ".metadata").exists()
+
+
+def test_the_context_stops_at_its_check_points_after_a_ctrl_c():
+    from ckptkit import interrupts
+
+    ctx = RunContext()
+    ctx.check()  # nothing pending: goes on
+    interrupts.cancel()
+    try:
+        with pytest.raises(interrupts.Cancelled):
+            ctx.check()
+    finally:
+        interrupts.reset()

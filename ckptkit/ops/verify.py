@@ -167,13 +167,15 @@ def deep_findings(opened: Opened, ctx: RunContext,
 def _crc_problems(opened: Opened, ctx: RunContext) -> list[Problem]:
     index, source = opened.index, opened.source
     problems: list[Problem] = []
+    block = min(CRC_BLOCK, ctx.slab_bytes_for(1))  # one block held at a time, a share of the budget
     for check in index.checks:
         crc = 0
         pos = check.offset
         end = check.offset + check.length
         try:
             while pos < end:
-                n = min(CRC_BLOCK, end - pos)
+                ctx.check()
+                n = min(block, end - pos)
                 crc = crc32(source.read(check.file, pos, n), crc)
                 pos += n
                 ctx.progress.advance(n)
