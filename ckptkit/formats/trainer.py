@@ -51,7 +51,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
 FULL_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?\.bin$")
 OPTIMIZER_FILE = "optimizer.pt"
-DS_TAG = re.compile(r"^global_step\d+$")
 # accelerate's save_state() beside its DCP folders (no trainer_state.json): its own side files
 ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
 ACCELERATE_SIDE = re.compile(r"^((scheduler|sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
