@@ -595,6 +595,24 @@ def demo(ctx: Context, out: str) -> None:
     run_demo(out, say=echo if not ctx.quiet else (lambda *_lines: None))
 
 
+from . import plan_cmd  # noqa: E402
+
+
+@cli.command(short_help="Print the read plan of consolidating SRC (reads no tensor data).",
+             epilog=examples("ckptkit plan dcp_ckpt", "ckptkit plan --json --tensor 'model.*' ds_ckpt",
+                             "ckptkit plan --to 4 dcp_ckpt"))
+@plan_cmd.options(TAG_HELP)
+@quiet_option
+@follow_links_option
+@click.pass_obj
+@handle_errors
+@step_option
+def plan(ctx: Context, src: str, as_json: bool, globs: tuple[str, ...], to: int | None, tag: str | None) -> None:
+    """Print, for every tensor of SRC, the byte spans consolidate reads (file, offset, length,
+    encoding, the box each fills), then the totals. Reads the index only."""
+    plan_cmd.run(src, as_json=as_json, globs=globs, to=to, tag=tag, follow_links=follow_links())
+
+
 def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
                   line: str | None = None) -> None:
     """Python's warnings (they may quote a path or a name), escaped like everything else."""
