@@ -19,6 +19,7 @@ import os
 from typing import Iterable
 
 from ..errors import UnsupportedError, UsageError
+from ..index.state_keys import model_key, param_group_key, state_key
 from .state import TrainingState, flat_extras
 
 ON_REQUEST = "--drop"
@@ -52,13 +53,13 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
         return f"{ON_REQUEST} {g}" if g is not None else None
 
     # the optimizer: dropped whole (--model-only, or every param-group entry matched) or state by state
-    group_keys = [f"optim.param_groups.{g}.{k}" for g, h in enumerate(state.groups) for k in list(h) + ["params"]]
+    group_keys = [param_group_key(g, k) for g, h in enumerate(state.groups) for k in list(h) + ["params"]]
     whole_optimizer = model_only or bool(group_keys and all([match(k) is not None for k in group_keys]))
     whole_reason = MODEL_ONLY if model_only else f"{ON_REQUEST} {', '.join(sorted(used))} (the whole optimizer)"
     for store in (state.param_states, state.whole_states):
         for name in list(store):
             for k in list(store[name]):
-                key = f"optim.state.{name}.{k}"
+                key = state_key(name, k)
                 reason = whole_reason if whole_optimizer else why(key)
                 if reason is not None:
                     del store[name][k]
@@ -80,7 +81,7 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
     # model tensors that are not trained: buffers, frozen parameters, tied names
     trainable = set(state.trainable)
     for name in list(state.model):
-        key = f"model.{name}"
+        key = model_key(name)
         if model_only or match(key) is None:
             continue
         if name in trainable and not state.optimizer_dropped:
@@ -155,8 +156,8 @@ def _glob_for(keys: list[str]) -> str:
 
 
 def _examples(state: TrainingState) -> list[str]:
-    keys = [f"model.{n}" for n in list(state.model)[:1]]
-    keys += [f"optim.state.{n}.{k}" for n, m in list(state.param_states.items())[:1] for k in list(m)[:1]]
+    keys = [model_key(n) for n in list(state.model)[:1]]
+    keys += [state_key(n, k) for n, m in list(state.param_states.items())[:1] for k in list(m)[:1]]
     keys += [_key(p) for p, _ in flat_extras(state.extras)[:1]]
     return keys or ["model.<name>"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..index.dtypes import is_floating
 from ..index.layouts import Assignment, Layout, chunk_dim0
+from ..index.state_keys import model_key, model_path, param_group_key, param_group_path, state_key, state_path
 from ..index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ..index.virtual import REF, inline_tensor
 from ..runner.fetch import Fetcher
@@ -50,14 +51,14 @@ def torch_recipe_index(state: TrainingState, fmt: str) -> tuple[CheckpointIndex,
     from_ds = state.from_deepspeed
     for name, entry in state.model.items():
         entry = state.model[state.ties.get(name, name)]
-        index.add_tensor(view(f"model.{name}", entry, resolver, ("model", name), "float32" if from_ds else None))
+        index.add_tensor(view(model_key(name), entry, resolver, model_path(name), "float32" if from_ds else None))
     own = state.source_own
     optim_names = [] if state.optimizer_dropped else state.trainable  # a dropped optimizer: no groups
     for name in dict.fromkeys(optim_names + list(state.param_states) + list(state.whole_states)):
         for what, entry in state.param_states.get(name, {}).items():
-            index.add_tensor(view(f"optim.state.{name}.{what}", entry, resolver, ("optim", "state", name, what)))
+            index.add_tensor(view(state_key(name, what), entry, resolver, state_path(name, what)))
         for what, value in state.whole_states.get(name, {}).items():
-            key, path = f"optim.state.{name}.{what}", ("optim", "state", name, what)
+            key, path = state_key(name, what), state_path(name, what)
             if what == "step" and own:
                 value = torch_step(value)  # DeepSpeed's own int step: torch keeps a 0-d float32 tensor
             if isinstance(value, SmallTensor) or is_tensor(value):
@@ -69,7 +70,7 @@ def torch_recipe_index(state: TrainingState, fmt: str) -> tuple[CheckpointIndex,
                                                              src_opt.adam_w_mode if src_opt is not None else True)
     for g, (hyper, params) in enumerate(zip(groups, state.group_params)):
         for k, v in list(hyper.items()) + [("params", list(params))]:
-            index.add_object(ObjectEntry(f"optim.param_groups.{g}.{k}", v, path=("optim", "param_groups", g, k)))
+            index.add_object(ObjectEntry(param_group_key(g, k), v, path=param_group_path(g, k)))
     for k, v in state.ds.items():
         for path, leaf in flat_extras([(("ds", k), v)]):
             index.add_object(ObjectEntry(".".join(map(str, path)), leaf, path=path))
