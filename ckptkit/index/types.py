@@ -36,10 +36,6 @@ class Box:
     def ndim(self) -> int:
         return len(self.sizes)
 
-    @property
-    def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
-
     @staticmethod
     def whole(shape: tuple[int, ...]) -> "Box":
         return Box(tuple(0 for _ in shape), tuple(shape))
