@@ -24,18 +24,18 @@ from .errors import FormatError, UnsupportedError
 from .index.flatten import flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
 from .runner.distributed import group_of
-from .storage.output import OutputDir
+from .storage.output import open_output
 
 
 def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite: bool = False) -> None:
     """Write `state_dict` as a DCP checkpoint at `path`, atomically. Collective."""
     group = group_of(pg)
-    with OutputDir(path, overwrite=overwrite, group=group) as out:
+    with open_output(path, overwrite=overwrite, group=group) as out:
         write_dcp(state_dict, out.tmp, pg)
 
 
 def write_dcp(state_dict: Mapping[str, Any], folder: str, pg: Any = None) -> None:
-    """Every rank of `pg` writes its shards into `folder` (an OutputDir's temporary; the
+    """Every rank of `pg` writes its shards into `folder` (a RenameOutput's temporary; the
     Checkpointer adds its completion marker before the commit), each file fsynced. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter

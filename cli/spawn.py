@@ -62,7 +62,7 @@ def relaunch(nproc: int, out: str | None = None) -> int:
             procs.append(subprocess.Popen([sys.executable, "-m", "ckptkit", *args], env=env))
         codes, killed = _wait(procs, interrupts.cancelled)
     if killed and out and "://" not in out:
-        from ckptkit.storage.output import recover
+        from ckptkit.storage.rename_output import recover
 
         recover(out)  # a killed process could not remove its temporary folder and lock
     if interrupts.cancelled.is_set() or INTERRUPTED in codes:

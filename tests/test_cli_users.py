@@ -317,15 +317,15 @@ def test_a_file_output_never_replaces_its_own_source(tmp_path):
 
 
 def test_a_failed_file_output_leaves_nothing(tmp_path):
-    from ckptkit.storage.output import OutputFile
+    from ckptkit.storage.output import open_output
 
     with pytest.raises(RuntimeError):
-        with OutputFile(str(tmp_path / "model.pt")) as out:
+        with open_output(str(tmp_path / "model.pt"), single_file=True) as out:
             with out.open(out.name) as f:
                 f.write(b"half")
             raise RuntimeError("the writer failed")
     assert left_in(tmp_path) == []
-    with OutputFile(str(tmp_path / "model.pt")) as out:
+    with open_output(str(tmp_path / "model.pt"), single_file=True) as out:
         with out.open(out.name) as f:
             f.write(b"whole")
     assert left_in(tmp_path) == ["model.pt"] and (tmp_path / "model.pt").read_bytes() == b"whole"

@@ -47,8 +47,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Imports known to go against the layers or to close a cycle, each with who fixes it. An entry
 # whose import is gone fails test_expected_exceptions_still_exist: remove it then.
 EXPECTED: dict[tuple[str, str], str] = {
-    ("ckptkit.storage.output", "ckptkit.storage.remote_output"):
-        "OutputDir.__new__ builds its remote subclass: the storage refactor (RenameOutput/MarkerOutput) removes it",
     ("ckptkit.runner.fetch", "ckptkit.formats.torch_save.archive"):
         "decoding a torch_save-encoded piece (a compressed DCP item) needs the archive parser",
     ("ckptkit.formats.run_folder", "ckptkit.hooks.pointer"):

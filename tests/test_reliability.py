@@ -50,12 +50,12 @@ def test_damage_inside_a_compressed_item_is_caught(tmp_path):
 
 
 def test_a_second_writer_of_the_same_output_is_refused(tmp_path):
-    """While one run holds OUT's lock (here: this test process, inside OutputDir), another run
+    """While one run holds OUT's lock (here: this test process, inside open_output), another run
     writing the same OUT refuses instead of interleaving; the first still commits."""
-    from ckptkit.storage.output import OutputDir
+    from ckptkit.storage.output import open_output
 
     out = tmp_path / "out"
-    with OutputDir(str(out)) as first:
+    with open_output(str(out)) as first:
         first.write_bytes("marker", b"first")
         res = _ckptkit("reshard", str(DATA / "fsdp2_w2"), str(out), "--to", "3", "--overwrite")
         assert res.returncode == 2 and "another ckptkit run is writing this output" in res.stderr, res.stderr

@@ -357,7 +357,7 @@ def test_the_marker_is_written_last_and_describes_the_folder(tmp_path, monkeypat
 def test_restore_puts_back_a_step_a_kill_left_aside_while_replacing_it(tmp_path):
     d = tmp_path / "run"
     ck, _, _, truth = _run(d, steps=(1, 2))
-    # OutputDir.commit (where the system cannot swap two folders) renames the old folder aside,
+    # RenameOutput.commit (where the system cannot swap two folders) renames the old folder aside,
     # then the new one in; a kill in between: the new one is a hidden temporary, the old aside
     os.rename(d / "step_000000002", d / ".step_000000002.ckptkit-old-0badc0de")
     shutil.copytree(d / "step_000000001", d / ".step_000000002.ckptkit-tmp-0badc0de")

@@ -415,12 +415,12 @@ def test_first_failure_stops_running_sibling_jobs():
 
 def test_an_output_whose_block_ends_after_ctrl_c_is_removed_not_committed(tmp_path):
     from ckptkit import interrupts
-    from ckptkit.storage.output import OutputDir
+    from ckptkit.storage.output import open_output
 
     out = tmp_path / "out"
     try:
         with pytest.raises(interrupts.Cancelled):
-            with OutputDir(str(out)) as target:
+            with open_output(str(out)) as target:
                 target.write_bytes("a.bin", b"x")
                 assert interrupts.cleanup_pending()
                 interrupts.cancel()  # what the CLI's handler does on Ctrl-C while an output is open

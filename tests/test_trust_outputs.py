@@ -24,8 +24,10 @@ import pytest
 from ckptkit import knobs
 from ckptkit.errors import OutputError
 from ckptkit.storage import lock_owner, locks, swap
-from ckptkit.storage.output import OutputDir, lock_is_stale, recover, remove_stale_lock
+from ckptkit.storage.locks import lock_is_stale, remove_stale_lock
+from ckptkit.storage.output import open_output
 from ckptkit.storage.overlap import relation
+from ckptkit.storage.rename_output import recover
 from hostile import Scene, check_refused, listing, rss_bound, run_ckptkit, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,7 +256,7 @@ def test_overwrite_without_an_atomic_exchange_leaves_no_old_copy(tmp_path, monke
             os.chmod(out / "ro", 0o500)
         else:
             os.symlink(tmp_path, out)
-        with OutputDir(str(out), overwrite=True) as target:
+        with open_output(str(out), overwrite=True) as target:
             target.write_bytes("new", b"new")
         assert (out / "new").read_bytes() == b"new" and not out.is_symlink()
     assert sorted(os.listdir(tmp_path)) == ["OUT_file", "OUT_folder", "OUT_symlink"]
@@ -537,7 +539,7 @@ def test_a_live_runs_temporary_is_never_swept(src, tmp_path):
     Checkpointer's stale-lock removal all leave its lock and temporary folder alone."""
     work = tmp_path / "work"
     out = work / "OUT"
-    with OutputDir(str(out), overwrite=True) as live:
+    with open_output(str(out), overwrite=True) as live:
         live.write_bytes("marker", b"live")
         res = _run("consolidate", src, out, "--overwrite")
         check_refused(res, ".OUT.ckptkit-lock", "another ckptkit run is writing this output")
@@ -557,11 +559,11 @@ def test_entering_the_same_out_at_once_one_wins_and_keeps_its_temporary(tmp_path
         (tmp_path / ".OUT.ckptkit-lock").write_bytes(_dead_lock(dead))
         (tmp_path / f".OUT.ckptkit-tmp-{dead}").mkdir()
         barrier = threading.Barrier(3)
-        entered: list[OutputDir] = []
+        entered: list = []
         refused: list[str] = []
 
         def run() -> None:
-            target = OutputDir(str(out), overwrite=True)
+            target = open_output(str(out), overwrite=True)
             barrier.wait()
             try:
                 target.__enter__()
@@ -592,7 +594,7 @@ def test_remote_out_overlapping_a_remote_source_is_refused_before_anything_is_re
     for out, words in [("memory://trust-bucket/src", "is the source"), ("memory://trust-bucket", "contains"),
                        ("memory://trust-bucket/src/x", "is inside")]:
         with pytest.raises(OutputError, match=words):
-            with OutputDir(out, overwrite=True, sources=("memory://trust-bucket/src",)):
+            with open_output(out, overwrite=True, sources=("memory://trust-bucket/src",)):
                 pass
         assert sorted(fs.find("/trust-bucket")) == before
     assert relation("memory://trust-bucket/src", "memory://trust-bucket/src2") is None
@@ -604,7 +606,7 @@ def test_an_out_that_appears_during_a_plain_run_is_not_replaced(tmp_path):
     """Without --overwrite, something created at OUT while the run wrote is never replaced."""
     out = tmp_path / "OUT"
     with pytest.raises(OutputError, match="already exists"):
-        with OutputDir(str(out)) as target:
+        with open_output(str(out)) as target:
             target.write_bytes("new", b"new")
             out.mkdir()
             (out / "theirs").write_text("theirs")

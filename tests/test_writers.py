@@ -10,13 +10,13 @@ from ckptkit.formats.registry import open_checkpoint
 from ckptkit.formats.torch_save.writer import write_torch_save
 from ckptkit.index.layouts import fsdp2_layout
 from ckptkit.runner.fetch import Fetcher
-from ckptkit.storage.output import OutputDir
+from ckptkit.storage.output import open_output
 from conftest import DATA, assert_tensor_equal, load_truth
 
 
 def test_torch_save_writer_is_read_by_torch_load(tmp_path):
     opened = open_checkpoint(str(DATA / "plain_state_dict.pt"))
-    with OutputDir(str(tmp_path / "out")) as out:
+    with open_output(str(tmp_path / "out")) as out:
         write_torch_save(out, "model.pt", opened.index, Fetcher(opened.source), ctx=RunContext(fixed_slab=64))
     truth = torch.load(DATA / "plain_state_dict.pt", weights_only=True)
     ours = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
@@ -32,7 +32,7 @@ def test_torch_save_writer_is_read_by_torch_load(tmp_path):
 def test_torch_save_writer_keeps_nesting_and_values(tmp_path):
     truth = load_truth("fsdp2_w2")
     opened = open_checkpoint(str(DATA / "fsdp2_w2"))
-    with OutputDir(str(tmp_path / "out")) as out:
+    with open_output(str(tmp_path / "out")) as out:
         write_torch_save(out, "full.pt", opened.index, Fetcher(opened.source), ctx=RunContext(fixed_slab=1 << 20))
     full = torch.load(tmp_path / "out" / "full.pt", weights_only=True)
     assert full["optim"]["param_groups"][1]["weight_decay"] == 0.0
@@ -47,7 +47,7 @@ def test_dcp_writer_is_read_by_torch_dcp(tmp_path, slab):
 
     truth = load_truth("fsdp2_w3")
     opened = open_checkpoint(str(DATA / "fsdp2_w3"))
-    with OutputDir(str(tmp_path / "out")) as out:
+    with open_output(str(tmp_path / "out")) as out:
         write_dcp(out, opened.index, Fetcher(opened.source), fsdp2_layout(opened.index, 2),
                   ctx=RunContext(fixed_slab=slab), source=opened.source)
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "full.pt"))
@@ -73,7 +73,7 @@ def test_dcp_writer_stores_replicated_tensors_once(tmp_path):
     opened = open_checkpoint(str(DATA / "fsdp2_w2"))
     replicated = Layout(3, {k: [Assignment(r, Box.whole(t.shape)) for r in range(3)]  # DDP: every rank, whole
                             for k, t in opened.index.tensors.items()})
-    with OutputDir(str(tmp_path / "out")) as out:
+    with open_output(str(tmp_path / "out")) as out:
         write_dcp(out, opened.index, Fetcher(opened.source), replicated,
                   ctx=RunContext(fixed_slab=1 << 20), source=opened.source)
     again = open_checkpoint(str(tmp_path / "out")).index

@@ -33,7 +33,7 @@ from ..index.state_keys import model_key, model_path, state_key, state_path
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ..index.virtual import inline_tensor
 from ..repickle import stand_in, stand_in_call
-from ..storage.output import OutputDir
+from ..storage.commit import Output
 from ..torch_types import DType, Size, SmallTensor
 from .hyper import DsOptimizer, check_target_holds, deepspeed_groups, deepspeed_step, ds_optimizer, torch_groups
 from .state import TrainingState
@@ -97,7 +97,7 @@ class _Target:
     optimizer: DsOptimizer  # the optimizer the config makes
 
 
-def write_zero_from_state(out: OutputDir, state: TrainingState, stage: int, world_size: int, cfg: dict, *,
+def write_zero_from_state(out: Output, state: TrainingState, stage: int, world_size: int, cfg: dict, *,
                           ctx: RunContext) -> list[str]:
     target = _target(state, stage, world_size, cfg)
     group_keys = _group_state_keys(state, target.optimizer)

@@ -32,7 +32,8 @@ import torch
 
 from ..errors import CkptkitError, FormatError, OutputError, UsageError
 from ..runner.distributed import Group, group_of
-from ..storage.output import OutputDir, recover
+from ..storage.output import open_output
+from ..storage.rename_output import recover
 from . import pointer, rng
 from . import steps as step_folders
 from .rng import RngNotRestoredWarning  # noqa: F401  (re-exported: restore warns with it)
@@ -40,7 +41,7 @@ from .saved import STATES, has_prefix, rank_key, template
 from .steps import Folder
 
 TMP_MARK = ".ckptkit-tmp-"
-# what OutputDir leaves next to a step when a save is killed (storage/output.py, storage/locks.py):
+# what a RenameOutput leaves next to a step when a save is killed (storage/rename_output.py, locks.py):
 # `.step_N.ckptkit-tmp-T`, `.step_N.ckptkit-old-T`, `.step_N.ckptkit-lock[-T]`, older `step_N.ckptkit-old-T`
 LEFTOVER = re.compile(r"\.(step_[0-9]+)\.ckptkit-(?:tmp-|old-|lock).*|(step_[0-9]+)\.ckptkit-old-[0-9a-f]+",
                       re.ASCII | re.DOTALL)
@@ -201,7 +202,7 @@ class Checkpointer:
                pg: Any) -> None:
         from ..api import write_dcp
 
-        with OutputDir(os.path.join(self.directory, name), overwrite=overwrite, group=group) as out:
+        with open_output(os.path.join(self.directory, name), overwrite=overwrite, group=group) as out:
             write_dcp(state, out.tmp, pg)  # `group` is group_of(pg)
             if rng_doc is not None:
                 rng.write(out.tmp, rng_doc)
@@ -213,7 +214,7 @@ class Checkpointer:
         client = dict(extra or {})
         if states:  # DeepSpeed keeps client state as its saving rank gave it
             client[ENGINE_STATES] = states
-        with OutputDir(os.path.join(self.directory, name), overwrite=overwrite, group=self._group) as out:
+        with open_output(os.path.join(self.directory, name), overwrite=overwrite, group=self._group) as out:
             engine.save_checkpoint(out.tmp, tag=f"global_step{step}", client_state=client)
             if rng_doc is not None:
                 rng.write(out.tmp, rng_doc)
@@ -223,7 +224,7 @@ class Checkpointer:
     @staticmethod
     def _mark(tmp: str, step: int, fmt: str, group: Group) -> None:
         """The completion marker, last: once every rank's save returned (a failure anywhere makes
-        OutputDir abandon the folder on every rank), before the commit renames it into place."""
+        the output abandon the folder on every rank), before the commit renames it into place."""
         group.check(None)
         if group.is_root:
             step_folders.write_marker(tmp, step, fmt, group.world)
@@ -410,7 +411,7 @@ class Checkpointer:
 
     def _sweep(self) -> None:
         """Rank 0 cleans up after saves that were killed: for every step with leftovers (hidden
-        temporaries, aside copies of a replaced step, locks) OutputDir's own `recover` takes the
+        temporaries, aside copies of a replaced step, locks) the output's own `recover` takes the
         step's lock when no live run holds it, removes the dead runs' leftovers, puts an aside
         copy back when a kill came between the two renames of an overwrite, and lets go."""
         self._on_root(self._sweep_here)

@@ -18,7 +18,7 @@ from ..index.dtypes import is_floating
 from ..index.serialize import safe_value
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
-from ..storage.output import OutputDir, OutputFile
+from ..storage.output import open_output
 from .outputs import file_output, single_file_shards
 from ..convert.keys import split_roles
 from ..context import RunContext, context_of
@@ -87,9 +87,8 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     ctx.progress.start(total, "consolidate")
     fetcher = Fetcher(opened.source, index=index)
     files: list[str] = []
-    output = OutputFile if single else OutputDir
     sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
-    with output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources) as target:
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as target:
         basename = target.name[: -len(".safetensors")] if single else "model"
         files += write_safetensors(target, fetcher, model, basename=basename, max_shard_bytes=max_bytes,
                                    aliases=aliases, ctx=ctx)

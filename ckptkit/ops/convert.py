@@ -34,7 +34,8 @@ from ..formats.registry import open_checkpoint
 from ..formats.safetensors.writer import OutTensor, write_safetensors
 from ..formats.torch_save.writer import write_torch_save
 from ..runner.stream import find_aliases
-from ..storage.output import OutputDir, OutputFile
+from ..storage.commit import Output
+from ..storage.output import open_output
 from ..storage.paths import read_small_file
 from .. import knobs, safe_json
 from ..context import RunContext, context_of
@@ -173,8 +174,8 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         total = sum(e.nbytes for e in state.model.values()) + sum(
             e.nbytes for m in state.param_states.values() for e in m.values())
     ctx.progress.start(total, f"convert {opened.index.format} -> {target}")
-    output = OutputFile if single else OutputDir
-    with output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src, ds_config)) as dest:
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src, ds_config),
+                     single_file=single) as dest:
         if target == "dcp":
             index, resolver = torch_recipe_index(state, "dcp")
             index.world_size = world
@@ -229,7 +230,7 @@ def _safetensors_plan(state: TrainingState) -> tuple[list[OutTensor], dict[str, 
     return tensors, aliases, fetcher_for(state, resolver)
 
 
-def _write_safetensors(target: OutputDir, state: TrainingState, plan: tuple, ctx: RunContext,
+def _write_safetensors(target: Output, state: TrainingState, plan: tuple, ctx: RunContext,
                        single: bool) -> list[str]:
     tensors, aliases, fetcher = plan
     basename = target.name[: -len(SAFETENSORS_SUFFIX)] if single else "model"

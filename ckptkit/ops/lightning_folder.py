@@ -13,7 +13,7 @@ from ..formats.dcp.writer import write_dcp
 from ..formats.registry import Opened
 from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
-from ..storage.output import OutputDir
+from ..storage.output import open_output
 from ..context import RunContext
 from .trainer_folder import FolderResult, copy_tree
 
@@ -32,7 +32,7 @@ def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str) -
     index, source = opened.index, opened.source
     part, copies = lightning.dcp_part(index, source)
     ctx.progress.start(part.total_tensor_bytes, f"reshard {index.world_size}->{to}")
-    with OutputDir(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
         files = write_dcp(target, part, Fetcher(source), fsdp2_layout(part, to), source=source, ctx=ctx)
         written = set(files)
         copied = copy_tree(source, target, copies[0], written)

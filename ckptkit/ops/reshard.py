@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError, UsageError
 from ..formats.registry import format_of, open_checkpoint
-from ..storage.output import OutputDir
+from ..storage.output import open_output
 from ..context import RunContext, context_of
 
 
@@ -57,7 +57,7 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
         raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
                                f"is nothing to reshard (reshard takes a DCP folder or a DeepSpeed checkpoint)")
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
-    with OutputDir(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
         files = fmt.reshard(opened, target, to, ctx)
     ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),

@@ -183,7 +183,7 @@ def _check(found: SideFiles) -> None:
 
 
 def copy(found: SideFiles, target) -> list[str]:
-    """Copy every side file byte for byte into `target` (a storage.output.OutputDir), in chunks;
+    """Copy every side file byte for byte into `target` (a storage.commit.Output), in chunks;
     in a distributed job rank 0 alone writes. Returns the names written."""
     if getattr(getattr(target, "group", None), "is_root", True):
         for f in found.files:

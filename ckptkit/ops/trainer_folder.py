@@ -23,7 +23,8 @@ from ..formats.registry import Opened
 from ..formats.trainer import ACCELERATE, ACCELERATE_RNG_POLICY, RNG_POLICY, TrainerFolder, map_rng, rng_world
 from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
-from ..storage.output import OutputDir
+from ..storage.commit import Output
+from ..storage.output import open_output
 from ..storage.source import Source
 from ..context import RunContext
 
@@ -33,7 +34,7 @@ COPY_BLOCK = 8 << 20
 class SubOutput:
     """A folder inside an output, seen as an output of its own (what the writers use of one)."""
 
-    def __init__(self, parent: OutputDir, prefix: str) -> None:
+    def __init__(self, parent: Output, prefix: str) -> None:
         self.parent, self.prefix = parent, prefix.rstrip("/") + "/"
         self.group = parent.group
 
@@ -90,7 +91,7 @@ def reshard_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str)
 
 
 def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str,
-                 write_parts: Callable[[OutputDir], list[str]], sources: tuple = ()) -> FolderResult:
+                 write_parts: Callable[[Output], list[str]], sources: tuple = ()) -> FolderResult:
     """OUT as a Trainer folder: `write_parts` writes the sharded parts into it (their file list),
     then the rest of the source folder is copied and the RNG files mapped to `to` ranks."""
     folder: TrainerFolder = opened.trainer
@@ -99,7 +100,7 @@ def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str,
     source = opened.source
     rng, left_out = map_rng(folder.rng_files, to, folder.kind)
     ctx.progress.start(opened.index.total_tensor_bytes, f"reshard {source_world(opened)}->{to}")
-    with OutputDir(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src, *sources)) as target:
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src, *sources)) as target:
         files = write_parts(target)
         written = set(files)
         copied = []
@@ -119,7 +120,7 @@ def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str,
                         list(folder.unknown), files, len(opened.index.tensors), opened.index.total_tensor_bytes)
 
 
-def _reshard_parts(opened: Opened, target: OutputDir, to: int, ctx: RunContext) -> list[str]:
+def _reshard_parts(opened: Opened, target: Output, to: int, ctx: RunContext) -> list[str]:
     folder, source, index = opened.trainer, opened.source, opened.index
     if folder.layout == "deepspeed":
         from ..formats.deepspeed.writer import write_zero
@@ -132,7 +133,7 @@ def _reshard_parts(opened: Opened, target: OutputDir, to: int, ctx: RunContext) 
     return files
 
 
-def reshard_dcp_part(source: Source, name: str, target: OutputDir, to: int, ctx: RunContext) -> list[str]:
+def reshard_dcp_part(source: Source, name: str, target: Output, to: int, ctx: RunContext) -> list[str]:
     """One accelerate DCP subfolder, laid out for `to` ranks into the same subfolder of OUT."""
     sub = SubSource(source, name)
     index = dcp_reader.read_index(sub)
@@ -141,7 +142,7 @@ def reshard_dcp_part(source: Source, name: str, target: OutputDir, to: int, ctx:
     return [f"{name}/{f}" for f in written]
 
 
-def _copy_tree(source: Source, target: OutputDir, rel: str, written: set[str]) -> list[str]:
+def _copy_tree(source: Source, target: Output, rel: str, written: set[str]) -> list[str]:
     """Copy the file or folder `rel` byte for byte (files some writer already put in OUT are kept)."""
     if source.isdir(rel):
         out: list[str] = []
@@ -156,7 +157,7 @@ def _copy_tree(source: Source, target: OutputDir, rel: str, written: set[str]) -
 copy_tree = _copy_tree  # public: the Lightning folder (ops/lightning_folder.py) copies its files the same way
 
 
-def _copy_file(source: Source, target: OutputDir, rel: str, new: str) -> None:
+def _copy_file(source: Source, target: Output, rel: str, new: str) -> None:
     """Streamed in blocks (a model.safetensors can be large); rank 0 writes it."""
     if not target.group.is_root:
         return
@@ -248,7 +249,7 @@ def convert_folder(opened: Opened, out: str, target: str, world: int, state, cfg
         return write_folder(opened, out, world, ctx, src, lambda t: _reshard_parts(opened, t, world, ctx))
     from ..convert.to_zero import write_zero_from_state
 
-    def parts(t: OutputDir) -> list[str]:
+    def parts(t: Output) -> list[str]:
         return write_zero_from_state(t, state, int(target[-1]), world, cfg, ctx=ctx)
 
     return write_folder(opened, out, world, ctx, src, parts, sources=(ds_config,))

@@ -3,7 +3,7 @@
 OUT must not be SRC, lie inside SRC, contain SRC, or be (a hard link to) a file of SRC. Paths
 alone can lie (symlinks, bind mounts, `..`), so the check compares both ways: the real paths,
 and (st_dev, st_ino) of every existing ancestor of OUT against SRC (and of SRC against OUT).
-Remote URLs are compared by storage and path. OutputDir runs this for every writing command.
+Remote URLs are compared by storage and path. Every output runs this (storage/output.py).
 """
 from __future__ import annotations
 

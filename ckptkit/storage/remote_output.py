@@ -1,4 +1,5 @@
-"""Outputs on remote storage (s3://, gs://, memory://, ... through fsspec), committed by a marker.
+"""Outputs on remote storage (s3://, gs://, memory://, ... through fsspec), committed by a marker
+(the `MarkerOutput` side of storage/commit.py).
 
 Object stores cannot rename a folder atomically, so the commit is a marker: `.ckptkit-incomplete`
 is written first, every file is uploaded, then `.ckptkit-complete` (listing the files and their
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from .. import interrupts
 from ..errors import OutputError
-from .output import FinishingFile, OutputDir
+from .commit import FinishingFile, on_root
 from .overlap import check_apart
 
 if TYPE_CHECKING:
@@ -32,18 +33,20 @@ INCOMPLETE = ".ckptkit-incomplete"
 COMPLETE = ".ckptkit-complete"
 
 
-@interrupts.guard_output
-class RemoteOutputDir(OutputDir):
-    def __init__(self, path: str, overwrite: bool = False, group: "Group | None" = None,
-                 sources: Sequence[str | None] = ()) -> None:
-        import fsspec
+@interrupts.guard_output  # Ctrl-C while it is open: stop at a check point, remove, never commit
+class MarkerOutput:
+    """A remote folder that readers take as complete only once its commit marker is there.
 
-        from ..runner.distributed import LOCAL
+    In a distributed job every rank uploads its own files; rank 0 writes the markers and the
+    small files (`write_bytes`), and the final marker only after every rank reported success."""
+
+    def __init__(self, path: str, *, overwrite: bool, group: Group, sources: Sequence[str | None]) -> None:
+        import fsspec
 
         self.path = path.rstrip("/")
         self.overwrite = overwrite
         self.sources = tuple(sources)
-        self.group = group or LOCAL
+        self.group = group
         try:
             self.fs, self.base = fsspec.core.url_to_fs(self.path)
         except (ImportError, ValueError) as exc:
@@ -56,7 +59,7 @@ class RemoteOutputDir(OutputDir):
     def _remote(self, rel: str) -> str:
         return f"{self.base}/{rel}"
 
-    def _enter(self) -> "RemoteOutputDir":
+    def _enter(self) -> MarkerOutput:
         check_apart(self.sources, self.path)  # before anything is written or removed
         try:
             existing = self.fs.ls(self.base, detail=False) if self.fs.exists(self.base) else []
@@ -71,8 +74,8 @@ class RemoteOutputDir(OutputDir):
             raise OutputError(f"{self.path}: cannot write there ({type(exc).__name__}: {str(exc)[:200]})") from None
         return self
 
-    def __enter__(self) -> "RemoteOutputDir":
-        self._on_root(self._enter)
+    def __enter__(self) -> MarkerOutput:
+        on_root(self.group, self._enter)
         self._spool = tempfile.mkdtemp(prefix="ckptkit-spool-", dir=os.environ.get("CKPTKIT_SPOOL"))
         return self
 
@@ -105,6 +108,7 @@ class RemoteOutputDir(OutputDir):
             self._sizes[rel] = len(data)
 
     def commit(self) -> None:
+        """Write the final marker (every rank's files and sizes), then remove the first one."""
         sizes: dict[str, int] = {}
         for part in self.group.gather_all(dict(self._sizes)):
             sizes.update(part)
@@ -113,7 +117,9 @@ class RemoteOutputDir(OutputDir):
             self.fs.pipe_file(self._remote(COMPLETE), json.dumps(doc, indent=1).encode())
             self.fs.rm(self._remote(INCOMPLETE))
 
-    def _abandon(self) -> None:
+    def abort(self) -> None:
+        """Remove everything uploaded (rank 0). Should that fail, the first marker stays and
+        readers still refuse the folder."""
         if self.group.is_root:
             try:
                 self.fs.rm(self.base, recursive=True)
@@ -126,12 +132,12 @@ class RemoteOutputDir(OutputDir):
                 if exc_type is None:
                     self.commit()
                 else:
-                    self._abandon()
+                    self.abort()
                 return
             try:
                 self.group.check(exc)
             except BaseException:
-                self._abandon()
+                self.abort()
                 raise
             error: BaseException | None = None
             try:
@@ -147,7 +153,7 @@ class RemoteOutputDir(OutputDir):
 class _UploadingFile(FinishingFile):
     """A local spool file that is uploaded to the remote OUT when closed."""
 
-    def __init__(self, f: BinaryIO, local: str, out: RemoteOutputDir, rel: str) -> None:
+    def __init__(self, f: BinaryIO, local: str, out: MarkerOutput, rel: str) -> None:
         super().__init__(f)
         self._local, self._out, self._rel = local, out, rel
 

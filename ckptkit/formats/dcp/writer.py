@@ -24,7 +24,7 @@ from ...progress import Progress
 from ...repickle import dumps, stand_in, stand_in_call
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
-from ...storage.output import OutputDir
+from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import DType, Size
 from ..torch_save.archive_writer import LazyTensor, write_archive_to
@@ -52,7 +52,7 @@ def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def write_dcp(out: OutputDir, index: CheckpointIndex, fetcher: Fetcher, layout: Layout, *,
+def write_dcp(out: Output, index: CheckpointIndex, fetcher: Fetcher, layout: Layout, *,
               ctx: RunContext, source: Source | None = None) -> list[str]:
     """Write `index`'s tensors in `layout` and its objects (on rank 0) into `out`. `source`: the DCP
     checkpoint `index` was read from, whose bytes items are copied as they are (None: re-serialised)."""

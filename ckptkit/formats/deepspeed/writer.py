@@ -24,7 +24,7 @@ from ...index.virtual import Part
 from ...repickle import stand_in
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
-from ...storage.output import OutputDir
+from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive import Archive
@@ -44,7 +44,7 @@ def _config(index: CheckpointIndex) -> dict:
     return obj.data if obj is not None and isinstance(obj.data, dict) else {}
 
 
-def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_size: int, *,
+def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: int, *,
                ctx: RunContext) -> list[str]:
     """Reshard: the source's own files, recomputed for `world_size` ranks."""
     info: ZeroInfo = index.native
@@ -67,7 +67,7 @@ def write_zero(out: OutputDir, index: CheckpointIndex, source: Source, world_siz
     return written
 
 
-def write_zero_files(out: OutputDir, index: CheckpointIndex, source: Source, info: ZeroInfo, world_size: int,
+def write_zero_files(out: Output, index: CheckpointIndex, source: Source, info: ZeroInfo, world_size: int,
                      tag: str, sub_group_size: int | None, *, ctx: RunContext) -> list[str]:
     """`latest` and the tag's model/optim files for `world_size` ranks, from `info`'s templates
     (a source checkpoint's own structures, or ones convert built from a DeepSpeed config)."""

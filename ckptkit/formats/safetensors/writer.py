@@ -18,7 +18,7 @@ from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor
 from ...storage import kernel_copy
-from ...storage.output import OutputDir
+from ...storage.commit import Output
 from .reader import ALIASES_KEY, INDEX_NAME, OBJECTS_KEY
 
 
@@ -64,7 +64,7 @@ def build_header(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_safetensors(out: OutputDir, fetcher: Fetcher, tensors: list[OutTensor], *,
+def write_safetensors(out: Output, fetcher: Fetcher, tensors: list[OutTensor], *,
                       basename: str = "model", max_shard_bytes: int, ctx: RunContext,
                       aliases: dict[str, str] | None = None, objects: dict | None = None,
                       write_index: bool = True) -> list[str]:

@@ -23,7 +23,7 @@ from ...torch_types import DType, SmallTensor
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor, tensor_bytes
 from ...storage import kernel_copy
-from ...storage.output import OutputDir
+from ...storage.commit import Output
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +136,7 @@ def copy_in_kernel(member: Any, f: Any, source: Any, ranges: kernel_copy.Ranges,
     return True
 
 
-def write_archive(out: OutputDir, name: str, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
+def write_archive(out: Output, name: str, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
                   progress: Progress | None = None) -> None:
     """Write `structure` as the torch.save file `name` inside `out`."""
     with out.open(name) as f:

@@ -11,11 +11,11 @@ from ...index.types import CheckpointIndex
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...runner.stream import find_aliases
-from ...storage.output import OutputDir
+from ...storage.commit import Output
 from .archive_writer import LazyTensor, write_archive
 
 
-def write_torch_save(out: OutputDir, name: str, index: CheckpointIndex, fetcher: Fetcher, *,
+def write_torch_save(out: Output, name: str, index: CheckpointIndex, fetcher: Fetcher, *,
                      ctx: RunContext, keys: list[str] | None = None, include_objects: bool = True,
                      key_map: dict[str, tuple] | None = None) -> None:
     """Write index tensors (and objects) as one torch.save file `name` in `out`."""
