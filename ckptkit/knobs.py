@@ -25,8 +25,9 @@ def slab_bytes(budget: int | None = None, workers: int | None = None) -> int:
     return max(1 << 20, budget // (2 * max(1, workers)))
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB', '500MB', '1GiB', '123' -> bytes (decimal units as Hugging Face uses them)."""
+def parse_size(text: str | int, what: str | None = None) -> int:
+    """'5GB', '500MB', '1GiB', '123' -> bytes (decimal units as Hugging Face uses them). `what`
+    names the option the text came from, for the error."""
     if isinstance(text, int):
         return text
     t = text.strip().upper().replace(" ", "")
@@ -49,7 +50,7 @@ def parse_size(text: str | int) -> int:
     except ValueError:
         pass
     from .errors import UsageError
-    raise UsageError(f"cannot read size {text!r} (use e.g. 5GB, 500MB, 2GiB)")
+    raise UsageError(f"{what + ': ' if what else ''}cannot read size {text!r} (use e.g. 5GB, 500MB, 2GiB)")
 
 # ---- the restricted unpickler (ckptkit.safeload): what one pickle may build ------------------------
 # Measured on a DCP .metadata of 100k tensors written by torch's dcp.save (23.6 MB): 2.6M objects

@@ -233,7 +233,7 @@ def make_run_context(ctx: Context, flags: RunFlags) -> RunContext:
     ctx.progress = make_progress(ctx.quiet)
     run = RunContext(progress=ctx.progress, overwrite=flags.overwrite, group=group, follow_links=follow_links())
     if flags.memory_budget:
-        run.memory_budget = knobs.parse_size(flags.memory_budget)
+        run.memory_budget = knobs.parse_size(flags.memory_budget, "--memory-budget")
     if flags.workers:
         run.workers = flags.workers
     from ckptkit.runner import limits

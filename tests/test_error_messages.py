@@ -318,6 +318,20 @@ def _bad_dtype(tmp: Path) -> list[str]:
     return ["consolidate", str(dcp(tmp)), str(tmp / "OUT"), "--dtype", "int8"]
 
 
+def _bad_shard_size(tmp: Path) -> list[str]:
+    return ["consolidate", str(dcp(tmp)), str(tmp / "OUT"), "--max-shard-size", "5XB"]
+
+
+def _bad_memory_budget(tmp: Path) -> list[str]:
+    return ["verify", str(dcp(tmp)), "--memory-budget", "banana"]
+
+
+def _torch_save_cut_short(tmp: Path) -> list[str]:
+    path = copy_fixture("plain_state_dict.pt", tmp)
+    truncate_half(path)
+    return ["consolidate", str(path), str(tmp / "OUT")]
+
+
 def _convert_bad_to(tmp: Path) -> list[str]:
     return ["convert", str(dcp(tmp)), str(tmp / "OUT"), "--to", "banana"]
 
@@ -465,6 +479,13 @@ CASES: list[Case] = [
          "error: <tmp>/ckpt: was saved at world size 2, not 3 (--from)\n"),
     Case("bad_dtype", _bad_dtype, 2,
          "error: --dtype 'int8' is not a floating dtype (use fp32, bf16 or fp16)\n"),
+    Case("bad_shard_size", _bad_shard_size, 2,
+         "error: --max-shard-size: cannot read size '5XB' (use e.g. 5GB, 500MB, 2GiB)\n"),
+    Case("bad_memory_budget", _bad_memory_budget, 2,
+         "error: --memory-budget: cannot read size 'banana' (use e.g. 5GB, 500MB, 2GiB)\n"),
+    Case("torch_save_cut_short", _torch_save_cut_short, 2,
+         "error: <tmp>/plain_state_dict.pt: damaged torch.save archive: its zip directory cannot be read "
+         "(the file may be cut short): File is not a zip file\n"),
     Case("convert_bad_to", _convert_bad_to, 2,
          "Usage: ckptkit convert [OPTIONS] SRC OUT\n"
          "Try 'ckptkit convert --help' for help.\n"

@@ -55,7 +55,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
         raise UsageError(f"{src}: found no model tensors to consolidate "
                          f"({len(index.tensors)} tensors, none under a model container)")
     names = _rename(split, index, key_rules(index, rules), src)
-    max_bytes = knobs.parse_size(max_shard_size)
+    max_bytes = knobs.parse_size(max_shard_size, "--max-shard-size")
 
     # DeepSpeed: fp32 masters, with frozen params and buffers upcast as zero_to_fp32 does
     default = dtype or index.metadata.get("consolidate_dtype")

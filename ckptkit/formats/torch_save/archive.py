@@ -86,8 +86,10 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
         raise
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError,
             OverflowError) as exc:  # a damaged directory surfaces as any of these (names: UnicodeDecodeError)
-        raise FormatError(f"{label}: damaged torch.save archive at offset {offset} "
-                          f"({type(exc).__name__}: {str(exc)[:120]})") from None
+        where = f" at offset {offset}" if offset else ""
+        detail = str(exc)[:120] or type(exc).__name__
+        raise FormatError(f"{label}: damaged torch.save archive{where}: its zip directory cannot be read "
+                          f"(the file may be cut short): {detail}") from None
     members = _members(source, rel, offset, length, label, infos, zf.start_dir)
     pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
