@@ -143,33 +143,38 @@ class Planner:
             region = piece.region
             for sub, elem_offset in ((region, 0),) if type(region) is Box else geometry.flat_to_boxes(region, entry.shape):
                 if sub == box:  # the common case (a whole tensor in one piece): the box itself, no arithmetic
-                    inter = box if want else None
-                else:
-                    inter = geometry.intersect(sub, box)
+                    if want:
+                        spans.append(self.span(entry, i, sub, elem_offset, box, want, True))
+                        filled += want
+                    continue
+                inter = geometry.intersect(sub, box)
                 if inter is not None:
-                    spans.append(self.span(entry, i, sub, elem_offset, inter))
-                    filled += inter.numel
+                    n = inter.numel
+                    spans.append(self.span(entry, i, sub, elem_offset, inter, n, inter == sub))
+                    filled += n
         if filled != want:
             raise FormatError(
                 f"{self.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
                 f"is not covered by its pieces ({filled} of {want} elements found)")
         return ReadPlan(entry.key, entry.dtype, box, tuple(spans))
 
-    def span(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box) -> ReadSpan:
+    def span(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box, n: int,
+             whole: bool) -> ReadSpan:
+        """The span reading `inter` (n elements; `whole`: all of `sub`) of piece i."""
         piece = entry.pieces[i]
         loc = piece.location
         encoding = _ENCODINGS.get(loc.encoding)
         flat = isinstance(piece.region, FlatRange)
         if encoding is Encoding.RAW:
             strides = geometry.row_major_strides(sub.sizes) if flat or loc.stride is None else tuple(loc.stride)
-            dense = inter == sub and (flat or loc.stride is None)
+            dense = whole and (flat or loc.stride is None)
             if dense:  # the whole run of the piece, row-major
-                first, last = elem_offset, elem_offset + inter.numel - 1
+                first, last = elem_offset, elem_offset + n - 1
             else:
                 local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
                 first = elem_offset + sum(p * st for p, st in zip(local, strides))
                 last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
-                dense = all(n == 1 or st == want for n, st, want
+                dense = all(size == 1 or st == want for size, st, want
                             in zip(inter.sizes, strides, geometry.row_major_strides(inter.sizes)))
             item = itemsize(entry.dtype)
             if first < 0 or (last + 1) * item > loc.length:
@@ -223,7 +228,10 @@ def plan_byte_ranges(plan: ReadPlan, entries: Mapping[str, TensorEntry] | None,
     in memory, a run that is not contiguous in the box). `entries` resolves REF spans' tensors."""
     item = itemsize(plan.dtype)
     if len(plan.spans) == 1 and plan.spans[0].box is plan.box:  # one span fills the box
-        placed = [(0, plan.spans[0])]
+        span = plan.spans[0]
+        if span.encoding is Encoding.RAW and span.dense:
+            return [(span.file, span.offset, span.length)]
+        placed = [(0, span)]
     else:
         outer = geometry.row_major_strides(plan.box.sizes)
         placed = []
