@@ -19,14 +19,14 @@ WHOLE = "whole"               # one value per parameter (or per ZeRO group), cop
 # names that are per-parameter scalars even when a parameter's shape happens to match (a 0-d param)
 WHOLE_NAMES = frozenset({"step"})
 
+_ADAFACTOR = ("Adafactor's factored second moment (row and column factors of a 2-D parameter), which is not "
+              "elementwise with the parameter: no shard or flat partition of the parameter says which part of "
+              "the factors goes with it")
+
 # state a repartition cannot follow: key -> why, and what reading it would need
 UNMAPPABLE: dict[str, str] = {
-    "exp_avg_sq_row": "Adafactor's factored second moment (row and column factors of a 2-D parameter); under "
-                      "ZeRO's flattening the factors follow no partition, so it would need the unflattened "
-                      "parameters (save with a torch full or sharded state dict instead)",
-    "exp_avg_sq_col": "Adafactor's factored second moment (row and column factors of a 2-D parameter); under "
-                      "ZeRO's flattening the factors follow no partition, so it would need the unflattened "
-                      "parameters (save with a torch full or sharded state dict instead)",
+    "exp_avg_sq_row": _ADAFACTOR,
+    "exp_avg_sq_col": _ADAFACTOR,
     "state1": "bitsandbytes 8-bit optimizer state, quantized in blocks with per-block scales; repartitioning "
               "it would need the blocks dequantized and requantized at the new boundaries",
     "state2": "bitsandbytes 8-bit optimizer state, quantized in blocks with per-block scales; repartitioning "

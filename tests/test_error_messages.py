@@ -462,8 +462,8 @@ CASES: list[Case] = [
     Case("ds_bad_latest", _ds_bad_latest, 2,
          "error: <tmp>/ds: tag folder is missing ('global_step9', named by `latest` or --tag)\n"),
     Case("ds_missing_optim_file", _ds_missing_optim_file, 2,
-         "error: <tmp>/ds/global_step2/mp_rank_00_model_states.pt: says dp_world_size 2 but there are 1 "
-         "optim-states files\n"),
+         "error: <tmp>/ds/global_step2/mp_rank_00_model_states.pt: says dp_world_size 2, but the "
+         "optim-states file of rank 1 is missing (zero_pp_rank_1_mp_rank_00_optim_states.pt)\n"),
     Case("ds_tag_missing", _ds_tag_missing, 2,
          "error: <tmp>/ds: tag folder is missing ('global_step7', named by `latest` or --tag)\n"),
     # a pickle that would run code (UnsafePickleError)
@@ -504,8 +504,8 @@ CASES: list[Case] = [
     Case("convert_unmappable_state", _convert_unmappable_state, 2,
          "error: <tmp>/adafactor.pt (optim.state.w.exp_avg_sq_row): optimizer state 'exp_avg_sq_row' "
          "cannot be mapped: Adafactor's factored second moment (row and column factors of a 2-D "
-         "parameter); under ZeRO's flattening the factors follow no partition, so it would need the "
-         "unflattened parameters (save with a torch full or sharded state dict instead)\n"),
+         "parameter), which is not elementwise with the parameter: no shard or flat partition of the "
+         "parameter says which part of the factors goes with it\n"),
     # the output cannot be written (OutputError)
     Case("out_exists", _out_exists, 2,
          "error: <tmp>/OUT: output already exists (choose another path or pass --overwrite)\n"),

@@ -50,7 +50,8 @@ def test_output_dir_reads_the_newest_complete_checkpoint_and_says_so(tmp_path):
     assert code == 0, stderr
     assert stderr.startswith(f"{out}: using checkpoint-2 (newest complete of 3 in this HF Trainer output folder; "
                              f"checkpoint-3 is incomplete: ")
-    assert "global_step2/mp_rank_00_model_states.pt: says dp_world_size 2 but there are 1 optim-states files" in stderr
+    assert ("global_step2/mp_rank_00_model_states.pt: says dp_world_size 2, but the optim-states file of rank 1 "
+            "is missing (bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt)") in stderr
     assert len(stderr.strip().splitlines()) == 1
     lines = stdout.splitlines()
     assert lines[1].startswith("chosen      checkpoint-2 (newest complete of 3")

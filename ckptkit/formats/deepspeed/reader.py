@@ -28,11 +28,11 @@ from ...index.state_keys import model_key, model_path, param_group_key, param_gr
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
-from ..torch_save.archive import Archive, load_structure, open_archive
+from ...runner.torch_archive import Archive, load_structure, open_archive
 from ..torch_save.reader import materialize
 from . import partition, standins
 from .entries import entry, shape_of, tensor_of
-from .files import ZeroFiles, locate
+from .files import ZeroFiles, locate, optim_file_name
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, ZeroInfo, stage_names
 
@@ -139,6 +139,11 @@ def _check_world(source: Source, files: ZeroFiles, stage: int, world: int, m0: A
         raise FormatError(f"{source.label(files.prefix)}: ZeRO-3 needs one model-states file per rank, found "
                           f"{len(files.model_files)} for {world} optim-states files")
     dp = m0.get("dp_world_size") if isinstance(m0, dict) else None
+    if isinstance(dp, int) and dp > world:  # the last ranks' files are gone: name them
+        names = ", ".join(optim_file_name(r, files.bf16_prefix) for r in range(world, min(dp, world + 3)))
+        more = f" and {dp - world - 3} more" if dp - world > 3 else ""
+        which = f"file of rank {world} is" if dp - world == 1 else f"files of ranks {world}..{dp - 1} are"
+        raise FormatError(f"{label}: says dp_world_size {dp}, but the optim-states {which} missing ({names}{more})")
     if isinstance(dp, int) and dp != world:
         raise FormatError(f"{label}: says dp_world_size {dp} but there are {world} optim-states files")
 
