@@ -4,7 +4,7 @@ Every command takes a path and finds the format itself. A CkptkitError becomes o
 stderr and a non-zero exit; a traceback appears only with --debug. Everything printed for people
 goes through `echo`, which escapes control characters (ckptkit.text): names read from a
 checkpoint cannot forge lines or drive the terminal. --json output is JSON, escaped by json.
-Ctrl-C: see entry.py; a command that was interrupted says "interrupted" and exits 130.
+Ctrl-C: see sigint.py; a command that was interrupted says "interrupted" and exits 130.
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ from ckptkit.convert import SOURCES as CONVERT_SOURCES, TARGETS as CONVERT_TARGE
 from ckptkit.errors import CkptkitError
 from ckptkit.text import escape
 
-from . import entry
+from . import sigint
 from .progress import CliProgress, make_progress
 
 EXIT_PROBLEMS = 1   # verify found problems
 # exit 2: a CkptkitError (its exit_code): bad input, bad options, output not writable
 EXIT_INTERNAL = 3   # a bug in ckptkit
-EXIT_INTERRUPTED = entry.EXIT_INTERRUPTED  # Ctrl-C
+EXIT_INTERRUPTED = sigint.EXIT_INTERRUPTED  # Ctrl-C
 
 
 def echo(*lines: str, err: bool = False) -> None:
@@ -110,7 +110,7 @@ def _fail(exc: BaseException, debug: bool) -> NoReturn:
 
 
 def _interrupted() -> NoReturn:
-    if entry.should_announce():
+    if sigint.should_announce():
         echo("interrupted", err=True)
     sys.exit(EXIT_INTERRUPTED)
 
@@ -620,7 +620,7 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
 
 
 def main() -> None:
-    entry.install()  # already done by entry.main; here for callers of main() itself
+    sigint.install()  # already done by entry.main; here for callers of main() itself
     warnings.showwarning = _show_warning
     from ckptkit.runner.memory import pin_mmap_threshold
 
@@ -634,7 +634,7 @@ def main() -> None:
         if current().distributed:  # leave the job without tearing gloo down under its threads
             finish(current(), code)
         if code == EXIT_INTERRUPTED:  # cleanup is done: leave now, without waiting on interpreter teardown
-            entry.exit_now()
+            sigint.exit_now()
         # the command is over: a Ctrl-C while the interpreter shuts down (it restores the default
         # handler, which would kill the process) must not turn its result into "killed by SIGINT"
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -46,7 +46,7 @@ def _without_nproc(argv: list[str]) -> list[str]:
 def relaunch(nproc: int, out: str | None = None) -> int:
     from ckptkit import interrupts
 
-    from .entry import QUIET_ENV
+    from .sigint import QUIET_ENV
 
     args = _without_nproc(sys.argv[1:])
     port = _free_port()

@@ -59,9 +59,6 @@ EXPECTED: dict[tuple[str, str], str] = {
         "a run folder opens its entries through the registry that resolved it (a recursion, not a layer)",
     ("ckptkit.ops.inspect", "ckptkit.hooks.listing"):
         "inspect of a Checkpointer directory lists its steps",
-    ("cli.main", "cli.entry"): "the CLI's entry point and its commands import each other",
-    ("cli.entry", "cli.main"): "the CLI's entry point and its commands import each other",
-    ("cli.spawn", "cli.entry"): "spawned workers re-enter the CLI's entry point",
 }
 
 
