@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from ckptkit.convert.names import KeyRules
 from ckptkit.errors import CkptkitError, UnsupportedError, UsageError
 from ckptkit.formats.registry import open_checkpoint
-from ckptkit.formats.torch_save.archive import load_structure, open_archive
+from ckptkit.runner.torch_archive import load_structure, open_archive
 from ckptkit.ops.consolidate import consolidate
 from ckptkit.ops.convert import TORCH_FILE, convert
 from ckptkit.ops.diff import diff

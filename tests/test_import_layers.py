@@ -47,8 +47,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Imports known to go against the layers or to close a cycle, each with who fixes it. An entry
 # whose import is gone fails test_expected_exceptions_still_exist: remove it then.
 EXPECTED: dict[tuple[str, str], str] = {
-    ("ckptkit.runner.fetch", "ckptkit.formats.torch_save.archive"):
-        "decoding a torch_save-encoded piece (a compressed DCP item) needs the archive parser",
     ("ckptkit.formats.run_folder", "ckptkit.hooks.pointer"):
         "run folders read the Checkpointer's 'latest' pointer",
     ("ckptkit.formats.run_folder", "ckptkit.hooks.steps"):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ckptkit.errors import CkptkitError, FormatError, UnsafePickleError
-from ckptkit.formats.torch_save.archive import load_bytes_archive
+from ckptkit.runner.torch_archive import load_bytes_archive
 from ckptkit.safeload import restricted_loads
 from ckptkit.torch_types import realize
 from helpers_corrupt import (

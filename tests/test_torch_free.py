@@ -19,7 +19,7 @@ import torch
 
 from conftest import DATA as FIXTURES, ROOT, subprocess_env
 from ckptkit.formats.dcp.writer import _Written, build_metadata
-from ckptkit.formats.torch_save.archive import load_bytes_archive
+from ckptkit.runner.torch_archive import load_bytes_archive
 from ckptkit.formats.torch_save.archive_writer import write_archive_to
 from ckptkit.index.serialize import safe_value
 from ckptkit.index.types import Box, CheckpointIndex, ObjectEntry, TensorEntry

@@ -192,7 +192,7 @@ def test_views_of_one_storage_in_a_deepspeed_file_are_not_copied_per_view(cmd, t
 
 def test_views_share_their_storage_and_copy_only_their_own_elements_when_asked():
     """Loaded whole, 2,500 views hold one storage; each view's values are still exactly torch's."""
-    from ckptkit.formats.torch_save.archive import load_bytes_archive
+    from ckptkit.runner.torch_archive import load_bytes_archive
     from ckptkit.torch_types import SmallTensor, realize
 
     base = torch.arange(1000, dtype=torch.float32)
@@ -370,7 +370,7 @@ def test_a_deepspeed_tensor_with_a_negative_storage_offset_is_refused(cmd, tmp_p
 
 def test_a_tensor_reference_is_checked_against_its_storage_member_by_the_reader():
     """Whatever the unpickler lets through, the reader maps no view outside its member's data."""
-    from ckptkit.formats.torch_save.archive import open_item, tensor_location
+    from ckptkit.runner.torch_archive import open_item, tensor_location
     from ckptkit.runner.codecs import MemoryItem
     from ckptkit.safeload import StorageRef, TensorRef
     from ckptkit.torch_types import DType
@@ -474,7 +474,7 @@ def test_view_problem_names_each_kind_of_bad_view():
 def test_damaged_bytes_in_a_streamed_item_are_found(tmp_path):
     """A streamed item is CRC-checked in windows like one held in memory."""
     pytest.importorskip("zstandard")
-    from ckptkit.formats.torch_save.archive import open_item
+    from ckptkit.runner.torch_archive import open_item
     from ckptkit.runner.codecs import StreamedItem, open_decoded
     from ckptkit.storage.source import LocalSource
 
@@ -489,7 +489,7 @@ def test_damaged_bytes_in_a_streamed_item_are_found(tmp_path):
 
 
 def test_bytes_sources_refuse_reads_past_their_end():
-    from ckptkit.formats.torch_save.archive import BytesSource
+    from ckptkit.runner.torch_archive import BytesSource
 
     src = BytesSource(b"abcdef", "mem")
     assert src.read("", 2, 3) == b"cde"

@@ -37,7 +37,7 @@ import torch
 import hostile
 from ckptkit import knobs, safe_json
 from ckptkit.errors import CkptkitError, FormatError, UnsafePickleError, UsageError
-from ckptkit.formats.torch_save.archive import load_bytes_archive
+from ckptkit.runner.torch_archive import load_bytes_archive
 from ckptkit.safeload import restricted_loads
 from ckptkit.torch_types import DType
 from conftest import ROOT

@@ -23,7 +23,7 @@ from .protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_
 from .safetensors import reader as st_reader
 from .safetensors.writer import write_safetensors
 from .torch_save import reader as ts_reader
-from .torch_save.archive import ZIP_MAGIC
+from ..runner.torch_archive import ZIP_MAGIC
 from .torch_save.writer import write_torch_save
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from .adapters import DCP, DEEPSPEED, SAFETENSORS, TORCH_SAVE, TORCH_SUFFIXES, l
 from .deepspeed import files as ds_files
 from .protocols import Capabilities, Reader, Writer
 from .safetensors import reader as st_reader
-from .torch_save.archive import ZIP_MAGIC
+from ..runner.torch_archive import ZIP_MAGIC
 
 FORMATS: tuple = (DEEPSPEED, DCP, SAFETENSORS, TORCH_SAVE)  # each a Reader and a Writer; folder kinds resolve to them
 

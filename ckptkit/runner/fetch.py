@@ -230,7 +230,7 @@ class Fetcher:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        from ..formats.torch_save.archive import item_tensor, open_item
+        from .torch_archive import item_tensor, open_item
 
         label = f"{self.source.label(loc.file)} (item of {entry.key})"
         declared = piece.region.numel * itemsize(entry.dtype)

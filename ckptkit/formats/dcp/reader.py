@@ -22,7 +22,7 @@ from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads
 from ...torch_types import DType
 from ...storage.source import Source
-from ..torch_save.archive import load_bytes_archive, load_structure, open_archive, tensor_location
+from ...runner.torch_archive import load_bytes_archive, load_structure, open_archive, tensor_location
 
 FORMAT = "dcp"
 METADATA = ".metadata"

@@ -7,7 +7,7 @@ from typing import Any
 from ...errors import FormatError
 from ...index.types import Location
 from ...safeload import TensorRef
-from ..torch_save.archive import Archive, tensor_location
+from ...runner.torch_archive import Archive, tensor_location
 
 
 def entry(mapping: Any, key: str, where: str) -> Any:

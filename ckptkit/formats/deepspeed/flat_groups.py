@@ -16,7 +16,7 @@ from ...index import problems
 from ...index.dtypes import is_floating, itemsize
 from ...index.state_keys import model_key, model_path, state_key, state_path
 from ...index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
-from ..torch_save.archive import Archive
+from ...runner.torch_archive import Archive
 from . import partition
 from .entries import entry, tensor_of
 from .files import ZeroFiles

@@ -14,7 +14,7 @@ from ...index.types import CheckpointIndex
 from ...index.virtual import Part, flat_slice
 from ...optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ...runner.fetch import Fetcher
-from ..torch_save.archive import Archive
+from ...runner.torch_archive import Archive
 from ..torch_save.archive_writer import LazyTensor
 from . import partition
 from .info import ZeroGroup, ZeroInfo

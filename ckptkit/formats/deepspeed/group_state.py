@@ -14,7 +14,7 @@ from ...index.state_keys import state_key, state_path
 from ...index.types import CheckpointIndex, Location, ObjectEntry
 from ...optim_state import PARTITIONED, WHOLE, kind_of, refuse_unmappable
 from ...safeload import TensorRef
-from ..torch_save.archive import Archive, tensor_location
+from ...runner.torch_archive import Archive, tensor_location
 from ..torch_save.reader import materialize
 from .values import same_value, value_weight
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..torch_save.archive import Archive
+from ...runner.torch_archive import Archive
 from .files import ZeroFiles
 
 

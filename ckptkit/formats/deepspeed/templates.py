@@ -7,7 +7,7 @@ from typing import Any
 
 from ...index.types import Box, Piece, TensorEntry
 from ...safeload import TensorRef
-from ..torch_save.archive import Archive, tensor_location
+from ...runner.torch_archive import Archive, tensor_location
 from ..torch_save.archive_writer import LazyTensor
 from .info import ZeroInfo
 

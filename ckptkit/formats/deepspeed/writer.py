@@ -27,7 +27,7 @@ from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
-from ..torch_save.archive import Archive
+from ...runner.torch_archive import Archive
 from ..torch_save.archive_writer import LazyTensor, write_archive
 from . import partition, standins
 from .files import optim_file_name

@@ -14,7 +14,7 @@ from ...index.flatten import flatten, key_of
 from ...index.types import Box, CheckpointIndex, NameCollision, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
-from .archive import Archive, load_structure, load_values, open_archive, tensor_location
+from ...runner.torch_archive import Archive, load_structure, load_values, open_archive, tensor_location
 
 FORMAT = "torch_save"
 

@@ -20,14 +20,14 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import CkptkitError, FormatError
-from ...index.dtypes import dtype_name
-from ...index.geometry import row_major_strides, strided_span
-from ...index.types import IntegrityCheck, Location
-from ...safeload import RawStorage, StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
-from ...storage.source import RangeFile, Source
-from ...runner import limits
-from ...torch_types import SmallTensor, view_problem
+from ..errors import CkptkitError, FormatError
+from ..index.dtypes import dtype_name
+from ..index.geometry import row_major_strides, strided_span
+from ..index.types import IntegrityCheck, Location
+from ..safeload import RawStorage, StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
+from ..storage.source import RangeFile, Source
+from . import limits
+from ..torch_types import SmallTensor, view_problem
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -333,7 +333,7 @@ CRC_WINDOW = 1 << 20
 def check_crcs(archive: Archive) -> None:
     """Recompute every member's CRC32 (the zstd frame of a DCP item carries no checksum of its
     own), reading through the archive's source in bounded windows, members in file order."""
-    from ...storage.checksum import crc32
+    from ..storage.checksum import crc32
 
     view = getattr(archive.source, "view", None)
     buf = bytearray(min(CRC_WINDOW, max((m.size for m in archive.members.values()), default=0)))
