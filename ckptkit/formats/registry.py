@@ -14,7 +14,6 @@ the registered formats inside a folder.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from ..errors import NotACheckpointError, UnsupportedError, name_of
 from ..index.types import CheckpointIndex
@@ -22,6 +21,7 @@ from ..storage.source import Source, is_url, open_source
 from . import accelerate, lightning, run_folder, trainer
 from .adapters import DCP, DEEPSPEED, SAFETENSORS, TORCH_SAVE, TORCH_SUFFIXES, looks_like_safetensors, torch_files
 from .deepspeed import files as ds_files
+from .opened import Opened
 from .protocols import Capabilities, Reader, Writer
 from .safetensors import reader as st_reader
 from ..runner.torch_archive import ZIP_MAGIC
@@ -53,17 +53,6 @@ def detect(source: Source, name: str | None = None) -> list[str]:
     return [fmt.name for fmt in FORMATS if fmt.detect(source, name)]
 
 
-@dataclass
-class Opened:
-    """A checkpoint ready to be read: its source (for bytes) and its index (for everything else)."""
-
-    source: Source
-    index: CheckpointIndex
-    path: str
-    trainer: "trainer.TrainerFolder | None" = None  # an HF Trainer checkpoint-N/ folder's parts
-    run: "run_folder.RunChoice | None" = None  # the checkpoint chosen when `path` was a run folder
-
-
 def _parent_and_name(path: str) -> tuple[str, str]:
     path = path.rstrip("/")
     if is_url(path):
@@ -79,7 +68,7 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1)."""
     source = open_source(path, follow_links)
     _refuse_unfinished(path, source)
-    run = run_folder.resolve(path, source, tag, follow_links) if source.isdir("") else None
+    run = run_folder.resolve(path, source, open_checkpoint, tag, follow_links) if source.isdir("") else None
     if run is not None:  # a training output folder: its newest complete checkpoint (or the one --tag names)
         opened = (run.opened if run.opened is not None and expect is None   # read whole while choosing
                   else open_checkpoint(run.path, expect, run.tag, follow_links))

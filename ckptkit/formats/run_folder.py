@@ -6,7 +6,7 @@ leaves a newer folder that must not be read). Kinds, tried in this order:
 
 - an HF Trainer `output_dir`: `checkpoint-N/` folders; complete = `trainer_state.json` is there
   (the Trainer writes it last) and the checkpoint inside opens whole (every rank file present);
-- a ckptkit Checkpointer directory: `step_N/` folders, complete as hooks/steps.py decides
+- a ckptkit Checkpointer directory: `step_N/` folders, complete as formats/step_folders.py decides
   (its completion marker, or an unmarked folder ckptkit's reader indexes whole);
 - a DeepSpeed save folder without `latest`: tag folders of ZeRO rank files; complete = the tag
   opens whole (every rank's files present);
@@ -27,11 +27,14 @@ from __future__ import annotations
 import contextvars
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import CkptkitError, NotACheckpointError, UsageError, name_of
 from ..storage.source import LocalSource, Source
+from . import step_folders
+from .opened import Opened, Opener, RunChoice
+from .structure import structural_problems
 
 HF = "HF Trainer output folder"
 CHECKPOINTER = "Checkpointer directory"
@@ -60,26 +63,6 @@ class Entry:
     name: str
     step: int | None
     mtime: float = 0.0
-
-
-@dataclass
-class RunChoice:
-    """The checkpoint chosen in a run folder, and why (`note`, one line for the user)."""
-
-    folder: str                 # the run folder, as given
-    kind: str
-    entry: str                  # the chosen entry's name
-    path: str                   # the checkpoint to open (the entry, or the run folder itself with `tag`)
-    tag: str | None             # a DeepSpeed tag to open `path` at (DeepSpeed save folders), else None
-    step: int | None            # the step the trainer recorded (trainer_state.json) or the entry's name gives
-    why: str                    # why this one, e.g. "newest complete of 3 in this ...; checkpoint-3 is incomplete: ..."
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # newer entries passed over, and why
-    opened: Any = field(default=None, repr=False)  # the registry's Opened of the entry, when probing read it whole
-
-    @property
-    def note(self) -> str:
-        """One line for the user: which checkpoint of the run folder is read, and why."""
-        return f"{self.folder}: using {self.entry} ({self.why})"
 
 
 # ---- announcing the choice (the CLI prints it on stderr) -------------------------------------
@@ -156,17 +139,13 @@ def _number(pattern: re.Pattern, name: str) -> int | None:
 
 
 def _points_to_step(source: Source) -> bool:
-    from ..hooks import pointer
-
-    return isinstance(source, LocalSource) and pointer.read(source.root) is not None
+    return isinstance(source, LocalSource) and step_folders.read_pointer(source.root) is not None
 
 
 def _checkpointer_entries(source: Source, names: list[str]) -> list[Entry]:
-    from ..hooks.steps import step_of
-
     if not isinstance(source, LocalSource):  # the Checkpointer writes local folders only
         return []
-    found = [Entry(n, s) for n in names if (s := step_of(n)) is not None]
+    found = [Entry(n, s) for n in names if (s := step_folders.step_of(n)) is not None]
     return sorted(found, key=lambda e: (e.step, e.name))
 
 
@@ -196,10 +175,11 @@ def _rule(kind: str, entries: list[Entry]) -> str:
 
 # ---- choosing ----------------------------------------------------------------------------------
 
-def resolve(path: str, source: Source, tag: str | None = None,
+def resolve(path: str, source: Source, open_checkpoint: Opener, tag: str | None = None,
             follow_links: bool | None = None) -> RunChoice | None:
     """The checkpoint to read when `path` is a run folder (None when it is not one): the entry
-    `tag` names, or else the newest complete one. A DeepSpeed save folder's --tag is left to the
+    `tag` names, or else the newest complete one, opened with `open_checkpoint` (the registry's,
+    which resolves run folders here) to tell. A DeepSpeed save folder's --tag is left to the
     DeepSpeed reader (None), as for any DeepSpeed checkpoint. Inside an entry being opened, None:
     an entry is read as a checkpoint, not as another run folder."""
     if _inside_entry.get():
@@ -214,7 +194,7 @@ def resolve(path: str, source: Source, tag: str | None = None,
         return None
     if tag is not None:
         return _asked(path, source, kind, entries, tag)
-    return _newest_complete(path, source, kind, entries, follow_links)
+    return _newest_complete(path, source, kind, entries, follow_links, open_checkpoint)
 
 
 def tag_for_step(path: str, source: Source, step: int) -> str:
@@ -257,7 +237,7 @@ def _asked(path: str, source: Source, kind: str, entries: list[Entry], tag: str)
 
 
 def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
-                     follow_links: bool | None) -> RunChoice:
+                     follow_links: bool | None, open_checkpoint: Opener) -> RunChoice:
     skipped: list[tuple[str, str]] = []
     probed = 0
     for e in reversed(entries):
@@ -266,7 +246,7 @@ def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
                 f"{path}: a {kind} with {len(entries)} checkpoint(s), and the newest {MAX_PROBED} looked into are "
                 f"incomplete ({'; '.join(f'{name_of(n)}: {w}' for n, w in skipped[:MAX_LISTED])}"
                 f"{'; ...' if len(skipped) > MAX_LISTED else ''}); pick an older one with --step N or --tag NAME")
-        why, step, opened, costly = _problem(path, source, kind, e, follow_links)
+        why, step, opened, costly = _problem(path, source, kind, e, follow_links, open_checkpoint)
         probed += costly
         if not why:
             why = f"newest complete of {len(entries)} in this {kind}{_rule(kind, entries)}"
@@ -289,8 +269,8 @@ def _choice(path: str, kind: str, e: Entry, step: int | None, why: str,
                      why, skipped)
 
 
-def _problem(path: str, source: Source, kind: str, e: Entry,
-             follow_links: bool | None) -> tuple[str, int | None, Any, int]:
+def _problem(path: str, source: Source, kind: str, e: Entry, follow_links: bool | None,
+             open_checkpoint: Opener) -> tuple[str, int | None, Opened | None, int]:
     """(why entry `e` is not a complete checkpoint, "" when it is; the step its trainer recorded;
     the entry opened, when it was; 1 when finding out listed or read the entry, 0 when a look at
     its name and a stat sufficed)."""
@@ -299,9 +279,7 @@ def _problem(path: str, source: Source, kind: str, e: Entry,
     except CkptkitError as exc:
         return _short(str(exc)), None, None, 0
     if kind == CHECKPOINTER:
-        from ..hooks import steps
-
-        folder = steps.examine(source.root, e.name, e.step)
+        folder = step_folders.examine(source.root, e.name, e.step, open_checkpoint)
         return folder.why, e.step, None, 1
     if kind == HF and not source.exists(f"{e.name}/{TRAINER_STATE}"):
         return f"no {TRAINER_STATE} (the Trainer writes it last)", None, None, 0
@@ -315,7 +293,7 @@ def _problem(path: str, source: Source, kind: str, e: Entry,
         except CkptkitError as exc:
             return _short(str(exc)), None, None, 1
     try:
-        why, opened = _opens_whole(path, e, kind, follow_links)
+        why, opened = _opens_whole(path, e, kind, follow_links, open_checkpoint)
         return why, step, opened, 1
     except CkptkitError as exc:
         return _short(str(exc)), step, None, 1
@@ -331,7 +309,7 @@ def _inside_run_folder(source: Source, e: Entry) -> None:
 def _nested(path: str, source: Source, kind: str, e: Entry) -> str:
     """Why entry `e` is not read ("" when it is): an HF or Lightning entry that is itself a run
     folder (a link to the run folder, a run folder saved inside another). DeepSpeed tags are
-    opened in the run folder itself; Checkpointer steps are judged by hooks/steps.py."""
+    opened in the run folder itself; Checkpointer steps are judged by step_folders.py."""
     if kind not in (HF, LIGHTNING) or not _is_dir(source, e.name):
         return ""
     from ..storage.source import open_source
@@ -346,13 +324,12 @@ def _nested(path: str, source: Source, kind: str, e: Entry) -> str:
     return ""
 
 
-def _opens_whole(path: str, e: Entry, kind: str, follow_links: bool | None) -> tuple[str, Any]:
+def _opens_whole(path: str, e: Entry, kind: str, follow_links: bool | None,
+                 open_checkpoint: Opener) -> tuple[str, Opened | None]:
     """Why the entry does not open as a whole checkpoint ("" when it does), and the entry opened:
     read as verify reads, every missing or damaged file counted (in a log of its own, apart from
     any verify running)."""
     from ..index import problems
-    from ..ops.verify import structural_problems
-    from .registry import open_checkpoint
 
     sep = "" if path.endswith("/") else "/"
     token = _inside_entry.set(True)

@@ -2,18 +2,19 @@
 step (e.g. `step_000000005`), as DeepSpeed's `latest` names its newest tag. Rank 0 writes it
 last, after the commit and retention, atomically (temporary file, fsync, rename, fsync of the
 folder), so other tools can find the newest step without listing the folder. ckptkit itself
-trusts it only when it names a complete step and no newer folder is there (see restore)."""
+trusts it only when it names a complete step and no newer folder is there (see restore). It is
+read in formats/step_folders.py (`read` here), where run folders read it too."""
 from __future__ import annotations
 
 import os
 import re
-import stat
 import uuid
 
-from .steps import fsync_dir, step_of
+from ..formats.step_folders import POINTER as NAME, read_pointer as read
+from .steps import fsync_dir
 
-NAME = "latest"
-MAX_BYTES = 1024
+__all__ = ["NAME", "read", "sweep", "write"]
+
 TMP_PREFIX = f".{NAME}.tmp-"
 _TMP = re.compile(rf"{re.escape(TMP_PREFIX)}([0-9]+)-[0-9a-f]{{8}}", re.ASCII)
 
@@ -26,29 +27,6 @@ def write(directory: str, folder_name: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, NAME))
     fsync_dir(directory)
-
-
-def read(directory: str) -> str | None:
-    """The folder name the pointer holds, or None when there is none or it names no step folder
-    (anything else there, e.g. a link, a FIFO or garbage, is ignored: restore then lists)."""
-    try:
-        fd = os.open(os.path.join(directory, NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        raw = os.read(fd, MAX_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        name = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        return None
-    return name if len(raw) <= MAX_BYTES and step_of(name) is not None else None
-
 
 
 def sweep(directory: str) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..formats import lightning
 from ..formats.registry import Opened, open_checkpoint
-from ..hooks import listing
-from ..hooks.listing import StepsReport
+from . import inspect_steps
+from .inspect_steps import StepsReport
 from ..index.serialize import safe_value, to_json
 from ..text import escape
 from ..convert.keys import guess_step, split_roles
@@ -33,8 +33,8 @@ class Report:
 def inspect(path: str, tag: str | None = None,
             follow_links: bool | None = None) -> tuple[Opened | None, Report | StepsReport]:
     """The report on `path`; a Checkpointer directory (folders `step_<N>`) is listed step by step."""
-    if tag is None and listing.is_checkpointer_dir(path):
-        return None, listing.describe(path)
+    if tag is None and inspect_steps.is_checkpointer_dir(path):
+        return None, inspect_steps.describe(path)
     opened = open_checkpoint(path, tag=tag, follow_links=follow_links)
     index = opened.index
     if index.step is None or lightning.is_lightning(index):  # Lightning's global_step over DeepSpeed's count
@@ -74,7 +74,7 @@ def _notes(index, split) -> list[str]:
 
 def report_json(opened: Opened | None, report: Report | StepsReport) -> dict:
     if isinstance(report, StepsReport):
-        return listing.to_json(report)
+        return inspect_steps.to_json(report)
     doc = to_json(opened.index)
     doc["summary"] = {
         "format": report.format, "world_size": report.world_size, "step": report.step,
@@ -107,7 +107,7 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
     """A readable table: header facts, dtypes, tensors (largest first), objects. One string per
     line, names as the checkpoint has them: the printer escapes each line (ckptkit.text)."""
     if isinstance(report, StepsReport):
-        return listing.render(report, human_bytes)
+        return inspect_steps.render(report, human_bytes)
     lines = [
         f"checkpoint  {report.path}",
         *([f"chosen      {opened.run.entry} ({opened.run.why})"]

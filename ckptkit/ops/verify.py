@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from ..errors import CkptkitError, quote
 from ..formats.registry import Opened, capabilities_of, open_checkpoint
-from ..formats.torch_save.archive import tensor_span_elems
+from ..formats.structure import structural_findings
 from ..index import geometry, problems as P
 from ..index.problems import Problem
 from ..index.dtypes import itemsize
-from ..index.types import Box, Encoding, FlatRange
+from ..index.types import Box
 from ..runner.fetch import Fetcher
 from ..storage.checksum import crc32
 from ..context import RunContext, context_of
@@ -86,63 +86,6 @@ def verify(path: str, deep: bool = False, options: RunContext | None = None,
     """(opened checkpoint or None, every problem's sentence); see check() for the details."""
     report = check(path, deep, tag=tag, ctx=context_of(ctx, options))
     return report.opened, [p.message for p in report.problems]
-
-
-def structural_problems(opened: Opened) -> list[str]:
-    """The sentences of structural_findings (one per problem)."""
-    return [p.message for p in structural_findings(opened)]
-
-
-def structural_findings(opened: Opened, skip: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
-    """Pieces inside their files and sized for their regions; each tensor covered exactly once.
-    Tensors in `skip` lost pieces to a problem already listed: their coverage is not checked."""
-    index, source = opened.index, opened.source
-    problems: list[Problem] = []
-    for key, t in index.tensors.items():
-        item = itemsize(t.dtype)
-        for p in t.pieces:
-            loc = p.location
-            label = source.label(loc.file)
-            try:
-                size = source.size(loc.file)
-            except CkptkitError as exc:
-                problems.append(Problem(P.kind_of(exc), f"tensor {key}: {exc}", label, key))
-                continue
-            if loc.offset < 0 or loc.offset + loc.length > size:
-                problems.append(Problem(P.TRUNCATED, f"{label}: tensor {key} bytes {loc.offset}..{loc.offset + loc.length} "
-                                        f"lie past the end of the file ({size} bytes)", label, key))
-            if loc.encoding == Encoding.RAW:
-                if isinstance(p.region, FlatRange) or loc.stride is None:
-                    expected = p.region.numel * item
-                else:
-                    expected = tensor_span_elems(p.region.sizes, loc.stride) * item
-                if loc.length != expected:
-                    problems.append(Problem(P.SIZE_MISMATCH, f"{label}: tensor {key} piece holds {loc.length} "
-                                            f"bytes, its region needs {expected}", label, key))
-            if isinstance(p.region, Box) and p.region.ndim != len(t.shape):
-                problems.append(Problem(P.FORMAT, f"tensor {key}: piece has rank {p.region.ndim}, tensor has "
-                                        f"rank {len(t.shape)}", label, key))
-        if t.attrs.get("alias_of") or key in skip:
-            continue
-        where = source.label(t.pieces[0].location.file) if t.pieces else opened.path
-        cov = geometry.coverage(t.shape, [p.region for p in t.pieces])
-        if cov.out_of_bounds:
-            problems.append(Problem(P.OUT_OF_BOUNDS, f"tensor {key} {list(t.shape)}: {len(cov.out_of_bounds)} "
-                                    f"piece(s) lie outside the tensor, e.g. {_region_text(cov.out_of_bounds[0])}",
-                                    where, key))
-        if cov.missing:
-            problems.append(Problem(P.COVERAGE_GAP, f"tensor {key} {list(t.shape)}: {cov.missing_elements} "
-                                    f"element(s) are in no piece, e.g. {_region_text(cov.missing[0])}", where, key))
-        if cov.doubled:
-            problems.append(Problem(P.COVERAGE_OVERLAP, f"tensor {key} {list(t.shape)}: elements are stored "
-                                    f"twice, e.g. {_region_text(cov.doubled[0])}", where, key))
-    return problems
-
-
-def _region_text(region) -> str:
-    if isinstance(region, Box):
-        return f"offsets {list(region.offsets)} sizes {list(region.sizes)}"
-    return f"flat range {region.start}..{region.end}"
 
 
 def deep_findings(opened: Opened, ctx: RunContext,

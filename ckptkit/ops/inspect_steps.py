@@ -8,8 +8,9 @@ import stat
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from . import pointer
-from . import steps as step_folders
+from ..formats import step_folders
+from ..formats.registry import open_checkpoint
+from ..formats.step_folders import POINTER
 
 
 @dataclass
@@ -30,8 +31,8 @@ def is_checkpointer_dir(path: str) -> bool:
         return False
     if not step_folders.scan(path):
         return False
-    latest = os.path.join(path, pointer.NAME)
-    return not os.path.lexists(latest) or pointer.read(path) is not None
+    latest = os.path.join(path, POINTER)
+    return not os.path.lexists(latest) or step_folders.read_pointer(path) is not None
 
 
 @dataclass
@@ -48,12 +49,12 @@ def describe(path: str) -> StepsReport:
     rows: list[StepRow] = []
     for step, names in sorted(step_folders.scan(path).items()):
         for name in names:
-            f = step_folders.examine(path, name, step)
-            doc, _ = step_folders._read_marker(os.path.join(path, name)) if f.complete else (None, "")
+            f = step_folders.examine(path, name, step, open_checkpoint)
+            doc, _ = step_folders.read_marker(os.path.join(path, name)) if f.complete else (None, "")
             fmt = doc.get("format") if f.marked and doc else ("-" if not f.complete else _unmarked_format(path, name))
             world = doc.get("world_size") if f.marked and doc else None
             rows.append(StepRow(step, name, f.complete, f.why, str(fmt), world, _size(os.path.join(path, name))))
-    return StepsReport(path, rows, pointer.read(path))
+    return StepsReport(path, rows, step_folders.read_pointer(path))
 
 
 def newest_complete(rows: list[StepRow]) -> StepRow | None:
@@ -70,7 +71,7 @@ def render(report: StepsReport, human_bytes: Callable[[int], str]) -> list[str]:
     lines = [f"checkpointer  {path}",
              f"steps         {len(done)} complete of {len(rows)} folder(s) named like steps",
              f"newest        {f'step {newest.step} ({newest.folder})' if newest else '- (no complete step)'}",
-             f"pointer       {pointer.NAME} -> {latest}" if latest else f"pointer       no {pointer.NAME} file",
+             f"pointer       {POINTER} -> {latest}" if latest else f"pointer       no {POINTER} file",
              "",
              f"{'step':>10}  {'folder':<20} {'format':<9} {'world':>5} {'size':>10}  state"]
     for r in rows:
