@@ -598,7 +598,7 @@ def demo(ctx: Context, out: str) -> None:
 from . import plan_cmd  # noqa: E402
 
 
-@cli.command(short_help="Print the read plan of consolidating SRC (reads no tensor data).",
+@cli.command(short_help="Print what consolidating SRC would read (no tensor data read).",
              epilog=examples("ckptkit plan dcp_ckpt", "ckptkit plan --json --tensor 'model.*' ds_ckpt",
                              "ckptkit plan --to 4 dcp_ckpt"))
 @plan_cmd.options(TAG_HELP)
