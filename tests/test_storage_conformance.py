@@ -86,9 +86,13 @@ class SourceConformance:
         assert source.isdir("") and source.isdir("sub") and not source.isdir("a.bin")
         assert source.exists("sub/deeper/c.txt") and not source.exists("sub/none")
 
-    def test_a_missing_file_is_one_sentence(self, source: Source) -> None:
+    @pytest.mark.parametrize("how", ["size", "read", "readinto"])
+    def test_a_missing_file_is_one_sentence(self, source: Source, how: str) -> None:
+        calls = {"size": lambda: source.size("sub/none.bin"),
+                 "read": lambda: source.read("sub/none.bin", 0, 4),
+                 "readinto": lambda: source.readinto("sub/none.bin", 0, memoryview(bytearray(4)))}
         with pytest.raises(FormatError) as err:
-            source.size("sub/none.bin")
+            calls[how]()
         assert str(err.value).startswith(source.label("sub/none.bin") + ": ")
         assert "file is missing" in str(err.value)
 

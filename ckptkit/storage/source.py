@@ -172,7 +172,10 @@ class FsspecSource:
         if offset < 0 or length < 0:
             raise FormatError(f"{self.label(rel)}: asked for {length} bytes at offset {offset}: the metadata "
                               f"that points there is damaged")
-        data = self.fs.cat_file(self._path(rel), start=offset, end=offset + length)
+        try:
+            data = self.fs.cat_file(self._path(rel), start=offset, end=offset + length)
+        except FileNotFoundError:
+            raise FormatError(f"{self.label(rel)}: cannot read it (file is missing)") from None
         if len(data) != length:
             raise FormatError(f"{self.label(rel)}: file ends before byte {offset + length} (truncated?)")
         return data
