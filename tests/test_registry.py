@@ -2,6 +2,7 @@
 declares what its writer can produce, and operations ask those capabilities, never a format's name."""
 from __future__ import annotations
 
+import ast
 import os
 import re
 from pathlib import Path
@@ -119,3 +120,52 @@ def test_no_operation_compares_format_names():
     found = [f"{os.path.relpath(f, ROOT)}:{n}: {line.strip()}" for f in files
              for n, line in enumerate(f.read_text().splitlines(), 1) if NAME_COMPARISON.search(line)]
     assert not found, "ask formats.registry.capabilities_of(index) instead:\n" + "\n".join(found)
+
+
+def _imported_modules(path: Path) -> list[str]:
+    """Every module `path` imports (relative imports resolved), in functions too."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(x for x in (base, node.module) if x)
+            found += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return found
+
+
+WRITER_MODULE = re.compile(r"^ckptkit\.formats\.\w+\.writer$")
+
+
+def test_operations_write_through_the_registry_not_writer_modules():
+    files = sorted((ROOT / "ckptkit" / "ops").glob("*.py")) + [ROOT / "ckptkit" / "api.py"]
+    found = [f"{os.path.relpath(f, ROOT)}: {m}" for f in files for m in _imported_modules(f) if WRITER_MODULE.match(m)]
+    assert not found, "write with formats.registry.format_named(...).write(target, out, ctx):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("to,fmt,target", [("dcp", "dcp", "DcpTarget"), ("zero2", "deepspeed", "ZeroTemplatesTarget"),
+                                           ("torch", "torch_save", "TorchSaveTarget"),
+                                           ("hf", "safetensors", "SafetensorsTarget")])
+def test_convert_writes_a_typed_target_through_the_registry_writer(tmp_path, monkeypatch, to, fmt, target):
+    from ckptkit.ops.convert import convert
+
+    writer = format_named(fmt)
+    seen = []
+    real = writer.write
+    monkeypatch.setattr(writer, "write", lambda t, out, ctx: seen.append(type(t).__name__) or real(t, out, ctx))
+    ds_config = str(DATA / "deepspeed" / "z2_fp32_w2" / "ds_config.json") if to == "zero2" else None
+    convert(str(DATA / "fsdp2_w2"), str(tmp_path / "o"), to, ds_config=ds_config)
+    assert seen == [target]
+
+
+def test_consolidate_writes_model_and_optimizer_through_the_safetensors_writer(tmp_path, monkeypatch):
+    from ckptkit.ops.consolidate import consolidate
+
+    writer = format_named("safetensors")
+    seen = []
+    real = writer.write
+    monkeypatch.setattr(writer, "write", lambda t, out, ctx: seen.append(t.basename) or real(t, out, ctx))
+    consolidate(str(DATA / "fsdp2_w2"), str(tmp_path / "o"), include_optimizer=True)
+    assert seen == ["model", "optimizer"]

@@ -59,9 +59,9 @@ def test_reshard_builds_one_context_and_hands_it_to_the_writer(tmp_path, made, m
     assert ctx.slab_bytes == (64 << 20) // (2 * 3)
 
 
-@pytest.mark.parametrize("to,module,name", [("torch", "ckptkit.ops.convert", "write_torch_save"),
-                                            ("zero2", "ckptkit.convert.to_zero", "write_zero_from_state"),
-                                            ("hf", "ckptkit.ops.convert", "write_safetensors")])
+@pytest.mark.parametrize("to,module,name", [("torch", "ckptkit.formats.adapters", "write_torch_save"),
+                                            ("zero2", "ckptkit.formats.adapters", "write_zero_files"),
+                                            ("hf", "ckptkit.formats.adapters", "write_safetensors")])
 def test_convert_hands_its_one_context_to_the_writer(tmp_path, made, monkeypatch, to, module, name):
     seen = _writer_spy(monkeypatch, importlib.import_module(module), name)
     args = ["--quiet", "convert", str(DATA / "fsdp2_w2"), str(tmp_path / "o"), "--to", to, "--workers", "2"]

@@ -23,17 +23,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..context import RunContext
 from ..errors import UnsupportedError, UsageError
 from ..formats.deepspeed.files import ZeroFiles
 from ..formats.deepspeed.info import ZeroGroup, ZeroInfo
-from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE, write_zero_files
+from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE
+from ..formats.protocols import ZeroTemplatesTarget
 from ..index.dtypes import itemsize
 from ..index.state_keys import model_key, model_path, state_key, state_path
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ..index.virtual import inline_tensor
 from ..repickle import stand_in, stand_in_call
-from ..storage.commit import Output
 from ..torch_types import DType, Size, SmallTensor
 from .hyper import DsOptimizer, check_target_holds, deepspeed_groups, deepspeed_step, ds_optimizer, torch_groups
 from .state import TrainingState
@@ -97,8 +96,9 @@ class _Target:
     optimizer: DsOptimizer  # the optimizer the config makes
 
 
-def write_zero_from_state(out: Output, state: TrainingState, stage: int, world_size: int, cfg: dict, *,
-                          ctx: RunContext) -> list[str]:
+def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cfg: dict) -> ZeroTemplatesTarget:
+    """The ZeRO checkpoint of `state` at `stage` for `world_size` ranks, laid out by the DeepSpeed
+    config `cfg`: templates the DeepSpeed writer (formats/adapters.py) turns into files."""
     target = _target(state, stage, world_size, cfg)
     group_keys = _group_state_keys(state, target.optimizer)
     index, resolver = _state_tensors(state, group_keys, target.precision)
@@ -117,9 +117,8 @@ def write_zero_from_state(out: Output, state: TrainingState, stage: int, world_s
                     shared=dict(state.ties), model_states={0: model_t}, optim_states={0: optim_t}, archives={},
                     param_group_count=len(hypers), dtype=target.precision)
     sub_group_size = target.zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
-    return write_zero_files(out, index, state.source.source, info, world_size, tag,
-                            int(sub_group_size) if sub_group_size is not None else None,
-                            ctx=ctx)
+    return ZeroTemplatesTarget(index=index, source=state.source.source, info=info, world_size=world_size, tag=tag,
+                               sub_group_size=int(sub_group_size) if sub_group_size is not None else None)
 
 
 def _target(state: TrainingState, stage: int, world_size: int, cfg: dict) -> _Target:
@@ -343,4 +342,4 @@ def _nest(root: dict, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-__all__ = ["write_zero_from_state", "config_precision"]
+__all__ = ["zero_target_from_state", "config_precision"]

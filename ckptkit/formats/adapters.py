@@ -17,11 +17,11 @@ from .dcp import reader as dcp_reader
 from .dcp.writer import write_dcp
 from .deepspeed import files as ds_files
 from .deepspeed import reader as ds_reader
-from .deepspeed.writer import write_zero
+from .deepspeed.writer import write_zero, write_zero_files
 from .protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Capabilities, DcpTarget,
-                        SafetensorsTarget, TorchSaveTarget, ZeroTarget)
+                        OutTensor, SafetensorsTarget, TorchSaveTarget, ZeroTarget, ZeroTemplatesTarget)
 from .safetensors import reader as st_reader
-from .safetensors.writer import write_safetensors
+from .safetensors.writer import plan_shards, write_safetensors
 from .torch_save import reader as ts_reader
 from ..runner.torch_archive import ZIP_MAGIC
 from .torch_save.writer import write_torch_save
@@ -74,7 +74,12 @@ class DeepSpeedFormat:
                    tag: str | None = None) -> CheckpointIndex:
         return ds_reader.read_index(source, tag)
 
-    def write(self, target: ZeroTarget, out: object, ctx: "RunContext") -> list[str]:
+    def write(self, target: ZeroTarget | ZeroTemplatesTarget, out: object, ctx: "RunContext") -> list[str]:
+        """ZeroTarget: a ZeRO checkpoint's own files for a new world size (with its helper scripts);
+        ZeroTemplatesTarget: the files of templates built from a training state and a config."""
+        if isinstance(target, ZeroTemplatesTarget):
+            return write_zero_files(out, target.index, target.source, target.info, target.world_size, target.tag,
+                                    target.sub_group_size, ctx=ctx)
         return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
@@ -120,6 +125,10 @@ class SafetensorsFormat(_CannotReshard):
         return write_safetensors(out, target.fetcher, target.tensors, basename=target.basename,
                                  max_shard_bytes=target.max_shard_bytes, aliases=target.aliases,
                                  objects=target.objects, ctx=ctx)
+
+    def shard_count(self, tensors: list[OutTensor], max_shard_bytes: int) -> int:
+        """How many files `tensors` take with shards of at most `max_shard_bytes` (1: one file)."""
+        return len(plan_shards(tensors, max_shard_bytes))
 
 
 def torch_files(source: Source) -> list[str]:

@@ -8,8 +8,12 @@ contract per kind of item).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..index.dtypes import itemsize
+from ..index.types import TensorEntry
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -17,6 +21,7 @@ if TYPE_CHECKING:
     from ..index.types import CheckpointIndex
     from ..runner.fetch import Fetcher
     from ..storage.source import Source
+    from .deepspeed.info import ZeroInfo
 
 ANY_WORLD = "any M >= 1"  # a writer that lays its output out for any number of ranks
 ONE_WORLD = "1"           # a writer whose output is one whole copy, read by any number of ranks
@@ -92,6 +97,19 @@ class ZeroTarget:
 
 
 @dataclass(frozen=True)
+class ZeroTemplatesTarget:
+    """A ZeRO checkpoint from templates built elsewhere (convert's, from a training state and a
+    DeepSpeed config): `info` lays out `index`'s tensors, read from `source`, under `tag`."""
+
+    index: "CheckpointIndex"
+    source: "Source"
+    info: "ZeroInfo"
+    world_size: int
+    tag: str
+    sub_group_size: int | None
+
+
+@dataclass(frozen=True)
 class TorchSaveTarget:
     name: str
     index: "CheckpointIndex"
@@ -101,15 +119,29 @@ class TorchSaveTarget:
     key_map: dict[str, tuple] | None = None
 
 
+@dataclass
+class OutTensor:
+    """One tensor of a safetensors target: the entry to read, the name and dtype to write it as."""
+
+    name: str
+    entry: TensorEntry
+    dtype: str  # output dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.entry.shape) * itemsize(self.dtype)
+
+
 @dataclass(frozen=True)
 class SafetensorsTarget:
     fetcher: "Fetcher"
-    tensors: list            # safetensors.writer.OutTensor
+    tensors: list[OutTensor]
     max_shard_bytes: int
     basename: str = "model"
     aliases: dict[str, str] | None = None
     objects: dict | None = None
 
 
-__all__ = ["Capabilities", "Reader", "Writer", "DcpTarget", "ZeroTarget", "TorchSaveTarget", "SafetensorsTarget",
+__all__ = ["Capabilities", "Reader", "Writer", "DcpTarget", "ZeroTarget", "ZeroTemplatesTarget", "TorchSaveTarget",
+           "SafetensorsTarget", "OutTensor",
            "ANY_WORLD", "ONE_WORLD", "FSDP2_SHARDS", "ZERO_PARTITIONS", "WHOLE_TENSORS"]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from .. import knobs
 from ..convert.names import KeyRules
 from ..errors import UsageError
-from ..formats.registry import open_checkpoint
-from ..formats.safetensors.writer import OutTensor, write_safetensors
+from ..formats.protocols import OutTensor, SafetensorsTarget
+from ..formats.registry import format_named, open_checkpoint
 from ..index.dtypes import is_floating
 from ..index.serialize import safe_value
 from ..runner.fetch import Fetcher
@@ -56,7 +56,38 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
                          f"({len(index.tensors)} tensors, none under a model container)")
     names = _rename(split, index, key_rules(index, rules), src)
     max_bytes = knobs.parse_size(max_shard_size, "--max-shard-size")
+    model, aliases = _model_tensors(index, split, dtype)
+    optim = [OutTensor(name, index.tensors[key], index.tensors[key].dtype)
+             for name, key in split.optim.items()] if include_optimizer else []
+    single = file_output(out, "safetensors")
+    if single:
+        _check_single_file(out, model, max_bytes, include_optimizer, config)
+    sides = None
+    if not single:  # config/tokenizer files beside the model: from --config DIR, or found around the source
+        sides = (side_files.from_config_dir(config, ctx.follow_links) if config is not None
+                 else side_files.find(opened.path, ctx.follow_links))
+    ctx.progress.start(sum(t.nbytes for t in model + optim), "consolidate")
+    fetcher, writer = Fetcher(opened.source, index=index), format_named("safetensors")
+    sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as target:
+        basename = target.name[: -len(".safetensors")] if single else "model"
+        files = writer.write(SafetensorsTarget(fetcher, model, max_bytes, basename, aliases), target, ctx)
+        if optim:
+            objects = {name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)), names)
+                       for name, key in split.optim_objects.items()}
+            optimizer = SafetensorsTarget(fetcher, optim, max_bytes, "optimizer", objects=objects)
+            files += writer.write(optimizer, target, ctx)
+        if sides is not None:
+            try:
+                side_files.copy(sides, target)
+            finally:
+                sides.close()
+    ctx.progress.close()
+    return _result(out, index, split, model, aliases, optim, files, sides, rules, include_optimizer)
 
+
+def _model_tensors(index, split, dtype: str | None) -> tuple[list[OutTensor], dict[str, str]]:
+    """The model tensors to write (a tied one once) in their output dtype, and the tied names."""
     # DeepSpeed: fp32 masters, with frozen params and buffers upcast as zero_to_fp32 does
     default = dtype or index.metadata.get("consolidate_dtype")
 
@@ -64,46 +95,28 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
         src_dtype = index.tensors[key].dtype
         return default if default and is_floating(src_dtype) else src_dtype
 
-    model_entries = {name: index.tensors[key] for name, key in split.model.items()}
-    aliases = find_aliases(model_entries)
+    aliases = find_aliases({name: index.tensors[key] for name, key in split.model.items()})
     model = [OutTensor(name, index.tensors[key], out_dtype(key))
              for name, key in split.model.items() if name not in aliases]
-    optim = [OutTensor(name, index.tensors[key], index.tensors[key].dtype)
-             for name, key in split.optim.items()] if include_optimizer else []
-    single = file_output(out, "safetensors")
-    if single:
-        if include_optimizer:
-            raise UsageError(f"{out}: --include-optimizer writes optimizer*.safetensors beside the model, so "
-                             f"OUT must be a folder, not a .safetensors file")
-        if config is not None:
-            raise UsageError(f"{out}: --config copies config.json beside the model, so OUT must be a folder, "
-                             f"not a .safetensors file")
-        single_file_shards(out, model, max_bytes, " (or a larger --max-shard-size)")
-    sides = None
-    if not single:  # config/tokenizer files beside the model: from --config DIR, or found around the source
-        sides = (side_files.from_config_dir(config, ctx.follow_links) if config is not None
-                 else side_files.find(opened.path, ctx.follow_links))
-    total = sum(t.nbytes for t in model + optim)
-    ctx.progress.start(total, "consolidate")
-    fetcher = Fetcher(opened.source, index=index)
-    files: list[str] = []
-    sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
-    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as target:
-        basename = target.name[: -len(".safetensors")] if single else "model"
-        files += write_safetensors(target, fetcher, model, basename=basename, max_shard_bytes=max_bytes,
-                                   aliases=aliases, ctx=ctx)
-        if optim:
-            objects = {name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)), names)
-                       for name, key in split.optim_objects.items()}
-            files += write_safetensors(target, fetcher, optim, basename="optimizer",
-                                       max_shard_bytes=max_bytes, objects=objects, ctx=ctx)
-        if sides is not None:
-            try:
-                side_files.copy(sides, target)
-            finally:
-                sides.close()
-    ctx.progress.close()
-    result = ConsolidateResult(out, index.format, len(model_entries), sum(t.nbytes for t in model),
+    return model, aliases
+
+
+def _check_single_file(out: str, model: list[OutTensor], max_bytes: int, include_optimizer: bool,
+                       config: str | None) -> None:
+    """A .safetensors OUT holds the model alone, in one shard."""
+    if include_optimizer:
+        raise UsageError(f"{out}: --include-optimizer writes optimizer*.safetensors beside the model, so "
+                         f"OUT must be a folder, not a .safetensors file")
+    if config is not None:
+        raise UsageError(f"{out}: --config copies config.json beside the model, so OUT must be a folder, "
+                         f"not a .safetensors file")
+    single_file_shards(out, model, max_bytes, " (or a larger --max-shard-size)")
+
+
+def _result(out: str, index, split, model: list[OutTensor], aliases: dict[str, str], optim: list[OutTensor],
+            files: list[str], sides, rules: KeyRules | None, include_optimizer: bool) -> ConsolidateResult:
+    """What was written, and every note on what was not or how it was named."""
+    result = ConsolidateResult(out, index.format, len(split.model), sum(t.nbytes for t in model),
                                files, aliases, len(optim), list(split.other))
     result.not_written = _not_written(index, split, include_optimizer)
     result.notes = _name_notes(index, split, rules, include_optimizer)

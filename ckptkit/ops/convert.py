@@ -29,10 +29,8 @@ from ..convert.drops import apply_drops, dropped_summary
 from ..convert.state import TrainingState, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UsageError
-from ..formats.dcp.writer import write_dcp
-from ..formats.registry import open_checkpoint
-from ..formats.safetensors.writer import OutTensor, write_safetensors
-from ..formats.torch_save.writer import write_torch_save
+from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
+from ..formats.registry import Opened, format_named, open_checkpoint
 from ..runner.stream import find_aliases
 from ..storage.commit import Output
 from ..storage.output import open_output
@@ -122,49 +120,90 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
             drop: tuple[str, ...] = (), *, ctx: RunContext | None = None) -> ConvertResult:
     """`ctx`: the run's context (`options=` is its older name)."""
     ctx = context_of(ctx, options)
-    target = target_of(to)
-    check_applies(to, world_size, ds_config, frozen, model_only)
-    if world_size is not None and world_size < 1:
-        raise UsageError(f"--world-size must be at least 1 (got {world_size})")
+    target = _checked_target(to, world_size, ds_config, frozen, model_only)
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     if expect_from is not None:
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
         check_source(src, opened.index.format, stage, expect_from)
     world = world_size or opened.index.world_size or 1
     single = file_output(out, target)
-    notes: list[str] = []
-    if target == "safetensors":  # weights for from_pretrained: the reader's default prefix, as consolidate does
-        from .consolidate import key_rules
-
-        chosen = key_rules(opened.index, rules)
-        if chosen is not None and chosen is not rules:
-            rules = chosen
-            notes.append(f"names: stripped {', '.join(chosen.strip)} from every model name (the LightningModule "
-                         f"attribute holding the network), so they are the network's own; --strip-prefix or "
-                         f"--rename replace this")
+    rules, notes = _output_rules(opened, target, rules)
     state = read_state(opened, rules, frozen, ctx)
-    from .lightning_folder import is_folder, write_folder
-
-    if target == "dcp" and not single and is_folder(opened):  # Lightning's FSDP folder to its own kind
-        if rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop:
-            raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
-                             f"not apply when a Lightning FSDP folder is written as one (its DCP part is laid out "
-                             f"again as it is, beside its meta.pt); convert --to torch to change names or state")
-        res = write_folder(opened, out, world, ctx, src)
-        return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
-                             res.notes())
+    reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
+    if target == "dcp" and not single:
+        done = _as_lightning_folder(opened, out, world, state, ctx, src, reshaped)
+        if done is not None:
+            return done
     apply_drops(state, model_only, tuple(drop))
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
     if target == "zero":
         target = f"zero{_config_stage(cfg, ds_config)}"
     if opened.trainer is not None and not single:
-        from .trainer_folder import convert_folder, same_kind
+        done = _as_trainer_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
+        if done is not None:
+            return done
+    files, safetensors = _write(opened, out, target, state, world, cfg, single, ctx, (src, ds_config))
+    notes += _left_behind(opened, target)
+    return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
+                         _summary(state, target, safetensors), files, notes)
 
-        if same_kind(opened.trainer, target):  # checkpoint-N/ to its own kind: a Trainer folder again
-            reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
-            res = convert_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
-            return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
-                                 res.notes())
+
+def _checked_target(to: str, world_size: int | None, ds_config: str | None, frozen: tuple[str, ...],
+                    model_only: bool) -> str:
+    """The writer `to` selects, once every option was checked to apply to it (nothing read yet)."""
+    target = target_of(to)
+    check_applies(to, world_size, ds_config, frozen, model_only)
+    if world_size is not None and world_size < 1:
+        raise UsageError(f"--world-size must be at least 1 (got {world_size})")
+    return target
+
+
+def _output_rules(opened: Opened, target: str, rules: KeyRules | None) -> tuple[KeyRules | None, list[str]]:
+    """The name rules to convert with, and the note saying why when they are the reader's default:
+    safetensors (weights for from_pretrained) strips the reader's default prefix, as consolidate does."""
+    if target != "safetensors":
+        return rules, []
+    from .consolidate import key_rules
+
+    chosen = key_rules(opened.index, rules)
+    if chosen is None or chosen is rules:
+        return rules, []
+    return chosen, [f"names: stripped {', '.join(chosen.strip)} from every model name (the LightningModule "
+                    f"attribute holding the network), so they are the network's own; --strip-prefix or "
+                    f"--rename replace this"]
+
+
+def _as_lightning_folder(opened: Opened, out: str, world: int, state: TrainingState, ctx: RunContext, src: str,
+                         reshaped: bool) -> ConvertResult | None:
+    """--to dcp of Lightning's FSDP folder: its own kind again (None: the source is no such folder)."""
+    from .lightning_folder import is_folder, write_folder
+
+    if not is_folder(opened):
+        return None
+    if reshaped:
+        raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
+                         f"not apply when a Lightning FSDP folder is written as one (its DCP part is laid out "
+                         f"again as it is, beside its meta.pt); convert --to torch to change names or state")
+    res = write_folder(opened, out, world, ctx, src)
+    return ConvertResult(out, opened.index.format, "dcp", world, _summary(state, "dcp", None), res.files,
+                         res.notes())
+
+
+def _as_trainer_folder(opened: Opened, out: str, target: str, world: int, state: TrainingState, cfg: dict | None,
+                       ctx: RunContext, src: str, ds_config: str | None, reshaped: bool) -> ConvertResult | None:
+    """checkpoint-N/ to its own kind: a Trainer folder again (None: `target` is another kind)."""
+    from .trainer_folder import convert_folder, same_kind
+
+    if not same_kind(opened.trainer, target):
+        return None
+    res = convert_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
+    return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
+                         res.notes())
+
+
+def _write(opened: Opened, out: str, target: str, state: TrainingState, world: int, cfg: dict | None, single: bool,
+           ctx: RunContext, sources: tuple) -> tuple[list[str], tuple | None]:
+    """OUT as `target`, committed whole: (the files written, the safetensors plan when it is one)."""
     safetensors = _safetensors_plan(state) if target == "safetensors" else None
     if safetensors is not None and single:
         single_file_shards(out, safetensors[0], knobs.parse_size(knobs.MAX_SHARD_SIZE))
@@ -174,35 +213,41 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         total = sum(e.nbytes for e in state.model.values()) + sum(
             e.nbytes for m in state.param_states.values() for e in m.values())
     ctx.progress.start(total, f"convert {opened.index.format} -> {target}")
-    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src, ds_config),
-                     single_file=single) as dest:
-        if target == "dcp":
-            index, resolver = torch_recipe_index(state, "dcp")
-            index.world_size = world
-            files = write_dcp(dest, index, fetcher_for(state, resolver), fsdp2_training_layout(index, state, world),
-                              ctx=ctx)
-        elif target.startswith("zero"):
-            from ..convert.to_zero import write_zero_from_state
-
-            files = write_zero_from_state(dest, state, int(target[-1]), world, cfg, ctx=ctx)
-        elif target == "torch":
-            name = dest.name if single else TORCH_FILE
-            index, resolver = torch_recipe_index(state, "torch")
-            write_torch_save(dest, name, index, fetcher_for(state, resolver), ctx=ctx)
-            files = [name]
-        else:
-            files = _write_safetensors(dest, state, safetensors, ctx, single)
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as dest:
+        files = _write_into(dest, target, state, world, cfg, safetensors, single, ctx)
     ctx.progress.close()
-    summary = _summary(state, target, safetensors)
-    if opened.trainer is not None:  # the trainer's side files stay behind: said, not silent
+    return files, safetensors
+
+
+def _write_into(dest: Output, target: str, state: TrainingState, world: int, cfg: dict | None,
+                safetensors: tuple | None, single: bool, ctx: RunContext) -> list[str]:
+    """`target`'s files in `dest`, each laid out here and written by the registry's writer."""
+    if target == "dcp":
+        index, resolver = torch_recipe_index(state, "dcp")
+        index.world_size = world
+        laid_out = DcpTarget(index, fetcher_for(state, resolver), fsdp2_training_layout(index, state, world))
+        return format_named("dcp").write(laid_out, dest, ctx)
+    if target.startswith("zero"):
+        from ..convert.to_zero import zero_target_from_state
+
+        return format_named("deepspeed").write(zero_target_from_state(state, int(target[-1]), world, cfg), dest, ctx)
+    if target == "torch":
+        name = dest.name if single else TORCH_FILE
+        index, resolver = torch_recipe_index(state, "torch")
+        return format_named("torch_save").write(TorchSaveTarget(name, index, fetcher_for(state, resolver)), dest, ctx)
+    return _write_safetensors(dest, safetensors, ctx, single)
+
+
+def _left_behind(opened: Opened, target: str) -> list[str]:
+    """What a plain `target` does not hold of a Trainer or Lightning folder: said, not silent."""
+    notes: list[str] = []
+    if opened.trainer is not None:  # the trainer's side files stay behind
         from .trainer_folder import left_behind
 
         notes += left_behind(opened.trainer, target)
     from . import lightning_folder
 
-    notes += lightning_folder.left_behind(opened, target)  # a Lightning checkpoint written as a plain one
-    return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
-                         summary, files, notes)
+    return notes + lightning_folder.left_behind(opened, target)  # a Lightning checkpoint written as a plain one
 
 
 def _summary(state: TrainingState, target: str, safetensors: tuple | None) -> str:
@@ -230,12 +275,11 @@ def _safetensors_plan(state: TrainingState) -> tuple[list[OutTensor], dict[str, 
     return tensors, aliases, fetcher_for(state, resolver)
 
 
-def _write_safetensors(target: Output, state: TrainingState, plan: tuple, ctx: RunContext,
-                       single: bool) -> list[str]:
+def _write_safetensors(dest: Output, plan: tuple, ctx: RunContext, single: bool) -> list[str]:
     tensors, aliases, fetcher = plan
-    basename = target.name[: -len(SAFETENSORS_SUFFIX)] if single else "model"
-    return write_safetensors(target, fetcher, tensors, basename=basename,
-                             max_shard_bytes=knobs.parse_size(knobs.MAX_SHARD_SIZE), aliases=aliases, ctx=ctx)
+    basename = dest.name[: -len(SAFETENSORS_SUFFIX)] if single else "model"
+    weights = SafetensorsTarget(fetcher, tensors, knobs.parse_size(knobs.MAX_SHARD_SIZE), basename, aliases)
+    return format_named("safetensors").write(weights, dest, ctx)
 
 
 def _safetensors_summary(state: TrainingState, plan: tuple) -> str:

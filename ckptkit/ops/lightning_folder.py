@@ -9,8 +9,8 @@ of the folder copied byte for byte, each named in the summary (trainer_folder's 
 from __future__ import annotations
 
 from ..formats import lightning
-from ..formats.dcp.writer import write_dcp
-from ..formats.registry import Opened
+from ..formats.protocols import DcpTarget
+from ..formats.registry import Opened, format_named
 from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
 from ..storage.output import open_output
@@ -33,7 +33,7 @@ def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str) -
     part, copies = lightning.dcp_part(index, source)
     ctx.progress.start(part.total_tensor_bytes, f"reshard {index.world_size}->{to}")
     with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
-        files = write_dcp(target, part, Fetcher(source), fsdp2_layout(part, to), source=source, ctx=ctx)
+        files = format_named("dcp").write(DcpTarget(part, Fetcher(source), fsdp2_layout(part, to), source), target, ctx)
         written = set(files)
         copied = copy_tree(source, target, copies[0], written)
         for name in copies[1:]:

@@ -6,7 +6,8 @@ means a folder."""
 from __future__ import annotations
 
 from ..errors import UsageError
-from ..formats.safetensors.writer import OutTensor, plan_shards
+from ..formats.protocols import OutTensor
+from ..formats.registry import format_named
 
 TORCH_FILE_SUFFIXES = (".pt", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -24,7 +25,7 @@ def file_output(out: str, target: str) -> bool:
 
 def single_file_shards(out: str, tensors: list[OutTensor], max_shard_bytes: int, hint: str = "") -> None:
     """A .safetensors OUT holds the model in one file: refuse one that would need shards."""
-    count = len(plan_shards(tensors, max_shard_bytes))
+    count = format_named("safetensors").shard_count(tensors, max_shard_bytes)
     if count > 1:
         raise UsageError(f"{out}: the model needs {count} shards of at most {max_shard_bytes} bytes, so it "
                          f"cannot be one .safetensors file; give a folder as OUT{hint}")

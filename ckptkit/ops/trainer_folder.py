@@ -17,9 +17,8 @@ from typing import Callable
 
 from ..errors import UsageError
 from ..formats.accelerate import SubSource
-from ..formats.dcp import reader as dcp_reader
-from ..formats.dcp.writer import write_dcp
-from ..formats.registry import Opened
+from ..formats.protocols import DcpTarget, ZeroTarget
+from ..formats.registry import Opened, format_named
 from ..formats.trainer import ACCELERATE, ACCELERATE_RNG_POLICY, RNG_POLICY, TrainerFolder, map_rng, rng_world
 from ..index.layouts import fsdp2_layout
 from ..runner.fetch import Fetcher
@@ -123,9 +122,7 @@ def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str,
 def _reshard_parts(opened: Opened, target: Output, to: int, ctx: RunContext) -> list[str]:
     folder, source, index = opened.trainer, opened.source, opened.index
     if folder.layout == "deepspeed":
-        from ..formats.deepspeed.writer import write_zero
-
-        return write_zero(target, index, source, to, ctx=ctx)
+        return format_named("deepspeed").write(ZeroTarget(index, source, to), target, ctx)
     files: list[str] = []
     for part in folder.parts:
         if part.sharded:  # a DCP folder: resharded on its own, under its own name
@@ -136,9 +133,9 @@ def _reshard_parts(opened: Opened, target: Output, to: int, ctx: RunContext) -> 
 def reshard_dcp_part(source: Source, name: str, target: Output, to: int, ctx: RunContext) -> list[str]:
     """One accelerate DCP subfolder, laid out for `to` ranks into the same subfolder of OUT."""
     sub = SubSource(source, name)
-    index = dcp_reader.read_index(sub)
-    written = write_dcp(SubOutput(target, name), index, Fetcher(sub), fsdp2_layout(index, to),
-                        source=sub, ctx=ctx)
+    dcp = format_named("dcp")
+    index = dcp.read_index(sub)
+    written = dcp.write(DcpTarget(index, Fetcher(sub), fsdp2_layout(index, to), sub), SubOutput(target, name), ctx)
     return [f"{name}/{f}" for f in written]
 
 
@@ -247,10 +244,10 @@ def convert_folder(opened: Opened, out: str, target: str, world: int, state, cfg
                              f"not apply when an accelerate FSDP Trainer folder is written as one (its DCP "
                              f"subfolders are laid out again as they are); convert to another target to change them")
         return write_folder(opened, out, world, ctx, src, lambda t: _reshard_parts(opened, t, world, ctx))
-    from ..convert.to_zero import write_zero_from_state
+    from ..convert.to_zero import zero_target_from_state
 
     def parts(t: Output) -> list[str]:
-        return write_zero_from_state(t, state, int(target[-1]), world, cfg, ctx=ctx)
+        return format_named("deepspeed").write(zero_target_from_state(state, int(target[-1]), world, cfg), t, ctx)
 
     return write_folder(opened, out, world, ctx, src, parts, sources=(ds_config,))
 

@@ -7,30 +7,17 @@ once and recorded under __metadata__["ckptkit.aliases"]; transformers ignores th
 from __future__ import annotations
 
 import json
-import math
 import struct
-from dataclasses import dataclass
 
-from ...index.dtypes import itemsize, to_safetensors
-from ...index.types import TensorEntry
+from ...index.dtypes import to_safetensors
 from ...context import RunContext
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor
 from ...storage import kernel_copy
 from ...storage.commit import Output
+from ..protocols import OutTensor
 from .reader import ALIASES_KEY, INDEX_NAME, OBJECTS_KEY
-
-
-@dataclass
-class OutTensor:
-    name: str
-    entry: TensorEntry
-    dtype: str  # output dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.entry.shape) * itemsize(self.dtype)
 
 
 def plan_shards(tensors: list[OutTensor], max_shard_bytes: int) -> list[list[OutTensor]]:
