@@ -17,7 +17,7 @@ def run_demo(out: str, say: Callable[..., None] = _print_lines) -> None:
     """`say(*lines)` prints each argument as one line (the CLI's escapes each)."""
     from ..ops.consolidate import consolidate
     from ..ops.inspect import inspect, render
-    from ..ops.options import RunOptions
+    from ..context import RunContext
     from ..ops.reshard import reshard
     from ..ops.verify import verify
     from .train import train_and_save
@@ -43,7 +43,7 @@ def run_demo(out: str, say: Callable[..., None] = _print_lines) -> None:
     say(*("   " + line for line in render(opened, report, max_rows=12)), "")
 
     say(f"3. ckptkit reshard {src} {resharded} --to 3")
-    res = reshard(src, resharded, 3, options=RunOptions())
+    res = reshard(src, resharded, 3, ctx=RunContext())
     say(f"   {res.tensors} tensors now laid out for 3 ranks: {', '.join(res.files)}", "")
 
     say(f"4. ckptkit consolidate {resharded} {st}")

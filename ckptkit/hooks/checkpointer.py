@@ -33,6 +33,7 @@ import torch
 from ..errors import CkptkitError, FormatError, OutputError, UsageError
 from ..runner.distributed import Group, group_of
 from ..storage.output import open_output
+from ..storage.source import is_url
 from ..storage.rename_output import recover
 from . import pointer, rng
 from . import steps as step_folders
@@ -65,6 +66,9 @@ class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, async_save: bool = False, rng: bool = True) -> None:
         if keep < 1:
             raise UsageError(f"keep must be at least 1 (got {keep})")
+        if is_url(directory):
+            raise UsageError(f"{directory}: the Checkpointer saves to a local or mounted folder, not a URL "
+                             f"(the ranks write in place and rename; an object store cannot rename)")
         self.directory = os.path.abspath(directory)
         self.keep = keep
         self.async_save = async_save
@@ -376,7 +380,7 @@ class Checkpointer:
 
     def _restore_engine(self, step: int, path: str, engine: Any, states: dict[str, Any]) -> None:
         from ..formats.registry import open_checkpoint
-        from ..ops.options import RunOptions
+        from ..context import RunContext
         from ..ops.reshard import reshard
 
         saved_world = open_checkpoint(path).index.world_size
@@ -387,7 +391,7 @@ class Checkpointer:
             if self._group.is_root and os.path.exists(scratch):
                 shutil.rmtree(scratch)
             self._group.check(None)
-            reshard(path, scratch, world, options=RunOptions(group=self._group, overwrite=True))
+            reshard(path, scratch, world, ctx=RunContext(group=self._group, overwrite=True))
             load_from = scratch
         try:
             loaded, client = engine.load_checkpoint(load_from, tag=f"global_step{step}",

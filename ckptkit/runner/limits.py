@@ -1,4 +1,4 @@
-"""The memory budget in force where no RunOptions reaches: reads made while indexing (a DCP
+"""The memory budget in force where no RunContext reaches: reads made while indexing (a DCP
 value item decompressed and unpickled whole) and Fetchers built without an explicit budget.
 
 The CLI sets it from --memory-budget for its one command (`set_budget`); a library caller who
