@@ -25,10 +25,14 @@ from .index.flatten import flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
 from .runner.distributed import group_of
 from .storage.output import open_output
+from .storage.source import is_url
 
 
 def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite: bool = False) -> None:
-    """Write `state_dict` as a DCP checkpoint at `path`, atomically. Collective."""
+    """Write `state_dict` as a DCP checkpoint at `path` (a local or mounted path), atomically. Collective."""
+    if is_url(path):  # torch's writer fills a local folder: a URL would send the shards elsewhere
+        raise UnsupportedError(f"{path}: ckptkit.save writes to a local or mounted path, not a URL; save "
+                               f"locally, then copy the folder to the store")
     group = group_of(pg)
     with open_output(path, overwrite=overwrite, group=group) as out:
         write_dcp(state_dict, out.tmp, pg)

@@ -165,3 +165,21 @@ def test_pyproject_installs_every_package():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "ckptkit").rglob("__init__.py")}
     assert found - listed == set()
+
+
+@pytest.mark.parametrize("url", ["memory://bucket/ckpt", "s3://bucket/ckpt"])
+def test_save_and_checkpointer_refuse_a_url_and_write_nothing(url, tmp_path, monkeypatch):
+    """torch's writer fills a local folder: a URL used to send the shards into the working directory
+    (and the markers to the store). Refused before anything is written, anywhere."""
+    from ckptkit.errors import UnsupportedError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedError, match=r"^" + url + ": ckptkit.save writes to a local or mounted path, not a URL"):
+        ckptkit.save({"w": torch.ones(2)}, url)
+    with pytest.raises(UsageError, match=r"^" + url + ": the Checkpointer saves to a local or mounted folder, not a URL"):
+        ckptkit.Checkpointer(url)
+    assert os.listdir(tmp_path) == []
+    if url.startswith("memory://"):
+        import fsspec
+
+        assert not fsspec.filesystem("memory").exists(url)
