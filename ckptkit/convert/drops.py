@@ -43,24 +43,45 @@ def _matcher(globs: tuple[str, ...], used: set[str]):
 def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str, ...] = ()) -> None:
     """Remove what the user asked to drop from `state` (recorded in state.dropped, canonical key ->
     why), then refuse, in one sentence, anything still read but not carried (state.unmapped)."""
-    used: set[str] = set()
-    match = _matcher(tuple(drop), used)
+    request = _Request(model_only, tuple(drop))
+    _drop_optimizer(state, request)
+    _drop_model_tensors(state, request)
+    _drop_values(state, request)
+    _drop_unread_files(state, request)
+    unused = [g for g in drop if g not in request.used]
+    if unused:
+        raise UsageError(f"--drop {unused[0]} matches nothing convert would write (keys look like "
+                         f"{', '.join(_examples(state))})")
+    _refuse_unmapped(state)
 
-    def why(key: str) -> str | None:
-        if model_only:
+
+class _Request:
+    """--model-only and the --drop globs, remembering which globs matched something."""
+
+    def __init__(self, model_only: bool, drop: tuple[str, ...]) -> None:
+        self.model_only = model_only
+        self.used: set[str] = set()
+        self.match = _matcher(drop, self.used)
+
+    def why(self, key: str) -> str | None:
+        """Why `key` is dropped, None when it is kept."""
+        if self.model_only:
             return MODEL_ONLY
-        g = match(key)
+        g = self.match(key)
         return f"{ON_REQUEST} {g}" if g is not None else None
 
-    # the optimizer: dropped whole (--model-only, or every param-group entry matched) or state by state
+
+def _drop_optimizer(state: TrainingState, request: _Request) -> None:
+    """The optimizer: dropped whole (--model-only, or every param-group entry matched) or state by state."""
+    model_only, match = request.model_only, request.match
     group_keys = [param_group_key(g, k) for g, h in enumerate(state.groups) for k in list(h) + ["params"]]
     whole_optimizer = model_only or bool(group_keys and all([match(k) is not None for k in group_keys]))
-    whole_reason = MODEL_ONLY if model_only else f"{ON_REQUEST} {', '.join(sorted(used))} (the whole optimizer)"
+    whole_reason = MODEL_ONLY if model_only else f"{ON_REQUEST} {', '.join(sorted(request.used))} (the whole optimizer)"
     for store in (state.param_states, state.whole_states):
         for name in list(store):
             for k in list(store[name]):
                 key = state_key(name, k)
-                reason = whole_reason if whole_optimizer else why(key)
+                reason = whole_reason if whole_optimizer else request.why(key)
                 if reason is not None:
                     del store[name][k]
                     state.dropped[key] = reason
@@ -78,11 +99,13 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
             raise UsageError(f"--drop matches param-group entries ({', '.join(hit[:3])}) but not all of them: a "
                              f"param group goes only with the whole optimizer (drop optim.* or use --model-only)")
 
-    # model tensors that are not trained: buffers, frozen parameters, tied names
+
+def _drop_model_tensors(state: TrainingState, request: _Request) -> None:
+    """Model tensors that are not trained: buffers, frozen parameters, tied names."""
     trainable = set(state.trainable)
     for name in list(state.model):
         key = model_key(name)
-        if model_only or match(key) is None:
+        if request.model_only or request.match(key) is None:
             continue
         if name in trainable and not state.optimizer_dropped:
             raise UsageError(f"--drop {key}: {name} is trained by the optimizer (param group); drop the "
@@ -95,12 +118,14 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
             if name in lst:
                 lst.remove(name)
         state.ties.pop(name, None)
-        state.dropped[key] = f"{ON_REQUEST} {match(key)}"
+        state.dropped[key] = f"{ON_REQUEST} {request.match(key)}"
 
-    # extras (as leaves), DeepSpeed's values, and what ckptkit could not place
+
+def _drop_values(state: TrainingState, request: _Request) -> None:
+    """Extras (as leaves), DeepSpeed's values, and what ckptkit could not place."""
     kept = []
     for path, value in flat_extras(state.extras):
-        reason = why(_key(path))
+        reason = request.why(_key(path))
         if reason is None:
             kept.append((path, value))
         else:
@@ -109,29 +134,30 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
     for k in list(state.ds):
         if k == "ds_config":
             continue  # the config a DeepSpeed target is laid out by; never a value the run needs back
-        reason = why(f"ds.{k}")
+        reason = request.why(f"ds.{k}")
         if reason is not None:
             del state.ds[k]
             state.dropped[f"ds.{k}"] = reason
     for key in list(state.unmapped):
-        reason = why(key)
+        reason = request.why(key)
         if reason is not None:
             state.dropped[key] = f"{reason} ({state.unmapped.pop(key)})"
 
-    # files the reader could not read (a Lightning meta.pt the restricted unpickler refused): what
-    # they hold cannot be carried, so leaving them out is only ever the user's explicit choice
+
+def _drop_unread_files(state: TrainingState, request: _Request) -> None:
+    """Files the reader could not read (a Lightning meta.pt the restricted unpickler refused): what
+    they hold cannot be carried, so leaving them out is only ever the user's explicit choice."""
     for name, unread in (state.source.index.metadata.get("unread") or {}).items():
-        reason = why(name)
+        reason = request.why(name)
         if reason is None:
             raise UsageError(f"{state.source.path}: convert cannot carry {name}, which it could not read "
                              f"({unread.rstrip('.')}); to convert without it, drop it explicitly with "
                              f"--drop '{name}' or --model-only")
         state.dropped[name] = f"{reason} (a file that could not be read)"
 
-    unused = [g for g in drop if g not in used]
-    if unused:
-        raise UsageError(f"--drop {unused[0]} matches nothing convert would write (keys look like "
-                         f"{', '.join(_examples(state))})")
+
+def _refuse_unmapped(state: TrainingState) -> None:
+    """Anything still read but not carried stops the command, saying how to drop it."""
     if state.unmapped and state.numbered_why:
         raise UnsupportedError(state.numbered_why)
     if state.unmapped:

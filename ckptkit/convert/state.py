@@ -256,111 +256,138 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
                        slab_bytes: int) -> TrainingState:
     index = opened.index
     split = split_roles(index)
-    raw_names = list(split.model)
+    _refuse_flat_parameters(opened, list(split.model))
+    rules = rules.for_names(list(split.model))
+    model = {rules.apply(n): index.tensors[k] for n, k in split.model.items()}
+    if len(model) != len(split.model):
+        raise UsageError(f"{opened.path}: the name rules map two model tensors to the same name")
+    fetcher = Fetcher(opened.source, index=index)
+    optim = _OptimState(str(opened.path), fetcher, {n: tuple(e.shape) for n, e in model.items()})
+    entries = _TorchEntries(str(opened.path), split, rules, optim)
+    entries.add_tensors(index.tensors)
+    entries.add_objects(index.objects)
+    numbered_why = entries.refuse_numbered()
+    group_list, group_params = _named_groups(entries.groups, rules)
+    trainable = {n for ps in group_params for n in ps} & set(model)
+    frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher, slab_bytes)
+    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
+                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
+                         group_params=group_params, extras=entries.extras, ds=entries.ds, derived=entries.derived,
+                         unmapped=entries.unmapped, numbered_why=numbered_why)
+
+
+def _refuse_flat_parameters(opened: Opened, raw_names: list[str]) -> None:
+    """FSDP1's LOCAL_STATE_DICT flat parameters cannot be unflattened from the file alone."""
     for n in raw_names:
         if any(n.endswith(m) or f"{m}." in n for m in FLAT_PARAM_MARKS):
             raise UnsupportedError(
                 f"{opened.path}: tensor {name_of(n)} is an FSDP1 flat parameter (LOCAL_STATE_DICT): its layout "
                 f"depends on how the model was wrapped, so it cannot be unflattened from the file alone; "
                 f"save with StateDictType.SHARDED_STATE_DICT (or FULL_STATE_DICT) and convert that")
-    rules = rules.for_names(raw_names)
-    model = {rules.apply(n): index.tensors[k] for n, k in split.model.items()}
-    if len(model) != len(split.model):
-        raise UsageError(f"{opened.path}: the name rules map two model tensors to the same name")
-    groups: dict[int, dict[str, Any]] = {}
-    extras: list[tuple[tuple, Any]] = []
-    derived: dict[str, str] = {}
-    unmapped: dict[str, str] = {}
-    ds: dict[str, Any] = {}
-    fetcher = Fetcher(opened.source, index=index)
-    optim = _OptimState(str(opened.path), fetcher, {n: tuple(e.shape) for n, e in model.items()})
-    model_keys = set(split.model.values())
-    state_names, group_values = _optim_names(split)
-    slots: dict[str, None] = {}
 
-    def parts_of(path: tuple, key: str) -> tuple | None:
-        """The path below its optimizer container (Lightning's numbered state given its names)."""
-        found = optimizer_parts(path) if key not in model_keys else None
-        if found is None:
-            return None
-        slot, rest = found
-        slots[slot] = None
-        if len(slots) > 1:  # their groups and states would merge under one `optim`
-            raise UnsupportedError(f"{opened.path}: holds {len(slots)} optimizers ({', '.join(slots)}); convert "
-                                   f"carries one optimizer's state (a run with several cannot be mapped onto one)")
-        if len(rest) >= 3 and rest[0] == "state":
-            return ("state", state_names.get(key, rest[1]), key_of(rest[2:]), slot)
-        return tuple(rest) + (slot,)
 
-    numbered: dict[str, str] = {}       # index key -> why its optimizer is keyed by parameter number
-    group_keys: dict[str, None] = {}    # index keys of param-group entries
+class _TorchEntries:
+    """A torch checkpoint's entries besides the model, each sorted once: a parameter's optimizer
+    state, a param group's entry, a low-precision copy, an extra, DeepSpeed's counters, or unmapped."""
 
-    def optim_entry(parts: tuple, value: Any, where: str) -> bool:
-        slot, parts = parts[-1], parts[:-1]
-        if len(parts) >= 2 and parts[0] == "state":
-            if isinstance(parts[1], int) or str(parts[1]).isdigit():
-                numbered[where] = split.numbered.get(slot, "")
-                return True
-            if len(parts) != 3:
-                return False
-            optim.add(rules.apply(str(parts[1])), str(parts[2]), value, where)
-            return True
-        if len(parts) == 3 and parts[0] == "param_groups" and isinstance(parts[1], int):
-            value = group_values.get(where, value)
-            group_keys[where] = None
-            if parts[2] == "params" and isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-                numbered[where] = split.numbered.get(slot, "")
-                return True
-            groups.setdefault(parts[1], {})[parts[2]] = value
-            return True
-        return False
+    def __init__(self, where: str, split: Split, rules: KeyRules, optim: _OptimState) -> None:
+        self.where, self.split, self.rules, self.optim = where, split, rules, optim
+        self.model_keys = set(split.model.values())
+        self.state_names, self.group_values = _optim_names(split)
+        self.slots: dict[str, None] = {}
+        self.groups: dict[int, dict[str, Any]] = {}
+        self.extras: list[tuple[tuple, Any]] = []
+        self.derived: dict[str, str] = {}
+        self.unmapped: dict[str, str] = {}
+        self.ds: dict[str, Any] = {}
+        self.numbered: dict[str, str] = {}       # index key -> why its optimizer is keyed by parameter number
+        self.group_keys: dict[str, None] = {}    # index keys of param-group entries
 
-    for key, e in index.tensors.items():
-        if key in model_keys:
-            continue
-        path = tuple(e.path) if e.path else (key,)
-        parts = parts_of(path, key)
-        if parts is not None and optim_entry(parts, e, key):
-            continue
-        if path[0] in LOW_PRECISION_CONTAINERS:
-            derived[key] = LOW_PRECISION_WHY
-            continue
-        extras.append((path, e))
-    for key, o in index.objects.items():
-        path = tuple(o.path) if o.path else (key,)
-        parts = parts_of(path, key)
-        if parts is not None and optim_entry(parts, o.data, key):
-            continue
-        if path[0] in OPTIM_CONTAINERS or path[0] in MODEL_CONTAINERS:
-            if _empty(o.data):  # an optimizer's empty state, an empty container: nothing to lose
-                derived[key] = "empty"
+    def add_tensors(self, tensors: dict[str, TensorEntry]) -> None:
+        for key, e in tensors.items():
+            if key in self.model_keys:
+                continue
+            path = tuple(e.path) if e.path else (key,)
+            parts = self._parts_of(path, key)
+            if parts is not None and self._optim_entry(parts, e, key):
+                continue
+            if path[0] in LOW_PRECISION_CONTAINERS:
+                self.derived[key] = LOW_PRECISION_WHY
+                continue
+            self.extras.append((path, e))
+
+    def add_objects(self, objects: dict[str, Any]) -> None:
+        for key, o in objects.items():
+            path = tuple(o.path) if o.path else (key,)
+            parts = self._parts_of(path, key)
+            if parts is not None and self._optim_entry(parts, o.data, key):
+                continue
+            if path[0] in OPTIM_CONTAINERS or path[0] in MODEL_CONTAINERS:
+                if _empty(o.data):  # an optimizer's empty state, an empty container: nothing to lose
+                    self.derived[key] = "empty"
+                else:
+                    self.unmapped[key] = (f"a value inside the "
+                                          f"{'optimizer' if path[0] in OPTIM_CONTAINERS else 'model'} "
+                                          f"state that is neither a parameter's state nor a param group")
+                continue
+            if len(path) >= 2 and path[0] == "ds" and path[1] in DS_CARRIED:
+                _nest(self.ds, path[1:], o.data)  # DeepSpeed's counters a conversion from ZeRO wrote as ds.*
             else:
-                unmapped[key] = (f"a value inside the {'optimizer' if path[0] in OPTIM_CONTAINERS else 'model'} "
-                                 f"state that is neither a parameter's state nor a param group")
-            continue
-        if len(path) >= 2 and path[0] == "ds" and path[1] in DS_CARRIED:
-            _nest(ds, path[1:], o.data)  # DeepSpeed's counters a conversion from ZeRO wrote as ds.*
-        else:
-            extras.append((path, o.data))
-    numbered_why = ""
-    if numbered:  # names unknown: the optimizer cannot be placed, only dropped (--model-only) or refused
-        why = next((w for w in numbered.values() if w), "")
-        numbered_why = (f"{opened.path}: optimizer state is keyed by parameter number ({next(iter(numbered))})"
+                self.extras.append((path, o.data))
+
+    def refuse_numbered(self) -> str:
+        """Optimizer state keyed by parameter number cannot be placed, only dropped (--model-only) or
+        refused: its entries become unmapped, and the refusal is returned ('' when names are known)."""
+        if not self.numbered:
+            return ""
+        why = next((w for w in self.numbered.values() if w), "")
+        numbered_why = (f"{self.where}: optimizer state is keyed by parameter number ({next(iter(self.numbered))})"
                         + (f": {why}" if why else "") + "; ckptkit needs parameter names: save it with "
                         f"torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (or "
                         f"FSDP.optim_state_dict), which key it by name, or convert the model alone (--model-only)")
-        for key in list(numbered) + list(group_keys) + [e.key for m in optim.partitioned.values() for e in m.values()]:
-            unmapped[key] = "optimizer state keyed by parameter number"
-        groups.clear()
-        optim.partitioned.clear()
-        optim.whole.clear()
-    group_list, group_params = _named_groups(groups, rules)
-    trainable = {n for ps in group_params for n in ps} & set(model)
-    frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher, slab_bytes)
-    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
-                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
-                         group_params=group_params, extras=extras, ds=ds, derived=derived, unmapped=unmapped,
-                         numbered_why=numbered_why)
+        partitioned = [e.key for m in self.optim.partitioned.values() for e in m.values()]
+        for key in list(self.numbered) + list(self.group_keys) + partitioned:
+            self.unmapped[key] = "optimizer state keyed by parameter number"
+        self.groups.clear()
+        self.optim.partitioned.clear()
+        self.optim.whole.clear()
+        return numbered_why
+
+    def _parts_of(self, path: tuple, key: str) -> tuple | None:
+        """The path below its optimizer container (Lightning's numbered state given its names)."""
+        found = optimizer_parts(path) if key not in self.model_keys else None
+        if found is None:
+            return None
+        slot, rest = found
+        self.slots[slot] = None
+        if len(self.slots) > 1:  # their groups and states would merge under one `optim`
+            raise UnsupportedError(f"{self.where}: holds {len(self.slots)} optimizers ({', '.join(self.slots)}); "
+                                   f"convert carries one optimizer's state (a run with several cannot be mapped "
+                                   f"onto one)")
+        if len(rest) >= 3 and rest[0] == "state":
+            return ("state", self.state_names.get(key, rest[1]), key_of(rest[2:]), slot)
+        return tuple(rest) + (slot,)
+
+    def _optim_entry(self, parts: tuple, value: Any, where: str) -> bool:
+        """Place an optimizer entry (True), or say it is none (False)."""
+        slot, parts = parts[-1], parts[:-1]
+        if len(parts) >= 2 and parts[0] == "state":
+            if isinstance(parts[1], int) or str(parts[1]).isdigit():
+                self.numbered[where] = self.split.numbered.get(slot, "")
+                return True
+            if len(parts) != 3:
+                return False
+            self.optim.add(self.rules.apply(str(parts[1])), str(parts[2]), value, where)
+            return True
+        if len(parts) == 3 and parts[0] == "param_groups" and isinstance(parts[1], int):
+            value = self.group_values.get(where, value)
+            self.group_keys[where] = None
+            if parts[2] == "params" and isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+                self.numbered[where] = self.split.numbered.get(slot, "")
+                return True
+            self.groups.setdefault(parts[1], {})[parts[2]] = value
+            return True
+        return False
 
 
 def _nest(root: dict, path: tuple, value: Any) -> None:
