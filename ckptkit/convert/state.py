@@ -27,7 +27,7 @@ from ..formats.registry import Opened, capabilities_of
 from ..index import geometry
 from ..index.dtypes import is_floating, itemsize
 from ..index.layouts import is_sharded
-from ..index.types import Box, TensorEntry
+from ..index.types import Box, CheckpointIndex, TensorEntry
 from ..lazy_torch import is_tensor
 from ..optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ..runner.fetch import Fetcher
@@ -176,10 +176,26 @@ class _OptimState:
 
 def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
     index = opened.index
-    names = [k[len("model."):] for k in index.tensors if k.startswith("model.")]
-    rules = rules.for_names(names)
+    rules = rules.for_names([k[len("model."):] for k in index.tensors if k.startswith("model.")])
+    model, frozen, buffers, ties = _deepspeed_model(index, rules)
+    optim = _OptimState(str(opened.path), Fetcher(opened.source, index=index),
+                        {n: tuple(e.shape) for n, e in model.items()})
+    entries = _DeepSpeedEntries(rules, optim)
+    entries.add_tensors(index.tensors)
+    entries.add_objects(index.objects)
+    group_list, group_params = _named_groups(entries.groups, rules)
+    cfg = entries.ds.get("ds_config")
+    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
+                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
+                         group_params=group_params, extras=entries.extras, ds=entries.ds,
+                         ds_config=cfg if isinstance(cfg, dict) else None, derived=entries.derived,
+                         unmapped=entries.unmapped)
+
+
+def _deepspeed_model(index: CheckpointIndex,
+                     rules: KeyRules) -> tuple[dict[str, TensorEntry], list[str], list[str], dict[str, str]]:
+    """(model, frozen, buffers, ties) by name, as the DeepSpeed reader's roles say."""
     model, frozen, buffers, ties = {}, [], [], {}
-    derived, unmapped = {}, {}
     for key, e in index.tensors.items():
         if not key.startswith("model."):
             continue
@@ -192,44 +208,51 @@ def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
             frozen.append(name)
         elif role == "buffer":
             buffers.append(name)
-    optim = _OptimState(str(opened.path), Fetcher(opened.source, index=index),
-                        {n: tuple(e.shape) for n, e in model.items()})
-    extras: list[tuple[tuple, Any]] = []
-    for key, e in index.tensors.items():
-        p = tuple(e.path or (key,))
-        if key.startswith("model."):
-            continue
-        if len(p) == 4 and p[:2] == ("optim", "state"):
-            optim.add(rules.apply(p[2]), str(p[3]), e, key)
-        elif p[0] == "client" and len(p) > 1:
-            extras.append((p[1:], e))
-        elif p[0] in LOW_PRECISION_CONTAINERS:
-            derived[key] = LOW_PRECISION_WHY
-        else:
-            unmapped[key] = "a DeepSpeed tensor outside the model, its optimizer state and the client state"
-    groups: dict[int, dict[str, Any]] = {}
-    ds = {}
-    for key, o in index.objects.items():
-        p = tuple(o.path or (key,))
-        # values as read (stand-ins for torch's types): the writers re-emit them as torch's
-        if len(p) == 4 and p[:2] == ("optim", "state"):
-            optim.add(rules.apply(p[2]), str(p[3]), o.data, key)
-        elif len(p) == 4 and p[:2] == ("optim", "param_groups"):
-            groups.setdefault(int(p[2]), {})[p[3]] = o.data
-        elif p[0] == "client" and len(p) > 1:
-            extras.append((p[1:], o.data))
-        elif p[0] == "ds" and len(p) == 2 and p[1] in DS_CARRIED:
-            ds[p[1]] = o.data
-        elif p[0] == "ds":
-            derived[key] = DS_LAYOUT_WHY
-        else:
-            unmapped[key] = "a DeepSpeed value outside the model, its optimizer and the client state"
-    group_list, group_params = _named_groups(groups, rules)
-    cfg = ds.get("ds_config")
-    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
-                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
-                         group_params=group_params, extras=extras, ds=ds,
-                         ds_config=cfg if isinstance(cfg, dict) else None, derived=derived, unmapped=unmapped)
+    return model, frozen, buffers, ties
+
+
+class _DeepSpeedEntries:
+    """A DeepSpeed checkpoint's entries besides the model, each sorted once by its path: optimizer
+    state, a param group's entry, client state (extras), DeepSpeed's values, or unmapped."""
+
+    def __init__(self, rules: KeyRules, optim: _OptimState) -> None:
+        self.rules, self.optim = rules, optim
+        self.extras: list[tuple[tuple, Any]] = []
+        self.groups: dict[int, dict[str, Any]] = {}
+        self.ds: dict[str, Any] = {}
+        self.derived: dict[str, str] = {}
+        self.unmapped: dict[str, str] = {}
+
+    def add_tensors(self, tensors: dict[str, TensorEntry]) -> None:
+        for key, e in tensors.items():
+            p = tuple(e.path or (key,))
+            if key.startswith("model."):
+                continue
+            if len(p) == 4 and p[:2] == ("optim", "state"):
+                self.optim.add(self.rules.apply(p[2]), str(p[3]), e, key)
+            elif p[0] == "client" and len(p) > 1:
+                self.extras.append((p[1:], e))
+            elif p[0] in LOW_PRECISION_CONTAINERS:
+                self.derived[key] = LOW_PRECISION_WHY
+            else:
+                self.unmapped[key] = "a DeepSpeed tensor outside the model, its optimizer state and the client state"
+
+    def add_objects(self, objects: dict[str, Any]) -> None:
+        for key, o in objects.items():
+            p = tuple(o.path or (key,))
+            # values as read (stand-ins for torch's types): the writers re-emit them as torch's
+            if len(p) == 4 and p[:2] == ("optim", "state"):
+                self.optim.add(self.rules.apply(p[2]), str(p[3]), o.data, key)
+            elif len(p) == 4 and p[:2] == ("optim", "param_groups"):
+                self.groups.setdefault(int(p[2]), {})[p[3]] = o.data
+            elif p[0] == "client" and len(p) > 1:
+                self.extras.append((p[1:], o.data))
+            elif p[0] == "ds" and len(p) == 2 and p[1] in DS_CARRIED:
+                self.ds[p[1]] = o.data
+            elif p[0] == "ds":
+                self.derived[key] = DS_LAYOUT_WHY
+            else:
+                self.unmapped[key] = "a DeepSpeed value outside the model, its optimizer and the client state"
 
 
 def _named_groups(groups: dict[int, dict[str, Any]], rules: KeyRules) -> tuple[list[dict], list[list[str]]]:

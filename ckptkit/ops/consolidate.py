@@ -62,10 +62,7 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     single = file_output(out, "safetensors")
     if single:
         _check_single_file(out, model, max_bytes, include_optimizer, config)
-    sides = None
-    if not single:  # config/tokenizer files beside the model: from --config DIR, or found around the source
-        sides = (side_files.from_config_dir(config, ctx.follow_links) if config is not None
-                 else side_files.find(opened.path, ctx.follow_links))
+    sides = None if single else _side_files(opened.path, config, ctx)
     ctx.progress.start(sum(t.nbytes for t in model + optim), "consolidate")
     fetcher, writer = Fetcher(opened.source, index=index), format_named("safetensors")
     sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
@@ -99,6 +96,12 @@ def _model_tensors(index, split, dtype: str | None) -> tuple[list[OutTensor], di
     model = [OutTensor(name, index.tensors[key], out_dtype(key))
              for name, key in split.model.items() if name not in aliases]
     return model, aliases
+
+
+def _side_files(path: str, config: str | None, ctx: RunContext) -> side_files.SideFiles:
+    """The config/tokenizer files to copy beside the model: from --config DIR, or found around the source."""
+    return (side_files.from_config_dir(config, ctx.follow_links) if config is not None
+            else side_files.find(path, ctx.follow_links))
 
 
 def _check_single_file(out: str, model: list[OutTensor], max_bytes: int, include_optimizer: bool,
