@@ -15,12 +15,12 @@ what opens an unmarked folder is the registry's open_checkpoint, passed in.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
 from dataclasses import dataclass
 
+from .. import safe_json
 from ..errors import CkptkitError
 from .opened import Opener
 from .structure import structural_problems
@@ -159,8 +159,8 @@ def read_marker(path: str) -> tuple[dict | None, str]:
     finally:
         os.close(fd)
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        doc = safe_json.loads(raw, full, MARKER)
+    except CkptkitError:
         return None, f"has a {MARKER} that is not JSON"
     if not isinstance(doc, dict):
         return None, f"has a {MARKER} that is not a JSON object"
