@@ -18,7 +18,7 @@ import math
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import CkptkitError, FormatError
 from ..index.dtypes import dtype_name
@@ -30,6 +30,9 @@ from . import limits
 from ..torch_types import SmallTensor, view_problem
 
 ZIP_MAGIC = b"PK\x03\x04"
+# an archive this small (a DCP item of a small tensor) is read in one request, and its zip
+# directory, headers and data.pkl parsed from that copy: the size of zipfile's read buffer anyway
+SMALL_ARCHIVE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,15 @@ class Archive:
     members: dict[str, Member]
     values_built: int = 0  # bytes of the tensors load_values built from this archive so far
     values_read: int = 0   # bytes load_values read for them
+    copy: bytes | None = None  # the whole archive, when it was small enough to read at once
+    base: int = 0  # the archive's offset in its file
+
+    def read(self, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` of the file: from the archive's copy when they lie in it."""
+        start = offset - self.base
+        if self.copy is not None and 0 <= start and 0 <= length and start + length <= len(self.copy):
+            return self.copy[start:start + length]
+        return self.source.read(self.file, offset, length)
 
     @property
     def label(self) -> str:
@@ -73,14 +85,18 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     label = source.label(rel)
     if length < 22:
         raise FormatError(f"{label}: {length} bytes at offset {offset} are too short to be a torch.save archive")
-    head = source.read(rel, offset, min(4, length))
+    copy = source.read(rel, offset, length) \
+        if length <= SMALL_ARCHIVE and offset + length <= source.size(rel) else None
+    head = copy[:4] if copy is not None else source.read(rel, offset, min(4, length))
     if head != ZIP_MAGIC:
         if head[:1] == b"\x80" or head[:2] == b"\x8a\x0a":
             raise FormatError(f"{label}: legacy (pre-1.6, non-zip) torch.save format is not supported; "
                               f"re-save it with a current torch")
         raise FormatError(f"{label}: not a torch.save archive (no zip header at offset {offset})")
     try:
-        zf = zipfile.ZipFile(io.BufferedReader(RangeFile(source, rel, offset, length), buffer_size=65536))
+        raw = RangeFile(BytesSource(copy, label), "", 0, length) if copy is not None \
+            else RangeFile(source, rel, offset, length)
+        zf = zipfile.ZipFile(io.BufferedReader(raw, buffer_size=65536))
         infos = zf.infolist()
     except CkptkitError:
         raise
@@ -90,12 +106,14 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
         detail = str(exc)[:120] or type(exc).__name__
         raise FormatError(f"{label}: damaged torch.save archive{where}: its zip directory cannot be read "
                           f"(the file may be cut short): {detail}") from None
-    members = _members(source, rel, offset, length, label, infos, zf.start_dir)
+    read: Callable[[int, int], bytes] = (lambda at, n: copy[at:at + n]) if copy is not None \
+        else (lambda at, n: source.read(rel, offset + at, n))
+    members = _members(read, offset, length, label, infos, zf.start_dir)
     pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
         raise FormatError(f"{label}: torch.save archive must hold exactly one <root>/data.pkl, found {len(pkls)}")
     prefix = pkls[0][: -len("/data.pkl")]
-    return Archive(source, rel, prefix, members)
+    return Archive(source, rel, prefix, members, copy=copy, base=offset)
 
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
@@ -104,11 +122,11 @@ _ENCRYPTED = 0x01
 _UTF8 = 0x800  # names are UTF-8 (else code page 437)
 
 
-def _members(source: Source, rel: str, offset: int, length: int, label: str, infos: list[zipfile.ZipInfo],
-             start_dir: int) -> dict[str, Member]:
+def _members(read: Callable[[int, int], bytes], offset: int, length: int, label: str,
+             infos: list[zipfile.ZipInfo], start_dir: int) -> dict[str, Member]:
     """The members the central directory lists, each checked before any of its bytes is used:
     stored, sizes that agree (directory, local header), data inside [0, start_dir) of the
-    archive, no two members overlapping, no name twice."""
+    archive, no two members overlapping, no name twice. `read(at, n)` reads the archive's bytes."""
     members: dict[str, Member] = {}
     spans: list[tuple[int, int, str]] = []
     if not 0 <= start_dir <= length:
@@ -133,7 +151,7 @@ def _members(source: Source, rel: str, offset: int, length: int, label: str, inf
         if info.header_offset + _LOCAL.size + len(raw_name) > start_dir:
             raise FormatError(f"{what} starts at byte {info.header_offset}, past the end of the archive's data "
                               f"({start_dir} bytes before the zip directory)")
-        head = source.read(rel, offset + info.header_offset, _LOCAL.size + len(raw_name))
+        head = read(info.header_offset, _LOCAL.size + len(raw_name))
         magic, _version, flags, method, _time, _date, crc, csize, usize, name_len, extra_len = \
             _LOCAL.unpack(head[:_LOCAL.size])
         if magic != ZIP_MAGIC:
@@ -164,7 +182,7 @@ def _read_member(archive: Archive, name: str) -> bytes:
         raise FormatError(f"{archive.label}: archive has no record {name}")
     if m.compressed:
         raise FormatError(f"{archive.label}: record {name} is compressed; torch.save never compresses")
-    return archive.source.read(archive.file, m.data_offset, m.size)
+    return archive.read(m.data_offset, m.size)
 
 
 def load_structure(archive: Archive, eager: bool = False) -> Any:
@@ -182,7 +200,7 @@ def load_structure(archive: Archive, eager: bool = False) -> Any:
         if not eager:
             return typed_storage(StorageRef(key, dtype, numel), dtype)
         if key not in loaded:
-            loaded[key] = RawStorage(archive.source.read(archive.file, member.data_offset, nbytes))
+            loaded[key] = RawStorage(archive.read(member.data_offset, nbytes))
         return typed_storage(loaded[key], dtype)
 
     data = _read_member(archive, f"{archive.prefix}/data.pkl")
@@ -247,7 +265,7 @@ def load_values(archive: Archive, value: Any) -> Any:
     if archive.values_read > max(1 << 20, archive.source.size(archive.file)):
         raise FormatError(f"{archive.label}: its values would read {archive.values_read} bytes, more than the "
                           f"file holds (the same storage bytes over and over)")
-    reads = {key: (lo, archive.source.read(archive.file, lo, hi - lo)) for key, (lo, hi) in ranges.items()}
+    reads = {key: (lo, archive.read(lo, hi - lo)) for key, (lo, hi) in ranges.items()}
     built: dict[int, SmallTensor] = {}
     for ref, dtype, loc in refs:
         lo, raw = reads[ref.storage.key]
