@@ -9,6 +9,7 @@ holds torch tensors.
 """
 from __future__ import annotations
 
+import io
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 ROOT = "archive"
 ALIGN = 64
+# an archive whose tensors hold at most this many bytes (a DCP item of a small tensor) is
+# assembled in memory and written with one call, instead of a write per zip record
+SMALL_ARCHIVE = 1 << 16
 _DATE = (1980, 1, 1, 0, 0, 0)
 _REBUILD_V2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
@@ -177,12 +181,30 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
     progress = progress or NullProgress()
     builder = _Builder()
     pickle_bytes = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
-    with zipfile.ZipFile(_Window(f), "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    payload = sum(slot.numel * itemsize(slot.dtype) for slot in builder.slots)
+    if payload > min(SMALL_ARCHIVE, slab_bytes):
+        _write_zip(_Window(f), f, builder, pickle_bytes, fetcher, slab_bytes, progress)
+        return
+    buf = io.BytesIO()  # same offsets as the window: both start at 0
+    _write_zip(buf, None, builder, pickle_bytes, fetcher, slab_bytes, progress)
+    f.write(buf.getvalue())
+
+
+def _write_zip(zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher,
+               slab_bytes: int, progress: Progress) -> None:
+    """The archive's records into `zip_file`; tensors copied in the kernel into `f` where it is
+    given, else read from their byte ranges (no torch needed either way)."""
+    with zipfile.ZipFile(zip_file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         zf.writestr(zipfile.ZipInfo(f"{ROOT}/data.pkl", _DATE), pickle_bytes)
         zf.writestr(zipfile.ZipInfo(f"{ROOT}/byteorder", _DATE), b"little")
         for slot in builder.slots:
             with zf.open(_aligned_info(zf, f"{ROOT}/data/{slot.key}"), "w", force_zip64=True) as member:
                 ranges = fetcher.byte_ranges(slot.lazy) if slot.lazy is not None else None
+                if ranges is not None and f is None:  # assembled in memory: the byte ranges, read
+                    data = kernel_copy.read(fetcher.source, ranges)
+                    member.write(data)
+                    progress.advance(len(data))
+                    continue
                 if ranges is not None and copy_in_kernel(member, f, fetcher.source, ranges, progress):
                     continue
                 if slot.lazy is not None:
