@@ -119,6 +119,8 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
     return index
 
 
+# the most items per task of the reading threads (a small item costs tens of microseconds)
+_BATCH = 256
 # a storage record's key: the item's fqn and, for a tensor chunk, its offsets
 _StorageKey = tuple[str, tuple[int, ...] | None]
 # one item to read: the entry it fills, its box (None for a value) and its storage record
@@ -216,16 +218,21 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
 def _read_items(source: Source, jobs: list[_Job], parallel: int) -> list[Any]:
     """Each job's (piece or value, checks), or the CkptkitError that stopped it: handed back, so
     that verify lists it and goes on (index.problems)."""
-    def run(job: _Job) -> Any:
-        try:
-            return _read_item(source, *job)
-        except CkptkitError as exc:
-            return exc
+    def run(batch: list[_Job]) -> list[Any]:
+        results: list[Any] = []
+        for job in batch:
+            try:
+                results.append(_read_item(source, *job))
+            except CkptkitError as exc:
+                results.append(exc)
+        return results
 
-    if parallel > 1 and len(jobs) > 8:
+    if parallel > 1 and len(jobs) > 8:  # in batches: a future per item costs more than a small item
+        size = min(_BATCH, -(-len(jobs) // (parallel * 4)))  # a few batches per thread, however few items
+        batches = [jobs[i:i + size] for i in range(0, len(jobs), size)]
         with ThreadPoolExecutor(parallel) as pool:
-            return list(pool.map(run, jobs))
-    return [run(j) for j in jobs]
+            return [result for batch in pool.map(run, batches) for result in batch]
+    return run(jobs)
 
 
 def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:
