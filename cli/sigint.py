@@ -42,6 +42,10 @@ def should_announce() -> bool:
 
 def exit_now() -> NoReturn:
     """Say "interrupted" (once) and end the process without unwinding: nothing is open."""
+    try:  # a Ctrl-C pressed twice at once would otherwise run a second handler inside this one, which
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # found "interrupted" claimed and exited silently
+    except ValueError:  # not the main thread: signals are the main thread's anyway
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
