@@ -132,7 +132,7 @@ class _Merged:
     """What every metadata file of the checkpoint says, merged (the first file wins a key)."""
 
     sd_meta: dict[str, Any] = field(default_factory=dict)
-    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)
+    chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], None]] = field(default_factory=dict)  # ordered sets
     storage: dict[_StorageKey, Any] = field(default_factory=dict)
     planner: dict[str, Any] = field(default_factory=dict)
     versions: set = field(default_factory=set)
@@ -160,7 +160,7 @@ class _Merged:
 
     def _add_chunks(self, key: str, meta: Any, label: str) -> None:
         """The chunk boxes of tensor `key`, each once, checked against the tensor's rank."""
-        seen = self.chunks.setdefault(key, [])
+        seen = self.chunks.setdefault(key, {})  # an ordered set: a tensor may have thousands of chunks
         rank = len(_ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label))
         chunk_list = _field(meta, "chunks", f"tensor {key}", label)
         if not isinstance(chunk_list, (list, tuple)):
@@ -171,8 +171,7 @@ class _Merged:
             if len(box[0]) != rank or len(box[1]) != rank:
                 raise FormatError(f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
                                   f"(offsets {list(box[0])}), the tensor has rank {rank}")
-            if box not in seen:
-                seen.append(box)
+            seen.setdefault(box, None)
 
 
 def _new_index(source: Source, names: list[str], merged: _Merged) -> CheckpointIndex:
