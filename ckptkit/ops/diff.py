@@ -172,7 +172,25 @@ def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
          options: RunContext | None = None, *, ctx: RunContext | None = None) -> DiffResult:
     ctx = context_of(ctx, options)
     oa = open_checkpoint(a, follow_links=ctx.follow_links)
-    ob = open_checkpoint(b, follow_links=ctx.follow_links)
+    try:
+        ob = open_checkpoint(b, follow_links=ctx.follow_links)
+        try:
+            return _diff_opened(oa, ob, a, b, atol, model_only, ctx)
+        finally:
+            _close(ob)
+    finally:
+        _close(oa)
+
+
+def _close(opened: Opened) -> None:
+    """Close the files a checkpoint's source keeps open (a caller may unmount or delete them next)."""
+    close = getattr(opened.source, "close", None)
+    if close is not None:
+        close()
+
+
+def _diff_opened(oa: Opened, ob: Opened, a: str, b: str, atol: float, model_only: bool,
+                 ctx: RunContext) -> DiffResult:
     (na, va), (nb, vb) = _named(oa, model_only), _named(ob, model_only)
     if not model_only:  # extras and the step: what a training run restores besides model and optimizer
         (ta, xa), (tb, xb) = _extras(oa), _extras(ob)
