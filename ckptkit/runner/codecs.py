@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import FormatError, MissingDependencyError, UnsupportedError
-from ..storage.source import RangeFile, Source
+from ..storage.source import BytesSource, RangeFile, Source
 
 SUPPORTED = ("stream.zstd",)
 WINDOW = 1 << 20          # decoded bytes produced per step (and compressed bytes read per step)
@@ -168,39 +168,10 @@ def _too_much(what: str, limit: int) -> str:
             f"(a decompression bomb or a damaged item)")
 
 
-class MemoryItem:
+class MemoryItem(BytesSource):
     """A decoded item held in memory, as a Source (rel is ignored)."""
 
-    def __init__(self, data: bytes | bytearray, label: str) -> None:
-        self.root, self.data = label, data
-        self._view = memoryview(data)
-        self.nbytes = len(data)
-
-    def label(self, rel: str) -> str:
-        return self.root
-
-    def size(self, rel: str) -> int:
-        return len(self._view)
-
-    def view(self, offset: int, length: int) -> memoryview:
-        if offset < 0 or length < 0 or offset + length > len(self._view):
-            raise FormatError(f"{self.root}: decoded item ends before byte {offset + length}")
-        return self._view[offset:offset + length]
-
-    def read(self, rel: str, offset: int, length: int) -> bytes:
-        return bytes(self.view(offset, length))
-
-    def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
-        buf[:] = self.view(offset, len(buf))
-
-    def exists(self, rel: str) -> bool:
-        return True
-
-    def isdir(self, rel: str = "") -> bool:
-        return False
-
-    def listdir(self, rel: str = "") -> list[str]:
-        return []
+    what = "decoded item"
 
 
 class _Cursor:

@@ -25,7 +25,7 @@ from ..index.dtypes import dtype_name
 from ..index.geometry import row_major_strides, strided_span
 from ..index.types import IntegrityCheck, Location
 from ..safeload import RawStorage, StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
-from ..storage.source import RangeFile, Source
+from ..storage.source import BytesSource, RangeFile, Source
 from . import limits
 from ..torch_types import SmallTensor, view_problem
 
@@ -391,37 +391,3 @@ def item_tensor(archive: Archive, what: str) -> tuple[TensorRef, str, Location] 
         return None
     dtype, loc = tensor_location(archive, ref, what)
     return ref, dtype, loc
-
-
-class BytesSource:
-    """A Source over bytes in memory."""
-
-    def __init__(self, data: bytes | bytearray, label: str) -> None:
-        self.root = label
-        self._data = memoryview(data)
-
-    def label(self, rel: str) -> str:
-        return self.root
-
-    def size(self, rel: str) -> int:
-        return len(self._data)
-
-    def view(self, offset: int, length: int) -> memoryview:
-        if offset < 0 or length < 0 or offset + length > len(self._data):
-            raise FormatError(f"{self.root}: data ends before byte {offset + length}")
-        return self._data[offset:offset + length]
-
-    def read(self, rel: str, offset: int, length: int) -> bytes:
-        return bytes(self.view(offset, length))
-
-    def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
-        buf[:] = self.view(offset, len(buf))
-
-    def exists(self, rel: str) -> bool:
-        return True
-
-    def isdir(self, rel: str = "") -> bool:
-        return False
-
-    def listdir(self, rel: str = "") -> list[str]:
-        return []

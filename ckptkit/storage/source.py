@@ -184,6 +184,44 @@ class FsspecSource:
         buf[:] = self.read(rel, offset, len(buf))
 
 
+class BytesSource:
+    """A Source over bytes in memory (`rel` is ignored): an archive read whole, a decoded item.
+    `what` names the bytes in the error for a read past their end."""
+
+    what = "data"
+
+    def __init__(self, data: bytes | bytearray, label: str) -> None:
+        self.root, self.data = label, data
+        self._view = memoryview(data)
+        self.nbytes = len(data)
+
+    def label(self, rel: str) -> str:
+        return self.root
+
+    def size(self, rel: str) -> int:
+        return len(self._view)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or length < 0 or offset + length > len(self._view):
+            raise FormatError(f"{self.root}: {self.what} ends before byte {offset + length}")
+        return self._view[offset:offset + length]
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        return bytes(self.view(offset, length))
+
+    def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
+        buf[:] = self.view(offset, len(buf))
+
+    def exists(self, rel: str) -> bool:
+        return True
+
+    def isdir(self, rel: str = "") -> bool:
+        return False
+
+    def listdir(self, rel: str = "") -> list[str]:
+        return []
+
+
 def open_source(path: str, follow_links: bool | None = None, only: str | None = None) -> "LocalSource | FsspecSource":
     """Open a checkpoint location read-only; a missing path is a clear error.
 
