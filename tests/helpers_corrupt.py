@@ -214,3 +214,17 @@ def good_header() -> tuple[dict, bytes]:
     }
     data = torch.arange(10, dtype=torch.float32).numpy().tobytes()
     return header, data
+
+
+def sharded_safetensors(tmp: Path) -> Path:
+    """`tmp/hf`: two safetensors shards (a [2, 3], b [4]) and the index naming them."""
+    from safetensors.torch import save_file
+
+    d = tmp / "hf"
+    d.mkdir()
+    save_file({"a": torch.ones(2, 3)}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(4)}, str(d / "model-00002-of-00002.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({
+        "metadata": {"total_size": 40},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    return d

@@ -31,6 +31,7 @@ from helpers_corrupt import (
     run_subprocess,
     save_md,
     set_tensor_size,
+    sharded_safetensors,
     storage_key,
     truncate_half,
     write_safetensors_raw,
@@ -488,30 +489,16 @@ def test_damaged_safetensors_in_folder(cmd, tmp_path):
     check(cmd, d, tmp_path, "model.safetensors", "overlap")
 
 
-def _sharded_folder(tmp_path: Path) -> Path:
-    from safetensors.torch import save_file
-
-    d = tmp_path / "hf"
-    d.mkdir()
-    save_file({"a": torch.ones(2, 3)}, str(d / "model-00001-of-00002.safetensors"))
-    save_file({"b": torch.zeros(4)}, str(d / "model-00002-of-00002.safetensors"))
-    (d / "model.safetensors.index.json").write_text(json.dumps({
-        "metadata": {"total_size": 40},
-        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
-    }))
-    return d
-
-
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_sharded_safetensors_missing_shard(cmd, tmp_path):
-    d = _sharded_folder(tmp_path)
+    d = sharded_safetensors(tmp_path)
     (d / "model-00002-of-00002.safetensors").unlink()
     check(cmd, d, tmp_path, "model-00002-of-00002.safetensors", "missing")
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "verify", "consolidate"])
 def test_sharded_safetensors_index_names_absent_tensor(cmd, tmp_path):
-    d = _sharded_folder(tmp_path)
+    d = sharded_safetensors(tmp_path)
     doc = json.loads((d / "model.safetensors.index.json").read_text())
     doc["weight_map"]["c"] = "model-00001-of-00002.safetensors"
     (d / "model.safetensors.index.json").write_text(json.dumps(doc))
@@ -522,7 +509,7 @@ def test_sharded_safetensors_index_names_absent_tensor(cmd, tmp_path):
                                  json.dumps({"weight_map": {"a": "../outside.safetensors"}})])
 @pytest.mark.parametrize("cmd", ["inspect", "verify", "consolidate"])
 def test_sharded_safetensors_bad_index(cmd, bad, tmp_path):
-    d = _sharded_folder(tmp_path)
+    d = sharded_safetensors(tmp_path)
     (d / "model.safetensors.index.json").write_text(bad)
     check(cmd, d, tmp_path, "model.safetensors.index.json")
 
@@ -600,7 +587,7 @@ def test_reshard_to_zero(tmp_path):
 @pytest.mark.parametrize("kind", ["folder", "file"])
 def test_reshard_safetensors(kind, tmp_path):
     if kind == "folder":
-        src = _sharded_folder(tmp_path)
+        src = sharded_safetensors(tmp_path)
     else:
         from safetensors.torch import save_file
         src = tmp_path / "model.safetensors"

@@ -32,6 +32,7 @@ from helpers_corrupt import (
     replace_storage,
     save_md,
     set_tensor_size,
+    sharded_safetensors,
     storage_key,
     truncate_half,
     write_safetensors_raw,
@@ -66,19 +67,6 @@ def safetensors_file(tmp: Path, edit: Callable[[dict], None]) -> Path:
     path = tmp / "model.safetensors"
     write_safetensors_raw(path, header, data)
     return path
-
-
-def sharded_safetensors(tmp: Path) -> Path:
-    from safetensors.torch import save_file
-
-    d = tmp / "hf"
-    d.mkdir()
-    save_file({"a": torch.ones(2, 3)}, str(d / "model-00001-of-00002.safetensors"))
-    save_file({"b": torch.zeros(4)}, str(d / "model-00002-of-00002.safetensors"))
-    (d / "model.safetensors.index.json").write_text(json.dumps({
-        "metadata": {"total_size": 40},
-        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-    return d
 
 
 def hf_output_dir_none_complete(tmp: Path) -> Path:
