@@ -207,10 +207,10 @@ class Planner:
         start = loc.offset + first
         if start + inter.numel > target.numel:
             raise FormatError(f"virtual tensor {entry.key} reads past the end of {target.key}")
-        refs = []
-        for box, _ in geometry.flat_to_boxes(FlatRange(start, inter.numel), target.shape):
+        boxes = [box for box, _ in geometry.flat_to_boxes(FlatRange(start, inter.numel), target.shape)]
+        if boxes:
             self.tiling(target)
-            refs.append(self.plan(target, box))
+        refs = [self.plan(target, box) for box in boxes]
         return ReadSpan(entry.key, i, Encoding.REF, loc.file, start, inter.numel, inter, sub, elem_offset,
                         strides, False, tuple(refs))
 
