@@ -37,12 +37,12 @@ from helpers_corrupt import (
     write_safetensors_raw,
 )
 
-COMMANDS = ["inspect", "verify", "consolidate", "reshard", "convert"]
+COMMANDS = ["inspect", "verify", "consolidate", "reshard", "convert", "plan"]  # plan: the structural checks, before any read
 
 
 def run_cmd(cmd: str, src: Path, tmp_path: Path, *extra: str):
     """Run one command on `src`; (result, OUT path or None)."""
-    if cmd in ("inspect", "verify"):
+    if cmd in ("inspect", "verify", "plan"):
         return run_cli(cmd, str(src), *extra), None
     out = tmp_path / "OUT"
     if cmd == "consolidate":
