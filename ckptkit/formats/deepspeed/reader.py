@@ -46,6 +46,9 @@ DS_KEYS = {"lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_n
 
 def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     files = locate(source, tag)
+    from . import pipeline  # it reads each stage with this module's parts: imported here, not at the top
+    if pipeline.is_pipeline(files):  # PipelineModule per-layer files: one ZeRO checkpoint per stage
+        return pipeline.read_index(source, files)
     archives: dict[str, Archive] = {}
     optim = _load_ranks(source, files, files.optim_files, archives)
     model = _load_ranks(source, files, files.model_files, archives)

@@ -1,0 +1,294 @@
+"""Index a DeepSpeed pipeline-parallel checkpoint (a `deepspeed.pipe.PipelineModule` engine).
+
+What DeepSpeed writes in the tag folder (ZeRO stage 0/1 only: PipelineEngine refuses 2 and 3):
+  layer_XX-model_states.pt                      one per layer holding a state_dict (XX the global
+                                                layer index; local names, e.g. `fc_in.weight`),
+                                                written by data-parallel rank 0 of its stage; a
+                                                tied layer with a forward_fn (a functools.partial)
+                                                has none. With tensor parallelism the name gets
+                                                `-model_YY` (not read yet).
+  mp_rank_SS_model_states.pt                    one per stage S (`module` is None; buffer_names,
+                                                param_shapes with the stage's global names)
+  [bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   one per (data-parallel rank D, stage S): each
+                                                stage is one ordinary ZeRO checkpoint over its own
+                                                parameters
+The numbers: `mp_rank` is the grid's model-parallel rank (stage * tp + tp rank), `zero_pp_rank`
+the rank within the stage's data-parallel group.
+
+Each stage is read with the ZeRO reader's own parts (the optim files' flat groups), and the
+stages are joined into one index whose names are those `PipelineModule.state_dict()` gives on
+the full model: `<layer_idx>.<param>` for a layer and `tied_modules.<key>.<param>` for a tied
+one. A tied module is held by every stage using it (DeepSpeed all-reduces its gradient, so the
+copies agree); it appears once, from the lowest stage. The layer files give `ds_module.<name>`
+(the low-precision weights), buffers and frozen parameters (`model.<name>`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import FormatError, UnsupportedError, quote
+from ...index.state_keys import model_key, model_path
+from ...index.types import Box, CheckpointIndex, ObjectEntry, Piece, TensorEntry
+from ...runner.torch_archive import Archive, load_structure, open_archive
+from ...safeload import TensorRef
+from ...storage.source import Source
+from . import reader as zero
+from .entries import entry, tensor_of
+from .files import ZeroFiles
+from .flat_groups import RankFiles, read_flat_groups
+from .info import ZeroInfo, stage_names
+
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+NOT_RESHARDABLE = ("resharding or converting a DeepSpeed pipeline-parallel checkpoint to a ZeRO checkpoint is "
+                   "not supported yet; consolidate it, or convert it --to torch, dcp or fsdp2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineInfo:
+    """index.native of a pipeline checkpoint: each stage's own ZeroInfo and which layer files
+    were read for it. No writer lays one out yet (`not_reshardable` says so)."""
+
+    pp: int
+    dp: int
+    stages: dict[int, ZeroInfo] = field(default_factory=dict)
+    layers: dict[int, int] = field(default_factory=dict)        # layer index -> stage
+    not_reshardable: str = NOT_RESHARDABLE
+
+
+def layer_files(files: ZeroFiles) -> dict[int, str]:
+    """layer index -> file name, of the tag folder's names the ZeRO file scan left over."""
+    return {int(m.group(1)): name for name in files.extra if (m := LAYER_FILE.match(name))}
+
+
+def is_pipeline(files: ZeroFiles) -> bool:
+    return bool(layer_files(files))
+
+
+def read_index(source: Source, files: ZeroFiles) -> CheckpointIndex:
+    """One index for the whole pipeline: every stage's ZeRO state under global names."""
+    _refuse_tensor_parallel(source, files)
+    per_stage = getattr(files, "model_parallel", None) or {0: files}  # mp rank = stage (tp 1)
+    stages = {s: _read_stage(source, sub) for s, sub in sorted(per_stage.items())}
+    layers = _assign_layers(source, files, stages)
+    pp, dp = len(stages), stages[0].info.world_size
+    index = CheckpointIndex(format=zero.FORMAT, root=source.root, world_size=pp * dp)
+    owner: dict[str, int] = {}
+    for s, stage in stages.items():
+        _add_layer_files(source, files, stage, [layer for layer, at in layers.items() if at == s])
+        _merge(index, stage.index, s, pp, owner)
+    first = stages[0].index
+    index.step = first.step
+    index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
+    index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "world_size": pp * dp,
+                                   "pipeline": {"stages": pp, "layers": {str(k): v for k, v in sorted(layers.items())},
+                                                "tied": sorted({n for n, s in owner.items()
+                                                                if n.startswith("tied_modules.")})}}
+    index.metadata["parallel"] = {"pp": pp, "dp": dp}
+    index.native = PipelineInfo(pp=pp, dp=dp, stages={s: st.info for s, st in stages.items()}, layers=layers)
+    return index
+
+
+def _refuse_tensor_parallel(source: Source, files: ZeroFiles) -> None:
+    for name in files.extra:
+        m = LAYER_FILE.match(name)
+        if m and m.group(2) is not None:
+            raise UnsupportedError(f"{source.label(files.prefix + name)}: pipeline checkpoints with tensor "
+                                   f"parallelism (per-layer files of model rank {int(m.group(2))}) are not "
+                                   f"supported yet")
+
+
+@dataclass(kw_only=True)
+class _Stage:
+    """One stage read as a ZeRO checkpoint over its own parameters."""
+
+    stage: int
+    index: CheckpointIndex
+    info: ZeroInfo
+    owned: set[str]                 # the optimizer's parameters (global names)
+    shapes: dict[str, tuple[int, ...]]
+    buffers: list[str]
+    label: str                      # its model-states file
+
+
+def _read_stage(source: Source, files: ZeroFiles) -> _Stage:
+    """The ZeRO reader's steps for one stage, without `module` (None: the layer files hold it)."""
+    archives: dict[str, Archive] = {}
+    optim = zero._load_ranks(source, files, files.optim_files, archives)
+    model = zero._load_ranks(source, files, files.model_files, archives)
+    if not optim or not model:
+        raise FormatError(f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file of "
+                          f"pipeline stage {getattr(files, 'mp_rank', 0)} could be read")
+    first_optim = source.label(files.prefix + files.optim_files[min(optim)])
+    osd0 = entry(optim[min(optim)], "optimizer_state_dict", first_optim)
+    stage = zero._stage(osd0, first_optim)
+    world = max(files.optim_files) + 1
+    m0_name = files.prefix + files.model_files[min(model)]
+    m0 = model[min(model)]
+    label = source.label(m0_name)
+    zero._check_world(source, files, stage, world, m0, label)
+    if stage != 1:
+        raise UnsupportedError(f"{first_optim}: a pipeline checkpoint at ZeRO stage {stage} (DeepSpeed's "
+                               f"PipelineEngine runs stage 0 or 1 only)")
+    index = zero._new_index(source, archives, world)
+    buffers = list(entry(m0, "buffer_names", label))
+    param_shapes = entry(m0, "param_shapes", label)
+    if not isinstance(param_shapes, list):
+        raise FormatError(f"{label}: param_shapes must be a list of per-group shape maps")
+    groups_meta, groups = zero._stage12_groups(osd0, param_shapes, first_optim)
+    read_flat_groups(index, stage, RankFiles(files=files, archives=archives, optim=optim, world_size=world),
+                     groups, stage_names(stage))
+    zero._param_groups(index, groups_meta, groups)
+    zero._objects(index, stage, archives[m0_name], m0, optim[min(optim)])
+    steps = index.objects.get("ds.global_steps")
+    index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
+    index.metadata["deepspeed"] = {"stage": stage, "world_size": world, "tag": files.tag,
+                                   "bf16_file_prefix": files.bf16_prefix, "dtype": "float32"}
+    index.metadata["consolidate_dtype"] = "float32"
+    shapes = {name: shape for group in groups for name, shape in group.params}
+    info = ZeroInfo(stage=stage, world_size=world, files=files, groups=groups, frozen={}, buffers=buffers,
+                    shared=dict(m0.get("shared_params") or {}), model_states=model, optim_states=optim,
+                    archives=archives, param_group_count=len(groups_meta))
+    return _Stage(stage=getattr(files, "mp_rank", 0), index=index, info=info, owned=set(shapes), shapes=shapes,
+                  buffers=buffers, label=label)
+
+
+def _layer_names(name: str) -> tuple[int, str] | None:
+    """(layer index, local name) of a global `<layer_idx>.<param>` name."""
+    head, _, rest = name.partition(".")
+    return (int(head), rest) if head.isdigit() and rest else None
+
+
+def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage]) -> dict[int, int]:
+    """layer index -> the stage holding it: from each stage's parameter and buffer names; a
+    layer with none of them (all frozen, or tied) goes with the layer before it. Every layer a
+    stage names has its file."""
+    known: dict[int, int] = {}
+    for s, stage in stages.items():
+        for name in [*stage.shapes, *stage.buffers]:
+            if (parts := _layer_names(name)) is not None:
+                known.setdefault(parts[0], s)
+    on_disk = layer_files(files)
+    for layer, s in sorted(known.items()):
+        if layer not in on_disk:
+            names = [n for n in [*stages[s].shapes, *stages[s].buffers] if (_layer_names(n) or (None,))[0] == layer]
+            raise FormatError(f"{source.label(files.prefix + f'layer_{layer:02d}-model_states.pt')}: file is missing "
+                              f"(pipeline stage {s} holds layer {layer}'s {', '.join(names[:3])})")
+    layers = dict(known)
+    for layer in sorted(on_disk):
+        if layer not in layers:
+            lower = [s for other, s in layers.items() if other < layer]
+            layers[layer] = max(lower) if lower else 0
+    return dict(sorted(layers.items()))
+
+
+def _add_layer_files(source: Source, files: ZeroFiles, stage: _Stage, layers: list[int]) -> None:
+    """Each layer file's tensors under global names: buffers and frozen params as `model.<name>`,
+    every weight as `ds_module.<name>`; a shape that disagrees with param_shapes is refused."""
+    on_disk = layer_files(files)
+    for layer in layers:
+        rel = files.prefix + on_disk[layer]
+        archive = open_archive(source, rel)
+        state = load_structure(archive, eager=False)
+        if not isinstance(state, dict):
+            raise FormatError(f"{archive.label}: is a {type(state).__name__}, expected a layer's state dict")
+        stage.index.files[rel] = source.size(rel)
+        stage.index.checks.extend(archive.checks())
+        prefix = _global_prefix(archive.label, layer, list(state), stage)
+        for local, ref in state.items():
+            if not isinstance(ref, TensorRef):
+                continue
+            name = prefix + str(local)
+            dtype, loc, shape = tensor_of(archive, ref, f"{local!r}")
+            want = stage.shapes.get(name)
+            if want is not None and tuple(want) != tuple(shape):
+                raise FormatError(f"{archive.label}: {local} has shape {list(shape)}, but pipeline stage "
+                                  f"{stage.stage}'s param_shapes says {name} is {list(want)}")
+            pieces = [Piece(Box.whole(shape), loc)]
+            if f"ds_module.{name}" in stage.index.tensors:
+                continue  # a tied module saved by two of the stage's layers: the first is kept
+            if name in stage.buffers:
+                stage.index.add_tensor(TensorEntry(model_key(name), dtype, shape, pieces, path=model_path(name),
+                                                   attrs={"ds_role": "buffer"}))
+                continue
+            stage.index.add_tensor(TensorEntry(f"ds_module.{name}", dtype, shape, pieces, path=("ds_module", name)))
+            if name not in stage.owned:
+                stage.index.add_tensor(TensorEntry(model_key(name), dtype, shape, list(pieces),
+                                                   path=model_path(name), attrs={"ds_role": "frozen"}))
+                stage.info.frozen[name] = shape
+            elif dtype in ("float16", "bfloat16"):
+                stage.index.metadata["deepspeed"]["dtype"] = dtype
+
+
+def _global_prefix(label: str, layer: int, local: list[str], stage: _Stage) -> str:
+    """`<layer>.` for an ordinary layer; `tied_modules.<key>.` when the file holds a tied module
+    (its names are none of the stage's `<layer>.` names but a tied module's)."""
+    known = set(stage.shapes) | set(stage.buffers)
+    if any(f"{layer}.{n}" in known for n in local):
+        return f"{layer}."
+    keys = {n.split(".")[1] for n in known if n.startswith("tied_modules.") and n.count(".") >= 2}
+    matches = [k for k in sorted(keys) if any(f"tied_modules.{k}.{n}" in known for n in local)]
+    if len(matches) > 1:
+        raise UnsupportedError(f"{label}: layer {layer}'s names match tied modules {matches}; which one it holds "
+                               f"cannot be told")
+    return f"tied_modules.{matches[0]}." if matches else f"{layer}."
+
+
+def _merge(index: CheckpointIndex, part: CheckpointIndex, stage: int, pp: int, owner: dict[str, int]) -> None:
+    """A stage's entries into the pipeline's index, each marked with its stage; a tied module's
+    (already given by a lower stage) skipped, param groups joined by position."""
+    index.files.update(part.files)
+    index.checks.extend(part.checks)
+    for key, e in part.tensors.items():
+        name = _param_name(key)
+        if key in index.tensors:
+            if name is not None and owner.get(name, stage) != stage:
+                continue  # a tied module's copy on a later stage
+            raise FormatError(f"{key} appears in pipeline stages {owner.get(name or key)} and {stage}")
+        if name is not None:
+            owner.setdefault(name, stage)
+        e.attrs = {**e.attrs, "parallel": {"pp": {"stage": stage, "size": pp}}}
+        index.add_tensor(e)
+    for key, obj in part.objects.items():
+        if key.startswith("optim.param_groups."):
+            _merge_group_value(index, key, obj, stage)
+        elif key.startswith("optim.state."):
+            name = _state_param(key)
+            if key in index.objects and owner.get(name, stage) != stage:
+                continue
+            index.add_object(obj)
+        elif key not in index.objects:  # ds.*, client.*: the stages' copies of one engine's values
+            index.add_object(obj)
+
+
+def _param_name(key: str) -> str | None:
+    for prefix in ("model.", "ds_module."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return _state_param(key) if key.startswith("optim.state.") else None
+
+
+def _state_param(key: str) -> str:
+    """The parameter of `optim.state.<name>.<key>` (the state key is the last part)."""
+    return key[len("optim.state."):].rpartition(".")[0]
+
+
+def _merge_group_value(index: CheckpointIndex, key: str, obj: ObjectEntry, stage: int) -> None:
+    """Param group g of every stage is one group of the full model: `params` lists them all in
+    stage order (a tied name once); every other hyperparameter must agree."""
+    if key not in index.objects:
+        index.add_object(ObjectEntry(key, list(obj.data) if key.endswith(".params") else obj.data, path=obj.path))
+        return
+    have = index.objects[key]
+    if key.endswith(".params"):
+        have.data = list(have.data) + [n for n in obj.data if n not in have.data]
+    elif have.data != obj.data:
+        raise UnsupportedError(f"{key} is {quote(repr(obj.data))} on pipeline stage {stage} but "
+                               f"{quote(repr(have.data))} on stage 0; stages with different hyperparameters "
+                               f"cannot be joined into one optimizer")
+
+
+def native_refusal(native: Any) -> str | None:
+    """The sentence refusing a ZeRO writer for this source, None when it can write it."""
+    return getattr(native, "not_reshardable", None)
