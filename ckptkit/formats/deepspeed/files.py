@@ -24,6 +24,10 @@ class ZeroFiles:
     optim_files: dict[int, str] = field(default_factory=dict)   # dp rank -> name
     bf16_prefix: bool = False
     extra: list[str] = field(default_factory=list)
+    mp_rank: int = 0          # the model-parallel rank these model/optim files are of
+    # tensor-parallel checkpoints: mp rank -> that rank's files (one ZeRO checkpoint per mp rank);
+    # empty when the tag holds model-parallel rank 0 only
+    model_parallel: dict[int, "ZeroFiles"] = field(default_factory=dict)
 
 
 def _tag_names(source: Source, rel: str) -> list[str]:
@@ -74,29 +78,23 @@ def locate(source: Source, tag: str | None = None) -> ZeroFiles:
     else:
         prefix = ""
     files = _rank_files(source, tag, prefix)
-    _check_ranks(source, files)
+    for mp_files in files.model_parallel.values() or [files]:
+        _check_ranks(source, mp_files)
     return files
 
 
 def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
-    """The tag folder's files by kind and rank; the variants not read yet refused by name."""
-    model_files: dict[int, str] = {}
-    optim_files: dict[int, str] = {}
+    """The tag folder's files by kind, model-parallel rank and rank; the variants not read yet
+    refused by name."""
+    model_files: dict[int, dict[int, str]] = {}
+    optim_files: dict[int, dict[int, str]] = {}
     extra: list[str] = []
     bf16_prefix = False
     for name in _tag_names(source, prefix.rstrip("/") or ""):
         if m := MODEL_STATES.match(name):
-            rank, mp = int(m.group(1) or 0), int(m.group(2))
-            if mp != 0:
-                raise UnsupportedError(f"{source.label(prefix + name)}: tensor/pipeline-parallel checkpoints "
-                                       f"(model-parallel rank {mp}) are not supported yet")
-            model_files[rank] = name
+            model_files.setdefault(int(m.group(2)), {})[int(m.group(1) or 0)] = name
         elif m := OPTIM_STATES.match(name):
-            rank, mp = int(m.group(2)), int(m.group(3))
-            if mp != 0:
-                raise UnsupportedError(f"{source.label(prefix + name)}: tensor/pipeline-parallel checkpoints "
-                                       f"(model-parallel rank {mp}) are not supported yet")
-            optim_files[rank] = name
+            optim_files.setdefault(int(m.group(3)), {})[int(m.group(2))] = name
             bf16_prefix = bool(m.group(1))
         elif EXPERT.match(name):
             raise UnsupportedError(f"{source.label(prefix + name)}: mixture-of-experts checkpoints (expert "
@@ -106,8 +104,18 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
                                    f"(offloaded_tensors) is not supported yet")
         else:
             extra.append(name)
-    return ZeroFiles(tag=tag, prefix=prefix, model_files=model_files, optim_files=optim_files,
-                     bf16_prefix=bf16_prefix, extra=extra)
+    mp_ranks = sorted(set(model_files) | set(optim_files))
+    if mp_ranks and mp_ranks != list(range(len(mp_ranks))):
+        missing = [r for r in range(max(mp_ranks) + 1) if r not in mp_ranks]
+        raise FormatError(f"{source.label(prefix or '')}: files of model-parallel rank(s) {missing} are missing "
+                          f"(found ranks {mp_ranks})")
+    per_mp = {mp: ZeroFiles(tag=tag, prefix=prefix, model_files=model_files.get(mp, {}),
+                            optim_files=optim_files.get(mp, {}), bf16_prefix=bf16_prefix, extra=extra, mp_rank=mp)
+              for mp in mp_ranks or [0]}
+    first = per_mp[0]
+    return ZeroFiles(tag=tag, prefix=prefix, model_files=first.model_files, optim_files=first.optim_files,
+                     bf16_prefix=bf16_prefix, extra=extra,
+                     model_parallel=per_mp if len(per_mp) > 1 else {})
 
 
 def _check_ranks(source: Source, files: ZeroFiles) -> None:
@@ -115,9 +123,12 @@ def _check_ranks(source: Source, files: ZeroFiles) -> None:
     (verify: each missing one listed, the others still read)."""
     prefix = files.prefix
     if not files.model_files:
-        raise FormatError(f"{source.label(prefix or '')}: no *_model_states.pt file in the DeepSpeed tag folder")
+        which = f" of model-parallel rank {files.mp_rank}" if files.mp_rank else ""
+        raise FormatError(f"{source.label(prefix or '')}: no *_model_states.pt file{which} in the DeepSpeed tag "
+                          f"folder")
     if not files.optim_files:
-        raise FormatError(f"{source.label(prefix or '')}: no *_optim_states.pt files (a checkpoint saved "
+        which = f" of model-parallel rank {files.mp_rank}" if files.mp_rank else ""
+        raise FormatError(f"{source.label(prefix or '')}: no *_optim_states.pt files{which} (a checkpoint saved "
                           f"without optimizer state cannot be read yet)")
     world = max(files.optim_files) + 1
     missing = [r for r in range(world) if r not in files.optim_files]
@@ -127,11 +138,11 @@ def _check_ranks(source: Source, files: ZeroFiles) -> None:
         if not problems.collecting_now():
             raise error
         for rank in missing:  # verify: one problem per missing file, the other ranks still checked
-            name = optim_file_name(rank, files.bf16_prefix)
+            name = optim_file_name(rank, files.bf16_prefix, files.mp_rank)
             problems.tolerate(FormatError(f"{source.label(prefix + name)}: file is missing (rank {rank} of "
                                           f"{world})"), source.label(prefix + name))
 
 
-def optim_file_name(rank: int, bf16_prefix: bool) -> str:
-    """The name DeepSpeed gives rank `rank`'s optim-states file (model-parallel rank 0)."""
-    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file_name(rank: int, bf16_prefix: bool, mp_rank: int = 0) -> str:
+    """The name DeepSpeed gives rank `rank`'s optim-states file of model-parallel rank `mp_rank`."""
+    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"

@@ -30,7 +30,8 @@ from ...safeload import TensorRef
 from ...storage.source import Source
 from ...runner.torch_archive import Archive, load_structure, open_archive
 from ..torch_save.reader import materialize
-from . import partition, standins
+from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
+from . import model_parallel, partition, standins
 from .entries import entry, shape_of, tensor_of
 from .files import ZeroFiles, locate, optim_file_name
 from .flat_groups import RankFiles, read_flat_groups
@@ -44,11 +45,23 @@ DS_KEYS = {"lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_n
            "checkpoint_parallel_dimensions", "universal_checkpoint_info", "iteration", "compression"}
 
 
-def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
+def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None = None) -> CheckpointIndex:
+    """The checkpoint's index; a tensor-parallel one (several mp ranks) is read one ZeRO checkpoint
+    per mp rank and joined into full tensors (model_parallel.py), their splits decided by what the
+    checkpoint records, then `tp_rules` (default: the --tp-rules file, then the built-in rules)."""
     files = locate(source, tag)
     from . import pipeline  # it reads each stage with this module's parts: imported here, not at the top
     if pipeline.is_pipeline(files):  # PipelineModule per-layer files: one ZeRO checkpoint per stage
         return pipeline.read_index(source, files)
+    if files.model_parallel:
+        subs = {mp: _read_one(source, mp_files) for mp, mp_files in sorted(files.model_parallel.items())}
+        rules = tp_rules if tp_rules is not None else load_rules(chosen_rules_file())
+        return model_parallel.assemble(source, files, subs, rules)
+    return _read_one(source, files)
+
+
+def _read_one(source: Source, files: ZeroFiles) -> CheckpointIndex:
+    """One ZeRO checkpoint: the files of one model-parallel rank."""
     archives: dict[str, Archive] = {}
     optim = _load_ranks(source, files, files.optim_files, archives)
     model = _load_ranks(source, files, files.model_files, archives)
@@ -143,7 +156,7 @@ def _check_world(source: Source, files: ZeroFiles, stage: int, world: int, m0: A
                           f"{len(files.model_files)} for {world} optim-states files")
     dp = m0.get("dp_world_size") if isinstance(m0, dict) else None
     if isinstance(dp, int) and dp > world:  # the last ranks' files are gone: name them
-        names = ", ".join(optim_file_name(r, files.bf16_prefix) for r in range(world, min(dp, world + 3)))
+        names = ", ".join(optim_file_name(r, files.bf16_prefix, files.mp_rank) for r in range(world, min(dp, world + 3)))
         more = f" and {dp - world - 3} more" if dp - world > 3 else ""
         which = f"file of rank {world} is" if dp - world == 1 else f"files of ranks {world}..{dp - 1} are"
         raise FormatError(f"{label}: says dp_world_size {dp}, but the optim-states {which} missing ({names}{more})")
@@ -292,7 +305,7 @@ def _tolerate_missing_models(source: Source, files: ZeroFiles, world: int) -> bo
         return False
     for rank in range(world):
         if rank not in files.model_files:
-            name = files.prefix + f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            name = files.prefix + f"zero_pp_rank_{rank}_mp_rank_{files.mp_rank:02d}_model_states.pt"
             problems.tolerate(FormatError(f"{source.label(name)}: file is missing (rank {rank} of {world})"),
                               source.label(name))
     return True

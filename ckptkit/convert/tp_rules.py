@@ -1,0 +1,226 @@
+"""Tensor-parallel split rules: which dimension of a parameter its tp ranks split, from its name.
+
+A model-parallel checkpoint stores each tp rank's slice; assembling the full tensor needs the
+split, which the files rarely record. A rules file maps name patterns to splits (first match wins):
+
+    {"rules": [
+      {"pattern": "*.query_key_value.weight", "fused": 3, "dim": 0},
+      {"pattern": "*.dense_4h_to_h.weight", "split": 1},
+      {"pattern": "re:.*norm\\.(weight|bias)$", "split": "replicated"}
+    ]}
+
+(or the same as TOML, `[[rules]]` tables). `pattern` is an fnmatch glob over the parameter name
+(`*` also matches dots); a pattern starting with `re:` is a Python regular expression that must
+match the whole name. `split` is a dimension or "replicated"; `fused` is the number of equal fused
+blocks (Q, K, V: 3) or the list of their sizes along `dim` in the full tensor, each tp rank holding
+its share of every block. The built-in rules (builtin_tp_rules/: Megatron and HF names) are used
+when no file is given; a file's rules come first and the built-in ones still apply after them.
+
+Lives below the formats layer (tests/test_import_layers.py): the DeepSpeed reader applies it.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import FormatError, UnsupportedError, UsageError, quote
+
+KINDS = ("split", "replicated", "fused")
+RECORDED = "recorded-re:"   # a pattern DeepSpeed recorded (matched with re.match)
+BUILTIN_FILES = ("megatron.json", "hf.json")
+HOW_TO = ("write a rule for it in a rules file given with --tp-rules FILE, e.g. "
+          '{"rules": [{"pattern": "NAME", "split": 0}]} (or "split": "replicated", or "fused": 3, "dim": 0; '
+          "see docs/tp_rules.md)")
+
+
+@dataclass(frozen=True)
+class TpSplit:
+    """How tp ranks split one tensor: `kind` "split" (along `dim`), "replicated" (every rank holds
+    it whole) or "fused" (blocks along `dim`, each rank holding its share of every block: `parts`
+    are the blocks' sizes in the full tensor, None for `count` equal blocks). `rule` names what
+    decided it (a pattern, or what the checkpoint records)."""
+
+    kind: str
+    dim: int | None
+    parts: tuple[int, ...] | None = None
+    rule: str = ""
+    count: int | None = None
+
+    @property
+    def blocks(self) -> int:
+        return len(self.parts) if self.parts is not None else (self.count or 1)
+
+
+@dataclass(frozen=True)
+class TpRule:
+    pattern: str
+    split: TpSplit
+    source: str = ""   # the file it came from
+
+    def matches(self, name: str) -> bool:
+        if self.pattern.startswith("re:"):
+            return re.fullmatch(self.pattern[3:], name) is not None
+        if self.pattern.startswith(RECORDED):  # DeepSpeed's own patterns: re.match, as ds_to_universal
+            return re.match(self.pattern[len(RECORDED):], name) is not None
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+
+@dataclass(frozen=True)
+class TpRules:
+    rules: tuple[TpRule, ...]
+    source: str = "built-in rules"
+
+    def find(self, name: str) -> TpSplit | None:
+        """The first rule matching `name`, or None."""
+        for rule in self.rules:
+            if rule.matches(name):
+                return rule.split
+        return None
+
+    def decide(self, name: str, full_shape: tuple[int, ...] | None) -> TpSplit:
+        """The split of `name`; UnsupportedError naming the tensor when no rule decides. A rule
+        splitting a dimension the tensor lacks is an error too (`full_shape` when known)."""
+        split = self.find(name)
+        if split is None:
+            shape = "" if full_shape is None else f" (shape {list(full_shape)})"
+            raise UnsupportedError(f"no tensor-parallel split rule matches {quote(name)}{shape} in the "
+                                   f"{self.source}; {HOW_TO}")
+        if full_shape is not None and split.dim is not None and split.dim >= len(full_shape):
+            raise UnsupportedError(f"tensor-parallel rule {quote(split.rule)} splits dimension {split.dim} of "
+                                   f"{quote(name)}, which has shape {list(full_shape)}; {HOW_TO}")
+        return split
+
+    def then(self, other: "TpRules") -> "TpRules":
+        """These rules first, then `other`'s."""
+        return TpRules(self.rules + other.rules, f"{self.source}, then the {other.source}")
+
+
+def parse_rules(data: Any, where: str) -> TpRules:
+    """Rules from a parsed JSON/TOML document ({"rules": [...]} or the list itself)."""
+    items = data.get("rules") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise FormatError(f"{where}: expected a list of rules under \"rules\"")
+    return TpRules(tuple(_rule(item, f"{where}: rule {i}") for i, item in enumerate(items)), where)
+
+
+def _rule(item: Any, where: str) -> TpRule:
+    if not isinstance(item, dict) or not isinstance(item.get("pattern"), str) or not item["pattern"]:
+        raise FormatError(f"{where}: expected a table with a \"pattern\" string")
+    pattern = item["pattern"]
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise FormatError(f"{where}: pattern {quote(pattern)} is not a regular expression ({exc})") from None
+    unknown = sorted(set(item) - {"pattern", "split", "fused", "dim", "note"})
+    if unknown:
+        raise FormatError(f"{where}: unknown field(s) {unknown}; a rule has pattern, split or fused (+ dim)")
+    if ("split" in item) == ("fused" in item):
+        raise FormatError(f"{where} ({quote(pattern)}): give exactly one of \"split\" (a dimension or "
+                          f"\"replicated\") and \"fused\" (a count or a list of block sizes)")
+    if "split" in item:
+        value = item["split"]
+        if value == "replicated":
+            return TpRule(pattern, TpSplit("replicated", None, rule=pattern), where)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return TpRule(pattern, TpSplit("split", value, rule=pattern), where)
+        raise FormatError(f"{where} ({quote(pattern)}): split must be a dimension (0, 1, ...) or "
+                          f"\"replicated\", not {value!r:.40}")
+    fused, dim = item["fused"], item.get("dim", 0)
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+        raise FormatError(f"{where} ({quote(pattern)}): dim must be a dimension (0, 1, ...)")
+    if isinstance(fused, int) and not isinstance(fused, bool) and fused >= 1:
+        return TpRule(pattern, TpSplit("fused", dim, None, pattern, count=fused), where)
+    if isinstance(fused, list) and fused and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                 for n in fused):
+        return TpRule(pattern, TpSplit("fused", dim, tuple(fused), pattern), where)
+    raise FormatError(f"{where} ({quote(pattern)}): fused must be a count of equal blocks or a list of "
+                      f"positive block sizes")
+
+
+def _parse_text(text: str, where: str, toml: bool) -> Any:
+    try:
+        return tomllib.loads(text) if toml else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise FormatError(f"{where}: is not valid {'TOML' if toml else 'JSON'} ({exc})") from None
+
+
+def builtin_rules() -> TpRules:
+    """The shipped rules: Megatron's names, then HF's."""
+    rules: tuple[TpRule, ...] = ()
+    for name in BUILTIN_FILES:
+        text = resources.files(__package__).joinpath("builtin_tp_rules", name).read_text()
+        rules += parse_rules(json.loads(text), f"built-in {name}").rules
+    return TpRules(rules, "built-in rules (Megatron and HF names)")
+
+
+def load_rules(path: str | None) -> TpRules:
+    """The rules of `path` (JSON, or TOML by a .toml suffix) followed by the built-in ones; None:
+    the built-in ones alone."""
+    if path is None:
+        return builtin_rules()
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--tp-rules {quote(path)}: no such file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--tp-rules {quote(path)}: cannot be read ({exc})") from None
+    own = parse_rules(_parse_text(text, quote(path), file.suffix.lower() == ".toml"), f"rules file {quote(path)}")
+    return own.then(builtin_rules())
+
+
+# The rules file the command line named (--tp-rules), for readers not handed rules explicitly.
+_chosen: str | None = None
+
+
+def use_rules_file(path: str | None) -> None:
+    """Make `path` the rules file of this process (the CLI's --tp-rules); it is checked now."""
+    global _chosen
+    if path is not None:
+        load_rules(path)
+    _chosen = path
+
+
+def chosen_rules_file() -> str | None:
+    return _chosen
+
+
+def recorded_rules(info: Any, where: str) -> TpRules | None:
+    """Rules from what DeepSpeed recorded (`universal_checkpoint_info`: Megatron-DeepSpeed's or
+    AutoTP's pattern lists), or None when it records no tp patterns. ds_to_universal's own order:
+    replicated patterns, row-parallel (dim 1), fused sub-params, vocabulary (dim 0), else dim 0."""
+    if not isinstance(info, dict):
+        return None
+    lists = ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
+             "vocabulary_parameter_patterns", "parameter_with_sub_params", "parameter_with_2_sub_params_cat_dim_0")
+    if not any(k in info for k in lists):
+        return None
+    rules: list[TpRule] = []
+    what = f"{where}: universal_checkpoint_info"
+    for sub in info.get("parameter_with_sub_params") or []:
+        if not isinstance(sub, dict):
+            continue
+        dim = sub.get("partition_dim")
+        shape = sub.get("shape") or []
+        sizes = shape[dim] if isinstance(dim, int) and dim < len(shape) else None
+        parts = tuple(int(s) for s in sizes) if isinstance(sizes, (list, tuple)) else None
+        for pat in sub.get("patterns") or []:
+            rules.append(TpRule(RECORDED + pat, TpSplit("fused", int(dim), parts, f"{what} sub-params {pat}",
+                                                     count=None if parts else int(sizes or 1)), what))
+    for pat in info.get("parameter_with_2_sub_params_cat_dim_0") or []:
+        rules.append(TpRule(RECORDED + pat, TpSplit("fused", 0, None, f"{what} 2 sub-params {pat}", count=2), what))
+    for pat in info.get("tp_replicated_parameter_patterns") or []:
+        rules.append(TpRule(RECORDED + pat, TpSplit("replicated", None, rule=f"{what} replicated {pat}"), what))
+    for pat in info.get("parameter_with_row_parallelism_patterns") or []:
+        rules.append(TpRule(RECORDED + pat, TpSplit("split", 1, rule=f"{what} row-parallel {pat}"), what))
+    for pat in info.get("vocabulary_parameter_patterns") or []:
+        rules.append(TpRule(RECORDED + pat, TpSplit("split", 0, rule=f"{what} vocabulary {pat}"), what))
+    rules.append(TpRule("*", TpSplit("split", 0, rule=f"{what} (any other parameter: dim 0)"), what))
+    return TpRules(tuple(rules), what)

@@ -1,0 +1,248 @@
+"""Full tensors of a tensor-parallel DeepSpeed checkpoint, from one ZeRO checkpoint per mp rank.
+
+A TP checkpoint is `tp` ordinary ZeRO checkpoints side by side (`mp_rank_XX` model files, optim
+files per (dp, mp) rank); the reader indexes each (`read_one`) and this module joins them: every
+parameter's master, optimizer state and module weight becomes one tensor of the full model's
+shape whose pieces point straight into the rank files (no hidden per-rank entries):
+
+* split along `dim`: rank r's slice is the box at r * local along `dim`;
+* fused blocks (Megatron's QKV: rank r holds [q_r; k_r; v_r]): each rank contributes one box per
+  block, at the block's start + r * its local size, so one rank gives several pieces;
+* replicated: rank 0's pieces (the others' copies are the same bytes; `verify --deep` checks it).
+
+A local piece (a flat ZeRO range, or a whole module tensor) becomes flat ranges of the full
+tensor when the split dimension has only size-1 dimensions before it (dim 0), else row-major
+boxes (geometry.flat_to_boxes) cut at block edges, each read with the local tensor's strides.
+
+The split of each parameter comes first from what the checkpoint records
+(`universal_checkpoint_info`: Megatron-DeepSpeed's or AutoTP's pattern lists), then from the split
+rules (ckptkit/convert/tp_rules.py: --tp-rules FILE, then the built-in ones); a parameter no rule
+decides is refused by name. Each assembled tensor carries attrs["parallel"]["tp"] = {"dim", "size"}.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...convert.tp_rules import HOW_TO, TpRules, TpSplit, recorded_rules
+from ...errors import FormatError, UnsupportedError, quote
+from ...index.dtypes import itemsize
+from ...index.geometry import flat_to_boxes
+from ...index.strides import row_major_strides, strided_span
+from ...index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
+from ...storage.source import Source
+from .files import ZeroFiles
+
+NOT_RESHARDABLE = "resharding tensor-parallel DeepSpeed checkpoints is not supported yet"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelParallelInfo:
+    """index.native of a TP checkpoint: each mp rank's own ZeroInfo. No writer lays one out yet."""
+
+    tp: int
+    dp: int
+    ranks: dict[int, Any] = field(default_factory=dict)     # mp rank -> ZeroInfo
+    splits: dict[str, TpSplit] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One block of the split dimension: where it starts in a rank's slice, its size there, and
+    where that rank's share of it starts in the full tensor."""
+
+    local_start: int
+    local_size: int
+    full_start: int
+
+
+def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex], rules: TpRules) -> CheckpointIndex:
+    """The full-model index of a TP checkpoint from its per-mp-rank indexes."""
+    tp = len(subs)
+    first = subs[0]
+    dp = int(first.metadata.get("deepspeed", {}).get("world_size") or first.world_size or 1)
+    label = source.label(files.prefix + files.model_files[min(files.model_files)])
+    uc = first.objects.get("ds.universal_checkpoint_info")
+    recorded = recorded_rules(uc.data if uc is not None else None, label)
+    chain = recorded.then(rules) if recorded is not None else rules
+    index = CheckpointIndex(format=first.format, root=first.root, world_size=tp * dp)
+    for sub in subs.values():
+        index.files.update(sub.files)
+        index.checks.extend(sub.checks)
+    splits: dict[str, TpSplit] = {}
+    aliases = []
+    for key, e0 in first.tensors.items():
+        if "alias_of" in e0.attrs:
+            aliases.append(e0)
+            continue
+        entries = [_same_entry(subs, r, key, e0, files, source) for r in range(tp)]
+        index.add_tensor(_full_entry(entries, _param_name(e0), first, chain, splits, tp))
+    for e0 in aliases:
+        owner = index.tensors.get(e0.attrs["alias_of"])
+        if owner is not None:
+            index.add_tensor(TensorEntry(e0.key, owner.dtype, owner.shape, list(owner.pieces), path=e0.path,
+                                         attrs={**e0.attrs, "parallel": owner.attrs.get("parallel")}))
+    for key, obj in first.objects.items():
+        index.add_object(obj)
+    index.step = first.step
+    index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
+    index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "mp_world_size": tp}
+    index.metadata["parallel"] = {"tp": tp, "dp": dp}
+    index.native = ModelParallelInfo(tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits)
+    return index
+
+
+def _same_entry(subs: dict[int, CheckpointIndex], rank: int, key: str, e0: TensorEntry, files: ZeroFiles,
+                source: Source) -> TensorEntry:
+    entry = subs[rank].tensors.get(key)
+    where = source.label(files.prefix + files.model_parallel[rank].optim_files[min(files.model_parallel[rank].optim_files)])
+    if entry is None:
+        raise FormatError(f"{where}: model-parallel rank {rank} has no {key} (rank 0 has it)")
+    if entry.dtype != e0.dtype or len(entry.shape) != len(e0.shape):
+        raise FormatError(f"{where}: {key} is {entry.dtype} {list(entry.shape)} on model-parallel rank {rank}, "
+                          f"{e0.dtype} {list(e0.shape)} on rank 0")
+    return entry
+
+
+def _param_name(e: TensorEntry) -> str | None:
+    """The parameter an entry belongs to: model.<name>, optim.state.<name>.<key>, ds_module.<name>."""
+    path = e.path or ()
+    if len(path) == 2 and path[0] in ("model", "ds_module"):
+        return str(path[1])
+    if len(path) == 4 and path[:2] == ("optim", "state"):
+        return str(path[2])
+    return None
+
+
+def _full_entry(entries: list[TensorEntry], name: str | None, first: CheckpointIndex, rules: TpRules,
+                splits: dict[str, TpSplit], tp: int) -> TensorEntry:
+    e0 = entries[0]
+    param = first.tensors.get(f"model.{name}") if name is not None else None
+    shaped_like_param = param is not None and tuple(param.shape) == tuple(e0.shape) and len(e0.shape) > 0
+    if not shaped_like_param and not (name is not None and e0.key.startswith("ds_module.")):
+        return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)   # a whole value (a 0-d step): as rank 0's
+    split = splits.get(name) or _decide(rules, name, [e.shape for e in entries])
+    splits[name] = split
+    if split.kind == "replicated":
+        return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)
+    shapes = {tuple(e.shape) for e in entries}
+    if len(shapes) != 1:
+        raise UnsupportedError(f"{e0.key}: its tensor-parallel slices differ in shape ({[list(e.shape) for e in entries]}); "
+                               f"uneven tensor-parallel splits are not supported yet")
+    local = tuple(e0.shape)
+    dim = split.dim if split.dim is not None else 0
+    if dim >= len(local):
+        raise UnsupportedError(f"tensor-parallel rule {quote(split.rule)} splits dimension {dim} of {quote(name)}, "
+                               f"whose slices have shape {list(local)}; {HOW_TO}")
+    blocks_of = _blocks(split, local, dim, tp, e0.key)
+    full = local[:dim] + (local[dim] * tp,) + local[dim + 1:]
+    pieces: list[Piece] = []
+    for rank, entry in enumerate(entries):
+        pieces.extend(_place(entry, local, full, dim, blocks_of(rank)))
+    return _with_tp(e0, pieces, full, dim, tp, split)
+
+
+def _decide(rules: TpRules, name: str, shapes: list[tuple[int, ...]]) -> TpSplit:
+    split = rules.find(name)
+    if split is None:
+        per_rank = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(shapes))
+        raise UnsupportedError(f"tensor-parallel checkpoint: no split rule decides {quote(name)} (its slices: "
+                               f"{per_rank}), and the checkpoint records none; {HOW_TO}")
+    return split
+
+
+def _blocks(split: TpSplit, local: tuple[int, ...], dim: int, tp: int, key: str):
+    """rank -> the blocks of the split dimension (one for a plain split, one per fused part)."""
+    if split.kind == "split":
+        return lambda rank: [_Block(0, local[dim], rank * local[dim])]
+    if split.parts is not None:
+        if any(p % tp for p in split.parts) or sum(split.parts) != local[dim] * tp:
+            raise UnsupportedError(f"{key}: rule {quote(split.rule)} fuses blocks {list(split.parts)} along dim "
+                                   f"{dim}, which {tp} tensor-parallel slices of {local[dim]} cannot hold")
+        sizes = [p // tp for p in split.parts]
+    else:
+        count = split.count or 1
+        if local[dim] % count:
+            raise UnsupportedError(f"{key}: rule {quote(split.rule)} fuses {count} equal blocks along dim {dim}, "
+                                   f"but a tensor-parallel slice has {local[dim]} there")
+        sizes = [local[dim] // count] * count
+
+    def blocks(rank: int) -> list[_Block]:
+        out, local_start, full_start = [], 0, 0
+        for size in sizes:
+            out.append(_Block(local_start, size, full_start + rank * size))
+            local_start += size
+            full_start += size * tp
+        return out
+    return blocks
+
+
+def _place(entry: TensorEntry, local: tuple[int, ...], full: tuple[int, ...], dim: int,
+           blocks: list[_Block]) -> list[Piece]:
+    """One rank's pieces as pieces of the full tensor."""
+    item = itemsize(entry.dtype)
+    out: list[Piece] = []
+    for piece in entry.pieces:
+        loc = piece.location
+        start, length = _flat_extent(entry, piece, local)
+        if length == 0:
+            continue
+        if math.prod(full[:dim]) == 1:  # each block of a slice is one run of the full tensor
+            inner = math.prod(local[dim + 1:])
+            for b in blocks:
+                lo = max(start, b.local_start * inner)
+                hi = min(start + length, (b.local_start + b.local_size) * inner)
+                if hi > lo:
+                    out.append(Piece(FlatRange(b.full_start * inner + lo - b.local_start * inner, hi - lo),
+                                     Location(loc.file, loc.offset + (lo - start) * item, (hi - lo) * item)))
+            continue
+        strides = row_major_strides(local)
+        for box, _ in flat_to_boxes(FlatRange(start, length), local):
+            for b in blocks:
+                lo = max(box.offsets[dim], b.local_start)
+                hi = min(box.offsets[dim] + box.sizes[dim], b.local_start + b.local_size)
+                if hi <= lo:
+                    continue
+                offsets = box.offsets[:dim] + (lo,) + box.offsets[dim + 1:]
+                sizes = box.sizes[:dim] + (hi - lo,) + box.sizes[dim + 1:]
+                first = sum(o * s for o, s in zip(offsets, strides))
+                target = offsets[:dim] + (b.full_start + lo - b.local_start,) + offsets[dim + 1:]
+                byte = loc.offset + (first - start) * item
+                if _contiguous(sizes, local):
+                    where = Location(loc.file, byte, math.prod(sizes) * item)
+                else:
+                    where = Location(loc.file, byte, strided_span(sizes, strides) * item, stride=strides)
+                out.append(Piece(Box(target, sizes), where))
+    return out
+
+
+def _flat_extent(entry: TensorEntry, piece: Piece, local: tuple[int, ...]) -> tuple[int, int]:
+    """(start, length) of a piece as a run of its rank's slice (a flat range, or the whole tensor)."""
+    loc = piece.location
+    if loc.encoding != Encoding.RAW:
+        raise UnsupportedError(f"{entry.key}: a {loc.encoding} piece cannot be placed in a tensor-parallel "
+                               f"tensor yet")
+    if isinstance(piece.region, FlatRange):
+        return piece.region.start, piece.region.length
+    if piece.region == Box.whole(local) and loc.stride is None:
+        return 0, math.prod(local)
+    raise UnsupportedError(f"{entry.key}: a strided or partial piece cannot be placed in a tensor-parallel "
+                           f"tensor yet")
+
+
+def _contiguous(sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A box whose elements are one run of the row-major tensor of `shape`."""
+    for i, n in enumerate(sizes):
+        if n > 1:
+            return tuple(sizes[i + 1:]) == tuple(shape[i + 1:])
+    return True
+
+
+def _with_tp(e0: TensorEntry, pieces: list[Piece], shape: tuple[int, ...], dim: int | None, tp: int,
+             split: TpSplit | None = None) -> TensorEntry:
+    tp_attr: dict[str, Any] = {"dim": dim, "size": tp}
+    if split is not None and split.kind == "fused":
+        tp_attr["fused"] = split.blocks
+    return TensorEntry(e0.key, e0.dtype, tuple(shape), pieces, path=e0.path,
+                       attrs={**e0.attrs, "parallel": {"tp": tp_attr}})
