@@ -151,6 +151,22 @@ def follow_links_option(fn: Callable) -> Callable:
                              "CKPTKIT_FOLLOW_LINKS=1). FIFOs, devices and sockets are refused anyway.")(fn)
 
 
+def tp_rules_option(fn: Callable) -> Callable:
+    """--tp-rules FILE: split rules for tensor-parallel DeepSpeed checkpoints (docs/tp_rules.md),
+    checked when given and applied by the DeepSpeed reader for the rest of this command."""
+    def remember(_click_ctx: click.Context, param: Any, value: str | None) -> None:
+        from ckptkit.convert.tp_rules import use_rules_file
+
+        try:
+            use_rules_file(value)
+        except CkptkitError as exc:
+            raise click.BadParameter(str(exc), param=param) from None
+    return click.option("--tp-rules", default=None, metavar="FILE", expose_value=False, callback=remember,
+                        help="Split rules (JSON or TOML) for tensor-parallel DeepSpeed checkpoints: which "
+                             "dimension each parameter's tp slices split, before the built-in Megatron "
+                             "and HF rules (see docs/tp_rules.md).")(fn)
+
+
 def follow_links() -> bool | None:
     """True when --follow-links was given; None leaves the choice to CKPTKIT_FOLLOW_LINKS."""
     return True if click.get_current_context().meta.get(FOLLOW_LINKS_KEY) else None
@@ -175,6 +191,7 @@ def _finite(value: Any) -> Any:
 def read_options(fn: Callable) -> Callable:
     fn = quiet_option(fn)
     fn = follow_links_option(fn)
+    fn = tp_rules_option(fn)
     fn = click.option("--memory-budget", default=None, metavar="SIZE",
                       help=f"Peak tensor bytes in flight, e.g. 256MB, 2GiB (default "
                            f"{knobs.DEFAULT_MEMORY_BUDGET >> 20}MiB, or {knobs.MEMORY_BUDGET_ENV} in bytes).")(fn)
@@ -321,6 +338,7 @@ def step_option(fn: Callable) -> Callable:
 @click.option("--tag", default=None, help=TAG_HELP)
 @quiet_option
 @follow_links_option
+@tp_rules_option
 @click.pass_obj
 @handle_errors
 @step_option
@@ -604,6 +622,7 @@ from . import plan_cmd  # noqa: E402
 @plan_cmd.options(TAG_HELP)
 @quiet_option
 @follow_links_option
+@tp_rules_option
 @click.pass_obj
 @handle_errors
 @step_option
