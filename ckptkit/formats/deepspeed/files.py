@@ -28,6 +28,7 @@ class ZeroFiles:
     # tensor-parallel checkpoints: mp rank -> that rank's files (one ZeRO checkpoint per mp rank);
     # empty when the tag holds model-parallel rank 0 only
     model_parallel: dict[int, "ZeroFiles"] = field(default_factory=dict)
+    expert_files: list[str] = field(default_factory=list)   # MoE layer_L_expert_G_* files (moe.py reads them)
 
 
 def _tag_names(source: Source, rel: str) -> list[str]:
@@ -89,6 +90,7 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
     model_files: dict[int, dict[int, str]] = {}
     optim_files: dict[int, dict[int, str]] = {}
     extra: list[str] = []
+    experts: list[str] = []
     bf16_prefix = False
     for name in _tag_names(source, prefix.rstrip("/") or ""):
         if m := MODEL_STATES.match(name):
@@ -97,8 +99,7 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
             optim_files.setdefault(int(m.group(3)), {})[int(m.group(2))] = name
             bf16_prefix = bool(m.group(1))
         elif EXPERT.match(name):
-            raise UnsupportedError(f"{source.label(prefix + name)}: mixture-of-experts checkpoints (expert "
-                                   f"files) are not supported yet")
+            experts.append(name)
         elif name == "offloaded_tensors":
             raise UnsupportedError(f"{source.label(prefix + name)}: NVMe-offloaded optimizer state "
                                    f"(offloaded_tensors) is not supported yet")
@@ -109,13 +110,16 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
         missing = [r for r in range(max(mp_ranks) + 1) if r not in mp_ranks]
         raise FormatError(f"{source.label(prefix or '')}: files of model-parallel rank(s) {missing} are missing "
                           f"(found ranks {mp_ranks})")
+    if experts and len(mp_ranks) > 1:
+        raise UnsupportedError(f"{source.label(prefix + sorted(experts)[0])}: mixture-of-experts checkpoints with "
+                               f"tensor parallelism (model-parallel ranks {mp_ranks}) are not supported yet")
     per_mp = {mp: ZeroFiles(tag=tag, prefix=prefix, model_files=model_files.get(mp, {}),
                             optim_files=optim_files.get(mp, {}), bf16_prefix=bf16_prefix, extra=extra, mp_rank=mp)
               for mp in mp_ranks or [0]}
     first = per_mp[0]
     return ZeroFiles(tag=tag, prefix=prefix, model_files=first.model_files, optim_files=first.optim_files,
                      bf16_prefix=bf16_prefix, extra=extra,
-                     model_parallel=per_mp if len(per_mp) > 1 else {})
+                     model_parallel=per_mp if len(per_mp) > 1 else {}, expert_files=sorted(experts))
 
 
 def _check_ranks(source: Source, files: ZeroFiles) -> None:

@@ -31,7 +31,7 @@ from ...storage.source import Source
 from ...runner.torch_archive import Archive, load_structure, open_archive
 from ..torch_save.reader import materialize
 from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
-from . import model_parallel, partition, standins
+from . import model_parallel, moe, partition, standins
 from .entries import entry, shape_of, tensor_of
 from .files import ZeroFiles, locate, optim_file_name
 from .flat_groups import RankFiles, read_flat_groups
@@ -85,8 +85,11 @@ def _read_one(source: Source, files: ZeroFiles) -> CheckpointIndex:
     dtype = _module_and_buffers(index, stage, buffers, archives[m0_name], m0, label)
     frozen = _frozen(index, stage, world, files, archives, model, label)
     groups_meta, groups = (_stage12_groups if stage < 3 else _stage3_groups)(osd0, param_shapes, first_optim)
-    read_flat_groups(index, stage, RankFiles(files=files, archives=archives, optim=optim, world_size=world),
-                     groups, stage_names(stage))
+    ranks = RankFiles(files=files, archives=archives, optim=optim, world_size=world)
+    flat_groups = groups
+    if files.expert_files:  # mixture of experts: moe.py reads the expert files and expert groups
+        flat_groups, groups = moe.read_experts(source, index, stage, ranks, groups_meta, groups, m0, label)
+    read_flat_groups(index, stage, ranks, flat_groups, stage_names(stage))
     if stage == 1:  # frozen params live only in `module`
         frozen = {**frozen, **_stage1_frozen(index, groups, buffers, shared)}
     _param_groups(index, groups_meta, groups)
