@@ -16,6 +16,7 @@ from ..storage.source import Source
 from .dcp import reader as dcp_reader
 from .dcp.writer import write_dcp
 from .deepspeed import files as ds_files
+from .deepspeed import pipeline as ds_pipeline
 from .deepspeed import reader as ds_reader
 from .deepspeed.writer import write_zero, write_zero_files
 from .protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Capabilities, DcpTarget,
@@ -72,6 +73,8 @@ class DeepSpeedFormat:
 
     def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
                    tag: str | None = None) -> CheckpointIndex:
+        if ds_pipeline.detect(source, tag):  # PipelineModule's per-layer files: one ZeRO checkpoint per stage
+            return ds_pipeline.read_index(source, tag)
         return ds_reader.read_index(source, tag)
 
     def write(self, target: ZeroTarget | ZeroTemplatesTarget, out: object, ctx: "RunContext") -> list[str]:
@@ -83,6 +86,7 @@ class DeepSpeedFormat:
         return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
+        ds_pipeline.refuse_pipeline_reshard(opened.source.root, opened.index)  # no per-stage writer yet
         return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
 
 

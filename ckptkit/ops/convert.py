@@ -31,6 +31,7 @@ from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch
 from ..errors import CkptkitError, UsageError
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
 from ..formats.registry import Opened, format_named, open_checkpoint
+from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
 from ..runner.stream import find_aliases
 from ..storage.commit import Output
 from ..storage.output import open_output
@@ -126,6 +127,8 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
         check_source(src, opened.index.format, stage, expect_from)
     world = world_size or opened.index.world_size or 1
+    if target in ZERO_TARGETS:  # a pipeline source has no ZeRO layout yet
+        refuse_pipeline_reshard(src, opened.index)
     single = file_output(out, target)
     rules, notes = _output_rules(opened, target, rules)
     state = read_state(opened, rules, frozen, ctx)

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
-from ...errors import FormatError, UnsupportedError, quote
+from ...errors import CkptkitError, FormatError, UnsupportedError, quote
 from ...index.state_keys import model_key, model_path
 from ...index.types import Box, CheckpointIndex, ObjectEntry, Piece, TensorEntry
 from ...runner.torch_archive import Archive, load_structure, open_archive
@@ -36,25 +35,24 @@ from ...safeload import TensorRef
 from ...storage.source import Source
 from . import reader as zero
 from .entries import entry, tensor_of
-from .files import ZeroFiles
+from .files import ZeroFiles, locate, looks_like_tag_folder, read_latest
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-NOT_RESHARDABLE = ("resharding or converting a DeepSpeed pipeline-parallel checkpoint to a ZeRO checkpoint is "
-                   "not supported yet; consolidate it, or convert it --to torch, dcp or fsdp2")
+NOT_RESHARDABLE = ("resharding a DeepSpeed pipeline-parallel checkpoint (or converting it to ZeRO) is not "
+                   "supported yet; consolidate it, or convert it --to torch, dcp or fsdp2")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineInfo:
     """index.native of a pipeline checkpoint: each stage's own ZeroInfo and which layer files
-    were read for it. No writer lays one out yet (`not_reshardable` says so)."""
+    were read for it. No writer lays one out yet (refuse_pipeline_reshard)."""
 
     pp: int
     dp: int
     stages: dict[int, ZeroInfo] = field(default_factory=dict)
     layers: dict[int, int] = field(default_factory=dict)        # layer index -> stage
-    not_reshardable: str = NOT_RESHARDABLE
 
 
 def layer_files(files: ZeroFiles) -> dict[int, str]:
@@ -62,12 +60,28 @@ def layer_files(files: ZeroFiles) -> dict[int, str]:
     return {int(m.group(1)): name for name in files.extra if (m := LAYER_FILE.match(name))}
 
 
-def is_pipeline(files: ZeroFiles) -> bool:
-    return bool(layer_files(files))
+def detect(source: Source, tag: str | None = None) -> bool:
+    """The tag folder (`--tag`, else the folder given when it holds rank files, else `latest`'s)
+    holds per-layer files. Anything odd is left to the ZeRO reader, which names it: this only
+    lists folders and never reports a problem itself."""
+    try:
+        names = source.listdir("")
+        if tag is None and not looks_like_tag_folder(names):
+            if "latest" not in names or source.isdir("latest"):
+                return False
+            tag = read_latest(source)
+        if tag is not None:
+            if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not source.isdir(tag):
+                return False
+            names = source.listdir(tag)
+    except CkptkitError:
+        return False
+    return any(LAYER_FILE.match(name) for name in names)
 
 
-def read_index(source: Source, files: ZeroFiles) -> CheckpointIndex:
+def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     """One index for the whole pipeline: every stage's ZeRO state under global names."""
+    files = locate(source, tag)
     _refuse_tensor_parallel(source, files)
     per_stage = getattr(files, "model_parallel", None) or {0: files}  # mp rank = stage (tp 1)
     stages = {s: _read_stage(source, sub) for s, sub in sorted(per_stage.items())}
@@ -83,8 +97,7 @@ def read_index(source: Source, files: ZeroFiles) -> CheckpointIndex:
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
     index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "world_size": pp * dp,
                                    "pipeline": {"stages": pp, "layers": {str(k): v for k, v in sorted(layers.items())},
-                                                "tied": sorted({n for n, s in owner.items()
-                                                                if n.startswith("tied_modules.")})}}
+                                                "tied": sorted({n for n in owner if n.startswith("tied_modules.")})}}
     index.metadata["parallel"] = {"pp": pp, "dp": dp}
     index.native = PipelineInfo(pp=pp, dp=dp, stages={s: st.info for s, st in stages.items()}, layers=layers)
     return index
@@ -289,6 +302,7 @@ def _merge_group_value(index: CheckpointIndex, key: str, obj: ObjectEntry, stage
                                f"cannot be joined into one optimizer")
 
 
-def native_refusal(native: Any) -> str | None:
-    """The sentence refusing a ZeRO writer for this source, None when it can write it."""
-    return getattr(native, "not_reshardable", None)
+def refuse_pipeline_reshard(where: str, index: CheckpointIndex) -> None:
+    """Reshard and convert --to zero*: a pipeline source has no ZeRO writer yet (one sentence)."""
+    if isinstance(index.native, PipelineInfo):
+        raise UnsupportedError(f"{where}: {NOT_RESHARDABLE} (pipeline size {index.native.pp})")

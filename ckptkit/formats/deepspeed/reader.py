@@ -50,9 +50,6 @@ def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None 
     per mp rank and joined into full tensors (model_parallel.py), their splits decided by what the
     checkpoint records, then `tp_rules` (default: the --tp-rules file, then the built-in rules)."""
     files = locate(source, tag)
-    from . import pipeline  # it reads each stage with this module's parts: imported here, not at the top
-    if pipeline.is_pipeline(files):  # PipelineModule per-layer files: one ZeRO checkpoint per stage
-        return pipeline.read_index(source, files)
     if files.model_parallel:
         subs = {mp: _read_one(source, mp_files) for mp, mp_files in sorted(files.model_parallel.items())}
         rules = tp_rules if tp_rules is not None else load_rules(chosen_rules_file())
