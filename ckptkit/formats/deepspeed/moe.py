@@ -97,9 +97,10 @@ def read_experts(source: Source, index: CheckpointIndex, stage: int, ranks: Rank
                                f"checkpoints at ZeRO stage 3 are not supported yet")
     expert_ids = [g.index for g in groups if _is_expert_group(groups_meta[g.param_group])]
     if not expert_ids:
-        raise FormatError(f"{source.label(files.prefix + files.expert_files[0])}: expert file, but no optimizer "
-                          f"param group of {source.label(files.prefix + files.optim_files[min(files.optim_files)])} "
-                          f"is an expert group (moe: true)")
+        raise FormatError(f"{source.label(files.prefix + files.expert_files[0])}: is a mixture-of-experts expert "
+                          f"file, but no optimizer param group of "
+                          f"{source.label(files.prefix + files.optim_files[min(files.optim_files)])} is an expert "
+                          f"group (moe: true)")
     layout = _layout(source, files, ranks, groups_meta, [groups[i] for i in expert_ids], m0, label)
     expert_files = _expert_files(source, index, files, ranks.archives, layout, [groups[i] for i in expert_ids])
     listed: list[ZeroGroup] = []
