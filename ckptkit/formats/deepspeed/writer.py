@@ -29,7 +29,7 @@ from ...storage.source import Source
 from ...torch_types import Size
 from ...runner.torch_archive import Archive
 from ..torch_save.archive_writer import LazyTensor, write_archive
-from . import partition, standins
+from . import moe, partition, standins
 from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group, state_templates, target_groups, virtual
 from .info import ZeroGroup, ZeroInfo, stage_names
@@ -47,6 +47,7 @@ def _config(index: CheckpointIndex) -> dict:
 def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: int, *,
                ctx: RunContext) -> list[str]:
     """Reshard: the source's own files, recomputed for `world_size` ranks."""
+    moe.refuse_rewrite(index)  # expert groups partitioned over expert-data-parallel ranks: not laid out yet
     info: ZeroInfo = index.native
     if not isinstance(info, ZeroInfo):
         raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
