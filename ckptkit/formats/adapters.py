@@ -7,7 +7,9 @@ folders) are resolvers in registry.py: they find one of these formats inside a f
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import UnsupportedError, UsageError
 
 from ..index.layouts import fsdp2_layout
 from ..index.types import CheckpointIndex
@@ -29,6 +31,7 @@ from .torch_save.writer import write_torch_save
 
 if TYPE_CHECKING:
     from ..context import RunContext
+    from ..index.parallel_spec import MeshSpec
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
@@ -61,6 +64,32 @@ class DcpFormat:
         index = opened.index
         return self.write(DcpTarget(index, Fetcher(opened.source), fsdp2_layout(index, world_size), opened.source),
                           out, ctx)
+
+
+    def reshard_mesh(self, opened: Any, out: object, mesh: "MeshSpec", ctx: "RunContext", *,
+                     source_mesh: "MeshSpec | None" = None,
+                     tp_dim_for: "Callable[[str, tuple[int, ...]], int | None] | None" = None) -> tuple[list[str], str]:
+        """DCP on a device mesh (FSDP2, HSDP, + TP), chunk for chunk as torch's dcp.save writes it;
+        also says which source mesh the placements were read under."""
+        from ..index import mesh as meshes
+
+        index = opened.index
+        if source_mesh is None:
+            source_mesh, placements = meshes.infer_source_mesh(index)
+            how = "inferred"
+        else:
+            if source_mesh.world_size != (index.world_size or 1):
+                raise UsageError(f"{index.root}: was saved by {index.world_size} ranks, --from {source_mesh} has "
+                                 f"{source_mesh.world_size}")
+            found = meshes.source_placements(index, source_mesh)
+            if found is None:
+                raise UnsupportedError(f"{index.root}: its chunks are not what FSDP2/HSDP/TP on {source_mesh} writes "
+                                       f"(check --from)")
+            placements, how = found, "given"
+        target = meshes.target_placements(index, placements, source_mesh, mesh, tp_dim_for)
+        layout = meshes.mesh_layout(index, mesh, target, dcp_reader.state_dict_order(opened.source))
+        files = self.write(DcpTarget(index, Fetcher(opened.source), layout, opened.source), out, ctx)
+        return files, f"source {source_mesh} ({how})"
 
 
 class DeepSpeedFormat:

@@ -41,6 +41,12 @@ class Layout:
     world_size: int
     tensors: dict[str, list[Assignment]] = field(default_factory=dict)
     description: str = ""
+    # which rank writes each value (bytes item); None: rank 0 writes them all
+    object_ranks: dict[str, int] | None = None
+    # True: each assignment is one chunk as torch writes it, never cut into memory-sized slabs
+    exact_chunks: bool = False
+    # the state dict's flat key order (tensors and values), which torch writes items in; None: as listed
+    key_order: list[str] | None = None
 
 
 def is_sharded(entry: TensorEntry) -> bool:

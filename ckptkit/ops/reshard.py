@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError, UsageError
+from ..index.parallel_spec import MeshSpec, ParallelSizes, parse_parallel
 from ..formats.registry import format_of, open_checkpoint
 from ..storage.output import open_output
 from ..context import RunContext, context_of
@@ -27,15 +28,32 @@ class ReshardResult:
     notes: list[str] = field(default_factory=list)  # lines the summary adds (an HF Trainer folder's)
 
 
-def reshard(src: str, out: str, to: int, expect_from: int | None = None,
+def reshard(src: str, out: str, to: "int | str | MeshSpec | ParallelSizes",
+            expect_from: "int | str | MeshSpec | None" = None,
             options: RunContext | None = None, tag: str | None = None, *,
-            ctx: RunContext | None = None) -> ReshardResult:
-    """`ctx`: the run's context (`options=` is its older name)."""
+            ctx: RunContext | None = None, tp_rules: str | None = None) -> ReshardResult:
+    """`to`: a world size, or (parsed by index/parallel_spec.py) a device mesh `mesh=dp_shard:4,tp:2`
+    or DeepSpeed's sizes `tp=2,pp=2,dp=4`. `ctx`: the run's context (`options=` is its older name).
+    `tp_rules`: the split rules file for a mesh with tp over a source saved without tp (None: the
+    command line's --tp-rules, then the built-in rules)."""
     ctx = context_of(ctx, options)
-    if to < 1:
-        raise UsageError(f"--to must be at least 1 (got {to})")
+    to = parse_parallel(to, "--to") if not isinstance(to, (MeshSpec, ParallelSizes)) else to
+    if expect_from is not None and not isinstance(expect_from, MeshSpec):
+        expect_from = parse_parallel(expect_from, "--from")
+        if isinstance(expect_from, ParallelSizes):
+            raise UnsupportedError(f"--from {expect_from}: model-parallel sizes are not supported yet for reshard")
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     index = opened.index
+    if isinstance(to, ParallelSizes):
+        raise UnsupportedError(f"--to {to}: model-parallel sizes are not supported yet for {index.format} "
+                               f"checkpoints (reshard takes a world size, or mesh=... for DCP)")
+    if isinstance(to, MeshSpec):
+        return _reshard_mesh(opened, src, out, to, expect_from, ctx, tp_rules)
+    if isinstance(expect_from, MeshSpec):
+        if index.world_size != expect_from.world_size:
+            raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from.world_size} "
+                             f"(--from {expect_from})")
+        expect_from = None
     if opened.trainer is not None:  # checkpoint-N/ as a unit: parts resharded, side files copied
         from .trainer_folder import reshard_folder, source_world
 
@@ -62,3 +80,39 @@ def reshard(src: str, out: str, to: int, expect_from: int | None = None,
     ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),
                          index.total_tensor_bytes)
+
+
+def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int | MeshSpec | None",
+                  ctx: RunContext, tp_rules: str | None) -> ReshardResult:
+    """DCP on a device mesh, as torch's dcp.save writes it (formats' `reshard_mesh`)."""
+    index = opened.index
+    fmt = format_of(index)
+    if opened.trainer is not None or not hasattr(fmt, "reshard_mesh"):
+        what = "an HF Trainer folder" if opened.trainer is not None else f"{index.format} checkpoints"
+        raise UnsupportedError(f"--to {mesh}: not supported yet for {what} (a device mesh is written for a DCP "
+                               f"folder)")
+    if isinstance(expect_from, int) and index.world_size != expect_from:
+        raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
+    ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{mesh}")
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+        files, note = fmt.reshard_mesh(opened, target, mesh, ctx,
+                                       source_mesh=expect_from if isinstance(expect_from, MeshSpec) else None,
+                                       tp_dim_for=_tp_dims(tp_rules))
+    ctx.progress.close()
+    return ReshardResult(out, index.format, index.world_size, mesh.world_size, files, len(index.tensors),
+                         index.total_tensor_bytes, [f"target {mesh}; {note}"])
+
+
+def _tp_dims(path: str | None):
+    """Each parameter's tp split dim from the split rules (`path`, then the built-in ones), for a
+    target mesh with tp over a source saved without it."""
+    loaded: list = []
+
+    def dim_for(name: str, shape: tuple[int, ...]) -> int | None:
+        if not loaded:
+            from ..convert.tp_rules import chosen_rules_file, load_rules
+
+            loaded.append(load_rules(path if path is not None else chosen_rules_file()))
+        split = loaded[0].decide(name, shape)
+        return None if split.kind == "replicated" else split.dim  # fused blocks: torch's Shard(dim) all the same
+    return dim_for

@@ -119,6 +119,15 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
     return index
 
 
+def state_dict_order(source: Source) -> list[str]:
+    """The flat keys in the saved state dict's order: `planner_data`'s order, which is rank 0's
+    flattening (`.metadata`'s own key order is already shuffled by the dedup of replicated items)."""
+    merged = _Merged()
+    for name in metadata_files(source):
+        merged.add(_load_metadata(source, name), source.label(name))
+    return list(merged.planner) + [k for k in merged.sd_meta if k not in merged.planner]
+
+
 # the most items per task of the reading threads (a small item costs tens of microseconds)
 _BATCH = 256
 # a storage record's key: the item's fqn and, for a tensor chunk, its offsets

@@ -71,6 +71,9 @@ def write_dcp(out: Output, index: CheckpointIndex, fetcher: Fetcher, layout: Lay
             if a.box.numel == 0:
                 per_rank[a.rank].append((key, a.box))
                 continue
+            if layout.exact_chunks:  # torch's chunk, whole (a mesh layout: chunks as dcp.save writes them)
+                per_rank[a.rank].append((key, a.box))
+                continue
             for slab in geometry.split_rowmajor(a.box, max(1, slab_bytes // item)):
                 per_rank[a.rank].append((key, slab))
 
@@ -79,23 +82,41 @@ def write_dcp(out: Output, index: CheckpointIndex, fetcher: Fetcher, layout: Lay
             written: list[_Written] = []
             name = data_file(rank)
             with out.open(name) as f:
-                for key, box in per_rank[rank]:
+                for key, box in _in_order(per_rank[rank], index, layout, rank):
                     start = f.tell()
+                    if box is None:
+                        transforms = _write_object(f, index.objects[key], source, fetcher, slab_bytes)
+                        written.append(_Written(key, None, name, start, f.tell() - start, transforms))
+                        continue
                     _write_item(f, index.tensors[key], box, fetcher, slab_bytes, progress)
                     written.append(_Written(key, box, name, start, f.tell() - start))
-                if rank == 0:
-                    for obj in index.objects.values():
-                        start = f.tell()
-                        transforms = _write_object(f, obj, source, fetcher, slab_bytes)
-                        written.append(_Written(obj.key, None, name, start, f.tell() - start, transforms))
             return written
         return run
 
     weights = [sum(box.numel * itemsize(index.tensors[key].dtype) for key, box in per_rank[r])
                for r in range(layout.world_size)]
     results = run_jobs([job(r) for r in range(layout.world_size)], ctx.workers, group=out.group, weights=weights)
-    out.write_bytes(".metadata", build_metadata(index, [w for ws in results for w in ws]))
+    out.write_bytes(".metadata", build_metadata(index, [w for ws in results for w in ws], layout.key_order))
     return [data_file(r) for r in range(layout.world_size)] + [".metadata"]
+
+
+def _in_order(items: list[tuple[str, Box]], index: CheckpointIndex, layout: Layout,
+              rank: int) -> list[tuple[str, Box | None]]:
+    """A rank's items in file order: its tensor chunks, then (on the values' rank) the values;
+    or, when the layout gives the state dict's key order, tensors and values in that order, as
+    torch's planner writes them (a value's box is None)."""
+    values: list[tuple[str, Box | None]] = [(k, None) for k in index.objects if _object_rank(layout, k) == rank]
+    if layout.key_order is None:
+        return list(items) + values
+    position = {k: i for i, k in enumerate(layout.key_order)}
+    both = list(items) + values
+    return sorted(both, key=lambda kb: position.get(kb[0], len(position)))  # stable: a tensor's slabs stay in order
+
+
+def _object_rank(layout: Layout, key: str) -> int:
+    """The rank whose file holds value `key`: rank 0, unless the layout places values (a mesh
+    layout puts each where torch's planner does)."""
+    return 0 if layout.object_ranks is None else layout.object_ranks.get(key, 0)
 
 
 def _write_item(f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_bytes: int,
@@ -161,8 +182,9 @@ def _tensor_properties(dtype: str) -> Any:
     return stand_in(_METADATA + "TensorProperties", _state=(DType(dtype), _STRIDED, False, _CONTIGUOUS, False))
 
 
-def build_metadata(index: CheckpointIndex, written: list[_Written]) -> bytes:
-    """`.metadata`: torch's Metadata for what was written, field for field as torch pickles it."""
+def build_metadata(index: CheckpointIndex, written: list[_Written], key_order: list[str] | None = None) -> bytes:
+    """`.metadata`: torch's Metadata for what was written, field for field as torch pickles it.
+    `key_order`: the state dict's key order, which torch keeps in planner_data (None: as written)."""
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
@@ -189,6 +211,9 @@ def build_metadata(index: CheckpointIndex, written: list[_Written]) -> bytes:
         chunks.append(_md("ChunkStorageMetadata", offsets=Size(w.box.offsets), sizes=Size(w.box.sizes)))
         storage[_md("MetadataIndex", fqn=key, index=len(chunks) - 1, offset=Size(w.box.offsets))] = \
             _storage_info(file, w.offset, w.length)
+    if key_order is not None:
+        position = {k: i for i, k in enumerate(key_order)}
+        planner = {k: planner[k] for k in sorted(planner, key=lambda k: position.get(k, len(position)))}
     # the save id is a digest of what was written, so one plan gives the same bytes however many
     # processes wrote it (and a rerun gives the same checkpoint)
     digest = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)

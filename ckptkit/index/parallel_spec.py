@@ -1,0 +1,131 @@
+"""What `reshard --to` (and `--from`) may name: a data-parallel world size, a device mesh, or
+DeepSpeed's model-parallel sizes.
+
+    16                                  a world size: FSDP2 Shard(0) / ZeRO at 16 ranks (as always)
+    mesh=dp_shard:4,tp:2                a torch DeviceMesh, dims in init_device_mesh's order
+    mesh=dp_replicate:2,dp_shard:2      HSDP (replicate x shard)
+    tp=2,pp=2,dp=4   ep=4,dp=8          DeepSpeed's parallel sizes
+
+The text is parsed once, here, into a typed value, so operations and writers never look at strings.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")  # torchtitan's names, in its mesh order
+PARALLEL_SIZES = ("tp", "pp", "ep", "dp")
+_NAME_SIZE = re.compile(r"^([a-z_]+)\s*[:=]\s*(\d+)$")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A device mesh: (name, size) per dimension, in init_device_mesh's order (ranks are
+    row-major over it: the last dimension varies fastest)."""
+
+    dims: tuple[tuple[str, int], ...]
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for _, size in self.dims:
+            n *= size
+        return n
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.dims)
+
+    def size(self, name: str) -> int:
+        """The size of dimension `name` (1 when the mesh has no such dimension)."""
+        return dict(self.dims).get(name, 1)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Each dimension's index of global rank `rank`."""
+        coords: dict[str, int] = {}
+        for name, size in reversed(self.dims):
+            coords[name] = rank % size
+            rank //= size
+        return coords
+
+    def __str__(self) -> str:
+        return "mesh=" + ",".join(f"{name}:{size}" for name, size in self.dims)
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """DeepSpeed's parallel sizes (tp, pp, ep, dp); 1 for a size not given."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={getattr(self, n)}" for n in PARALLEL_SIZES if getattr(self, n) != 1) or "dp=1"
+
+
+ParallelTarget = int | MeshSpec | ParallelSizes
+
+
+def parse_parallel(text: str | int, option: str = "--to") -> ParallelTarget:
+    """`text` as an int (a world size), a MeshSpec or ParallelSizes; a UsageError naming `option`
+    and what was expected otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return _world(text, option)
+    text = str(text).strip()
+    if re.fullmatch(r"[+-]?\d+", text):
+        return _world(int(text), option)
+    if text.startswith("mesh="):
+        return _mesh(text[len("mesh="):], option)
+    return _sizes(text, option)
+
+
+def _world(n: int, option: str) -> int:
+    if n < 1:
+        raise UsageError(f"{option} must be at least 1 (got {n})")
+    return n
+
+
+def _pairs(body: str, option: str, form: str) -> list[tuple[str, int]]:
+    pairs = []
+    for part in body.split(","):
+        m = _NAME_SIZE.match(part.strip())
+        if not m:
+            raise UsageError(f"{option}: {part.strip()!r} is not name{form}size (expected e.g. {option} "
+                             f"mesh=dp_shard:4,tp:2, {option} tp=2,dp=4 or {option} 16)")
+        pairs.append((m.group(1), int(m.group(2))))
+    names = [n for n, _ in pairs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise UsageError(f"{option}: {dup} is given twice")
+    zero = next((n for n, s in pairs if s < 1), None)
+    if zero:
+        raise UsageError(f"{option}: the size of {zero} must be at least 1")
+    return pairs
+
+
+def _mesh(body: str, option: str) -> MeshSpec:
+    pairs = _pairs(body, option, ":")
+    unknown = [n for n, _ in pairs if n not in MESH_DIMS]
+    if unknown:
+        raise UsageError(f"{option}: mesh dimension {unknown[0]!r} is not one of {', '.join(MESH_DIMS)}")
+    if not any(n.startswith("dp_") for n, _ in pairs):
+        raise UsageError(f"{option}: a mesh needs dp_shard or dp_replicate (FSDP2 shards on the data-parallel "
+                         f"dimensions), e.g. mesh=dp_shard:4,tp:2")
+    return MeshSpec(tuple(pairs))
+
+
+def _sizes(body: str, option: str) -> ParallelSizes:
+    pairs = _pairs(body, option, "=")
+    unknown = [n for n, _ in pairs if n not in PARALLEL_SIZES]
+    if unknown:
+        raise UsageError(f"{option}: {unknown[0]!r} is not one of {', '.join(PARALLEL_SIZES)} (or give a world "
+                         f"size, or mesh=dim:size,...)")
+    return ParallelSizes(**dict(pairs))
