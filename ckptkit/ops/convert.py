@@ -28,7 +28,7 @@ from ..convert.names import KeyRules
 from ..convert.drops import apply_drops, dropped_summary
 from ..convert.state import TrainingState, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
-from ..errors import CkptkitError, UsageError
+from ..errors import CkptkitError, UnsupportedError, UsageError
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
 from ..formats.registry import Opened, format_named, open_checkpoint
 from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
@@ -138,6 +138,9 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         if done is not None:
             return done
     apply_drops(state, model_only, tuple(drop))
+    if target in ZERO_TARGETS and (opened.index.metadata.get("parallel") or {}).get("tp", 1) > 1:
+        raise UnsupportedError(f"{src}: converting to ZeRO means resharding, and resharding tensor-parallel "
+                               f"DeepSpeed checkpoints is not supported yet; convert it to torch, safetensors or DCP")
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
     if target == "zero":
         target = f"zero{_config_stage(cfg, ds_config)}"

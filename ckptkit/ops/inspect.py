@@ -28,6 +28,7 @@ class Report:
     files: int = 0
     file_bytes: int = 0
     notes: list[str] = field(default_factory=list)   # one sentence each: what the roles and names mean
+    parallel: dict[str, int] | None = None           # model-parallel sizes (tp, pp, ep, dp), when known
 
 
 def inspect(path: str, tag: str | None = None,
@@ -51,7 +52,8 @@ def inspect(path: str, tag: str | None = None,
         roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other),
                "low_precision": len(split.low_precision)},
         objects={k: safe_value(o.data) for k, o in index.objects.items()},
-        files=len(index.files), file_bytes=sum(index.files.values()), notes=_notes(index, split))
+        files=len(index.files), file_bytes=sum(index.files.values()), notes=_notes(index, split),
+        parallel=index.metadata.get("parallel") or None)
     return opened, report
 
 
@@ -82,7 +84,36 @@ def report_json(opened: Opened | None, report: Report | StepsReport) -> dict:
         "roles": report.roles, "files": report.files, "file_bytes": report.file_bytes, "notes": report.notes,
         "run_folder": _run_json(opened),
     }
+    if report.parallel:  # only model-parallel checkpoints: other outputs stay as they were
+        doc["summary"]["parallel"] = dict(report.parallel)
     return doc
+
+
+PARALLEL_AXES = ("tp", "pp", "ep", "dp")
+
+
+def parallel_sizes(parallel: dict[str, int]) -> str:
+    """`tp 2 x pp 2 x dp 2`: the sizes a model-parallel checkpoint was saved with."""
+    return " x ".join(f"{axis} {parallel[axis]}" for axis in PARALLEL_AXES if axis in parallel)
+
+
+def split_of(attrs: dict) -> str:
+    """How a tensor is split across tp, pp and ep (entry.attrs["parallel"]), e.g. `tp dim 0/2`,
+    `tp fused(3) dim 0/2`, `tp replicated/2`, `pp stage 1/2`, `ep rank 3/4`; "" when not split."""
+    parallel = attrs.get("parallel") or {}
+    parts = []
+    tp = parallel.get("tp")
+    if isinstance(tp, dict):
+        fused = f"fused({tp['fused']}) " if tp.get("fused") else ""
+        where = "replicated" if tp.get("dim") is None else f"{fused}dim {tp.get('dim')}"
+        parts.append(f"tp {where}/{tp.get('size')}")
+    pp = parallel.get("pp")
+    if isinstance(pp, dict):
+        parts.append(f"pp stage {pp.get('stage')}/{pp.get('size')}")
+    ep = parallel.get("ep")
+    if isinstance(ep, dict):
+        parts.append(f"ep rank {ep.get('rank')}/{ep.get('size')}")
+    return ", ".join(parts)
 
 
 def _run_json(opened: Opened) -> dict | None:
@@ -114,6 +145,7 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
           if opened.run is not None else []),
         f"format      {report.format}",
         f"world size  {report.world_size if report.world_size is not None else '-'}",
+        *([f"parallel    {parallel_sizes(report.parallel)}"] if report.parallel else []),
         f"step        {report.step if report.step is not None else '-'}",
         f"files       {report.files} ({human_bytes(report.file_bytes)})",
         f"tensors     {report.tensor_count} ({human_bytes(report.tensor_bytes)}): "
@@ -130,12 +162,17 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
     tensors = sorted(opened.index.tensors.values(), key=lambda t: (-t.nbytes, t.key))
     shown = {t.key: escape(t.key) for t in tensors[:max_rows]}  # as printed, so the columns line up
     width = min(60, max((len(k) for k in shown.values()), default=10))
-    lines.append(f"{'tensor':<{width}}  {'dtype':<9} {'shape':<18} {'pieces':>6}  {'size':>10}")
+    splits = {t.key: split_of(t.attrs) for t in tensors[:max_rows]}
+    split_width = max((len(v) for v in splits.values()), default=0)  # 0: no split column (as before)
+    split_head = "  split" if split_width else ""
+    lines.append(f"{'tensor':<{width}}  {'dtype':<9} {'shape':<18} {'pieces':>6}  {'size':>10}{split_head}")
     for t in tensors[:max_rows]:
         key = shown[t.key] if len(shown[t.key]) <= width else "..." + shown[t.key][-(width - 3):]
         alias = f"  (alias of {t.attrs['alias_of']})" if t.attrs.get("alias_of") else ""
-        lines.append(f"{key:<{width}}  {t.dtype:<9} {str(list(t.shape)):<18} {len(t.pieces):>6}  "
-                     f"{human_bytes(t.nbytes):>10}{alias}")
+        split = f"  {splits[t.key]:<{split_width}}" if split_width else ""
+        line = (f"{key:<{width}}  {t.dtype:<9} {str(list(t.shape)):<18} {len(t.pieces):>6}  "
+                f"{human_bytes(t.nbytes):>10}{split}{alias}")
+        lines.append(line.rstrip() if split_width else line)
     if len(tensors) > max_rows:
         lines.append(f"... and {len(tensors) - max_rows} more tensors (use --json for all)")
     if report.objects:

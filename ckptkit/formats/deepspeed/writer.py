@@ -33,6 +33,7 @@ from . import moe, partition, standins
 from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group, state_templates, target_groups, virtual
 from .info import ZeroGroup, ZeroInfo, stage_names
+from .model_parallel import NOT_RESHARDABLE, ModelParallelInfo
 from .templates import lazify, ordered_like, template_of
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
@@ -49,6 +50,9 @@ def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: 
     """Reshard: the source's own files, recomputed for `world_size` ranks."""
     moe.refuse_rewrite(index)  # expert groups partitioned over expert-data-parallel ranks: not laid out yet
     info: ZeroInfo = index.native
+    if isinstance(info, ModelParallelInfo):  # per-mp-rank layouts: no writer lays one out yet
+        raise UnsupportedError(f"{index.root}: {NOT_RESHARDABLE} (tensor-parallel size {info.tp}); consolidate or "
+                               f"convert it to torch, safetensors or DCP instead")
     if not isinstance(info, ZeroInfo):
         raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
     config = _config(index)
