@@ -87,8 +87,11 @@ def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int 
     """DCP on a device mesh, as torch's dcp.save writes it (formats' `reshard_mesh`)."""
     index = opened.index
     fmt = format_of(index)
-    if opened.trainer is not None or not hasattr(fmt, "reshard_mesh"):
-        what = "an HF Trainer folder" if opened.trainer is not None else f"{index.format} checkpoints"
+    from .lightning_folder import is_folder
+
+    if opened.trainer is not None or is_folder(opened) or not hasattr(fmt, "reshard_mesh"):
+        what = ("an HF Trainer folder" if opened.trainer is not None else "a Lightning folder" if is_folder(opened)
+                else f"{index.format} checkpoints")
         raise UnsupportedError(f"--to {mesh}: not supported yet for {what} (a device mesh is written for a DCP "
                                f"folder)")
     if isinstance(expect_from, int) and index.world_size != expect_from:

@@ -1,0 +1,232 @@
+"""DCP on 2-D meshes: reading FSDP2+TP and HSDP checkpoints, and `reshard --to mesh=...` writing
+exactly what torch's own dcp.save writes for that mesh.
+
+Fixtures (fixtures/generate_mesh.py, real torch runs under torchrun): `fsdp_tp_d2t2` (FSDP2 + TP
+on ("dp_shard", "tp") = (2, 2)) and `hsdp_r2s2` (HSDP on ("dp_replicate", "dp_shard") = (2, 2)),
+and REFERENCES `ref_*`: the same state loaded by torch at a target mesh and saved by dcp.save.
+"""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptkit.errors import UnsupportedError, UsageError
+from ckptkit.index import mesh as meshes
+from ckptkit.index.parallel_spec import MeshSpec, ParallelSizes, parse_parallel
+from ckptkit.ops.consolidate import consolidate
+from ckptkit.ops.reshard import reshard
+from conftest import DATA, ROOT, assert_tensor_equal, subprocess_env, torchrun_cmd
+
+MESH = DATA / "mesh"
+SOURCES = {"fsdp_tp_d2t2": "mesh=dp_shard:2,tp:2", "hsdp_r2s2": "mesh=dp_replicate:2,dp_shard:2"}
+REFERENCES = json.loads((MESH / "VERSIONS.json").read_text())["references"]
+
+
+def _truth(name: str) -> dict:
+    return torch.load(MESH / f"{name}.truth.pt", weights_only=True)
+
+
+def _dcp_items(path) -> tuple[list[str], dict[str, list], dict]:
+    """What torch reads from a DCP folder: the metadata's key order, each tensor's chunk list
+    [(offsets, sizes, file)] in order, and every item's value by (key, offsets), read from its file
+    with torch.load."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    md = FileSystemReader(str(path)).read_metadata()
+    chunks: dict[str, list] = {}
+    values: dict = {}
+
+    def load(info):
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            return torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+
+    for key, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            chunks[key] = []
+            for i, c in enumerate(meta.chunks):
+                info = md.storage_data[MetadataIndex(key, c.offsets, i)]
+                chunks[key].append((tuple(c.offsets), tuple(c.sizes), info.relative_path))
+                values[(key, tuple(c.offsets))] = load(info)
+        else:
+            info = md.storage_data[MetadataIndex(key)]
+            chunks[key] = [(None, None, info.relative_path)]
+            values[(key, None)] = load(info)
+    return list(md.state_dict_metadata), chunks, values
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    out = {}
+    for name, ref in REFERENCES.items():
+        path = tmp_path_factory.mktemp("mesh") / name
+        reshard(str(MESH / ref["source"]), str(path), "mesh=" + ref["mesh"])
+        out[name] = path
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_reshard_to_mesh_is_what_torch_writes(resharded, name):
+    """Item by item against torch's own dcp.save at that mesh: the same keys in the same order,
+    the same chunk list per tensor (offsets, sizes), each chunk in the same rank's file, and the
+    same value in it (dtype, shape, bits; values with ==)."""
+    got_order, got_chunks, got_values = _dcp_items(resharded[name])
+    ref_order, ref_chunks, ref_values = _dcp_items(MESH / name)
+    assert got_order == ref_order
+    assert got_chunks == ref_chunks
+    assert set(got_values) == set(ref_values)
+    for item, expected in ref_values.items():
+        if isinstance(expected, torch.Tensor):
+            assert_tensor_equal(got_values[item], expected, str(item))
+        else:
+            assert type(got_values[item]) is type(expected) and got_values[item] == expected, item
+    # the fixtures exercise what this must get right: several ranks, replicated items placed by
+    # torch's dedup on ranks other than 0, split chunks on a dim other than 0 where tp is there
+    files = {f for cs in ref_chunks.values() for _, _, f in cs}
+    assert len(files) == MeshSpec(tuple((d, int(s)) for d, s in
+                                        (p.split(":") for p in REFERENCES[name]["mesh"].split(",")))).world_size
+    assert len(ref_values) >= 68
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_source_mesh_is_inferred_from_the_chunks(name):
+    from ckptkit.formats.registry import open_checkpoint
+
+    found, placements = meshes.infer_source_mesh(open_checkpoint(str(MESH / name)).index)
+    assert str(found) == SOURCES[name]
+    if "tp" in name:  # torchtitan's plan: colwise q/k/v/up/lm_head/embedding rows, rowwise o/down
+        assert placements["model.layers.0.attn.wq.weight"] == meshes.Placement(True, 0)
+        assert placements["optim.state.layers.0.attn.wo.weight.exp_avg"] == meshes.Placement(True, 1)
+        assert placements["model.norm.weight"] == meshes.Placement(True, None)
+    assert placements["optim.state.norm.weight.step"] == meshes.PLAIN
+
+
+def test_reshard_with_the_source_mesh_given_is_the_same(resharded, tmp_path):
+    reshard(str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "mesh=dp_shard:4,tp:2", expect_from="mesh=dp_shard:2,tp:2")
+    assert _dcp_items(tmp_path / "o")[1] == _dcp_items(resharded["ref_fsdp_tp_d4t2"])[1]
+    with pytest.raises(UnsupportedError, match="not what FSDP2/HSDP/TP on mesh=dp_shard:4 writes"):
+        reshard(str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o2"), "mesh=dp_shard:2,tp:2", expect_from="mesh=dp_shard:4")
+
+
+def test_local_box_is_dtensors_own(tmp_path):
+    """The port of compute_local_shape_and_global_offset gives torch's chunk for FSDP2 (+TP, with
+    _StridedShard) placements, on uneven and empty shards too."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    meshes_ = [MeshSpec((("dp_shard", 4), ("tp", 2))), MeshSpec((("dp_replicate", 2), ("dp_shard", 3), ("tp", 2))),
+               MeshSpec((("dp_shard", 3), ("tp", 4))), MeshSpec((("dp_replicate", 2), ("dp_shard", 5)))]
+    checked = 0
+    for mesh in meshes_:
+        for shape in [(30, 16), (7, 5), (3,), (1, 6), (24,), (13, 2)]:
+            for tp_dim in [None] + list(range(len(shape))):
+                p = meshes.Placement(True, tp_dim)
+                torch_p = []
+                for kind, dim, split in meshes.mesh_placements(mesh, p):
+                    torch_p.append(Replicate() if kind == "R" else Shard(dim) if kind == "S"
+                                   else _StridedShard(dim, split_factor=split))
+                sizes = [s for _, s in mesh.dims]
+                for rank in range(mesh.world_size):
+                    coord = [mesh.coordinates(rank)[n] for n in mesh.names]
+                    local, offset = _compute_local_shape_and_global_offset(shape, sizes, coord, torch_p)
+                    try:
+                        box = meshes.local_box(shape, mesh, rank, p)
+                    except UnsupportedError:  # torch's chunk would not be contiguous: refused, never wrong
+                        continue
+                    assert (box.offsets, box.sizes) == (tuple(offset), tuple(local)), (mesh, shape, tp_dim, rank)
+                    checked += 1
+    assert checked > 500
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_consolidate_2d_mesh_checkpoint_equals_truth(tmp_path, name):
+    """Reading: model and optimizer of an FSDP2+TP / HSDP checkpoint, bit for bit."""
+    truth = _truth(name)
+    consolidate(str(MESH / name), str(tmp_path / "out"), include_optimizer=True)
+    model = load_file(str(tmp_path / "out" / "model.safetensors"))
+    optim = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
+    expected_model = {k[len("model."):]: v for k, v in truth.items() if k.startswith("model.")}
+    expected_optim = {k[len("optim."):]: v for k, v in truth.items()
+                      if k.startswith("optim.") and isinstance(v, torch.Tensor)}
+    assert set(model) == set(expected_model) and set(optim) == set(expected_optim)
+    for key, value in expected_model.items():
+        assert_tensor_equal(model[key], value, key)
+    for key, value in expected_optim.items():
+        assert_tensor_equal(optim[key], value, key)
+    assert len(expected_model) + len(expected_optim) == 56
+
+
+def test_to_world_size_stays_fsdp2_dp_only(tmp_path):
+    """A plain integer is today's DP-only reshard (the same call as before)."""
+    assert parse_parallel("16") == 16 and parse_parallel(3) == 3
+    res = reshard(str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "3")
+    assert res.to_world_size == 3 and sorted(res.files)[-1] == "__2_0.distcp"
+
+
+def test_parallel_spec_parses_meshes_and_deepspeed_sizes():
+    spec = parse_parallel("mesh=dp_replicate:2,dp_shard:2,tp:2")
+    assert spec == MeshSpec((("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))) and spec.world_size == 8
+    assert spec.coordinates(5) == {"dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    assert parse_parallel("tp=2,pp=2,dp=4") == ParallelSizes(tp=2, pp=2, dp=4)
+    assert parse_parallel("ep=4,dp=8") == ParallelSizes(ep=4, dp=8)
+    for bad, why in [("0", "at least 1"), ("mesh=dp_shard:4,xx:2", "not one of"), ("mesh=tp:2", "needs dp_shard"),
+                     ("mesh=dp_shard:2,dp_shard:2", "given twice"), ("tp=2,qq=3", "not one of"),
+                     ("mesh=dp_shard:x", "is not name:size"), ("mesh=dp_shard:0", "at least 1")]:
+        with pytest.raises(UsageError, match=why):
+            parse_parallel(bad)
+
+
+@pytest.mark.parametrize("to,message", [
+    ("tp=2,pp=2,dp=4", "not supported yet for dcp"),
+    ("ep=4,dp=8", "not supported yet for dcp"),
+    ("mesh=tp:2,dp_shard:2", "in the order dp_replicate, dp_shard, tp"),
+    ("mesh=dp_shard:2,pp:2", "not one of"),
+    ("four", "is not name=size"),
+])
+def test_bad_or_unsupported_to_is_one_sentence_exit_2(tmp_path, to, message):
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "reshard", str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"),
+                           "--to", to], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_mesh_with_tp_over_a_source_without_tp_needs_a_rule(tmp_path):
+    with pytest.raises(UnsupportedError, match="no tensor-parallel split rule matches"):
+        reshard(str(MESH / "hsdp_r2s2"), str(tmp_path / "o"), "mesh=dp_shard:2,tp:2")
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rules": [
+        {"pattern": "re:.*(wq|wk|wv|up|lm_head|embed)\\.(weight|bias)$", "split": 0},
+        {"pattern": "re:.*(wo|down)\\.weight$", "split": 1},
+        {"pattern": "re:.*(norm.*|down\\.bias)$", "split": "replicated"}]}))
+    reshard(str(MESH / "hsdp_r2s2"), str(tmp_path / "o2"), "mesh=dp_shard:2,tp:2", tp_rules=str(rules))
+    # the layout is torch's FSDP2+TP layout at (2, 2): the same chunks as the fsdp_tp_d2t2 fixture
+    got = _dcp_items(tmp_path / "o2")[1]
+    want = _dcp_items(MESH / "fsdp_tp_d2t2")[1]
+    assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,target", [("fsdp_tp_d2t2", "dp_shard:1,tp:4"), ("hsdp_r2s2", "dp_replicate:1,dp_shard:4")])
+def test_torch_job_loads_mesh_reshard_and_trains(tmp_path, source, target):
+    """torch itself, at the new mesh, loads the resharded folder (dcp.load + set_state_dict), finds
+    every weight and optimizer moment equal to the truth bit for bit, and trains one step."""
+    out = tmp_path / "out"
+    reshard(str(MESH / source), str(out), "mesh=" + target)
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "mesh_load_check.py"), "--ckpt", str(out),
+                             "--mesh", target, "--truth", str(MESH / f"{source}.truth.pt"), "--result", str(result)]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(result.read_text())
+    assert doc["ok"], doc
+    assert doc["world_size"] == 4 and doc["compared"] == 68 and not doc["mismatches"] and doc["trained_step"]
