@@ -241,3 +241,24 @@ def test_autotp_splits_come_from_what_deepspeed_records():
     assert (splits["model.layers.0.self_attn.o_proj.weight"].kind,
             splits["model.layers.0.self_attn.o_proj.weight"].dim) == ("split", 1)
     assert index.tensors["model.model.embed_tokens.weight"].attrs["parallel"]["tp"] == {"dim": None, "size": 2}
+
+
+def test_verify_deep_finds_a_replicated_copy_that_differs(tmp_path):
+    """Every tp rank saves the replicated tensors; the index reads rank 0's, verify --deep checks
+    that rank 1's hold the same bytes (here one fp32 element of rank 1's layernorm master altered)."""
+    from ckptkit.formats.registry import open_checkpoint
+    from ckptkit.ops.verify import verify
+
+    name = next(n for n in MPU if VERSIONS["fixtures"][n]["dtype"] == "fp32" and VERSIONS["fixtures"][n]["stage"] < 3)
+    d = _copy(name, tmp_path)
+    index = open_checkpoint(str(d)).index
+    copies = index.native.replica_entries()["model.final_layernorm.weight"]
+    assert [what for what, _ in copies] == ["model-parallel rank 1's copy"]
+    piece = copies[0][1].pieces[0]
+    path = d / piece.location.file
+    data = bytearray(path.read_bytes())
+    data[piece.location.offset] ^= 0x01   # the lowest mantissa bit of one element
+    path.write_bytes(bytes(data))
+    _, problems = verify(str(d), deep=True)
+    assert any("model.final_layernorm.weight: model-parallel rank 1's copy" in p and "differs" in p
+               for p in problems), problems

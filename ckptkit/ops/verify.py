@@ -10,6 +10,7 @@ The caller exits 0 only when the list is empty.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import CkptkitError, quote
 from ..formats.registry import Opened, capabilities_of, open_checkpoint
@@ -21,6 +22,9 @@ from ..index.types import Box
 from ..runner.fetch import Fetcher
 from ..storage.checksum import crc32
 from ..context import RunContext, context_of
+
+if TYPE_CHECKING:
+    import torch
 
 CRC_BLOCK = 8 << 20
 
@@ -100,6 +104,7 @@ def deep_findings(opened: Opened, ctx: RunContext,
     try:
         problems += _crc_problems(opened, ctx)
         problems += _tensor_problems(opened, tensors, ctx)
+        problems += _replica_problems(opened, ctx, skip)
     finally:
         ctx.progress.close()
     if capabilities_of(index).library_check:
@@ -147,6 +152,49 @@ def _tensor_problems(opened: Opened, tensors: list, ctx: RunContext) -> list[Pro
             where = opened.source.label(t.pieces[0].location.file) if t.pieces else opened.path
             problems.append(Problem(P.UNREADABLE if kind == P.FORMAT else kind, f"tensor {key}: {exc}", where, key))
     return problems
+
+
+def _replica_problems(opened: Opened, ctx: RunContext, skip: set[str] | frozenset[str]) -> list[Problem]:
+    """Copies a reader says must equal a tensor (a tensor-parallel checkpoint's replicated
+    tensors, saved by every tp rank: `index.native.replica_entries()`), compared slab by slab."""
+    replicas = getattr(opened.index.native, "replica_entries", None)
+    if replicas is None:
+        return []
+    problems: list[Problem] = []
+    fetcher = Fetcher(opened.source, index=opened.index, memory_budget=ctx.memory_budget)
+    for key, copies in replicas().items():
+        t = opened.index.tensors.get(key)
+        if t is None or key in skip or not t.numel:
+            continue
+        item = itemsize(t.dtype)
+        for what, copy in copies:
+            try:
+                for slab in geometry.split_rowmajor(Box.whole(t.shape), max(1, ctx.slab_bytes_for(4) // item)):
+                    ctx.check()
+                    a, b = fetcher.fetch(t, slab), fetcher.fetch(copy, slab)
+                    if not _same_bytes(a, b):
+                        raise _Differs(slab)
+            except _Differs as diff:
+                where = opened.source.label(copy.pieces[0].location.file) if copy.pieces else opened.path
+                problems.append(Problem(P.FORMAT, f"tensor {key}: {what} ({where}) differs from the copy read "
+                                        f"(elements {list(diff.slab.offsets)}+{list(diff.slab.sizes)}); a "
+                                        f"replicated tensor must be the same on every rank", where, key))
+            except CkptkitError as exc:
+                where = opened.source.label(copy.pieces[0].location.file) if copy.pieces else opened.path
+                problems.append(Problem(P.UNREADABLE, f"tensor {key} ({what}): {exc}", where, key))
+    return problems
+
+
+def _same_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    import torch
+
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+class _Differs(Exception):
+    def __init__(self, slab: Box) -> None:
+        super().__init__()
+        self.slab = slab
 
 
 def _safetensors_library_check(opened: Opened) -> list[Problem]:

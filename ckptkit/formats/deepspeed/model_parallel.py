@@ -8,7 +8,8 @@ shape whose pieces point straight into the rank files (no hidden per-rank entrie
 * split along `dim`: rank r's slice is the box at r * local along `dim`;
 * fused blocks (Megatron's QKV: rank r holds [q_r; k_r; v_r]): each rank contributes one box per
   block, at the block's start + r * its local size, so one rank gives several pieces;
-* replicated: rank 0's pieces (the others' copies are the same bytes; `verify --deep` checks it).
+* replicated: rank 0's pieces; the other ranks' copies must be the same bytes, which
+  `verify --deep` checks (`ModelParallelInfo.replica_entries`).
 
 A local piece (a flat ZeRO range, or a whole module tensor) becomes flat ranges of the full
 tensor when the split dimension has only size-1 dimensions before it (dim 0), else row-major
@@ -45,6 +46,13 @@ class ModelParallelInfo:
     dp: int
     ranks: dict[int, Any] = field(default_factory=dict)     # mp rank -> ZeroInfo
     splits: dict[str, TpSplit] = field(default_factory=dict)
+    # key of a replicated tensor -> (mp rank, that rank's copy) for ranks 1.. (the index reads rank 0's)
+    replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
+
+    def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
+        """key -> [(what, entry)]: other copies that must hold the same bytes (verify --deep)."""
+        return {key: [(f"model-parallel rank {rank}'s copy", e) for rank, e in copies]
+                for key, copies in self.replicas.items()}
 
 
 @dataclass(frozen=True)
@@ -71,13 +79,17 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
         index.files.update(sub.files)
         index.checks.extend(sub.checks)
     splits: dict[str, TpSplit] = {}
+    replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
     aliases = []
     for key, e0 in first.tensors.items():
         if "alias_of" in e0.attrs:
             aliases.append(e0)
             continue
         entries = [_same_entry(subs, r, key, e0, files, source) for r in range(tp)]
-        index.add_tensor(_full_entry(entries, _param_name(e0), first, chain, splits, tp))
+        full = _full_entry(entries, _param_name(e0), first, chain, splits, tp)
+        index.add_tensor(full)
+        if full.attrs["parallel"]["tp"]["dim"] is None:
+            replicas[key] = list(enumerate(entries))[1:]
     for e0 in aliases:
         owner = index.tensors.get(e0.attrs["alias_of"])
         if owner is not None:
@@ -89,7 +101,8 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
     index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "mp_world_size": tp}
     index.metadata["parallel"] = {"tp": tp, "dp": dp}
-    index.native = ModelParallelInfo(tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits)
+    index.native = ModelParallelInfo(tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits,
+                                     replicas=replicas)
     return index
 
 
