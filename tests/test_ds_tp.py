@@ -262,3 +262,21 @@ def test_verify_deep_finds_a_replicated_copy_that_differs(tmp_path):
     _, problems = verify(str(d), deep=True)
     assert any("model.final_layernorm.weight: model-parallel rank 1's copy" in p and "differs" in p
                for p in problems), problems
+
+
+@pytest.mark.parametrize("name", AUTOTP[-1:] + MPU[:1])
+def test_convert_to_fsdp2_loads_in_torch_dcp(name, tmp_path):
+    """convert --to fsdp2 at 2 ranks (FSDP2's Shard(0) of the full tensors): torch's own DCP loader
+    gives back DeepSpeed's full masters and moments."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptkit.ops.convert import convert
+
+    out = tmp_path / "dcp"
+    convert(str(DATA / name), str(out), "fsdp2", world_size=2)
+    truth = _truth(name)
+    params = [k[len("fp32."):] for k in truth if k.startswith("fp32.")]
+    model = {p: torch.empty_like(truth[f"fp32.{p}"]) for p in params}
+    dcp.load({"model": model}, checkpoint_id=str(out), no_dist=True)
+    for p in params:
+        assert torch.equal(model[p], truth[f"fp32.{p}"]), p
