@@ -42,7 +42,8 @@ STRUCTURAL_KEYS = {"module", "buffer_names", "param_shapes", "frozen_param_shape
                    "shared_params", "optimizer"}
 DS_KEYS = {"lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
            "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-           "checkpoint_parallel_dimensions", "universal_checkpoint_info", "iteration", "compression"}
+           "checkpoint_parallel_dimensions", "universal_checkpoint_info", "iteration", "compression",
+           "num_experts", "ds_autoep_layers"}  # the last two: MoE checkpoints (moe.py)
 
 
 def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None = None) -> CheckpointIndex:
