@@ -61,6 +61,7 @@ def test_reader_equals_deepspeed_truth(name):
         assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}}
     assert "parallel" not in index.tensors["model.moe.deepspeed_moe.gate.wg.weight"].attrs
     assert objects["ds.global_steps"] == truth["global_steps"] == 2
+    assert objects["ds.num_experts"] == [4] and "client.num_experts" not in objects
     moe_groups = [g for g in range(4) if objects.get(f"optim.param_groups.{g}.moe")]
     listed = [n for g in moe_groups for n in objects[f"optim.param_groups.{g}.params"]]
     assert sorted(listed) == sorted(p for p in params if p.startswith(EXPERT))
@@ -160,3 +161,13 @@ def test_rewriting_the_zero_layout_is_refused(tmp_path, args):
     res = _cli(command, MOE_DATA / FIXTURES[0], tmp_path / "o", *rest)
     _one_sentence_exit_2(res, "mixture-of-experts", "not supported yet")
     assert not (tmp_path / "o").exists()
+
+
+def test_autoep_checkpoint_is_refused(tmp_path):
+    """AutoEP experts (fused experts.w1/w2/w3, recorded in ds_autoep_layers) are another layout."""
+    src, tag = _copy(tmp_path)
+    path = tag / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)  # our own fixture, re-saved with one value changed
+    state["ds_autoep_layers"] = [{"moe_layer_id": 0, "module_path": "moe", "num_experts": 4, "ep_size": 2}]
+    torch.save(state, path)
+    _one_sentence_exit_2(_cli("inspect", src), "AutoEP", "not supported yet")

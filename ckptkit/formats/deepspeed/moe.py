@@ -92,6 +92,9 @@ def read_experts(source: Source, index: CheckpointIndex, stage: int, ranks: Rank
     dense groups, for the reader's usual path, and every group with the experts' global names,
     for the param-group listing."""
     files = ranks.files
+    if m0.get("ds_autoep_layers"):
+        raise UnsupportedError(f"{label}: records AutoEP layers (ds_autoep_layers): checkpoints of DeepSpeed's "
+                               f"AutoEP experts are not supported yet, only deepspeed.moe.layer.MoE")
     if stage == 3:
         raise UnsupportedError(f"{source.label(files.prefix + files.expert_files[0])}: mixture-of-experts "
                                f"checkpoints at ZeRO stage 3 are not supported yet")
