@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckptkit.ops.consolidate import consolidate
-from conftest import DATA, assert_tensor_equal, read_all
+from conftest import DATA, assert_tensor_equal, read_all, subprocess_env
+from ds_helpers import needs_deepspeed
 
 MOE_DATA = DATA / "ds_moe"
 FIXTURES = sorted(p.name for p in MOE_DATA.glob("moe_*") if p.is_dir()) if MOE_DATA.is_dir() else []
@@ -37,6 +38,17 @@ def test_fixtures_cover_both_expert_dp_sizes():
     """World 2 (expert-dp 1) and world 4 (expert-dp 2: expert groups partitioned over 2 ranks)."""
     assert {_info(n)["expert_dp_size"] for n in FIXTURES} == {1, 2}
     assert {_info(n)["stage"] for n in FIXTURES} == {1, 2}
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_rank_to_expert_groups_as_deepspeed_made_them(name):
+    """moe.py's rank r = ep rank r % E, expert-dp rank r // E: what DeepSpeed's groups reported."""
+    from ckptkit.formats.deepspeed.moe import ExpertLayout
+
+    info = _info(name)
+    layout = ExpertLayout(ep=info["ep_size"], world=info["world_size"], layers={"moe": info["num_experts"]})
+    for rank, seen in info["ranks"].items():
+        assert layout.rank(seen["ep_rank"], seen["expert_dp_rank"]) == int(rank)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -171,3 +183,31 @@ def test_autoep_checkpoint_is_refused(tmp_path):
     state["ds_autoep_layers"] = [{"moe_layer_id": 0, "module_path": "moe", "num_experts": 4, "ep_size": 2}]
     torch.save(state, path)
     _one_sentence_exit_2(_cli("inspect", src), "AutoEP", "not supported yet")
+
+
+LOAD_STRICT = r"""
+import sys
+sys.path.insert(0, "fixtures")
+from safetensors.torch import load_file
+import generate_ds_moe as g
+model = g.build_model(k=int(sys.argv[2]), ep_rank=0, ep_size=1)   # one process, all 4 experts
+model.load_state_dict(load_file(sys.argv[1]), strict=True)
+print("loaded", sum(1 for _ in model.parameters()))
+"""
+
+
+@needs_deepspeed
+def test_consolidated_experts_load_strictly_into_the_model_with_all_experts(tmp_path):
+    """The consolidated names and shapes are the model's own: DeepSpeed's MoE layer built with
+    ep_size 1 (every expert in one process, under its global id) takes them with strict=True."""
+    import subprocess
+    import sys
+
+    name = "moe_z2_fp32_w4_k1" if "moe_z2_fp32_w4_k1" in FIXTURES else FIXTURES[0]
+    consolidate(str(MOE_DATA / name), str(tmp_path / "out"))
+    env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", LOAD_STRICT, str(tmp_path / "out" / "model.safetensors"),
+                           str(_info(name)["k"])], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(DATA.parent.parent))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded 24" in proc.stdout
