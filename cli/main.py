@@ -450,7 +450,7 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 @cli.command(short_help="Rewrite a DCP or DeepSpeed checkpoint for a new world size.",
              epilog=examples("ckptkit reshard dcp_ckpt dcp_w4 --world-size 4",
                              "ckptkit reshard ds_ckpt ds_w3 --to 3 --from 2",
-                             "ckptkit reshard dcp_ckpt dcp_mesh --to mesh=dp_shard:4,tp:2"))
+                             "ckptkit reshard dcp_ckpt dcp_hsdp --to mesh=dp_replicate:2,dp_shard:2"))
 @click.argument("src")
 @click.argument("out")
 @click.option("--world-size", "world_size", type=int, default=None, metavar="M", help="Target world size.")
