@@ -65,12 +65,14 @@ class ExpertLayout:
         return f"{prefix}{MARK}{local + ep_rank * self.local_experts(prefix)}.{rest}"
 
 
-def split_expert_name(name: str) -> tuple[str, int, str]:
-    """(MoE module prefix, expert id, parameter) of an expert parameter's name."""
-    prefix, _, tail = name.partition(MARK)
+def split_expert_name(name: str, where: str = "param_shapes") -> tuple[str, int, str]:
+    """(MoE module prefix, expert id, parameter) of an expert parameter's name (`where`: the file
+    that names it, for the error)."""
+    prefix, marked, tail = name.partition(MARK)
     expert, _, rest = tail.partition(".")
-    if not _ or not expert.isdigit() or not rest:
-        raise FormatError(f"expert parameter {quote(name)} is not named <moe>{MARK}<id>.<param>")
+    if not marked or not expert.isdigit() or not rest:
+        raise FormatError(f"{where}: expert parameter {quote(name)} is not named <moe>{MARK}<id>.<param> "
+                          f"(the names deepspeed.moe.layer.MoE gives its experts)")
     return prefix, int(expert), rest
 
 
@@ -152,7 +154,7 @@ def _layout(source: Source, files: ZeroFiles, ranks: RankFiles, groups_meta: lis
     prefixes: list[str] = []
     for group in expert_groups:
         for name in group.names:
-            if (prefix := split_expert_name(name)[0]) not in prefixes:
+            if (prefix := split_expert_name(name, label)[0]) not in prefixes:
                 prefixes.append(prefix)
     num_experts = m0.get("num_experts")
     if not isinstance(num_experts, list) or len(num_experts) != len(prefixes) or \
