@@ -19,7 +19,11 @@ from conftest import DATA, assert_tensor_equal, read_all
 from helpers_corrupt import run_cli
 
 PP_DATA = DATA / "ds_pp"
-FIXTURES = sorted(p.name for p in PP_DATA.iterdir() if p.is_dir()) if PP_DATA.exists() else []
+ALL = sorted(p.name for p in PP_DATA.iterdir() if p.is_dir()) if PP_DATA.exists() else []
+# ZeRO stage 1, and stage 0 with bf16 (DeepSpeed's BF16_Optimizer); stage 0 in fp32 is refused
+REFUSED = [n for n in ALL if json.loads((PP_DATA / n / "fixture.json").read_text())["zero_optimizer"]
+           .endswith(".FusedAdam")]
+FIXTURES = [n for n in ALL if n not in REFUSED]
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no pipeline fixtures (run fixtures/generate_ds_pp.py)")
 INDEX_KEY = {"fp32": "model.{}", "exp_avg": "optim.state.{}.exp_avg", "exp_avg_sq": "optim.state.{}.exp_avg_sq",
              "frozen": "model.{}", "buffer": "model.{}", "module": "ds_module.{}"}
@@ -58,11 +62,16 @@ def test_index_equals_deepspeed_truth(name):
     assert {k[len("model."):] for k in index.tensors if k.startswith("model.")} == names
     assert objects["ds.global_steps"] == truth["global_steps"] == index.step == 2
     assert objects["client.epoch"] == 3
-    assert objects["optim.param_groups.0.lr"] == truth["lr.0.0"] == truth["lr.1.0"]
+    assert {objects["optim.param_groups.0.lr"]} == {truth[f"lr.{s}.0"] for s in range(info["pp"])}
     params = objects["optim.param_groups.0.params"]
     assert params.count("tied_modules.embed.weight") == 1 and "4.weight" in params and "1.fc_in.weight" in params
-    layers = index.metadata["deepspeed"]["pipeline"]["layers"]
-    assert layers == {"0": 0, "1": 0, "2": 0, "3": 1, "4": 1}  # layer 5 (the tied head) has no file
+    # each layer file with its stage, as PipelineModule partitioned them (the tied head, layer 5,
+    # has a file only when it is the module itself: variant "tiedhead")
+    parts, tag = info["parts"], PP_DATA / name / "global_step2"
+    assert index.metadata["deepspeed"]["pipeline"]["layers"] == {
+        str(layer): s for s in range(info["pp"]) for layer in range(parts[s], parts[s + 1])
+        if (tag / f"layer_{layer:02d}-model_states.pt").exists()}
+    assert (tag / "layer_05-model_states.pt").exists() == (info.get("variant") == "tiedhead")
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -169,3 +178,19 @@ def test_broken_pipeline_checkpoints_are_named(tmp_path, case, message):
         lines = [line for line in res.output.splitlines() if line.strip() and "UserWarning" not in line
                  and "parse_args" not in line and "make_parser" not in line]
         assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), res.output
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_zero0_fp32_pipeline_is_refused(name):
+    """ZeRO 0 in fp32: DeepSpeed keeps the torch optimizer's state in the model-states files."""
+    res = run_cli("inspect", PP_DATA / name)
+    assert res.code == 2 and "a pipeline checkpoint without ZeRO" in res.output and "Traceback" not in res.output
+
+
+def test_bf16_optimizer_is_read_as_its_flat_partitions():
+    """BF16_Optimizer saves no param_shapes: names and shapes come from param_slice_mappings and
+    the layer files, and the index says which optimizer wrote it."""
+    opened, _, objects = read_all(PP_DATA / "pp2_dp2_z0_bf16")
+    meta = opened.index.metadata["deepspeed"]
+    assert meta["optimizer"] == "BF16_Optimizer" and meta["stage"] == 0 and meta["dtype"] == "bfloat16"
+    assert objects["ds.zero_stage"] == 0

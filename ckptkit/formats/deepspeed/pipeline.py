@@ -24,8 +24,10 @@ copies agree); it appears once, from the lowest stage. The layer files give `ds_
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import CkptkitError, FormatError, UnsupportedError, quote
 from ...index.state_keys import model_key, model_path
@@ -35,7 +37,7 @@ from ...safeload import TensorRef
 from ...storage.source import Source
 from . import reader as zero
 from .entries import entry, tensor_of
-from .files import ZeroFiles, locate, looks_like_tag_folder, read_latest
+from .files import MODEL_STATES, OPTIM_STATES, ZeroFiles, locate, looks_like_tag_folder, read_latest
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
 
@@ -60,37 +62,50 @@ def layer_files(files: ZeroFiles) -> dict[int, str]:
     return {int(m.group(1)): name for name in files.extra if (m := LAYER_FILE.match(name))}
 
 
-def detect(source: Source, tag: str | None = None) -> bool:
-    """The tag folder (`--tag`, else the folder given when it holds rank files, else `latest`'s)
-    holds per-layer files. Anything odd is left to the ZeRO reader, which names it: this only
-    lists folders and never reports a problem itself."""
+def _tag_listing(source: Source, tag: str | None) -> tuple[str, list[str]] | None:
+    """(prefix, names) of the tag folder (`--tag`, else the folder given when it holds rank
+    files, else `latest`'s); None when there is none. It only lists folders and never reports a
+    problem itself: anything odd is left to the ZeRO reader, which names it."""
     try:
         names = source.listdir("")
-        if tag is None and not looks_like_tag_folder(names):
+        if tag is None and looks_like_tag_folder(names) or tag is None and any(LAYER_FILE.match(n) for n in names):
+            return "", names
+        if tag is None:
             if "latest" not in names or source.isdir("latest"):
-                return False
+                return None
             tag = read_latest(source)
-        if tag is not None:
-            if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not source.isdir(tag):
-                return False
-            names = source.listdir(tag)
+        if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not source.isdir(tag):
+            return None
+        return tag + "/", source.listdir(tag)
     except CkptkitError:
-        return False
-    return any(LAYER_FILE.match(name) for name in names)
+        return None
+
+
+def detect(source: Source, tag: str | None = None) -> bool:
+    """The tag folder holds per-layer files: a PipelineModule's checkpoint."""
+    listing = _tag_listing(source, tag)
+    return listing is not None and any(LAYER_FILE.match(name) for name in listing[1])
 
 
 def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     """One index for the whole pipeline: every stage's ZeRO state under global names."""
+    listing = _tag_listing(source, tag)
+    if listing is not None and not any(OPTIM_STATES.match(n) for n in listing[1]) \
+            and any(MODEL_STATES.match(n) for n in listing[1]):
+        raise UnsupportedError(f"{source.label(listing[0])}: a pipeline checkpoint without ZeRO (stage 0 in fp32 "
+                               f"keeps the torch optimizer's state in the mp_rank_XX_model_states.pt files) is not "
+                               f"supported yet")
     files = locate(source, tag)
     _refuse_tensor_parallel(source, files)
     per_stage = getattr(files, "model_parallel", None) or {0: files}  # mp rank = stage (tp 1)
-    stages = {s: _read_stage(source, sub) for s, sub in sorted(per_stage.items())}
+    opened = _open_layers(source, files)
+    stages = {s: _read_stage(source, sub, opened) for s, sub in sorted(per_stage.items())}
     layers = _assign_layers(source, files, stages)
     pp, dp = len(stages), stages[0].info.world_size
     index = CheckpointIndex(format=zero.FORMAT, root=source.root, world_size=pp * dp)
     owner: dict[str, int] = {}
     for s, stage in stages.items():
-        _add_layer_files(source, files, stage, [layer for layer, at in layers.items() if at == s])
+        _add_layer_files(source, stage, [(layer, opened[layer]) for layer, at in layers.items() if at == s])
         _merge(index, stage.index, s, pp, owner)
     first = stages[0].index
     index.step = first.step
@@ -125,7 +140,28 @@ class _Stage:
     label: str                      # its model-states file
 
 
-def _read_stage(source: Source, files: ZeroFiles) -> _Stage:
+@dataclass(frozen=True, kw_only=True)
+class _LayerFile:
+    """One opened `layer_XX-model_states.pt`: the layer's state dict (local names), lazily loaded."""
+
+    rel: str
+    archive: Archive
+    state: dict
+
+
+def _open_layers(source: Source, files: ZeroFiles) -> dict[int, _LayerFile]:
+    opened = {}
+    for layer, name in sorted(layer_files(files).items()):
+        rel = files.prefix + name
+        archive = open_archive(source, rel)
+        state = load_structure(archive, eager=False)
+        if not isinstance(state, dict):
+            raise FormatError(f"{archive.label}: is a {type(state).__name__}, expected a layer's state dict")
+        opened[layer] = _LayerFile(rel=rel, archive=archive, state=state)
+    return opened
+
+
+def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile]) -> _Stage:
     """The ZeRO reader's steps for one stage, without `module` (None: the layer files hold it)."""
     archives: dict[str, Archive] = {}
     optim = zero._load_ranks(source, files, files.optim_files, archives)
@@ -135,7 +171,8 @@ def _read_stage(source: Source, files: ZeroFiles) -> _Stage:
                           f"pipeline stage {getattr(files, 'mp_rank', 0)} could be read")
     first_optim = source.label(files.prefix + files.optim_files[min(optim)])
     osd0 = entry(optim[min(optim)], "optimizer_state_dict", first_optim)
-    stage = zero._stage(osd0, first_optim)
+    bf16_optimizer = _is_bf16_optimizer(osd0)
+    stage = 1 if bf16_optimizer else zero._stage(osd0, first_optim)
     world = max(files.optim_files) + 1
     m0_name = files.prefix + files.model_files[min(model)]
     m0 = model[min(model)]
@@ -147,17 +184,20 @@ def _read_stage(source: Source, files: ZeroFiles) -> _Stage:
     index = zero._new_index(source, archives, world)
     buffers = list(entry(m0, "buffer_names", label))
     param_shapes = entry(m0, "param_shapes", label)
+    if param_shapes is None and bf16_optimizer:  # not saved without ZeRO: the optim files' slice maps say it
+        param_shapes = _bf16_param_shapes(files, optim, layers, first_optim)
     if not isinstance(param_shapes, list):
         raise FormatError(f"{label}: param_shapes must be a list of per-group shape maps")
     groups_meta, groups = zero._stage12_groups(osd0, param_shapes, first_optim)
     read_flat_groups(index, stage, RankFiles(files=files, archives=archives, optim=optim, world_size=world),
                      groups, stage_names(stage))
     zero._param_groups(index, groups_meta, groups)
-    zero._objects(index, stage, archives[m0_name], m0, optim[min(optim)])
+    zero._objects(index, 0 if bf16_optimizer else stage, archives[m0_name], m0, optim[min(optim)])
     steps = index.objects.get("ds.global_steps")
     index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
-    index.metadata["deepspeed"] = {"stage": stage, "world_size": world, "tag": files.tag,
-                                   "bf16_file_prefix": files.bf16_prefix, "dtype": "float32"}
+    index.metadata["deepspeed"] = {"stage": 0 if bf16_optimizer else stage, "world_size": world, "tag": files.tag,
+                                   "bf16_file_prefix": files.bf16_prefix, "dtype": "float32",
+                                   "optimizer": "BF16_Optimizer" if bf16_optimizer else "ZeRO"}
     index.metadata["consolidate_dtype"] = "float32"
     shapes = {name: shape for group in groups for name, shape in group.params}
     info = ZeroInfo(stage=stage, world_size=world, files=files, groups=groups, frozen={}, buffers=buffers,
@@ -165,6 +205,52 @@ def _read_stage(source: Source, files: ZeroFiles) -> _Stage:
                     archives=archives, param_group_count=len(groups_meta))
     return _Stage(stage=getattr(files, "mp_rank", 0), index=index, info=info, owned=set(shapes), shapes=shapes,
                   buffers=buffers, label=label)
+
+
+def _is_bf16_optimizer(osd: Any) -> bool:
+    """DeepSpeed's BF16_Optimizer (ZeRO stage 0 with bf16 in a pipeline): no zero_stage, but the
+    ZeRO-1 layout itself (flat fp32 partitions per group, padded to 2 * dp, equal shares)."""
+    return (isinstance(osd, dict) and "zero_stage" not in osd and isinstance(osd.get("base_optimizer_state"), dict)
+            and isinstance(osd.get("single_partition_of_fp32_groups"), list) and "partition_count" in osd)
+
+
+def _bf16_param_shapes(files: ZeroFiles, optim: dict[int, Any], layers: dict[int, _LayerFile],
+                       label: str) -> list[dict[str, tuple[int, ...]]]:
+    """BF16_Optimizer's groups as param_shapes would list them: each group's names in flat order
+    from the ranks' `param_slice_mappings` (name -> (numel, start) of the rank's share), each
+    shape from the layer file holding it (`<layer>.<param>`), a tied module's from the layer file
+    whose local name and element count match; the ranks' element counts must add up to it."""
+    maps = {rank: entry(entry(state, "optimizer_state_dict", label), "param_slice_mappings", label)
+            for rank, state in sorted(optim.items())}
+    groups = len(next(iter(maps.values())))
+    out: list[dict[str, tuple[int, ...]]] = []
+    for g in range(groups):
+        numels: dict[str, int] = {}
+        for rank, mapping in maps.items():
+            if not isinstance(mapping, list) or g >= len(mapping) or not isinstance(mapping[g], dict):
+                raise FormatError(f"{label}: rank {rank}'s param_slice_mappings has no group {g}")
+            for name, address in mapping[g].items():
+                numel = getattr(address, "numel", None)
+                if not isinstance(numel, int) or numel < 0:
+                    raise FormatError(f"{label}: param_slice_mappings[{g}][{name}] is not a fragment address")
+                numels[str(name)] = numels.get(str(name), 0) + numel
+        out.append({name: _shape_from_layers(name, numel, layers, label) for name, numel in numels.items()})
+    return out
+
+
+def _shape_from_layers(name: str, numel: int, layers: dict[int, _LayerFile], label: str) -> tuple[int, ...]:
+    parts = _layer_names(name)
+    if parts is not None:
+        candidates = [layers[parts[0]].state.get(parts[1])] if parts[0] in layers else []
+    else:
+        local = name.split(".", 2)[-1] if name.startswith("tied_modules.") else name
+        candidates = [f.state.get(local) for f in layers.values()]
+    shapes = {tuple(ref.size) for ref in candidates if isinstance(ref, TensorRef) and math.prod(ref.size) == numel}
+    if len(shapes) != 1:
+        found = "no layer file holds it" if not shapes else f"layer files give shapes {sorted(shapes)}"
+        raise FormatError(f"{label}: parameter {name} has {numel} elements in the ranks' param_slice_mappings, and "
+                          f"{found}")
+    return shapes.pop()
 
 
 def _layer_names(name: str) -> tuple[int, str] | None:
@@ -196,16 +282,11 @@ def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage]) 
     return dict(sorted(layers.items()))
 
 
-def _add_layer_files(source: Source, files: ZeroFiles, stage: _Stage, layers: list[int]) -> None:
+def _add_layer_files(source: Source, stage: _Stage, layers: list[tuple[int, _LayerFile]]) -> None:
     """Each layer file's tensors under global names: buffers and frozen params as `model.<name>`,
     every weight as `ds_module.<name>`; a shape that disagrees with param_shapes is refused."""
-    on_disk = layer_files(files)
-    for layer in layers:
-        rel = files.prefix + on_disk[layer]
-        archive = open_archive(source, rel)
-        state = load_structure(archive, eager=False)
-        if not isinstance(state, dict):
-            raise FormatError(f"{archive.label}: is a {type(state).__name__}, expected a layer's state dict")
+    for layer, opened in layers:
+        rel, archive, state = opened.rel, opened.archive, opened.state
         stage.index.files[rel] = source.size(rel)
         stage.index.checks.extend(archive.checks())
         prefix = _global_prefix(archive.label, layer, list(state), stage)
