@@ -17,7 +17,7 @@ from conftest import DATA, assert_tensor_equal, read_all, subprocess_env
 from ds_helpers import needs_deepspeed
 
 MOE_DATA = DATA / "ds_moe"
-FIXTURES = sorted(p.name for p in MOE_DATA.glob("moe_*") if p.is_dir()) if MOE_DATA.is_dir() else []
+FIXTURES = sorted(p.name for p in MOE_DATA.glob("moe*") if p.is_dir()) if MOE_DATA.is_dir() else []
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no MoE fixtures (run fixtures/generate_ds_moe.py)")
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts."
 
@@ -57,7 +57,8 @@ def test_reader_equals_deepspeed_truth(name):
     opened, tensors, objects = read_all(MOE_DATA / name)
     index = opened.index
     params = _params(truth)
-    assert sum(1 for p in params if p.startswith(EXPERT)) == 4 * 4  # every global expert's 4 params
+    experts = [4] + ([info["second_moe_experts"]] if info.get("second_moe_experts") else [])
+    assert sum(1 for p in params if ".deepspeed_experts." in p) == 4 * sum(experts)  # 4 params per expert
     compared = 0
     for pname in params:
         assert_tensor_equal(tensors[f"model.{pname}"], truth[f"fp32.{pname}"], pname)
@@ -68,15 +69,17 @@ def test_reader_equals_deepspeed_truth(name):
         compared += 1
     assert compared == len(params) == len([k for k in index.tensors if k.startswith("model.")])
     assert index.metadata["parallel"] == {"ep": 2, "dp": info["world_size"]}
-    for e in range(4):
-        entry = index.tensors[f"model.{EXPERT}{e}.fc1.weight"]
-        assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}}
+    for prefix, count in zip(("moe", "moe2"), experts):
+        for e in range(count):
+            for kind in ("model", "ds_module"):
+                entry = index.tensors[f"{kind}.{prefix}.deepspeed_moe.experts.deepspeed_experts.{e}.fc1.weight"]
+                assert entry.attrs["parallel"] == {"ep": {"rank": e // (count // 2), "size": 2}}
     assert "parallel" not in index.tensors["model.moe.deepspeed_moe.gate.wg.weight"].attrs
     assert objects["ds.global_steps"] == truth["global_steps"] == 2
-    assert objects["ds.num_experts"] == [4] and "client.num_experts" not in objects
+    assert objects["ds.num_experts"] == experts and "client.num_experts" not in objects
     moe_groups = [g for g in range(4) if objects.get(f"optim.param_groups.{g}.moe")]
     listed = [n for g in moe_groups for n in objects[f"optim.param_groups.{g}.params"]]
-    assert sorted(listed) == sorted(p for p in params if p.startswith(EXPERT))
+    assert sorted(listed) == sorted(p for p in params if ".deepspeed_experts." in p)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -190,24 +193,26 @@ import sys
 sys.path.insert(0, "fixtures")
 from safetensors.torch import load_file
 import generate_ds_moe as g
-model = g.build_model(k=int(sys.argv[2]), ep_rank=0, ep_size=1)   # one process, all 4 experts
+second = int(sys.argv[3]) or None
+model = g.build_model(k=int(sys.argv[2]), ep_rank=0, ep_size=1, second_moe=second)   # one process, all experts
 model.load_state_dict(load_file(sys.argv[1]), strict=True)
-print("loaded", sum(1 for _ in model.parameters()))
+print("loaded", sum(1 for _ in model.parameters()), "of", len(load_file(sys.argv[1])))
 """
 
 
 @needs_deepspeed
-def test_consolidated_experts_load_strictly_into_the_model_with_all_experts(tmp_path):
+@pytest.mark.parametrize("name", [n for n in ("moe_z2_fp32_w4_k1", "moe2_z2_fp32_w2_k1") if n in FIXTURES])
+def test_consolidated_experts_load_strictly_into_the_model_with_all_experts(tmp_path, name):
     """The consolidated names and shapes are the model's own: DeepSpeed's MoE layer built with
     ep_size 1 (every expert in one process, under its global id) takes them with strict=True."""
     import subprocess
     import sys
 
-    name = "moe_z2_fp32_w4_k1" if "moe_z2_fp32_w4_k1" in FIXTURES else FIXTURES[0]
     consolidate(str(MOE_DATA / name), str(tmp_path / "out"))
     env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run([sys.executable, "-c", LOAD_STRICT, str(tmp_path / "out" / "model.safetensors"),
-                           str(_info(name)["k"])], env=env, capture_output=True, text=True, timeout=300,
+                           str(_info(name)["k"]), str(_info(name).get("second_moe_experts") or 0)], env=env, capture_output=True, text=True, timeout=300,
                           cwd=str(DATA.parent.parent))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "loaded 24" in proc.stdout
+    count = len(_params(_truth(name)))
+    assert f"loaded {count} of {count}" in proc.stdout, proc.stdout
