@@ -9,7 +9,8 @@ split, which the files rarely record. A rules file maps name patterns to splits 
       {"pattern": "re:.*norm\\.(weight|bias)$", "split": "replicated"}
     ]}
 
-(or the same as TOML, `[[rules]]` tables). `pattern` is an fnmatch glob over the parameter name
+(or the same as TOML, `[[rules]]` tables; `"builtin": false` at the top leaves the built-in rules
+out, so a name no rule of the file matches is an error). `pattern` is an fnmatch glob over the parameter name
 (`*` also matches dots); a pattern starting with `re:` is a Python regular expression that must
 match the whole name. `split` is a dimension or "replicated"; `fused` is the number of equal fused
 blocks (Q, K, V: 3) or the list of their sizes along `dim` in the full tensor, each tp rank holding
@@ -161,8 +162,8 @@ def builtin_rules() -> TpRules:
 
 
 def load_rules(path: str | None) -> TpRules:
-    """The rules of `path` (JSON, or TOML by a .toml suffix) followed by the built-in ones; None:
-    the built-in ones alone."""
+    """The rules of `path` (JSON, or TOML by a .toml suffix) followed by the built-in ones (unless
+    the file says "builtin": false); None: the built-in ones alone."""
     if path is None:
         return builtin_rules()
     file = Path(path)
@@ -172,8 +173,12 @@ def load_rules(path: str | None) -> TpRules:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--tp-rules {quote(path)}: cannot be read ({exc})") from None
-    own = parse_rules(_parse_text(text, quote(path), file.suffix.lower() == ".toml"), f"rules file {quote(path)}")
-    return own.then(builtin_rules())
+    data = _parse_text(text, quote(path), file.suffix.lower() == ".toml")
+    own = parse_rules(data, f"rules file {quote(path)}")
+    builtin = data.get("builtin", True) if isinstance(data, dict) else True
+    if not isinstance(builtin, bool):
+        raise FormatError(f"rules file {quote(path)}: \"builtin\" must be true or false")
+    return own.then(builtin_rules()) if builtin else own
 
 
 # The rules file the command line named (--tp-rules), for readers not handed rules explicitly.

@@ -86,7 +86,7 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
             aliases.append(e0)
             continue
         entries = [_same_entry(subs, r, key, e0, files, source) for r in range(tp)]
-        full = _full_entry(entries, _param_name(e0), first, chain, splits, tp)
+        full = _full_entry(entries, _param_name(e0), first, chain, splits, tp, label)
         index.add_tensor(full)
         if full.attrs["parallel"]["tp"]["dim"] is None:
             replicas[key] = list(enumerate(entries))[1:]
@@ -129,13 +129,13 @@ def _param_name(e: TensorEntry) -> str | None:
 
 
 def _full_entry(entries: list[TensorEntry], name: str | None, first: CheckpointIndex, rules: TpRules,
-                splits: dict[str, TpSplit], tp: int) -> TensorEntry:
+                splits: dict[str, TpSplit], tp: int, label: str) -> TensorEntry:
     e0 = entries[0]
     param = first.tensors.get(f"model.{name}") if name is not None else None
     shaped_like_param = param is not None and tuple(param.shape) == tuple(e0.shape) and len(e0.shape) > 0
     if not shaped_like_param and not (name is not None and e0.key.startswith("ds_module.")):
         return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)   # a whole value (a 0-d step): as rank 0's
-    split = splits.get(name) or _decide(rules, name, [e.shape for e in entries])
+    split = splits.get(name) or _decide(rules, name, [e.shape for e in entries], label)
     splits[name] = split
     if split.kind == "replicated":
         return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)
@@ -156,12 +156,12 @@ def _full_entry(entries: list[TensorEntry], name: str | None, first: CheckpointI
     return _with_tp(e0, pieces, full, dim, tp, split)
 
 
-def _decide(rules: TpRules, name: str, shapes: list[tuple[int, ...]]) -> TpSplit:
+def _decide(rules: TpRules, name: str, shapes: list[tuple[int, ...]], label: str) -> TpSplit:
     split = rules.find(name)
     if split is None:
         per_rank = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(shapes))
-        raise UnsupportedError(f"tensor-parallel checkpoint: no split rule decides {quote(name)} (its slices: "
-                               f"{per_rank}), and the checkpoint records none; {HOW_TO}")
+        raise UnsupportedError(f"{label}: tensor-parallel checkpoint: no split rule decides {quote(name)} (its "
+                               f"slices: {per_rank}), and the checkpoint records none; {HOW_TO}")
     return split
 
 
