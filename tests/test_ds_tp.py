@@ -280,3 +280,67 @@ def test_convert_to_fsdp2_loads_in_torch_dcp(name, tmp_path):
     dcp.load({"model": model}, checkpoint_id=str(out), no_dist=True)
     for p in params:
         assert torch.equal(model[p], truth[f"fp32.{p}"]), p
+
+
+def _fetch_with(rules_text: str, tmp_path: Path, key: str) -> torch.Tensor:
+    from ckptkit.convert.tp_rules import load_rules
+    from ckptkit.formats.deepspeed.reader import read_index
+    from ckptkit.index.types import Box
+    from ckptkit.runner.fetch import Fetcher
+    from ckptkit.storage.source import open_source
+
+    rules_file = tmp_path / "rules.json"
+    rules_file.write_text(rules_text)
+    source = open_source(str(DATA / MPU[0]))
+    index = read_index(source, tp_rules=load_rules(str(rules_file)))
+    entry = index.tensors[key]
+    return Fetcher(source, index=index).fetch(entry, Box.whole(entry.shape))
+
+
+@pytest.mark.parametrize("rule,key,dim,sizes", [
+    # listed block sizes along dim 0 (grouped-query attention's Q/K/V of different widths)
+    ('{"pattern": "*.dense_h_to_4h.weight", "fused": [8, 24], "dim": 0}',
+     "model.layers.0.mlp.dense_h_to_4h.weight", 0, [4, 12]),
+    # equal blocks along dim 1: each rank's blocks are strided boxes of its slice
+    ('{"pattern": "*.dense_4h_to_h.weight", "fused": 2, "dim": 1}',
+     "optim.state.layers.0.mlp.dense_4h_to_h.weight.exp_avg", 1, [8, 8]),
+])
+def test_fused_rules_place_each_block_of_each_rank(rule, key, dim, sizes, tmp_path):
+    """Real slices read under a fused rule land where the rule says: block b of the full tensor is
+    [rank 0's part of b; rank 1's part of b] along `dim` (checked against DeepSpeed's slices)."""
+    got = _fetch_with('{"rules": [%s]}' % rule, tmp_path, key)
+    truth = _truth(MPU[0])
+    kind = "exp_avg" if key.endswith(".exp_avg") else "fp32"
+    param = key[len("model."):] if kind == "fp32" else key[len("optim.state."):-len(".exp_avg")]
+    slices = [truth[f"slice.tp{r}.{kind}.{param}"] for r in range(2)]
+    parts = [s.split(sizes, dim=dim) for s in slices]
+    want = torch.cat([torch.cat([p[b] for p in parts], dim=dim) for b in range(len(sizes))], dim=dim)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, torch.cat(slices, dim=dim))
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"rules": [{"pattern": "re:(", "split": 0}]}', "is not a regular expression"),
+    ('{"rules": [{"pattern": "x", "split": 0, "fused": 2}]}', "give exactly one of"),
+    ('{"rules": [{"pattern": "x", "dims": 0}]}', r"unknown field\(s\) \['dims'\]"),
+    ('{"rules": [{"pattern": "x", "fused": [4, 0]}]}', "fused must be a count"),
+    ('{"rules": [{"split": 0}]}', 'with a "pattern" string'),
+    ('{"builtin": "no", "rules": []}', '"builtin" must be true or false'),
+    ('{"rules": [', "is not valid JSON"),
+])
+def test_bad_rules_files_are_named(text, message, tmp_path):
+    from ckptkit.convert.tp_rules import load_rules
+    from ckptkit.errors import FormatError
+
+    f = tmp_path / "rules.json"
+    f.write_text(text)
+    with pytest.raises(FormatError, match=message):
+        load_rules(str(f))
+
+
+def test_a_rule_splitting_a_missing_dimension_is_refused(tmp_path):
+    from ckptkit.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match=r"splits dimension 2 of 'layers.0.mlp.dense_h_to_4h.weight'"):
+        _fetch_with('{"rules": [{"pattern": "*.dense_h_to_4h.weight", "split": 2}]}', tmp_path,
+                    "model.layers.0.mlp.dense_h_to_4h.weight")
