@@ -95,6 +95,17 @@ def test_reshard_to_mesh_is_what_torch_writes(resharded, name):
     assert len(ref_values) >= 68
 
 
+def test_reshard_of_a_mesh_reshard_is_still_torchs_layout(resharded, tmp_path):
+    """ckptkit's own output is a source like torch's: its mesh is inferred again and the state
+    dict's order is kept (planner_data), so a second reshard matches torch's save at that mesh."""
+    reshard(str(resharded["ref_fsdp_tp_d4t2"]), str(tmp_path / "again"), "mesh=dp_shard:1,tp:4")
+    got, want = _dcp_items(tmp_path / "again"), _dcp_items(MESH / "ref_fsdp_tp_d1t4")
+    assert got[0] == want[0] and got[1] == want[1]
+    for item, expected in want[2].items():
+        if isinstance(expected, torch.Tensor):
+            assert_tensor_equal(got[2][item], expected, str(item))
+
+
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_source_mesh_is_inferred_from_the_chunks(name):
     from ckptkit.formats.registry import open_checkpoint

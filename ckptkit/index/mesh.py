@@ -23,6 +23,7 @@ which every tensor's chunks (boxes, and the rank files holding them) are what to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterable, Sequence
 
 from ..errors import UnsupportedError, UsageError
@@ -57,13 +58,14 @@ def _torch_chunk(indices: Sequence[int], k: int) -> list[Sequence[int]]:
     return [indices[i * step:(i + 1) * step] if step else indices[0:0] for i in range(k)]
 
 
-def _strided_indices(n: int, k: int, rank: int, split_factor: int) -> list[int]:
+@lru_cache(maxsize=4096)
+def _strided_indices(n: int, k: int, rank: int, split_factor: int) -> tuple[int, ...]:
     """_StridedShard(split_factor).local_shard_size_and_offset(ALL): chunk into split_factor
     pieces, each into k; rank `rank` gets its piece of every one, in order."""
     out: list[int] = []
     for first in _torch_chunk(range(n), split_factor):
         out.extend(_torch_chunk(first, k)[rank])
-    return out
+    return tuple(out)
 
 
 def mesh_placements(mesh: MeshSpec, placement: Placement) -> list[tuple[str, int, int]]:
@@ -108,6 +110,32 @@ def local_box(shape: tuple[int, ...], mesh: MeshSpec, rank: int, placement: Plac
             raise UnsupportedError(f"{key}: on {mesh} rank {rank} holds rows that are not contiguous, which "
                                    f"DCP cannot record as one chunk")
     return Box(tuple(starts), tuple(local))
+
+
+def rank_boxes(shape: tuple[int, ...], mesh: MeshSpec, placement: Placement, key: str = "") -> list[Box]:
+    """Every rank's box (ranks that differ only on dims the placement replicates share one);
+    remembered per (shape, mesh, placement): a model has few distinct ones."""
+    try:
+        return _rank_boxes(shape, mesh, placement)
+    except UnsupportedError:
+        return list(_rank_boxes.__wrapped__(shape, mesh, placement, key))  # raises, naming the tensor
+
+
+@lru_cache(maxsize=1024)
+def _rank_boxes(shape: tuple[int, ...], mesh: MeshSpec, placement: Placement, key: str = "") -> list[Box]:
+    if not placement.param:
+        whole = Box.whole(shape)
+        return [whole] * mesh.world_size
+    kinds = mesh_placements(mesh, placement)
+    out: list[Box] = []
+    seen: dict[tuple[int, ...], Box] = {}
+    for rank in range(mesh.world_size):
+        coords = mesh.coordinates(rank)
+        sig = tuple(coords[name] for (name, _), (k, _, _) in zip(mesh.dims, kinds) if k != "R")
+        if sig not in seen:
+            seen[sig] = local_box(shape, mesh, rank, placement, key)
+        out.append(seen[sig])
+    return out
 
 
 # ------------------------------------------------------------------ torch's dedup of replicated items
@@ -164,10 +192,13 @@ def mesh_layout(index: CheckpointIndex, mesh: MeshSpec, placements: dict[str, Pl
     keys = [k for k in order if k in index.tensors or k in index.objects]
     keys += [k for k in list(index.tensors) + list(index.objects) if k not in set(keys)]
     boxes: dict[str, list[Box]] = {}
+    by_kind: dict[tuple[tuple[int, ...], Placement], list[Box]] = {}  # tensors of one shape share boxes
     for key, entry in index.tensors.items():
         p = placements.get(key, PLAIN)
-        boxes[key] = [local_box(entry.shape, mesh, r, p, key) if p.param else Box.whole(entry.shape)
-                      for r in range(mesh.world_size)]
+        kind = (entry.shape, p)
+        if kind not in by_kind:
+            by_kind[kind] = rank_boxes(entry.shape, mesh, p, key)
+        boxes[key] = by_kind[kind]
     # torch counts a chunk as its whole tensor's bytes (WriteItem.tensor_storage_size uses the
     # global size), and a value as nothing: dedup_save_plans then counts it as 1
     sizes = {key: _numel(entry.shape) * itemsize(entry.dtype) for key, entry in index.tensors.items()}
@@ -231,8 +262,7 @@ def _fits(entry: TensorEntry, mesh: MeshSpec, placement: Placement) -> bool:
     same non-empty boxes, each in the file of a rank that holds it."""
     shape = entry.shape
     holders: dict[Box, set[int]] = {}
-    for r in range(mesh.world_size):
-        box = local_box(shape, mesh, r, placement, entry.key) if placement.param else Box.whole(shape)
+    for r, box in enumerate(rank_boxes(shape, mesh, placement, entry.key)):
         holders.setdefault(box, set()).add(r)
     want = {b for b in holders if b.numel}
     got = {}
