@@ -344,3 +344,37 @@ def test_a_rule_splitting_a_missing_dimension_is_refused(tmp_path):
     with pytest.raises(UnsupportedError, match=r"splits dimension 2 of 'layers.0.mlp.dense_h_to_4h.weight'"):
         _fetch_with('{"rules": [{"pattern": "*.dense_h_to_4h.weight", "split": 2}]}', tmp_path,
                     "model.layers.0.mlp.dense_h_to_4h.weight")
+
+
+def test_recorded_universal_checkpoint_info_is_read_in_ds_to_universal_order():
+    """The keys Megatron-DeepSpeed and AutoTP write (deepspeed/checkpoint/constants.py), read as
+    ds_to_universal's merge_tp_slices does: re.match patterns, replicated before the others, any
+    other parameter along dim 0; AutoTP's unsupported patterns refuse by name."""
+    from ckptkit.convert.tp_rules import recorded_rules
+    from ckptkit.errors import UnsupportedError
+
+    info = {"tp_replicated_parameter_patterns": [r"\w+\.\d+\.input_layernorm\.weight"],
+            "parameter_to_average_patterns": [r"tied_modules\.embed\.word_embeddings\.norm\.weight"],
+            "parameter_with_row_parallelism_patterns": [r"\w+\.\d+\.mlp\.dense_4h_to_h\.weight",
+                                                        r"\w+\.\d+\.input_layernorm\.weight"],
+            "parameter_with_2_sub_params_cat_dim_0": [r"\w+\.\d+\.mlp\.dense_h_to_4h\.weight"],
+            "parameter_with_sub_params": [{"patterns": [r".*qkv\.weight$"], "shape": [[16, 8, 8], -1],
+                                           "partition_dim": 0}],
+            "vocabulary_parameter_patterns": [r"tied_modules\.embed\.word_embeddings\.weight"],
+            "autotp_unsupported_parameter_patterns": {r"^odd\.weight$": "uneven head split"}}
+    rules = recorded_rules(info, "ckpt")
+    got = {n: (rules.decide(n, None).kind, rules.decide(n, None).dim, rules.decide(n, None).parts,
+               rules.decide(n, None).count)
+           for n in ["layers.3.input_layernorm.weight", "tied_modules.embed.word_embeddings.norm.weight",
+                     "layers.3.mlp.dense_4h_to_h.weight", "layers.3.mlp.dense_h_to_4h.weight", "attn.qkv.weight",
+                     "tied_modules.embed.word_embeddings.weight", "layers.3.attention.dense.weight"]}
+    assert got == {"layers.3.input_layernorm.weight": ("replicated", None, None, None),
+                   "tied_modules.embed.word_embeddings.norm.weight": ("replicated", None, None, None),
+                   "layers.3.mlp.dense_4h_to_h.weight": ("split", 1, None, None),
+                   "layers.3.mlp.dense_h_to_4h.weight": ("fused", 0, None, 2),
+                   "attn.qkv.weight": ("fused", 0, (16, 8, 8), None),
+                   "tied_modules.embed.word_embeddings.weight": ("split", 0, None, None),
+                   "layers.3.attention.dense.weight": ("split", 0, None, None)}
+    with pytest.raises(UnsupportedError, match="records 'odd.weight' as not convertible"):
+        rules.decide("odd.weight", None)
+    assert recorded_rules({"universal_checkpoint_version": 0.4}, "ckpt") is None

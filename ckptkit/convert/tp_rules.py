@@ -76,9 +76,15 @@ class TpRule:
 class TpRules:
     rules: tuple[TpRule, ...]
     source: str = "built-in rules"
+    refusals: tuple[tuple[str, str], ...] = ()   # (pattern, why): what the checkpoint says cannot be converted
 
     def find(self, name: str) -> TpSplit | None:
-        """The first rule matching `name`, or None."""
+        """The first rule matching `name`, or None; UnsupportedError for a parameter the
+        checkpoint itself records as not convertible."""
+        for pattern, why in self.refusals:
+            if re.match(pattern, name):
+                raise UnsupportedError(f"{self.source}: records {quote(name)} as not convertible ({quote(why, 200)}); "
+                                       f"its tensor-parallel slices cannot be joined")
         for rule in self.rules:
             if rule.matches(name):
                 return rule.split
@@ -99,7 +105,8 @@ class TpRules:
 
     def then(self, other: "TpRules") -> "TpRules":
         """These rules first, then `other`'s."""
-        return TpRules(self.rules + other.rules, f"{self.source}, then the {other.source}")
+        return TpRules(self.rules + other.rules, f"{self.source}, then the {other.source}",
+                       self.refusals + other.refusals)
 
 
 def parse_rules(data: Any, where: str) -> TpRules:
@@ -200,15 +207,26 @@ def chosen_rules_file() -> str | None:
 def recorded_rules(info: Any, where: str) -> TpRules | None:
     """Rules from what DeepSpeed recorded (`universal_checkpoint_info`: Megatron-DeepSpeed's or
     AutoTP's pattern lists), or None when it records no tp patterns. ds_to_universal's own order:
-    replicated patterns, row-parallel (dim 1), fused sub-params, vocabulary (dim 0), else dim 0."""
+    replicated, averaged (read as replicated), 2 sub-params along dim 0, sub-params, row-parallel
+    (dim 1), vocabulary (dim 0), else dim 0; patterns match as `re.match`. Its `affine_map` (AutoTP)
+    and `sub_param_shard_widths` are not read; `autotp_unsupported_parameter_patterns` refuse."""
     if not isinstance(info, dict):
         return None
     lists = ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
-             "vocabulary_parameter_patterns", "parameter_with_sub_params", "parameter_with_2_sub_params_cat_dim_0")
+             "vocabulary_parameter_patterns", "parameter_with_sub_params", "parameter_with_2_sub_params_cat_dim_0",
+             "parameter_to_average_patterns")
     if not any(k in info for k in lists):
         return None
     rules: list[TpRule] = []
     what = f"{where}: universal_checkpoint_info"
+    for pat in info.get("tp_replicated_parameter_patterns") or []:
+        rules.append(TpRule(RECORDED + pat, TpSplit("replicated", None, rule=f"{what} replicated {pat}"), what))
+    for pat in info.get("parameter_to_average_patterns") or []:
+        # ds_to_universal averages these over the tp ranks (copies that may drift apart); the
+        # index reads rank 0's and verify --deep reports copies that differ
+        rules.append(TpRule(RECORDED + pat, TpSplit("replicated", None, rule=f"{what} averaged {pat}"), what))
+    for pat in info.get("parameter_with_2_sub_params_cat_dim_0") or []:
+        rules.append(TpRule(RECORDED + pat, TpSplit("fused", 0, None, f"{what} 2 sub-params {pat}", count=2), what))
     for sub in info.get("parameter_with_sub_params") or []:
         if not isinstance(sub, dict):
             continue
@@ -216,16 +234,17 @@ def recorded_rules(info: Any, where: str) -> TpRules | None:
         shape = sub.get("shape") or []
         sizes = shape[dim] if isinstance(dim, int) and dim < len(shape) else None
         parts = tuple(int(s) for s in sizes) if isinstance(sizes, (list, tuple)) else None
+        if not isinstance(dim, int) or (parts is None and not (isinstance(sizes, int) and sizes >= 1)):
+            raise FormatError(f"{what}: parameter_with_sub_params entry {sub!r:.120} has no partition_dim "
+                              f"and sub-param sizes ckptkit can read")
         for pat in sub.get("patterns") or []:
-            rules.append(TpRule(RECORDED + pat, TpSplit("fused", int(dim), parts, f"{what} sub-params {pat}",
-                                                     count=None if parts else int(sizes or 1)), what))
-    for pat in info.get("parameter_with_2_sub_params_cat_dim_0") or []:
-        rules.append(TpRule(RECORDED + pat, TpSplit("fused", 0, None, f"{what} 2 sub-params {pat}", count=2), what))
-    for pat in info.get("tp_replicated_parameter_patterns") or []:
-        rules.append(TpRule(RECORDED + pat, TpSplit("replicated", None, rule=f"{what} replicated {pat}"), what))
+            rules.append(TpRule(RECORDED + pat, TpSplit("fused", dim, parts, f"{what} sub-params {pat}",
+                                                     count=None if parts else int(sizes)), what))
     for pat in info.get("parameter_with_row_parallelism_patterns") or []:
         rules.append(TpRule(RECORDED + pat, TpSplit("split", 1, rule=f"{what} row-parallel {pat}"), what))
     for pat in info.get("vocabulary_parameter_patterns") or []:
         rules.append(TpRule(RECORDED + pat, TpSplit("split", 0, rule=f"{what} vocabulary {pat}"), what))
     rules.append(TpRule("*", TpSplit("split", 0, rule=f"{what} (any other parameter: dim 0)"), what))
-    return TpRules(tuple(rules), what)
+    unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
+    refusals = tuple((str(p), str(why)) for p, why in unsupported.items()) if isinstance(unsupported, dict) else ()
+    return TpRules(tuple(rules), what, refusals)
