@@ -378,3 +378,27 @@ def test_recorded_universal_checkpoint_info_is_read_in_ds_to_universal_order():
     with pytest.raises(UnsupportedError, match="records 'odd.weight' as not convertible"):
         rules.decide("odd.weight", None)
     assert recorded_rules({"universal_checkpoint_version": 0.4}, "ckpt") is None
+
+
+@pytest.mark.skipif(not AUTOTP, reason="no AutoTP fixture (its generation failed: see VERSIONS.json 'failed')")
+def test_autotp_consolidated_loads_into_the_full_hf_model(tmp_path):
+    """The consolidated safetensors of an AutoTP checkpoint carry HF's names and the full shapes:
+    the un-sharded LlamaForCausalLM the fixture was built from loads it strictly."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from ckptkit.ops.consolidate import consolidate
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_ds_tp", DATA.parent.parent / "generate_ds_tp.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)   # its LLAMA: the LlamaConfig the fixtures were built from
+    name = AUTOTP[0]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**generator.LLAMA))
+    consolidate(str(DATA / name), str(tmp_path / "st"))
+    state = load_file(tmp_path / "st" / "model.safetensors")
+    model.load_state_dict(state, strict=True)
+    truth = _truth(name)
+    for p, t in model.state_dict().items():
+        assert torch.equal(t, truth[f"fp32.{p}"]), p
