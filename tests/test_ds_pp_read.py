@@ -7,6 +7,7 @@ buffers) and gathered. Names are PipelineModule's: `<layer>.<param>`, `tied_modu
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -194,3 +195,28 @@ def test_bf16_optimizer_is_read_as_its_flat_partitions():
     meta = opened.index.metadata["deepspeed"]
     assert meta["optimizer"] == "BF16_Optimizer" and meta["stage"] == 0 and meta["dtype"] == "bfloat16"
     assert objects["ds.zero_stage"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
+def test_consolidated_weights_load_strictly_into_pipeline_module_and_train(tmp_path):
+    """The names are PipelineModule's own: its full (one-stage) module loads them strictly,
+    holds DeepSpeed's truth bit for bit, and DeepSpeed trains a step from it (~20 s)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, subprocess_env
+
+    name = "pp2_dp2_z1_fp32"
+    consolidate(str(PP_DATA / name), str(tmp_path / "out"))
+    result = tmp_path / "result.json"
+    cmd = [sys.executable, str(ROOT / "tests" / "dist" / "ds_pp_load_check.py"), "--weights",
+           str(tmp_path / "out" / "model.safetensors"), "--truth", str(PP_DATA / f"{name}.truth.pt"),
+           "--result", str(result)]
+    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                          timeout=300)
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["compared"] == 16 and not r["mismatches"] and not r["missing"] and not r["unexpected"], r
+    assert "tied_modules.embed.weight" in r["keys"] and "2.frozen.weight" in r["keys"]
+    assert 0 < r["loss"] < 10
