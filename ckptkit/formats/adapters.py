@@ -19,7 +19,9 @@ from .dcp import reader as dcp_reader
 from .dcp.writer import write_dcp
 from .deepspeed import files as ds_files
 from .deepspeed import pipeline as ds_pipeline
+from .deepspeed import moe as ds_moe
 from .deepspeed import reader as ds_reader
+from .deepspeed.moe_writer import write_moe_zero
 from .deepspeed.writer import write_zero, write_zero_files
 from .protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Capabilities, DcpTarget,
                         OutTensor, SafetensorsTarget, TorchSaveTarget, ZeroTarget, ZeroTemplatesTarget)
@@ -31,7 +33,7 @@ from .torch_save.writer import write_torch_save
 
 if TYPE_CHECKING:
     from ..context import RunContext
-    from ..index.parallel_spec import MeshSpec
+    from ..index.parallel_spec import MeshSpec, ParallelSizes
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
@@ -116,7 +118,20 @@ class DeepSpeedFormat:
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
         ds_pipeline.refuse_pipeline_reshard(opened.source.root, opened.index)  # no per-stage writer yet
+        if ds_moe.is_moe(opened.index):  # experts keep the source's ep size (moe_writer.target_sizes)
+            return write_moe_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
+
+    def reshard_parallel(self, opened: Any, out: object, sizes: "ParallelSizes", ctx: "RunContext") -> list[str]:
+        """`--to tp=..,pp=..,ep=..,dp=..`: the writer of the source's kind lays it out."""
+        index = opened.index
+        ds_pipeline.refuse_pipeline_reshard(opened.source.root, index)
+        if ds_moe.is_moe(index):  # mixture of experts: ep=E',dp=W'
+            return write_moe_zero(out, index, opened.source, sizes, ctx=ctx)
+        if sizes.tp == sizes.pp == sizes.ep == 1:  # dp alone: a world size
+            return self.reshard(opened, out, sizes.dp, ctx)
+        raise UnsupportedError(f"--to {sizes}: not supported yet for this DeepSpeed checkpoint (ep=... needs a "
+                               f"mixture-of-experts source)")
 
 
 class TorchSaveFormat(_CannotReshard):

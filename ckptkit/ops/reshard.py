@@ -45,8 +45,7 @@ def reshard(src: str, out: str, to: "int | str | MeshSpec | ParallelSizes",
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     index = opened.index
     if isinstance(to, ParallelSizes):
-        raise UnsupportedError(f"--to {to}: model-parallel sizes are not supported yet for {index.format} "
-                               f"checkpoints (reshard takes a world size, or mesh=... for DCP)")
+        return _reshard_parallel(opened, src, out, to, expect_from, ctx)
     if isinstance(to, MeshSpec):
         return _reshard_mesh(opened, src, out, to, expect_from, ctx, tp_rules)
     if isinstance(expect_from, MeshSpec):
@@ -80,6 +79,29 @@ def reshard(src: str, out: str, to: "int | str | MeshSpec | ParallelSizes",
     ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),
                          index.total_tensor_bytes)
+
+
+def _reshard_parallel(opened, src: str, out: str, sizes: ParallelSizes, expect_from: "int | MeshSpec | None",
+                      ctx: RunContext) -> ReshardResult:
+    """DeepSpeed's parallel sizes (`tp=2,dp=4`, `ep=4,dp=8`): the format's `reshard_parallel`
+    picks the writer of the source's kind (mixture of experts, tensor parallel)."""
+    index = opened.index
+    fmt = format_of(index)
+    from .lightning_folder import is_folder
+
+    if opened.trainer is not None or is_folder(opened) or not hasattr(fmt, "reshard_parallel"):
+        what = ("an HF Trainer folder" if opened.trainer is not None else "a Lightning folder" if is_folder(opened)
+                else f"{index.format} checkpoints")
+        raise UnsupportedError(f"--to {sizes}: model-parallel sizes are not supported yet for {what} (reshard "
+                               f"takes a world size, or mesh=... for DCP)")
+    if expect_from is not None and not isinstance(expect_from, MeshSpec) and index.world_size != expect_from:
+        raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
+    ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{sizes}")
+    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+        files = fmt.reshard_parallel(opened, target, sizes, ctx)
+    ctx.progress.close()
+    return ReshardResult(out, index.format, index.world_size, sizes.world_size, files, len(index.tensors),
+                         index.total_tensor_bytes, [f"target {sizes}"])
 
 
 def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int | MeshSpec | None",
