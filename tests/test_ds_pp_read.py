@@ -71,8 +71,8 @@ def test_index_equals_deepspeed_truth(name):
     parts, tag = info["parts"], PP_DATA / name / "global_step2"
     assert index.metadata["deepspeed"]["pipeline"]["layers"] == {
         str(layer): s for s in range(info["pp"]) for layer in range(parts[s], parts[s + 1])
-        if (tag / f"layer_{layer:02d}-model_states.pt").exists()}
-    assert (tag / "layer_05-model_states.pt").exists() == (info.get("variant") == "tiedhead")
+        if any(tag.glob(f"layer_{layer:02d}-*model_states.pt"))}
+    assert any(tag.glob("layer_05-*model_states.pt")) == (info.get("variant") == "tiedhead")
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -159,12 +159,20 @@ def _wrong_shape(tag):
     ("missing_stage_optim", r"no \*_optim_states.pt files of model-parallel rank 1"),
     ("wrong_shape", r"layer_01-model_states.pt: fc_in.weight has shape \[7, 8\], but pipeline stage 0's "
                     r"param_shapes says 1.fc_in.weight is \[6, 8\]"),
+    # Megatron-DeepSpeed's topology names layer files `-model_00`
+    ("mptopo_missing_layer", r"layer_04-model_00-model_states.pt: file is missing \(pipeline stage 1 holds layer 4's"),
+    ("mptopo_tp_layer_file", r"layer_01-model_01-model_states.pt: pipeline checkpoints with tensor parallelism \(per-layer "
+                             r"files of model rank 1\) are not supported yet"),
 ])
 def test_broken_pipeline_checkpoints_are_named(tmp_path, case, message):
     import re
 
-    d, tag = _copy(tmp_path)
-    if case == "missing_layer":
+    d, tag = _copy(tmp_path, "pp2_dp2_z1_fp32_mptopo" if case.startswith("mptopo") else "pp2_dp2_z1_fp32")
+    if case == "mptopo_missing_layer":
+        (tag / "layer_04-model_00-model_states.pt").unlink()
+    elif case == "mptopo_tp_layer_file":
+        shutil.copy(tag / "layer_01-model_00-model_states.pt", tag / "layer_01-model_01-model_states.pt")
+    elif case == "missing_layer":
         (tag / "layer_03-model_states.pt").unlink()
     elif case == "missing_stage_optim_rank":
         (tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()

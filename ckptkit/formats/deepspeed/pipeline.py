@@ -5,8 +5,9 @@ What DeepSpeed writes in the tag folder (ZeRO stage 0/1 only: PipelineEngine ref
                                                 layer index; local names, e.g. `fc_in.weight`),
                                                 written by data-parallel rank 0 of its stage; a
                                                 tied layer with a forward_fn (a functools.partial)
-                                                has none. With tensor parallelism the name gets
-                                                `-model_YY` (not read yet).
+                                                has none. A topology with a `model` axis (tensor
+                                                parallelism, Megatron-DeepSpeed's) adds `-model_YY`:
+                                                read for YY 00 only (tp 1).
   mp_rank_SS_model_states.pt                    one per stage S (`module` is None; buffer_names,
                                                 param_shapes with the stage's global names)
   [bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   one per (data-parallel rank D, stage S): each
@@ -58,8 +59,11 @@ class PipelineInfo:
 
 
 def layer_files(files: ZeroFiles) -> dict[int, str]:
-    """layer index -> file name, of the tag folder's names the ZeRO file scan left over."""
-    return {int(m.group(1)): name for name in files.extra if (m := LAYER_FILE.match(name))}
+    """layer index -> file name, of the tag folder's names the ZeRO file scan left over: model
+    rank 0's (`-model_00`, which a topology with a `model` axis always writes, Megatron-DeepSpeed's
+    among them); another model rank's are refused by read_index."""
+    return {int(m.group(1)): name for name in files.extra
+            if (m := LAYER_FILE.match(name)) and int(m.group(2) or 0) == 0}
 
 
 def _tag_listing(source: Source, tag: str | None) -> tuple[str, list[str]] | None:
@@ -121,7 +125,7 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
 def _refuse_tensor_parallel(source: Source, files: ZeroFiles) -> None:
     for name in files.extra:
         m = LAYER_FILE.match(name)
-        if m and m.group(2) is not None:
+        if m and int(m.group(2) or 0) != 0:
             raise UnsupportedError(f"{source.label(files.prefix + name)}: pipeline checkpoints with tensor "
                                    f"parallelism (per-layer files of model rank {int(m.group(2))}) are not "
                                    f"supported yet")
@@ -272,7 +276,8 @@ def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage]) 
     for layer, s in sorted(known.items()):
         if layer not in on_disk:
             names = [n for n in [*stages[s].shapes, *stages[s].buffers] if (_layer_names(n) or (None,))[0] == layer]
-            raise FormatError(f"{source.label(files.prefix + f'layer_{layer:02d}-model_states.pt')}: file is missing "
+            model = "-model_00" if any(LAYER_FILE.match(n).group(2) for n in on_disk.values()) else ""
+            raise FormatError(f"{source.label(files.prefix + f'layer_{layer:02d}{model}-model_states.pt')}: file is missing "
                               f"(pipeline stage {s} holds layer {layer}'s {', '.join(names[:3])})")
     layers = dict(known)
     for layer in sorted(on_disk):
