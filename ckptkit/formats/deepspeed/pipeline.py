@@ -96,9 +96,9 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     listing = _tag_listing(source, tag)
     if listing is not None and not any(OPTIM_STATES.match(n) for n in listing[1]) \
             and any(MODEL_STATES.match(n) for n in listing[1]):
-        raise UnsupportedError(f"{source.label(listing[0])}: a pipeline checkpoint without ZeRO (stage 0 in fp32 "
-                               f"keeps the torch optimizer's state in the mp_rank_XX_model_states.pt files) is not "
-                               f"supported yet")
+        raise UnsupportedError(f"{source.label(listing[0])}: a pipeline checkpoint without ZeRO optim-states files "
+                               f"(ZeRO stage 0 in fp32 or fp16 keeps the optimizer's state in the "
+                               f"mp_rank_XX_model_states.pt files) is not supported yet")
     files = locate(source, tag)
     _refuse_tensor_parallel(source, files)
     per_stage = getattr(files, "model_parallel", None) or {0: files}  # mp rank = stage (tp 1)
