@@ -241,3 +241,21 @@ def test_torch_job_loads_mesh_reshard_and_trains(tmp_path, source, target):
     doc = json.loads(result.read_text())
     assert doc["ok"], doc
     assert doc["world_size"] == 4 and doc["compared"] == 68 and not doc["mismatches"] and doc["trained_step"]
+
+
+def test_inspect_shows_the_mesh_and_each_tensors_tp_split():
+    from ckptkit.formats.registry import open_checkpoint
+
+    tp = open_checkpoint(str(MESH / "fsdp_tp_d2t2")).index
+    assert tp.metadata["mesh"] == "dp_shard:2,tp:2" and tp.metadata["parallel"] == {"tp": 2, "dp": 2}
+    assert tp.tensors["model.layers.0.mlp.down.weight"].attrs["parallel"] == {"tp": {"dim": 1, "size": 2}}
+    assert tp.tensors["optim.state.embed.weight.exp_avg"].attrs["parallel"] == {"tp": {"dim": 0, "size": 2}}
+    assert tp.tensors["model.norm.weight"].attrs["parallel"] == {"tp": {"dim": None, "size": 2}}
+    assert "parallel" not in tp.tensors["optim.state.norm.weight.step"].attrs
+    hsdp = open_checkpoint(str(MESH / "hsdp_r2s2")).index
+    assert hsdp.metadata["mesh"] == "dp_replicate:2,dp_shard:2" and "parallel" not in hsdp.metadata
+    plain = open_checkpoint(str(DATA / "fsdp2_w3")).index
+    assert "mesh" not in plain.metadata and not any("parallel" in e.attrs for e in plain.tensors.values())
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "inspect", str(MESH / "fsdp_tp_d2t2")], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert "parallel    tp 2 x dp 2" in proc.stdout and "tp dim 1/2" in proc.stdout and "tp replicated/2" in proc.stdout

@@ -248,7 +248,12 @@ def check_mesh(mesh: MeshSpec) -> None:
 
 def _owner_rank(entry: TensorEntry, piece_index: int) -> int | None:
     """The rank whose `__{rank}_0.distcp` file holds a piece, if the file is named that way."""
-    name = str(entry.pieces[piece_index].location.file)
+    return _rank_of_file(entry.pieces[piece_index].location.file)
+
+
+@lru_cache(maxsize=65536)
+def _rank_of_file(name: str) -> int | None:
+    name = str(name)
     if name.startswith("__") and name.endswith(".distcp"):
         try:
             return int(name[2:].split("_")[0])
@@ -370,3 +375,54 @@ def target_placements(index: CheckpointIndex, source: dict[str, Placement], sour
         shape = model_entry.shape if model_entry is not None else index.tensors[key].shape
         out[key] = Placement(True, tp_dim_for(name, shape))
     return out
+
+
+def annotate(index: CheckpointIndex) -> MeshSpec | None:
+    """Mark a DCP index saved on a 2-D/3-D mesh (HSDP, FSDP2 + TP) for `inspect`: the inferred
+    mesh in `metadata["mesh"]`; with tp, the sizes in `metadata["parallel"]` (tp, dp) and each
+    parameter's and optimizer state's `attrs["parallel"]["tp"]` (dim None: replicated). A folder
+    that is plain FSDP2 `Shard(0)` (checked first, cheaply) or fits no mesh is left as it is."""
+    world = index.world_size or 1
+    if world < 2 or not index.tensors:
+        return None
+    if _plain_fsdp2(index, world):
+        return None
+    try:
+        found, placements = infer_source_mesh(index)
+    except UnsupportedError:
+        return None
+    tp = found.size("tp")
+    if tp == 1 and found.size("dp_replicate") == 1:
+        return None
+    if tp > 1:
+        index.metadata["parallel"] = {"tp": tp, "dp": found.size("dp_replicate") * found.size("dp_shard")}
+    index.metadata["mesh"] = str(found)[len("mesh="):]
+    if tp > 1:
+        for key, p in placements.items():
+            if p.param:
+                index.tensors[key].attrs["parallel"] = {"tp": {"dim": p.tp_dim, "size": tp}}
+    return found
+
+
+def _plain_fsdp2(index: CheckpointIndex, world: int) -> bool:
+    """Every tensor whole in one chunk, or FSDP2's Shard(0) at `world` with chunk r in rank r's file:
+    the common 1-D case, told in one pass (the mesh search is for the rest)."""
+    for entry in index.tensors.values():
+        pieces, shape = entry.pieces, entry.shape
+        if len(pieces) == 1 and isinstance(pieces[0].region, Box) and pieces[0].region.sizes == shape:
+            continue
+        if not shape:
+            return False
+        d0 = shape[0]
+        step = -(-d0 // world)
+        for i, piece in enumerate(pieces):
+            region = piece.region
+            if not isinstance(region, Box):
+                return False
+            if not region.numel:
+                continue
+            rank = _owner_rank(entry, i)
+            if rank is None or region.offsets[0] != rank * step or region.sizes[0] != min(step, d0 - rank * step) \
+                    or any(region.offsets[1:]) or region.sizes[1:] != shape[1:]:
+                return False
+    return True

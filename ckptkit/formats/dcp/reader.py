@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CkptkitError, FormatError, quote
-from ...index import problems
+from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
 from ...index.types import Box, CheckpointIndex, Encoding, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
@@ -116,6 +116,10 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
     _add_items(index, source, jobs, _read_items(source, jobs, parallel))
     ranks = [int(m.group(1)) for n in index.files if (m := _DATA_FILE.match(n))]
     index.world_size = max(ranks) + 1 if ranks else None
+    try:
+        mesh.annotate(index)  # saved on a 2-D mesh (HSDP, FSDP2 + TP): sizes and tp splits for inspect
+    except CkptkitError:  # a damaged folder (verify goes on reading it) is just not annotated
+        pass
     return index
 
 
