@@ -74,11 +74,17 @@ class DcpFormat:
         """DCP on a device mesh (FSDP2, HSDP, + TP), chunk for chunk as torch's dcp.save writes it;
         also says which source mesh the placements were read under."""
         from ..index import mesh as meshes
+        from ..index.parallel_spec import MeshSpec
 
         index = opened.index
         if source_mesh is None:
-            source_mesh, placements = meshes.infer_source_mesh(index)
-            how = "inferred"
+            try:
+                source_mesh, placements = meshes.infer_source_mesh(index)
+                how = "inferred"
+            except UnsupportedError:  # not torch's chunks for any mesh: no tp split to keep
+                placements = meshes.placements_by_role(index)
+                source_mesh = MeshSpec((("dp_shard", index.world_size or 1),))
+                how = "its chunks fit no mesh: parameters are those with optimizer state or split chunks, no tp"
         else:
             if source_mesh.world_size != (index.world_size or 1):
                 raise UsageError(f"{index.root}: was saved by {index.world_size} ranks, --from {source_mesh} has "
@@ -114,12 +120,12 @@ class DeepSpeedFormat:
         if isinstance(target, ZeroTemplatesTarget):
             return write_zero_files(out, target.index, target.source, target.info, target.world_size, target.tag,
                                     target.sub_group_size, ctx=ctx)
+        if ds_moe.is_moe(target.index):  # experts keep the source's ep size (moe_writer.target_sizes)
+            return write_moe_zero(out, target.index, target.source, target.world_size, ctx=ctx)
         return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
         ds_pipeline.refuse_pipeline_reshard(opened.source.root, opened.index)  # no per-stage writer yet
-        if ds_moe.is_moe(opened.index):  # experts keep the source's ep size (moe_writer.target_sizes)
-            return write_moe_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
 
     def reshard_parallel(self, opened: Any, out: object, sizes: "ParallelSizes", ctx: "RunContext") -> list[str]:

@@ -37,7 +37,8 @@ from .info import ZeroGroup, stage_names
 EXPERT_FILE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 MARK = ".deepspeed_moe.experts.deepspeed_experts."
 GROUP_NAME = re.compile(r"^ep_size_(\d+)$")
-NOT_RESHARDABLE = "resharding or converting a mixture-of-experts DeepSpeed checkpoint to ZeRO is not supported yet"
+NOT_RESHARDABLE = ("converting a mixture-of-experts DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
+                   "--to ep=...,dp=... rewrites it at new sizes)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +82,8 @@ def is_moe(index: CheckpointIndex) -> bool:
 
 
 def refuse_rewrite(index: CheckpointIndex) -> None:
-    """Writers that lay out ZeRO partitions call this: the expert groups' layout is not written yet."""
+    """convert --to zero* calls this: expert groups from a canonical state are not laid out yet
+    (reshard writes them from the source's own files: moe_writer.py)."""
     if is_moe(index):
         ep = index.metadata["deepspeed_moe"]["ep_size"]
         raise UnsupportedError(f"{index.root}: {NOT_RESHARDABLE} (expert-parallel size {ep}); consolidate it or "
