@@ -157,6 +157,8 @@ def _wrong_shape(tag):
     ("missing_stage_optim_rank", r"says dp_world_size 2, but the optim-states file of rank 1 is missing "
                                  r"\(zero_pp_rank_1_mp_rank_01_optim_states.pt\)"),
     ("missing_stage_optim", r"no \*_optim_states.pt files of model-parallel rank 1"),
+    ("missing_stage", r"mp_rank_00_model_states.pt: says the pipeline has 2 stages, but the model- and optim-states "
+                      r"files of stage\(s\) \[1\] \(mp_rank_01_...\) are missing"),
     ("wrong_shape", r"layer_01-model_states.pt: fc_in.weight has shape \[7, 8\], but pipeline stage 0's "
                     r"param_shapes says 1.fc_in.weight is \[6, 8\]"),
     # Megatron-DeepSpeed's topology names layer files `-model_00`
@@ -178,6 +180,9 @@ def test_broken_pipeline_checkpoints_are_named(tmp_path, case, message):
         (tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
     elif case == "missing_stage_optim":
         for f in tag.glob("zero_pp_rank_*_mp_rank_01_optim_states.pt"):
+            f.unlink()
+    elif case == "missing_stage":
+        for f in tag.glob("*mp_rank_01_*.pt"):
             f.unlink()
     elif case == "wrong_shape":
         _wrong_shape(tag)

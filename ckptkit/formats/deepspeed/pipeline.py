@@ -104,6 +104,7 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     per_stage = getattr(files, "model_parallel", None) or {0: files}  # mp rank = stage (tp 1)
     opened = _open_layers(source, files)
     stages = {s: _read_stage(source, sub, opened) for s, sub in sorted(per_stage.items())}
+    _check_stage_count(source, files, stages)
     layers = _assign_layers(source, files, stages)
     pp, dp = len(stages), stages[0].info.world_size
     index = CheckpointIndex(format=zero.FORMAT, root=source.root, world_size=pp * dp)
@@ -120,6 +121,18 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     index.metadata["parallel"] = {"pp": pp, "dp": dp}
     index.native = PipelineInfo(pp=pp, dp=dp, stages={s: st.info for s, st in stages.items()}, layers=layers)
     return index
+
+
+def _check_stage_count(source: Source, files: ZeroFiles, stages: dict[int, "_Stage"]) -> None:
+    """Every stage's files are there: the model-states file records the pipeline's size (a stage
+    whose files are all gone would otherwise leave its layer files looking like frozen layers)."""
+    m0 = stages[0].info.model_states[min(stages[0].info.model_states)]
+    dims = m0.get("checkpoint_parallel_dimensions") if isinstance(m0, dict) else None
+    pp = dims.get("pp_degree") if isinstance(dims, dict) else m0.get("mp_world_size")
+    if isinstance(pp, int) and pp > len(stages):
+        missing = [s for s in range(pp) if s not in stages]
+        raise FormatError(f"{stages[0].label}: says the pipeline has {pp} stages, but the model- and optim-states "
+                          f"files of stage(s) {missing} (mp_rank_{missing[0]:02d}_...) are missing")
 
 
 def _refuse_tensor_parallel(source: Source, files: ZeroFiles) -> None:
