@@ -259,3 +259,41 @@ def test_inspect_shows_the_mesh_and_each_tensors_tp_split():
     proc = subprocess.run([sys.executable, "-m", "cli.main", "inspect", str(MESH / "fsdp_tp_d2t2")], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert "parallel    tp 2 x dp 2" in proc.stdout and "tp dim 1/2" in proc.stdout and "tp replicated/2" in proc.stdout
+
+
+def test_source_whose_chunks_fit_no_mesh_is_laid_out_by_role(tmp_path):
+    """A DCP folder cut in a way no mesh cuts (here: uneven rows, written by ckptkit's writer) still
+    reshards to a mesh without tp: parameters are those with optimizer state, the rest plain."""
+    from ckptkit.context import RunContext
+    from ckptkit.formats.dcp.writer import write_dcp
+    from ckptkit.formats.registry import open_checkpoint
+    from ckptkit.index.layouts import Assignment, Layout
+    from ckptkit.index.types import Box
+    from ckptkit.runner.fetch import Fetcher
+    from ckptkit.storage.output import open_output
+
+    opened = open_checkpoint(str(MESH / "hsdp_r2s2"))
+    index = opened.index
+    layout = Layout(2)
+    for key, entry in index.tensors.items():
+        if len(entry.shape) and entry.shape[0] > 3:  # rows [0, 3) on rank 0, the rest on rank 1
+            rest = (entry.shape[0] - 3,) + tuple(entry.shape[1:])
+            layout.tensors[key] = [Assignment(0, Box((0,) * len(entry.shape), (3,) + tuple(entry.shape[1:]))),
+                                   Assignment(1, Box((3,) + (0,) * (len(entry.shape) - 1), rest))]
+        else:
+            layout.tensors[key] = [Assignment(0, Box.whole(entry.shape))]
+    with open_output(str(tmp_path / "odd"), overwrite=False) as out:
+        write_dcp(out, index, Fetcher(opened.source, index=index), layout, ctx=RunContext(), source=opened.source)
+    with pytest.raises(UnsupportedError):
+        meshes.infer_source_mesh(open_checkpoint(str(tmp_path / "odd")).index)
+    res = reshard(str(tmp_path / "odd"), str(tmp_path / "r1s4"), "mesh=dp_replicate:1,dp_shard:4")
+    assert "fit no mesh" in res.notes[0]
+    got, want = _dcp_items(tmp_path / "r1s4"), _dcp_items(MESH / "ref_hsdp_r1s4")
+    # every chunk torch's; each sharded chunk in torch's rank file. The file of an item every rank
+    # holds (steps, values) follows the state-dict order in planner_data, which ckptkit's writer of
+    # this odd source recorded in its own order, so those may sit in other (valid) files
+    assert {k: [c[:2] for c in cs] for k, cs in got[1].items()} == {k: [c[:2] for c in cs] for k, cs in want[1].items()}
+    assert {k: cs for k, cs in got[1].items() if len(cs) > 1} == {k: cs for k, cs in want[1].items() if len(cs) > 1}
+    for item, expected in want[2].items():
+        if isinstance(expected, torch.Tensor):
+            assert_tensor_equal(got[2][item], expected, str(item))

@@ -136,8 +136,8 @@ class DeepSpeedFormat:
             return write_moe_zero(out, index, opened.source, sizes, ctx=ctx)
         if sizes.tp == sizes.pp == sizes.ep == 1:  # dp alone: a world size
             return self.reshard(opened, out, sizes.dp, ctx)
-        raise UnsupportedError(f"--to {sizes}: not supported yet for this DeepSpeed checkpoint (ep=... needs a "
-                               f"mixture-of-experts source)")
+        raise UnsupportedError(f"--to {sizes}: not supported yet for {index.root} (ep=... needs a mixture-of-experts "
+                               f"checkpoint; give a world size to reshard its data-parallel ranks)")
 
 
 class TorchSaveFormat(_CannotReshard):

@@ -356,6 +356,19 @@ def _divisors(n: int) -> Iterable[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def placements_by_role(index: CheckpointIndex) -> dict[str, Placement]:
+    """Placements for a source whose chunks fit no mesh (cut into slabs, FSDP1's flat shards...):
+    a parameter (a tensor with optimizer state, or split across ranks) and its states are FSDP2
+    parameters with no tp split; anything else is plain. Only a target with tp needs more (rules)."""
+    out: dict[str, Placement] = {}
+    for name, keys in _groups(index).items():
+        is_param = not name.startswith("\0") and (
+            any(k.startswith(OPTIM_STATE) for k in keys) or any(len(index.tensors[k].pieces) > 1 for k in keys))
+        for key in keys:
+            out[key] = Placement(True, None) if is_param and index.tensors[key].shape else PLAIN
+    return out
+
+
 def target_placements(index: CheckpointIndex, source: dict[str, Placement], source_mesh: MeshSpec,
                       target: MeshSpec, tp_dim_for: Callable[[str, tuple[int, ...]], int | None] | None) -> dict[str, Placement]:
     """The target's placements: the source's where the source had tp; where it had none and the
