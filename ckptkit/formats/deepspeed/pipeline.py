@@ -239,7 +239,7 @@ def _bf16_param_shapes(files: ZeroFiles, optim: dict[int, Any], layers: dict[int
     whose local name and element count match; the ranks' element counts must add up to it."""
     maps = {rank: entry(entry(state, "optimizer_state_dict", label), "param_slice_mappings", label)
             for rank, state in sorted(optim.items())}
-    groups = len(next(iter(maps.values())))
+    groups = max(len(m) if isinstance(m, list) else 0 for m in maps.values())
     out: list[dict[str, tuple[int, ...]]] = []
     for g in range(groups):
         numels: dict[str, int] = {}
@@ -262,10 +262,13 @@ def _shape_from_layers(name: str, numel: int, layers: dict[int, _LayerFile], lab
     else:
         local = name.split(".", 2)[-1] if name.startswith("tied_modules.") else name
         candidates = [f.state.get(local) for f in layers.values()]
-    shapes = {tuple(ref.size) for ref in candidates if isinstance(ref, TensorRef) and math.prod(ref.size) == numel}
+    held = {tuple(ref.size) for ref in candidates if isinstance(ref, TensorRef)}
+    shapes = {shape for shape in held if math.prod(shape) == numel}
     if len(shapes) != 1:
-        found = "no layer file holds it" if not shapes else f"layer files give shapes {sorted(shapes)}"
-        raise FormatError(f"{label}: parameter {name} has {numel} elements in the ranks' param_slice_mappings, and "
+        found = (f"layer files give shapes {sorted(shapes)}" if shapes else
+                 f"its layer file's shape is {sorted(held)[0]}" if len(held) == 1 else
+                 "no layer file holds a tensor of that size")
+        raise FormatError(f"{label}: parameter {name} has {numel} elements in the ranks' param_slice_mappings, but "
                           f"{found}")
     return shapes.pop()
 
