@@ -233,3 +233,19 @@ def test_consolidated_weights_load_strictly_into_pipeline_module_and_train(tmp_p
     assert r["compared"] == 16 and not r["mismatches"] and not r["missing"] and not r["unexpected"], r
     assert "tied_modules.embed.weight" in r["keys"] and "2.frozen.weight" in r["keys"]
     assert 0 < r["loss"] < 10
+
+
+def test_verify_deep_compares_the_tied_copies_of_later_stages(tmp_path):
+    """The tied module's copy on stage 1 (here its own layer file, layer 5) is not in the index
+    but verify --deep compares it with stage 0's; a changed element is named."""
+    d, tag = _copy(tmp_path, "pp2_dp1_z1_fp32_tiedhead")
+    res = run_cli("verify", "--deep", d)
+    assert res.code == 0 and "every byte read" in res.output, res.output
+    path = tag / "layer_05-model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["weight"][3, 2] += 1
+    torch.save(state, path)
+    res = run_cli("verify", "--deep", d)
+    assert res.code == 1, res.output
+    assert "tensor ds_module.tied_modules.embed.weight: pipeline stage 1's copy" in res.output
+    assert "layer_05-model_states.pt) differs from the copy read" in res.output, res.output

@@ -56,6 +56,13 @@ class PipelineInfo:
     dp: int
     stages: dict[int, ZeroInfo] = field(default_factory=dict)
     layers: dict[int, int] = field(default_factory=dict)        # layer index -> stage
+    # key -> (stage, entry) of a tied module's copies on later stages (left out of the index)
+    replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
+
+    def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
+        """key -> [(what, entry)]: the copies that must hold the same bytes (verify --deep)."""
+        return {key: [(f"pipeline stage {stage}'s copy", e) for stage, e in copies]
+                for key, copies in self.replicas.items()}
 
 
 def layer_files(files: ZeroFiles) -> dict[int, str]:
@@ -109,9 +116,10 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     pp, dp = len(stages), stages[0].info.world_size
     index = CheckpointIndex(format=zero.FORMAT, root=source.root, world_size=pp * dp)
     owner: dict[str, int] = {}
+    replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
     for s, stage in stages.items():
         _add_layer_files(source, stage, [(layer, opened[layer]) for layer, at in layers.items() if at == s])
-        _merge(index, stage.index, s, pp, owner)
+        _merge(index, stage.index, s, pp, owner, replicas)
     first = stages[0].index
     index.step = first.step
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
@@ -119,7 +127,8 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
                                    "pipeline": {"stages": pp, "layers": {str(k): v for k, v in sorted(layers.items())},
                                                 "tied": sorted({n for n in owner if n.startswith("tied_modules.")})}}
     index.metadata["parallel"] = {"pp": pp, "dp": dp}
-    index.native = PipelineInfo(pp=pp, dp=dp, stages={s: st.info for s, st in stages.items()}, layers=layers)
+    index.native = PipelineInfo(pp=pp, dp=dp, stages={s: st.info for s, st in stages.items()}, layers=layers,
+                                replicas=replicas)
     return index
 
 
@@ -350,16 +359,22 @@ def _global_prefix(label: str, layer: int, local: list[str], stage: _Stage) -> s
     return f"tied_modules.{matches[0]}." if matches else f"{layer}."
 
 
-def _merge(index: CheckpointIndex, part: CheckpointIndex, stage: int, pp: int, owner: dict[str, int]) -> None:
+def _merge(index: CheckpointIndex, part: CheckpointIndex, stage: int, pp: int, owner: dict[str, int],
+           replicas: dict[str, list[tuple[int, TensorEntry]]]) -> None:
     """A stage's entries into the pipeline's index, each marked with its stage; a tied module's
-    (already given by a lower stage) skipped, param groups joined by position."""
+    (already given by a lower stage) kept aside as a replica, param groups joined by position."""
     index.files.update(part.files)
     index.checks.extend(part.checks)
     for key, e in part.tensors.items():
         name = _param_name(key)
         if key in index.tensors:
             if name is not None and owner.get(name, stage) != stage:
-                continue  # a tied module's copy on a later stage
+                if index.tensors[key].shape == e.shape and index.tensors[key].dtype == e.dtype:
+                    replicas.setdefault(key, []).append((stage, e))  # a tied module's copy: verify --deep
+                    continue
+                raise FormatError(f"{key} is {e.dtype} {list(e.shape)} on pipeline stage {stage} but "
+                                  f"{index.tensors[key].dtype} {list(index.tensors[key].shape)} on stage "
+                                  f"{owner[name]}; the copies of a tied module must agree")
             raise FormatError(f"{key} appears in pipeline stages {owner.get(name or key)} and {stage}")
         if name is not None:
             owner.setdefault(name, stage)
