@@ -176,10 +176,19 @@ def test_consolidate_2d_mesh_checkpoint_equals_truth(tmp_path, name):
 
 
 def test_to_world_size_stays_fsdp2_dp_only(tmp_path):
-    """A plain integer is today's DP-only reshard (the same call as before)."""
+    """A plain integer is today's DP-only reshard (the same call as before): a 2-D source goes to
+    FSDP2 Shard(0) at 3 ranks, still the full state bit for bit."""
     assert parse_parallel("16") == 16 and parse_parallel(3) == 3
     res = reshard(str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "3")
     assert res.to_world_size == 3 and sorted(res.files)[-1] == "__2_0.distcp"
+    chunks = _dcp_items(tmp_path / "o")[1]["model.layers.0.attn.wo.weight"]
+    assert [c[:2] for c in chunks] == [((0, 0), (6, 16)), ((6, 0), (6, 16)), ((12, 0), (4, 16))]
+    consolidate(str(tmp_path / "o"), str(tmp_path / "full"), include_optimizer=True)
+    full = {**load_file(str(tmp_path / "full" / "model.safetensors")),
+            **{"optim." + k: v for k, v in load_file(str(tmp_path / "full" / "optimizer.safetensors")).items()}}
+    for key, value in _truth("fsdp_tp_d2t2").items():
+        if isinstance(value, torch.Tensor):
+            assert_tensor_equal(full[key[len("model."):] if key.startswith("model.") else key], value, key)
 
 
 def test_parallel_spec_parses_meshes_and_deepspeed_sizes():
