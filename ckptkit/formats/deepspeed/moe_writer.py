@@ -49,6 +49,8 @@ from .templates import lazify, ordered_like, template_of
 from .writer import HELPER_SCRIPTS, structure_bytes
 
 COPY_BLOCK = 8 << 20
+# split_params_into_different_moe_groups_for_optimizer's default: a larger expert group is split
+MAX_GROUP_SIZE = 178956971
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -227,6 +229,12 @@ def _files(index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, 
         for e in range(target.ep):
             glob = layouts[i].params(new_locals, e, local_names=False)
             local = layouts[i].params(new_locals, e, local_names=True)
+            numel = sum(math.prod(s) for _, s in glob)
+            if numel > MAX_GROUP_SIZE:
+                raise UnsupportedError(f"{m_label}: expert group {i} would hold {numel} elements per rank at "
+                                       f"ep={target.ep}, more than DeepSpeed's max_group_size {MAX_GROUP_SIZE}, which splits it into "
+                                       f"several groups; resharding to fewer expert-parallel ranks than that is not "
+                                       f"supported yet")
             new_paddings[i] = alignment_paddings([s for _, s in glob], align)
             group = ZeroGroup(index=i, param_group=i, params=tuple(glob),
                               paddings=tuple(new_paddings[i]) if any(new_paddings[i]) else None)
