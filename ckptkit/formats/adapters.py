@@ -22,6 +22,7 @@ from .deepspeed import pipeline as ds_pipeline
 from .deepspeed import moe as ds_moe
 from .deepspeed import reader as ds_reader
 from .deepspeed.moe_writer import write_moe_zero
+from .deepspeed import tp_writer as ds_tp_writer
 from .deepspeed.writer import write_zero, write_zero_files
 from .protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Capabilities, DcpTarget,
                         OutTensor, SafetensorsTarget, TorchSaveTarget, ZeroTarget, ZeroTemplatesTarget)
@@ -126,12 +127,16 @@ class DeepSpeedFormat:
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
         ds_pipeline.refuse_pipeline_reshard(opened.source.root, opened.index)  # no per-stage writer yet
+        if ds_tp_writer.is_tensor_parallel(opened.index):  # --to N keeps the source's tp
+            return ds_tp_writer.write_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
 
     def reshard_parallel(self, opened: Any, out: object, sizes: "ParallelSizes", ctx: "RunContext") -> list[str]:
         """`--to tp=..,pp=..,ep=..,dp=..`: the writer of the source's kind lays it out."""
         index = opened.index
         ds_pipeline.refuse_pipeline_reshard(opened.source.root, index)
+        if ds_tp_writer.is_tensor_parallel(index):  # tensor parallel: tp=T,dp=W
+            return ds_tp_writer.write_tp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_moe.is_moe(index):  # mixture of experts: ep=E',dp=W'
             return write_moe_zero(out, index, opened.source, sizes, ctx=ctx)
         if sizes.tp == sizes.pp == sizes.ep == 1:  # dp alone: a world size

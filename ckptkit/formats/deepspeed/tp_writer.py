@@ -1,0 +1,267 @@
+"""Write a native tensor-parallel DeepSpeed ZeRO-1/2 checkpoint for a new tp and dp
+(`reshard --to tp=T,dp=W`; `--to N` keeps the source's tp).
+
+The reader (model_parallel.py) joins the source's mp ranks into full tensors and records each
+parameter's split (`ModelParallelInfo.splits`: split dim, replicated, fused blocks). Here each new
+mp rank t gets a *rank index*: the full tensors under hidden keys, and under the usual keys
+(model.<name>, optim.state.<name>.<key>, ds_module.<name>) rank t's slice of each, a virtual
+tensor whose pieces are flat REF ranges of the full one (replicated tensors: the full entry).
+With that index the ZeRO writer's group plans (group_plan.py) partition rank t's params over W
+data-parallel ranks exactly as they re-partition a plain ZeRO checkpoint, bytes streamed from
+the source. Files, as DeepSpeed 0.19 names and loads them (engine._load_checkpoint reads
+mp_rank_<t>; _load_zero_checkpoint reads every zero_pp_rank_<d>_mp_rank_<t> file):
+  mp_rank_<t>_model_states.pt   rank t's module weights (sliced), param_shapes of its slices,
+                                mp_world_size T, dp_world_size W, checkpoint_parallel_dimensions,
+                                universal_checkpoint_info (AutoTP's affine_map redone for T)
+  [bf16_]zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
+                                partition d of W of rank t's flat groups (masters and states)
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections import OrderedDict
+from typing import Any
+
+from ...context import RunContext
+from ...errors import UnsupportedError, UsageError, quote
+from ...index.parallel_spec import ParallelSizes
+from ...index.types import CheckpointIndex, TensorEntry
+from ...index.virtual import Part, flat_concat
+from ...runner.executor import run_jobs
+from ...runner.fetch import Fetcher
+from ...storage.commit import Output
+from ...storage.source import Source
+from ...torch_types import Size
+from ..torch_save.archive_writer import LazyTensor, write_archive
+from .files import optim_file_name
+from .group_plan import StatePlanner, plan_group
+from .info import ZeroGroup, ZeroInfo
+from .model_parallel import ModelParallelInfo
+from .moe_writer import ELEMENT_SIZE, alignment_paddings
+from .templates import lazify, template_of
+from .writer import HELPER_SCRIPTS, _stage12_optim, structure_bytes
+
+FULL = "tp.full:"   # hidden keys of the full tensors in a rank index
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TpTarget:
+    tp: int
+    dp: int
+
+
+def is_tensor_parallel(index: CheckpointIndex) -> bool:
+    return isinstance(index.native, ModelParallelInfo)
+
+
+def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> TpTarget:
+    """(T, W) from `--to`: tp=T,dp=W, or a world size N that keeps the source's tp (W = N / tp)."""
+    info: ModelParallelInfo = index.native
+    if isinstance(to, ParallelSizes):
+        if to.pp != 1:
+            raise UnsupportedError(f"--to {to}: adding pipeline parallelism to the tensor-parallel checkpoint "
+                                   f"{index.root} is not supported (give tp=...,dp=... with pp=1)")
+        if to.ep != 1:
+            raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
+        return TpTarget(tp=to.tp, dp=to.dp)
+    world = int(to)
+    if world % info.tp:
+        raise UsageError(f"--to {world}: the source's tensor-parallel size {info.tp} does not divide {world} "
+                         f"ranks; give the new sizes, e.g. --to tp={math.gcd(info.tp, world)},"
+                         f"dp={world // math.gcd(info.tp, world)}")
+    return TpTarget(tp=info.tp, dp=world // info.tp)
+
+
+def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
+                  ctx: RunContext) -> list[str]:
+    """Reshard a tensor-parallel ZeRO-1/2 checkpoint to T mp ranks of W dp ranks (module docstring)."""
+    info: ModelParallelInfo = index.native
+    target = target_sizes(index, to)
+    zinfo: ZeroInfo = info.ranks[0]
+    if zinfo.stage >= 3:
+        raise UnsupportedError(f"{index.root}: resharding a tensor-parallel ZeRO-3 checkpoint is not supported "
+                               f"yet; consolidate it or convert it to torch, safetensors or DCP instead")
+    zero_cfg = _config(index).get("zero_optimization", {})
+    if isinstance(zero_cfg, dict) and zero_cfg.get("round_robin_gradients"):
+        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
+                               "such checkpoints is not supported yet")
+    align = (16 // math.gcd(16, ELEMENT_SIZE.get(zinfo.dtype, 4))
+             if isinstance(zero_cfg, dict) and zero_cfg.get("parameter_alignment") else 1)
+    slicer = _Slicer(index, info, target.tp)
+    tag = zinfo.files.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
+    files: dict[str, tuple[Any, Fetcher]] = {}
+    for t in range(target.tp):
+        rank_index = slicer.rank_index(t, target.dp)
+        fetcher = Fetcher(source, index=rank_index)
+        states = StatePlanner(rank_index, fetcher)
+        groups = [_local_group(g, rank_index, align) for g in zinfo.groups]
+        m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
+        o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
+        osd_t = o0["optimizer_state_dict"]
+        templates = osd_t["base_optimizer_state"]["state"]
+        plans = [plan_group(rank_index, states, zinfo.stage, g, templates.get(g.index) if isinstance(templates, dict)
+                            else None, oarchive, f"group {g.index} of mp rank {t}", target.dp) for g in groups]
+        files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_model(m0, marchive, rank_index, groups, target, t), fetcher)
+        for d in range(target.dp):
+            osd = _stage12_optim(osd_t, oarchive, plans, d, target.dp)
+            top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
+            name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)
+            files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
+    jobs = [(lambda n=n, s=s, f=f: write_archive(out, n, s, f, slab_bytes=ctx.slab_bytes, progress=ctx.progress))
+            for n, (s, f) in files.items()]
+    run_jobs(jobs, ctx.workers, group=out.group, weights=[structure_bytes(s) for s, _ in files.values()])
+    out.write_bytes("latest", tag.encode())
+    written = ["latest", *files]
+    for script in HELPER_SCRIPTS:  # DeepSpeed copies its recovery scripts next to every save
+        if zinfo.files.tag is not None and source.exists(script) and not source.isdir(script):
+            out.write_bytes(script, source.read(script, 0, source.size(script)))
+            written.append(script)
+    return written
+
+
+def _config(index: CheckpointIndex) -> dict:
+    obj = index.objects.get("ds.ds_config")
+    return obj.data if obj is not None and isinstance(obj.data, dict) else {}
+
+
+class _Slicer:
+    """Each new mp rank's slice of every full tensor, as REF parts of the full one."""
+
+    def __init__(self, index: CheckpointIndex, info: ModelParallelInfo, tp: int) -> None:
+        self.index, self.info, self.tp = index, info, tp
+
+    def blocks(self, entry: TensorEntry, t: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, [(start, size)] along it) of rank t's share of `entry`, None when replicated/whole."""
+        tp_attr = (entry.attrs.get("parallel") or {}).get("tp") or {}
+        dim = tp_attr.get("dim")
+        if dim is None:
+            return None
+        name = _param_name(entry)
+        split = self.info.splits.get(name) if name is not None else None
+        length = entry.shape[dim]
+        if split is not None and split.kind == "fused":
+            parts = list(split.parts) if split.parts is not None else [length // (split.count or 1)] * (split.count or 1)
+        else:
+            parts = [length]
+        if sum(parts) != length or any(p % self.tp for p in parts):
+            what = f"its fused parts {parts}" if len(parts) > 1 else f"its size {length}"
+            raise UsageError(f"--to tp={self.tp}: {quote(entry.key)} is split along dim {dim} with {what}, which "
+                             f"{self.tp} tensor-parallel ranks cannot share equally")
+        out, start = [], 0
+        for p in parts:
+            n = p // self.tp
+            out.append((start + t * n, n))
+            start += p
+        return dim, out
+
+    def local_shape(self, entry: TensorEntry) -> tuple[int, ...]:
+        found = self.blocks(entry, 0)
+        if found is None:
+            return tuple(entry.shape)
+        dim, blocks = found
+        return tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1:])
+
+    def rank_index(self, t: int, dp: int) -> CheckpointIndex:
+        index = self.index
+        out = CheckpointIndex(format=index.format, root=index.root, world_size=dp)
+        out.files.update(index.files)
+        for key, entry in index.tensors.items():
+            found = self.blocks(entry, t)
+            if found is None:
+                out.add_tensor(entry)
+                continue
+            hidden = FULL + key
+            out.add_tensor(TensorEntry(hidden, entry.dtype, entry.shape, list(entry.pieces)))
+            dim, blocks = found
+            local = tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1:])
+            flat = flat_concat(key, entry.dtype, _parts(hidden, tuple(entry.shape), dim, blocks))
+            out.add_tensor(TensorEntry(key, entry.dtype, local, flat.pieces, path=entry.path,
+                                       attrs={**entry.attrs, "virtual": True}))
+        for obj in index.objects.values():
+            out.add_object(obj)
+        out.step = index.step
+        return out
+
+
+def _param_name(e: TensorEntry) -> str | None:
+    path = e.path or ()
+    if len(path) == 2 and path[0] in ("model", "ds_module"):
+        return str(path[1])
+    if len(path) == 4 and path[:2] == ("optim", "state"):
+        return str(path[2])
+    return None
+
+
+def _parts(ref: str, full: tuple[int, ...], dim: int, blocks: list[tuple[int, int]]) -> list[Part]:
+    """Row-major flat runs of the full tensor making up the blocks along `dim`, merged when adjacent."""
+    outer, inner, length = math.prod(full[:dim]), math.prod(full[dim + 1:]), full[dim]
+    parts: list[Part] = []
+    for o in range(outer):
+        for start, size in blocks:
+            begin = (o * length + start) * inner
+            if parts and parts[-1].start + parts[-1].length == begin:
+                parts[-1] = Part(ref, parts[-1].start, parts[-1].length + size * inner)
+            else:
+                parts.append(Part(ref, begin, size * inner))
+    return parts
+
+
+def _local_group(group: ZeroGroup, rank_index: CheckpointIndex, align: int) -> ZeroGroup:
+    """The group with rank t's slice shapes (and DeepSpeed's alignment paddings for them)."""
+    params = tuple((n, tuple(rank_index.tensors[f"model.{n}"].shape)) for n, _ in group.params)
+    paddings = None
+    if group.paddings is not None:
+        paddings = tuple(alignment_paddings([s for _, s in params], align)) if align > 1 else group.paddings
+    return dataclasses.replace(group, params=params, paddings=paddings)
+
+
+def _model(m0: dict, marchive: Any, rank_index: CheckpointIndex, groups: list[ZeroGroup], target: TpTarget,
+           t: int) -> dict:
+    """Rank t's model-states file: the source rank 0's, with rank t's module slices and the new sizes."""
+    model = lazify(m0, marchive, {})
+    module = model.get("module")
+    if isinstance(module, dict):
+        model["module"] = type(module)((k, LazyTensor(rank_index.tensors[f"ds_module.{k}"])
+                                        if f"ds_module.{k}" in rank_index.tensors else v) for k, v in module.items())
+    if isinstance(model.get("param_shapes"), list):
+        model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in groups]
+    model["mp_world_size"] = target.tp
+    model["dp_world_size"] = target.dp
+    if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+        model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "tp_degree": target.tp}
+    uc = model.get("universal_checkpoint_info")
+    if isinstance(uc, dict) and isinstance(uc.get("affine_map"), dict):
+        model["universal_checkpoint_info"] = _affine_for(uc, target.tp)
+    return model
+
+
+def _affine_for(uc: dict, tp: int) -> dict:
+    """AutoTP's affine_map redone for `tp` ranks: each parameter's shard shape and where it starts in
+    the logical tensor (replicated ones: the whole tensor on every rank); others left as recorded."""
+    uc = copy.deepcopy(uc)
+    params = uc["affine_map"].get("params", {})
+    for pattern, rec in params.items():
+        try:
+            logical = [int(x) for x in rec["logical_shape"]]
+            old = rec["ranks"][0]
+            shard = [int(x) for x in old["shard_shape"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            continue
+        strides = [math.prod(logical[i + 1:]) for i in range(len(logical))]
+        diff = [i for i, (a, b) in enumerate(zip(logical, shard)) if a != b]
+        if not diff:
+            rec["ranks"] = {r: {"shard_shape": list(logical), "pieces": [
+                {"shape": list(logical), "source": [0, strides], "dest": [0, strides], "locations": list(range(tp))}]}
+                for r in range(tp)}
+            continue
+        if len(diff) != 1 or len(old.get("pieces", [])) != 1:
+            continue
+        dim = diff[0]
+        local = logical[:dim] + [logical[dim] // tp] + logical[dim + 1:]
+        lstrides = [math.prod(local[i + 1:]) for i in range(len(local))]
+        rec["ranks"] = {r: {"shard_shape": list(local), "pieces": [
+            {"shape": list(local), "source": [r * local[dim] * strides[dim], strides], "dest": [0, lstrides],
+             "locations": [r]}]} for r in range(tp)}
+    return uc

@@ -1,0 +1,147 @@
+"""Multi-process check that DeepSpeed loads a tensor-parallel checkpoint at new tp and dp sizes.
+
+    DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node T*W tests/dist/ds_tp_load_check.py \
+        --ckpt DIR --fixture NAME --tp T --result OUT.json
+
+NAME is a fixture of fixtures/generate_ds_tp.py (truth: fixtures/data/ds_tp/NAME.truth.pt, full
+tensors and each parameter's split). Every rank builds the fixture's model at tp T (the mpu model
+of fixtures/ds_tp_models.py with MPU(T); an AutoTP fixture only at T = 1: the plain
+LlamaForCausalLM), its weights then overwritten from another seed (nothing passes by accident),
+the fixture's DeepSpeed config with the batch re-derived for W = world / T, then:
+
+1. ``engine.load_checkpoint(DIR)`` with optimizer and scheduler states;
+2. on every rank, for every parameter: ``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``
+   (exp_avg, exp_avg_sq) and the module weight compared bit for bit (dtype, shape, torch.equal)
+   with the truth's full tensor cut for this tp rank (ds_tp_models.slice_of); global_steps too;
+3. one more training step (finite loss, global_steps advances).
+
+Rank 0 writes {"ok", "world_size", "tp", "compared", "mismatches", "trained_step", "error"}.
+Never hangs: process-group timeout, os._exit.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "fixtures"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--fixture", required=True)
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--result", required=True)
+    args = ap.parse_args()
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import ds_tp_models as m
+    import generate_ds_tp as gen
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = args.tp
+    dp = world // tp
+    kind, stage, dtype = gen.FIXTURES[args.fixture]
+    result: dict = {"ok": False, "world_size": world, "tp": tp, "compared": 0, "mismatches": [],
+                    "trained_step": False, "error": None}
+    mismatches: list[str] = []
+    compared = 0
+    try:
+        truth = torch.load(REPO / "fixtures" / "data" / "ds_tp" / f"{args.fixture}.truth.pt", weights_only=False)
+        cfg = gen.ds_config(kind, stage, dtype)
+        cfg.pop("tensor_parallel", None)
+        cfg["train_batch_size"] = m.MICRO_BATCH * dp
+        if kind == "mpu":
+            mpu = m.MPU(tp)
+            tp_rank = mpu.get_model_parallel_rank()
+            model = m.make_model(tp, tp_rank, mpu.get_model_parallel_group())
+            groups = m.param_groups(model)
+        else:
+            if tp != 1:
+                raise RuntimeError("this check builds an AutoTP fixture's model only at tp 1")
+            from transformers import LlamaConfig, LlamaForCausalLM
+            mpu, tp_rank = None, 0
+            torch.manual_seed(m.MODEL_SEED)
+            model = LlamaForCausalLM(LlamaConfig(**gen.LLAMA))
+            groups = model.parameters()
+        g = torch.Generator().manual_seed(999)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg,
+                                          mpu=mpu if tp > 1 else None)
+        path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
+        opt = engine.optimizer
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+        def check(what: str, got, want) -> None:
+            nonlocal compared
+            compared += 1
+            got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape \
+                    or not torch.equal(got, want):
+                desc = (f"{got.dtype} {list(got.shape)}" if isinstance(got, torch.Tensor) else repr(got))
+                mismatches.append(f"rank {rank} (tp {tp_rank}): {what}: got {desc}, want {want.dtype} "
+                                  f"{list(want.shape)}")
+
+        for pname, p in engine.module.named_parameters():
+            split = tuple(truth[f"split.{pname}"])
+            cut = (lambda full, split=split: m.slice_of(full, split, tp_rank, tp))
+            check(f"fp32.{pname}", safe_get_full_fp32_param(p), cut(truth[f"fp32.{pname}"]))
+            for key in ("exp_avg", "exp_avg_sq"):
+                check(f"{key}.{pname}", safe_get_full_optimizer_state(p, key), cut(truth[f"{key}.{pname}"]))
+            check(f"module.{pname}", p.data, cut(truth[f"module.{pname}"]))
+        if int(engine.global_steps) != int(truth["global_steps"]):
+            mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
+        before = int(engine.global_steps)
+        if kind == "mpu":
+            tokens, targets = m.make_batch()
+            logits = engine(tokens)
+            import torch.nn.functional as F
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        else:
+            tokens, targets = m.make_batch(vocab=gen.LLAMA["vocab_size"])
+            loss = engine(input_ids=tokens, labels=targets).loss
+        engine.backward(loss)
+        engine.step()
+        trained = math.isfinite(float(loss.detach())) and int(engine.global_steps) == before + 1
+        mine = (compared, mismatches, trained)
+    except Exception as exc:
+        mine = (compared, mismatches, False)
+        result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        Path(args.result).write_text(json.dumps(result, indent=1))
+        sys.stdout.flush()
+        os._exit(3)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        result["compared"] = sum(c for c, _, _ in gathered)
+        result["mismatches"] = [x for _, ms, _ in gathered for x in ms][:50]
+        result["trained_step"] = all(t for _, _, t in gathered)
+        result["ok"] = not result["mismatches"] and result["trained_step"] and result["compared"] > 0
+        Path(args.result).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
