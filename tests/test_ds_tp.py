@@ -147,11 +147,12 @@ def test_cli_reshard_and_convert_to_zero_refuse_and_plan_runs(tmp_path):
 
     src = str(DATA / MPU[0])
     runner = CliRunner()
-    res = runner.invoke(cli, ["reshard", src, str(tmp_path / "r"), "--world-size", "2"])
-    assert res.exit_code != 0 and "resharding tensor-parallel DeepSpeed checkpoints is not supported yet" in res.output
-    assert not (tmp_path / "r").exists()
+    res = runner.invoke(cli, ["reshard", src, str(tmp_path / "r"), "--world-size", "3"])  # tp 2 does not divide 3
+    assert res.exit_code == 2 and "give the new sizes, e.g. --to tp=1,dp=3" in res.output, res.output
+    assert not (tmp_path / "r" / "latest").exists()
     res = runner.invoke(cli, ["convert", src, str(tmp_path / "z"), "--to", "zero2", "--world-size", "2"])
-    assert res.exit_code != 0 and "resharding tensor-parallel DeepSpeed checkpoints is not supported yet" in res.output
+    assert res.exit_code != 0 and "converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet" \
+        in res.output
     res = runner.invoke(cli, ["plan", "--json", src])
     assert res.exit_code == 0, res.output
     assert "query_key_value" in res.output

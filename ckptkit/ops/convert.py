@@ -139,8 +139,9 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
             return done
     apply_drops(state, model_only, tuple(drop))
     if target in ZERO_TARGETS and (opened.index.metadata.get("parallel") or {}).get("tp", 1) > 1:
-        raise UnsupportedError(f"{src}: converting to ZeRO means resharding, and resharding tensor-parallel "
-                               f"DeepSpeed checkpoints is not supported yet; convert it to torch, safetensors or DCP")
+        raise UnsupportedError(f"{src}: converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported "
+                               f"yet; reshard it (--to tp=1,dp=N gives a plain ZeRO checkpoint), or convert it to "
+                               f"torch, safetensors or DCP")
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
     if target == "zero":
         target = f"zero{_config_stage(cfg, ds_config)}"

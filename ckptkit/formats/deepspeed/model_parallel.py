@@ -35,12 +35,13 @@ from ...index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, 
 from ...storage.source import Source
 from .files import ZeroFiles
 
-NOT_RESHARDABLE = "resharding tensor-parallel DeepSpeed checkpoints is not supported yet"
+NOT_RESHARDABLE = ("converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
+                   "--to tp=...,dp=... lays it out at new sizes)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelParallelInfo:
-    """index.native of a TP checkpoint: each mp rank's own ZeroInfo. No writer lays one out yet."""
+    """index.native of a TP checkpoint: each mp rank's own ZeroInfo (tp_writer.py lays one out at new sizes)."""
 
     tp: int
     dp: int
