@@ -306,3 +306,13 @@ def test_source_whose_chunks_fit_no_mesh_is_laid_out_by_role(tmp_path):
     for item, expected in want[2].items():
         if isinstance(expected, torch.Tensor):
             assert_tensor_equal(got[2][item], expected, str(item))
+
+
+def test_mesh_reshard_needs_no_torch(tmp_path):
+    """Reading a 2-D folder and writing a mesh (TP's Shard(1) chunks included, streamed as runs
+    of rows) import no torch, as the other light commands."""
+    from test_torch_free import _torch_imported
+
+    assert not _torch_imported(["reshard", str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"),
+                                "--to", "mesh=dp_replicate:2,dp_shard:2,tp:2"])
+    assert (tmp_path / "o" / ".metadata").exists()

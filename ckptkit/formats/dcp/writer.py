@@ -9,6 +9,7 @@ resharding) reads it. Values copied from a DCP source keep their exact bytes.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import uuid
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ def write_dcp(out: Output, index: CheckpointIndex, fetcher: Fetcher, layout: Lay
                         transforms = _write_object(f, index.objects[key], source, fetcher, slab_bytes)
                         written.append(_Written(key, None, name, start, f.tell() - start, transforms))
                         continue
-                    _write_item(f, index.tensors[key], box, fetcher, slab_bytes, progress)
+                    _write_item(f, index.tensors[key], box, fetcher, slab_bytes, progress, layout.exact_chunks)
                     written.append(_Written(key, box, name, start, f.tell() - start))
             return written
         return run
@@ -120,22 +121,43 @@ def _object_rank(layout: Layout, key: str) -> int:
 
 
 def _write_item(f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_bytes: int,
-                progress: Progress) -> None:
+                progress: Progress, by_runs: bool = False) -> None:
     """One chunk as a torch.save archive. A chunk that is a flat range of its tensor (every
-    FSDP2 dim-0 slab) is streamed as a virtual tensor, so plain bytes move in the kernel;
-    anything else is assembled in memory and written by torch.save."""
+    FSDP2 dim-0 slab) is streamed as a virtual tensor, so plain bytes move in the kernel; so is
+    any chunk when `by_runs` (a mesh layout's whole chunks, e.g. TP's Shard(1)), as one reference
+    per contiguous run of its rows; anything else is assembled in memory and written by torch.save."""
     start = _flat_start(entry.shape, box)
-    if start is None:
+    if start is None and not by_runs:
         import torch
 
         t = fetcher.fetch(entry, box)
         torch.save(t, f)
         progress.advance(t.numel() * t.element_size())
         return
-    item = TensorEntry(f"{entry.key}@{list(box.offsets)}", entry.dtype, box.sizes,
-                       [Piece(FlatRange(0, box.numel), Location(entry.key, start, box.numel, REF))]
-                       if box.numel else [], attrs={"virtual": True})
+    pieces = ([Piece(FlatRange(0, box.numel), Location(entry.key, start, box.numel, REF))] if start is not None
+              else _runs(entry, box)) if box.numel else []
+    item = TensorEntry(f"{entry.key}@{list(box.offsets)}", entry.dtype, box.sizes, pieces, attrs={"virtual": True})
     write_archive_to(f, LazyTensor(item), fetcher, slab_bytes=slab_bytes, progress=progress)
+
+
+def _runs(entry: TensorEntry, box: Box) -> list[Piece]:
+    """The box as references to its contiguous runs in the tensor's row-major flattening: the
+    dims after `d` are whole, so each index of the dims before `d` is one run."""
+    shape = tuple(entry.shape)
+    d = len(shape) - 1
+    while d > 0 and box.sizes[d] == shape[d]:
+        d -= 1
+    run = box.sizes[d]
+    for e in range(d + 1, len(shape)):
+        run *= shape[e]
+    strides = geometry.row_major_strides(shape)
+    pieces: list[Piece] = []
+    out = 0
+    for index in itertools.product(*(range(o, o + n) for o, n in zip(box.offsets[:d], box.sizes[:d]))):
+        src = sum(i * st for i, st in zip(index, strides)) + box.offsets[d] * strides[d]
+        pieces.append(Piece(FlatRange(out, run), Location(entry.key, src, run, REF)))
+        out += run
+    return pieces
 
 
 def _flat_start(shape: tuple[int, ...], box: Box) -> int | None:
