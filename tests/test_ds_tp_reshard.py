@@ -1,4 +1,4 @@
-"""reshard of tensor-parallel DeepSpeed checkpoints (Megatron-style mpu and AutoTP, ZeRO 1/2) to a new
+"""reshard of tensor-parallel DeepSpeed checkpoints (Megatron-style mpu and AutoTP, ZeRO 1/2/3) to a new
 tp and dp: `reshard --to tp=T,dp=W` (formats/deepspeed/tp_writer.py).
 
 Structural checks need no engine: ckptkit's own TP reader reads each output back equal, bit for
@@ -23,7 +23,7 @@ from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, 
 from ds_helpers import needs_deepspeed
 
 TP_DATA = DATA / "ds_tp"
-FIXTURES = sorted(p.name for p in TP_DATA.iterdir() if p.is_dir() and "_z3_" not in p.name) if TP_DATA.is_dir() else []
+FIXTURES = sorted(p.name for p in TP_DATA.iterdir() if p.is_dir()) if TP_DATA.is_dir() else []
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no tensor-parallel fixtures (run fixtures/generate_ds_tp.py)")
 
 # (fixture, --to, (tp, dp)): merge tp away, grow it to 4 (every split dim and fused QKV part of the
@@ -40,6 +40,9 @@ COMBOS = [
     ("autotp_z2_fp32", "tp=1,dp=2", (1, 2)),
     ("autotp_z2_fp32", "tp=4,dp=1", (4, 1)),
     ("autotp_z1_bf16", "tp=2,dp=3", (2, 3)),
+    ("mpu_z3_fp32", "tp=1,dp=2", (1, 2)),
+    ("mpu_z3_fp32", "tp=4,dp=3", (4, 3)),
+    ("autotp_z3_bf16", "tp=1,dp=3", (1, 3)),
 ]
 
 
@@ -67,9 +70,10 @@ def test_output_reads_back_equal_to_the_source(tmp_path, name, to, sizes):
     assert objects["ds.checkpoint_parallel_dimensions"]["tp_degree"] == tp
     tag = tmp_path / "out" / "global_step2"
     prefix = "bf16_" if any((TP_DATA / name / "global_step2").glob("bf16_*")) else ""
+    models = ([f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for t in range(tp) for d in range(dp)]
+              if "_z3_" in name else [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)])
     assert sorted(p.name for p in tag.iterdir()) == sorted(
-        [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
-        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
+        models + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
 
 
 def _same(a, b, where: str) -> None:
@@ -144,7 +148,6 @@ def _one_sentence_exit_2(res, *needles):
     ("mpu_z2_fp32", "3", ("tensor-parallel size 2 does not divide 3 ranks", "--to tp=1,dp=3")),
     ("mpu_z2_fp32", "tp=2,pp=2,dp=1", ("pipeline parallelism", "pp=1")),
     ("mpu_z2_fp32", "ep=2,dp=2", ("mixture-of-experts", "ep must be 1")),
-    ("mpu_z3_fp32", "tp=1,dp=2", ("ZeRO-3", "not supported yet")),
 ])
 def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, to, needles):
     if not (TP_DATA / name).is_dir():
@@ -156,7 +159,7 @@ def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, to, needles):
 # one launch per world size; the other combinations were run by hand with the same worker (docs)
 ENGINE_PLAN = {
     2: ("mpu_z1_bf16", "tp=1,dp=2", 1),
-    4: ("mpu_z2_fp32", "tp=4,dp=1", 4),
+    4: ("mpu_z3_fp32", "tp=4,dp=1", 4),
 }
 
 

@@ -5,8 +5,8 @@
 
 NAME is a fixture of fixtures/generate_ds_tp.py (truth: fixtures/data/ds_tp/NAME.truth.pt, full
 tensors and each parameter's split). Every rank builds the fixture's model at tp T (the mpu model
-of fixtures/ds_tp_models.py with MPU(T); an AutoTP fixture only at T = 1: the plain
-LlamaForCausalLM), its weights then overwritten from another seed (nothing passes by accident),
+of fixtures/ds_tp_models.py with MPU(T); an AutoTP fixture: LlamaForCausalLM, sharded by
+DeepSpeed's AutoTP with autotp_size T when T > 1), its weights then overwritten from another seed (nothing passes by accident),
 the fixture's DeepSpeed config with the batch re-derived for W = world / T, then:
 
 1. ``engine.load_checkpoint(DIR)`` with optimizer and scheduler states;
@@ -63,16 +63,20 @@ def main() -> None:
     try:
         truth = torch.load(REPO / "fixtures" / "data" / "ds_tp" / f"{args.fixture}.truth.pt", weights_only=False)
         cfg = gen.ds_config(kind, stage, dtype)
-        cfg.pop("tensor_parallel", None)
-        cfg["train_batch_size"] = m.MICRO_BATCH * dp
+        # the batch DeepSpeed 0.19.8 checks: the mpu's dp; AutoTP at ZeRO 1/2 checks it against the whole world
+        cfg["train_batch_size"] = m.MICRO_BATCH * (world if kind == "autotp" and tp > 1 else dp)
+        if kind == "autotp" and tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": tp}
+        else:
+            cfg.pop("tensor_parallel", None)
         if kind == "mpu":
             mpu = m.MPU(tp)
             tp_rank = mpu.get_model_parallel_rank()
             model = m.make_model(tp, tp_rank, mpu.get_model_parallel_group())
             groups = m.param_groups(model)
         else:
-            if tp != 1:
-                raise RuntimeError("this check builds an AutoTP fixture's model only at tp 1")
+            if stage == 3:
+                raise RuntimeError("this check does not build an AutoTP model at ZeRO 3")
             from transformers import LlamaConfig, LlamaForCausalLM
             mpu, tp_rank = None, 0
             torch.manual_seed(m.MODEL_SEED)
@@ -84,6 +88,9 @@ def main() -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg,
                                           mpu=mpu if tp > 1 else None)
+        if kind == "autotp" and tp > 1:
+            from deepspeed.utils import groups as ds_groups
+            tp_rank = ds_groups.get_tensor_model_parallel_rank()
         path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
@@ -102,13 +109,17 @@ def main() -> None:
                 mismatches.append(f"rank {rank} (tp {tp_rank}): {what}: got {desc}, want {want.dtype} "
                                   f"{list(want.shape)}")
 
-        for pname, p in engine.module.named_parameters():
-            split = tuple(truth[f"split.{pname}"])
-            cut = (lambda full, split=split: m.slice_of(full, split, tp_rank, tp))
-            check(f"fp32.{pname}", safe_get_full_fp32_param(p), cut(truth[f"fp32.{pname}"]))
+        named = list(engine.module.named_parameters())
+        cuts = {pname: (lambda full, split=tuple(truth[f"split.{pname}"]): m.slice_of(full, split, tp_rank, tp))
+                for pname, _ in named}
+        for pname, p in named:
+            check(f"fp32.{pname}", safe_get_full_fp32_param(p), cuts[pname](truth[f"fp32.{pname}"]))
             for key in ("exp_avg", "exp_avg_sq"):
-                check(f"{key}.{pname}", safe_get_full_optimizer_state(p, key), cut(truth[f"{key}.{pname}"]))
-            check(f"module.{pname}", p.data, cut(truth[f"module.{pname}"]))
+                check(f"{key}.{pname}", safe_get_full_optimizer_state(p, key), cuts[pname](truth[f"{key}.{pname}"]))
+        # ZeRO 3 partitions the module weights too: gathered over the data-parallel ranks to compare
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None, enabled=stage == 3):
+            for pname, p in named:
+                check(f"module.{pname}", p.data.clone(), cuts[pname](truth[f"module.{pname}"]))
         if int(engine.global_steps) != int(truth["global_steps"]):
             mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
         before = int(engine.global_steps)

@@ -1,4 +1,4 @@
-"""Write a native tensor-parallel DeepSpeed ZeRO-1/2 checkpoint for a new tp and dp
+"""Write a native tensor-parallel DeepSpeed ZeRO-1/2/3 checkpoint for a new tp and dp
 (`reshard --to tp=T,dp=W`; `--to N` keeps the source's tp).
 
 The reader (model_parallel.py) joins the source's mp ranks into full tensors and records each
@@ -13,6 +13,9 @@ mp_rank_<t>; _load_zero_checkpoint reads every zero_pp_rank_<d>_mp_rank_<t> file
   mp_rank_<t>_model_states.pt   rank t's module weights (sliced), param_shapes of its slices,
                                 mp_world_size T, dp_world_size W, checkpoint_parallel_dimensions,
                                 universal_checkpoint_info (AutoTP's affine_map redone for T)
+  zero_pp_rank_<d>_mp_rank_<t>_model_states.pt
+                                ZeRO 3 instead: one per (d, t), param_shapes of rank t's sub-groups
+                                at W ranks (the ZeRO writer's stage-3 file), the sizes as above
   [bf16_]zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
                                 partition d of W of rank t's flat groups (masters and states)
 """
@@ -36,12 +39,12 @@ from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor, write_archive
 from .files import optim_file_name
-from .group_plan import StatePlanner, plan_group
+from .group_plan import StatePlanner, plan_group, state_templates, target_groups
 from .info import ZeroGroup, ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe_writer import ELEMENT_SIZE, alignment_paddings
 from .templates import lazify, template_of
-from .writer import HELPER_SCRIPTS, _stage12_optim, structure_bytes
+from .writer import DEFAULT_SUB_GROUP_SIZE, HELPER_SCRIPTS, _stage12_optim, _stage3_model, _stage3_optim, structure_bytes
 
 FULL = "tp.full:"   # hidden keys of the full tensors in a rank index
 
@@ -76,13 +79,10 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> TpTarget:
 
 def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
                   ctx: RunContext) -> list[str]:
-    """Reshard a tensor-parallel ZeRO-1/2 checkpoint to T mp ranks of W dp ranks (module docstring)."""
+    """Reshard a tensor-parallel ZeRO checkpoint to T mp ranks of W dp ranks (module docstring)."""
     info: ModelParallelInfo = index.native
     target = target_sizes(index, to)
     zinfo: ZeroInfo = info.ranks[0]
-    if zinfo.stage >= 3:
-        raise UnsupportedError(f"{index.root}: resharding a tensor-parallel ZeRO-3 checkpoint is not supported "
-                               f"yet; consolidate it or convert it to torch, safetensors or DCP instead")
     zero_cfg = _config(index).get("zero_optimization", {})
     if isinstance(zero_cfg, dict) and zero_cfg.get("round_robin_gradients"):
         raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
@@ -100,12 +100,25 @@ def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
         m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
         o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
         osd_t = o0["optimizer_state_dict"]
-        templates = osd_t["base_optimizer_state"]["state"]
-        plans = [plan_group(rank_index, states, zinfo.stage, g, templates.get(g.index) if isinstance(templates, dict)
-                            else None, oarchive, f"group {g.index} of mp rank {t}", target.dp) for g in groups]
-        files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_model(m0, marchive, rank_index, groups, target, t), fetcher)
+        if zinfo.stage == 3:  # sub-groups of the slices at W ranks, one model-states file per (dp, mp) rank
+            local = dataclasses.replace(zinfo, groups=groups)
+            groups = target_groups(local, target.dp, _sub_group_size(zero_cfg))
+            templates = state_templates(3, osd_t["optimizer_state_dict"]["state"], groups)
+        else:
+            state = osd_t["base_optimizer_state"]["state"]
+            templates = [state.get(g.index) if isinstance(state, dict) else None for g in groups]
+        plans = [plan_group(rank_index, states, zinfo.stage, g, tmpl, oarchive, f"group {g.index} of mp rank {t}",
+                            target.dp) for g, tmpl in zip(groups, templates)]
+        if zinfo.stage < 3:
+            files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_model(m0, marchive, rank_index, groups, target),
+                                                               fetcher)
         for d in range(target.dp):
-            osd = _stage12_optim(osd_t, oarchive, plans, d, target.dp)
+            if zinfo.stage == 3:
+                model = _sizes(_stage3_model(rank_index, local, groups, target.dp, d), target)
+                files[f"{tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt"] = (model, fetcher)
+                osd = _stage3_optim(osd_t, oarchive, plans, d, target.dp)
+            else:
+                osd = _stage12_optim(osd_t, oarchive, plans, d, target.dp)
             top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
             name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)
             files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
@@ -217,8 +230,12 @@ def _local_group(group: ZeroGroup, rank_index: CheckpointIndex, align: int) -> Z
     return dataclasses.replace(group, params=params, paddings=paddings)
 
 
-def _model(m0: dict, marchive: Any, rank_index: CheckpointIndex, groups: list[ZeroGroup], target: TpTarget,
-           t: int) -> dict:
+def _sub_group_size(zero_cfg: Any) -> int | None:
+    size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero_cfg, dict) else None
+    return int(size) if size is not None else None
+
+
+def _model(m0: dict, marchive: Any, rank_index: CheckpointIndex, groups: list[ZeroGroup], target: TpTarget) -> dict:
     """Rank t's model-states file: the source rank 0's, with rank t's module slices and the new sizes."""
     model = lazify(m0, marchive, {})
     module = model.get("module")
@@ -227,6 +244,11 @@ def _model(m0: dict, marchive: Any, rank_index: CheckpointIndex, groups: list[Ze
                                         if f"ds_module.{k}" in rank_index.tensors else v) for k, v in module.items())
     if isinstance(model.get("param_shapes"), list):
         model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in groups]
+    return _sizes(model, target)
+
+
+def _sizes(model: dict, target: TpTarget) -> dict:
+    """What DeepSpeed records of the sizes in a model-states file, for the new ones."""
     model["mp_world_size"] = target.tp
     model["dp_world_size"] = target.dp
     if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
