@@ -167,6 +167,20 @@ def tp_rules_option(fn: Callable) -> Callable:
                              "and HF rules (see docs/tp_rules.md).")(fn)
 
 
+def partition_method_option(fn: Callable) -> Callable:
+    """--partition-method: how the target PipelineModule splits its layers into stages (a DeepSpeed
+    pipeline checkpoint does not record it), for the rest of this command."""
+    def remember(_click_ctx: click.Context, param: Any, value: str | None) -> None:
+        from ckptkit.formats.deepspeed.pipeline_partition import use_partition_method
+
+        use_partition_method(value)
+    return click.option("--partition-method", default=None, type=click.Choice(["parameters", "uniform"]),
+                        expose_value=False, callback=remember,
+                        help="DeepSpeed pipelines (--to pp=P,dp=W): the PipelineModule's partition_method, "
+                             "which decides each new stage's layers (default: parameters, DeepSpeed's "
+                             "default).")(fn)
+
+
 def follow_links() -> bool | None:
     """True when --follow-links was given; None leaves the choice to CKPTKIT_FOLLOW_LINKS."""
     return True if click.get_current_context().meta.get(FOLLOW_LINKS_KEY) else None
@@ -460,6 +474,7 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 @click.option("--from", "from_", default=None, metavar="N|mesh=DIM:N,...",
               help="Expected source world size (checked), or the source's device mesh (else inferred).")
 @click.option("--tag", default=None, help=TAG_HELP)
+@partition_method_option
 @run_options
 @click.pass_obj
 @handle_errors

@@ -127,14 +127,13 @@ def test_verify_diff_and_plan_read_it(tmp_path):
     assert res.code == 0 and "layer_02-model_states.pt" in res.output, res.output
 
 
-@pytest.mark.parametrize("args", [("reshard", "{src}", "{out}", "--to", "4"),
-                                  ("convert", "{src}", "{out}", "--to", "zero1", "--world-size", "2")])
-def test_reshard_and_convert_to_zero_are_refused(tmp_path, args):
+def test_convert_to_zero_is_refused_pointing_to_reshard(tmp_path):
+    """reshard --to pp=...,dp=... writes pipelines (test_ds_pp_reshard.py); convert --to zero* does not."""
     src, out = PP_DATA / "pp2_dp2_z1_fp32", tmp_path / "out"
-    res = run_cli(*[a.format(src=src, out=out) for a in args])
+    res = run_cli("convert", src, out, "--to", "zero1", "--world-size", "2")
     assert res.code == 2, res.output
-    assert "resharding a DeepSpeed pipeline-parallel checkpoint (or converting it to ZeRO) is not supported" \
-        in res.output and "Traceback" not in res.output
+    assert "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it with " \
+           "--to pp=...,dp=..." in res.output and "Traceback" not in res.output
     assert not out.exists()
 
 

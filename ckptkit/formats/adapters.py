@@ -19,6 +19,7 @@ from .dcp import reader as dcp_reader
 from .dcp.writer import write_dcp
 from .deepspeed import files as ds_files
 from .deepspeed import pipeline as ds_pipeline
+from .deepspeed import pipeline_writer as ds_pp_writer
 from .deepspeed import moe as ds_moe
 from .deepspeed import reader as ds_reader
 from .deepspeed.moe_writer import write_moe_zero
@@ -126,7 +127,8 @@ class DeepSpeedFormat:
         return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
-        ds_pipeline.refuse_pipeline_reshard(opened.source.root, opened.index)  # no per-stage writer yet
+        if ds_pp_writer.is_pipeline(opened.index):  # --to N keeps the source's pp
+            return ds_pp_writer.write_pp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(opened.index):  # --to N keeps the source's tp
             return ds_tp_writer.write_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
@@ -134,7 +136,8 @@ class DeepSpeedFormat:
     def reshard_parallel(self, opened: Any, out: object, sizes: "ParallelSizes", ctx: "RunContext") -> list[str]:
         """`--to tp=..,pp=..,ep=..,dp=..`: the writer of the source's kind lays it out."""
         index = opened.index
-        ds_pipeline.refuse_pipeline_reshard(opened.source.root, index)
+        if ds_pp_writer.is_pipeline(index):  # pipeline: pp=P,dp=W (tp 1)
+            return ds_pp_writer.write_pp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(index):  # tensor parallel: tp=T,dp=W
             return ds_tp_writer.write_tp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_moe.is_moe(index):  # mixture of experts: ep=E',dp=W'

@@ -43,14 +43,14 @@ from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-NOT_RESHARDABLE = ("resharding a DeepSpeed pipeline-parallel checkpoint (or converting it to ZeRO) is not "
-                   "supported yet; consolidate it, or convert it --to torch, dcp or fsdp2")
+NOT_RESHARDABLE = ("converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it "
+                   "with --to pp=...,dp=... (pipeline_writer.py), or convert it --to torch, dcp or fsdp2")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineInfo:
     """index.native of a pipeline checkpoint: each stage's own ZeroInfo and which layer files
-    were read for it. No writer lays one out yet (refuse_pipeline_reshard)."""
+    were read for it (pipeline_writer.py lays one out at new sizes)."""
 
     pp: int
     dp: int
@@ -58,6 +58,8 @@ class PipelineInfo:
     layers: dict[int, int] = field(default_factory=dict)        # layer index -> stage
     # key -> (stage, entry) of a tied module's copies on later stages (left out of the index)
     replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
+    layer_files: dict[int, str] = field(default_factory=dict)   # layer index -> its file (source-relative)
+    tied_layers: dict[int, str] = field(default_factory=dict)   # layer index -> tied key its file holds
 
     def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
         """key -> [(what, entry)]: the copies that must hold the same bytes (verify --deep)."""
@@ -117,8 +119,10 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     index = CheckpointIndex(format=zero.FORMAT, root=source.root, world_size=pp * dp)
     owner: dict[str, int] = {}
     replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
+    tied_layers: dict[int, str] = {}
     for s, stage in stages.items():
-        _add_layer_files(source, stage, [(layer, opened[layer]) for layer, at in layers.items() if at == s])
+        tied_layers.update(_add_layer_files(source, stage, [(layer, opened[layer]) for layer, at in layers.items()
+                                                            if at == s]))
         _merge(index, stage.index, s, pp, owner, replicas)
     first = stages[0].index
     index.step = first.step
@@ -128,7 +132,8 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
                                                 "tied": sorted({n for n in owner if n.startswith("tied_modules.")})}}
     index.metadata["parallel"] = {"pp": pp, "dp": dp}
     index.native = PipelineInfo(pp=pp, dp=dp, stages={s: st.info for s, st in stages.items()}, layers=layers,
-                                replicas=replicas)
+                                replicas=replicas, layer_files={k: f.rel for k, f in opened.items()},
+                                tied_layers=tied_layers)
     return index
 
 
@@ -312,14 +317,18 @@ def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage]) 
     return dict(sorted(layers.items()))
 
 
-def _add_layer_files(source: Source, stage: _Stage, layers: list[tuple[int, _LayerFile]]) -> None:
+def _add_layer_files(source: Source, stage: _Stage, layers: list[tuple[int, _LayerFile]]) -> dict[int, str]:
     """Each layer file's tensors under global names: buffers and frozen params as `model.<name>`,
-    every weight as `ds_module.<name>`; a shape that disagrees with param_shapes is refused."""
+    every weight as `ds_module.<name>`; a shape that disagrees with param_shapes is refused.
+    Returns layer index -> tied key of the files that hold a tied module."""
+    tied: dict[int, str] = {}
     for layer, opened in layers:
         rel, archive, state = opened.rel, opened.archive, opened.state
         stage.index.files[rel] = source.size(rel)
         stage.index.checks.extend(archive.checks())
         prefix = _global_prefix(archive.label, layer, list(state), stage)
+        if prefix.startswith("tied_modules."):
+            tied[layer] = prefix.split(".")[1]
         for local, ref in state.items():
             if not isinstance(ref, TensorRef):
                 continue
@@ -343,6 +352,7 @@ def _add_layer_files(source: Source, stage: _Stage, layers: list[tuple[int, _Lay
                 stage.info.frozen[name] = shape
             elif dtype in ("float16", "bfloat16"):
                 stage.index.metadata["deepspeed"]["dtype"] = dtype
+    return tied
 
 
 def _global_prefix(label: str, layer: int, local: list[str], stage: _Stage) -> str:
@@ -420,6 +430,6 @@ def _merge_group_value(index: CheckpointIndex, key: str, obj: ObjectEntry, stage
 
 
 def refuse_pipeline_reshard(where: str, index: CheckpointIndex) -> None:
-    """Reshard and convert --to zero*: a pipeline source has no ZeRO writer yet (one sentence)."""
+    """convert --to zero*: a pipeline source is written by reshard --to pp=...,dp=... only (one sentence)."""
     if isinstance(index.native, PipelineInfo):
         raise UnsupportedError(f"{where}: {NOT_RESHARDABLE} (pipeline size {index.native.pp})")

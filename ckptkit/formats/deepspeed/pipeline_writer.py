@@ -1,0 +1,288 @@
+"""Write a native DeepSpeed pipeline checkpoint for a new pipeline and data-parallel size
+(`reshard --to pp=P,dp=W`; `--to N` keeps the source's pp).
+
+The pipeline reader (pipeline.py) joins the stages under PipelineModule's global names. Here the
+layers are assigned to P new stages as PipelineModule does it (pipeline_partition.py, by the
+`--partition-method` the model uses), and each new stage is one ZeRO-1 checkpoint over its own
+parameters, laid out by the ZeRO writer's group plans over W ranks (bytes streamed from the
+source). Files, as DeepSpeed 0.19's PipelineEngine names and loads them:
+  layer_XX[-model_00]-model_states.pt   copied byte for byte (a layer's own state, local names:
+                                        it does not depend on the stage holding the layer)
+  mp_rank_SS_model_states.pt            stage S's: module None, buffer_names and param_shapes
+                                        of its layers, mp_world_size P, dp_world_size W,
+                                        checkpoint_parallel_dimensions; the rest as the source's
+  [bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   partition D of W of stage S's flat groups
+A tied module is on every stage that builds one of its layers, its optimizer state with each.
+
+The checkpoint does not record the layers that have no state (functions, a tied layer with a
+forward_fn): `layer_table` infers them (a tied module on a stage with none of its layer files has
+one such layer there, after the last layer when that stage is the last) and checks that the
+inferred layers split into the source's own stages by the chosen method, else refuses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from typing import Any
+
+from ...context import RunContext
+from ...errors import UnsupportedError, UsageError
+from ...index.parallel_spec import ParallelSizes
+from ...index.types import CheckpointIndex
+from ...runner.executor import run_jobs
+from ...runner.fetch import Fetcher
+from ...storage.commit import Output
+from ...storage.source import Source
+from ...torch_types import Size
+from ..torch_save.archive_writer import write_archive
+from .files import optim_file_name
+from .group_plan import StatePlanner, plan_group
+from .info import ZeroGroup, ZeroInfo
+from .moe_writer import ELEMENT_SIZE, _copy, alignment_paddings
+from .pipeline import PipelineInfo
+from .pipeline_partition import chosen_partition_method, partition
+from .templates import lazify, template_of
+from .writer import HELPER_SCRIPTS, _stage12_optim, structure_bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PpTarget:
+    pp: int
+    dp: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layer:
+    """One entry of PipelineModule's layer list as the checkpoint shows it."""
+
+    kind: str            # "layer" (its own parameters), "tied" (a TiedLayerSpec), "none" (no state)
+    weight: int          # trainable parameters (what partition_method="parameters" balances)
+    key: str | None = None
+
+
+def is_pipeline(index: CheckpointIndex) -> bool:
+    return isinstance(index.native, PipelineInfo)
+
+
+def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> PpTarget:
+    """(P, W) from `--to`: pp=P,dp=W (tp and ep 1), or a world size N that keeps the source's pp."""
+    info: PipelineInfo = index.native
+    if isinstance(to, ParallelSizes):
+        if to.tp != 1:
+            raise UnsupportedError(f"--to {to}: adding tensor parallelism to the pipeline checkpoint {index.root} "
+                                   f"is not supported (give pp=...,dp=... with tp=1)")
+        if to.ep != 1:
+            raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
+        return PpTarget(pp=to.pp, dp=to.dp)
+    world = int(to)
+    if world % info.pp:
+        raise UsageError(f"--to {world}: the source's pipeline size {info.pp} does not divide {world} ranks; give "
+                         f"the new sizes, e.g. --to pp={math.gcd(info.pp, world)},dp={world // math.gcd(info.pp, world)}")
+    return PpTarget(pp=info.pp, dp=world // info.pp)
+
+
+def _layer_of(name: str) -> int | None:
+    head, _, rest = name.partition(".")
+    return int(head) if head.isdigit() and rest else None
+
+
+def _tied_key(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if parts[0] == "tied_modules" and len(parts) >= 3 else None
+
+
+def layer_table(index: CheckpointIndex, method: str) -> list[Layer]:
+    """PipelineModule's layer list as far as the checkpoint shows it (module docstring), checked
+    against the source's own stages under `method`."""
+    info: PipelineInfo = index.native
+    trainable: dict[str, int] = {}
+    tied_on: dict[int, set[str]] = {}
+    for s, z in info.stages.items():
+        for group in z.groups:
+            for name, shape in group.params:
+                trainable[name] = math.prod(shape)
+        tied_on[s] = {k for n in [*z.buffers, *(p for g in z.groups for p, _ in g.params)] if (k := _tied_key(n))}
+    tied_weight: dict[str, int] = {}
+    for name, numel in trainable.items():
+        if (k := _tied_key(name)) is not None:
+            tied_weight[k] = tied_weight.get(k, 0) + numel
+    layer_weight: dict[int, int] = {}
+    for name, numel in trainable.items():
+        if (i := _layer_of(name)) is not None:
+            layer_weight[i] = layer_weight.get(i, 0) + numel
+    known = dict(info.layers)
+    table: dict[int, Layer] = {}
+    for i in known:
+        key = info.tied_layers.get(i)
+        table[i] = (Layer(kind="tied", weight=tied_weight.get(key, 0), key=key) if key is not None
+                    else Layer(kind="layer", weight=layer_weight.get(i, 0)))
+    count = max(known) + 1 if known else 0
+    stage_of = dict(known)
+    if info.pp == 1 and tied_weight:
+        raise UnsupportedError(f"{index.root}: a single-stage pipeline checkpoint with tied modules "
+                               f"({', '.join(sorted(tied_weight))}) does not show which of its state-less layers use "
+                               f"them (a TiedLayerSpec with a forward_fn writes no file), so its new stages cannot be "
+                               f"told; resharding it is not supported")
+    for s in sorted(info.stages):
+        for key in sorted(tied_on.get(s, ())):
+            if any(layer.key == key and stage_of.get(i) == s for i, layer in table.items()):
+                continue
+            later = [i for i, t in known.items() if t > s]
+            first_next = min(later) if later else None
+            own = [i for i, t in known.items() if t == s]
+            lo = min(own) if own else 0
+            gaps = [i for i in range(lo, first_next if first_next is not None else count) if i not in table]
+            if gaps:
+                at = gaps[0]
+            elif first_next is None:
+                at, count = count, count + 1
+            else:
+                raise UnsupportedError(f"{index.root}: pipeline stage {s} holds tied module {key} but none of its "
+                                       f"layers' files, and no layer index is free for it on that stage; resharding "
+                                       f"it is not supported")
+            table[at] = Layer(kind="tied", weight=tied_weight.get(key, 0), key=key)
+            stage_of[at] = s
+    for i in range(count):
+        table.setdefault(i, Layer(kind="none", weight=0))
+    layers = [table[i] for i in range(count)]
+    if info.pp > 1:
+        parts = partition(method, [x.weight for x in layers], info.pp)
+        wrong = [i for i, s in stage_of.items() if not parts[s] <= i < parts[s + 1]]
+        if wrong:
+            raise UnsupportedError(f"{index.root}: its {count} layers (as inferred from the checkpoint) do not split "
+                                   f"into its {info.pp} stages with --partition-method {method} (layer {wrong[0]} "
+                                   f"is on stage {stage_of[wrong[0]]}, the method gives stages at {parts}); give the "
+                                   f"method the model uses")
+    return layers
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """What one new stage holds: its layers, tied keys, groups (names in module order) and buffers."""
+
+    stage: int
+    layers: tuple[int, ...]
+    tied: tuple[str, ...]
+    groups: list[ZeroGroup]
+    buffers: list[str]
+
+
+def stage_plans(index: CheckpointIndex, layers: list[Layer], parts: list[int], align: int) -> list[StagePlan]:
+    """Each new stage's parameters in PipelineModule's order: tied modules first (the ModuleDict is
+    registered before the layers), in the order the stage builds them, then layer by layer."""
+    info: PipelineInfo = index.native
+    src0 = info.stages[min(info.stages)]
+    source_groups: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(len(src0.groups))]
+    pads_seen = any(g.paddings is not None for z in info.stages.values() for g in z.groups)
+    for _, z in sorted(info.stages.items()):
+        if len(z.groups) != len(source_groups):
+            raise UnsupportedError(f"{index.root}: its pipeline stages have different numbers of optimizer groups")
+        for g, group in enumerate(z.groups):
+            source_groups[g] += [p for p in group.params if p[0] not in {n for n, _ in source_groups[g]}]
+    buffers: list[str] = []
+    for _, z in sorted(info.stages.items()):
+        buffers += [b for b in z.buffers if b not in buffers]
+    plans = []
+    for s in range(len(parts) - 1):
+        held = tuple(range(parts[s], parts[s + 1]))
+        tied: list[str] = []
+        for i in held:
+            if layers[i].kind == "tied" and layers[i].key not in tied:
+                tied.append(layers[i].key)
+
+        def order(name: str, held=held, tied=tied) -> tuple[int, int] | None:
+            key = _tied_key(name)
+            if key is not None:
+                return (0, tied.index(key)) if key in tied else None
+            i = _layer_of(name)
+            return (1, i) if i in held else None
+
+        groups = []
+        for g, params in enumerate(source_groups):
+            mine = sorted((p for p in params if order(p[0]) is not None), key=lambda p: order(p[0]))
+            paddings = None
+            if align > 1:
+                paddings = tuple(alignment_paddings([shape for _, shape in mine], align))
+            elif pads_seen:
+                paddings = (0,) * len(mine)
+            groups.append(ZeroGroup(index=g, param_group=g, params=tuple(mine), paddings=paddings))
+        mine_buffers = sorted((b for b in buffers if order(b) is not None), key=order)
+        plans.append(StagePlan(stage=s, layers=held, tied=tuple(tied), groups=groups, buffers=mine_buffers))
+    return plans
+
+
+def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
+                  ctx: RunContext, partition_method: str | None = None) -> list[str]:
+    """Reshard a pipeline ZeRO-1 (or BF16_Optimizer) checkpoint to P stages of W ranks (module docstring)."""
+    info: PipelineInfo = index.native
+    target = target_sizes(index, to)
+    method = partition_method or chosen_partition_method()
+    layers = layer_table(index, method)
+    if target.pp > len(layers):
+        raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the {target.pp} "
+                         f"pipeline stages asked for")
+    zinfo: ZeroInfo = info.stages[min(info.stages)]
+    config = _config(index)
+    zero_cfg = config.get("zero_optimization", {}) if isinstance(config.get("zero_optimization"), dict) else {}
+    if zero_cfg.get("round_robin_gradients"):
+        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
+                               "such checkpoints is not supported yet")
+    align = (16 // math.gcd(16, ELEMENT_SIZE.get(zinfo.dtype, 4)) if zero_cfg.get("parameter_alignment") else 1)
+    parts = partition(method, [x.weight for x in layers], target.pp)
+    plans = stage_plans(index, layers, parts, align)
+    tag = zinfo.files.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
+    fetcher = Fetcher(source, index=index)
+    states = StatePlanner(index, fetcher)
+    m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
+    o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
+    osd_t = o0["optimizer_state_dict"]
+    templates = osd_t["base_optimizer_state"]["state"]
+    files: dict[str, Any] = {}
+    for plan in plans:
+        if not any(g.params for g in plan.groups):
+            raise UnsupportedError(f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) would "
+                                   f"have no trainable parameters, which DeepSpeed's ZeRO optimizer cannot hold")
+        gplans = [plan_group(index, states, 1, g, templates.get(g.index) if isinstance(templates, dict) else None,
+                             oarchive, f"group {g.index} of pipeline stage {plan.stage}", target.dp)
+                  for g in plan.groups]
+        model = files[f"{tag}/mp_rank_{plan.stage:02d}_model_states.pt"] = _model(m0, marchive, plan, target)
+        for d in range(target.dp):
+            osd = _stage12_optim(osd_t, oarchive, gplans, d, target.dp)
+            if "param_alignment_paddings" in osd:
+                osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
+            if d == 0 and isinstance(model.get("optimizer"), dict):  # BF16_Optimizer: dp rank 0's state here too
+                model["optimizer"] = osd
+            top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
+            name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=plan.stage)
+            files[f"{tag}/{name}"] = {"optimizer_state_dict": osd, **top}
+    jobs: list = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=ctx.slab_bytes,
+                                                   progress=ctx.progress)) for n, s in files.items()]
+    weights = [structure_bytes(s) for s in files.values()]
+    copied = [(rel, f"{tag}/{rel.rpartition('/')[2]}") for _, rel in sorted(info.layer_files.items())]
+    copied += [(s, s) for s in HELPER_SCRIPTS if zinfo.files.tag is not None and source.exists(s)
+               and not source.isdir(s)]
+    jobs += [(lambda a=a, b=b: _copy(source, out, a, b)) for a, b in copied]
+    weights += [source.size(a) for a, _ in copied]
+    run_jobs(jobs, ctx.workers, group=out.group, weights=weights)
+    out.write_bytes("latest", tag.encode())
+    return ["latest", *files, *(b for _, b in copied)]
+
+
+def _config(index: CheckpointIndex) -> dict:
+    obj = index.objects.get("ds.ds_config")
+    return obj.data if obj is not None and isinstance(obj.data, dict) else {}
+
+
+def _model(m0: dict, marchive: Any, plan: StagePlan, target: PpTarget) -> dict:
+    """Stage S's model-states file: the source stage 0's, with this stage's names and the new sizes."""
+    model = lazify(m0, marchive, {})
+    model["buffer_names"] = list(plan.buffers)
+    if isinstance(model.get("param_shapes"), list):  # BF16_Optimizer saves None: left so
+        model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in plan.groups]
+    model["shared_params"] = {}
+    model["mp_world_size"] = target.pp
+    model["dp_world_size"] = target.dp
+    if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+        model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "pp_degree": target.pp}
+    return model

@@ -1,0 +1,103 @@
+"""DeepSpeed loads a resharded pipeline checkpoint at the new sizes, equal to the truth, and trains.
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node PP*DP tests/dist/ds_pp_reshard_check.py \
+        --ckpt OUT --fixture NAME --pp PP --partition-method uniform --result R.json
+
+Every rank builds fixtures/generate_ds_pp.py's PipelineModule with PP stages (the given
+partition_method) from another seed, `deepspeed.initialize` with the fixture's config at dp =
+world / PP, `engine.load_checkpoint`, then takes its stage's state through DeepSpeed's own API
+(the generator's stage_truth: safe_get_full_fp32_param, safe_get_full_optimizer_state, the
+optimizer's step, the module's weights and buffers) and compares it bit for bit with the source's
+truth (fixtures/data/ds_pp/NAME.truth.pt), then runs one train_batch. Rank 0 writes the result.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "fixtures"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--fixture", required=True)
+    ap.add_argument("--pp", type=int, required=True)
+    ap.add_argument("--partition-method", default="uniform")
+    ap.add_argument("--result", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    import generate_ds_pp as gen
+
+    stage, dtype, _, _, variant = gen.FIXTURES[args.fixture]
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // args.pp
+    if dtype == "fp16":
+        import deepspeed_models
+
+        deepspeed_models.allow_fp16_on_cpu()
+    from deepspeed.runtime import utils as ds_utils
+
+    seed = ds_utils.set_random_seed  # partition_balanced's numpy ints reach random.seed, which refuses them
+    ds_utils.set_random_seed = lambda value: seed(int(value))
+    gen.MODEL_SEED += 1000  # nothing may pass by accident: every value comes from the checkpoint
+    module = gen.build_pipeline(args.pp, variant, args.partition_method)
+    engine, *_ = deepspeed.initialize(model=module, config=gen.ds_config(stage, dtype, dp),
+                                      model_parameters=[p for p in module.parameters() if p.requires_grad])
+    result: dict = {"rank": rank, "stage": engine.stage_id, "parts": [int(x) for x in module.parts], "mismatches": [],
+                    "compared": 0}
+    try:
+        path, _ = engine.load_checkpoint(args.ckpt)
+        result["loaded"] = path is not None
+        truth = torch.load(ROOT / "fixtures" / "data" / "ds_pp" / f"{args.fixture}.truth.pt", weights_only=True)
+        got = gen.stage_truth(engine)
+        for key, value in got.items():
+            kind = key.partition(".")[0]
+            if kind in ("stage", "lr"):
+                continue
+            want = truth.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(want, torch.Tensor):
+                same = value.dtype == want.dtype and value.shape == want.shape and torch.equal(value, want)
+            else:
+                same = value == want
+            if not same:
+                result["mismatches"].append(key)
+            result["compared"] += 1
+        result["lr_ok"] = all(math.isclose(float(g["lr"]), truth["lr.0.0"], rel_tol=0, abs_tol=0)
+                              for g in engine.optimizer.param_groups)
+        result["steps_ok"] = (engine.global_steps == truth["global_steps"]
+                              and engine.global_samples == truth["global_samples"])
+        loss = float(engine.train_batch(data_iter=gen.data_iter()))
+        result["loss"] = loss
+        result["trained_step"] = math.isfinite(loss) and engine.global_steps == truth["global_steps"] + 1
+    except Exception as exc:  # reported, not raised: rank 0 writes every rank's outcome
+        import traceback
+
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-1500:]
+    parts: list = [None] * world
+    dist.all_gather_object(parts, result)
+    if rank == 0:
+        ok = all(p.get("loaded") and not p["mismatches"] and p.get("trained_step") and p.get("lr_ok")
+                 and p.get("steps_ok") and "error" not in p for p in parts)
+        Path(args.result).write_text(json.dumps({"ok": ok, "world_size": world, "pp": args.pp, "dp": dp,
+                                                 "compared": sum(p["compared"] for p in parts), "ranks": parts},
+                                                indent=1))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
