@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from ckptkit.index.parallel_spec import MAX_RANKS
 from ckptkit.index.types import Box
 from ckptkit.runner.plan import ReadPlan, ReadSpan
 from ckptkit.text import escape
@@ -28,7 +29,7 @@ def options(tag_help: str) -> Callable[[Callable], Callable]:
                 click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON."),
                 click.option("--tensor", "globs", multiple=True, metavar="GLOB",
                              help="Plan only tensors whose name matches GLOB (repeatable)."),
-                click.option("--to", "to", type=click.IntRange(1), default=None, metavar="N",
+                click.option("--to", "to", type=click.IntRange(1, MAX_RANKS), default=None, metavar="N",
                              help="Plan the boxes each rank of FSDP2 at N ranks reads, instead of whole tensors."),
                 click.option("--tag", default=None, help=tag_help)]):
             fn = option(fn)

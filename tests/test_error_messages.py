@@ -294,6 +294,14 @@ def _reshard_to_zero(tmp: Path) -> list[str]:
     return ["reshard", str(dcp(tmp)), str(tmp / "OUT"), "--to", "0"]
 
 
+def _reshard_to_too_many(tmp: Path) -> list[str]:
+    return ["reshard", str(dcp(tmp)), str(tmp / "OUT"), "--to", "mesh=dp_shard:1048576,tp:2"]
+
+
+def _convert_too_many(tmp: Path) -> list[str]:
+    return ["convert", str(dcp(tmp)), str(tmp / "OUT"), "--to", "fsdp2", "--world-size", "99999999999"]
+
+
 def _reshard_wrong_from(tmp: Path) -> list[str]:
     return ["reshard", str(dcp(tmp)), str(tmp / "OUT"), "--to", "4", "--from", "3"]
 
@@ -463,6 +471,12 @@ CASES: list[Case] = [
          "error: <tmp>/ckpt: --tag is for DeepSpeed checkpoints, and this is not one\n"),
     Case("reshard_to_zero", _reshard_to_zero, 2,
          "error: --to must be at least 1 (got 0)\n"),
+    Case("reshard_to_too_many", _reshard_to_too_many, 2,
+         "error: --to mesh=dp_shard:1048576,tp:2 asks for 2097152 ranks; ckptkit writes checkpoints for at most "
+         "1048576 ranks (one or more files each)\n"),
+    Case("convert_too_many", _convert_too_many, 2,
+         "error: --world-size 99999999999 asks for 99999999999 ranks; ckptkit writes checkpoints for at most "
+         "1048576 ranks (one or more files each)\n"),
     Case("reshard_wrong_from", _reshard_wrong_from, 2,
          "error: <tmp>/ckpt: was saved at world size 2, not 3 (--from)\n"),
     Case("bad_dtype", _bad_dtype, 2,

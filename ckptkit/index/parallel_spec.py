@@ -17,6 +17,10 @@ from ..errors import UsageError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")  # torchtitan's names, in its mesh order
 PARALLEL_SIZES = ("tp", "pp", "ep", "dp")
+# The most ranks a target may have: each rank is one or more files, and a layout is computed per
+# rank, so a typo such as --to 1000000000 would otherwise run for hours writing empty files. The
+# largest jobs run on about 10^5 accelerators.
+MAX_RANKS = 1 << 20
 _NAME_SIZE = re.compile(r"^([a-z_]+)\s*[:=]\s*(\d+)$")
 
 
@@ -83,14 +87,27 @@ def parse_parallel(text: str | int, option: str = "--to") -> ParallelTarget:
     if re.fullmatch(r"[+-]?\d+", text):
         return _world(int(text), option)
     if text.startswith("mesh="):
-        return _mesh(text[len("mesh="):], option)
-    return _sizes(text, option)
+        return _checked(_mesh(text[len("mesh="):], option), option)
+    return _checked(_sizes(text, option), option)
+
+
+def check_ranks(n: int, option: str) -> int:
+    """`n` ranks, refused in one sentence beyond MAX_RANKS."""
+    if n > MAX_RANKS:
+        raise UsageError(f"{option} asks for {n} ranks; ckptkit writes checkpoints for at most {MAX_RANKS} ranks "
+                         f"(one or more files each)")
+    return n
+
+
+def _checked(target: "MeshSpec | ParallelSizes", option: str) -> "MeshSpec | ParallelSizes":
+    check_ranks(target.world_size, f"{option} {target}")
+    return target
 
 
 def _world(n: int, option: str) -> int:
     if n < 1:
         raise UsageError(f"{option} must be at least 1 (got {n})")
-    return n
+    return check_ranks(n, f"{option} {n}")
 
 
 def _pairs(body: str, option: str, form: str) -> list[tuple[str, int]]:

@@ -29,6 +29,7 @@ from ..convert.drops import apply_drops, dropped_summary
 from ..convert.state import TrainingState, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UnsupportedError, UsageError
+from ..index.parallel_spec import check_ranks
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
 from ..formats.registry import Opened, format_named, open_checkpoint
 from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
@@ -162,6 +163,8 @@ def _checked_target(to: str, world_size: int | None, ds_config: str | None, froz
     check_applies(to, world_size, ds_config, frozen, model_only)
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {world_size})")
+    if world_size is not None:
+        check_ranks(world_size, f"--world-size {world_size}")
     return target
 
 
