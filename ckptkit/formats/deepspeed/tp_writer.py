@@ -41,7 +41,7 @@ from ..torch_save.archive_writer import LazyTensor, write_archive
 from .files import optim_file_name
 from .group_plan import StatePlanner, plan_group, state_templates, target_groups
 from .info import ZeroGroup, ZeroInfo
-from .model_parallel import ModelParallelInfo
+from .model_parallel import ModelParallelInfo, _param_name
 from .moe_writer import ELEMENT_SIZE, alignment_paddings
 from .templates import lazify, template_of
 from .writer import DEFAULT_SUB_GROUP_SIZE, HELPER_SCRIPTS, _stage12_optim, _stage3_model, _stage3_optim, structure_bytes
@@ -196,15 +196,6 @@ class _Slicer:
             out.add_object(obj)
         out.step = index.step
         return out
-
-
-def _param_name(e: TensorEntry) -> str | None:
-    path = e.path or ()
-    if len(path) == 2 and path[0] in ("model", "ds_module"):
-        return str(path[1])
-    if len(path) == 4 and path[:2] == ("optim", "state"):
-        return str(path[2])
-    return None
 
 
 def _parts(ref: str, full: tuple[int, ...], dim: int, blocks: list[tuple[int, int]]) -> list[Part]:
