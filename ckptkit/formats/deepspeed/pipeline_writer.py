@@ -29,15 +29,17 @@ from typing import Any
 from ...context import RunContext
 from ...errors import UnsupportedError, UsageError
 from ...index.parallel_spec import ParallelSizes
+from ...index.state_keys import model_key
 from ...index.types import CheckpointIndex
+from ...index.virtual import Part
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
-from ..torch_save.archive_writer import write_archive
+from ..torch_save.archive_writer import LazyTensor, write_archive
 from .files import optim_file_name
-from .group_plan import StatePlanner, plan_group
+from .group_plan import GroupPlan, StatePlanner, plan_group, virtual
 from .info import ZeroGroup, ZeroInfo
 from .moe_writer import ELEMENT_SIZE, _copy, alignment_paddings
 from .pipeline import PipelineInfo
@@ -251,6 +253,8 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
             osd = _stage12_optim(osd_t, oarchive, gplans, d, target.dp)
             if "param_alignment_paddings" in osd:
                 osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
+            if "zero_stage" not in osd_t:  # BF16_Optimizer keeps the end padding in its fp32 partitions
+                osd["single_partition_of_fp32_groups"] = [_padded_masters(gp, d) for gp in gplans]
             if d == 0 and isinstance(model.get("optimizer"), dict):  # BF16_Optimizer: dp rank 0's state here too
                 model["optimizer"] = osd
             top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
@@ -269,6 +273,20 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
     return ["latest", *files, *(b for _, b in copied)]
 
 
+def _padded_masters(plan: GroupPlan, rank: int) -> LazyTensor:
+    """A rank's fp32 partition with its end padding (zeros), as BF16_Optimizer saves it."""
+    share = plan.shares[rank]
+    parts, position = [], 0
+    for slot in share.slots:
+        if slot.position > position:
+            parts.append(Part(None, 0, slot.position - position))
+        parts.append(Part(model_key(slot.name), slot.start, slot.length))
+        position = slot.position + slot.length
+    if share.size > position:
+        parts.append(Part(None, 0, share.size - position))
+    return virtual(f"fp32.padded.{plan.group.index}.{rank}", plan.master_dtype, parts, 0, share.size)
+
+
 def _config(index: CheckpointIndex) -> dict:
     obj = index.objects.get("ds.ds_config")
     return obj.data if obj is not None and isinstance(obj.data, dict) else {}
@@ -280,7 +298,6 @@ def _model(m0: dict, marchive: Any, plan: StagePlan, target: PpTarget) -> dict:
     model["buffer_names"] = list(plan.buffers)
     if isinstance(model.get("param_shapes"), list):  # BF16_Optimizer saves None: left so
         model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in plan.groups]
-    model["shared_params"] = {}
     model["mp_world_size"] = target.pp
     model["dp_world_size"] = target.dp
     if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
