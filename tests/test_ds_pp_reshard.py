@@ -148,6 +148,25 @@ def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, args, code, ne
     assert not (tmp_path / "out").exists()
 
 
+def test_stages_the_checkpoint_does_not_determine_are_refused():
+    """new_stages' checks can fire: a source whose layer stages the method cannot give, and one that
+    says nothing of its stages (so unseen trailing state-less layers would move the boundaries)."""
+    from ckptkit.errors import UnsupportedError
+    from ckptkit.formats.deepspeed import pipeline_writer
+    from ckptkit.formats.registry import open_checkpoint
+
+    index = open_checkpoint(str(PP_DATA / "pp2_dp2_z1_fp32")).index
+    layers, stage_of = pipeline_writer.layer_table(index)
+    assert [x.kind for x in layers] == ["tied", "layer", "layer", "layer", "layer", "tied"]
+    assert stage_of == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    _, parts = pipeline_writer.new_stages(index, layers, stage_of, "uniform", 4)
+    assert parts == [0, 2, 4, 5, 6]
+    with pytest.raises(UnsupportedError, match=r"do not split into its 2 stages with --partition-method uniform"):
+        pipeline_writer.new_stages(index, layers, {0: 1}, "uniform", 4)
+    with pytest.raises(UnsupportedError, match=r"depends on how many state-less layers follow layer 5"):
+        pipeline_writer.new_stages(index, layers, {}, "uniform", 4)
+
+
 @needs_deepspeed
 def test_partition_functions_equal_deepspeeds():
     from deepspeed.runtime.utils import partition_balanced, partition_uniform

@@ -16,8 +16,9 @@ A tied module is on every stage that builds one of its layers, its optimizer sta
 
 The checkpoint does not record the layers that have no state (functions, a tied layer with a
 forward_fn): `layer_table` infers them (a tied module on a stage with none of its layer files has
-one such layer there, after the last layer when that stage is the last) and checks that the
-inferred layers split into the source's own stages by the chosen method, else refuses.
+one such layer there, after the last layer when that stage is the last), and `new_stages` checks
+that they split into the source's own stages by the chosen method and that the new stages do not
+depend on unseen state-less layers after the last one, else refuses.
 """
 from __future__ import annotations
 
@@ -94,9 +95,9 @@ def _tied_key(name: str) -> str | None:
     return parts[1] if parts[0] == "tied_modules" and len(parts) >= 3 else None
 
 
-def layer_table(index: CheckpointIndex, method: str) -> list[Layer]:
-    """PipelineModule's layer list as far as the checkpoint shows it (module docstring), checked
-    against the source's own stages under `method`."""
+def layer_table(index: CheckpointIndex) -> tuple[list[Layer], dict[int, int]]:
+    """PipelineModule's layer list as far as the checkpoint shows it (module docstring), and the
+    source stage of each layer it places (layer index -> stage)."""
     info: PipelineInfo = index.native
     trainable: dict[str, int] = {}
     tied_on: dict[int, set[str]] = {}
@@ -147,16 +148,40 @@ def layer_table(index: CheckpointIndex, method: str) -> list[Layer]:
             stage_of[at] = s
     for i in range(count):
         table.setdefault(i, Layer(kind="none", weight=0))
-    layers = [table[i] for i in range(count)]
-    if info.pp > 1:
-        parts = partition(method, [x.weight for x in layers], info.pp)
-        wrong = [i for i, s in stage_of.items() if not parts[s] <= i < parts[s + 1]]
-        if wrong:
-            raise UnsupportedError(f"{index.root}: its {count} layers (as inferred from the checkpoint) do not split "
-                                   f"into its {info.pp} stages with --partition-method {method} (layer {wrong[0]} "
-                                   f"is on stage {stage_of[wrong[0]]}, the method gives stages at {parts}); give the "
-                                   f"method the model uses")
-    return layers
+    return [table[i] for i in range(count)], stage_of
+
+
+def new_stages(index: CheckpointIndex, layers: list[Layer], stage_of: dict[int, int], method: str,
+               pp: int) -> tuple[list[Layer], list[int]]:
+    """(layers, stage boundaries at `pp`). State-less layers after the last one the checkpoint
+    shows are unseen: every count of them (up to as many again) under which `method` gives the
+    source's own stages is tried, and the stages of the layers with state must not depend on it
+    (else refused as undetermined); the fewest such layers are written."""
+    info: PipelineInfo = index.native
+    options: dict[tuple[int, ...], tuple[list[Layer], list[int]]] = {}
+    for extra in range(len(layers) + 1):
+        cand = layers + [Layer(kind="none", weight=0)] * extra
+        weights = [x.weight for x in cand]
+        if info.pp > 1:
+            src = partition(method, weights, info.pp)
+            if any(not src[s] <= i < src[s + 1] for i, s in stage_of.items()):
+                continue
+        parts = partition(method, weights, pp)
+        placed = tuple(next(s for s in range(pp) if parts[s] <= i < parts[s + 1])
+                       for i, x in enumerate(layers) if x.kind != "none")
+        options.setdefault(placed, (cand, parts))
+    if not options:
+        src = partition(method, [x.weight for x in layers], info.pp)
+        wrong = min(i for i, s in stage_of.items() if not src[s] <= i < src[s + 1])
+        raise UnsupportedError(f"{index.root}: its {len(layers)} layers (as inferred from the checkpoint) do not split "
+                               f"into its {info.pp} stages with --partition-method {method} (layer {wrong} is on "
+                               f"stage {stage_of[wrong]}, the method gives stages at {src}); give the method the "
+                               f"model uses")
+    if len(options) > 1:
+        raise UnsupportedError(f"{index.root}: which layers go to which of {pp} stages with --partition-method "
+                               f"{method} depends on how many state-less layers follow layer {len(layers) - 1}, "
+                               f"which the checkpoint does not record; resharding it to pp={pp} is not supported")
+    return next(iter(options.values()))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,7 +245,7 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
     info: PipelineInfo = index.native
     target = target_sizes(index, to)
     method = partition_method or chosen_partition_method()
-    layers = layer_table(index, method)
+    layers, stage_of = layer_table(index)
     if target.pp > len(layers):
         raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the {target.pp} "
                          f"pipeline stages asked for")
@@ -231,7 +256,7 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
         raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
                                "such checkpoints is not supported yet")
     align = (16 // math.gcd(16, ELEMENT_SIZE.get(zinfo.dtype, 4)) if zero_cfg.get("parameter_alignment") else 1)
-    parts = partition(method, [x.weight for x in layers], target.pp)
+    layers, parts = new_stages(index, layers, stage_of, method, target.pp)
     plans = stage_plans(index, layers, parts, align)
     tag = zinfo.files.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
     fetcher = Fetcher(source, index=index)
