@@ -511,7 +511,7 @@ class ConvertTarget:
     """What convert writes: --to, --world-size, --ds-config, and the source it expects (--from)."""
 
     to: str
-    world_size: int | None = None
+    world_size: str | None = None  # a number, or mesh=... (parsed by ops/convert.py)
     ds_config: str | None = None
     from_: str | None = None
 
@@ -543,8 +543,10 @@ class StateOptions:
 @click.option("--to", "to", required=True, type=click.Choice(CONVERT_TARGETS),
               help="Target backend (fsdp/fsdp2: DCP in FSDP2's layout; hf: a safetensors folder; deepspeed: "
                    "the stage the config names).")
-@click.option("--world-size", type=int, default=None,
-              help="Ranks the target is laid out for (dcp, zero*; default: the source's).")
+@click.option("--world-size", default=None, metavar="N|mesh=DIM:N,...",
+              help="Ranks the target is laid out for (dcp, zero*; default: the source's), or for dcp a device "
+                   "mesh: mesh=dp_shard:2,tp:2 (dims dp_replicate, dp_shard, tp; tp splits as the source "
+                   "records them, else by --tp-rules and the built-in rules).")
 @click.option("--ds-config", default=None, metavar="CONFIG.json",
               help="The DeepSpeed config the target job loads with (needed for --to zero* from a non-ZeRO source).")
 @click.option("--from", "from_", type=click.Choice(CONVERT_SOURCES), default=None,

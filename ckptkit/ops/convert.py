@@ -2,7 +2,8 @@
 
 Source (any format ckptkit reads) -> canonical training state (convert/state.py) -> target
 (the names `--to` and `--from` share are in ckptkit/convert/__init__.py):
-  dcp fsdp fsdp2     torch's recipe keys, FSDP2 layout for --world-size ranks
+  dcp fsdp fsdp2     torch's recipe keys, FSDP2 layout for --world-size ranks, or on a device mesh
+                     (--world-size mesh=dp_shard:2,tp:2: FSDP2 + HSDP + TP as dcp.save writes it there)
   zero1/2/3          a native DeepSpeed ZeRO checkpoint for --world-size ranks, laid out by --ds-config
   deepspeed          the same, at the stage the DeepSpeed config (or the ZeRO source) names
   torch              one torch.save file {"model": ..., "optim": ..., extras}: OUT itself when it
@@ -20,6 +21,7 @@ holds weights only: like consolidate, it writes the model and lists what it did 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,9 +29,9 @@ from ..convert import NAMES, SOURCE_OF, SOURCES, TARGET_OF, TARGETS
 from ..convert.names import KeyRules
 from ..convert.drops import apply_drops, dropped_summary
 from ..convert.state import TrainingState, describe, flat_extras, read_state
-from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, torch_recipe_index
+from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, mesh_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UnsupportedError, UsageError
-from ..index.parallel_spec import check_ranks
+from ..index.parallel_spec import MeshSpec, ParallelSizes, check_ranks, parse_parallel
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
 from ..formats.registry import Opened, format_named, open_checkpoint
 from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
@@ -40,6 +42,7 @@ from ..storage.paths import read_small_file
 from .. import knobs, safe_json
 from ..context import RunContext, context_of
 from .outputs import SAFETENSORS_SUFFIX, file_output, single_file_shards
+from .reshard import tp_dims_from_rules
 
 TORCH_FILE = "checkpoint.pt"
 MAX_CONFIG_BYTES = 16 << 20  # a DeepSpeed config is a few KB
@@ -116,13 +119,20 @@ def check_source(src: str, index_format: str, stage: int | None, expect_from: st
         raise UsageError(f"{src}: is a DeepSpeed ZeRO stage {stage} checkpoint, not {expect_from} (--from)")
 
 
-def convert(src: str, out: str, to: str, world_size: int | None = None, ds_config: str | None = None,
+def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | None" = None,
+            ds_config: str | None = None,
             expect_from: str | None = None, rules: KeyRules | None = None, frozen: tuple[str, ...] = (),
             options: RunContext | None = None, tag: str | None = None, model_only: bool = False,
             drop: tuple[str, ...] = (), *, ctx: RunContext | None = None) -> ConvertResult:
-    """`ctx`: the run's context (`options=` is its older name)."""
+    """`world_size`: ranks (an int), or a device mesh for a DCP target (`MeshSpec`, or text such as
+    "mesh=dp_shard:2,tp:2", as reshard's --to takes it). `ctx`: the run's context (`options=` is its
+    older name)."""
     ctx = context_of(ctx, options)
+    world_size, mesh = _world_or_mesh(world_size)
     target = _checked_target(to, world_size, ds_config, frozen, model_only)
+    if mesh is not None and target != "dcp":
+        raise UsageError(f"--world-size {mesh} applies only to --to dcp, fsdp or fsdp2 (DCP on a device mesh); "
+                         f"give --to {to} a world size")
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     if expect_from is not None:
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
@@ -134,6 +144,10 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
     rules, notes = _output_rules(opened, target, rules)
     state = read_state(opened, rules, frozen, ctx)
     reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
+    if mesh is not None and (opened.trainer is not None or _is_lightning(opened)):
+        raise UnsupportedError(f"{src}: --world-size {mesh} writes a plain DCP folder; writing "
+                               f"{'an HF Trainer' if opened.trainer is not None else 'a Lightning'} folder "
+                               f"on a device mesh is not supported yet (give a world size)")
     if target == "dcp" and not single:
         done = _as_lightning_folder(opened, out, world, state, ctx, src, reshaped)
         if done is not None:
@@ -150,10 +164,34 @@ def convert(src: str, out: str, to: str, world_size: int | None = None, ds_confi
         done = _as_trainer_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
         if done is not None:
             return done
-    files, safetensors = _write(opened, out, target, state, world, cfg, single, ctx, (src, ds_config))
+    laid_out_notes: list[str] = []  # what the mesh layout decided, said in the summary
+    files, safetensors = _write(opened, out, target, state, world, cfg, single, ctx, (src, ds_config),
+                                (mesh, laid_out_notes))
+    if mesh is not None:
+        notes = [f"laid out on {mesh}", *laid_out_notes] + notes
     notes += _left_behind(opened, target)
     return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
                          _summary(state, target, safetensors), files, notes)
+
+
+def _world_or_mesh(world_size: "int | str | MeshSpec | None") -> tuple[int | None, MeshSpec | None]:
+    """--world-size as (ranks, mesh): a number, or a device mesh `mesh=dp_shard:2,tp:2` (reshard's
+    --to spelling); DeepSpeed's model-parallel sizes are reshard's, not convert's."""
+    if world_size is None or isinstance(world_size, MeshSpec):
+        return (None if world_size is None else world_size.world_size), world_size
+    if isinstance(world_size, int) and not isinstance(world_size, bool):
+        return world_size, None  # checked with the other options (a clear sentence for 0 or too many)
+    text = str(world_size).strip()
+    if not text.startswith("mesh=") and not re.fullmatch(r"[+-]?\d+", text):
+        also = " (DeepSpeed's tp=/pp=/ep=/dp= sizes are for reshard --to)" if "=" in text else ""
+        raise UsageError(f"--world-size {text!r}: expected a number of ranks (e.g. 4) or a device mesh "
+                         f"(e.g. mesh=dp_shard:2,tp:2){also}")
+    parsed = parse_parallel(text, "--world-size")
+    if isinstance(parsed, ParallelSizes):  # not reached: the text is a number or mesh=...
+        raise UsageError(f"--world-size {text}: DeepSpeed's parallel sizes are given to reshard --to")
+    if isinstance(parsed, MeshSpec):
+        return parsed.world_size, parsed
+    return parsed, None
 
 
 def _checked_target(to: str, world_size: int | None, ds_config: str | None, frozen: tuple[str, ...],
@@ -181,6 +219,12 @@ def _output_rules(opened: Opened, target: str, rules: KeyRules | None) -> tuple[
     return chosen, [f"names: stripped {', '.join(chosen.strip)} from every model name (the LightningModule "
                     f"attribute holding the network), so they are the network's own; --strip-prefix or "
                     f"--rename replace this"]
+
+
+def _is_lightning(opened: Opened) -> bool:
+    from .lightning_folder import is_folder
+
+    return is_folder(opened)
 
 
 def _as_lightning_folder(opened: Opened, out: str, world: int, state: TrainingState, ctx: RunContext, src: str,
@@ -212,8 +256,10 @@ def _as_trainer_folder(opened: Opened, out: str, target: str, world: int, state:
 
 
 def _write(opened: Opened, out: str, target: str, state: TrainingState, world: int, cfg: dict | None, single: bool,
-           ctx: RunContext, sources: tuple) -> tuple[list[str], tuple | None]:
-    """OUT as `target`, committed whole: (the files written, the safetensors plan when it is one)."""
+           ctx: RunContext, sources: tuple, on_mesh: tuple[MeshSpec | None, list[str]] = (None, [])
+           ) -> tuple[list[str], tuple | None]:
+    """OUT as `target`, committed whole: (the files written, the safetensors plan when it is one).
+    `on_mesh`: (the device mesh of a DCP target or None, a list the layout's notes are added to)."""
     safetensors = _safetensors_plan(state) if target == "safetensors" else None
     if safetensors is not None and single:
         single_file_shards(out, safetensors[0], knobs.parse_size(knobs.MAX_SHARD_SIZE))
@@ -224,18 +270,25 @@ def _write(opened: Opened, out: str, target: str, state: TrainingState, world: i
             e.nbytes for m in state.param_states.values() for e in m.values())
     ctx.progress.start(total, f"convert {opened.index.format} -> {target}")
     with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as dest:
-        files = _write_into(dest, target, state, world, cfg, safetensors, single, ctx)
+        files = _write_into(dest, target, state, world, cfg, safetensors, single, ctx, on_mesh)
     ctx.progress.close()
     return files, safetensors
 
 
 def _write_into(dest: Output, target: str, state: TrainingState, world: int, cfg: dict | None,
-                safetensors: tuple | None, single: bool, ctx: RunContext) -> list[str]:
+                safetensors: tuple | None, single: bool, ctx: RunContext,
+                on_mesh: tuple[MeshSpec | None, list[str]] = (None, [])) -> list[str]:
     """`target`'s files in `dest`, each laid out here and written by the registry's writer."""
     if target == "dcp":
         index, resolver = torch_recipe_index(state, "dcp")
         index.world_size = world
-        laid_out = DcpTarget(index, fetcher_for(state, resolver), fsdp2_training_layout(index, state, world))
+        mesh, notes = on_mesh
+        if mesh is not None:
+            layout, said = mesh_training_layout(index, state, mesh, tp_dims_from_rules())
+            notes.extend(said)
+        else:
+            layout = fsdp2_training_layout(index, state, world)
+        laid_out = DcpTarget(index, fetcher_for(state, resolver), layout)
         return format_named("dcp").write(laid_out, dest, ctx)
     if target.startswith("zero"):
         from ..convert.to_zero import zero_target_from_state

@@ -8,6 +8,7 @@ DeepSpeed: a native ZeRO checkpoint for M data-parallel ranks (formats/deepspeed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import UnsupportedError, UsageError
 from ..index.parallel_spec import MeshSpec, ParallelSizes, parse_parallel
@@ -122,13 +123,13 @@ def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int 
     with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
         files, note = fmt.reshard_mesh(opened, target, mesh, ctx,
                                        source_mesh=expect_from if isinstance(expect_from, MeshSpec) else None,
-                                       tp_dim_for=_tp_dims(tp_rules))
+                                       tp_dim_for=tp_dims_from_rules(tp_rules))
     ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, mesh.world_size, files, len(index.tensors),
                          index.total_tensor_bytes, [f"target {mesh}; {note}"])
 
 
-def _tp_dims(path: str | None):
+def tp_dims_from_rules(path: str | None = None) -> Callable[[str, tuple[int, ...]], int | None]:
     """Each parameter's tp split dim from the split rules (`path`, then the built-in ones), for a
     target mesh with tp over a source saved without it."""
     loaded: list = []
