@@ -133,7 +133,8 @@ def mesh_training_layout(index: CheckpointIndex, state: TrainingState, mesh: "Me
     """The training state on a device mesh as torch's dcp.save writes FSDP2 (+ HSDP, + TP) there
     (index/mesh.py): every N-d parameter and its partitioned states `Shard(0)` on dp_shard, and on tp
     the split the source records for it, else `tp_dim_for(name, shape)` (the split rules); buffers and
-    steps plain, each item in the rank file torch's planner picks. Also returns notes for the summary.
+    steps plain, each item in the rank file torch's planner picks (for a state dict of the model and
+    optimizer alone; the source's other values come after them). Also returns notes for the summary.
 
     A fused source split (Megatron's QKV, whose tp rank r holds [q_r; k_r; v_r]) is read as the full
     tensor [Q; K; V] (what consolidate writes) and laid out as torch's `Shard(dim)` of that tensor,
@@ -165,7 +166,11 @@ def mesh_training_layout(index: CheckpointIndex, state: TrainingState, mesh: "Me
                 dims[name] = tp_dim_for(name, shape)
                 how["rules"] += 1
         placements[key] = Placement(True, dims.get(name))
-    layout = mesh_layout(index, mesh, placements, torch_state_order(index, state))
+    # what the source holds beyond the model and optimizer (DeepSpeed's ds.* values, client state) is
+    # placed last, so the model and optimizer items land in the files a torch job's own dcp.save of
+    # get_state_dict puts them in
+    layout = mesh_layout(index, mesh, placements, torch_state_order(index, state),
+                         late=lambda key: not key.startswith(("model.", "optim.")))
     notes = []
     if with_tp:
         said = [f"{n} from the source's record" for n in (how["recorded"],) if n]

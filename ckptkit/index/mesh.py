@@ -148,10 +148,12 @@ class _Item:
     size: int
 
 
-def dedup_owners(plans: list[list[_Item]]) -> dict[tuple[str, tuple[int, ...] | None], int]:
+def dedup_owners(plans: list[list[_Item]], planned: list[int] | None = None
+                 ) -> dict[tuple[str, tuple[int, ...] | None], int]:
     """dedup_save_plans(save_to_lowest_rank=False): each item to the holder with the smallest
     planned storage so far (ties: the first in the set's order, as torch's `min` over a set of
-    ranks), items visited in first-appearance order (rank 0's plan first)."""
+    ranks), items visited in first-appearance order (rank 0's plan first). `planned`: each rank's
+    storage planned before these items (updated in place; None: nothing yet)."""
     holders: dict[tuple[str, tuple[int, ...] | None], set[int]] = {}
     sizes: dict[tuple[str, tuple[int, ...] | None], int] = {}
     for rank, plan in enumerate(plans):
@@ -159,7 +161,8 @@ def dedup_owners(plans: list[list[_Item]]) -> dict[tuple[str, tuple[int, ...] | 
             ident = (item.key, item.box.offsets if item.box is not None else None)
             holders.setdefault(ident, set()).add(rank)
             sizes[ident] = item.size
-    planned = [0] * len(plans)
+    if planned is None:
+        planned = [0] * len(plans)
     owners = {}
     for ident, ranks in holders.items():
         chosen = min(ranks, key=lambda r: planned[r])
@@ -184,10 +187,14 @@ def param_name(key: str, index: CheckpointIndex) -> str | None:
 
 
 def mesh_layout(index: CheckpointIndex, mesh: MeshSpec, placements: dict[str, Placement],
-                order: Sequence[str]) -> Layout:
+                order: Sequence[str], late: Callable[[str], bool] | None = None) -> Layout:
     """Each tensor's chunks on `mesh`, each in the rank file torch's planner puts it in; each
     value (bytes item) on the rank torch puts it. `order` is the state dict's flattened key order
-    (tensors and values), which is the order torch's planner visits items in."""
+    (tensors and values), which is the order torch's planner visits items in.
+
+    `late(key)`: items placed after all the others, as if saved by a second dcp.save: the others
+    then land exactly where a job whose state dict lacks the late ones puts them (convert: a torch
+    job saves get_state_dict's model and optimizer, not DeepSpeed's own values that ckptkit keeps)."""
     check_mesh(mesh)
     keys = [k for k in order if k in index.tensors or k in index.objects]
     keys += [k for k in list(index.tensors) + list(index.objects) if k not in set(keys)]
@@ -202,17 +209,21 @@ def mesh_layout(index: CheckpointIndex, mesh: MeshSpec, placements: dict[str, Pl
     # torch counts a chunk as its whole tensor's bytes (WriteItem.tensor_storage_size uses the
     # global size), and a value as nothing: dedup_save_plans then counts it as 1
     sizes = {key: _numel(entry.shape) * itemsize(entry.dtype) for key, entry in index.tensors.items()}
-    plans: list[list[_Item]] = []
-    for rank in range(mesh.world_size):
-        plan = []
-        for key in keys:
-            if key in index.tensors:
-                box = boxes[key][rank]
-                plan.append(_Item(key, box, sizes[key]))
-            else:
-                plan.append(_Item(key, None, 0))
-        plans.append(plan)
-    owners = dedup_owners(plans)
+    planned = [0] * mesh.world_size
+    owners: dict[tuple[str, tuple[int, ...] | None], int] = {}
+    first = [k for k in keys if late is None or not late(k)]
+    for part in (first, [k for k in keys if late is not None and late(k)]):
+        plans: list[list[_Item]] = []
+        for rank in range(mesh.world_size):
+            plan = []
+            for key in part:
+                if key in index.tensors:
+                    box = boxes[key][rank]
+                    plan.append(_Item(key, box, sizes[key]))
+                else:
+                    plan.append(_Item(key, None, 0))
+            plans.append(plan)
+        owners.update(dedup_owners(plans, planned))
     layout = Layout(mesh.world_size, description=f"DCP on {mesh}", object_ranks={}, exact_chunks=True,
                     key_order=keys)
     for key in keys:
