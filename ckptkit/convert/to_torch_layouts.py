@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import UnsupportedError
+from ..errors import CkptkitError, UnsupportedError
 from ..index.dtypes import is_floating
 from ..index.layouts import Assignment, Layout, chunk_dim0
 from ..index.mesh import PLAIN, Placement, mesh_layout
@@ -198,4 +198,21 @@ def torch_state_order(index: CheckpointIndex, state: TrainingState) -> list[str]
         order += sorted(keys, key=lambda k: 0 if (index.tensors[k].path if k in index.tensors
                                                     else index.objects[k].path)[3] == "step" else 1)
     seen = set(order)
-    return order + [k for k in list(index.tensors) + list(index.objects) if k not in seen]
+    rest = [k for k in list(index.tensors) + list(index.objects) if k not in seen]
+    source_order = _dcp_source_order(state)
+    if source_order:  # a DCP source: its param groups' values in the order its own save walked them
+        rest.sort(key=lambda k: source_order.get(k, len(source_order)) if k.startswith("optim.param_groups.")
+                  else len(source_order))
+    return order + rest
+
+
+def _dcp_source_order(state: TrainingState) -> dict[str, int]:
+    """A DCP source's flat keys by position in its saved state dict ({} for another source)."""
+    if state.source.index.format != "dcp" or state.source.trainer is not None:
+        return {}
+    from ..formats.dcp.reader import state_dict_order
+
+    try:
+        return {k: i for i, k in enumerate(state_dict_order(state.source.source))}
+    except CkptkitError:  # only an ordering hint: the index itself was read already
+        return {}
