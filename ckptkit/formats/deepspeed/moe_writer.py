@@ -33,25 +33,21 @@ from ...errors import UnsupportedError, UsageError, quote
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...repickle import stand_in
-from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
-from ..torch_save.archive_writer import write_archive
 from . import standins
 from .entries import shape_of
 from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK, split_expert_name
+from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .templates import lazify, ordered_like, template_of
-from .writer import HELPER_SCRIPTS, structure_bytes
 
-COPY_BLOCK = 8 << 20
 # split_params_into_different_moe_groups_for_optimizer's default: a larger expert group is split
 MAX_GROUP_SIZE = 178956971
-ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,57 +128,18 @@ def expert_group_shape(index: int, param_group: int, shapes: list[tuple[str, tup
     return found
 
 
-def alignment_paddings(shapes: list[tuple[int, ...]], align: int) -> list[int]:
-    """DeepSpeed's per-parameter alignment padding of a flat group (none after the last)."""
-    out, offset = [], 0
-    for i, shape in enumerate(shapes):
-        offset += math.prod(shape)
-        pad = 0 if i == len(shapes) - 1 else (-offset) % align
-        out.append(pad)
-        offset += pad
-    return out
-
-
 def write_moe_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
                    ctx: RunContext) -> list[str]:
     """Reshard a MoE ZeRO-1/2 checkpoint to E' expert-parallel ranks among W' ranks (module docstring)."""
     info: ZeroInfo = index.native
     target = target_sizes(index, to)
-    config = _config(index)
-    zero_cfg = config.get("zero_optimization", {}) if isinstance(config.get("zero_optimization"), dict) else {}
-    if zero_cfg.get("round_robin_gradients"):
-        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
-                               "such checkpoints is not supported yet")
-    tag = info.files.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
+    zero_cfg = zero_config(index)
+    tag = tag_name(info.files.tag, index)
     fetcher = Fetcher(source, index=index)
     files = _files(index, info, target, tag, zero_cfg, StatePlanner(index, fetcher))
-    jobs: list = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=ctx.slab_bytes,
-                                                   progress=ctx.progress)) for n, s in files.items()]
-    weights = [structure_bytes(s) for s in files.values()]
     copied = [(info.files.prefix + name, f"{tag}/{name}") for name in sorted(info.files.expert_files)]
-    copied += [(s, s) for s in HELPER_SCRIPTS if info.files.tag is not None and source.exists(s)
-               and not source.isdir(s)]
-    jobs += [(lambda a=a, b=b: _copy(source, out, a, b)) for a, b in copied]
-    weights += [source.size(a) for a, _ in copied]
-    run_jobs(jobs, ctx.workers, group=out.group, weights=weights)
-    out.write_bytes("latest", tag.encode())
-    return ["latest", *files, *(b for _, b in copied)]
-
-
-def _config(index: CheckpointIndex) -> dict:
-    obj = index.objects.get("ds.ds_config")
-    return obj.data if obj is not None and isinstance(obj.data, dict) else {}
-
-
-def _copy(source: Source, out: Output, rel: str, new: str) -> None:
-    """A file that does not change with the sizes, streamed byte for byte."""
-    size = source.size(rel)
-    with out.open(new) as f:
-        pos = 0
-        while pos < size:
-            n = min(COPY_BLOCK, size - pos)
-            f.write(source.read(rel, pos, n))
-            pos += n
+    return write_tag(out, source, tag, {n: (s, fetcher) for n, s in files.items()}, ctx, copied=copied,
+                     scripts=info.files.tag is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,7 +168,7 @@ def _files(index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, 
     shapes = [[(n, shape_of(s, f"{m_label}: param_shapes[{g}][{n}]")) for n, s in ps.items()]
               for g, ps in enumerate(m0["param_shapes"])]
     layouts = {i: expert_group_shape(i, i, shapes[i], src_locals, m_label) for i in expert_ids}
-    align = (16 // math.gcd(16, ELEMENT_SIZE.get(info.dtype, 4))) if zero_cfg.get("parameter_alignment") else 1
+    align = alignment(zero_cfg, info.dtype)
     paddings_t = osd_t.get("param_alignment_paddings")
     for i in expert_ids:
         if isinstance(paddings_t, list) and i < len(paddings_t) and \

@@ -33,20 +33,19 @@ from ...index.parallel_spec import ParallelSizes
 from ...index.state_keys import model_key
 from ...index.types import CheckpointIndex
 from ...index.virtual import Part
-from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
-from ..torch_save.archive_writer import LazyTensor, write_archive
+from ..torch_save.archive_writer import LazyTensor
 from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group, virtual
 from .info import ZeroGroup, ZeroInfo
-from .moe_writer import ELEMENT_SIZE, _copy, alignment_paddings
 from .pipeline import PipelineInfo
 from .pipeline_partition import chosen_partition_method, partition
 from .templates import lazify, template_of
-from .writer import HELPER_SCRIPTS, _stage12_optim, structure_bytes
+from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
+from .writer import stage12_optim
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -250,15 +249,11 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
         raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the {target.pp} "
                          f"pipeline stages asked for")
     zinfo: ZeroInfo = info.stages[min(info.stages)]
-    config = _config(index)
-    zero_cfg = config.get("zero_optimization", {}) if isinstance(config.get("zero_optimization"), dict) else {}
-    if zero_cfg.get("round_robin_gradients"):
-        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
-                               "such checkpoints is not supported yet")
-    align = (16 // math.gcd(16, ELEMENT_SIZE.get(zinfo.dtype, 4)) if zero_cfg.get("parameter_alignment") else 1)
+    zero_cfg = zero_config(index)
+    align = alignment(zero_cfg, zinfo.dtype)
     layers, parts = new_stages(index, layers, stage_of, method, target.pp)
     plans = stage_plans(index, layers, parts, align)
-    tag = zinfo.files.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
+    tag = tag_name(zinfo.files.tag, index)
     fetcher = Fetcher(source, index=index)
     states = StatePlanner(index, fetcher)
     m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
@@ -275,7 +270,7 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
                   for g in plan.groups]
         model = files[f"{tag}/mp_rank_{plan.stage:02d}_model_states.pt"] = _model(m0, marchive, plan, target)
         for d in range(target.dp):
-            osd = _stage12_optim(osd_t, oarchive, gplans, d, target.dp)
+            osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
             if "param_alignment_paddings" in osd:
                 osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
             if "zero_stage" not in osd_t:  # BF16_Optimizer keeps the end padding in its fp32 partitions
@@ -285,17 +280,9 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
             top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
             name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=plan.stage)
             files[f"{tag}/{name}"] = {"optimizer_state_dict": osd, **top}
-    jobs: list = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=ctx.slab_bytes,
-                                                   progress=ctx.progress)) for n, s in files.items()]
-    weights = [structure_bytes(s) for s in files.values()]
     copied = [(rel, f"{tag}/{rel.rpartition('/')[2]}") for _, rel in sorted(info.layer_files.items())]
-    copied += [(s, s) for s in HELPER_SCRIPTS if zinfo.files.tag is not None and source.exists(s)
-               and not source.isdir(s)]
-    jobs += [(lambda a=a, b=b: _copy(source, out, a, b)) for a, b in copied]
-    weights += [source.size(a) for a, _ in copied]
-    run_jobs(jobs, ctx.workers, group=out.group, weights=weights)
-    out.write_bytes("latest", tag.encode())
-    return ["latest", *files, *(b for _, b in copied)]
+    return write_tag(out, source, tag, {n: (s, fetcher) for n, s in files.items()}, ctx, copied=copied,
+                     scripts=zinfo.files.tag is not None)
 
 
 def _padded_masters(plan: GroupPlan, rank: int) -> LazyTensor:
@@ -310,11 +297,6 @@ def _padded_masters(plan: GroupPlan, rank: int) -> LazyTensor:
     if share.size > position:
         parts.append(Part(None, 0, share.size - position))
     return virtual(f"fp32.padded.{plan.group.index}.{rank}", plan.master_dtype, parts, 0, share.size)
-
-
-def _config(index: CheckpointIndex) -> dict:
-    obj = index.objects.get("ds.ds_config")
-    return obj.data if obj is not None and isinstance(obj.data, dict) else {}
 
 
 def _model(m0: dict, marchive: Any, plan: StagePlan, target: PpTarget) -> dict:

@@ -32,19 +32,18 @@ from ...errors import UnsupportedError, UsageError, quote
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex, TensorEntry
 from ...index.virtual import Part, flat_concat
-from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
-from ..torch_save.archive_writer import LazyTensor, write_archive
+from ..torch_save.archive_writer import LazyTensor
 from .files import optim_file_name
 from .group_plan import StatePlanner, plan_group, state_templates, target_groups
 from .info import ZeroGroup, ZeroInfo
 from .model_parallel import ModelParallelInfo, _param_name
-from .moe_writer import ELEMENT_SIZE, alignment_paddings
 from .templates import lazify, template_of
-from .writer import DEFAULT_SUB_GROUP_SIZE, HELPER_SCRIPTS, _stage12_optim, _stage3_model, _stage3_optim, structure_bytes
+from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
+from .writer import DEFAULT_SUB_GROUP_SIZE, stage12_optim, stage3_model, stage3_optim
 
 FULL = "tp.full:"   # hidden keys of the full tensors in a rank index
 
@@ -83,14 +82,10 @@ def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
     info: ModelParallelInfo = index.native
     target = target_sizes(index, to)
     zinfo: ZeroInfo = info.ranks[0]
-    zero_cfg = _config(index).get("zero_optimization", {})
-    if isinstance(zero_cfg, dict) and zero_cfg.get("round_robin_gradients"):
-        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
-                               "such checkpoints is not supported yet")
-    align = (16 // math.gcd(16, ELEMENT_SIZE.get(zinfo.dtype, 4))
-             if isinstance(zero_cfg, dict) and zero_cfg.get("parameter_alignment") else 1)
+    zero_cfg = zero_config(index)
+    align = alignment(zero_cfg, zinfo.dtype)
     slicer = _Slicer(index, info, target.tp)
-    tag = zinfo.files.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
+    tag = tag_name(zinfo.files.tag, index)
     files: dict[str, tuple[Any, Fetcher]] = {}
     for t in range(target.tp):
         rank_index = slicer.rank_index(t, target.dp)
@@ -114,29 +109,17 @@ def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
                                                                fetcher)
         for d in range(target.dp):
             if zinfo.stage == 3:
-                model = _sizes(_stage3_model(rank_index, local, groups, target.dp, d), target)
+                model = _sizes(stage3_model(rank_index, local, groups, target.dp, d), target)
                 files[f"{tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt"] = (model, fetcher)
-                osd = _stage3_optim(osd_t, oarchive, plans, d, target.dp)
+                osd = stage3_optim(osd_t, oarchive, plans, d, target.dp)
             else:
-                osd = _stage12_optim(osd_t, oarchive, plans, d, target.dp)
+                osd = stage12_optim(osd_t, oarchive, plans, d, target.dp)
             top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
             name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)
             files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
-    jobs = [(lambda n=n, s=s, f=f: write_archive(out, n, s, f, slab_bytes=ctx.slab_bytes, progress=ctx.progress))
-            for n, (s, f) in files.items()]
-    run_jobs(jobs, ctx.workers, group=out.group, weights=[structure_bytes(s) for s, _ in files.values()])
-    out.write_bytes("latest", tag.encode())
-    written = ["latest", *files]
-    for script in HELPER_SCRIPTS:  # DeepSpeed copies its recovery scripts next to every save
-        if zinfo.files.tag is not None and source.exists(script) and not source.isdir(script):
-            out.write_bytes(script, source.read(script, 0, source.size(script)))
-            written.append(script)
-    return written
+    return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
 
 
-def _config(index: CheckpointIndex) -> dict:
-    obj = index.objects.get("ds.ds_config")
-    return obj.data if obj is not None and isinstance(obj.data, dict) else {}
 
 
 class _Slicer:

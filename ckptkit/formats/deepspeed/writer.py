@@ -22,27 +22,20 @@ from ...index.state_keys import model_key
 from ...index.types import CheckpointIndex
 from ...index.virtual import Part
 from ...repickle import stand_in
-from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ...runner.torch_archive import Archive
-from ..torch_save.archive_writer import LazyTensor, write_archive
 from . import moe, partition, standins
 from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group, state_templates, target_groups, virtual
 from .info import ZeroGroup, ZeroInfo, stage_names
 from .model_parallel import NOT_RESHARDABLE, ModelParallelInfo
+from .tag_writer import tag_name, write_tag, zero_config
 from .templates import lazify, ordered_like, template_of
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-HELPER_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
-
-
-def _config(index: CheckpointIndex) -> dict:
-    obj = index.objects.get("ds.ds_config")
-    return obj.data if obj is not None and isinstance(obj.data, dict) else {}
 
 
 def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: int, *,
@@ -55,46 +48,21 @@ def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: 
                                f"convert it to torch, safetensors or DCP instead")
     if not isinstance(info, ZeroInfo):
         raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
-    config = _config(index)
-    zero_cfg = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
-    if isinstance(zero_cfg, dict) and zero_cfg.get("round_robin_gradients"):
-        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
-                               "such checkpoints is not supported yet")
-    tag = info.files.tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
-    sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero_cfg, dict) else None
-    written = write_zero_files(out, index, source, info, world_size, tag,
-                               int(sub_group_size) if sub_group_size is not None else None,
-                               ctx=ctx)
-    for script in HELPER_SCRIPTS:  # DeepSpeed copies its recovery scripts next to every save
-        if info.files.tag is not None and source.exists(script) and not source.isdir(script):
-            out.write_bytes(script, source.read(script, 0, source.size(script)))
-            written.append(script)
-    return written
+    zero_cfg = zero_config(index)
+    sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    return write_zero_files(out, index, source, info, world_size, tag_name(info.files.tag, index),
+                            int(sub_group_size) if sub_group_size is not None else None, ctx=ctx,
+                            scripts=info.files.tag is not None)
 
 
 def write_zero_files(out: Output, index: CheckpointIndex, source: Source, info: ZeroInfo, world_size: int,
-                     tag: str, sub_group_size: int | None, *, ctx: RunContext) -> list[str]:
+                     tag: str, sub_group_size: int | None, *, ctx: RunContext, scripts: bool = False) -> list[str]:
     """`latest` and the tag's model/optim files for `world_size` ranks, from `info`'s templates
-    (a source checkpoint's own structures, or ones convert built from a DeepSpeed config)."""
-    slab_bytes, progress = ctx.slab_bytes, ctx.progress
+    (a source checkpoint's own structures, or ones convert built from a DeepSpeed config);
+    `scripts`: also copy the source's DeepSpeed helper scripts."""
     fetcher = Fetcher(source, index=index)
     files = _files(index, info, world_size, tag, sub_group_size, StatePlanner(index, fetcher))
-    jobs = [(lambda n=n, s=s: write_archive(out, n, s, fetcher, slab_bytes=slab_bytes, progress=progress))
-            for n, s in files.items()]
-    run_jobs(jobs, ctx.workers, group=out.group, weights=[structure_bytes(s) for s in files.values()])
-    out.write_bytes("latest", tag.encode())
-    return ["latest", *files]
-
-
-def structure_bytes(value: Any) -> int:
-    """Tensor bytes a file structure will hold (how a distributed run balances files)."""
-    if isinstance(value, LazyTensor):
-        return value.entry.nbytes
-    if isinstance(value, dict):
-        return sum(structure_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(structure_bytes(v) for v in value)
-    return 0
+    return write_tag(out, source, tag, {n: (s, fetcher) for n, s in files.items()}, ctx, scripts=scripts)
 
 
 def _files(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, sub_group_size: int | None,
@@ -114,9 +82,9 @@ def _files(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, sub_gro
              for group, template in zip(groups, templates)]
     for rank in range(world):
         if info.stage == 3:
-            files[f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = _stage3_model(index, info, groups,
+            files[f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = stage3_model(index, info, groups,
                                                                                          world, rank)
-        osd = (_stage12_optim if info.stage < 3 else _stage3_optim)(osd_t, oarchive, plans, rank, world)
+        osd = (stage12_optim if info.stage < 3 else stage3_optim)(osd_t, oarchive, plans, rank, world)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
         files[f"{tag}/{optim_file_name(rank, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
     return files
@@ -130,7 +98,7 @@ def _stage12_model(info: ZeroInfo, world: int) -> dict:
     return model
 
 
-def _stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup], world: int,
+def stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup], world: int,
                   rank: int) -> dict:
     """Stage 3's model-states file of `rank`: the new sub-groups' shapes, its slice of each frozen param."""
     m_t, marchive = template_of(info, "model", 0)
@@ -151,7 +119,7 @@ def _stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup
     return model
 
 
-def _stage12_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan], rank: int, world: int) -> dict:
+def stage12_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan], rank: int, world: int) -> dict:
     """Stage 1/2's optimizer_state_dict of `rank`, with DeepSpeed's bookkeeping for the new size."""
     osd: dict = {}
     for key, value in osd_t.items():
@@ -179,7 +147,7 @@ def _stage12_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan]
     return ordered_like(osd_t, osd)
 
 
-def _stage3_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan], rank: int, world: int) -> dict:
+def stage3_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan], rank: int, world: int) -> dict:
     """Stage 3's optimizer_state_dict of `rank`: each param group names its new sub-groups."""
     state, flats = {}, []
     groups_params: dict[int, list[int]] = {}
