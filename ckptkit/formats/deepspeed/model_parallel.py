@@ -72,6 +72,7 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
     first = subs[0]
     dp = int(first.metadata.get("deepspeed", {}).get("world_size") or first.world_size or 1)
     label = source.label(files.prefix + files.model_files[min(files.model_files)])
+    _check_recorded_tp(first, tp, label)
     uc = first.objects.get("ds.universal_checkpoint_info")
     recorded = recorded_rules(uc.data if uc is not None else None, label)
     chain = recorded.then(rules) if recorded is not None else rules
@@ -105,6 +106,22 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
     index.native = ModelParallelInfo(tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits,
                                      replicas=replicas)
     return index
+
+
+def _check_recorded_tp(first: CheckpointIndex, tp: int, label: str) -> None:
+    """The tensor-parallel size the model-states file records must be the number of mp rank files:
+    with ranks lost (a 4-way checkpoint copied with 2 of them) the slices would join into tensors of
+    the wrong shape without a word."""
+    states = getattr(first.native, "model_states", None) or {}
+    m0 = states.get(min(states)) if states else None
+    if not isinstance(m0, dict):
+        return
+    dims = m0.get("checkpoint_parallel_dimensions")
+    recorded, key = (dims.get("tp_degree"), "checkpoint_parallel_dimensions.tp_degree") \
+        if isinstance(dims, dict) and "tp_degree" in dims else (m0.get("mp_world_size"), "mp_world_size")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != tp:
+        raise FormatError(f"{label}: {key} says the tensor-parallel size is {recorded}, but the tag folder has "
+                          f"model-states files of {tp} mp ranks (mp_rank_00..mp_rank_{tp - 1:02d})")
 
 
 def _same_entry(subs: dict[int, CheckpointIndex], rank: int, key: str, e0: TensorEntry, files: ZeroFiles,
