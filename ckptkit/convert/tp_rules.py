@@ -22,7 +22,6 @@ Lives below the formats layer (tests/test_import_layers.py): the DeepSpeed reade
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 import tomllib
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .. import safe_json
 from ..errors import FormatError, UnsupportedError, UsageError, quote
 
 KINDS = ("split", "replicated", "fused")
@@ -154,7 +154,7 @@ def _rule(item: Any, where: str) -> TpRule:
 
 def _parse_text(text: str, where: str, toml: bool) -> Any:
     try:
-        return tomllib.loads(text) if toml else json.loads(text)
+        return tomllib.loads(text) if toml else safe_json.loads(text, where, "a JSON rules file")
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise FormatError(f"{where}: is not valid {'TOML' if toml else 'JSON'} ({exc})") from None
 
@@ -164,7 +164,7 @@ def builtin_rules() -> TpRules:
     rules: tuple[TpRule, ...] = ()
     for name in BUILTIN_FILES:
         text = resources.files(__package__).joinpath("builtin_tp_rules", name).read_text()
-        rules += parse_rules(json.loads(text), f"built-in {name}").rules
+        rules += parse_rules(safe_json.loads(text, f"built-in {name}"), f"built-in {name}").rules
     return TpRules(rules, "built-in rules (Megatron and HF names)")
 
 
