@@ -394,6 +394,9 @@ def build_table() -> tuple[dict[tuple[str, str], Any], dict[int, tuple[Any, Rule
         add("torch.distributed.checkpoint.metadata", cls, inert_class(f"torch.distributed.checkpoint.metadata.{cls}"))
     add("torch.distributed.checkpoint.filesystem", "_StorageInfo",
         inert_class("torch.distributed.checkpoint.filesystem._StorageInfo"))
+    # a bag of attributes: training scripts save their parsed command line (Megatron-DeepSpeed's
+    # `args` in every model-states file, Lightning's hyperparameters); kept as data, re-emitted as is
+    add("argparse", "Namespace", inert_class("argparse.Namespace"))
     calls: dict[int, tuple[Any, Rule]] = {}
     for key, rule in rules.items():
         calls[id(values[key])] = (values[key], rule)

@@ -11,6 +11,11 @@ CLASSES = [
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    # the enums Megatron-DeepSpeed's parsed arguments (`args` in its model-states files) hold
+    ("megatron.model.enums", "PositionEmbeddingType"),
+    ("megatron.model.enums", "AttnMaskType"),
+    ("megatron.model.enums", "AttnType"),
+    ("megatron.model.enums", "LayerType"),
 ]
 FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
 
