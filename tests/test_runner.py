@@ -49,6 +49,13 @@ CASES = [
 if "z2_bf16_w4" in ds_fixtures():
     CASES += [("reshard", str(DS_DATA / "z2_bf16_w4"), ["--to", "3"]),
               ("convert", str(DS_DATA / "z3_bf16_w4"), ["--to", "dcp", "--world-size", "3"])]
+# model-parallel sources: each writer's files dealt out to the ranks give the same bytes
+for _cmd, _src, _args in [("reshard", "ds_tp/mpu_z2_fp32", ["--to", "tp=1,dp=3"]),
+                          ("reshard", "ds_pp/pp2_dp2_z1_fp32", ["--to", "pp=1,dp=3"]),
+                          ("consolidate", "ds_tp/autotp_z2_fp32", ["--include-optimizer"]),
+                          ("convert", "ds_tp/autotp_z1_bf16", ["--to", "fsdp2", "--world-size", "mesh=dp_shard:2,tp:2"])]:
+    if (DATA / _src).is_dir():
+        CASES.append((_cmd, str(DATA / _src), _args))
 
 
 @pytest.mark.slow
