@@ -162,8 +162,9 @@ def _wrong_shape(tag):
                     r"param_shapes says 1.fc_in.weight is \[6, 8\]"),
     # Megatron-DeepSpeed's topology names layer files `-model_00`
     ("mptopo_missing_layer", r"layer_04-model_00-model_states.pt: file is missing \(pipeline stage 1 holds layer 4's"),
-    ("mptopo_tp_layer_file", r"layer_01-model_01-model_states.pt: pipeline checkpoints with tensor parallelism \(per-layer "
-                             r"files of model rank 1\) are not supported yet"),
+    # a `-model_01` file says tp 2: every layer then needs one (tests/test_ds_3d.py reads real ones)
+    ("mptopo_tp_layer_file", r"layer_00-model_01-model_states.pt: file is missing \(tensor-parallel rank 0 has layer "
+                             r"0's file; a pipeline with 2 tensor-parallel ranks writes one per rank\)"),
 ])
 def test_broken_pipeline_checkpoints_are_named(tmp_path, case, message):
     import re

@@ -6,8 +6,8 @@ What DeepSpeed writes in the tag folder (ZeRO stage 0/1 only: PipelineEngine ref
                                                 written by data-parallel rank 0 of its stage; a
                                                 tied layer with a forward_fn (a functools.partial)
                                                 has none. A topology with a `model` axis (tensor
-                                                parallelism, Megatron-DeepSpeed's) adds `-model_YY`:
-                                                read for YY 00 only (tp 1).
+                                                parallelism, Megatron-DeepSpeed's) adds `-model_YY`,
+                                                YY the tp rank (pipeline_tp.py joins tp > 1).
   mp_rank_SS_model_states.pt                    one per stage S (`module` is None; buffer_names,
                                                 param_shapes with the stage's global names)
   [bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   one per (data-parallel rank D, stage S): each
@@ -36,6 +36,7 @@ from ...index.types import Box, CheckpointIndex, ObjectEntry, Piece, TensorEntry
 from ...runner.torch_archive import Archive, load_structure, open_archive
 from ...safeload import TensorRef
 from ...storage.source import Source
+from . import pipeline_tp
 from . import reader as zero
 from .entries import entry, tensor_of
 from .files import MODEL_STATES, OPTIM_STATES, ZeroFiles, locate, looks_like_tag_folder, read_latest
@@ -67,12 +68,17 @@ class PipelineInfo:
                 for key, copies in self.replicas.items()}
 
 
-def layer_files(files: ZeroFiles) -> dict[int, str]:
-    """layer index -> file name, of the tag folder's names the ZeRO file scan left over: model
-    rank 0's (`-model_00`, which a topology with a `model` axis always writes, Megatron-DeepSpeed's
-    among them); another model rank's are refused by read_index."""
+def layer_files(files: ZeroFiles, model_rank: int = 0) -> dict[int, str]:
+    """layer index -> file name, of the tag folder's names the ZeRO file scan left over: tp rank
+    `model_rank`'s (`-model_YY`, which a topology with a `model` axis always writes,
+    Megatron-DeepSpeed's among them; no suffix without one)."""
     return {int(m.group(1)): name for name in files.extra
-            if (m := LAYER_FILE.match(name)) and int(m.group(2) or 0) == 0}
+            if (m := LAYER_FILE.match(name)) and int(m.group(2) or 0) == model_rank}
+
+
+def tp_size(files: ZeroFiles) -> int:
+    """The tensor-parallel size the layer files show: the highest `-model_YY` + 1."""
+    return 1 + max((int(m.group(2) or 0) for n in files.extra if (m := LAYER_FILE.match(n))), default=0)
 
 
 def _tag_listing(source: Source, tag: str | None) -> tuple[str, list[str]] | None:
@@ -100,7 +106,7 @@ def detect(source: Source, tag: str | None = None) -> bool:
     return listing is not None and any(LAYER_FILE.match(name) for name in listing[1])
 
 
-def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
+def read_index(source: Source, tag: str | None = None, tp_rules: Any = None) -> CheckpointIndex:
     """One index for the whole pipeline: every stage's ZeRO state under global names."""
     listing = _tag_listing(source, tag)
     if listing is not None and not any(OPTIM_STATES.match(n) for n in listing[1]) \
@@ -109,12 +115,19 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
                                f"(ZeRO stage 0 in fp32 or fp16 keeps the optimizer's state in the "
                                f"mp_rank_XX_model_states.pt files) is not supported yet")
     files = locate(source, tag)
-    _refuse_tensor_parallel(source, files)
+    if tp_size(files) > 1:  # pipeline x tensor parallel
+        return _read_3d(source, files, tp_size(files), tp_rules)
     per_stage = getattr(files, "model_parallel", None) or {0: files}  # mp rank = stage (tp 1)
-    opened = _open_layers(source, files)
-    stages = {s: _read_stage(source, sub, opened) for s, sub in sorted(per_stage.items())}
+    return read_pipeline(source, files, dict(sorted(per_stage.items())), 0)
+
+
+def read_pipeline(source: Source, files: ZeroFiles, per_stage: dict[int, ZeroFiles], model_rank: int) -> CheckpointIndex:
+    """One index for the pipeline of tp rank `model_rank`: stage s's ZeRO files are per_stage[s]
+    (mp rank s * tp + model_rank), its layer files those ending `-model_<model_rank>`."""
+    opened = _open_layers(source, files, model_rank)
+    stages = {s: _read_stage(source, sub, opened, s) for s, sub in sorted(per_stage.items())}
     _check_stage_count(source, files, stages)
-    layers = _assign_layers(source, files, stages)
+    layers = _assign_layers(source, files, stages, model_rank)
     pp, dp = len(stages), stages[0].info.world_size
     index = CheckpointIndex(format=zero.FORMAT, root=source.root, world_size=pp * dp)
     owner: dict[str, int] = {}
@@ -137,25 +150,48 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
     return index
 
 
+def _read_3d(source: Source, files: ZeroFiles, tp: int, tp_rules: Any) -> CheckpointIndex:
+    """tp rank t's files are a pipeline (stage s: mp rank s * tp + t, layer files `-model_<t>`);
+    pipeline_tp.join makes the full model of the tp pipelines."""
+    ranks = sorted(files.model_parallel) if files.model_parallel else [0]
+    label = source.label(files.prefix + (files.model_files[min(files.model_files)] if files.model_files else ""))
+    if len(ranks) % tp:
+        raise FormatError(f"{label}: layer files name {tp} tensor-parallel ranks (-model_00..-model_{tp - 1:02d}), "
+                          f"but there are {len(ranks)} model-parallel ranks (mp_rank_XX), not a multiple of {tp}")
+    _check_tp_layer_files(source, files, tp)
+    pp = len(ranks) // tp
+    subs = {t: read_pipeline(source, files, {s: files.model_parallel[s * tp + t] for s in range(pp)}, t)
+            for t in range(tp)}
+    return pipeline_tp.join(source, subs, label, tp_rules)
+
+
+def _check_tp_layer_files(source: Source, files: ZeroFiles, tp: int) -> None:
+    """Every layer with a file for some tp rank has one for each (DeepSpeed's data-parallel rank 0
+    of every (stage, tp rank) writes its layers)."""
+    per_rank = {t: layer_files(files, t) for t in range(tp)}
+    every = sorted(set().union(*per_rank.values()))
+    for t, have in per_rank.items():
+        for layer in every:
+            if layer not in have:
+                other = next(r for r in range(tp) if layer in per_rank[r])
+                raise FormatError(f"{source.label(files.prefix + f'layer_{layer:02d}-model_{t:02d}-model_states.pt')}: "
+                                  f"file is missing (tensor-parallel rank {other} has layer {layer}'s file; a pipeline "
+                                  f"with {tp} tensor-parallel ranks writes one per rank)")
+
+
 def _check_stage_count(source: Source, files: ZeroFiles, stages: dict[int, "_Stage"]) -> None:
     """Every stage's files are there: the model-states file records the pipeline's size (a stage
     whose files are all gone would otherwise leave its layer files looking like frozen layers)."""
     m0 = stages[0].info.model_states[min(stages[0].info.model_states)]
     dims = m0.get("checkpoint_parallel_dimensions") if isinstance(m0, dict) else None
     pp = dims.get("pp_degree") if isinstance(dims, dict) else m0.get("mp_world_size")
+    tp = tp_size(files)
+    if isinstance(pp, int) and tp > 1 and not isinstance(dims, dict):
+        pp //= tp  # mp_world_size counts stage x tp ranks
     if isinstance(pp, int) and pp > len(stages):
         missing = [s for s in range(pp) if s not in stages]
         raise FormatError(f"{stages[0].label}: says the pipeline has {pp} stages, but the model- and optim-states "
                           f"files of stage(s) {missing} (mp_rank_{missing[0]:02d}_...) are missing")
-
-
-def _refuse_tensor_parallel(source: Source, files: ZeroFiles) -> None:
-    for name in files.extra:
-        m = LAYER_FILE.match(name)
-        if m and int(m.group(2) or 0) != 0:
-            raise UnsupportedError(f"{source.label(files.prefix + name)}: pipeline checkpoints with tensor "
-                                   f"parallelism (per-layer files of model rank {int(m.group(2))}) are not "
-                                   f"supported yet")
 
 
 @dataclass(kw_only=True)
@@ -180,9 +216,9 @@ class _LayerFile:
     state: dict
 
 
-def _open_layers(source: Source, files: ZeroFiles) -> dict[int, _LayerFile]:
+def _open_layers(source: Source, files: ZeroFiles, model_rank: int = 0) -> dict[int, _LayerFile]:
     opened = {}
-    for layer, name in sorted(layer_files(files).items()):
+    for layer, name in sorted(layer_files(files, model_rank).items()):
         rel = files.prefix + name
         archive = open_archive(source, rel)
         state = load_structure(archive, eager=False)
@@ -192,14 +228,14 @@ def _open_layers(source: Source, files: ZeroFiles) -> dict[int, _LayerFile]:
     return opened
 
 
-def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile]) -> _Stage:
+def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile], stage_id: int) -> _Stage:
     """The ZeRO reader's steps for one stage, without `module` (None: the layer files hold it)."""
     archives: dict[str, Archive] = {}
     optim = zero._load_ranks(source, files, files.optim_files, archives)
     model = zero._load_ranks(source, files, files.model_files, archives)
     if not optim or not model:
         raise FormatError(f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file of "
-                          f"pipeline stage {getattr(files, 'mp_rank', 0)} could be read")
+                          f"pipeline stage {stage_id} could be read")
     first_optim = source.label(files.prefix + files.optim_files[min(optim)])
     osd0 = entry(optim[min(optim)], "optimizer_state_dict", first_optim)
     bf16_optimizer = _is_bf16_optimizer(osd0)
@@ -234,7 +270,7 @@ def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile])
     info = ZeroInfo(stage=stage, world_size=world, files=files, groups=groups, frozen={}, buffers=buffers,
                     shared=dict(m0.get("shared_params") or {}), model_states=model, optim_states=optim,
                     archives=archives, param_group_count=len(groups_meta))
-    return _Stage(stage=getattr(files, "mp_rank", 0), index=index, info=info, owned=set(shapes), shapes=shapes,
+    return _Stage(stage=stage_id, index=index, info=info, owned=set(shapes), shapes=shapes,
                   buffers=buffers, label=label)
 
 
@@ -293,7 +329,7 @@ def _layer_names(name: str) -> tuple[int, str] | None:
     return (int(head), rest) if head.isdigit() and rest else None
 
 
-def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage]) -> dict[int, int]:
+def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage], model_rank: int = 0) -> dict[int, int]:
     """layer index -> the stage holding it: from each stage's parameter and buffer names; a
     layer with none of them (all frozen, or tied) goes with the layer before it. Every layer a
     stage names has its file."""
@@ -302,11 +338,11 @@ def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage]) 
         for name in [*stage.shapes, *stage.buffers]:
             if (parts := _layer_names(name)) is not None:
                 known.setdefault(parts[0], s)
-    on_disk = layer_files(files)
+    on_disk = layer_files(files, model_rank)
     for layer, s in sorted(known.items()):
         if layer not in on_disk:
             names = [n for n in [*stages[s].shapes, *stages[s].buffers] if (_layer_names(n) or (None,))[0] == layer]
-            model = "-model_00" if any(LAYER_FILE.match(n).group(2) for n in on_disk.values()) else ""
+            model = f"-model_{model_rank:02d}" if any(LAYER_FILE.match(n).group(2) for n in on_disk.values()) else ""
             raise FormatError(f"{source.label(files.prefix + f'layer_{layer:02d}{model}-model_states.pt')}: file is missing "
                               f"(pipeline stage {s} holds layer {layer}'s {', '.join(names[:3])})")
     layers = dict(known)
@@ -433,3 +469,4 @@ def refuse_pipeline_reshard(where: str, index: CheckpointIndex) -> None:
     """convert --to zero*: a pipeline source is written by reshard --to pp=...,dp=... only (one sentence)."""
     if isinstance(index.native, PipelineInfo):
         raise UnsupportedError(f"{where}: {NOT_RESHARDABLE} (pipeline size {index.native.pp})")
+    pipeline_tp.refuse_reshard(where, index)  # pipeline x tensor parallel
