@@ -131,3 +131,22 @@ def test_a_missing_tp_layer_file_is_named(tmp_path):
     res = run_cli("consolidate", d, tmp_path / "out")
     assert res.code == 2 and "layer_04-model_01-model_states.pt: file is missing (tensor-parallel rank 0 has " \
         "layer 4's file" in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("world", ["2", "mesh=dp_shard:2,tp:2"])
+def test_convert_to_dcp_reads_back_as_the_truth(tmp_path, world):
+    """convert --to fsdp2 (1-D, and onto a (dp_shard, tp) mesh by the recorded tp splits): read back,
+    every master and Adam state equals DeepSpeed's truth."""
+    name = "pp2_tp2_dp2_z1_fp32"
+    truth = _truth(name)
+    res = run_cli("convert", D3 / name, tmp_path / "dcp", "--to", "fsdp2", "--world-size", world)
+    assert res.code == 0, res.output
+    back, tensors, _ = read_all(tmp_path / "dcp")
+    assert back.index.format == "dcp"
+    compared = 0
+    for key, value in truth.items():
+        kind, _, pname = key.partition(".")
+        if kind in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[INDEX_KEY[kind].format(pname)], value, key)
+            compared += 1
+    assert compared == 3 * 28
