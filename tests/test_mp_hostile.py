@@ -39,6 +39,18 @@ def _tp_lost_ranks(folder: Path) -> None:
         _edit(folder, name, _tp_degree(4))
 
 
+def _recorded(key: str, value) -> Callable[[Path], None]:
+    """Both mp ranks' universal_checkpoint_info[key] = value (AutoTP's record of its splits)."""
+    def craft(folder: Path) -> None:
+        for name in ("mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"):
+            _edit(folder, name, lambda obj: obj["universal_checkpoint_info"].__setitem__(key, value))
+    return craft
+
+
+Q_PROJ = r"^model\.layers\.0\.self_attn\.q_proj\.weight$"
+AUTOTP = "ds_tp/autotp_z2_fp32"
+UC = "universal_checkpoint_info"
+
 # (id, fixture, crafting, command after SRC (OUT: the output folder), names the sentence must hold)
 CASES = [
     ("tp-says-4-has-2", "ds_tp/mpu_z2_fp32", _tp_lost_ranks, ["consolidate", "SRC", "OUT"],
@@ -47,6 +59,34 @@ CASES = [
      ["mp_rank_00_model_states.pt", "tp_degree"]),
     ("tp-says-4-has-2-inspect", "ds_tp/autotp_z2_fp32", _tp_lost_ranks, ["inspect", "SRC"],
      ["mp_rank_00_model_states.pt", "tp_degree"]),
+    # universal_checkpoint_info's pattern lists: each used to end in a TypeError / re.error (exit 3)
+    # or, for a pattern that backtracks exponentially on a parameter name, run for hours
+    ("uc-pattern-not-a-string", AUTOTP, _recorded("vocabulary_parameter_patterns", [123]), ["inspect", "SRC"],
+     ["mp_rank_00_model_states.pt", UC, "vocabulary_parameter_patterns[0]", "pattern string"]),
+    ("uc-pattern-not-a-regex", AUTOTP, _recorded("vocabulary_parameter_patterns", ["("]), ["consolidate", "SRC", "OUT"],
+     ["mp_rank_00_model_states.pt", "vocabulary_parameter_patterns[0]", "not a regular expression"]),
+    ("uc-patterns-a-string", AUTOTP, _recorded("vocabulary_parameter_patterns", "^lm_head"), ["inspect", "SRC"],
+     ["mp_rank_00_model_states.pt", "vocabulary_parameter_patterns", "expected a list"]),
+    ("uc-patterns-an-int", AUTOTP, _recorded("tp_replicated_parameter_patterns", 5), ["inspect", "SRC"],
+     ["mp_rank_00_model_states.pt", "tp_replicated_parameter_patterns", "expected a list"]),
+    ("uc-catastrophic-backtracking", AUTOTP, _recorded("tp_replicated_parameter_patterns", ["^([a-z_.0-9]+)+X$"]),
+     ["consolidate", "SRC", "OUT"], ["mp_rank_00_model_states.pt", "tp_replicated_parameter_patterns[0]", "exponential"]),
+    ("uc-alternation-backtracking", AUTOTP, _recorded("parameter_with_row_parallelism_patterns", [r"(\w|\d)+X"]),
+     ["inspect", "SRC"], ["mp_rank_00_model_states.pt", "parameter_with_row_parallelism_patterns[0]"]),
+    ("uc-sub-params-negative-dim", AUTOTP,
+     _recorded("parameter_with_sub_params", [{"partition_dim": -1, "shape": [[8, 8], 16], "patterns": [Q_PROJ]}]),
+     ["consolidate", "SRC", "OUT"], ["mp_rank_00_model_states.pt", "parameter_with_sub_params", "partition_dim"]),
+    ("uc-sub-params-sizes-not-ints", AUTOTP,
+     _recorded("parameter_with_sub_params", [{"partition_dim": 0, "shape": [["a", "b"], 16], "patterns": [Q_PROJ]}]),
+     ["inspect", "SRC"], ["mp_rank_00_model_states.pt", "parameter_with_sub_params"]),
+    ("uc-sub-params-zero-size", AUTOTP,
+     _recorded("parameter_with_sub_params", [{"partition_dim": 0, "shape": [[0, 16], 16], "patterns": [Q_PROJ]}]),
+     ["inspect", "SRC"], ["mp_rank_00_model_states.pt", "parameter_with_sub_params"]),
+    ("uc-sub-params-pattern-none", AUTOTP,
+     _recorded("parameter_with_sub_params", [{"partition_dim": 0, "shape": [[8, 8], 16], "patterns": [None]}]),
+     ["inspect", "SRC"], ["mp_rank_00_model_states.pt", "parameter_with_sub_params[0]: patterns[0]"]),
+    ("uc-unsupported-not-a-regex", AUTOTP, _recorded("autotp_unsupported_parameter_patterns", {"(": "x"}),
+     ["reshard", "SRC", "OUT", "--to", "tp=1,dp=2"], ["mp_rank_00_model_states.pt", "autotp_unsupported_parameter_patterns"]),
 ]
 
 
@@ -62,3 +102,37 @@ def test_hostile_model_parallel_input_is_one_sentence(tmp_path: Path, case) -> N
     args = [str(src) if a == "SRC" else str(out) if a == "OUT" else a for a in command]
     res = run_cli(*args)
     assert_error(res, *names, out=out)
+
+
+PIPELINE = "ds_pp/pp2_dp2_z1_fp32"
+MANY = '{"rules": [' + ",".join(f'{{"pattern": "zz{i}", "split": 0}}' for i in range(100_001)) + "]}"
+
+# --tp-rules FILE contents a careless user writes: (id, file name, text, names the sentence must hold)
+RULES = [
+    ("nested-repetition", "rules.json", '{"rules": [{"pattern": "re:([a-z_.]+)+X", "split": 0}]}',
+     ["rules.json", "rule 0", "exponential"]),
+    ("fused-parts-do-not-sum", "rules.json", '{"rules": [{"pattern": "*", "fused": [3, 3]}]}',
+     ["tied_modules.embed.weight", "[3, 3]", "11"]),
+    ("fused-count-does-not-divide", "rules.toml", '[[rules]]\npattern = "*"\nfused = 1000000000\n',
+     ["tied_modules.embed.weight", "1000000000 equal blocks"]),
+    ("too-many-rules", "rules.json", MANY, ["rules.json", "100001 rules"]),
+]
+
+
+@pytest.mark.parametrize("case", RULES, ids=[c[0] for c in RULES])
+def test_hostile_tp_rules_file_is_one_sentence(tmp_path: Path, case) -> None:
+    """Each used to be accepted (the fused ones silently, the others after minutes to hours of
+    matching); now refused before anything is written."""
+    _, file_name, text, names = case
+    if not (DATA / PIPELINE).is_dir():
+        pytest.skip(f"fixture {PIPELINE} not generated")
+    rules = tmp_path / file_name
+    rules.write_text(text)
+    out = tmp_path / "out"
+    res = run_cli("convert", str(DATA / PIPELINE), str(out), "--to", "dcp", "--world-size", "mesh=dp_shard:2,tp:2",
+                  "--tp-rules", str(rules))
+    assert res.exception is None and "Traceback" not in res.output, res.output
+    assert res.code == 2, res.output
+    for name in names:
+        assert name in res.output, f"{name!r} not in {res.output}"
+    assert not out.exists()

@@ -25,9 +25,10 @@ import fnmatch
 import re
 import tomllib
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import safe_json
 from ..errors import FormatError, UnsupportedError, UsageError, quote
@@ -65,11 +66,17 @@ class TpRule:
     source: str = ""   # the file it came from
 
     def matches(self, name: str) -> bool:
+        return self._compiled(name) is not None
+
+    @cached_property
+    def _compiled(self) -> Callable[[str], Any]:
+        """The pattern compiled once (re's and fnmatch's caches hold a few hundred: thousands of
+        rules would be recompiled for every name)."""
         if self.pattern.startswith("re:"):
-            return re.fullmatch(self.pattern[3:], name) is not None
+            return re.compile(self.pattern[3:]).fullmatch
         if self.pattern.startswith(RECORDED):  # DeepSpeed's own patterns: re.match, as ds_to_universal
-            return re.match(self.pattern[len(RECORDED):], name) is not None
-        return fnmatch.fnmatchcase(name, self.pattern)
+            return re.compile(self.pattern[len(RECORDED):]).match
+        return re.compile(fnmatch.translate(self.pattern)).match
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,12 @@ class TpRules:
         if full_shape is not None and split.dim is not None and split.dim >= len(full_shape):
             raise UnsupportedError(f"tensor-parallel rule {quote(split.rule)} splits dimension {split.dim} of "
                                    f"{quote(name)}, which has shape {list(full_shape)}; {HOW_TO}")
+        if full_shape is not None and split.kind == "fused":
+            size = full_shape[split.dim or 0]
+            if (sum(split.parts) if split.parts is not None else size) != size or size % split.blocks:
+                blocks = list(split.parts) if split.parts is not None else f"{split.blocks} equal blocks"
+                raise UnsupportedError(f"tensor-parallel rule {quote(split.rule)} fuses {blocks} along dimension "
+                                       f"{split.dim or 0} of {quote(name)}, which has {size} there; {HOW_TO}")
         return split
 
     def then(self, other: "TpRules") -> "TpRules":
@@ -114,6 +127,8 @@ def parse_rules(data: Any, where: str) -> TpRules:
     items = data.get("rules") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise FormatError(f"{where}: expected a list of rules under \"rules\"")
+    if len(items) > MAX_RULES:
+        raise FormatError(f"{where}: {len(items)} rules, more than the {MAX_RULES} ckptkit accepts")
     return TpRules(tuple(_rule(item, f"{where}: rule {i}") for i, item in enumerate(items)), where)
 
 
@@ -122,10 +137,7 @@ def _rule(item: Any, where: str) -> TpRule:
         raise FormatError(f"{where}: expected a table with a \"pattern\" string")
     pattern = item["pattern"]
     if pattern.startswith("re:"):
-        try:
-            re.compile(pattern[3:])
-        except re.error as exc:
-            raise FormatError(f"{where}: pattern {quote(pattern)} is not a regular expression ({exc})") from None
+        check_regex(pattern[3:], f"{where}: pattern {quote(pattern)}")
     unknown = sorted(set(item) - {"pattern", "split", "fused", "dim", "note"})
     if unknown:
         raise FormatError(f"{where}: unknown field(s) {unknown}; a rule has pattern, split or fused (+ dim)")
@@ -150,6 +162,42 @@ def _rule(item: Any, where: str) -> TpRule:
         return TpRule(pattern, TpSplit("fused", dim, tuple(fused), pattern), where)
     raise FormatError(f"{where} ({quote(pattern)}): fused must be a count of equal blocks or a list of "
                       f"positive block sizes")
+
+
+# A group repeated by + or * (or {n,}) that itself holds a + or * or alternatives: (a+)+, (\w|\d)*,
+# the shapes whose failing matches backtrack exponentially (a 40-character name can take hours).
+_NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*(?:[*+|]|\{\d*,\d*\})(?:[^()\\]|\\.)*\)(?:[*+]|\{\d*,\})")
+MAX_PATTERN = 1000   # characters of one pattern
+MAX_RULES = 100_000  # rules of one file, patterns of one recorded list
+
+
+def check_regex(pattern: Any, what: str) -> str:
+    """`pattern` as a regular expression ckptkit will match names with: a string that compiles,
+    of bounded length, without a repeated group that itself repeats (catastrophic backtracking)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise FormatError(f"{what}: expected a non-empty pattern string, not {pattern!r:.60}")
+    if len(pattern) > MAX_PATTERN:
+        raise FormatError(f"{what}: pattern of {len(pattern)} characters, more than the {MAX_PATTERN} ckptkit accepts")
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise FormatError(f"{what}: {quote(pattern, 80)} is not a regular expression ({exc})") from None
+    if _NESTED_REPEAT.search(pattern):
+        raise FormatError(f"{what}: {quote(pattern, 80)} repeats a group that itself repeats or alternates (such as (a+)+), "
+                          f"which can take exponential time to match; write it without the nested repetition")
+    return pattern
+
+
+def _patterns(info: dict, key: str, what: str) -> list[str]:
+    """universal_checkpoint_info[key]: a list of regular expressions (absent or None: none)."""
+    value = info.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise FormatError(f"{what}: {key} is of type {type(value).__name__}, expected a list of pattern strings")
+    if len(value) > MAX_RULES:
+        raise FormatError(f"{what}: {key} has {len(value)} patterns, more than the {MAX_RULES} ckptkit accepts")
+    return [check_regex(p, f"{what}: {key}[{i}]") for i, p in enumerate(value)]
 
 
 def _parse_text(text: str, where: str, toml: bool) -> Any:
@@ -219,32 +267,41 @@ def recorded_rules(info: Any, where: str) -> TpRules | None:
         return None
     rules: list[TpRule] = []
     what = f"{where}: universal_checkpoint_info"
-    for pat in info.get("tp_replicated_parameter_patterns") or []:
+    for pat in _patterns(info, "tp_replicated_parameter_patterns", what):
         rules.append(TpRule(RECORDED + pat, TpSplit("replicated", None, rule=f"{what} replicated {pat}"), what))
-    for pat in info.get("parameter_to_average_patterns") or []:
+    for pat in _patterns(info, "parameter_to_average_patterns", what):
         # ds_to_universal averages these over the tp ranks (copies that may drift apart); the
         # index reads rank 0's and verify --deep reports copies that differ
         rules.append(TpRule(RECORDED + pat, TpSplit("replicated", None, rule=f"{what} averaged {pat}"), what))
-    for pat in info.get("parameter_with_2_sub_params_cat_dim_0") or []:
+    for pat in _patterns(info, "parameter_with_2_sub_params_cat_dim_0", what):
         rules.append(TpRule(RECORDED + pat, TpSplit("fused", 0, None, f"{what} 2 sub-params {pat}", count=2), what))
-    for sub in info.get("parameter_with_sub_params") or []:
+    subs = info.get("parameter_with_sub_params") or []
+    if not isinstance(subs, (list, tuple)):
+        raise FormatError(f"{what}: parameter_with_sub_params is of type {type(subs).__name__}, expected a list")
+    for i, sub in enumerate(subs):
         if not isinstance(sub, dict):
             continue
         dim = sub.get("partition_dim")
         shape = sub.get("shape") or []
-        sizes = shape[dim] if isinstance(dim, int) and dim < len(shape) else None
-        parts = tuple(int(s) for s in sizes) if isinstance(sizes, (list, tuple)) else None
-        if not isinstance(dim, int) or (parts is None and not (isinstance(sizes, int) and sizes >= 1)):
+        ok_dim = isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim < len(shape) \
+            if isinstance(shape, (list, tuple)) else False
+        sizes = shape[dim] if ok_dim else None
+        parts = tuple(sizes) if isinstance(sizes, (list, tuple)) else None
+        if parts is not None and not (parts and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                    for n in parts)):
+            parts, sizes = None, None
+        if not ok_dim or (parts is None and not (isinstance(sizes, int) and not isinstance(sizes, bool) and sizes >= 1)):
             raise FormatError(f"{what}: parameter_with_sub_params entry {sub!r:.120} has no partition_dim "
                               f"and sub-param sizes ckptkit can read")
-        for pat in sub.get("patterns") or []:
+        for pat in _patterns(sub, "patterns", f"{what}: parameter_with_sub_params[{i}]"):
             rules.append(TpRule(RECORDED + pat, TpSplit("fused", dim, parts, f"{what} sub-params {pat}",
                                                      count=None if parts else int(sizes)), what))
-    for pat in info.get("parameter_with_row_parallelism_patterns") or []:
+    for pat in _patterns(info, "parameter_with_row_parallelism_patterns", what):
         rules.append(TpRule(RECORDED + pat, TpSplit("split", 1, rule=f"{what} row-parallel {pat}"), what))
-    for pat in info.get("vocabulary_parameter_patterns") or []:
+    for pat in _patterns(info, "vocabulary_parameter_patterns", what):
         rules.append(TpRule(RECORDED + pat, TpSplit("split", 0, rule=f"{what} vocabulary {pat}"), what))
     rules.append(TpRule("*", TpSplit("split", 0, rule=f"{what} (any other parameter: dim 0)"), what))
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
-    refusals = tuple((str(p), str(why)) for p, why in unsupported.items()) if isinstance(unsupported, dict) else ()
+    refusals = tuple((check_regex(p, f"{what}: autotp_unsupported_parameter_patterns"), str(why))
+                     for p, why in unsupported.items()) if isinstance(unsupported, dict) else ()
     return TpRules(tuple(rules), what, refusals)
