@@ -150,3 +150,18 @@ def test_convert_to_dcp_reads_back_as_the_truth(tmp_path, world):
             assert_tensor_equal(tensors[INDEX_KEY[kind].format(pname)], value, key)
             compared += 1
     assert compared == 3 * 28
+
+
+def test_tp_rules_file_decides_before_the_built_in_rules(tmp_path):
+    """--tp-rules FILE comes before the built-in Megatron rules: a rule splitting the head along
+    dim 1 (wrong for this model) changes its joined shape, the built-in one gives DeepSpeed's."""
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rules": [{"pattern": "*output_layer.weight", "split": 1}]}))
+    src = D3 / "pp2_tp2_dp1_z1_fp32"
+    res = run_cli("inspect", "--tp-rules", rules, src)
+    assert res.code == 0 and re.search(r"model\.4\.output_layer\.weight +float32 +\[8, 16\] .* tp dim 1/2", res.output), \
+        res.output
+    res = run_cli("inspect", src)
+    assert res.code == 0 and re.search(r"model\.4\.output_layer\.weight +float32 +\[16, 8\] .* tp dim 0/2", res.output), \
+        res.output
+    assert tuple(_truth("pp2_tp2_dp1_z1_fp32")["fp32.4.output_layer.weight"].shape) == (16, 8)
