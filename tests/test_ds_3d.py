@@ -115,13 +115,50 @@ def test_verify_deep_names_a_tp_replica_that_differs(tmp_path):
         res.output
 
 
-@pytest.mark.parametrize("to", ["tp=2,pp=2,dp=2", "tp=1,pp=2,dp=1", "2"])
-def test_reshard_is_refused_in_one_sentence(tmp_path, to):
-    res = run_cli("reshard", D3 / "pp2_tp2_dp1_z1_fp32", tmp_path / "out", "--to", to)
-    assert res.code == 2 and "writing a pipeline x tensor-parallel DeepSpeed checkpoint at new sizes is not " \
-        "supported yet" in res.output and "Traceback" not in res.output, res.output
+def _same(a, b, where: str) -> None:
+    """Two unpickled DeepSpeed structures equal object for object (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert_tensor_equal(b, a, where)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif type(a).__name__ == "fragment_address":
+        assert type(b).__name__ == "fragment_address" and (a.numel, a.start) == (b.numel, b.start), where
+    else:
+        assert type(a) is type(b) and repr(a) == repr(b), where
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
+    """tp, pp and dp unchanged: every file equals what DeepSpeed saved, object for object (layer
+    files re-sliced from the joined tensors, param_shapes, flat partitions, world sizes)."""
+    info = _info(name)
+    res = run_cli("reshard", D3 / name, tmp_path / "out", "--to", f"tp={info['tp']},pp={info['pp']},dp={info['dp']}",
+                  "--partition-method", "uniform")
+    assert res.code == 0, res.output
+    src = D3 / name / "global_step2"
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(p.name for p in src.iterdir())
+    for f in sorted(src.iterdir()):
+        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
+                                                            weights_only=False), f.name)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--to", "3"), "--to 3: the source's tp x pp = 2 x 2 does not divide 3 ranks"),
+    (("--to", "tp=3,pp=2,dp=1", "--partition-method", "uniform"), "--to tp=3: "),
+    (("--to", "tp=2,pp=2,dp=1"), "do not split into its 2 stages with --partition-method parameters"),
+])
+def test_reshard_refusals_are_one_sentence(tmp_path, args, message):
+    res = run_cli("reshard", D3 / "pp2_tp2_dp1_z1_fp32", tmp_path / "out", *args)
+    assert res.code == 2 and message in res.output and "Traceback" not in res.output, res.output
     res = run_cli("convert", D3 / "pp2_tp2_dp1_z1_fp32", tmp_path / "z", "--to", "zero1", "--world-size", "2")
-    assert res.code == 2 and "Traceback" not in res.output, res.output
+    assert res.code == 2 and "Traceback" not in res.output and "not supported yet" in res.output, res.output
 
 
 def test_a_missing_tp_layer_file_is_named(tmp_path):
@@ -165,3 +202,37 @@ def test_tp_rules_file_decides_before_the_built_in_rules(tmp_path):
     assert res.code == 0 and re.search(r"model\.4\.output_layer\.weight +float32 +\[16, 8\] .* tp dim 0/2", res.output), \
         res.output
     assert tuple(_truth("pp2_tp2_dp1_z1_fp32")["fp32.4.output_layer.weight"].shape) == (16, 8)
+
+
+RESHARD_TARGETS = ["tp=2,pp=2,dp=1", "tp=2,pp=2,dp=2", "tp=1,pp=2,dp=2", "tp=4,pp=1,dp=2", "tp=1,pp=1,dp=1",
+                   "tp=2,pp=1,dp=3", "tp=2,pp=3,dp=1"]
+
+
+@pytest.mark.parametrize("to", RESHARD_TARGETS)
+@pytest.mark.parametrize("name", ["pp2_tp2_dp2_z1_fp32", "pp2_tp2_dp1_z1_bf16"])
+def test_reshard_reads_back_as_the_truth(tmp_path, name, to):
+    """reshard --to tp=T,pp=P,dp=W: DeepSpeed's file names at the new sizes, and read back every
+    master, Adam moment and module weight equals DeepSpeed's truth, with the new splits and stages."""
+    truth = _truth(name)
+    res = run_cli("reshard", D3 / name, tmp_path / "out", "--to", to, "--partition-method", "uniform")
+    assert res.code == 0, res.output
+    sizes = dict(part.split("=") for part in to.split(","))
+    tp, pp, dp = int(sizes["tp"]), int(sizes["pp"]), int(sizes["dp"])
+    tag = tmp_path / "out" / "global_step2"
+    names = sorted(p.name for p in tag.iterdir())
+    prefix = "bf16_" if name.endswith("bf16") else ""
+    expect = sorted([f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(5) for t in range(tp)]
+                    + [f"mp_rank_{m:02d}_model_states.pt" for m in range(pp * tp)]
+                    + [f"{prefix}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(dp)
+                       for m in range(pp * tp)])
+    assert names == expect
+    back, tensors, objects = read_all(tmp_path / "out")
+    assert back.index.metadata["parallel"] == ({"pp": pp, "tp": tp, "dp": dp} if tp > 1 else {"pp": pp, "dp": dp})
+    compared = 0
+    for key, expected in truth.items():
+        kind, _, pname = key.partition(".")
+        if kind in INDEX_KEY:
+            assert_tensor_equal(tensors[INDEX_KEY[kind].format(pname)], expected, key)
+            compared += 1
+    assert compared == 4 * 28
+    assert objects["ds.global_steps"] == 2

@@ -19,7 +19,7 @@ from .dcp import reader as dcp_reader
 from .dcp.writer import write_dcp
 from .deepspeed import files as ds_files
 from .deepspeed import pipeline as ds_pipeline
-from .deepspeed import pipeline_tp as ds_pipeline_tp
+from .deepspeed import pipeline_tp_writer as ds_3d_writer
 from .deepspeed import pipeline_writer as ds_pp_writer
 from .deepspeed import moe as ds_moe
 from .deepspeed import reader as ds_reader
@@ -128,7 +128,8 @@ class DeepSpeedFormat:
         return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
-        ds_pipeline_tp.refuse_reshard(str(opened.index.root), opened.index)  # pipeline x tp: no writer yet
+        if ds_3d_writer.is_pipeline_tp(opened.index):  # pipeline x tp: --to N keeps tp and pp
+            return ds_3d_writer.write_3d_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_pp_writer.is_pipeline(opened.index):  # --to N keeps the source's pp
             return ds_pp_writer.write_pp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(opened.index):  # --to N keeps the source's tp
@@ -138,7 +139,8 @@ class DeepSpeedFormat:
     def reshard_parallel(self, opened: Any, out: object, sizes: "ParallelSizes", ctx: "RunContext") -> list[str]:
         """`--to tp=..,pp=..,ep=..,dp=..`: the writer of the source's kind lays it out."""
         index = opened.index
-        ds_pipeline_tp.refuse_reshard(str(index.root), index)  # pipeline x tp: no writer yet
+        if ds_3d_writer.is_pipeline_tp(index):  # pipeline x tp: tp=T,pp=P,dp=W
+            return ds_3d_writer.write_3d_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_pp_writer.is_pipeline(index):  # pipeline: pp=P,dp=W (tp 1)
             return ds_pp_writer.write_pp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(index):  # tensor parallel: tp=T,dp=W

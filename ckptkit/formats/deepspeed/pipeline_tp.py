@@ -7,7 +7,8 @@ SS = stage * T + tp rank (the grid's model-parallel rank). So tp rank t's files 
 pipeline checkpoint (pipeline.read_pipeline reads it; pipeline.py calls `join` here), and the T pipelines are joined tensor by
 tensor as model_parallel.py joins T ZeRO checkpoints: each parameter's split from what the
 checkpoint records, then the split rules (--tp-rules, then the built-in ones). Each tensor gets
-attrs["parallel"] = {"pp": {stage, size}, "tp": {dim, size}}.
+attrs["parallel"] = {"pp": {stage, size}, "tp": {dim, size}}. pipeline_tp_writer.py lays one out
+at new sizes.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
 from . import model_parallel as mp
 
-NOT_RESHARDABLE = ("writing a pipeline x tensor-parallel DeepSpeed checkpoint at new sizes is not supported yet "
-                   "(convert it --to torch, dcp or fsdp2, or consolidate it)")
+NOT_RESHARDABLE = ("converting a pipeline x tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet; "
+                   "reshard it with --to tp=...,pp=...,dp=... (pipeline_tp_writer.py)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,10 +100,8 @@ def _same_entry(subs: dict[int, CheckpointIndex], t: int, key: str, e0: TensorEn
 
 
 def refuse_reshard(where: str, index: CheckpointIndex) -> None:
-    """A writer given a 3-D source it cannot lay out: one sentence."""
+    """convert --to zero* of a 3-D source: reshard writes one (one sentence)."""
     if isinstance(index.native, PipelineTpInfo):
         raise UnsupportedError(f"{where}: {NOT_RESHARDABLE} (pp {index.native.pp}, tp {index.native.tp})")
 
 
-def is_pipeline_tp(index: Any) -> bool:
-    return isinstance(getattr(index, "native", None), PipelineTpInfo)

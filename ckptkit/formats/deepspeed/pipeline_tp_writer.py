@@ -1,0 +1,144 @@
+"""Write a native 3-D DeepSpeed checkpoint (pipeline x tensor x data parallel) for new sizes
+(`reshard --to tp=T,pp=P,dp=W`; `--to N` keeps the source's tp and pp).
+
+The reader (pipeline_tp.py) joins the source into full tensors with each parameter's tp split.
+Here tp_writer's slicer gives new tp rank t's slice of every tensor (a rank index of virtual
+tensors over the full ones), and pipeline_writer lays rank t's slices out as a pipeline of P
+stages (the layers assigned by --partition-method, computed on rank t's local parameter counts as
+PipelineModule does on that rank), each stage one ZeRO-1 checkpoint over W data-parallel ranks.
+Files, as DeepSpeed 0.19's PipelineEngine on PipeModelDataParallelTopology names them:
+  layer_XX-model_TT-model_states.pt     layer XX's state dict on tp rank TT (its slices)
+  mp_rank_SS_model_states.pt            SS = stage * T + tp rank; mp_world_size P * T,
+                                        checkpoint_parallel_dimensions {pp_degree P, tp_degree T}
+  zero_pp_rank_D_mp_rank_SS_optim_states.pt   partition D of W of that (stage, tp rank)'s groups
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from typing import Any
+
+from ...context import RunContext
+from ...errors import UnsupportedError, UsageError
+from ...index.parallel_spec import ParallelSizes
+from ...index.types import CheckpointIndex
+from ...runner.fetch import Fetcher
+from ...storage.commit import Output
+from ...storage.source import Source
+from ..torch_save.archive_writer import LazyTensor
+from . import pipeline_writer as ppw
+from .files import optim_file_name
+from .group_plan import StatePlanner, plan_group
+from .info import ZeroInfo
+from .pipeline_partition import chosen_partition_method
+from .pipeline_tp import PipelineTpInfo
+from .templates import lazify, template_of
+from .tag_writer import alignment, tag_name, write_tag, zero_config
+from .tp_writer import _Slicer
+from .writer import stage12_optim
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target3d:
+    tp: int
+    pp: int
+    dp: int
+
+
+def is_pipeline_tp(index: CheckpointIndex) -> bool:
+    return isinstance(index.native, PipelineTpInfo)
+
+
+def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> Target3d:
+    info: PipelineTpInfo = index.native
+    if isinstance(to, ParallelSizes):
+        if to.ep != 1:
+            raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
+        return Target3d(tp=to.tp, pp=to.pp, dp=to.dp)
+    world = int(to)
+    if world % (info.tp * info.pp):
+        raise UsageError(f"--to {world}: the source's tp x pp = {info.tp} x {info.pp} does not divide {world} ranks; "
+                         f"give the new sizes, e.g. --to tp={info.tp},pp={info.pp},dp=1")
+    return Target3d(tp=info.tp, pp=info.pp, dp=world // (info.tp * info.pp))
+
+
+def write_3d_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
+                  ctx: RunContext, partition_method: str | None = None) -> list[str]:
+    """Reshard a 3-D ZeRO-1 checkpoint to T x P x W ranks (module docstring)."""
+    info: PipelineTpInfo = index.native
+    target = target_sizes(index, to)
+    method = partition_method or chosen_partition_method()
+    pinfo = info.pipelines[0]
+    zinfo: ZeroInfo = pinfo.stages[min(pinfo.stages)]
+    if "zero_stage" not in (zinfo.optim_states[min(zinfo.optim_states)].get("optimizer_state_dict") or {}):
+        raise UnsupportedError(f"{index.root}: a 3-D checkpoint written by BF16_Optimizer is not laid out at new "
+                               f"sizes yet (ZeRO stage 1 is)")
+    align = alignment(zero_config(index), zinfo.dtype)
+    slicer = _Slicer(index, info, target.tp)
+    tag = tag_name(zinfo.files.tag, index)
+    m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
+    o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
+    osd_t = o0["optimizer_state_dict"]
+    templates = osd_t["base_optimizer_state"]["state"]
+    files: dict[str, tuple[Any, Fetcher]] = {}
+    for t in range(target.tp):
+        rank_index = slicer.rank_index(t, target.dp)
+        rank_index.native = _local_pipeline(pinfo, rank_index)
+        layers, stage_of = ppw.layer_table(rank_index)
+        if target.pp > len(layers):
+            raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the "
+                             f"{target.pp} pipeline stages asked for")
+        layers, parts = ppw.new_stages(rank_index, layers, stage_of, method, target.pp)
+        plans = ppw.stage_plans(rank_index, layers, parts, align)
+        fetcher = Fetcher(source, index=rank_index)
+        states = StatePlanner(rank_index, fetcher)
+        for plan in plans:
+            if not any(g.params for g in plan.groups):
+                raise UnsupportedError(f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) "
+                                       f"would have no trainable parameters, which DeepSpeed's ZeRO optimizer "
+                                       f"cannot hold")
+            mp_rank = plan.stage * target.tp + t
+            gplans = [plan_group(rank_index, states, 1, g, templates.get(g.index) if isinstance(templates, dict)
+                                 else None, oarchive, f"group {g.index} of stage {plan.stage}, tp rank {t}", target.dp)
+                      for g in plan.groups]
+            model = ppw._model(m0, marchive, plan, ppw.PpTarget(pp=target.pp, dp=target.dp))
+            model["mp_world_size"] = target.pp * target.tp
+            if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+                model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"],
+                                                           "pp_degree": target.pp, "tp_degree": target.tp}
+            files[f"{tag}/mp_rank_{mp_rank:02d}_model_states.pt"] = (model, fetcher)
+            for d in range(target.dp):
+                osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
+                if "param_alignment_paddings" in osd:
+                    osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
+                top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
+                name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=mp_rank)
+                files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
+        for layer, rel in sorted(pinfo.layer_files.items()):
+            files[f"{tag}/layer_{layer:02d}-model_{t:02d}-model_states.pt"] = (
+                _layer_state(index, pinfo, rank_index, layer), fetcher)
+    return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
+
+
+def _local_pipeline(pinfo: Any, rank_index: CheckpointIndex) -> Any:
+    """tp rank 0's PipelineInfo with each stage's groups at the new rank's slice shapes."""
+    def local(z: ZeroInfo) -> ZeroInfo:
+        groups = [dataclasses.replace(g, params=tuple((n, tuple(rank_index.tensors[f"model.{n}"].shape))
+                                                      for n, _ in g.params)) for g in z.groups]
+        return dataclasses.replace(z, groups=groups)
+    return dataclasses.replace(pinfo, stages={s: local(z) for s, z in pinfo.stages.items()})
+
+
+def _layer_state(index: CheckpointIndex, pinfo: Any, rank_index: CheckpointIndex, layer: int) -> OrderedDict:
+    """Layer `layer`'s state dict on the new tp rank: its low-precision weights' slices
+    (ds_module.<name>) and buffers (model.<name>), in the source layer file's order (the index
+    keeps the order the reader met them in the file)."""
+    prefix = f"tied_modules.{pinfo.tied_layers[layer]}." if layer in pinfo.tied_layers else f"{layer}."
+    state = OrderedDict()
+    for key, e in index.tensors.items():
+        if key.startswith("ds_module." + prefix):
+            state[key[len("ds_module." + prefix):]] = LazyTensor(rank_index.tensors[key])
+        elif key.startswith("model." + prefix) and e.attrs.get("ds_role") == "buffer":
+            state[key[len("model." + prefix):]] = LazyTensor(rank_index.tensors[key])
+    return state
