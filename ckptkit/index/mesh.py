@@ -58,13 +58,21 @@ def _torch_chunk(indices: Sequence[int], k: int) -> list[Sequence[int]]:
     return [indices[i * step:(i + 1) * step] if step else indices[0:0] for i in range(k)]
 
 
+def _torch_chunk_piece(indices: Sequence[int], k: int, i: int) -> Sequence[int]:
+    """_torch_chunk(indices, k)[i] without building the other k - 1 pieces (a mesh of many ranks
+    would otherwise cost ranks x ranks per tensor)."""
+    n = len(indices)
+    step = -(-n // k) if n else 0
+    return indices[i * step:(i + 1) * step] if step else indices[0:0]
+
+
 @lru_cache(maxsize=4096)
 def _strided_indices(n: int, k: int, rank: int, split_factor: int) -> tuple[int, ...]:
     """_StridedShard(split_factor).local_shard_size_and_offset(ALL): chunk into split_factor
     pieces, each into k; rank `rank` gets its piece of every one, in order."""
     out: list[int] = []
     for first in _torch_chunk(range(n), split_factor):
-        out.extend(_torch_chunk(first, k)[rank])
+        out.extend(_torch_chunk_piece(first, k, rank))
     return tuple(out)
 
 
@@ -94,7 +102,7 @@ def local_box(shape: tuple[int, ...], mesh: MeshSpec, rank: int, placement: Plac
         if kind == "R" or len(shape) == 0:
             continue
         n, me = local[dim], coords[name]
-        idx: Sequence[int] = _strided_indices(n, size, me, split) if kind == "SS" else _torch_chunk(range(n), size)[me]
+        idx: Sequence[int] = _strided_indices(n, size, me, split) if kind == "SS" else _torch_chunk_piece(range(n), size, me)
         if len(idx) == 0:
             offsets[dim] = range(shape[dim], shape[dim] + 1)  # torch's offset of an empty shard
             local[dim] = 0
