@@ -156,3 +156,29 @@ def test_layout_on_a_mesh_of_many_ranks_is_linear_in_ranks() -> None:
     assert rows[0].sizes == (1, 16) and rows[-1].sizes == (0, 16)    # 64 rows over 65536 ranks: most empty
     assert cols[1].offsets == (0, 8) and cols[1].sizes == (1, 8)
     assert sum(b.sizes[0] for b in rows) == 64                       # tp and dp_shard both cut dim 0: each row once
+
+
+@pytest.mark.parametrize("damage", ["overlap", "gap"])
+def test_mesh_reshard_of_a_source_with_broken_chunks_names_the_tensor(tmp_path: Path, damage: str) -> None:
+    """A 2-D DCP source whose chunks overlap or leave a gap fits no mesh; reshard --to mesh=... used
+    to blame a missing tensor-parallel split rule ("write a rule for embed.weight") instead."""
+    import dataclasses
+
+    from helpers_corrupt import load_md, save_md
+
+    fixture = DATA / "mesh" / "fsdp_tp_d2t2"
+    if not fixture.is_dir():
+        pytest.skip("mesh fixtures not generated")
+    src = tmp_path / "src"
+    shutil.copytree(fixture, src)
+    md = load_md(src)
+    chunks = md.state_dict_metadata["model.embed.weight"].chunks
+    if damage == "overlap":
+        chunks[1] = dataclasses.replace(chunks[1], offsets=torch.Size(chunks[0].offsets))
+    else:
+        del chunks[1]
+    save_md(src, md)
+    out = tmp_path / "out"
+    res = run_cli("reshard", str(src), str(out), "--to", "mesh=dp_shard:2,tp:2")
+    assert_error(res, "model.embed.weight", "not tiled exactly", out=out)
+    assert "split rule" not in res.output

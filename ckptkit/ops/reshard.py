@@ -119,6 +119,10 @@ def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int 
                                f"folder)")
     if isinstance(expect_from, int) and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
+    from ..runner.plan import check_tiling
+
+    for entry in index.tensors.values():   # a source with overlapping chunks or gaps fits no mesh: say so
+        check_tiling(entry, lambda _rel: src)   # first, not as a missing tp rule or a --from mismatch
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{mesh}")
     with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
         files, note = fmt.reshard_mesh(opened, target, mesh, ctx,
