@@ -178,7 +178,9 @@ def test_mesh_reshard_of_a_source_with_broken_chunks_names_the_tensor(tmp_path: 
     else:
         del chunks[1]
     save_md(src, md)
-    out = tmp_path / "out"
-    res = run_cli("reshard", str(src), str(out), "--to", "mesh=dp_shard:2,tp:2")
-    assert_error(res, "model.embed.weight", "not tiled exactly", out=out)
-    assert "split rule" not in res.output
+    for command in (["reshard", "--to", "mesh=dp_shard:2,tp:2"], ["convert", "--to", "dcp", "--world-size",
+                                                                   "mesh=dp_shard:4,tp:2"]):
+        out = tmp_path / f"out_{command[0]}"
+        res = run_cli(command[0], str(src), str(out), *command[1:])
+        assert_error(res, "model.embed.weight", "not tiled exactly", out=out)
+        assert "split rule" not in res.output

@@ -164,6 +164,11 @@ def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | Non
         done = _as_trainer_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
         if done is not None:
             return done
+    if mesh is not None:   # a source with overlapping chunks or gaps: said first, not as a missing tp rule
+        from ..runner.plan import check_tiling
+
+        for entry in opened.index.tensors.values():
+            check_tiling(entry, lambda _rel: src)
     laid_out_notes: list[str] = []  # what the mesh layout decided, said in the summary
     files, safetensors = _write(opened, out, target, state, world, cfg, single, ctx, (src, ds_config),
                                 (mesh, laid_out_notes))
