@@ -184,3 +184,18 @@ def test_mesh_reshard_of_a_source_with_broken_chunks_names_the_tensor(tmp_path: 
         res = run_cli(command[0], str(src), str(out), *command[1:])
         assert_error(res, "model.embed.weight", "not tiled exactly", out=out)
         assert "split rule" not in res.output
+
+
+@pytest.mark.parametrize("command", [["reshard", "--to"], ["convert", "--to", "dcp", "--world-size"]])
+def test_a_mesh_beyond_the_stated_bound_is_refused_before_any_work(tmp_path: Path, command) -> None:
+    """131,072 ranks (within the 2^20-rank cap) used to lay out for minutes in GBs (2^20: ~25 min,
+    ~12 GB); a mesh over MAX_MESH_RANKS is now refused in one sentence, nothing written."""
+    from ckptkit.index.parallel_spec import MAX_MESH_RANKS
+
+    fixture = DATA / "mesh" / "fsdp_tp_d2t2"
+    if not fixture.is_dir():
+        pytest.skip("mesh fixtures not generated")
+    out = tmp_path / "out"
+    mesh = f"mesh=dp_shard:{MAX_MESH_RANKS},tp:2"
+    res = run_cli(command[0], str(fixture), str(out), *command[1:], mesh)
+    assert_error(res, mesh, str(2 * MAX_MESH_RANKS), f"at most {MAX_MESH_RANKS} ranks", out=out)

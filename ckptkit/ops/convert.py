@@ -31,7 +31,7 @@ from ..convert.drops import apply_drops, dropped_summary
 from ..convert.state import TrainingState, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, mesh_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UnsupportedError, UsageError
-from ..index.parallel_spec import MeshSpec, ParallelSizes, check_ranks, parse_parallel
+from ..index.parallel_spec import MeshSpec, ParallelSizes, check_mesh_ranks, check_ranks, parse_parallel
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
 from ..formats.registry import Opened, format_named, open_checkpoint
 from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
@@ -183,7 +183,8 @@ def _world_or_mesh(world_size: "int | str | MeshSpec | None") -> tuple[int | Non
     """--world-size as (ranks, mesh): a number, or a device mesh `mesh=dp_shard:2,tp:2` (reshard's
     --to spelling); DeepSpeed's model-parallel sizes are reshard's, not convert's."""
     if world_size is None or isinstance(world_size, MeshSpec):
-        return (None if world_size is None else world_size.world_size), world_size
+        return ((None, None) if world_size is None
+                else (world_size.world_size, check_mesh_ranks(world_size, "--world-size")))
     if isinstance(world_size, int) and not isinstance(world_size, bool):
         return world_size, None  # checked with the other options (a clear sentence for 0 or too many)
     text = str(world_size).strip()
@@ -195,7 +196,7 @@ def _world_or_mesh(world_size: "int | str | MeshSpec | None") -> tuple[int | Non
     if isinstance(parsed, ParallelSizes):  # not reached: the text is a number or mesh=...
         raise UsageError(f"--world-size {text}: DeepSpeed's parallel sizes are given to reshard --to")
     if isinstance(parsed, MeshSpec):
-        return parsed.world_size, parsed
+        return parsed.world_size, check_mesh_ranks(parsed, "--world-size")
     return parsed, None
 
 

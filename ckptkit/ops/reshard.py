@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import UnsupportedError, UsageError
-from ..index.parallel_spec import MeshSpec, ParallelSizes, parse_parallel
+from ..index.parallel_spec import MeshSpec, ParallelSizes, check_mesh_ranks, parse_parallel
 from ..formats.registry import format_of, open_checkpoint
 from ..storage.output import open_output
 from ..context import RunContext, context_of
@@ -119,6 +119,7 @@ def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int 
                                f"folder)")
     if isinstance(expect_from, int) and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
+    check_mesh_ranks(mesh, "--to")
     from ..runner.plan import check_tiling
 
     for entry in index.tensors.values():   # a source with overlapping chunks or gaps fits no mesh: say so
