@@ -199,3 +199,14 @@ def test_a_mesh_beyond_the_stated_bound_is_refused_before_any_work(tmp_path: Pat
     mesh = f"mesh=dp_shard:{MAX_MESH_RANKS},tp:2"
     res = run_cli(command[0], str(fixture), str(out), *command[1:], mesh)
     assert_error(res, mesh, str(2 * MAX_MESH_RANKS), f"at most {MAX_MESH_RANKS} ranks", out=out)
+
+
+@pytest.mark.parametrize("fixture,to", [("ds_tp/mpu_z2_fp32", "tp=1,dp=1000000"), ("deepspeed/z2_fp32_w2", "1000000")])
+def test_a_deepspeed_target_beyond_the_stated_bound_is_refused(tmp_path: Path, fixture: str, to: str) -> None:
+    """--to 1000000 is within the 2^20-rank cap but the DeepSpeed writers grow with the ranks (16,384
+    ranks: 45 s, 440 MB; 10^6: ~50 min, ~28 GB); over MAX_DEEPSPEED_RANKS it is refused up front."""
+    if not (DATA / fixture).is_dir():
+        pytest.skip(f"fixture {fixture} not generated")
+    out = tmp_path / "out"
+    res = run_cli("reshard", str(DATA / fixture), str(out), "--to", to)
+    assert_error(res, f"--to {to.split(',')[-1]}", "1000000 ranks", "at most 65536", out=out)
