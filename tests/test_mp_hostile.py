@@ -210,3 +210,13 @@ def test_a_deepspeed_target_beyond_the_stated_bound_is_refused(tmp_path: Path, f
     out = tmp_path / "out"
     res = run_cli("reshard", str(DATA / fixture), str(out), "--to", to)
     assert_error(res, f"--to {to.split(',')[-1]}", "1000000 ranks", "at most 65536", out=out)
+
+
+def test_convert_to_zero_beyond_the_stated_bound_is_refused(tmp_path: Path) -> None:
+    """convert --to zero2 --world-size 1000000: the same ZeRO writer, the same bound."""
+    fixture = DATA / "deepspeed" / "z2_fp32_w2"
+    if not fixture.is_dir():
+        pytest.skip("DeepSpeed fixtures not generated")
+    out = tmp_path / "out"
+    res = run_cli("convert", str(fixture), str(out), "--to", "zero2", "--world-size", "1000000")
+    assert_error(res, "--world-size 1000000", "at most 65536", out=out)

@@ -31,7 +31,8 @@ from ..convert.drops import apply_drops, dropped_summary
 from ..convert.state import TrainingState, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, mesh_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UnsupportedError, UsageError
-from ..index.parallel_spec import MeshSpec, ParallelSizes, check_mesh_ranks, check_ranks, parse_parallel
+from ..index.parallel_spec import (MeshSpec, ParallelSizes, check_deepspeed_ranks, check_mesh_ranks, check_ranks,
+                                   parse_parallel)
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
 from ..formats.registry import Opened, format_named, open_checkpoint
 from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
@@ -138,6 +139,8 @@ def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | Non
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
         check_source(src, opened.index.format, stage, expect_from)
     world = world_size or opened.index.world_size or 1
+    if target.startswith("zero"):
+        check_deepspeed_ranks(world, f"--world-size {world}")
     if target in ZERO_TARGETS:  # a pipeline source has no ZeRO layout yet
         refuse_pipeline_reshard(src, opened.index)
     single = file_output(out, target)
