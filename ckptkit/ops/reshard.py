@@ -89,14 +89,8 @@ def _reshard_parallel(opened, src: str, out: str, sizes: ParallelSizes, expect_f
     """DeepSpeed's parallel sizes (`tp=2,dp=4`, `ep=4,dp=8`): the format's `reshard_parallel`
     picks the writer of the source's kind (mixture of experts, tensor parallel)."""
     index = opened.index
-    fmt = format_of(index)
-    from .lightning_folder import is_folder
-
-    if opened.trainer is not None or is_folder(opened) or not hasattr(fmt, "reshard_parallel"):
-        what = ("an HF Trainer folder" if opened.trainer is not None else "a Lightning folder" if is_folder(opened)
-                else f"{index.format} checkpoints")
-        raise UnsupportedError(f"--to {sizes}: model-parallel sizes are not supported yet for {what} (reshard "
-                               f"takes a world size, or mesh=... for DCP)")
+    fmt = _writer_with(opened, "reshard_parallel", f"--to {sizes}: model-parallel sizes are not supported yet for "
+                       "{what} (reshard takes a world size, or mesh=... for DCP)")
     if expect_from is not None and not isinstance(expect_from, MeshSpec) and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{sizes}")
@@ -111,14 +105,8 @@ def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int 
                   ctx: RunContext, tp_rules: str | None) -> ReshardResult:
     """DCP on a device mesh, as torch's dcp.save writes it (formats' `reshard_mesh`)."""
     index = opened.index
-    fmt = format_of(index)
-    from .lightning_folder import is_folder
-
-    if opened.trainer is not None or is_folder(opened) or not hasattr(fmt, "reshard_mesh"):
-        what = ("an HF Trainer folder" if opened.trainer is not None else "a Lightning folder" if is_folder(opened)
-                else f"{index.format} checkpoints")
-        raise UnsupportedError(f"--to {mesh}: not supported yet for {what} (a device mesh is written for a DCP "
-                               f"folder)")
+    fmt = _writer_with(opened, "reshard_mesh", f"--to {mesh}: not supported yet for {{what}} (a device mesh is "
+                       "written for a DCP folder)")
     if isinstance(expect_from, int) and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
     check_mesh_ranks(mesh, "--to")
@@ -149,3 +137,16 @@ def tp_dims_from_rules(path: str | None = None) -> Callable[[str, tuple[int, ...
         split = loaded[0].decide(name, shape)
         return None if split.kind == "replicated" else split.dim  # fused blocks: torch's Shard(dim) all the same
     return dim_for
+
+
+def _writer_with(opened, method: str, refusal: str):
+    """The source's format when it is a plain checkpoint whose writer has `method`; else the
+    UnsupportedError `refusal` with {what} naming what the source is (folders are resharded whole)."""
+    from .lightning_folder import is_folder
+
+    fmt = format_of(opened.index)
+    if opened.trainer is not None or is_folder(opened) or not hasattr(fmt, method):
+        what = ("an HF Trainer folder" if opened.trainer is not None else "a Lightning folder" if is_folder(opened)
+                else f"{opened.index.format} checkpoints")
+        raise UnsupportedError(refusal.format(what=what))
+    return fmt

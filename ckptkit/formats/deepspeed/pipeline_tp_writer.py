@@ -15,7 +15,6 @@ Files, as DeepSpeed 0.19's PipelineEngine on PipeModelDataParallelTopology names
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import OrderedDict
 from typing import Any
 
