@@ -12,7 +12,8 @@ from typing import Callable
 
 from ..errors import UnsupportedError, UsageError
 from ..index.parallel_spec import MeshSpec, ParallelSizes, check_deepspeed_ranks, check_mesh_ranks, parse_parallel
-from ..formats.registry import format_of, open_checkpoint
+from ..formats.protocols import ZERO_PARTITIONS
+from ..formats.registry import capabilities_of, format_of, open_checkpoint
 from ..storage.output import open_output
 from ..context import RunContext, context_of
 
@@ -45,7 +46,7 @@ def reshard(src: str, out: str, to: "int | str | MeshSpec | ParallelSizes",
             raise UnsupportedError(f"--from {expect_from}: model-parallel sizes are not supported yet for reshard")
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     index = opened.index
-    if index.format == "deepspeed" and isinstance(to, (int, ParallelSizes)):
+    if capabilities_of(index).writes(ZERO_PARTITIONS) and isinstance(to, (int, ParallelSizes)):
         check_deepspeed_ranks(to if isinstance(to, int) else to.world_size, f"--to {to}")
     if isinstance(to, ParallelSizes):
         return _reshard_parallel(opened, src, out, to, expect_from, ctx)
