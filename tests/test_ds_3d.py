@@ -151,7 +151,9 @@ def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--to", "3"), "--to 3: the source's tp x pp = 2 x 2 does not divide 3 ranks"),
+    (("--to", "3"), "--to 3: the source's tp x pp = 2 x 2 does not divide 3 ranks; give the new sizes, "
+                    "e.g. --to tp=1,pp=1,dp=3"),  # an example of 3 ranks
+    (("--to", "6"), "e.g. --to tp=2,pp=1,dp=3"),
     (("--to", "tp=3,pp=2,dp=1", "--partition-method", "uniform"), "--to tp=3: "),
     (("--to", "tp=2,pp=2,dp=1"), "do not split into its 2 stages with --partition-method parameters"),
 ])

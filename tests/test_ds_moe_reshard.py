@@ -147,7 +147,8 @@ def _one_sentence_exit_2(res, *needles):
     ("moe_z1_fp32_w2_k1", "ep=3,dp=4", ("ep=3,dp=4", "must divide the data-parallel world size")),
     ("moe2_z2_fp32_w2_k1", "ep=4,dp=4", ("'moe2' has 2 experts", "ep must divide every layer's expert count")),
     ("moe_z1_fp32_w2_k1", "3", ("expert-parallel size 2 does not divide 3 ranks", "--to ep=1,dp=3")),
-    ("moe_z1_fp32_w2_k1", "tp=2,dp=4", ("mixture-of-experts", "not supported yet")),
+    ("moe_z1_fp32_w2_k1", "tp=2,dp=4", ("adding tensor parallelism to the mixture-of-experts checkpoint",
+                                        "not supported yet (give ep=...,dp=... with tp=1,pp=1)")),
 ])
 def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, to, needles):
     if name not in FIXTURES:

@@ -43,7 +43,7 @@ from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK, split_expert_name
-from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
+from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .templates import lazify, ordered_like, template_of
 
 # split_params_into_different_moe_groups_for_optimizer's default: a larger expert group is split
@@ -66,17 +66,10 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> MoeTarget:
     """(E', W') from `--to`, checked against every MoE layer's expert count; a plain world size keeps
     the source's E when it divides it."""
     meta = index.metadata["deepspeed_moe"]
-    ep_src, counts = int(meta["ep_size"]), dict(meta["num_experts"])
-    if isinstance(to, ParallelSizes):
-        if to.tp != 1 or to.pp != 1:
-            raise UnsupportedError(f"--to {to}: {index.root} is a mixture-of-experts checkpoint; adding tensor or "
-                                   f"pipeline parallelism to it is not supported yet (give ep=...,dp=...)")
-        ep, world = to.ep, to.dp
-    else:
-        ep, world = ep_src, int(to)
-        if world % ep:
-            raise UsageError(f"--to {world}: the source's expert-parallel size {ep} does not divide {world} ranks; "
-                             f"give the new one too, e.g. --to ep={math.gcd(ep, world)},dp={world}")
+    counts = dict(meta["num_experts"])
+    sizes = keep_parallel_sizes(index, to, ParallelSizes(ep=int(meta["ep_size"])), resizable=("ep",),
+                                kind="mixture-of-experts")
+    ep, world = sizes.ep, sizes.dp
     if world % ep:
         raise UsageError(f"--to ep={ep},dp={world}: the expert-parallel size must divide the data-parallel "
                          f"world size (each expert-data-parallel group holds dp/ep ranks)")

@@ -33,7 +33,7 @@ from .info import ZeroInfo
 from .pipeline_partition import chosen_partition_method
 from .pipeline_tp import PipelineTpInfo
 from .templates import lazify, template_of
-from .tag_writer import alignment, tag_name, write_tag, zero_config
+from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .tp_writer import _Slicer
 from .writer import stage12_optim
 
@@ -50,16 +50,11 @@ def is_pipeline_tp(index: CheckpointIndex) -> bool:
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> Target3d:
+    """(T, P, W) from `--to`: tp=T,pp=P,dp=W, or a world size N that keeps the source's tp and pp."""
     info: PipelineTpInfo = index.native
-    if isinstance(to, ParallelSizes):
-        if to.ep != 1:
-            raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
-        return Target3d(tp=to.tp, pp=to.pp, dp=to.dp)
-    world = int(to)
-    if world % (info.tp * info.pp):
-        raise UsageError(f"--to {world}: the source's tp x pp = {info.tp} x {info.pp} does not divide {world} ranks; "
-                         f"give the new sizes, e.g. --to tp={info.tp},pp={info.pp},dp=1")
-    return Target3d(tp=info.tp, pp=info.pp, dp=world // (info.tp * info.pp))
+    sizes = keep_parallel_sizes(index, to, ParallelSizes(tp=info.tp, pp=info.pp), resizable=("tp", "pp"),
+                                kind="3-D (pipeline x tensor-parallel)")
+    return Target3d(tp=sizes.tp, pp=sizes.pp, dp=sizes.dp)
 
 
 def write_3d_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,

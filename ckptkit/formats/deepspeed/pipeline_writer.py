@@ -44,7 +44,7 @@ from .info import ZeroGroup, ZeroInfo
 from .pipeline import PipelineInfo
 from .pipeline_partition import chosen_partition_method, partition
 from .templates import lazify, template_of
-from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
+from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .writer import stage12_optim
 
 
@@ -70,18 +70,8 @@ def is_pipeline(index: CheckpointIndex) -> bool:
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> PpTarget:
     """(P, W) from `--to`: pp=P,dp=W (tp and ep 1), or a world size N that keeps the source's pp."""
     info: PipelineInfo = index.native
-    if isinstance(to, ParallelSizes):
-        if to.tp != 1:
-            raise UnsupportedError(f"--to {to}: adding tensor parallelism to the pipeline checkpoint {index.root} "
-                                   f"is not supported (give pp=...,dp=... with tp=1)")
-        if to.ep != 1:
-            raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
-        return PpTarget(pp=to.pp, dp=to.dp)
-    world = int(to)
-    if world % info.pp:
-        raise UsageError(f"--to {world}: the source's pipeline size {info.pp} does not divide {world} ranks; give "
-                         f"the new sizes, e.g. --to pp={math.gcd(info.pp, world)},dp={world // math.gcd(info.pp, world)}")
-    return PpTarget(pp=info.pp, dp=world // info.pp)
+    sizes = keep_parallel_sizes(index, to, ParallelSizes(pp=info.pp), resizable=("pp",), kind="pipeline")
+    return PpTarget(pp=sizes.pp, dp=sizes.dp)
 
 
 def _layer_of(name: str) -> int | None:

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UnsupportedError, UsageError, quote
+from ...errors import UsageError, quote
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex, TensorEntry
 from ...index.virtual import Part, flat_concat
@@ -42,7 +42,7 @@ from .group_plan import StatePlanner, plan_group, state_templates, target_groups
 from .info import ZeroGroup, ZeroInfo
 from .model_parallel import ModelParallelInfo, _param_name
 from .templates import lazify, template_of
-from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
+from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .writer import DEFAULT_SUB_GROUP_SIZE, stage12_optim, stage3_model, stage3_optim
 
 FULL = "tp.full:"   # hidden keys of the full tensors in a rank index
@@ -61,19 +61,8 @@ def is_tensor_parallel(index: CheckpointIndex) -> bool:
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> TpTarget:
     """(T, W) from `--to`: tp=T,dp=W, or a world size N that keeps the source's tp (W = N / tp)."""
     info: ModelParallelInfo = index.native
-    if isinstance(to, ParallelSizes):
-        if to.pp != 1:
-            raise UnsupportedError(f"--to {to}: adding pipeline parallelism to the tensor-parallel checkpoint "
-                                   f"{index.root} is not supported (give tp=...,dp=... with pp=1)")
-        if to.ep != 1:
-            raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
-        return TpTarget(tp=to.tp, dp=to.dp)
-    world = int(to)
-    if world % info.tp:
-        raise UsageError(f"--to {world}: the source's tensor-parallel size {info.tp} does not divide {world} "
-                         f"ranks; give the new sizes, e.g. --to tp={math.gcd(info.tp, world)},"
-                         f"dp={world // math.gcd(info.tp, world)}")
-    return TpTarget(tp=info.tp, dp=world // info.tp)
+    sizes = keep_parallel_sizes(index, to, ParallelSizes(tp=info.tp), resizable=("tp",), kind="tensor-parallel")
+    return TpTarget(tp=sizes.tp, dp=sizes.dp)
 
 
 def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
