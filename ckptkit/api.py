@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .errors import FormatError, UnsupportedError
+from .index.dtypes import torch_dtype
 from .index.flatten import flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
 from .runner.distributed import group_of
@@ -69,7 +70,15 @@ def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,
     a DeepSpeed checkpoint is seen through convert's canonical state, so FSDP2 loads ZeRO
     directly. A key the state dict has and the checkpoint lacks is an error naming it. Files are
     read only inside `path` (links out refused unless `follow_links` or CKPTKIT_FOLLOW_LINKS=1)."""
-    index, fetcher = _open_for_load(path, tag, follow_links)
+    from .formats.registry import open_checkpoint
+
+    return load_opened(state_dict, open_checkpoint(path, tag=tag, follow_links=follow_links), path)
+
+
+def load_opened(state_dict: dict[str, Any], opened: Any, path: str) -> dict[str, Any]:
+    """`load` from a checkpoint already opened (`open_checkpoint(path)`): the Checkpointer reads
+    the step's index once for its templates and for the load."""
+    index, fetcher = _loadable(opened)
     leaves = flatten(state_dict, lambda v: isinstance(v, torch.Tensor))
     missing = [key_of(p) for p, _ in leaves if key_of(p) not in index.tensors and key_of(p) not in index.objects]
     if missing:
@@ -85,13 +94,13 @@ def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,
     return state_dict
 
 
-def _open_for_load(path: str, tag: str | None, follow_links: bool | None = None) -> tuple[CheckpointIndex, Any]:
+def _loadable(opened: Any) -> tuple[CheckpointIndex, Any]:
+    """The index whose keys are the state dict's, and the fetcher that reads its tensors."""
     from .convert.state import read_state
     from .convert.to_torch_layouts import fetcher_for, torch_recipe_index
-    from .formats.registry import capabilities_of, open_checkpoint
+    from .formats.registry import capabilities_of
     from .runner.fetch import Fetcher
 
-    opened = open_checkpoint(path, tag=tag, follow_links=follow_links)
     if capabilities_of(opened.index).recipe_keys:  # DCP: its keys are already the state dict's
         return opened.index, Fetcher(opened.source, index=opened.index)
     state = read_state(opened)
@@ -108,8 +117,11 @@ def _fill(target: torch.Tensor, entry: TensorEntry | None, key: str, fetcher: An
     local, box = _local_box(target)
     if local.numel() == 0:
         return
-    buf = fetcher.fetch(entry, box)  # in the checkpoint's dtype; copy_ casts (as dcp.load does)
     with torch.no_grad():
+        if local.dtype == torch_dtype(entry.dtype) and local.is_contiguous():
+            fetcher.fetch(entry, box, out=local.detach())  # read straight into the shard: no buffer, no copy
+            return
+        buf = fetcher.fetch(entry, box)  # in the checkpoint's dtype; copy_ casts (as dcp.load does)
         local.copy_(buf.reshape(local.shape))
 
 

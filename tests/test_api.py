@@ -95,6 +95,24 @@ def test_load_reads_a_zero_checkpoint_into_a_torch_model():
     assert_tensor_equal(state["optim"]["state"]["pos"]["step"], torch.tensor(2.0), "step")
 
 
+def test_load_fills_in_place_whatever_the_target_dtype_and_layout(tmp_path):
+    """A contiguous tensor of the saved dtype is read straight into its storage (a Parameter that
+    requires grad too); another dtype is cast and a non-contiguous view is filled through a copy,
+    each equal to what was saved and written through to the tensor the caller holds."""
+    saved = {"w": torch.randn(6, 4), "b": torch.randn(5), "t": torch.randn(4, 6)}
+    ckptkit.save(saved, str(tmp_path / "c"))
+    param = torch.nn.Parameter(torch.zeros(6, 4))
+    half = torch.zeros(5, dtype=torch.bfloat16)
+    base = torch.zeros(6, 4)
+    state = {"w": param, "b": half, "t": base.t()}  # "t": a transposed (non-contiguous) view
+    ckptkit.load(state, str(tmp_path / "c"))
+    assert state["w"] is param and state["b"] is half
+    assert_tensor_equal(param.detach(), saved["w"], "w")
+    assert_tensor_equal(half, saved["b"].to(torch.bfloat16), "b")
+    assert_tensor_equal(base.t(), saved["t"], "t")
+    assert param.requires_grad
+
+
 def test_load_names_missing_keys_and_shape_mismatches(tmp_path):
     model, optim = _trained(steps=1)
     state = _state(model, optim)

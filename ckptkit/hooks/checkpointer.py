@@ -301,11 +301,12 @@ class Checkpointer:
         return found.step
 
     def _restore_torch(self, path: str, model: Any, optimizer: Any, states: dict[str, Any]) -> None:
-        from ..api import load
+        from ..api import load_opened
         from ..formats.registry import open_checkpoint
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        index = open_checkpoint(path).index
+        opened = open_checkpoint(path)  # read once: for the templates and for the load
+        index = opened.index
         state = self._state_dict(model, optimizer)
         extra = template(index, ("extra",))
         if extra is not None:
@@ -316,7 +317,7 @@ class Checkpointer:
             saved = template(index, (STATES, rk)) or {}
             _check_states(path, states, saved)
             state[STATES] = {rk: {k: saved[k] for k in states}}
-        load(state, path)
+        load_opened(state, opened, path)
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
