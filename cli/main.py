@@ -168,17 +168,35 @@ def tp_rules_option(fn: Callable) -> Callable:
 
 
 def partition_method_option(fn: Callable) -> Callable:
-    """--partition-method: how the target PipelineModule splits its layers into stages (a DeepSpeed
-    pipeline checkpoint does not record it), for the rest of this command."""
+    """--partition-method (and --layer-types): how the target PipelineModule splits its layers into
+    stages (a DeepSpeed pipeline checkpoint does not record it), for the rest of this command."""
     def remember(_click_ctx: click.Context, param: Any, value: str | None) -> None:
+        from ckptkit.errors import UsageError
         from ckptkit.formats.deepspeed.pipeline_partition import use_partition_method
 
-        use_partition_method(value)
-    return click.option("--partition-method", default=None, type=click.Choice(["parameters", "uniform"]),
+        try:
+            use_partition_method(value)
+        except UsageError as exc:  # before the command's own error handling: click's one-line usage error
+            raise click.UsageError(str(exc)) from None
+
+    def remember_types(_click_ctx: click.Context, param: Any, value: str | None) -> None:
+        from ckptkit.errors import UsageError
+        from ckptkit.formats.deepspeed.pipeline_partition import use_layer_types
+
+        try:
+            use_layer_types(value)
+        except UsageError as exc:  # before the command's own error handling: click's one-line usage error
+            raise click.UsageError(str(exc)) from None
+    fn = click.option("--layer-types", default=None, metavar="NAME,NAME*K,...", expose_value=False,
+                      callback=remember_types,
+                      help="DeepSpeed pipelines: the PipelineModule's layers' class (or function) names in order, "
+                           "as DeepSpeed logs them at start-up (NAME*K: K in a row); needed by "
+                           "--partition-method type:REGEX, and fixes the layer count for the others.")(fn)
+    return click.option("--partition-method", default=None, metavar="parameters|uniform|type:REGEX",
                         expose_value=False, callback=remember,
                         help="DeepSpeed pipelines (--to pp=P,dp=W): the PipelineModule's partition_method, "
                              "which decides each new stage's layers (default: parameters, DeepSpeed's "
-                             "default).")(fn)
+                             "default; type:REGEX needs --layer-types).")(fn)
 
 
 def follow_links() -> bool | None:

@@ -18,6 +18,7 @@ import subprocess
 import pytest
 import torch
 
+from ckptkit.errors import UsageError
 from ckptkit.ops.reshard import reshard
 from ckptkit.formats.deepspeed import pipeline_partition
 from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
@@ -27,6 +28,11 @@ from helpers_corrupt import run_cli
 PP_DATA = DATA / "ds_pp"
 pytestmark = pytest.mark.skipif(not (PP_DATA / "pp2_dp2_z1_fp32").is_dir(),
                                 reason="no pipeline fixtures (run fixtures/generate_ds_pp.py)")
+
+# the "type" fixture's partition_method and its layers' class names (fixtures/generate_ds_pp.py
+# TYPE_METHOD, LAYER_TYPES): FrozenBlock and LayerNorm weigh 1, stages [0, 4, 6] at pp 2
+TYPE = "type:layernorm|frozen"
+LAYER_TYPES = "Embed,Block,FrozenBlock,Block,LayerNorm,Embed"
 
 # (fixture, --to, --partition-method, (pp, dp), stage boundaries DeepSpeed gives its 6 layers)
 COMBOS = [
@@ -45,6 +51,10 @@ COMBOS = [
     ("pp2_dp2_z1_fp32_mptopo", "pp=1,dp=2", "uniform", (1, 2), [0, 6]),
     ("pp2_dp2_z0_bf16", "pp=1,dp=3", "uniform", (1, 3), [0, 6]),
     ("pp2_dp2_z0_bf16", "pp=3,dp=1", "parameters", (3, 1), [0, 2, 4, 6]),
+    ("pp2_dp1_z1_fp32_type", "pp=3,dp=1", TYPE, (3, 1), [0, 4, 5, 6]),
+    ("pp2_dp1_z1_fp32_type", "pp=4,dp=2", TYPE, (4, 2), [0, 3, 4, 5, 6]),
+    ("pp2_dp1_z1_fp32_type", "pp=1,dp=2", TYPE, (1, 2), [0, 6]),
+    ("pp2_dp2_z1_fp32", "pp=3,dp=1", "type:block", (3, 1), [0, 2, 3, 6]),  # Block, FrozenBlock: [0, 3, 6] at pp 2
 ]
 
 
@@ -59,7 +69,8 @@ def _files(name: str, pp: int, dp: int) -> list[str]:
 @pytest.mark.parametrize("name,to,method,sizes,parts", COMBOS)
 def test_output_reads_back_equal_to_the_source(tmp_path, name, to, method, sizes, parts):
     pp, dp = sizes
-    res = run_cli("reshard", PP_DATA / name, tmp_path / "out", "--to", to, "--partition-method", method)
+    types = ["--layer-types", LAYER_TYPES] if method.startswith("type:") else []
+    res = run_cli("reshard", PP_DATA / name, tmp_path / "out", "--to", to, "--partition-method", method, *types)
     assert res.code == 0, res.output
     _, want, _ = read_all(PP_DATA / name)
     opened, got, objects = read_all(tmp_path / "out")
@@ -139,7 +150,23 @@ def test_world_size_keeps_pp_and_equals_the_explicit_sizes(tmp_path):
     ("pp2_dp2_z1_fp32", ["--to", "3"], 2, ["pipeline size 2 does not divide 3 ranks", "--to pp=1,dp=3"]),
     ("pp2_dp2_z1_fp32", ["--to", "pp=7,dp=1"], 2, ["has 6 layers, fewer than the 7 pipeline stages"]),
     ("pp1_dp2_z1_fp32", ["--to", "pp=2,dp=1"], 2, ["single-stage pipeline checkpoint with tied modules (embed)"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=2,dp=1", "--partition-method", "type:Block"], 2, ["'type:Block' is not one of"]),
+    ("pp2_dp2_z1_fp32", ["--to", "pp=2,dp=1", "--partition-method", "type:Block"], 2,
+     ["does not record its layers' class names, which type: matches; give them with --layer-types"]),
+    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--partition-method", "type:zzz", "--layer-types", LAYER_TYPES], 2,
+     ["no name in --layer-types matches 'zzz'"]),
+    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--partition-method", "type:(", "--layer-types", LAYER_TYPES], 2,
+     ["'(' is not a regular expression"]),
+    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--partition-method", "blocks"], 2,
+     ["'blocks': expected one of parameters, uniform, type:REGEX"]),
+    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*"], 2, ["'Block*' is not a layer's class"]),
+    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*4"], 2,
+     ["--layer-types names 5 layers, but", "holds state of layer 5"]),
+    ("pp2_dp1_z1_fp32_type", ["--to", "pp=3,dp=1", "--partition-method", "uniform"], 2,  # 8 layers would fit
+     ["depends on how many state-less layers follow layer 5", "without --layer-types"]),
+    ("pp2_dp1_z1_fp32_type", ["--to", "pp=3,dp=1", "--partition-method", "uniform", "--layer-types", LAYER_TYPES], 2,
+     ["do not split into its 2 stages with --partition-method uniform (layer 3 is on stage 0"]),
+    ("pp2_dp1_z1_fp32_type", ["--to", "pp=3,dp=1", "--partition-method", "type:block", "--layer-types", LAYER_TYPES],
+     2, ["(as inferred from the checkpoint and --layer-types (6 layers)) do not split into its 2 stages"]),
 ])
 def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, args, code, needles):
     res = run_cli("reshard", PP_DATA / name, tmp_path / "out", *args)
@@ -167,6 +194,63 @@ def test_stages_the_checkpoint_does_not_determine_are_refused():
         pipeline_writer.new_stages(index, layers, {}, "uniform", 4)
 
 
+def test_layer_types_fix_the_layer_count():
+    """Unseen trailing state-less layers: refused without --layer-types, placed with them."""
+    from ckptkit.formats.deepspeed import pipeline_writer
+    from ckptkit.formats.registry import open_checkpoint
+
+    index = open_checkpoint(str(PP_DATA / "pp2_dp2_z1_fp32")).index
+    layers, _ = pipeline_writer.layer_table(index)
+    with pytest.raises(UsageError, match=r"does not record its layers' class names"):
+        pipeline_writer.new_stages(index, layers, {}, "type:block", 4)
+    types = pipeline_partition.parse_layer_types(LAYER_TYPES + ",head*2")
+    cand, parts = pipeline_writer.new_stages(index, layers, {}, "uniform", 4, types)
+    assert len(cand) == 8 and parts == [0, 2, 4, 6, 8]  # partition_uniform(8, 4)
+    cand, parts = pipeline_writer.new_stages(index, layers, {}, "type:block|head", 4, types)
+    assert len(cand) == 8 and parts == pipeline_partition.partition_balanced([0, 1, 1, 1, 0, 0, 1, 1], 4)
+
+
+@needs_deepspeed
+def test_type_weights_equal_deepspeeds_find_layer_type():
+    """type:REGEX: the layers DeepSpeed's PipelineModule._find_layer_type finds (LayerSpec, tied,
+    module and function layers, lambdas), from the names --layer-types gives, and the stages."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.utils import partition_balanced
+
+    class EmbeddingPipe(nn.Linear):
+        pass
+
+    class ParallelTransformerLayerPipe(nn.Linear):
+        pass
+
+    def float16_to_fp32(x):
+        return x
+
+    specs = [TiedLayerSpec("embed", EmbeddingPipe, 2, 2), lambda x: x,
+             *[LayerSpec(ParallelTransformerLayerPipe, 2, 2) for _ in range(5)], lambda x: x,
+             LayerSpec(nn.LayerNorm, 2), TiedLayerSpec("embed", EmbeddingPipe, 2, 2, forward_fn=lambda m, x: x),
+             float16_to_fp32, nn.ReLU()]
+    types = pipeline_partition.parse_layer_types(
+        "EmbeddingPipe,<lambda>,ParallelTransformerLayerPipe*5,<lambda>,LayerNorm,EmbeddingPipe,float16_to_fp32,ReLU")
+    assert len(types) == len(specs)
+    stub = SimpleNamespace(_layer_specs=specs)
+    for method in ["type:transformer", "type:Transformer|embedding", "type:^layernorm$", "type:fp32|lambda",
+                   "type:relu", "type:pipe:ignored after the second colon", "type:[A-Z]mbed"]:
+        want = [0] * len(specs)
+        for i in PipelineModule._find_layer_type(stub, method.lower().split(":")[1]):  # as _partition_layers
+            want[i] = 1
+        assert pipeline_partition.type_weights(method, types) == want, method
+        for m in range(1, 8):
+            assert pipeline_partition.partition(method, want, m) == [int(x) for x in partition_balanced(want, m)]
+    with pytest.raises(RuntimeError, match="found no valid layers"):
+        PipelineModule._find_layer_type(stub, "zzz")
+    with pytest.raises(UsageError, match="no name in --layer-types matches 'zzz'"):
+        pipeline_partition.type_weights("type:zzz", types)
+
+
 @needs_deepspeed
 def test_partition_functions_equal_deepspeeds():
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
@@ -184,9 +268,12 @@ def test_partition_functions_equal_deepspeeds():
 # world -> (fixture, --to, pp, --partition-method): 4 ranks: fp32 pp 2 x dp 2 -> pp 4 (parameters,
 # layers [0, 1, 3, 5, 6], a stage holding only the tied embedding, another only the tied head);
 # 2 ranks: bf16 (ZeRO-1) pp 2 x dp 2 -> one stage over 2 ranks (both tied layers on one stage)
+# 3 ranks: the fixture DeepSpeed wrote with partition_method type:layernorm|frozen (stages [0, 4, 6])
+# -> pp 3, whose PipelineModule(partition_method=TYPE) builds [0, 4, 5, 6]
 ENGINE_PLAN = {
     4: ("pp2_dp2_z1_fp32", "pp=4,dp=1", 4, "parameters"),
     2: ("pp2_dp2_z1_bf16", "pp=1,dp=2", 1, "uniform"),
+    3: ("pp2_dp1_z1_fp32_type", "pp=3,dp=1", 3, TYPE),
 }
 
 
@@ -197,10 +284,12 @@ def test_deepspeed_loads_the_resharded_pipeline_and_trains(tmp_path, world):
     name, to, pp, method = ENGINE_PLAN[world]
     out = tmp_path / "out"
     pipeline_partition.use_partition_method(method)
+    pipeline_partition.use_layer_types(LAYER_TYPES if method.startswith("type:") else None)
     try:
         reshard(str(PP_DATA / name), str(out), to)
     finally:
         pipeline_partition.use_partition_method(None)
+        pipeline_partition.use_layer_types(None)
     result = tmp_path / "result.json"
     cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "ds_pp_reshard_check.py"), "--ckpt", str(out),
                                  "--fixture", name, "--pp", str(pp), "--partition-method", method,
@@ -213,3 +302,5 @@ def test_deepspeed_loads_the_resharded_pipeline_and_trains(tmp_path, world):
     # per rank: each of its stage's trainable params gives fp32, exp_avg, exp_avg_sq, step, module
     # (5 each), frozen weights 2 (module, frozen), buffers 1, plus global counters none
     assert r["world_size"] == world and r["pp"] == pp and r["compared"] >= 5 * 13
+    if method == TYPE:  # DeepSpeed's own stages at pp 3 are the ones the output was laid out for
+        assert all(p["parts"] == [0, 4, 5, 6] for p in r["ranks"]), [p["parts"] for p in r["ranks"]]

@@ -30,7 +30,7 @@ from . import pipeline_writer as ppw
 from .files import optim_file_name
 from .group_plan import StatePlanner, plan_group
 from .info import ZeroInfo
-from .pipeline_partition import chosen_partition_method
+from .pipeline_partition import chosen_layer_types, chosen_partition_method
 from .pipeline_tp import PipelineTpInfo
 from .templates import lazify, template_of
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
@@ -80,10 +80,10 @@ def write_3d_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
         rank_index = slicer.rank_index(t, target.dp)
         rank_index.native = _local_pipeline(pinfo, rank_index)
         layers, stage_of = ppw.layer_table(rank_index)
-        if target.pp > len(layers):
+        if target.pp > max(len(layers), len(chosen_layer_types() or ())):
             raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the "
                              f"{target.pp} pipeline stages asked for")
-        layers, parts = ppw.new_stages(rank_index, layers, stage_of, method, target.pp)
+        layers, parts = ppw.new_stages(rank_index, layers, stage_of, method, target.pp, chosen_layer_types())
         plans = ppw.stage_plans(rank_index, layers, parts, align)
         fetcher = Fetcher(source, index=rank_index)
         states = StatePlanner(rank_index, fetcher)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Sequence
 
 from ...context import RunContext
 from ...errors import UnsupportedError, UsageError
@@ -42,7 +42,8 @@ from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group, virtual
 from .info import ZeroGroup, ZeroInfo
 from .pipeline import PipelineInfo
-from .pipeline_partition import chosen_partition_method, partition
+from .pipeline_partition import (chosen_layer_types, chosen_partition_method, is_type_method, partition,
+                                 type_weights)
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .writer import stage12_optim
@@ -141,16 +142,31 @@ def layer_table(index: CheckpointIndex) -> tuple[list[Layer], dict[int, int]]:
 
 
 def new_stages(index: CheckpointIndex, layers: list[Layer], stage_of: dict[int, int], method: str,
-               pp: int) -> tuple[list[Layer], list[int]]:
-    """(layers, stage boundaries at `pp`). State-less layers after the last one the checkpoint
-    shows are unseen: every count of them (up to as many again) under which `method` gives the
-    source's own stages is tried, and the stages of the layers with state must not depend on it
-    (else refused as undetermined); the fewest such layers are written."""
+               pp: int, layer_types: Sequence[str] | None = None) -> tuple[list[Layer], list[int]]:
+    """(layers, stage boundaries at `pp`). `layer_types` (--layer-types: PipelineModule's layer
+    class names) fix the layer count and give "type:" its weights. Without them, state-less layers
+    after the last one the checkpoint shows are unseen: every count of them (up to as many again)
+    under which `method` gives the source's own stages is tried, and the stages of the layers with
+    state must not depend on it (else refused as undetermined); the fewest such layers are written."""
     info: PipelineInfo = index.native
+    if layer_types is None and is_type_method(method):
+        raise UsageError(f"--partition-method {method}: {index.root} does not record its layers' class names, which "
+                         f"type: matches; give them with --layer-types (the PipelineModule's layers in order, as "
+                         f"DeepSpeed logs them at start-up, e.g. EmbeddingPipe,ParallelTransformerLayerPipe*24,"
+                         f"LayerNorm,EmbeddingPipe)")
+    if layer_types is not None and len(layer_types) < len(layers):
+        raise UsageError(f"--layer-types names {len(layer_types)} layers, but {index.root} holds state of layer "
+                         f"{len(layers) - 1}; give one name per PipelineModule layer")
+    extras = range(len(layers) + 1) if layer_types is None else [len(layer_types) - len(layers)]
+    given = "" if layer_types is None else f" and --layer-types ({len(layer_types)} layers)"
+
+    def weights_of(cand: list[Layer]) -> list[int]:
+        return type_weights(method, layer_types) if is_type_method(method) else [x.weight for x in cand]
+
     options: dict[tuple[int, ...], tuple[list[Layer], list[int]]] = {}
-    for extra in range(len(layers) + 1):
+    for extra in extras:
         cand = layers + [Layer(kind="none", weight=0)] * extra
-        weights = [x.weight for x in cand]
+        weights = weights_of(cand)
         if info.pp > 1:
             src = partition(method, weights, info.pp)
             if any(not src[s] <= i < src[s + 1] for i, s in stage_of.items()):
@@ -160,16 +176,18 @@ def new_stages(index: CheckpointIndex, layers: list[Layer], stage_of: dict[int, 
                        for i, x in enumerate(layers) if x.kind != "none")
         options.setdefault(placed, (cand, parts))
     if not options:
-        src = partition(method, [x.weight for x in layers], info.pp)
+        cand = layers + [Layer(kind="none", weight=0)] * extras[0]
+        src = partition(method, weights_of(cand), info.pp)
         wrong = min(i for i, s in stage_of.items() if not src[s] <= i < src[s + 1])
-        raise UnsupportedError(f"{index.root}: its {len(layers)} layers (as inferred from the checkpoint) do not split "
-                               f"into its {info.pp} stages with --partition-method {method} (layer {wrong} is on "
-                               f"stage {stage_of[wrong]}, the method gives stages at {src}); give the method the "
+        raise UnsupportedError(f"{index.root}: its {len(cand)} layers (as inferred from the checkpoint{given}) do not "
+                               f"split into its {info.pp} stages with --partition-method {method} (layer {wrong} is "
+                               f"on stage {stage_of[wrong]}, the method gives stages at {src}); give the method the "
                                f"model uses")
     if len(options) > 1:
         raise UnsupportedError(f"{index.root}: which layers go to which of {pp} stages with --partition-method "
                                f"{method} depends on how many state-less layers follow layer {len(layers) - 1}, "
-                               f"which the checkpoint does not record; resharding it to pp={pp} is not supported")
+                               f"which the checkpoint does not record; resharding it to pp={pp} is not supported "
+                               f"without --layer-types")
     return next(iter(options.values()))
 
 
@@ -235,13 +253,14 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
     target = target_sizes(index, to)
     method = partition_method or chosen_partition_method()
     layers, stage_of = layer_table(index)
-    if target.pp > len(layers):
+    types = chosen_layer_types()
+    if target.pp > max(len(layers), len(types or ())):
         raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the {target.pp} "
                          f"pipeline stages asked for")
     zinfo: ZeroInfo = info.stages[min(info.stages)]
     zero_cfg = zero_config(index)
     align = alignment(zero_cfg, zinfo.dtype)
-    layers, parts = new_stages(index, layers, stage_of, method, target.pp)
+    layers, parts = new_stages(index, layers, stage_of, method, target.pp, types)
     plans = stage_plans(index, layers, parts, align)
     tag = tag_name(zinfo.files.tag, index)
     fetcher = Fetcher(source, index=index)
