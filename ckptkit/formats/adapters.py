@@ -22,6 +22,7 @@ from .deepspeed import pipeline as ds_pipeline
 from .deepspeed import pipeline_tp_writer as ds_3d_writer
 from .deepspeed import pipeline_writer as ds_pp_writer
 from .deepspeed import moe as ds_moe
+from .deepspeed import moe_tp_writer as ds_moe_tp_writer
 from .deepspeed import reader as ds_reader
 from .deepspeed.moe_writer import write_moe_zero
 from .deepspeed import tp_writer as ds_tp_writer
@@ -132,6 +133,8 @@ class DeepSpeedFormat:
             return ds_3d_writer.write_3d_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_pp_writer.is_pipeline(opened.index):  # --to N keeps the source's pp
             return ds_pp_writer.write_pp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
+        if ds_moe_tp_writer.is_moe_tp(opened.index):  # experts with tp: --to N keeps tp and ep
+            return ds_moe_tp_writer.write_moe_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(opened.index):  # --to N keeps the source's tp
             return ds_tp_writer.write_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
@@ -143,6 +146,8 @@ class DeepSpeedFormat:
             return ds_3d_writer.write_3d_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_pp_writer.is_pipeline(index):  # pipeline: pp=P,dp=W (tp 1)
             return ds_pp_writer.write_pp_zero(out, index, opened.source, sizes, ctx=ctx)
+        if ds_moe_tp_writer.is_moe_tp(index):  # experts with tensor parallelism: tp=T,ep=E,dp=W
+            return ds_moe_tp_writer.write_moe_tp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(index):  # tensor parallel: tp=T,dp=W
             return ds_tp_writer.write_tp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_moe.is_moe(index):  # mixture of experts: ep=E',dp=W'

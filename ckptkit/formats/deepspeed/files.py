@@ -11,7 +11,7 @@ from ...storage.source import Source
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MAX_LATEST_BYTES = 1024  # `latest` holds one tag (a folder name: 255 bytes on most filesystems)
-EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
+EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_(\d+)_model_states\.pt$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +90,7 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
     model_files: dict[int, dict[int, str]] = {}
     optim_files: dict[int, dict[int, str]] = {}
     extra: list[str] = []
-    experts: list[str] = []
+    experts: dict[int, list[str]] = {}   # mp rank -> its expert files
     bf16_prefix = False
     for name in _tag_names(source, prefix.rstrip("/") or ""):
         if m := MODEL_STATES.match(name):
@@ -98,8 +98,8 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
         elif m := OPTIM_STATES.match(name):
             optim_files.setdefault(int(m.group(3)), {})[int(m.group(2))] = name
             bf16_prefix = bool(m.group(1))
-        elif EXPERT.match(name):
-            experts.append(name)
+        elif m := EXPERT.match(name):
+            experts.setdefault(int(m.group(1)), []).append(name)
         elif name == "offloaded_tensors":
             raise UnsupportedError(f"{source.label(prefix + name)}: NVMe-offloaded optimizer state "
                                    f"(offloaded_tensors) is not supported yet")
@@ -110,16 +110,24 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
         missing = [r for r in range(max(mp_ranks) + 1) if r not in mp_ranks]
         raise FormatError(f"{source.label(prefix or '')}: files of model-parallel rank(s) {missing} are missing "
                           f"(found ranks {mp_ranks})")
-    if experts and len(mp_ranks) > 1:
-        raise UnsupportedError(f"{source.label(prefix + sorted(experts)[0])}: mixture-of-experts checkpoints with "
-                               f"tensor parallelism (model-parallel ranks {mp_ranks}) are not supported yet")
+    stray = sorted(mp for mp in experts if mp not in (mp_ranks or [0]))
+    if stray:
+        name = sorted(experts[stray[0]])[0]
+        raise FormatError(f"{source.label(prefix + name)}: expert file of model-parallel rank {stray[0]}, but the "
+                          f"tag folder has model/optim-states files of model-parallel rank(s) {mp_ranks or [0]} only")
     per_mp = {mp: ZeroFiles(tag=tag, prefix=prefix, model_files=model_files.get(mp, {}),
-                            optim_files=optim_files.get(mp, {}), bf16_prefix=bf16_prefix, extra=extra, mp_rank=mp)
+                            optim_files=optim_files.get(mp, {}), bf16_prefix=bf16_prefix, extra=extra, mp_rank=mp,
+                            expert_files=sorted(experts.get(mp, [])))
               for mp in mp_ranks or [0]}
+    if experts and len(per_mp) > 1:
+        lacking = [mp for mp in per_mp if not per_mp[mp].expert_files]
+        if lacking:
+            raise FormatError(f"{source.label(prefix or '')}: model-parallel rank(s) {lacking} have no expert files "
+                              f"(layer_<L>_expert_<G>_mp_rank_{lacking[0]:02d}_model_states.pt), the other ranks do")
     first = per_mp[0]
     return ZeroFiles(tag=tag, prefix=prefix, model_files=first.model_files, optim_files=first.optim_files,
                      bf16_prefix=bf16_prefix, extra=extra,
-                     model_parallel=per_mp if len(per_mp) > 1 else {}, expert_files=sorted(experts))
+                     model_parallel=per_mp if len(per_mp) > 1 else {}, expert_files=first.expert_files)
 
 
 def _check_ranks(source: Source, files: ZeroFiles) -> None:

@@ -102,7 +102,8 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
     index.step = first.step
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
     index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "mp_world_size": tp}
-    index.metadata["parallel"] = {"tp": tp, "dp": dp}
+    index.metadata["parallel"] = {"tp": tp, **({"ep": first.metadata["parallel"]["ep"]}
+                                               if "ep" in first.metadata.get("parallel", {}) else {}), "dp": dp}
     index.native = ModelParallelInfo(tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits,
                                      replicas=replicas)
     return index
@@ -276,4 +277,4 @@ def _with_tp(e0: TensorEntry, pieces: list[Piece], shape: tuple[int, ...], dim: 
     if split is not None and split.kind == "fused":
         tp_attr["fused"] = split.blocks
     return TensorEntry(e0.key, e0.dtype, tuple(shape), pieces, path=e0.path,
-                       attrs={**e0.attrs, "parallel": {"tp": tp_attr}})
+                       attrs={**e0.attrs, "parallel": {**e0.attrs.get("parallel", {}), "tp": tp_attr}})

@@ -192,9 +192,9 @@ def _expert_files(source: Source, index: CheckpointIndex, files: ZeroFiles, arch
         if layer is None:
             raise UnsupportedError(f"{source.label(files.prefix + name)}: expert files without a layer id (written "
                                    f"by DeepSpeed before 0.6) are not supported")
-        if int(mp) != 0:
-            raise UnsupportedError(f"{source.label(files.prefix + name)}: mixture-of-experts checkpoints with "
-                                   f"tensor parallelism are not supported yet")
+        if int(mp) != files.mp_rank:  # files.py sorts them by mp rank: only a changed layout gets here
+            raise FormatError(f"{source.label(files.prefix + name)}: expert file of model-parallel rank {int(mp)} "
+                              f"among those of rank {files.mp_rank}")
         found[(int(layer), int(expert))] = name
     shapes: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {}   # (prefix, local id) -> param -> shape
     for group in expert_groups:
@@ -205,7 +205,7 @@ def _expert_files(source: Source, index: CheckpointIndex, files: ZeroFiles, arch
     for layer, (prefix, count) in enumerate(layout.layers.items()):
         for expert in range(count):
             name = found.pop((layer, expert), None)
-            expected = f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+            expected = f"layer_{layer}_expert_{expert}_mp_rank_{files.mp_rank:02d}_model_states.pt"
             if name is None:
                 raise FormatError(f"{source.label(files.prefix + expected)}: expert file is missing (MoE layer "
                                   f"{layer}, {quote(prefix)}, has {count} experts)")

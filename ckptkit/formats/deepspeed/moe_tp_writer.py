@@ -1,0 +1,145 @@
+"""Write a DeepSpeed mixture-of-experts checkpoint with tensor parallelism (a Megatron-style mpu,
+`MoE(..., enable_expert_tensor_parallelism=True)`, ZeRO 1/2) at new sizes: `reshard --to
+tp=T,ep=E,dp=W` (`--to N` keeps tp and ep).
+
+DeepSpeed 0.19 lays such a checkpoint out as T MoE checkpoints side by side, one per mp rank t
+(groups._create_expert_data_and_model_parallel: inside each tp lane, dp rank d is expert-parallel
+rank d % E and expert-data-parallel rank d // E):
+  mp_rank_<t>_model_states.pt                     rank t's dense module slices, param_shapes
+                                                  (ep rank 0's local experts), mp_world_size T,
+                                                  dp_world_size W
+  layer_<L>_expert_<G>_mp_rank_<t>_model_states.pt
+                                                  rank t's slice of expert G's weights
+  [bf16_]zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
+                                                  dp rank d's partition of rank t's dense groups
+                                                  and of its expert groups (moe_writer.py's layout)
+So each new mp rank t is written as moe_writer.py writes a MoE checkpoint, from a *rank index*
+(tp_writer._Slicer: rank t's slice of every full tensor, as REF ranges of it) and templates with
+rank t's slice shapes. At the source's tp the expert files are copied byte for byte (they do not
+change with ep or dp); at a new tp each is written from rank t's slices.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any
+
+from ...context import RunContext
+from ...errors import UsageError, quote
+from ...index.parallel_spec import ParallelSizes
+from ...index.types import CheckpointIndex
+from ...runner.fetch import Fetcher
+from ...storage.commit import Output
+from ...storage.source import Source
+from ...torch_types import Size
+from ..torch_save.archive_writer import LazyTensor
+from .files import optim_file_name
+from .group_plan import StatePlanner
+from .info import ZeroInfo
+from .model_parallel import ModelParallelInfo
+from .moe import MARK
+from .moe_writer import MoeTarget, _files as moe_files
+from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tp_writer import TpTarget, _local_group, _sizes, _Slicer
+
+
+def is_moe_tp(index: CheckpointIndex) -> bool:
+    """A tensor-parallel checkpoint with experts (tp_writer alone would drop the expert files)."""
+    return isinstance(index.native, ModelParallelInfo) and "deepspeed_moe" in index.metadata
+
+
+def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
+    """(T, E, W) from `--to`, E checked against dp and every MoE layer's expert count."""
+    info: ModelParallelInfo = index.native
+    meta = index.metadata["deepspeed_moe"]
+    sizes = keep_parallel_sizes(index, to, ParallelSizes(tp=info.tp, ep=int(meta["ep_size"])),
+                                resizable=("tp", "ep"), kind="mixture-of-experts tensor-parallel")
+    if sizes.dp % sizes.ep:
+        raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel size (each "
+                         f"expert-data-parallel group holds dp/ep ranks of a tensor-parallel lane)")
+    counts = dict(meta["num_experts"])
+    odd = {prefix: n for prefix, n in counts.items() if n % sizes.ep}
+    if odd:
+        prefix, n = next(iter(odd.items()))
+        raise UsageError(f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {sizes.ep} expert-parallel "
+                         f"ranks cannot share equally (ep must divide every layer's expert count)")
+    return sizes
+
+
+def write_moe_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
+                      ctx: RunContext) -> list[str]:
+    """Reshard a MoE + TP ZeRO-1/2 checkpoint to T mp ranks of W dp ranks, E expert-parallel (module docstring)."""
+    info: ModelParallelInfo = index.native
+    sizes = target_sizes(index, to)
+    meta = index.metadata["deepspeed_moe"]
+    zinfo0: ZeroInfo = info.ranks[0]
+    zero_cfg = zero_config(index)
+    align = alignment(zero_cfg, zinfo0.dtype)
+    slicer = _Slicer(index, info, sizes.tp)
+    tag = tag_name(zinfo0.files.tag, index)
+    kept_tp = sizes.tp == info.tp
+    files: dict[str, tuple[Any, Fetcher]] = {}
+    copied: list[tuple[str, str]] = []
+    for t in range(sizes.tp):
+        rank_index = slicer.rank_index(t, sizes.dp)
+        rank_index.metadata["deepspeed_moe"] = meta
+        fetcher = Fetcher(source, index=rank_index)
+        zinfo = _rank_templates(info.ranks[t] if kept_tp else zinfo0, rank_index, align)
+        for name, structure in moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=sizes.dp), tag, zero_cfg,
+                                         StatePlanner(rank_index, fetcher)).items():
+            base = name.rsplit("/", 1)[1]
+            if base == "mp_rank_00_model_states.pt":
+                model = _module_slices(structure, rank_index)
+                files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)),
+                                                                   fetcher)
+            else:
+                d = int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])
+                files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)}"] = (structure, fetcher)
+        if kept_tp:
+            copied += [(zinfo.files.prefix + n, f"{tag}/{n}") for n in sorted(zinfo.files.expert_files)]
+        else:
+            for name, structure in _expert_files(rank_index, dict(meta["num_experts"]), t).items():
+                files[f"{tag}/{name}"] = (structure, fetcher)
+    return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo0.files.tag is not None)
+
+
+def _rank_templates(zinfo: ZeroInfo, rank_index: CheckpointIndex, align: int) -> ZeroInfo:
+    """The mp rank's templates with its new slice shapes: groups and the model file's param_shapes."""
+    groups = [_local_group(g, rank_index, align) for g in zinfo.groups]
+    first = min(zinfo.model_states)
+    m0 = zinfo.model_states[first]
+    # names of ep rank 0's local experts, whose local ids are their global ones
+    param_shapes = [OrderedDict((n, _shape_like(s, rank_index.tensors[f"model.{n}"].shape)
+                                 if f"model.{n}" in rank_index.tensors else s) for n, s in g.items())
+                    for g in m0["param_shapes"]]
+    return dataclasses.replace(zinfo, groups=groups,
+                               model_states={**zinfo.model_states, first: {**m0, "param_shapes": param_shapes}})
+
+
+def _shape_like(saved: Any, shape: tuple[int, ...]) -> Any:
+    """`shape` as the saved value's type (DeepSpeed saves a tuple or a torch.Size): the same object
+    when unchanged."""
+    if tuple(saved) == tuple(shape):
+        return saved
+    return tuple(shape) if type(saved) is tuple else Size(shape)
+
+
+def _module_slices(model: dict, rank_index: CheckpointIndex) -> dict:
+    """The model file's dense module weights: the rank's slices (the same bytes at the source's tp)."""
+    module = model.get("module")
+    if isinstance(module, dict):
+        model["module"] = type(module)((k, LazyTensor(rank_index.tensors[f"ds_module.{k}"])
+                                        if f"ds_module.{k}" in rank_index.tensors else v) for k, v in module.items())
+    return model
+
+
+def _expert_files(rank_index: CheckpointIndex, counts: dict[str, int], t: int) -> dict[str, Any]:
+    """layer_<L>_expert_<G>_mp_rank_<t>: expert G's weight slices under their global names."""
+    out: dict[str, Any] = {}
+    for layer, (prefix, count) in enumerate(counts.items()):
+        for expert in range(count):
+            head = f"ds_module.{prefix}{MARK}{expert}."
+            out[f"layer_{layer}_expert_{expert}_mp_rank_{t:02d}_model_states.pt"] = dict(  # as DeepSpeed saves it
+                (key[len("ds_module."):], LazyTensor(entry)) for key, entry in rank_index.tensors.items()
+                if key.startswith(head))
+    return out

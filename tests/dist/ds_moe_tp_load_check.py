@@ -1,0 +1,130 @@
+"""Multi-process check that DeepSpeed loads a MoE + tensor-parallel checkpoint at new tp, ep and dp.
+
+    DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node T*W \
+        tests/dist/ds_moe_tp_load_check.py --ckpt DIR --fixture NAME --tp T --ep E --result OUT.json
+
+NAME is a fixture of fixtures/generate_ds_moe_tp.py (truth: fixtures/data/ds_moe_tp/NAME.truth.pt,
+full tensors under global expert names). Every rank builds fixtures/ds_moe_tp_models.py's model at
+tp T and ep E with MPU(T), its weights then overwritten from another seed (nothing passes by
+accident), the fixture's DeepSpeed config with the batch for W = world / T, then:
+
+1. ``engine.load_checkpoint(DIR)`` with optimizer and scheduler states;
+2. on every rank, for every parameter (local experts under their global ids: local + ep rank *
+   experts per rank): ``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state`` (exp_avg,
+   exp_avg_sq) and the module weight compared bit for bit with the truth cut for this tp rank;
+   global_steps too;
+3. one more training step (finite loss, global_steps advances).
+
+Rank 0 writes {"ok", "world_size", "tp", "ep", "compared", "mismatches", "trained_step", "error"}.
+Never hangs: process-group timeout, os._exit.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "fixtures"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--fixture", required=True)
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--result", required=True)
+    args = ap.parse_args()
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import ds_moe_tp_models as m
+    import generate_ds_moe_tp as gen
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp, ep = args.tp, args.ep
+    stage, dtype = gen.FIXTURES[args.fixture][:2]
+    result: dict = {"ok": False, "world_size": world, "tp": tp, "ep": ep, "compared": 0, "mismatches": [],
+                    "trained_step": False, "error": None}
+    mismatches: list[str] = []
+    compared = 0
+    try:
+        truth = torch.load(REPO / "fixtures" / "data" / "ds_moe_tp" / f"{args.fixture}.truth.pt", weights_only=False)
+        mpu = m.MPU(tp)
+        model = m.make_model(tp, ep, mpu)
+        tp_rank, dp_rank = mpu.get_model_parallel_rank(), mpu.get_data_parallel_rank()
+        ep_rank = dp_rank % ep
+        g = torch.Generator().manual_seed(999)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        cfg = gen.ds_config(stage, dtype, world // tp)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=m.param_groups(model), config=cfg, mpu=mpu)
+        path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
+        opt = engine.optimizer
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+        def check(what: str, got, want) -> None:
+            nonlocal compared
+            compared += 1
+            got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape \
+                    or not torch.equal(got, want):
+                desc = f"{got.dtype} {list(got.shape)}" if isinstance(got, torch.Tensor) else repr(got)
+                mismatches.append(f"rank {rank} (tp {tp_rank}, ep {ep_rank}): {what}: got {desc}, want "
+                                  f"{want.dtype} {list(want.shape)}")
+
+        for pname, p in engine.module.named_parameters():
+            gname = m.global_name(pname, ep_rank, m.NUM_EXPERTS // ep) if is_moe_param(p) else pname
+
+            def cut(full):
+                return m.slice_of(full, m.split_of(pname), tp_rank, tp)
+            check(f"fp32.{gname}", safe_get_full_fp32_param(p), cut(truth[f"fp32.{gname}"]))
+            for key in ("exp_avg", "exp_avg_sq"):
+                check(f"{key}.{gname}", safe_get_full_optimizer_state(p, key), cut(truth[f"{key}.{gname}"]))
+            check(f"module.{gname}", p.data.clone(), cut(truth[f"module.{gname}"]))
+        if int(engine.global_steps) != int(truth["global_steps"]):
+            mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
+        before = int(engine.global_steps)
+        loss = m.loss_of(engine, m.make_batch(dp_rank))
+        engine.backward(loss)
+        engine.step()
+        trained = math.isfinite(float(loss.detach())) and int(engine.global_steps) == before + 1
+        mine = (compared, mismatches, trained)
+    except Exception as exc:
+        result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        Path(args.result).write_text(json.dumps(result, indent=1))
+        sys.stdout.flush()
+        os._exit(3)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        result["compared"] = sum(c for c, _, _ in gathered)
+        result["mismatches"] = [x for _, ms, _ in gathered for x in ms][:50]
+        result["trained_step"] = all(t for _, _, t in gathered)
+        result["ok"] = not result["mismatches"] and result["trained_step"] and result["compared"] > 0
+        Path(args.result).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

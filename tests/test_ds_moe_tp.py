@@ -1,0 +1,202 @@
+"""DeepSpeed mixture of experts with tensor parallelism (Megatron-style mpu, deepspeed.moe.layer.MoE
+with enable_expert_tensor_parallelism, tp=2 ep=2 world 4, ZeRO 2 fp32 and ZeRO 1 bf16):
+fixtures/generate_ds_moe_tp.py, truth from safe_get_full_fp32_param / safe_get_full_optimizer_state
+on every rank, assembled over tp.
+
+Read (moe.py per mp rank, joined by model_parallel.py) and consolidated bit for bit; `inspect` shows
+each tensor's tp and ep split; reshard (moe_tp_writer.py) to new tp, ep and dp reads back equal,
+and at the same sizes is DeepSpeed's own files object for object. One DeepSpeed launch
+(tests/dist/ds_moe_tp_load_check.py) loads a reshard at tp=4,ep=1,dp=1, compares every master,
+moment and module weight with the truth cut for its rank, and trains a step.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ckptkit.ops.consolidate import consolidate
+from ckptkit.ops.reshard import reshard
+from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
+from ds_helpers import needs_deepspeed
+
+MT_DATA = DATA / "ds_moe_tp"
+FIXTURES = sorted(p.name for p in MT_DATA.iterdir() if p.is_dir()) if MT_DATA.is_dir() else []
+pytestmark = pytest.mark.skipif(not FIXTURES, reason="no MoE + TP fixtures (run fixtures/generate_ds_moe_tp.py)")
+EXPERTS = "layers.0.mlp.deepspeed_moe.experts.deepspeed_experts."
+
+
+def _truth(name):
+    return torch.load(MT_DATA / f"{name}.truth.pt", weights_only=True)
+
+
+def _params(truth) -> list[str]:
+    return [k[len("fp32."):] for k in truth if k.startswith("fp32.")]
+
+
+def _cli(*args):
+    from ckptkit_cli.main import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _equal_to_truth(tensors: dict, truth: dict) -> int:
+    compared = 0
+    for p in _params(truth):
+        assert_tensor_equal(tensors[f"model.{p}"], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+        assert_tensor_equal(tensors[f"ds_module.{p}"], truth[f"module.{p}"], f"module {p}")
+        compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_reader_equals_deepspeed_truth_with_tp_and_ep_marked(name):
+    truth = _truth(name)
+    opened, tensors, objects = read_all(MT_DATA / name)
+    index = opened.index
+    assert _equal_to_truth(tensors, truth) == 28 == len([k for k in index.tensors if k.startswith("model.")])
+    assert sum(1 for p in _params(truth) if EXPERTS in p) == 4 * 4   # 4 experts, 4 params each, global ids
+    assert index.metadata["parallel"] == {"tp": 2, "ep": 2, "dp": 2}
+    assert index.metadata["deepspeed_moe"]["ep_size"] == 2
+    for e in range(4):
+        entry = index.tensors[f"model.{EXPERTS}{e}.dense_4h_to_h.weight"]
+        assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}, "tp": {"dim": 1, "size": 2}}
+    gate = index.tensors["model.layers.0.mlp.deepspeed_moe.gate.wg.weight"]
+    assert gate.attrs["parallel"] == {"tp": {"dim": None, "size": 2}}   # the router: replicated
+    assert objects["ds.global_steps"] == truth["global_steps"] == 2
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_consolidate_with_optimizer_bit_exact(tmp_path, name):
+    truth = _truth(name)
+    consolidate(str(MT_DATA / name), str(tmp_path / "out"), include_optimizer=True)
+    model = load_file(str(tmp_path / "out" / "model.safetensors"))
+    optim = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
+    assert set(model) == set(_params(truth))
+    for p in _params(truth):
+        assert_tensor_equal(model[p], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(optim[f"state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+
+
+def test_inspect_shows_the_tp_and_ep_splits():
+    res = _cli("inspect", MT_DATA / FIXTURES[0])
+    assert res.exit_code == 0, res.output
+    assert "tp 2 x ep 2 x dp 2" in res.output
+    assert "tp dim 1/2, ep rank 1/2" in res.output and "tp fused(3) dim 0/2" in res.output
+
+
+# (fixture, --to, (tp, ep, dp)): tp merged away / grown, ep merged / split, dp grown; a world size
+COMBOS = [
+    ("moetp_z2_fp32_tp2_ep2_w4", "tp=1,ep=2,dp=4", (1, 2, 4)),
+    ("moetp_z2_fp32_tp2_ep2_w4", "tp=4,ep=1,dp=1", (4, 1, 1)),
+    ("moetp_z2_fp32_tp2_ep2_w4", "tp=2,ep=4,dp=4", (2, 4, 4)),
+    ("moetp_z2_fp32_tp2_ep2_w4", "8", (2, 2, 4)),
+    ("moetp_z1_bf16_tp2_ep2_w4", "tp=1,ep=4,dp=4", (1, 4, 4)),
+    ("moetp_z1_bf16_tp2_ep2_w4", "tp=2,ep=1,dp=3", (2, 1, 3)),
+]
+
+
+@pytest.mark.parametrize("name,to,sizes", [c for c in COMBOS if c[0] in FIXTURES])
+def test_reshard_reads_back_equal_to_the_truth(tmp_path, name, to, sizes):
+    tp, ep, dp = sizes
+    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", to)
+    assert res.exit_code == 0, res.output
+    opened, tensors, objects = read_all(tmp_path / "out")
+    _equal_to_truth(tensors, _truth(name))
+    assert opened.index.metadata["parallel"] == ({"tp": tp} if tp > 1 else {}) | {"ep": ep, "dp": dp}
+    assert objects["ds.mp_world_size"] == tp and objects["ds.dp_world_size"] == dp
+    prefix = "bf16_" if "bf16" in name else ""
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
+        + [f"layer_0_expert_{e}_mp_rank_{t:02d}_model_states.pt" for t in range(tp) for e in range(4)]
+        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
+
+
+def _same(a, b, where: str) -> None:
+    """Two unpickled DeepSpeed structures equal object for object (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert_tensor_equal(b, a, where)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif type(a).__name__ == "fragment_address":
+        assert type(b).__name__ == "fragment_address" and (a.numel, a.start) == (b.numel, b.start), where
+    else:
+        assert type(a) is type(b) and repr(a) == repr(b), where
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("name", FIXTURES)
+def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
+    """tp, ep and dp unchanged: every file equals what DeepSpeed saved."""
+    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", "tp=2,ep=2,dp=2")
+    assert res.exit_code == 0, res.output
+    src = MT_DATA / name / "global_step2"
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
+        sorted(p.name for p in src.iterdir())
+    for f in sorted(src.iterdir()):
+        # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): our fixtures and our output
+        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
+                                                            weights_only=False), f.name)
+
+
+def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
+    """tp 2 -> 4 -> 2 and ep 2 -> 1 -> 2: the files equal the same-size rewrite byte for byte."""
+    name = "moetp_z2_fp32_tp2_ep2_w4"
+    reshard(str(MT_DATA / name), str(tmp_path / "a"), "tp=2,ep=2,dp=2")
+    reshard(str(MT_DATA / name), str(tmp_path / "b"), "tp=4,ep=1,dp=1")
+    reshard(str(tmp_path / "b"), str(tmp_path / "c"), "tp=2,ep=2,dp=2")
+    for f in sorted((tmp_path / "a" / "global_step2").iterdir()):
+        if "expert" in f.name:   # copied from the source in a, written from slices in c: same tensors
+            _same(torch.load(f, weights_only=True), torch.load(tmp_path / "c" / "global_step2" / f.name,
+                                                               weights_only=True), f.name)
+            continue
+        assert (tmp_path / "c" / "global_step2" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.parametrize("to,needles", [
+    ("tp=2,ep=3,dp=3", ("has 4 experts", "3 expert-parallel")),
+    ("tp=2,ep=4,dp=2", ("must divide the data-parallel size",)),
+    ("tp=2,pp=2,ep=2,dp=2", ("pipeline parallelism",)),
+    ("6", ("does not divide 6 ranks",)),
+])
+def test_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, to, needles):
+    res = _cli("reshard", MT_DATA / FIXTURES[0], tmp_path / "out", "--to", to)
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    for n in needles:
+        assert n in res.output, res.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_loads_the_resharded_moe_tp_checkpoint_and_trains(tmp_path):
+    """tp 2 -> 4 and ep 2 -> 1 (dp 1): DeepSpeed's mpu model at tp 4 loads it, equal bit for bit, and trains."""
+    name = "moetp_z2_fp32_tp2_ep2_w4"
+    out = tmp_path / "out"
+    reshard(str(MT_DATA / name), str(out), "tp=4,ep=1,dp=1")
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "ds_moe_tp_load_check.py"), "--ckpt", str(out),
+                             "--fixture", name, "--tp", "4", "--ep", "1", "--result", str(result)]
+    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                          timeout=600)
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
+    # 28 parameters (all 4 experts local at ep 1), each master, 2 moments, module weight, on 4 ranks
+    assert r["world_size"] == 4 and r["tp"] == 4 and r["trained_step"] and r["compared"] == 4 * 28 * 4
