@@ -47,6 +47,42 @@ def _recorded(key: str, value) -> Callable[[Path], None]:
     return craft
 
 
+def _remove(*names: str) -> Callable[[Path], None]:
+    def craft(folder: Path) -> None:
+        for name in names:
+            (folder / TAG / name).unlink()
+    return craft
+
+
+def _copy_as(name: str, as_name: str) -> Callable[[Path], None]:
+    def craft(folder: Path) -> None:
+        shutil.copyfile(folder / TAG / name, folder / TAG / as_name)
+    return craft
+
+
+def _both_mp(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    """`change` on mp ranks 00 and 01's copy of the file `name` ({mp} for the rank)."""
+    def craft(folder: Path) -> None:
+        for mp in ("00", "01"):
+            _edit(folder, name.format(mp=mp), change)
+    return craft
+
+
+def _expert_group_named(value: str) -> Callable[[dict], None]:
+    def change(obj: dict) -> None:
+        for group in obj["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]:
+            if group.get("moe"):
+                group["name"] = value
+    return change
+
+
+def _expert_weight_shape(obj: dict) -> None:
+    key = next(k for k in obj if k.endswith("dense_h_to_4h.weight"))
+    obj[key] = obj[key][:4].clone()
+
+
+MOE_TP = "ds_moe_tp/moetp_z2_fp32_tp2_ep2_w4"
+EXPERT_1 = "layer_0_expert_3_mp_rank_01_model_states.pt"
 Q_PROJ = r"^model\.layers\.0\.self_attn\.q_proj\.weight$"
 AUTOTP = "ds_tp/autotp_z2_fp32"
 UC = "universal_checkpoint_info"
@@ -87,6 +123,23 @@ CASES = [
      ["inspect", "SRC"], ["mp_rank_00_model_states.pt", "parameter_with_sub_params[0]: patterns[0]"]),
     ("uc-unsupported-not-a-regex", AUTOTP, _recorded("autotp_unsupported_parameter_patterns", {"(": "x"}),
      ["reshard", "SRC", "OUT", "--to", "tp=1,dp=2"], ["mp_rank_00_model_states.pt", "autotp_unsupported_parameter_patterns"]),
+    # MoE with tensor parallelism: an mp rank's expert files lost, stray ones, sizes that lie
+    ("moetp-expert-file-missing-on-mp-1", MOE_TP, _remove(EXPERT_1), ["consolidate", "SRC", "OUT"],
+     [EXPERT_1, "expert file is missing", "4 experts"]),
+    ("moetp-expert-file-missing-reshard", MOE_TP, _remove(EXPERT_1), ["reshard", "SRC", "OUT", "--to", "tp=1,ep=2,dp=4"],
+     [EXPERT_1, "expert file is missing"]),
+    ("moetp-no-expert-files-on-mp-1", MOE_TP, _remove(*[f"layer_0_expert_{e}_mp_rank_01_model_states.pt" for e in range(4)]),
+     ["inspect", "SRC"], ["model-parallel rank(s) [1] have no expert files", "mp_rank_01"]),
+    ("moetp-stray-expert-of-mp-2", MOE_TP, _copy_as(EXPERT_1, "layer_0_expert_3_mp_rank_02_model_states.pt"),
+     ["consolidate", "SRC", "OUT"], ["layer_0_expert_3_mp_rank_02_model_states.pt", "model-parallel rank 2",
+                                     "rank(s) [0, 1] only"]),
+    ("moetp-says-tp-4", MOE_TP, _both_mp("mp_rank_{mp}_model_states.pt", _tp_degree(4)),
+     ["reshard", "SRC", "OUT", "--to", "tp=1,ep=2,dp=4"], ["mp_rank_00_model_states.pt", "tp_degree", "2 mp ranks"]),
+    ("moetp-says-ep-4", MOE_TP, _both_mp("zero_pp_rank_0_mp_rank_{mp}_optim_states.pt", _expert_group_named("ep_size_4")),
+     ["consolidate", "SRC", "OUT"], ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "expert-parallel size 4",
+                                     "2 ranks"]),
+    ("moetp-expert-slice-shape-lies", MOE_TP, lambda f: _edit(f, EXPERT_1, _expert_weight_shape),
+     ["consolidate", "SRC", "OUT"], [EXPERT_1, "dense_h_to_4h.weight", "[4, 8]", "[8, 8]"]),
 ]
 
 
