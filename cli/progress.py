@@ -48,6 +48,11 @@ class _Bar:
         if self._bar is not None:
             self._bar.update(n)
 
+    def retotal(self, total: int) -> None:
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -76,12 +81,18 @@ class _Lines:
             self._write(f"{self._desc}: {human_bytes(self._done)} of {human_bytes(self._total)}{pct}, "
                         f"{rate_text(self._done, now - self._t0)}")
 
+    def retotal(self, total: int) -> None:
+        self._total = total
+
     def close(self) -> None:
         pass
 
 
 class _Off:
     def start(self, total: int, desc: str) -> None:
+        pass
+
+    def retotal(self, total: int) -> None:
         pass
 
     def advance(self, n: int) -> None:
@@ -106,13 +117,22 @@ class CliProgress:
         self._shown = inner
         self._lock = threading.Lock()  # executors advance from worker threads
         self.t0 = time.monotonic()
-        self.total = 0   # bytes declared by every start()
+        self.total = 0   # bytes declared by every start() (as retotal corrected them)
         self.done = 0
+        self._phase = 0  # the total of the phase begun by the last start()
 
     def start(self, total: int, desc: str) -> None:
         with self._lock:
             self.total += total
+            self._phase = total
             self._shown.start(total, desc)
+
+    def retotal(self, total: int) -> None:
+        """The current phase moves `total` bytes (ckptkit.progress.retotal)."""
+        with self._lock:
+            self.total += total - self._phase
+            self._phase = total
+            self._shown.retotal(total)
 
     def advance(self, n: int) -> None:
         with self._lock:

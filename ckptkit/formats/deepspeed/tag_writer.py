@@ -15,6 +15,7 @@ from ...context import RunContext
 from ...errors import UnsupportedError, UsageError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
+from ...progress import Progress, retotal
 from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
@@ -104,18 +105,23 @@ def tag_name(tag: str | None, index: CheckpointIndex) -> str:
     return tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
 
 
-def structure_bytes(value: Any) -> int:
-    """Tensor bytes a file structure will hold (how a distributed run balances files)."""
+def structure_bytes(value: Any, seen: set[int] | None = None) -> int:
+    """Tensor bytes a file structure will hold, each entry once as the archive writer stores it
+    (how a distributed run balances files, and the progress total: what the writer advances)."""
+    seen = set() if seen is None else seen
     if isinstance(value, LazyTensor):
+        if id(value.entry) in seen:
+            return 0
+        seen.add(id(value.entry))
         return value.entry.nbytes
     if isinstance(value, dict):
-        return sum(structure_bytes(v) for v in value.values())
+        return sum(structure_bytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(structure_bytes(v) for v in value)
+        return sum(structure_bytes(v, seen) for v in value)
     return 0
 
 
-def copy_file(source: Source, out: Output, rel: str, new: str) -> None:
+def copy_file(source: Source, out: Output, rel: str, new: str, progress: Progress | None = None) -> None:
     """A file that does not change with the sizes, streamed byte for byte."""
     size = source.size(rel)
     with out.open(new) as f:
@@ -124,6 +130,8 @@ def copy_file(source: Source, out: Output, rel: str, new: str) -> None:
             n = min(COPY_BLOCK, size - pos)
             f.write(source.read(rel, pos, n))
             pos += n
+            if progress is not None:
+                progress.advance(n)
 
 
 def write_tag(out: Output, source: Source, tag: str, structures: dict[str, tuple[Any, Fetcher]], ctx: RunContext, *,
@@ -137,8 +145,13 @@ def write_tag(out: Output, source: Source, tag: str, structures: dict[str, tuple
     jobs: list = [(lambda n=n, s=s, f=f: write_archive(out, n, s, f, slab_bytes=ctx.slab_bytes,
                                                        progress=ctx.progress))
                   for n, (s, f) in structures.items()]
-    jobs += [(lambda a=a, b=b: copy_file(source, out, a, b)) for a, b in copies]
+    jobs += [(lambda a=a, b=b: copy_file(source, out, a, b, ctx.progress)) for a, b in copies]
     weights = [structure_bytes(s) for s, _ in structures.values()] + [source.size(a) for a, _ in copies]
+    # the progress total: what this process writes (each rank's partitions with padding, tensors on
+    # every rank, copied files), not the source's bytes the operation started with
+    group = out.group
+    mine = group.assign(list(weights)) if group is not None and group.distributed else range(len(weights))
+    retotal(ctx.progress, sum(weights[i] for i in mine))
     run_jobs(jobs, ctx.workers, group=out.group, weights=weights)
     out.write_bytes("latest", tag.encode())
     return ["latest", *structures, *(b for _, b in copies)]
