@@ -158,6 +158,44 @@ def test_async_checkpointer_in_one_process(tmp_path):
     _assert_same(_flat(fresh, fresh_optim), before)
 
 
+def test_rank_0s_outcome_reaches_every_rank_in_one_broadcast(tmp_path):
+    """The Checkpointer's rank-0 decisions (_on_root) send one broadcast: a result and a refusal
+    arrive as themselves; a failure is raised on rank 0 and as a PeerError naming it elsewhere,
+    and a failed group runs no further collective."""
+    from ckptkit.errors import OutputError
+    from ckptkit.runner.distributed import Group, PeerError
+
+    sent: list = []
+
+    class Root(Group):
+        def share(self, obj):
+            sent.append(obj)
+            return obj
+
+    class Peer(Group):
+        def share(self, obj):
+            assert obj == (None, None, None)  # the other ranks send nothing of their own
+            return sent[-1]
+
+    ck = ckptkit.Checkpointer(str(tmp_path / "run"))
+    root, peer = Root(rank=0, world=2), Peer(rank=1, world=2)
+    ran_on_peer = lambda: pytest.fail("only rank 0 runs the decision")  # noqa: E731
+    assert ck._on_root(lambda: 42, root) == 42 and ck._on_root(ran_on_peer, peer) == 42
+    with pytest.raises(OutputError, match="already"):
+        ck._on_root(lambda: (_ for _ in ()).throw(OutputError("step 3 is already saved")), root)
+    with pytest.raises(OutputError, match="already"):
+        ck._on_root(ran_on_peer, peer)
+    assert root.failed is None and peer.failed is None  # a refusal leaves the group usable
+    with pytest.raises(ZeroDivisionError):
+        ck._on_root(lambda: 1 / 0, root)
+    with pytest.raises(PeerError, match="rank 0 failed: ZeroDivisionError"):
+        ck._on_root(ran_on_peer, peer)
+    shared = len(sent)
+    with pytest.raises(ZeroDivisionError):  # the group failed: no collective runs again
+        ck._on_root(lambda: 1, root)
+    assert len(sent) == shared
+
+
 def test_checkpointer_refuses_bad_arguments(tmp_path):
     with pytest.raises(UsageError):
         ckptkit.Checkpointer(str(tmp_path), keep=0)

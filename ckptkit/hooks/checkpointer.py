@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CkptkitError, FormatError, OutputError, UsageError
-from ..runner.distributed import Group, group_of
+from ..runner.distributed import Group, PeerError, group_of
 from ..storage.output import open_output
 from ..storage.source import is_url
 from ..storage.rename_output import recover
@@ -113,7 +113,9 @@ class Checkpointer:
     def _on_root(self, fn: Callable[[], Any], group: Group | None = None) -> Any:
         """`fn()` decided by rank 0 (the directory is shared), its result or its error on every rank.
         A CkptkitError (a refusal: step already saved, no such step...) is raised as itself on every
-        rank at the same call, and the Checkpointer stays usable; anything else fails the group."""
+        rank at the same call, and the Checkpointer stays usable; anything else fails the group.
+        Only rank 0 runs anything, so one broadcast of its outcome is all the ranks need to hear
+        (what group.check and group.share would tell them, in half the collectives)."""
         group = group or self._group
         result, refusal, error = None, None, None
         if group.is_root:
@@ -123,8 +125,21 @@ class Checkpointer:
                 refusal = exc
             except BaseException as exc:  # every rank must hear of it
                 error = exc
-        group.check(error)
-        result, refusal = group.share((result, refusal))
+        if not group.distributed:
+            if error is not None:
+                raise error
+        else:
+            if group.failed is not None:  # as group.check: after a failure no collective runs again
+                raise error if error is not None else group.failed
+            report = None if error is None else (type(error).__name__, str(error), isinstance(error, CkptkitError))
+            result, refusal, report = group.share((result, refusal, report))
+            if error is not None:
+                group.failed = error
+                raise error
+            if report is not None:
+                kind, message, ours = report
+                group.failed = PeerError(message if ours else f"rank 0 failed: {kind}: {message}")
+                raise group.failed
         if refusal is not None:
             raise refusal
         return result
@@ -284,8 +299,7 @@ class Checkpointer:
         self.wait()
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise UsageError(f"step must be a non-negative int (got {step!r})")
-        self._sweep()
-        found, skipped = self._on_root(lambda: self._choose(step))
+        found, skipped = self._on_root(lambda: self._sweep_and_choose(step))
         if skipped and self._group.is_root:
             _warn_skipped(self.directory, found, skipped)
         if found is None:
@@ -414,12 +428,14 @@ class Checkpointer:
                 if self._group.is_root:
                     shutil.rmtree(scratch, ignore_errors=True)
 
-    def _sweep(self) -> None:
-        """Rank 0 cleans up after saves that were killed: for every step with leftovers (hidden
-        temporaries, aside copies of a replaced step, locks) the output's own `recover` takes the
-        step's lock when no live run holds it, removes the dead runs' leftovers, puts an aside
-        copy back when a kill came between the two renames of an overwrite, and lets go."""
-        self._on_root(self._sweep_here)
+    def _sweep_and_choose(self, step: int | None) -> tuple[Folder | None, list[Folder]]:
+        """Rank 0 (one collective for both) cleans up after saves that were killed, then chooses
+        the folder to restore. The sweep: for every step with leftovers (hidden temporaries, aside
+        copies of a replaced step, locks) the output's own `recover` takes the step's lock when no
+        live run holds it, removes the dead runs' leftovers, puts an aside copy back when a kill
+        came between the two renames of an overwrite, and lets go."""
+        self._sweep_here()
+        return self._choose(step)
 
     def _sweep_here(self) -> None:
         try:
