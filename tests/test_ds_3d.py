@@ -241,6 +241,22 @@ def test_reshard_reads_back_as_the_truth(tmp_path, name, to):
     assert objects["ds.global_steps"] == 2
 
 
+def test_reshard_with_a_type_partition_method(tmp_path):
+    """--partition-method type:REGEX with --layer-types (EmbedTP, LayerTP x2, FinalNorm, HeadTP, as
+    fixtures/generate_ds_3d.py builds them): "layertp|norm" gives the source's [0, 3, 5] at pp 2 and
+    [0, 2, 3, 5] at pp 3 (DeepSpeed's partition_balanced over [0, 1, 1, 1, 0]); read back equal."""
+    name = "pp2_tp2_dp1_z1_fp32"
+    res = run_cli("reshard", D3 / name, tmp_path / "out", "--to", "tp=2,pp=3,dp=1", "--partition-method",
+                  "type:layertp|norm", "--layer-types", "EmbedTP,LayerTP*2,FinalNorm,HeadTP")
+    assert res.code == 0, res.output
+    back, tensors, _ = read_all(tmp_path / "out")
+    assert back.index.metadata["deepspeed"]["pipeline"]["layers"] == {"0": 0, "1": 0, "2": 1, "3": 2, "4": 2}
+    _, want, _ = read_all(D3 / name)
+    assert sorted(tensors) == sorted(want)
+    for key in want:
+        assert_tensor_equal(tensors[key], want[key], key)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
 def test_deepspeed_loads_the_3d_reshard_and_trains(tmp_path):
