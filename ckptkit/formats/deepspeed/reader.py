@@ -31,7 +31,7 @@ from ...storage.source import Source
 from ...runner.torch_archive import Archive, load_structure, open_archive
 from ..torch_save.reader import materialize
 from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
-from . import model_parallel, moe, partition, standins
+from . import model_parallel, moe, moe_pipeline, partition, standins
 from .entries import entry, shape_of, tensor_of
 from .files import ZeroFiles, locate, optim_file_name
 from .flat_groups import RankFiles, read_flat_groups
@@ -53,6 +53,8 @@ def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None 
     files = locate(source, tag)
     if files.model_parallel:
         subs = {mp: _read_one(source, mp_files) for mp, mp_files in sorted(files.model_parallel.items())}
+        if moe_pipeline.recorded_pp(subs[0]) is not None:  # MoE in a PipelineModule: mp rank = stage
+            return moe_pipeline.join(source, files, subs)
         rules = tp_rules if tp_rules is not None else load_rules(chosen_rules_file())
         return model_parallel.assemble(source, files, subs, rules)
     return _read_one(source, files)

@@ -1,0 +1,105 @@
+"""A mixture-of-experts model inside a DeepSpeed PipelineModule (ZeRO 1/2), read as one model.
+
+DeepSpeed 0.19 saves such a pipeline the MoE way, not the pipeline way (the engine's
+_save_moe_checkpoint; fixtures/generate_ds_pp_moe.py): no `layer_XX-model_states.pt` files, but
+per stage s an ordinary MoE checkpoint under model-parallel rank s:
+  mp_rank_<s>_model_states.pt         stage s's module (PipelineModule names `<layer>.<param>`),
+                                      checkpoint_parallel_dimensions {pp_degree P, tp_degree 1}
+  layer_<L>_expert_<G>_mp_rank_<s>_model_states.pt
+                                      stage s's MoE layer L (counted per stage), expert G
+  zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt
+So each stage is read as a MoE checkpoint (moe.py) and the stages are joined by name: their
+parameter names are disjoint (the global layer index leads each), every tensor gets
+attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". Writing one is not supported yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import FormatError, UnsupportedError, quote
+from ...index.types import CheckpointIndex, ObjectEntry, TensorEntry
+from ...storage.source import Source
+from .files import ZeroFiles
+
+NOT_RESHARDABLE = "resharding a mixture-of-experts PipelineModule checkpoint is not supported yet"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineMoeInfo:
+    """index.native of a MoE pipeline: each stage's own ZeroInfo."""
+
+    pp: int
+    dp: int
+    ranks: dict[int, Any] = field(default_factory=dict)   # stage -> ZeroInfo
+
+
+def recorded_pp(sub: CheckpointIndex) -> tuple[int, int] | None:
+    """(pp_degree, tp_degree) the model-states file records, None when it records no pipeline."""
+    obj = sub.objects.get("ds.checkpoint_parallel_dimensions")
+    dims = obj.data if obj is not None else None
+    if not isinstance(dims, dict):
+        return None
+    pp, tp = dims.get("pp_degree"), dims.get("tp_degree", 1)
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp <= 1:
+        return None
+    return pp, tp if isinstance(tp, int) and not isinstance(tp, bool) else 1
+
+
+def is_pipeline_moe(index: CheckpointIndex) -> bool:
+    return isinstance(index.native, PipelineMoeInfo)
+
+
+def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> CheckpointIndex:
+    """One index of the stages' MoE checkpoints (mp rank = stage)."""
+    label = source.label(files.prefix + files.model_files[min(files.model_files)])
+    pp, tp = recorded_pp(subs[0]) or (0, 1)
+    if tp != 1:
+        raise UnsupportedError(f"{label}: a mixture-of-experts PipelineModule with tensor parallelism (pp_degree "
+                               f"{pp}, tp_degree {tp}) is not supported yet")
+    if pp != len(subs):
+        raise FormatError(f"{label}: checkpoint_parallel_dimensions.pp_degree says {pp} pipeline stages, but the "
+                          f"tag folder has model-states files of {len(subs)} (mp_rank_00..mp_rank_{len(subs) - 1:02d})")
+    for stage, sub in subs.items():
+        if "deepspeed_moe" not in sub.metadata:
+            name = files.model_parallel[stage].model_files[min(files.model_parallel[stage].model_files)]
+            raise FormatError(f"{source.label(files.prefix + name)}: pipeline stage {stage} of a mixture-of-experts "
+                              f"PipelineModule checkpoint has no expert files (DeepSpeed saves a pipeline without "
+                              f"MoE layers as layer_XX-model_states.pt files)")
+    first = subs[0]
+    dp = int(first.metadata.get("deepspeed", {}).get("world_size") or 1)
+    index = CheckpointIndex(format=first.format, root=first.root, world_size=pp * dp)
+    counts: dict[str, int] = {}
+    for stage, sub in subs.items():
+        index.files.update(sub.files)
+        index.checks.extend(sub.checks)
+        for key, entry in sub.tensors.items():
+            if key in index.tensors:
+                raise FormatError(f"{label}: {quote(key)} is on pipeline stages {_stage_of(index, key)} and {stage}; "
+                                  f"PipelineModule names are unique across stages")
+            index.add_tensor(TensorEntry(entry.key, entry.dtype, entry.shape, list(entry.pieces), path=entry.path,
+                                         attrs={**entry.attrs, "parallel": {**entry.attrs.get("parallel", {}),
+                                                                            "pp": {"stage": stage, "size": pp}}}))
+        counts.update(sub.metadata["deepspeed_moe"]["num_experts"])
+    for key, obj in first.objects.items():
+        if key.startswith("optim.param_groups.") and key.endswith(".params"):
+            joined = [n for sub in subs.values() for n in (sub.objects[key].data if key in sub.objects else [])]
+            obj = ObjectEntry(obj.key, joined, path=obj.path)
+        index.add_object(obj)
+    index.step = first.step
+    index.metadata.update({k: v for k, v in first.metadata.items()})
+    moe = first.metadata["deepspeed_moe"]
+    index.metadata["deepspeed_moe"] = {**moe, "num_experts": counts}
+    index.metadata["parallel"] = {"pp": pp, "ep": moe["ep_size"], "dp": dp}
+    index.native = PipelineMoeInfo(pp=pp, dp=dp, ranks={s: sub.native for s, sub in subs.items()})
+    return index
+
+
+def _stage_of(index: CheckpointIndex, key: str) -> int:
+    return index.tensors[key].attrs["parallel"]["pp"]["stage"]
+
+
+def refuse_reshard(index: CheckpointIndex) -> None:
+    if is_pipeline_moe(index):
+        raise UnsupportedError(f"{index.root}: {NOT_RESHARDABLE} ({index.native.pp} pipeline stages); consolidate "
+                               f"it or convert it to torch, safetensors or DCP instead")
