@@ -118,7 +118,7 @@ def _fill(target: torch.Tensor, entry: TensorEntry | None, key: str, fetcher: An
     if local.numel() == 0:
         return
     with torch.no_grad():
-        if local.dtype == torch_dtype(entry.dtype) and local.is_contiguous():
+        if local.device.type == "cpu" and local.dtype == torch_dtype(entry.dtype) and local.is_contiguous():
             fetcher.fetch(entry, box, out=local.detach())  # read straight into the shard: no buffer, no copy
             return
         buf = fetcher.fetch(entry, box)  # in the checkpoint's dtype; copy_ casts (as dcp.load does)

@@ -96,9 +96,9 @@ def test_load_reads_a_zero_checkpoint_into_a_torch_model():
 
 
 def test_load_fills_in_place_whatever_the_target_dtype_and_layout(tmp_path):
-    """A contiguous tensor of the saved dtype is read straight into its storage (a Parameter that
-    requires grad too); another dtype is cast and a non-contiguous view is filled through a copy,
-    each equal to what was saved and written through to the tensor the caller holds."""
+    """A contiguous CPU tensor of the saved dtype is read straight into its storage (a Parameter
+    that requires grad too); another dtype is cast and a non-contiguous view is filled through a
+    copy, each equal to what was saved and written through to the tensor the caller holds."""
     saved = {"w": torch.randn(6, 4), "b": torch.randn(5), "t": torch.randn(4, 6)}
     ckptkit.save(saved, str(tmp_path / "c"))
     param = torch.nn.Parameter(torch.zeros(6, 4))
@@ -111,6 +111,9 @@ def test_load_fills_in_place_whatever_the_target_dtype_and_layout(tmp_path):
     assert_tensor_equal(half, saved["b"].to(torch.bfloat16), "b")
     assert_tensor_equal(base.t(), saved["t"], "t")
     assert param.requires_grad
+    # a target off the CPU (a GPU shard; here the meta device stands in) is filled by copy_, never
+    # read into as host memory
+    ckptkit.load({"w": torch.empty(6, 4, device="meta")}, str(tmp_path / "c"))
 
 
 def test_load_names_missing_keys_and_shape_mismatches(tmp_path):
