@@ -12,7 +12,9 @@ ranks), shards it with FSDP2 (fully_shard) and takes one AdamW step. Then, in th
   restore   Checkpointer.restore                  vs  get_state_dict + dcp.load + set_state_dict
   save      ckptkit.save                          vs  dcp.save       (state of get_state_dict)
   load      ckptkit.load                          vs  dcp.load       (into the same state dict)
-Times are the slowest rank's (a barrier before each call; each rank times its own call). The page
+One Checkpointer serves the whole run, as in training (its background process group is made once;
+keep is high enough that retention deletes nothing inside a timed save; restore takes the step just
+saved). Times are the slowest rank's (a barrier before each call; each rank times its own call). The page
 cache is dropped before every restore and load when run as root. After every restore and load the
 model and optimizer state (each rank's shards) must equal what was saved bit for bit (torch.equal),
 for both tools; the state is scrambled before each so a load that does nothing cannot pass. A
@@ -147,16 +149,17 @@ def worker(args: argparse.Namespace) -> None:
         fn()
         return slowest(time.perf_counter() - t0)
 
-    _warm_up(os.path.join(args.work, "warm"))
+    # one Checkpointer for the whole run, as in training (its background group is made once);
+    # keep: every step stays, so retention deletes nothing inside a timed save
+    ckpt = ckptkit.Checkpointer(os.path.join(args.work, "ck"), keep=args.repeat + 1, async_save=True)
+    _warm_up(os.path.join(args.work, "warm"), ckpt)
     times: dict[str, dict[str, list[float]]] = {op: {"ckptkit": [], "torch": []} for op, _, _ in OPS}
     equal_ok = {"ckptkit restore": True, "torch restore": True, "ckptkit.load": True, "dcp.load": True}
 
     def ck_round(i: int) -> None:
-        folder = os.path.join(args.work, f"ck_{i}")
-        ckpt = ckptkit.Checkpointer(folder, keep=1, async_save=True)
         dist.barrier()
         t0 = time.perf_counter()
-        ckpt.save(1, model, optim)
+        ckpt.save(i + 1, model, optim)
         blocked = time.perf_counter() - t0
         ckpt.wait()
         durable = time.perf_counter() - t0
@@ -164,8 +167,7 @@ def worker(args: argparse.Namespace) -> None:
         times[OPS[1][0]]["ckptkit"].append(slowest(durable))
         scramble()
         drop()
-        reader = ckptkit.Checkpointer(folder, keep=1)
-        times["restore"]["ckptkit"].append(timed(lambda: reader.restore(model, optim)))
+        times["restore"]["ckptkit"].append(timed(lambda: ckpt.restore(model, optim)))  # the newest: step i + 1
         equal_ok["ckptkit restore"] &= equal()
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd}
@@ -261,8 +263,9 @@ def _tensors(obj) -> list:
     return out
 
 
-def _warm_up(folder: str) -> None:
-    """One small untimed save and load with each tool: imports and first-call setup are paid here."""
+def _warm_up(folder: str, ckpt) -> None:
+    """One small untimed save and load with each tool: imports and first-call setup are paid here
+    (`ckpt`, the run's Checkpointer, saves a small model as step 0)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -272,8 +275,7 @@ def _warm_up(folder: str) -> None:
     model, optim = _build(2, 64)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
-    ckpt = ckptkit.Checkpointer(os.path.join(folder, "ck"), async_save=True)
-    ckpt.save(1, model, optim)
+    ckpt.save(0, model, optim)
     ckpt.wait()
     ckpt.restore(model, optim)
     dcp.async_save(state, checkpoint_id=os.path.join(folder, "dcp")).result()
