@@ -1,5 +1,6 @@
 """DeepSpeed mixture of experts with tensor parallelism (Megatron-style mpu, deepspeed.moe.layer.MoE
-with enable_expert_tensor_parallelism, tp=2 ep=2 world 4, ZeRO 2 fp32 and ZeRO 1 bf16):
+with enable_expert_tensor_parallelism, tp=2 ep=2: world 4 at ZeRO 2 fp32 and ZeRO 1 bf16, world 8
+(expert groups over 2 expert-dp ranks) at ZeRO 2 fp32):
 fixtures/generate_ds_moe_tp.py, truth from safe_get_full_fp32_param / safe_get_full_optimizer_state
 on every rank, assembled over tp.
 
@@ -34,6 +35,10 @@ def _truth(name):
     return torch.load(MT_DATA / f"{name}.truth.pt", weights_only=True)
 
 
+def _info(name):
+    return json.loads((MT_DATA / name / "fixture.json").read_text())
+
+
 def _params(truth) -> list[str]:
     return [k[len("fp32."):] for k in truth if k.startswith("fp32.")]
 
@@ -55,6 +60,20 @@ def _equal_to_truth(tensors: dict, truth: dict) -> int:
     return compared
 
 
+def test_fixtures_cover_expert_dp_sizes_1_and_2():
+    assert {_info(n)["expert_dp"] for n in FIXTURES} == {1, 2}
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_ranks_as_deepspeed_grouped_them(name):
+    """Global rank r: tp rank r % T, dp rank r // T; in its tp lane ep rank dp % E, expert-dp dp // E
+    (what moe.py assumes per mp rank), as DeepSpeed's groups reported them."""
+    info = _info(name)
+    for rank, seen in info["ranks"].items():
+        r, dp = int(rank), int(rank) // info["tp"]
+        assert seen == {"tp": r % info["tp"], "dp": dp, "ep": dp % info["ep"], "expert_dp": dp // info["ep"]}
+
+
 @pytest.mark.parametrize("name", FIXTURES)
 def test_reader_equals_deepspeed_truth_with_tp_and_ep_marked(name):
     truth = _truth(name)
@@ -62,8 +81,9 @@ def test_reader_equals_deepspeed_truth_with_tp_and_ep_marked(name):
     index = opened.index
     assert _equal_to_truth(tensors, truth) == 28 == len([k for k in index.tensors if k.startswith("model.")])
     assert sum(1 for p in _params(truth) if EXPERTS in p) == 4 * 4   # 4 experts, 4 params each, global ids
-    assert index.metadata["parallel"] == {"tp": 2, "ep": 2, "dp": 2}
-    assert index.metadata["deepspeed_moe"]["ep_size"] == 2
+    assert index.metadata["parallel"] == {"tp": 2, "ep": 2, "dp": _info(name)["dp"]}
+    assert index.metadata["deepspeed_moe"] == {"ep_size": 2, "expert_dp_size": _info(name)["expert_dp"],
+                                               "num_experts": {"layers.0.mlp": 4}}
     for e in range(4):
         entry = index.tensors[f"model.{EXPERTS}{e}.dense_4h_to_h.weight"]
         assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}, "tp": {"dim": 1, "size": 2}}
@@ -86,7 +106,7 @@ def test_consolidate_with_optimizer_bit_exact(tmp_path, name):
 
 
 def test_inspect_shows_the_tp_and_ep_splits():
-    res = _cli("inspect", MT_DATA / FIXTURES[0])
+    res = _cli("inspect", MT_DATA / "moetp_z2_fp32_tp2_ep2_w4")
     assert res.exit_code == 0, res.output
     assert "tp 2 x ep 2 x dp 2" in res.output
     assert "tp dim 1/2, ep rank 1/2" in res.output and "tp fused(3) dim 0/2" in res.output
@@ -100,6 +120,8 @@ COMBOS = [
     ("moetp_z2_fp32_tp2_ep2_w4", "8", (2, 2, 4)),
     ("moetp_z1_bf16_tp2_ep2_w4", "tp=1,ep=4,dp=4", (1, 4, 4)),
     ("moetp_z1_bf16_tp2_ep2_w4", "tp=2,ep=1,dp=3", (2, 1, 3)),
+    ("moetp_z2_fp32_tp2_ep2_w8", "tp=1,ep=2,dp=2", (1, 2, 2)),
+    ("moetp_z2_fp32_tp2_ep2_w8", "tp=4,ep=4,dp=4", (4, 4, 4)),
 ]
 
 
@@ -142,7 +164,7 @@ def _same(a, b, where: str) -> None:
 @pytest.mark.parametrize("name", FIXTURES)
 def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
     """tp, ep and dp unchanged: every file equals what DeepSpeed saved."""
-    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", "tp=2,ep=2,dp=2")
+    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", f"tp=2,ep=2,dp={_info(name)['dp']}")
     assert res.exit_code == 0, res.output
     src = MT_DATA / name / "global_step2"
     assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
@@ -174,7 +196,7 @@ def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
     ("6", ("does not divide 6 ranks",)),
 ])
 def test_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, to, needles):
-    res = _cli("reshard", MT_DATA / FIXTURES[0], tmp_path / "out", "--to", to)
+    res = _cli("reshard", MT_DATA / "moetp_z2_fp32_tp2_ep2_w4", tmp_path / "out", "--to", to)
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in res.output, res.output
