@@ -15,7 +15,7 @@ ranks), shards it with FSDP2 (fully_shard) and takes one AdamW step. Then, in th
 One Checkpointer serves the whole run, as in training (its background process group is made once;
 keep is high enough that retention deletes nothing inside a timed save; restore takes the step just
 saved). Times are the slowest rank's (a barrier before each call; each rank times its own call). The page
-cache is dropped before every restore and load when run as root. After every restore and load the
+cache is synced before every timed call, and dropped too when run as root (so each starts alike). After every restore and load the
 model and optimizer state (each rank's shards) must equal what was saved bit for bit (torch.equal),
 for both tools; the state is scrambled before each so a load that does nothing cannot pass. A
 small untimed save and load with both tools first pays the one-time imports. Prints a Markdown
@@ -69,7 +69,7 @@ def measure(size_mb: int, repeat: int, work: str) -> dict:
 def print_result(res: dict) -> None:
     print(f"\n### In-job saves and loads: {res['gb']:.2f} GB of state (FSDP2 + AdamW, 2 ranks, gloo), "
           f"median of {res['repeat']}\n")
-    print(f"{res['machine']}; page cache dropped before loads: {'yes' if res['cold'] else 'no (not root)'}\n")
+    print(f"{res['machine']}; page cache dropped before every timed call: {'yes' if res['cold'] else 'no (not root)'}\n")
     print("| operation | ckptkit | torch | ckptkit (s) | torch (s) | ckptkit / torch |\n|---|---|---|---:|---:|---:|")
     for op, ck_tool, torch_tool in OPS:
         ck, th = res["times"][op]["ckptkit"], res["times"][op]["torch"]
@@ -139,8 +139,12 @@ def worker(args: argparse.Namespace) -> None:
         return t.item()
 
     def drop() -> None:
-        if cold and rank == 0:
-            os.system("sync; echo 1 > /proc/sys/vm/drop_caches")
+        """Every timed call starts alike: nothing left to write back, and (as root) a cold cache."""
+        if rank == 0:
+            os.sync()
+            if cold:
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("1\n")
         dist.barrier()
 
     def timed(fn) -> float:
@@ -157,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     equal_ok = {"ckptkit restore": True, "torch restore": True, "ckptkit.load": True, "dcp.load": True}
 
     def ck_round(i: int) -> None:
-        dist.barrier()
+        drop()
         t0 = time.perf_counter()
         ckpt.save(i + 1, model, optim)
         blocked = time.perf_counter() - t0
@@ -172,6 +176,7 @@ def worker(args: argparse.Namespace) -> None:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd}
         path = os.path.join(args.work, f"cks_{i}")
+        drop()
         times["save"]["ckptkit"].append(timed(lambda: ckptkit.save(state, path)))
         scramble()
         drop()
@@ -180,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def torch_round(i: int) -> None:
         folder = os.path.join(args.work, f"dcp_async_{i}")
-        dist.barrier()
+        drop()
         t0 = time.perf_counter()
         msd, osd = get_state_dict(model, optim)
         future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=folder)
@@ -202,6 +207,7 @@ def worker(args: argparse.Namespace) -> None:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd}
         path = os.path.join(args.work, f"dcps_{i}")
+        drop()
         times["save"]["torch"].append(timed(lambda: dcp.save(state, checkpoint_id=path)))
         scramble()
         drop()
