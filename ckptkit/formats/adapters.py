@@ -22,6 +22,7 @@ from .deepspeed import pipeline as ds_pipeline
 from .deepspeed import pipeline_tp_writer as ds_3d_writer
 from .deepspeed import pipeline_writer as ds_pp_writer
 from .deepspeed import moe as ds_moe
+from .deepspeed import moe_pipeline_writer as ds_moe_pp_writer
 from .deepspeed import moe_tp_writer as ds_moe_tp_writer
 from .deepspeed import reader as ds_reader
 from .deepspeed.moe_writer import write_moe_zero
@@ -133,6 +134,8 @@ class DeepSpeedFormat:
             return ds_3d_writer.write_3d_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_pp_writer.is_pipeline(opened.index):  # --to N keeps the source's pp
             return ds_pp_writer.write_pp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
+        if ds_moe_pp_writer.is_pipeline_moe(opened.index):  # MoE in a PipelineModule: --to N keeps pp and ep
+            return ds_moe_pp_writer.write_pipeline_moe_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_moe_tp_writer.is_moe_tp(opened.index):  # experts with tp: --to N keeps tp and ep
             return ds_moe_tp_writer.write_moe_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(opened.index):  # --to N keeps the source's tp
@@ -146,6 +149,8 @@ class DeepSpeedFormat:
             return ds_3d_writer.write_3d_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_pp_writer.is_pipeline(index):  # pipeline: pp=P,dp=W (tp 1)
             return ds_pp_writer.write_pp_zero(out, index, opened.source, sizes, ctx=ctx)
+        if ds_moe_pp_writer.is_pipeline_moe(index):  # MoE in a PipelineModule: pp=P (the source's),ep=E,dp=W
+            return ds_moe_pp_writer.write_pipeline_moe_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_moe_tp_writer.is_moe_tp(index):  # experts with tensor parallelism: tp=T,ep=E,dp=W
             return ds_moe_tp_writer.write_moe_tp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(index):  # tensor parallel: tp=T,dp=W

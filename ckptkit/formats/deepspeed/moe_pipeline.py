@@ -10,7 +10,8 @@ per stage s an ordinary MoE checkpoint under model-parallel rank s:
   zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt
 So each stage is read as a MoE checkpoint (moe.py) and the stages are joined by name: their
 parameter names are disjoint (the global layer index leads each), every tensor gets
-attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". Writing one is not supported yet.
+attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". moe_pipeline_writer.py writes one at a
+new ep and dp (the same stages).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class PipelineMoeInfo:
     pp: int
     dp: int
     ranks: dict[int, Any] = field(default_factory=dict)   # stage -> ZeroInfo
+    num_experts: dict[int, dict[str, int]] = field(default_factory=dict)   # stage -> its MoE layers' counts
 
 
 def recorded_pp(sub: CheckpointIndex) -> tuple[int, int] | None:
@@ -91,7 +93,9 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
     moe = first.metadata["deepspeed_moe"]
     index.metadata["deepspeed_moe"] = {**moe, "num_experts": counts}
     index.metadata["parallel"] = {"pp": pp, "ep": moe["ep_size"], "dp": dp}
-    index.native = PipelineMoeInfo(pp=pp, dp=dp, ranks={s: sub.native for s, sub in subs.items()})
+    index.native = PipelineMoeInfo(pp=pp, dp=dp, ranks={s: sub.native for s, sub in subs.items()},
+                                   num_experts={s: dict(sub.metadata["deepspeed_moe"]["num_experts"])
+                                                for s, sub in subs.items()})
     return index
 
 

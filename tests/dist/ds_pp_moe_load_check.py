@@ -1,0 +1,120 @@
+"""Multi-process check that DeepSpeed loads a MoE PipelineModule checkpoint at a new ep and dp.
+
+    DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node P*W \
+        tests/dist/ds_pp_moe_load_check.py --ckpt DIR --fixture NAME --ep E --result OUT.json
+
+NAME is a fixture of fixtures/generate_ds_pp_moe.py (truth: fixtures/data/ds_pp_moe/NAME.truth.pt,
+PipelineModule names with global expert ids). Every rank builds the fixture's PipelineModule (its
+P stages) with MoE layers of ep_size E, its weights overwritten from another seed, the fixture's
+config with the batch for W = world / P, then ``engine.load_checkpoint(DIR)`` with optimizer
+states; every parameter of the rank's stage (local experts under their global ids) compared bit
+for bit with the truth through ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` and
+the module weight; one ``train_batch`` (finite loss, global_steps advances).
+Rank 0 writes {"ok", "world_size", "ep", "compared", "mismatches", "trained_step", "error"}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "fixtures"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--fixture", required=True)
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--result", required=True)
+    args = ap.parse_args()
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import generate_ds_pp_moe as gen
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage, dtype, pp, _, _, blocks = gen.FIXTURES[args.fixture]
+    dp, ep = world // pp, args.ep
+    result: dict = {"ok": False, "world_size": world, "ep": ep, "compared": 0, "mismatches": [],
+                    "trained_step": False, "error": None}
+    mismatches: list[str] = []
+    compared = 0
+    try:
+        truth = torch.load(REPO / "fixtures" / "data" / "ds_pp_moe" / f"{args.fixture}.truth.pt", weights_only=False)
+        model = gen.build_pipeline(pp, ep, blocks)
+        g = torch.Generator().manual_seed(999)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        pgroups = split_params_into_different_moe_groups_for_optimizer(
+            [{"params": list(model.parameters()), "name": "all"}])
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=pgroups, config=gen.ds_config(stage, dtype, dp))
+        path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
+        opt = engine.optimizer
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+        moes = {n: m for n, m in engine.module.named_modules() if isinstance(m, MoE)}
+        ep_rank = groups._get_expert_parallel_rank(next(iter(moes.values())).expert_group_name)
+
+        def check(what: str, got, want) -> None:
+            nonlocal compared
+            compared += 1
+            got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape \
+                    or not torch.equal(got, want):
+                mismatches.append(f"rank {rank} (ep {ep_rank}): {what}")
+
+        for pname, p in engine.module.named_parameters():
+            gname = pname
+            if is_moe_param(p):
+                head, tail = pname.split(gen.MARK, 1)
+                idx, rest = tail.split(".", 1)
+                gname = f"{head}{gen.MARK}{int(idx) + ep_rank * moes[head].num_local_experts}.{rest}"
+            check(f"fp32.{gname}", safe_get_full_fp32_param(p), truth[f"fp32.{gname}"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                check(f"{key}.{gname}", safe_get_full_optimizer_state(p, key), truth[f"{key}.{gname}"])
+            check(f"module.{gname}", p.data.clone(), truth[f"module.{gname}"])
+        if int(engine.global_steps) != int(truth["global_steps"]):
+            mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
+        before = int(engine.global_steps)
+        loss = engine.train_batch(data_iter=gen.data_iter())
+        trained = math.isfinite(float(loss)) and int(engine.global_steps) == before + 1
+        mine = (compared, mismatches, trained)
+    except Exception as exc:
+        result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        Path(args.result).write_text(json.dumps(result, indent=1))
+        sys.stdout.flush()
+        os._exit(3)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        result["compared"] = sum(c for c, _, _ in gathered)
+        result["mismatches"] = [x for _, ms, _ in gathered for x in ms][:50]
+        result["trained_step"] = all(t for _, _, t in gathered)
+        result["ok"] = not result["mismatches"] and result["trained_step"] and result["compared"] > 0
+        Path(args.result).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
