@@ -26,7 +26,9 @@ from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, 
 from ds_helpers import needs_deepspeed
 
 MT_DATA = DATA / "ds_moe_tp"
-FIXTURES = sorted(p.name for p in MT_DATA.iterdir() if p.is_dir()) if MT_DATA.is_dir() else []
+FIXTURES = sorted(p.name for p in MT_DATA.iterdir() if p.is_dir() and "noexptp" not in p.name) \
+    if MT_DATA.is_dir() else []
+NO_EXPERT_TP = "moetp_noexptp_z2_fp32_tp2_ep2_w4"   # MoE(enable_expert_tensor_parallelism=False): refused
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no MoE + TP fixtures (run fixtures/generate_ds_moe_tp.py)")
 EXPERTS = "layers.0.mlp.deepspeed_moe.experts.deepspeed_experts."
 
@@ -222,3 +224,20 @@ def test_deepspeed_loads_the_resharded_moe_tp_checkpoint_and_trains(tmp_path):
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
     # 28 parameters (all 4 experts local at ep 1), each master, 2 moments, module weight, on 4 ranks
     assert r["world_size"] == 4 and r["tp"] == 4 and r["trained_step"] and r["compared"] == 4 * 28 * 4
+
+
+def test_experts_without_expert_tensor_parallelism_are_refused_in_one_sentence(tmp_path):
+    """enable_expert_tensor_parallelism=False under an mpu: DeepSpeed 0.19.8 makes the tp ranks its
+    expert-parallel ranks (mp rank t saves only ep rank t's whole experts, the expert groups
+    partitioned over all dp ranks); not read yet, said so instead of a partition-count error."""
+    info = _info(NO_EXPERT_TP)
+    assert {r["ep"] for r in info["ranks"].values() if r["tp"] == 0} == {0}   # ep rank == tp rank
+    assert sorted(f for f in info["files"] if "expert" in f) == [
+        "layer_0_expert_0_mp_rank_00_model_states.pt", "layer_0_expert_1_mp_rank_00_model_states.pt",
+        "layer_0_expert_2_mp_rank_01_model_states.pt", "layer_0_expert_3_mp_rank_01_model_states.pt"]
+    for args in (["inspect"], ["consolidate", tmp_path / "out"], ["reshard", tmp_path / "out", "--to", "4"]):
+        res = _cli(args[0], MT_DATA / NO_EXPERT_TP, *args[1:])
+        assert res.exit_code == 2, res.output
+        assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output, res.output
+        assert "enable_expert_tensor_parallelism=False" in res.output, res.output
+        assert not (tmp_path / "out").exists()

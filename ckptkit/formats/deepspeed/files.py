@@ -12,6 +12,7 @@ MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\
 OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MAX_LATEST_BYTES = 1024  # `latest` holds one tag (a folder name: 255 bytes on most filesystems)
 EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_(\d+)_model_states\.pt$")
+EXPERT_ID = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_\d+_model_states\.pt$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,10 +125,25 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
         if lacking:
             raise FormatError(f"{source.label(prefix or '')}: model-parallel rank(s) {lacking} have no expert files "
                               f"(layer_<L>_expert_<G>_mp_rank_{lacking[0]:02d}_model_states.pt), the other ranks do")
+        _refuse_experts_split_over_tp(source, prefix, experts)
     first = per_mp[0]
     return ZeroFiles(tag=tag, prefix=prefix, model_files=first.model_files, optim_files=first.optim_files,
                      bf16_prefix=bf16_prefix, extra=extra,
                      model_parallel=per_mp if len(per_mp) > 1 else {}, expert_files=first.expert_files)
+
+
+def _refuse_experts_split_over_tp(source: Source, prefix: str, experts: dict[int, list[str]]) -> None:
+    """Each mp rank holding other experts (no expert in two): MoE(enable_expert_tensor_parallelism=
+    False) under an mpu, where DeepSpeed 0.19.8 builds its expert-parallel groups from consecutive
+    ranks, so the tp ranks become expert-parallel ranks and the experts are whole, not sliced."""
+    held = {mp: {EXPERT_ID.match(n).groups() for n in names} for mp, names in experts.items()}
+    ranks = sorted(held)
+    if all(held[a].isdisjoint(held[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:]):
+        first = sorted(experts[ranks[0]])[0]
+        raise UnsupportedError(f"{source.label(prefix + first)}: each model-parallel rank holds other experts "
+                               f"(rank {ranks[0]}: {len(held[ranks[0]])} expert files, none shared), the layout of "
+                               f"MoE(enable_expert_tensor_parallelism=False) with tensor parallelism, which is not "
+                               f"supported yet (experts built with enable_expert_tensor_parallelism=True are)")
 
 
 def _check_ranks(source: Source, files: ZeroFiles) -> None:
