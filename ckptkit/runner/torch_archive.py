@@ -93,11 +93,15 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
             raise FormatError(f"{label}: legacy (pre-1.6, non-zip) torch.save format is not supported; "
                               f"re-save it with a current torch")
         raise FormatError(f"{label}: not a torch.save archive (no zip header at offset {offset})")
+    plain = _plain_directory(copy) if copy is not None else None
     try:
-        raw = RangeFile(BytesSource(copy, label), "", 0, length) if copy is not None \
-            else RangeFile(source, rel, offset, length)
-        zf = zipfile.ZipFile(io.BufferedReader(raw, buffer_size=65536))
-        infos = zf.infolist()
+        if plain is not None:
+            infos, start_dir = plain
+        else:
+            raw = RangeFile(BytesSource(copy, label), "", 0, length) if copy is not None \
+                else RangeFile(source, rel, offset, length)
+            zf = zipfile.ZipFile(io.BufferedReader(raw, buffer_size=65536))
+            infos, start_dir = zf.infolist(), zf.start_dir
     except CkptkitError:
         raise
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError,
@@ -108,7 +112,7 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
                           f"(the file may be cut short): {detail}") from None
     read: Callable[[int, int], bytes] = (lambda at, n: copy[at:at + n]) if copy is not None \
         else (lambda at, n: source.read(rel, offset + at, n))
-    members = _members(read, offset, length, label, infos, zf.start_dir)
+    members = _members(read, offset, length, label, infos, start_dir)
     pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
         raise FormatError(f"{label}: torch.save archive must hold exactly one <root>/data.pkl, found {len(pkls)}")
@@ -120,6 +124,74 @@ _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
 _DATA_DESCRIPTOR = 0x08  # general purpose flag bit 3: sizes and CRC follow the data
 _ENCRYPTED = 0x01
 _UTF8 = 0x800  # names are UTF-8 (else code page 437)
+_END = struct.Struct("<4sHHHHIIH")  # the end of central directory record (22 bytes)
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")  # a central directory entry (46 bytes)
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")  # the zip64 end record's locator (20 bytes)
+_ZIP64_END = struct.Struct("<4sQHHIIQQQQ")  # the zip64 end of central directory record (56 bytes)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """The fields of a central directory entry `_members` checks (zipfile.ZipInfo's names)."""
+
+    filename: str
+    orig_filename: str
+    flag_bits: int
+    compress_type: int
+    compress_size: int
+    file_size: int
+    header_offset: int
+    CRC: int
+
+
+def _plain_directory(copy: bytes) -> tuple[list[_Entry], int] | None:
+    """The central directory of a small archive read whole, parsed with struct, when it is the
+    plain kind torch.save writes: one disk, no archive comment, no zip64 fields in the entries, no
+    bytes before the archive, entries filling the directory exactly, names without NUL (zipfile's
+    reading of the end records, zip64 included). Anything else is None, and zipfile reads it with
+    its own checks and messages: this is only the fast path for DCP's many small items, where
+    zipfile's general parser costs more than the rest of the item."""
+    n = len(copy)
+    if n < _END.size:
+        return None
+    magic, disk, cd_disk, _here, count, cd_size, cd_offset, comment = _END.unpack_from(copy, n - _END.size)
+    end = n - _END.size
+    if magic != b"PK\x05\x06" or comment:
+        return None
+    if end >= _ZIP64_LOCATOR.size and copy[end - _ZIP64_LOCATOR.size:end - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
+        located = end - _ZIP64_LOCATOR.size
+        _sig, locator_disk, _record, disks = _ZIP64_LOCATOR.unpack_from(copy, located)
+        if locator_disk or disks > 1 or located < _ZIP64_END.size:
+            return None
+        end = located - _ZIP64_END.size
+        (sig, _size, _made, _need, disk, cd_disk, _here, count, cd_size,
+         cd_offset) = _ZIP64_END.unpack_from(copy, end)
+        if sig != b"PK\x06\x06":
+            return None
+    if disk or cd_disk or cd_offset + cd_size != end:
+        return None
+    entries: list[_Entry] = []
+    at = cd_offset
+    while at < end:
+        if at + _CENTRAL.size > end:
+            return None
+        (sig, _made, need, flags, method, _time, _date, crc, csize, usize, name_len, extra_len, comment_len,
+         _disk, _internal, _external, header) = _CENTRAL.unpack_from(copy, at)
+        if sig != b"PK\x01\x02" or need > 63 or 0xFFFFFFFF in (csize, usize, header):
+            return None
+        name_at = at + _CENTRAL.size
+        raw_name = copy[name_at:name_at + name_len]
+        at = name_at + name_len + extra_len + comment_len
+        if at > end or b"\x00" in raw_name:
+            return None
+        try:
+            name = raw_name.decode("utf-8" if flags & _UTF8 else "cp437")
+        except UnicodeDecodeError:
+            return None
+        entries.append(_Entry(name, name, flags, method, csize, usize, header, crc))
+    if at != end or len(entries) != count:
+        return None
+    return entries, cd_offset
 
 
 def _members(read: Callable[[int, int], bytes], offset: int, length: int, label: str,
@@ -185,12 +257,38 @@ def _read_member(archive: Archive, name: str) -> bytes:
     return archive.read(m.data_offset, m.size)
 
 
-def load_structure(archive: Archive, eager: bool = False) -> Any:
+# a data.pkl at most this long is remembered by StructureMemo (a small tensor's is ~300 bytes)
+_MEMO_PICKLE = 4096
+_MEMO_ENTRIES = 4096
+
+
+class StructureMemo:
+    """What the lazy load of each small data.pkl gave, by its bytes: the items of a DCP checkpoint
+    of many same-shaped tensors carry the very same data.pkl, and the restricted unpickler would
+    otherwise run once per item. A hit still checks every storage the pickle references against
+    this archive's own members (the part that differs from archive to archive); a pickle that
+    was refused is never remembered. TensorRefs are only read, never changed, so one serves all."""
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, tuple[Any, list[Any]]] = {}
+
+    def get(self, data: bytes) -> tuple[Any, list[Any]] | None:
+        return self._seen.get(data)
+
+    def put(self, data: bytes, value: Any, pids: list[Any]) -> None:
+        if len(data) <= _MEMO_PICKLE and len(self._seen) < _MEMO_ENTRIES:
+            self._seen[data] = (value, pids)
+
+
+def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | None = None) -> Any:
     """Unpickle data.pkl. Lazy: tensors become TensorRefs; eager: SmallTensors over their
-    storage's bytes, read once per storage and shared by its views (small values only)."""
+    storage's bytes, read once per storage and shared by its views (small values only).
+    `memo` (lazy loads only) serves a data.pkl already loaded with the same bytes."""
     loaded: dict[str, Any] = {}
+    pids: list[Any] = []
 
     def persistent_load(pid: Any) -> Any:
+        pids.append(pid)
         key, dtype, numel = storage_pid(pid, archive.label)
         member = archive.storage_member(key)
         nbytes = numel * dtype.itemsize
@@ -204,6 +302,15 @@ def load_structure(archive: Archive, eager: bool = False) -> Any:
         return typed_storage(loaded[key], dtype)
 
     data = _read_member(archive, f"{archive.prefix}/data.pkl")
+    if memo is not None and not eager:
+        hit = memo.get(data)
+        if hit is not None:
+            for pid in hit[1]:
+                persistent_load(pid)  # this archive's storage members, checked as a first load would
+            return hit[0]
+        value = restricted_loads(data, archive.label, persistent_load)
+        memo.put(data, value, pids)
+        return value
     value = restricted_loads(data, archive.label, persistent_load)
     if eager:  # views share their storage's bytes; what they would copy is counted here
         _check_whole(archive.label, whole_bytes(value))
