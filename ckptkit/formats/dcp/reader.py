@@ -22,7 +22,7 @@ from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads
 from ...torch_types import DType
 from ...storage.source import Source
-from ...runner.torch_archive import load_bytes_archive, load_structure, open_archive, tensor_location
+from ...runner.torch_archive import StructureMemo, load_bytes_archive, load_structure, open_archive, tensor_location
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -64,8 +64,13 @@ def _props_dtype(props: Any, label: str, key: str) -> DType:
     return dtype
 
 
+_PLAIN_INT = {int}
+
+
 def _ints(value: Any, what: str, label: str) -> tuple[int, ...]:
     """A tuple of non-negative ints (torch.Size, list or tuple), or a clear error."""
+    if isinstance(value, (tuple, list)) and value and set(map(type, value)) == _PLAIN_INT and min(value) >= 0:
+        return tuple(value)  # (the common case, without a generator per element: 100k tensors have 300k)
     if not isinstance(value, (tuple, list)) or not all(
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
         raise FormatError(f"{label}: {what} must be a list of non-negative integers, found {value!r:.80}")
@@ -230,11 +235,13 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
 def _read_items(source: Source, jobs: list[_Job], parallel: int) -> list[Any]:
     """Each job's (piece or value, checks), or the CkptkitError that stopped it: handed back, so
     that verify lists it and goes on (index.problems)."""
+    memo = StructureMemo()  # same-shaped items share their data.pkl: unpickled once
+
     def run(batch: list[_Job]) -> list[Any]:
         results: list[Any] = []
         for job in batch:
             try:
-                results.append(_read_item(source, *job))
+                results.append(_read_item(source, *job, memo=memo))
             except CkptkitError as exc:
                 results.append(exc)
         return results
@@ -273,7 +280,7 @@ def _item_file(source: Source, info: Any) -> str:
         return source.label("")
 
 
-def _read_item(source: Source, target: Any, box: Box | None, info: Any):
+def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: StructureMemo | None = None):
     label = source.label("")
     what = f"storage record of {target.key}"
     rel = _safe_relpath(_field(info, "relative_path", "_StorageInfo", label), f"{label} ({what})")
@@ -296,7 +303,7 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any):
                                   f"(item of {target.key})")
             return Piece(box, Location(rel, offset, length, Encoding.TORCH_SAVE, transforms=transforms)), []
         archive = open_archive(source, rel, offset, length)
-        ref = load_structure(archive, eager=False)
+        ref = load_structure(archive, eager=False, memo=memo)
         if not isinstance(ref, TensorRef):
             raise FormatError(f"{source.label(rel)}: item of {target.key} does not hold a tensor")
         dtype, loc = tensor_location(archive, ref, target.key)
