@@ -180,7 +180,9 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
     """Append `structure` as a self-contained torch.save archive at f's current position."""
     progress = progress or NullProgress()
     builder = _Builder()
-    pickle_bytes = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
+    pickle_bytes = _lone_tensor_pickle(structure, builder) if type(structure) is LazyTensor else None
+    if pickle_bytes is None:
+        pickle_bytes = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
     payload = sum(slot.numel * itemsize(slot.dtype) for slot in builder.slots)
     if payload > min(SMALL_ARCHIVE, slab_bytes):
         _write_zip(_Window(f), f, builder, pickle_bytes, fetcher, slab_bytes, progress)
@@ -188,6 +190,27 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
     buf = io.BytesIO()  # same offsets as the window: both start at 0
     _write_zip(buf, None, builder, pickle_bytes, fetcher, slab_bytes, progress)
     f.write(buf.getvalue())
+
+
+# data.pkl of an archive holding one LazyTensor, by (dtype, shape): its only inputs
+_LONE_TENSOR_PICKLES: dict[tuple[str, tuple[int, ...]], bytes] = {}
+_LONE_TENSOR_ENTRIES = 4096
+
+
+def _lone_tensor_pickle(structure: LazyTensor, builder: _Builder) -> bytes:
+    """data.pkl for a DCP item (one LazyTensor, whose storage is slot "0"), pickled once per dtype
+    and shape: a checkpoint of 100k same-shaped tensors would otherwise run the pickler 100k
+    times for the same bytes. `builder` gets the slot the pickler would have made."""
+    entry = structure.entry
+    key = (entry.dtype, tuple(entry.shape))
+    known = _LONE_TENSOR_PICKLES.get(key)
+    if known is not None:
+        builder.reduce(structure)  # the slot, exactly as pickling would make it
+        return known
+    data = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
+    if len(_LONE_TENSOR_PICKLES) < _LONE_TENSOR_ENTRIES:
+        _LONE_TENSOR_PICKLES[key] = data
+    return data
 
 
 def _write_zip(zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher,
