@@ -28,7 +28,7 @@ from ds_helpers import needs_deepspeed
 MT_DATA = DATA / "ds_moe_tp"
 FIXTURES = sorted(p.name for p in MT_DATA.iterdir() if p.is_dir() and "noexptp" not in p.name) \
     if MT_DATA.is_dir() else []
-NO_EXPERT_TP = "moetp_noexptp_z2_fp32_tp2_ep2_w4"   # MoE(enable_expert_tensor_parallelism=False): refused
+NO_EXPERT_TP = "moetp_noexptp_z2_fp32_tp2_ep2_w4"   # MoE(enable_expert_tensor_parallelism=False): whole experts
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no MoE + TP fixtures (run fixtures/generate_ds_moe_tp.py)")
 EXPERTS = "layers.0.mlp.deepspeed_moe.experts.deepspeed_experts."
 
@@ -226,18 +226,49 @@ def test_deepspeed_loads_the_resharded_moe_tp_checkpoint_and_trains(tmp_path):
     assert r["world_size"] == 4 and r["tp"] == 4 and r["trained_step"] and r["compared"] == 4 * 28 * 4
 
 
-def test_experts_without_expert_tensor_parallelism_are_refused_in_one_sentence(tmp_path):
-    """enable_expert_tensor_parallelism=False under an mpu: DeepSpeed 0.19.8 makes the tp ranks its
-    expert-parallel ranks (mp rank t saves only ep rank t's whole experts, the expert groups
-    partitioned over all dp ranks); not read yet, said so instead of a partition-count error."""
+def test_whole_experts_layout_as_deepspeed_grouped_it():
+    """enable_expert_tensor_parallelism=False under an mpu: DeepSpeed 0.19.8 builds the expert groups
+    from consecutive global ranks (rank r: ep rank r % E, expert-dp rank r // E), so with E = T the tp
+    ranks are the ep ranks, and the ep rank's expert-dp rank 0 (global rank e, mp rank e % T) saves
+    its experts whole (what moe_whole.py assumes)."""
     info = _info(NO_EXPERT_TP)
-    assert {r["ep"] for r in info["ranks"].values() if r["tp"] == 0} == {0}   # ep rank == tp rank
+    for rank, seen in info["ranks"].items():
+        r = int(rank)
+        assert seen == {"tp": r % 2, "dp": r // 2, "ep": r % 2, "expert_dp": r // 2}
     assert sorted(f for f in info["files"] if "expert" in f) == [
-        "layer_0_expert_0_mp_rank_00_model_states.pt", "layer_0_expert_1_mp_rank_00_model_states.pt",
-        "layer_0_expert_2_mp_rank_01_model_states.pt", "layer_0_expert_3_mp_rank_01_model_states.pt"]
-    for args in (["inspect"], ["consolidate", tmp_path / "out"], ["reshard", tmp_path / "out", "--to", "4"]):
-        res = _cli(args[0], MT_DATA / NO_EXPERT_TP, *args[1:])
-        assert res.exit_code == 2, res.output
-        assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output, res.output
-        assert "enable_expert_tensor_parallelism=False" in res.output, res.output
-        assert not (tmp_path / "out").exists()
+        f"layer_0_expert_{g}_mp_rank_{(g // 2) % 2:02d}_model_states.pt" for g in range(4)]
+
+
+def test_whole_experts_read_and_consolidated_bit_exact(tmp_path):
+    """The experts gathered from the mp ranks that hold them (whole: ep only, no tp), the dense
+    weights joined over tp; every master, moment and module weight equal to DeepSpeed's truth."""
+    truth = _truth(NO_EXPERT_TP)
+    opened, tensors, objects = read_all(MT_DATA / NO_EXPERT_TP)
+    index = opened.index
+    assert _equal_to_truth(tensors, truth) == 28 == len([k for k in index.tensors if k.startswith("model.")])
+    assert index.metadata["parallel"] == {"tp": 2, "ep": 2, "dp": 2}
+    assert index.metadata["deepspeed_moe"] == {"ep_size": 2, "expert_dp_size": 2, "num_experts": {"layers.0.mlp": 4},
+                                               "experts": "whole"}
+    for e in range(4):
+        for kind in ("model", "ds_module"):
+            entry = index.tensors[f"{kind}.{EXPERTS}{e}.dense_4h_to_h.weight"]
+            assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}}, kind
+    assert objects["optim.param_groups.2.params"] == [f"{EXPERTS}{e}.{p}.weight" for e in range(4)
+                                                      for p in ("dense_h_to_4h", "dense_4h_to_h")]
+    consolidate(str(MT_DATA / NO_EXPERT_TP), str(tmp_path / "out"), include_optimizer=True)
+    model = load_file(str(tmp_path / "out" / "model.safetensors"))
+    optim = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
+    assert set(model) == set(_params(truth))
+    for p in _params(truth):
+        assert_tensor_equal(model[p], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(optim[f"state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+
+
+def test_inspect_shows_whole_experts_by_ep_rank_only():
+    res = _cli("inspect", MT_DATA / NO_EXPERT_TP)
+    assert res.exit_code == 0, res.output
+    assert "tp 2 x ep 2 x dp 2" in res.output
+    expert_rows = [ln for ln in res.output.splitlines() if "deepspeed_experts.3." in ln]
+    assert expert_rows and all(ln.rstrip().endswith("ep rank 1/2") for ln in expert_rows), expert_rows
+    assert "tp fused(3) dim 0/2" in res.output

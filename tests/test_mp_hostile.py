@@ -83,6 +83,23 @@ def _expert_weight_shape(obj: dict) -> None:
 
 MOE_TP = "ds_moe_tp/moetp_z2_fp32_tp2_ep2_w4"
 EXPERT_1 = "layer_0_expert_3_mp_rank_01_model_states.pt"
+def _moved(name: str, as_name: str) -> Callable[[Path], None]:
+    def craft(folder: Path) -> None:
+        (folder / TAG / name).rename(folder / TAG / as_name)
+    return craft
+
+
+def _copied_changed(name: str, as_name: str) -> Callable[[Path], None]:
+    """`name` also saved as `as_name`, its values changed (another copy of the expert, other bytes)."""
+    def craft(folder: Path) -> None:
+        shutil.copyfile(folder / TAG / name, folder / TAG / as_name)
+        _edit(folder, as_name, lambda obj: [t.add_(1.0) for t in obj.values()])
+    return craft
+
+
+WHOLE = "ds_moe_tp/moetp_noexptp_z2_fp32_tp2_ep2_w4"
+WHOLE_2 = "layer_0_expert_2_mp_rank_01_model_states.pt"
+WHOLE_2_ON_0 = "layer_0_expert_2_mp_rank_00_model_states.pt"
 Q_PROJ = r"^model\.layers\.0\.self_attn\.q_proj\.weight$"
 AUTOTP = "ds_tp/autotp_z2_fp32"
 UC = "universal_checkpoint_info"
@@ -140,6 +157,13 @@ CASES = [
                                      "2 ranks"]),
     ("moetp-expert-slice-shape-lies", MOE_TP, lambda f: _edit(f, EXPERT_1, _expert_weight_shape),
      ["consolidate", "SRC", "OUT"], [EXPERT_1, "dense_h_to_4h.weight", "[4, 8]", "[8, 8]"]),
+    # MoE + TP with whole experts (enable_expert_tensor_parallelism=False): mp rank t holds ep rank t's experts
+    ("moetp-whole-expert-file-missing", WHOLE, _remove(WHOLE_2), ["consolidate", "SRC", "OUT"],
+     [WHOLE_2, "expert file is missing", "4 experts"]),
+    ("moetp-whole-expert-on-another-mp-rank", WHOLE, _moved(WHOLE_2, WHOLE_2_ON_0), ["inspect", "SRC"],
+     [WHOLE_2, "expert file is missing", "model-parallel rank 1", WHOLE_2_ON_0]),
+    ("moetp-whole-expert-on-two-mp-ranks", WHOLE, _copied_changed(WHOLE_2, WHOLE_2_ON_0),
+     ["reshard", "SRC", "OUT", "--to", "4"], [WHOLE_2_ON_0, "expert 2", "ranks [0, 1]", "exactly one"]),
 ]
 
 

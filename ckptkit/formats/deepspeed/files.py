@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ...errors import FormatError, NotACheckpointError, UnsupportedError, quote
 from ...index import problems
@@ -30,6 +30,9 @@ class ZeroFiles:
     # empty when the tag holds model-parallel rank 0 only
     model_parallel: dict[int, "ZeroFiles"] = field(default_factory=dict)
     expert_files: list[str] = field(default_factory=list)   # MoE layer_L_expert_G_* files (moe.py reads them)
+    # MoE(enable_expert_tensor_parallelism=False) under an mpu: each expert whole, on one mp rank
+    # (moe_whole.py reads them across the mp ranks); False when every mp rank holds every expert
+    whole_experts: bool = False
 
 
 def _tag_names(source: Source, rel: str) -> list[str]:
@@ -120,30 +123,49 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
                             optim_files=optim_files.get(mp, {}), bf16_prefix=bf16_prefix, extra=extra, mp_rank=mp,
                             expert_files=sorted(experts.get(mp, [])))
               for mp in mp_ranks or [0]}
-    if experts and len(per_mp) > 1:
+    whole = bool(experts) and len(per_mp) > 1 and _experts_whole(source, prefix, experts, list(per_mp))
+    if experts and len(per_mp) > 1 and not whole:
         lacking = [mp for mp in per_mp if not per_mp[mp].expert_files]
         if lacking:
             raise FormatError(f"{source.label(prefix or '')}: model-parallel rank(s) {lacking} have no expert files "
                               f"(layer_<L>_expert_<G>_mp_rank_{lacking[0]:02d}_model_states.pt), the other ranks do")
-        _refuse_experts_split_over_tp(source, prefix, experts)
+    if whole:
+        per_mp = {mp: replace(f, whole_experts=True) for mp, f in per_mp.items()}
     first = per_mp[0]
     return ZeroFiles(tag=tag, prefix=prefix, model_files=first.model_files, optim_files=first.optim_files,
                      bf16_prefix=bf16_prefix, extra=extra,
-                     model_parallel=per_mp if len(per_mp) > 1 else {}, expert_files=first.expert_files)
+                     model_parallel=per_mp if len(per_mp) > 1 else {}, expert_files=first.expert_files,
+                     whole_experts=whole)
 
 
-def _refuse_experts_split_over_tp(source: Source, prefix: str, experts: dict[int, list[str]]) -> None:
-    """Each mp rank holding other experts (no expert in two): MoE(enable_expert_tensor_parallelism=
-    False) under an mpu, where DeepSpeed 0.19.8 builds its expert-parallel groups from consecutive
-    ranks, so the tp ranks become expert-parallel ranks and the experts are whole, not sliced."""
-    held = {mp: {EXPERT_ID.match(n).groups() for n in names} for mp, names in experts.items()}
-    ranks = sorted(held)
-    if all(held[a].isdisjoint(held[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:]):
-        first = sorted(experts[ranks[0]])[0]
-        raise UnsupportedError(f"{source.label(prefix + first)}: each model-parallel rank holds other experts "
-                               f"(rank {ranks[0]}: {len(held[ranks[0]])} expert files, none shared), the layout of "
-                               f"MoE(enable_expert_tensor_parallelism=False) with tensor parallelism, which is not "
-                               f"supported yet (experts built with enable_expert_tensor_parallelism=True are)")
+def _experts_whole(source: Source, prefix: str, experts: dict[int, list[str]], mp_ranks: list[int]) -> bool:
+    """Which of DeepSpeed's two MoE + TP layouts the expert files are. False: an mp rank holds
+    every expert there is (enable_expert_tensor_parallelism=True saves a slice of each on every mp
+    rank; the reader names any file missing). True: no expert on two mp ranks (the option left
+    False, its default: DeepSpeed 0.19.8 builds the expert-parallel groups from consecutive ranks,
+    the tp ranks become expert-parallel ranks, and each expert is saved whole by one of them).
+    Anything else is neither, refused naming an expert found on two mp ranks. (With one
+    expert-parallel rank the second layout puts every expert on mp rank 0 and is read as the first,
+    which then names the other ranks' files as missing.)"""
+    held = {mp: {EXPERT_ID.match(n).groups() for n in experts.get(mp, [])} for mp in mp_ranks}
+    every = set().union(*held.values())
+    if any(held[mp] == every for mp in mp_ranks):
+        return False
+    owners: dict[tuple, list[int]] = {}
+    for mp in mp_ranks:
+        for ident in held[mp]:
+            owners.setdefault(ident, []).append(mp)
+    shared = sorted(((ident, mps) for ident, mps in owners.items() if len(mps) > 1), key=lambda x: str(x))
+    if not shared:
+        return True
+    (layer, expert), mps = shared[0]
+    lead = f"layer_{layer}_" if layer is not None else ""
+    name, other = (f"{lead}expert_{expert}_mp_rank_{mp:02d}_model_states.pt" for mp in mps[:2])
+    raise FormatError(f"{source.label(prefix + name)}: expert {expert} of MoE layer {layer or 0} is saved by "
+                      f"model-parallel ranks {mps} (also as {other}), while no mp rank holds every expert; "
+                      f"DeepSpeed saves each "
+                      f"expert either on every mp rank (MoE(enable_expert_tensor_parallelism=True), a slice on "
+                      f"each) or whole on exactly one (enable_expert_tensor_parallelism=False)")
 
 
 def _check_ranks(source: Source, files: ZeroFiles) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import FormatError, UnsupportedError, quote
 from ...index.types import Box, CheckpointIndex, Piece, TensorEntry
@@ -183,18 +183,19 @@ class _ExpertFile:
 
 
 def _expert_files(source: Source, index: CheckpointIndex, files: ZeroFiles, archives: dict[str, Archive],
-                  layout: ExpertLayout, expert_groups: list[ZeroGroup]) -> list[_ExpertFile]:
+                  layout: ExpertLayout, expert_groups: list[ZeroGroup],
+                  mp_of: Callable[[int], int] | None = None) -> list[_ExpertFile]:
     """Every expert file there must be (one per layer and global expert), opened and checked:
-    its tensors are the expert's parameters, shaped as the optimizer's param_shapes say."""
+    its tensors are the expert's parameters, shaped as the optimizer's param_shapes say.
+    `mp_of(ep rank)`: the mp rank whose files hold that ep rank's experts (default: files.mp_rank;
+    moe_whole.py: the one DeepSpeed saves them from)."""
+    mp_of = mp_of or (lambda ep_rank: files.mp_rank)
     found: dict[tuple[int, int], str] = {}
     for name in files.expert_files:
         layer, expert, mp = EXPERT_FILE.match(name).groups()
         if layer is None:
             raise UnsupportedError(f"{source.label(files.prefix + name)}: expert files without a layer id (written "
                                    f"by DeepSpeed before 0.6) are not supported")
-        if int(mp) != files.mp_rank:  # files.py sorts them by mp rank: only a changed layout gets here
-            raise FormatError(f"{source.label(files.prefix + name)}: expert file of model-parallel rank {int(mp)} "
-                              f"among those of rank {files.mp_rank}")
         found[(int(layer), int(expert))] = name
     shapes: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {}   # (prefix, local id) -> param -> shape
     for group in expert_groups:
@@ -205,10 +206,15 @@ def _expert_files(source: Source, index: CheckpointIndex, files: ZeroFiles, arch
     for layer, (prefix, count) in enumerate(layout.layers.items()):
         for expert in range(count):
             name = found.pop((layer, expert), None)
-            expected = f"layer_{layer}_expert_{expert}_mp_rank_{files.mp_rank:02d}_model_states.pt"
+            ep_rank = expert // layout.local_experts(prefix)
+            expected = f"layer_{layer}_expert_{expert}_mp_rank_{mp_of(ep_rank):02d}_model_states.pt"
             if name is None:
                 raise FormatError(f"{source.label(files.prefix + expected)}: expert file is missing (MoE layer "
                                   f"{layer}, {quote(prefix)}, has {count} experts)")
+            if name != expected:  # files.py sorts them by mp rank: only a changed layout gets here
+                raise FormatError(f"{source.label(files.prefix + expected)}: expert file is missing: expert {expert} "
+                                  f"(expert-parallel rank {ep_rank}) is saved by model-parallel rank "
+                                  f"{mp_of(ep_rank)}, but only {name} holds it")
             opened.append(_open_expert(source, index, files.prefix + name, archives, layer, expert))
             local = expert % layout.local_experts(prefix)
             want = {f"{prefix}{MARK}{expert}.{rest}": shape for rest, shape in shapes.get((prefix, local), {}).items()}

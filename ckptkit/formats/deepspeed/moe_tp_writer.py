@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UsageError, quote
+from ...errors import UnsupportedError, UsageError, quote
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
@@ -38,6 +38,7 @@ from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe import MARK
+from .moe_whole import is_whole
 from .moe_writer import MoeTarget, _files as moe_files
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .tp_writer import TpTarget, _local_group, _sizes, _Slicer
@@ -69,6 +70,10 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
 def write_moe_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
                       ctx: RunContext) -> list[str]:
     """Reshard a MoE + TP ZeRO-1/2 checkpoint to T mp ranks of W dp ranks, E expert-parallel (module docstring)."""
+    if is_whole(index):
+        raise UnsupportedError(f"{index.root}: resharding a MoE + TP checkpoint whose experts are whole "
+                               f"(MoE(enable_expert_tensor_parallelism=False)) is not supported yet; consolidate it "
+                               f"or convert it to torch, safetensors or DCP instead")
     info: ModelParallelInfo = index.native
     sizes = target_sizes(index, to)
     meta = index.metadata["deepspeed_moe"]

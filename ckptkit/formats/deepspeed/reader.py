@@ -31,7 +31,7 @@ from ...storage.source import Source
 from ...runner.torch_archive import Archive, load_structure, open_archive
 from ..torch_save.reader import materialize
 from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
-from . import model_parallel, moe, moe_pipeline, partition, standins
+from . import model_parallel, moe, moe_pipeline, moe_whole, partition, standins
 from .entries import entry, shape_of, tensor_of
 from .files import ZeroFiles, locate, optim_file_name
 from .flat_groups import RankFiles, read_flat_groups
@@ -56,7 +56,10 @@ def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None 
         if moe_pipeline.recorded_pp(subs[0]) is not None:  # MoE in a PipelineModule: mp rank = stage
             return moe_pipeline.join(source, files, subs)
         rules = tp_rules if tp_rules is not None else load_rules(chosen_rules_file())
-        return model_parallel.assemble(source, files, subs, rules)
+        index = model_parallel.assemble(source, files, subs, rules)
+        if files.whole_experts:  # each expert whole on one mp rank: read across them (moe_whole.py)
+            moe_whole.read_experts(source, files, index, subs)
+        return index
     return _read_one(source, files)
 
 
@@ -87,7 +90,9 @@ def _read_one(source: Source, files: ZeroFiles) -> CheckpointIndex:
     groups_meta, groups = (_stage12_groups if stage < 3 else _stage3_groups)(osd0, param_shapes, first_optim)
     ranks = RankFiles(files=files, archives=archives, optim=optim, world_size=world)
     flat_groups = groups
-    if files.expert_files:  # mixture of experts: moe.py reads the expert files and expert groups
+    if files.whole_experts:  # the expert groups span the mp ranks: moe_whole.py reads them after the join
+        flat_groups = moe_whole.dense_groups(groups_meta, groups)
+    elif files.expert_files:  # mixture of experts: moe.py reads the expert files and expert groups
         flat_groups, groups = moe.read_experts(source, index, stage, ranks, groups_meta, groups, m0, label)
     read_flat_groups(index, stage, ranks, flat_groups, stage_names(stage))
     if stage == 1:  # frozen params live only in `module`
