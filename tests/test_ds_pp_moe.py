@@ -5,7 +5,10 @@ bit against the truth of safe_get_full_fp32_param / safe_get_full_optimizer_stat
 pp and ep. reshard at a new ep and dp, the stages kept (moe_pipeline_writer.py), reads back equal,
 is DeepSpeed's own files at the same sizes, and DeepSpeed loads pp=2,ep=1,dp=2 (one launch,
 tests/dist/ds_pp_moe_load_check.py: every master, moment and module weight bit for bit, a
-train_batch); other sizes are refused in one sentence."""
+train_batch). At a new pp (2 -> 1) the layers move, the per-stage MoE layer ids of the expert files
+are renumbered: DeepSpeed loads pp=1,ep=2,dp=2 bit for bit, trains, and what it saves from it is
+our output object for object (one launch). A new pp that leaves a stage without MoE, and other
+sizes that cannot be written, are refused in one sentence."""
 from __future__ import annotations
 
 import json
@@ -120,7 +123,11 @@ def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["reshard", "--to", "pp=1,ep=2,dp=2"], "pipeline parallelism"),
+    (["reshard", "--to", "pp=3,ep=2,dp=2"], "new pipeline stage 2 (layers 3..3) would hold no MoE layer"),
+    (["reshard", "--to", "pp=4,ep=2,dp=2", "--partition-method", "uniform"], "would hold no MoE layer"),
+    (["reshard", "--to", "pp=5,ep=2,dp=2"], "has 4 layers, fewer than the 5 pipeline stages"),
+    (["reshard", "--to", "pp=1,ep=2,dp=2", "--partition-method", "type:Head", "--layer-types",
+      "Embed,MoEBlock*2,Head"], "do not split into its 2 stages"),
     (["reshard", "--to", "pp=2,ep=3,dp=3"], "has 4 experts"),
     (["reshard", "--to", "tp=2,pp=2,ep=2,dp=2"], "tensor parallelism"),
     (["convert", "--to", "zero2"], "mixture-of-experts"),
@@ -132,6 +139,57 @@ def test_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, args
     assert len(lines) == 1 and "Traceback" not in res.output, res.output
     assert needle in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to,ep,dp", [("pp=1,ep=2,dp=2", 2, 2), ("pp=1,ep=1,dp=3", 1, 3), ("pp=1,ep=4,dp=4", 4, 4)])
+def test_new_pp_reads_back_equal_with_expert_files_renumbered(tmp_path, to, ep, dp):
+    """pp 2 -> 1: the one stage holds both MoE layers, 1.moe as layer 0 and 2.moe as layer 1 (source:
+    layer 0 of stages 0 and 1); read back as a plain MoE checkpoint equal to the truth."""
+    res = _cli("reshard", PM_DATA / NAME, tmp_path / "out", "--to", to)
+    assert res.exit_code == 0, res.output
+    truth = _truth()
+    opened, tensors, _ = read_all(tmp_path / "out")
+    for p in _params(truth):
+        assert_tensor_equal(tensors[f"model.{p}"], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+        assert_tensor_equal(tensors[f"ds_module.{p}"], truth[f"module.{p}"], f"module {p}")
+    assert opened.index.metadata["deepspeed_moe"]["num_experts"] == {"1.moe": 4, "2.moe": 4}
+    tag = tmp_path / "out" / "global_step2"
+    assert sorted(p.name for p in tag.iterdir()) == sorted(
+        ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp)]
+        + [f"layer_{L}_expert_{e}_mp_rank_00_model_states.pt" for L in range(2) for e in range(4)])
+    for L, moe in enumerate(("1.moe", "2.moe")):
+        keys = torch.load(tag / f"layer_{L}_expert_3_mp_rank_00_model_states.pt", weights_only=True)
+        assert all(k.startswith(f"{moe}.deepspeed_moe.experts.deepspeed_experts.3.") for k in keys), keys
+    model = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)  # trusted: our output
+    assert model["num_experts"] == [4, 4] and model["checkpoint_parallel_dimensions"]["pp_degree"] == 1
+    assert list(model["module"]) == ["0.e.weight", "1.moe.deepspeed_moe.gate.wg.weight",
+                                     "2.moe.deepspeed_moe.gate.wg.weight", "3.h.weight", "3.h.bias"]
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_loads_the_moe_pipeline_at_a_new_pp_and_saves_our_files(tmp_path):
+    """pp 2 -> 1 (2 ranks): loaded bit for bit, one train_batch, and engine.save_checkpoint of what
+    it loaded (DeepSpeed's own files at pp=1) equals our output object for object."""
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    reshard(str(PM_DATA / NAME), str(out), "pp=1,ep=2,dp=2")
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(2) + [str(ROOT / "tests" / "dist" / "ds_pp_moe_load_check.py"), "--ckpt", str(out),
+                             "--fixture", NAME, "--pp", "1", "--ep", "2", "--result", str(result),
+                             "--save", str(saved)]
+    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                          timeout=600)
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
+    assert r["world_size"] == 2 and r["pp"] == 1 and r["trained_step"] and r["compared"] > 0
+    ours, theirs = out / "global_step2", saved / "global_step2"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for f in sorted(theirs.iterdir()):
+        # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): its save and our output
+        _same(torch.load(f, weights_only=False), torch.load(ours / f.name, weights_only=False), f.name)
 
 
 @pytest.mark.slow

@@ -1,15 +1,17 @@
-"""Multi-process check that DeepSpeed loads a MoE PipelineModule checkpoint at a new ep and dp.
+"""Multi-process check that DeepSpeed loads a MoE PipelineModule checkpoint at a new pp, ep and dp.
 
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node P*W \
-        tests/dist/ds_pp_moe_load_check.py --ckpt DIR --fixture NAME --ep E --result OUT.json
+        tests/dist/ds_pp_moe_load_check.py --ckpt DIR --fixture NAME [--pp P] --ep E --result OUT.json \
+        [--save DIR2]
 
 NAME is a fixture of fixtures/generate_ds_pp_moe.py (truth: fixtures/data/ds_pp_moe/NAME.truth.pt,
 PipelineModule names with global expert ids). Every rank builds the fixture's PipelineModule (its
-P stages) with MoE layers of ep_size E, its weights overwritten from another seed, the fixture's
+P stages, the fixture's or --pp) with MoE layers of ep_size E, its weights overwritten from another seed, the fixture's
 config with the batch for W = world / P, then ``engine.load_checkpoint(DIR)`` with optimizer
 states; every parameter of the rank's stage (local experts under their global ids) compared bit
 for bit with the truth through ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` and
-the module weight; one ``train_batch`` (finite loss, global_steps advances).
+the module weight; with --save, ``engine.save_checkpoint(DIR2)`` (DeepSpeed's own files at these
+sizes, for the caller to compare with ours); one ``train_batch`` (finite loss, global_steps advances).
 Rank 0 writes {"ok", "world_size", "ep", "compared", "mismatches", "trained_step", "error"}.
 """
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("--fixture", required=True)
     ap.add_argument("--ep", type=int, required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the fixture's)")
+    ap.add_argument("--save", default=None, help="after the comparison, DeepSpeed saves what it loaded here")
     args = ap.parse_args()
 
     import deepspeed
@@ -49,8 +53,9 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     stage, dtype, pp, _, _, blocks = gen.FIXTURES[args.fixture]
+    pp = args.pp or pp
     dp, ep = world // pp, args.ep
-    result: dict = {"ok": False, "world_size": world, "ep": ep, "compared": 0, "mismatches": [],
+    result: dict = {"ok": False, "world_size": world, "pp": pp, "ep": ep, "compared": 0, "mismatches": [],
                     "trained_step": False, "error": None}
     mismatches: list[str] = []
     compared = 0
@@ -94,6 +99,8 @@ def main() -> None:
             check(f"module.{gname}", p.data.clone(), truth[f"module.{gname}"])
         if int(engine.global_steps) != int(truth["global_steps"]):
             mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
+        if args.save:  # DeepSpeed's own files at these sizes, to compare ours with object for object
+            engine.save_checkpoint(args.save, tag=gen.TAG)
         before = int(engine.global_steps)
         loss = engine.train_batch(data_iter=gen.data_iter())
         trained = math.isfinite(float(loss)) and int(engine.global_steps) == before + 1

@@ -1,18 +1,28 @@
-"""Write a mixture-of-experts PipelineModule checkpoint (moe_pipeline.py) at a new expert-parallel
-and data-parallel size, the stages kept: `reshard --to pp=P,ep=E,dp=W` with P the source's
-(`--to N` keeps pp and ep, dp = N / P).
+"""Write a mixture-of-experts PipelineModule checkpoint (moe_pipeline.py) at new pipeline, expert-
+parallel and data-parallel sizes: `reshard --to pp=P,ep=E,dp=W` (`--to N` keeps pp and ep, dp = N / P).
 
 DeepSpeed 0.19 saves each stage s as a MoE checkpoint under model-parallel rank s, and its MoE
 groups are built inside each stage (groups._create_expert_and_data_parallel with the pipeline's
-stride): in stage s, dp rank d is expert-parallel rank d % E. So each stage is written as
+stride): in stage s, dp rank d is expert-parallel rank d % E. So each new stage is written as
 moe_writer.py writes a MoE checkpoint (its dense groups over W ranks, its expert groups over W/E),
-the files named with mp rank s; the stage's expert files are copied byte for byte (they do not
-change with ep or dp). Moving layers to other stages is not supported: MoE layer ids are counted
-per stage in the expert files' names.
+the files named with mp rank s, from a template joined from the source stages that held its layers
+(their modules, param_shapes and optimizer groups, in layer order).
+
+Which layers a new stage holds: PipelineModule's partition_method, ported in pipeline_partition.py
+(`--partition-method`, `--layer-types`). "parameters" counts each layer's trainable parameters as
+PipelineModule._count_layer_params does, on the layer built at the TARGET ep (a MoE layer builds
+num_experts / ep local experts); the method must give the source's own stages at the source's ep.
+Expert files keep their contents (global names) and are renamed: `layer_<L>_expert_<G>_mp_rank_<s>`
+counts L per stage (the stage's MoE layers in module order), so L and s are those of the new stage.
+A new stage without a MoE layer is refused: DeepSpeed 0.19.8's first train_batch hangs then
+(fixtures/generate_ds_pp_moe.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+from collections import OrderedDict
 from typing import Any
 
 from ...context import RunContext
@@ -24,19 +34,28 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from .files import optim_file_name
 from .group_plan import StatePlanner
+from .info import ZeroGroup, ZeroInfo
+from .moe import MARK
 from .moe_pipeline import PipelineMoeInfo, is_pipeline_moe
 from .moe_writer import MoeTarget, _files as moe_files
-from .tag_writer import keep_parallel_sizes, tag_name, write_tag, zero_config
+from .pipeline_partition import (chosen_layer_types, chosen_partition_method, is_type_method, partition,
+                                 type_weights)
+from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .templates import lazify, template_of
 
 __all__ = ["is_pipeline_moe", "write_pipeline_moe_zero"]
 
+EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+NO_MOE_STAGE = ("DeepSpeed 0.19.8 cannot train a MoE PipelineModule with a stage that holds no MoE layer (its first "
+                "train_batch hangs)")
+
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
-    """(P, E, W) from `--to`: P must be the source's; E must divide W and every layer's expert count."""
+    """(P, E, W) from `--to`: E must divide W and every layer's expert count."""
     info: PipelineMoeInfo = index.native
     meta = index.metadata["deepspeed_moe"]
-    sizes = keep_parallel_sizes(index, to, ParallelSizes(pp=info.pp, ep=int(meta["ep_size"])), resizable=("ep",),
-                                kind="mixture-of-experts PipelineModule")
+    sizes = keep_parallel_sizes(index, to, ParallelSizes(pp=info.pp, ep=int(meta["ep_size"])),
+                                resizable=("pp", "ep"), kind="mixture-of-experts PipelineModule")
     if sizes.dp % sizes.ep:
         raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel size (each "
                          f"expert-data-parallel group holds dp/ep ranks of a stage)")
@@ -48,22 +67,126 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     return sizes
 
 
+def _layer_of(name: str) -> int | None:
+    head, _, rest = name.partition(".")
+    return int(head) if head.isdigit() and rest else None
+
+
+def _layer_weights(index: CheckpointIndex, ep: int, count: int) -> list[int]:
+    """Trainable parameters of each layer as PipelineModule counts them when it builds the layer
+    at expert-parallel size `ep` (its local experts only)."""
+    weights = [0] * count
+    for key, entry in index.tensors.items():
+        if not key.startswith("model."):
+            continue
+        name = key[len("model."):]
+        i = _layer_of(name)
+        if i is None:
+            raise UnsupportedError(f"{index.root}: parameter {quote(name)} belongs to no PipelineModule layer (tied "
+                                   f"modules are not supported in a mixture-of-experts pipeline yet)")
+        numel = math.prod(entry.shape)
+        weights[i] += numel // ep if MARK in name else numel  # experts are equal: 1/ep of them per rank
+    return weights
+
+
+def new_parts(index: CheckpointIndex, pp: int, ep: int) -> list[int]:
+    """The new stages' boundaries, checked to give the source's stages at the source's sizes."""
+    info: PipelineMoeInfo = index.native
+    method, types = chosen_partition_method(), chosen_layer_types()
+    stage_of = {i: t["pp"]["stage"] for k, e in index.tensors.items() if k.startswith("model.")
+                for i, t in [(_layer_of(k[len("model."):]), e.attrs.get("parallel", {}))] if i is not None}
+    count = max(stage_of) + 1
+    if types is None and is_type_method(method):
+        raise UsageError(f"--partition-method {method}: {index.root} does not record its layers' class names, which "
+                         f"type: matches; give them with --layer-types (the PipelineModule's layers in order)")
+    if types is not None:
+        if len(types) < count:
+            raise UsageError(f"--layer-types names {len(types)} layers, but {index.root} holds state of layer "
+                             f"{count - 1}; give one name per PipelineModule layer")
+        count = len(types)
+    if pp > count:
+        raise UsageError(f"--to pp={pp}: {index.root} has {count} layers, fewer than the {pp} pipeline stages "
+                         f"asked for")
+
+    def weights(at_ep: int) -> list[int]:
+        return type_weights(method, types) if is_type_method(method) else _layer_weights(index, at_ep, count)
+
+    src = partition(method, weights(int(index.metadata["deepspeed_moe"]["ep_size"])), info.pp)
+    wrong = sorted(i for i, s in stage_of.items() if not src[s] <= i < src[s + 1])
+    if wrong:
+        raise UnsupportedError(f"{index.root}: its {count} layers do not split into its {info.pp} stages with "
+                               f"--partition-method {method} (layer {wrong[0]} is on stage {stage_of[wrong[0]]}, the "
+                               f"method gives stages at {src}); give the method the model uses")
+    return partition(method, weights(ep), pp)
+
+
+def _stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, align: int) -> tuple[ZeroInfo, dict]:
+    """A ZeroInfo whose templates are those of a MoE checkpoint of the layers `held`, joined from
+    the source stages (modules, param_shapes, groups in layer order), and its MoE layers' counts."""
+    info: PipelineMoeInfo = index.native
+    z0: ZeroInfo = info.ranks[0]
+    m0, marchive = template_of(z0, "model", min(z0.files.model_files))
+    o0, _ = template_of(z0, "optim", min(z0.files.optim_files))
+    model = lazify(m0, marchive, {})
+    module: OrderedDict = OrderedDict()
+    shapes: list[OrderedDict] = [OrderedDict() for _ in m0["param_shapes"]]
+    buffers: list[str] = []
+    groups: dict[int, list] = {}
+    for s in range(info.pp):
+        z: ZeroInfo = info.ranks[s]
+        ms, archive = template_of(z, "model", min(z.files.model_files))
+        lazy = lazify(ms, archive, {})
+        module.update((n, v) for n, v in lazy["module"].items() if _layer_of(n) in held)
+        for g, ps in enumerate(lazy["param_shapes"]):
+            shapes[g].update((n, v) for n, v in ps.items() if _layer_of(n) in held)
+        buffers += [b for b in z.buffers if _layer_of(b) in held]
+        for group in z.groups:
+            groups.setdefault(group.index, []).extend(p for p in group.params if _layer_of(p[0]) in held)
+    counts = {p: n for p, n in sorted(index.metadata["deepspeed_moe"]["num_experts"].items(),
+                                      key=lambda kv: _layer_of(kv[0]) or 0) if _layer_of(p) in held}
+    if not counts:
+        raise UnsupportedError(f"--to pp={pp}: new pipeline stage {stage} (layers {held.start}..{held.stop - 1}) "
+                               f"would hold no MoE layer, and {NO_MOE_STAGE}; choose a pp (or --partition-method) "
+                               f"that gives every stage a MoE layer")
+    model.update(module=module, param_shapes=shapes, buffer_names=buffers, num_experts=list(counts.values()),
+                 mp_world_size=pp)
+    if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+        model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "pp_degree": pp}
+    dense = [ZeroGroup(index=g.index, param_group=g.param_group, params=tuple(groups[g.index]),
+                       paddings=None if g.paddings is None else
+                       tuple(alignment_paddings([sh for _, sh in groups[g.index]], align)))
+             for g in z0.groups]
+    optim = dict(o0)
+    osd = dict(o0["optimizer_state_dict"])
+    if isinstance(osd.get("param_alignment_paddings"), list):
+        osd["param_alignment_paddings"] = [alignment_paddings([tuple(v) for v in ps.values()], align)
+                                           for ps in shapes]
+    optim["optimizer_state_dict"] = osd
+    zinfo = dataclasses.replace(z0, groups=dense, buffers=buffers, model_states={min(z0.files.model_files): model},
+                                optim_states={min(z0.files.optim_files): optim})
+    return zinfo, counts
+
+
 def write_pipeline_moe_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
                             ctx: RunContext) -> list[str]:
-    """Each stage laid out by the MoE writer at E and W, under its mp rank (module docstring)."""
+    """Each new stage laid out by the MoE writer at E and W, under its mp rank (module docstring)."""
     info: PipelineMoeInfo = index.native
     sizes = target_sizes(index, to)
     if sizes.tp != 1:
         raise UnsupportedError(f"--to {sizes}: adding tensor parallelism to the mixture-of-experts PipelineModule "
                                f"checkpoint {index.root} is not supported yet")
+    z0: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
-    tag = tag_name(info.ranks[0].files.tag, index)
+    parts = new_parts(index, sizes.pp, sizes.ep)
+    align = alignment(zero_cfg, z0.dtype)
+    tag = tag_name(z0.files.tag, index)
     fetcher = Fetcher(source, index=index)
+    layer_id = _source_layer_ids(index)   # (source stage, L) -> MoE prefix
     files: dict[str, tuple[Any, Fetcher]] = {}
     copied: list[tuple[str, str]] = []
-    for stage in range(info.pp):
-        zinfo = info.ranks[stage]
-        moe = {**index.metadata["deepspeed_moe"], "num_experts": info.num_experts[stage]}
+    for stage in range(sizes.pp):
+        zinfo, counts = _stage_template(index, range(parts[stage], parts[stage + 1]), stage, sizes.pp, align)
+        moe = {**index.metadata["deepspeed_moe"], "num_experts": counts}
         stage_index = dataclasses.replace(index, metadata={**index.metadata, "deepspeed_moe": moe})
         for name, structure in moe_files(stage_index, zinfo, MoeTarget(ep=sizes.ep, world=sizes.dp), tag, zero_cfg,
                                          StatePlanner(stage_index, fetcher)).items():
@@ -72,6 +195,26 @@ def write_pipeline_moe_zero(out: Output, index: CheckpointIndex, source: Source,
                 files[f"{tag}/mp_rank_{stage:02d}_model_states.pt"] = (structure, fetcher)
             else:
                 d = int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])
-                files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=stage)}"] = (structure, fetcher)
-        copied += [(zinfo.files.prefix + n, f"{tag}/{n}") for n in sorted(zinfo.files.expert_files)]
-    return write_tag(out, source, tag, files, ctx, copied=copied, scripts=info.ranks[0].files.tag is not None)
+                files[f"{tag}/{optim_file_name(d, z0.files.bf16_prefix, mp_rank=stage)}"] = (structure, fetcher)
+        new_id = {prefix: n for n, prefix in enumerate(counts)}
+        for (src_stage, _), (rel, expert, prefix) in sorted(layer_id.items()):
+            if prefix in new_id:
+                copied.append((rel, f"{tag}/layer_{new_id[prefix]}_expert_{expert}_mp_rank_{stage:02d}_model_states.pt"))
+    copied.sort(key=lambda c: c[1])
+    return write_tag(out, source, tag, files, ctx, copied=copied, scripts=z0.files.tag is not None)
+
+
+def _source_layer_ids(index: CheckpointIndex) -> dict[tuple[int, str], tuple[str, int, str]]:
+    """Each source expert file (stage, name) -> (its path, expert id, MoE prefix): its L-th MoE
+    layer is the stage's L-th in module order."""
+    info: PipelineMoeInfo = index.native
+    out: dict[tuple[int, str], tuple[str, int, str]] = {}
+    for stage, zinfo in info.ranks.items():
+        prefixes = sorted(info.num_experts[stage], key=lambda p: _layer_of(p) or 0)
+        for name in zinfo.files.expert_files:
+            m = EXPERT_FILE.match(name)
+            if m is None or int(m.group(1)) >= len(prefixes):
+                raise UnsupportedError(f"{index.root}: expert file {quote(name)} of pipeline stage {stage} names a "
+                                       f"MoE layer the stage does not have ({len(prefixes)} MoE layers)")
+            out[(stage, name)] = (zinfo.files.prefix + name, int(m.group(2)), prefixes[int(m.group(1))])
+    return out
