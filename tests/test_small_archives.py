@@ -8,6 +8,7 @@ is 100k archives to open while indexing).
 from __future__ import annotations
 
 import io
+import pathlib
 import struct
 import zipfile
 
@@ -121,3 +122,50 @@ def test_a_refused_pickle_is_never_remembered():
         with pytest.raises(FormatError, match="the pickle expects 16"):
             ta.load_structure(ta.open_archive(BytesSource(short, "c"), "", 0, len(short)), memo=memo)
     ta.load_structure(ta.open_archive(BytesSource(good, "a"), "", 0, len(good)), memo=memo)
+
+
+def _item_bytes(fetcher, entry) -> bytes:
+    from ckptkit.formats.torch_save.archive_writer import LazyTensor, write_archive_to
+
+    buf = io.BytesIO()
+    write_archive_to(buf, LazyTensor(entry), fetcher, slab_bytes=1 << 20)
+    return buf.getvalue()
+
+
+def test_items_from_templates_are_zipfiles_bytes(monkeypatch):
+    """A DCP item written from its template equals, byte for byte, what zipfile writes for it, for
+    every tensor of a real checkpoint (dtypes, shapes, empty tensors); and torch loads it."""
+    from ckptkit.formats.registry import open_checkpoint
+    from ckptkit.formats.torch_save import archive_writer as aw
+    from ckptkit.runner.fetch import Fetcher
+
+    opened = open_checkpoint(str(pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "data" / "fsdp2_w2"))
+    fetcher = Fetcher(opened.source, index=opened.index)
+    entries = [e for e in opened.index.tensors.values() if e.nbytes <= aw.SMALL_ARCHIVE]
+    assert len(entries) > 10
+    used = []
+    real = aw._write_from_template
+    monkeypatch.setattr(aw, "_write_from_template", lambda *a: used.append(real(*a)) or used[-1])
+    fast = [_item_bytes(fetcher, e) for e in entries]
+    assert sum(used) == len(entries)  # every one took the template
+    monkeypatch.setattr(aw, "_write_from_template", lambda *a: False)
+    slow = [_item_bytes(fetcher, e) for e in entries]
+    assert fast == slow
+    for entry, data in zip(entries, fast):
+        assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), fetcher.fetch(entry))
+
+
+def test_a_template_that_zipfile_disagrees_with_is_not_used(monkeypatch):
+    from ckptkit.formats.torch_save import archive_writer as aw
+
+    monkeypatch.setattr(aw, "_TEMPLATES", {})
+    real = aw._zip_of
+    calls = []
+
+    def drifting(pickle_bytes, data):  # zipfile writing something the template cannot follow
+        calls.append(1)
+        return real(pickle_bytes, data) + (b"" if len(calls) == 1 else b"!")
+
+    monkeypatch.setattr(aw, "_zip_of", drifting)
+    assert aw._template(b"\x80\x02N.", 16) is None
+    assert aw._TEMPLATES[(b"\x80\x02N.", 16)] is None

@@ -10,7 +10,9 @@ holds torch tensors.
 from __future__ import annotations
 
 import io
+import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -187,6 +189,9 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
     if payload > min(SMALL_ARCHIVE, slab_bytes):
         _write_zip(_Window(f), f, builder, pickle_bytes, fetcher, slab_bytes, progress)
         return
+    if type(structure) is LazyTensor and _write_from_template(f, builder, pickle_bytes, payload, fetcher):
+        progress.advance(payload)
+        return
     buf = io.BytesIO()  # same offsets as the window: both start at 0
     _write_zip(buf, None, builder, pickle_bytes, fetcher, slab_bytes, progress)
     f.write(buf.getvalue())
@@ -211,6 +216,98 @@ def _lone_tensor_pickle(structure: LazyTensor, builder: _Builder) -> bytes:
     if len(_LONE_TENSOR_PICKLES) < _LONE_TENSOR_ENTRIES:
         _LONE_TENSOR_PICKLES[key] = data
     return data
+
+
+class _Template:
+    """The bytes zipfile writes for an archive of one storage record of `nbytes`, with the two
+    places that depend on the record's bytes: its CRC32 (local header and central directory) and
+    its data. Made by zipfile itself and checked against it before use (see _template)."""
+
+    def __init__(self, blank: bytes, data_at: int, nbytes: int, crc_at: tuple[int, int]) -> None:
+        self.blank, self.data_at, self.nbytes, self.crc_at = blank, data_at, nbytes, crc_at
+
+    def fill(self, data: bytes) -> bytes:
+        out = bytearray(self.blank)
+        out[self.data_at:self.data_at + self.nbytes] = data
+        crc = _CRC.pack(zlib.crc32(data))
+        for at in self.crc_at:
+            out[at:at + 4] = crc
+        return bytes(out)
+
+
+_CRC = struct.Struct("<I")
+# archives of one storage record by (data.pkl, record bytes): None where zipfile's bytes did not
+# follow the template (then zipfile writes every such archive)
+_TEMPLATES: dict[tuple[bytes, int], _Template | None] = {}
+_TEMPLATE_ENTRIES = 4096
+
+
+def _zip_of(pickle_bytes: bytes, data: bytes) -> bytes:
+    """What _write_zip writes for data.pkl and one storage record holding `data`."""
+    builder = _Builder()
+    builder.slots.append(_Slot("0", "uint8", len(data), None, data))
+    buf = io.BytesIO()
+    _write_zip(buf, None, builder, pickle_bytes, None, 1 << 20, NullProgress())  # type: ignore[arg-type]
+    return buf.getvalue()
+
+
+def _template(pickle_bytes: bytes, nbytes: int) -> _Template | None:
+    """The template for this data.pkl and record size, made once: zipfile writes the archive
+    for zero bytes, the record's data and CRC fields are found from the zip directory, and the
+    template must then give exactly zipfile's bytes for a second, different record."""
+    key = (pickle_bytes, nbytes)
+    if key in _TEMPLATES:
+        return _TEMPLATES[key]
+    from ...runner.torch_archive import _plain_directory
+
+    blank = _zip_of(pickle_bytes, bytes(nbytes))
+    made = None
+    found = _plain_directory(blank)
+    records = [e for e in found[0] if e.filename == f"{ROOT}/data/0"] if found is not None else []
+    if len(records) == 1:
+        entry = records[0]
+        name_len, extra_len = struct.unpack_from("<HH", blank, entry.header_offset + 26)
+        data_at = entry.header_offset + 30 + name_len + extra_len
+        central_crc = _central_crc_at(blank, found[1], f"{ROOT}/data/0")
+        if central_crc is not None:
+            candidate = _Template(blank, data_at, nbytes, (entry.header_offset + 14, central_crc))
+            probe = bytes((i * 7 + 1) % 251 for i in range(nbytes))
+            if candidate.fill(probe) == _zip_of(pickle_bytes, probe):
+                made = candidate
+    if len(_TEMPLATES) < _TEMPLATE_ENTRIES:
+        _TEMPLATES[key] = made
+    return made
+
+
+def _central_crc_at(blank: bytes, start: int, name: str) -> int | None:
+    """Where the CRC32 of member `name` lies in the central directory starting at `start`."""
+    at = start
+    raw = name.encode()
+    while blank[at:at + 4] == b"PK\x01\x02":
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", blank, at + 28)
+        if blank[at + 46:at + 46 + name_len] == raw:
+            return at + 16
+        at += 46 + name_len + extra_len + comment_len
+    return None
+
+
+def _write_from_template(f: Any, builder: _Builder, pickle_bytes: bytes, payload: int, fetcher: Fetcher) -> bool:
+    """A small archive of one LazyTensor (a DCP item) from its template: its bytes read from
+    their ranges, the CRC computed, no zipfile. False where there is no template or the bytes
+    are not plain ranges (zipfile then writes it)."""
+    if len(builder.slots) != 1 or builder.slots[0].lazy is None:
+        return False
+    template = _template(pickle_bytes, payload)
+    if template is None:
+        return False
+    ranges = fetcher.byte_ranges(builder.slots[0].lazy)
+    if ranges is None:
+        return False
+    data = kernel_copy.read(fetcher.source, ranges)
+    if len(data) != payload:
+        return False
+    f.write(template.fill(data))
+    return True
 
 
 def _write_zip(zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher,
