@@ -11,6 +11,7 @@ torch.save's own pickler.
 """
 from __future__ import annotations
 
+import gc
 import io
 import pickle
 import struct
@@ -139,6 +140,7 @@ def _fast_dumps(obj: Any) -> bytes | None:
     out: list[bytes] = [pickle.PROTO + b"\x02"]
     write = out.append
     memo: dict[int, tuple[int, Any]] = {}
+    class_refs: dict[str, GlobalRef] = {}  # (GlobalRef interns: one object per name, as FaithfulPickler finds)
     pack_b, pack_i, pack_I = struct.Struct("<B").pack, struct.Struct("<i").pack, struct.Struct("<I").pack
     pack_H, pack_d = struct.Struct("<H").pack, struct.Struct(">d").pack
 
@@ -198,6 +200,20 @@ def _fast_dumps(obj: Any) -> bytes | None:
                 return
             save_tuple(o)
             return
+        if t is dict or t is list:  # (memoized, so looked up first, as pickle does)
+            x = memo.get(id(o))
+            if x is not None:
+                write(get(x[0]))
+                return
+            if t is dict:
+                write(pickle.EMPTY_DICT)
+                memoize(o)
+                batches(list(o.items()), True)
+            else:
+                write(pickle.EMPTY_LIST)
+                memoize(o)
+                batches(o, False)
+            return
         if o is None:
             write(pickle.NONE)
             return
@@ -223,20 +239,7 @@ def _fast_dumps(obj: Any) -> bytes | None:
         if isinstance(o, Inert):
             save_inert(o)
             return
-        x = memo.get(id(o))
-        if x is not None:
-            write(get(x[0]))
-            return
-        if t is dict:
-            write(pickle.EMPTY_DICT)
-            memoize(o)
-            batches(list(o.items()), True)
-        elif t is list:
-            write(pickle.EMPTY_LIST)
-            memoize(o)
-            batches(o, False)
-        else:
-            raise _Unsupported(t)
+        raise _Unsupported(t)
 
     def save_tuple(o: tuple) -> None:
         if not o:
@@ -280,23 +283,31 @@ def _fast_dumps(obj: Any) -> bytes | None:
         if x is not None:
             write(get(x[0]))
             return
-        module, _, name = o._qualname.rpartition(".")
-        save_global_ref(GlobalRef(module, name))
+        ref = class_refs.get(o._qualname)
+        if ref is None:
+            module, _, name = o._qualname.rpartition(".")
+            ref = class_refs[o._qualname] = GlobalRef(module, name)
+        save_global_ref(ref)
         if "_args" in o.__dict__:
             save(tuple(o.__dict__["_args"]))
             write(pickle.REDUCE)
         else:
-            save(())
-            write(pickle.NEWOBJ)
+            write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)  # save(()): the empty tuple is never memoized
         memoize(o)
         state = o.__dict__.get("_state", o._public_state())
         if state or "_state" in o.__dict__:
             save(state)
             write(pickle.BUILD)
 
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()  # a million new objects held by the memo, none in a cycle: the collector only costs time
     try:
         save(obj)
     except (_Unsupported, RecursionError):
         return None
+    finally:
+        if collecting:
+            gc.enable()
     write(pickle.STOP)
     return b"".join(out)
