@@ -220,3 +220,49 @@ def test_pp_degree_that_lies_is_one_sentence(tmp_path):
     assert res.exit_code == 2, res.output
     assert "pp_degree says 3 pipeline stages" in res.output and "mp_rank_00_model_states.pt" in res.output
     assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+MOE4 = "ppmoe_z1_fp32_pp2_ep2_w4_moe4"   # Embed, MoEBlock*2 | MoEBlock*2, Head: MoE layer ids 0, 1 per stage
+
+
+@pytest.mark.skipif(not (PM_DATA / MOE4).is_dir(), reason="run fixtures/generate_ds_pp_moe.py")
+@pytest.mark.parametrize("to,method,stages", [
+    ("pp=3,ep=2,dp=2", "uniform", [["1.moe"], ["2.moe", "3.moe"], ["4.moe"]]),   # uniform: [0, 2, 4, 6]
+    ("pp=4,ep=2,dp=4", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
+    ("pp=4,ep=1,dp=1", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
+    ("pp=1,ep=4,dp=4", "parameters", [["1.moe", "2.moe", "3.moe", "4.moe"]]),
+])
+def test_new_pp_moves_moe_layers_and_renumbers_their_expert_files(tmp_path, to, method, stages):
+    """Each new stage's expert files count its own MoE layers from 0 (layer_<L>_..._mp_rank_<stage>),
+    holding the global names they held before; reads back equal to the truth."""
+    res = _cli("reshard", PM_DATA / MOE4, tmp_path / "out", "--to", to, "--partition-method", method)
+    assert res.exit_code == 0, res.output
+    truth = torch.load(PM_DATA / f"{MOE4}.truth.pt", weights_only=True)
+    opened, tensors, _ = read_all(tmp_path / "out")
+    for p in _params(truth):
+        assert_tensor_equal(tensors[f"model.{p}"], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+    tag = tmp_path / "out" / "global_step2"
+    experts = sorted(p.name for p in tag.iterdir() if p.name.startswith("layer_"))
+    assert experts == sorted(f"layer_{L}_expert_{e}_mp_rank_{s:02d}_model_states.pt"
+                             for s, moes in enumerate(stages) for L in range(len(moes)) for e in range(4))
+    for s, moes in enumerate(stages):
+        for L, moe in enumerate(moes):
+            keys = torch.load(tag / f"layer_{L}_expert_2_mp_rank_{s:02d}_model_states.pt", weights_only=True)
+            assert keys and all(k.startswith(f"{moe}.deepspeed_moe.experts.deepspeed_experts.2.") for k in keys)
+        model = torch.load(tag / f"mp_rank_{s:02d}_model_states.pt", weights_only=False)  # trusted: our output
+        assert model["num_experts"] == [4] * len(moes) and model["mp_world_size"] == len(stages)
+
+
+@pytest.mark.skipif(not (PM_DATA / MOE4).is_dir(), reason="run fixtures/generate_ds_pp_moe.py")
+@needs_deepspeed
+def test_same_sizes_rewrite_of_two_moe_layers_per_stage_is_deepspeeds_own_files(tmp_path):
+    res = _cli("reshard", PM_DATA / MOE4, tmp_path / "out", "--to", "pp=2,ep=2,dp=2")
+    assert res.exit_code == 0, res.output
+    src = PM_DATA / MOE4 / "global_step2"
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
+        sorted(p.name for p in src.iterdir())
+    for f in sorted(src.iterdir()):
+        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
+                                                            weights_only=False), f.name)

@@ -2,7 +2,7 @@
 
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node P*W \
         tests/dist/ds_pp_moe_load_check.py --ckpt DIR --fixture NAME [--pp P] --ep E --result OUT.json \
-        [--save DIR2]
+        [--partition-method M] [--save DIR2]
 
 NAME is a fixture of fixtures/generate_ds_pp_moe.py (truth: fixtures/data/ds_pp_moe/NAME.truth.pt,
 PipelineModule names with global expert ids). Every rank builds the fixture's PipelineModule (its
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--ep", type=int, required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the fixture's)")
+    ap.add_argument("--partition-method", default="uniform", help="the PipelineModule's (the fixtures': uniform)")
     ap.add_argument("--save", default=None, help="after the comparison, DeepSpeed saves what it loaded here")
     args = ap.parse_args()
 
@@ -61,7 +62,7 @@ def main() -> None:
     compared = 0
     try:
         truth = torch.load(REPO / "fixtures" / "data" / "ds_pp_moe" / f"{args.fixture}.truth.pt", weights_only=False)
-        model = gen.build_pipeline(pp, ep, blocks)
+        model = gen.build_pipeline(pp, ep, blocks, args.partition_method)
         g = torch.Generator().manual_seed(999)
         with torch.no_grad():
             for p in model.parameters():
