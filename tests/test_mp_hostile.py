@@ -97,6 +97,18 @@ def _copied_changed(name: str, as_name: str) -> Callable[[Path], None]:
     return craft
 
 
+PP_MOE = "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4"
+
+
+def _swap_stages(folder: Path) -> None:
+    """Every file of stage 0 renamed as stage 1's and back: layers 0-1 on stage 1, 2-3 on stage 0."""
+    for path in sorted((folder / TAG).glob("*mp_rank_00*")):
+        other = path.with_name(path.name.replace("mp_rank_00", "mp_rank_01"))
+        path.rename(path.with_name("swap"))
+        other.rename(path)
+        path.with_name("swap").rename(other)
+
+
 WHOLE = "ds_moe_tp/moetp_noexptp_z2_fp32_tp2_ep2_w4"
 WHOLE_2 = "layer_0_expert_2_mp_rank_01_model_states.pt"
 WHOLE_2_ON_0 = "layer_0_expert_2_mp_rank_00_model_states.pt"
@@ -162,6 +174,19 @@ CASES = [
      [WHOLE_2, "expert file is missing", "4 experts"]),
     ("moetp-whole-expert-on-another-mp-rank", WHOLE, _moved(WHOLE_2, WHOLE_2_ON_0), ["inspect", "SRC"],
      [WHOLE_2, "expert file is missing", "model-parallel rank 1", WHOLE_2_ON_0]),
+    # MoE inside a PipelineModule, resharded to a new pp: stages that the partition method does not give
+    ("ppmoe-stages-swapped", PP_MOE, _swap_stages, ["reshard", "SRC", "OUT", "--to", "pp=1,ep=2,dp=2"],
+     ["do not split into its 2 stages", "layer 0 is on stage 1", "--partition-method parameters"]),
+    ("ppmoe-layer-types-too-few", PP_MOE, lambda f: None,
+     ["reshard", "SRC", "OUT", "--to", "pp=1,ep=2,dp=2", "--layer-types", "Embed,MoEBlock"],
+     ["--layer-types names 2 layers", "layer 3"]),
+    ("ppmoe-type-method-without-layer-types", PP_MOE, lambda f: None,
+     ["reshard", "SRC", "OUT", "--to", "pp=1,ep=2,dp=2", "--partition-method", "type:MoE"],
+     ["type:MoE", "--layer-types"]),
+    ("ppmoe-expert-of-the-other-stages-layer", PP_MOE,
+     _copy_as("layer_0_expert_0_mp_rank_00_model_states.pt", "layer_0_expert_0_mp_rank_01_model_states.pt"),
+     ["reshard", "SRC", "OUT", "--to", "pp=1,ep=2,dp=2"],
+     ["layer_0_expert_0_mp_rank_01_model_states.pt", "2.moe.deepspeed_moe.experts.deepspeed_experts.0.fc1.weight"]),
     ("moetp-whole-expert-on-two-mp-ranks", WHOLE, _copied_changed(WHOLE_2, WHOLE_2_ON_0),
      ["reshard", "SRC", "OUT", "--to", "4"], [WHOLE_2_ON_0, "expert 2", "ranks [0, 1]", "exactly one"]),
 ]

@@ -134,6 +134,11 @@ def _stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, al
     groups: dict[int, list] = {}
     for s in range(info.pp):
         z: ZeroInfo = info.ranks[s]
+        if [(g.index, g.param_group) for g in z.groups] != [(g.index, g.param_group) for g in z0.groups]:
+            raise UnsupportedError(f"{index.root}: pipeline stage {s}'s dense optimizer groups "
+                                   f"{[g.index for g in z.groups]} are not stage 0's {[g.index for g in z0.groups]}, "
+                                   f"so its layers cannot join another stage's groups; resharding it to a new pp is "
+                                   f"not supported")
         ms, archive = template_of(z, "model", min(z.files.model_files))
         lazy = lazify(ms, archive, {})
         module.update((n, v) for n, v in lazy["module"].items() if _layer_of(n) in held)
