@@ -24,6 +24,7 @@ from .deepspeed import pipeline_writer as ds_pp_writer
 from .deepspeed import moe as ds_moe
 from .deepspeed import moe_pipeline_writer as ds_moe_pp_writer
 from .deepspeed import moe_tp_writer as ds_moe_tp_writer
+from .deepspeed import moe_whole_writer as ds_moe_whole_writer
 from .deepspeed import reader as ds_reader
 from .deepspeed.moe_writer import write_moe_zero
 from .deepspeed import tp_writer as ds_tp_writer
@@ -136,6 +137,8 @@ class DeepSpeedFormat:
             return ds_pp_writer.write_pp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_moe_pp_writer.is_pipeline_moe(opened.index):  # MoE in a PipelineModule: --to N keeps pp and ep
             return ds_moe_pp_writer.write_pipeline_moe_zero(out, opened.index, opened.source, world_size, ctx=ctx)
+        if ds_moe_whole_writer.is_moe_whole_tp(opened.index):  # whole experts with tp: --to N keeps tp and ep
+            return ds_moe_whole_writer.write_whole_experts(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_moe_tp_writer.is_moe_tp(opened.index):  # experts with tp: --to N keeps tp and ep
             return ds_moe_tp_writer.write_moe_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(opened.index):  # --to N keeps the source's tp
@@ -151,6 +154,8 @@ class DeepSpeedFormat:
             return ds_pp_writer.write_pp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_moe_pp_writer.is_pipeline_moe(index):  # MoE in a PipelineModule: pp=P (the source's),ep=E,dp=W
             return ds_moe_pp_writer.write_pipeline_moe_zero(out, index, opened.source, sizes, ctx=ctx)
+        if ds_moe_whole_writer.is_moe_whole_tp(index):  # whole experts (no expert TP): tp=T,ep=E,dp=W
+            return ds_moe_whole_writer.write_whole_experts(out, index, opened.source, sizes, ctx=ctx)
         if ds_moe_tp_writer.is_moe_tp(index):  # experts with tensor parallelism: tp=T,ep=E,dp=W
             return ds_moe_tp_writer.write_moe_tp_zero(out, index, opened.source, sizes, ctx=ctx)
         if ds_tp_writer.is_tensor_parallel(index):  # tensor parallel: tp=T,dp=W

@@ -1,11 +1,13 @@
 """Multi-process check that DeepSpeed loads a MoE + tensor-parallel checkpoint at new tp, ep and dp.
 
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node T*W \
-        tests/dist/ds_moe_tp_load_check.py --ckpt DIR --fixture NAME --tp T --ep E --result OUT.json
+        tests/dist/ds_moe_tp_load_check.py --ckpt DIR --fixture NAME --tp T --ep E --result OUT.json \
+        [--whole-experts]
 
 NAME is a fixture of fixtures/generate_ds_moe_tp.py (truth: fixtures/data/ds_moe_tp/NAME.truth.pt,
 full tensors under global expert names). Every rank builds fixtures/ds_moe_tp_models.py's model at
-tp T and ep E with MPU(T), its weights then overwritten from another seed (nothing passes by
+tp T and ep E with MPU(T) (--whole-experts: enable_expert_tensor_parallelism=False, the experts
+whole and the ep rank DeepSpeed's legacy grouping gives, global rank % E), its weights then overwritten from another seed (nothing passes by
 accident), the fixture's DeepSpeed config with the batch for W = world / T, then:
 
 1. ``engine.load_checkpoint(DIR)`` with optimizer and scheduler states;
@@ -42,13 +44,15 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--ep", type=int, required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--whole-experts", action="store_true",
+                    help="MoE(enable_expert_tensor_parallelism=False): experts whole, ep rank = global rank % E")
     args = ap.parse_args()
 
     import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.moe.utils import is_moe_param
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     import ds_moe_tp_models as m
     import generate_ds_moe_tp as gen
@@ -64,15 +68,18 @@ def main() -> None:
     try:
         truth = torch.load(REPO / "fixtures" / "data" / "ds_moe_tp" / f"{args.fixture}.truth.pt", weights_only=False)
         mpu = m.MPU(tp)
-        model = m.make_model(tp, ep, mpu)
+        expert_tp = not args.whole_experts
+        model = m.make_model(tp, ep, mpu, expert_tp)
         tp_rank, dp_rank = mpu.get_model_parallel_rank(), mpu.get_data_parallel_rank()
-        ep_rank = dp_rank % ep
+        ep_rank = m.expert_parallel_rank(tp, ep, mpu, expert_tp)
         g = torch.Generator().manual_seed(999)
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=g))
         cfg = gen.ds_config(stage, dtype, world // tp)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=m.param_groups(model), config=cfg, mpu=mpu)
+        if ep_rank != groups._get_expert_parallel_rank(model.layers[0].mlp.expert_group_name):
+            raise RuntimeError(f"rank {rank}: DeepSpeed's expert-parallel rank is not {ep_rank}")
         path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
@@ -95,7 +102,7 @@ def main() -> None:
             gname = m.global_name(pname, ep_rank, m.NUM_EXPERTS // ep) if is_moe_param(p) else pname
 
             def cut(full):
-                return m.slice_of(full, m.split_of(pname), tp_rank, tp)
+                return m.slice_of(full, m.split_of(pname, expert_tp), tp_rank, tp)
             check(f"fp32.{gname}", safe_get_full_fp32_param(p), cut(truth[f"fp32.{gname}"]))
             for key in ("exp_avg", "exp_avg_sq"):
                 check(f"{key}.{gname}", safe_get_full_optimizer_state(p, key), cut(truth[f"{key}.{gname}"]))
@@ -110,6 +117,7 @@ def main() -> None:
         mine = (compared, mismatches, trained)
     except Exception as exc:
         result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        print(result["error"], file=sys.stderr)
         Path(args.result).write_text(json.dumps(result, indent=1))
         sys.stdout.flush()
         os._exit(3)

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UnsupportedError, UsageError, quote
+from ...errors import UsageError, quote
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
@@ -45,8 +45,9 @@ from .tp_writer import TpTarget, _local_group, _sizes, _Slicer
 
 
 def is_moe_tp(index: CheckpointIndex) -> bool:
-    """A tensor-parallel checkpoint with experts (tp_writer alone would drop the expert files)."""
-    return isinstance(index.native, ModelParallelInfo) and "deepspeed_moe" in index.metadata
+    """A tensor-parallel checkpoint with experts (tp_writer alone would drop the expert files), each
+    expert sliced over tp (whole experts: moe_whole_writer.py)."""
+    return isinstance(index.native, ModelParallelInfo) and "deepspeed_moe" in index.metadata and not is_whole(index)
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
@@ -70,10 +71,6 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
 def write_moe_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
                       ctx: RunContext) -> list[str]:
     """Reshard a MoE + TP ZeRO-1/2 checkpoint to T mp ranks of W dp ranks, E expert-parallel (module docstring)."""
-    if is_whole(index):
-        raise UnsupportedError(f"{index.root}: resharding a MoE + TP checkpoint whose experts are whole "
-                               f"(MoE(enable_expert_tensor_parallelism=False)) is not supported yet; consolidate it "
-                               f"or convert it to torch, safetensors or DCP instead")
     info: ModelParallelInfo = index.native
     sizes = target_sizes(index, to)
     meta = index.metadata["deepspeed_moe"]

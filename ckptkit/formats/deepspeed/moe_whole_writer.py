@@ -1,0 +1,161 @@
+"""Write a DeepSpeed MoE + TP checkpoint whose experts are whole (`MoE(...,
+enable_expert_tensor_parallelism=False)` under an mpu, moe_whole.py's layout) at new sizes:
+`reshard --to tp=T,ep=E,dp=W` (`--to N` keeps tp and ep).
+
+Target rank r = t + T*d (tp rank t, dp rank d, W dp ranks, T*W ranks in all) writes
+  zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
+      its dense groups: partition d of W of tp lane t's slices (as tp_writer / moe_tp_writer);
+      its expert groups: partition r // E of T*W/E of ep rank r % E's local experts, whole
+and dp rank 0 of lane t writes mp_rank_<t>_model_states.pt (lane t's module slices, param_shapes
+naming E's local experts, mp_world_size T, dp_world_size W). Expert G (ep rank e) is saved by
+global rank e, mp rank e % T: its file, the same bytes at any size, is copied under that name.
+
+Both partitions come from moe_writer's layout of one tp lane's slice index (moe_tp_writer's
+_Slicer and templates): once over the W dp ranks (the dense groups) and once over all T*W ranks
+as ep E (the expert groups and the model file), each file taking its groups from the layout they
+belong to.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...context import RunContext
+from ...errors import UsageError, quote
+from ...index.parallel_spec import ParallelSizes
+from ...index.types import CheckpointIndex
+from ...runner.fetch import Fetcher
+from ...storage.commit import Output
+from ...storage.source import Source
+from .files import EXPERT_ID, optim_file_name
+from .group_plan import StatePlanner
+from .info import ZeroInfo
+from .model_parallel import ModelParallelInfo
+from .moe_whole import is_whole
+from .moe_tp_writer import _module_slices, _rank_templates
+from .moe_writer import MoeTarget, _files as moe_files
+from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tp_writer import TpTarget, _sizes, _Slicer
+
+# the per-group entries of a stage 1/2 optimizer_state_dict, one item per group
+PER_GROUP = ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings",
+             "param_alignment_paddings")
+
+
+def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
+    """(T, E, W) from `--to`: E must divide the T*W ranks (DeepSpeed's expert groups are consecutive
+    global ranks) and every MoE layer's expert count, and T must divide E (else DeepSpeed cannot load
+    the experts: at tp 4, ep 2 rank 2 reads layer_0_expert_0_mp_rank_02, which rank 0 never saves)."""
+    info: ModelParallelInfo = index.native
+    meta = index.metadata["deepspeed_moe"]
+    source = ParallelSizes(tp=info.tp, ep=int(meta["ep_size"]))
+    if isinstance(to, ParallelSizes):
+        sizes = keep_parallel_sizes(index, to, source, resizable=("tp", "ep"), kind="mixture-of-experts tensor-parallel")
+    else:
+        world = int(to)
+        if world % source.tp or world % source.ep:
+            raise UsageError(f"--to {world}: the source's tp {source.tp} and ep {source.ep} must both divide {world} "
+                             f"ranks; give the new sizes, e.g. --to tp=1,ep={math.gcd(source.ep, world)},dp={world}")
+        sizes = ParallelSizes(tp=source.tp, ep=source.ep, dp=world // source.tp)
+    ranks = sizes.tp * sizes.dp
+    if ranks % sizes.ep:
+        raise UsageError(f"--to {sizes}: the expert-parallel size must divide the {ranks} ranks (tp x dp: "
+                         f"DeepSpeed groups experts over consecutive ranks when enable_expert_tensor_parallelism "
+                         f"is False)")
+    for prefix, n in dict(meta["num_experts"]).items():
+        if n % sizes.ep:
+            raise UsageError(f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {sizes.ep} "
+                             f"expert-parallel ranks cannot share equally (ep must divide every layer's expert count)")
+    if sizes.ep % sizes.tp:
+        r = next(r for r in range(ranks) if r % sizes.tp != (r % sizes.ep) % sizes.tp)
+        expert = (r % sizes.ep) * (next(iter(dict(meta["num_experts"]).values())) // sizes.ep)
+        raise UsageError(f"--to {sizes}: the tensor-parallel size must divide the expert-parallel size: DeepSpeed "
+                         f"0.19.8 saves ep rank e's experts under mp rank e % tp but each rank loads its experts under "
+                         f"its own mp rank, so rank {r} would look for layer_0_expert_{expert}_mp_rank_"
+                         f"{r % sizes.tp:02d}_model_states.pt, which no rank saves")
+    return sizes
+
+
+def is_moe_whole_tp(index: CheckpointIndex) -> bool:
+    """A tensor-parallel MoE checkpoint whose experts are whole (moe_whole.py's layout)."""
+    return isinstance(index.native, ModelParallelInfo) and is_whole(index)
+
+
+def write_whole_experts(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
+                        ctx: RunContext) -> list[str]:
+    """Reshard a whole-expert MoE + TP ZeRO-1/2 checkpoint (module docstring)."""
+    info: ModelParallelInfo = index.native
+    sizes = target_sizes(index, to)
+    meta = index.metadata["deepspeed_moe"]
+    zinfo0: ZeroInfo = info.ranks[0]
+    zero_cfg = zero_config(index)
+    align = alignment(zero_cfg, zinfo0.dtype)
+    slicer = _Slicer(index, info, sizes.tp)
+    tag = tag_name(zinfo0.files.tag, index)
+    kept_tp = sizes.tp == info.tp
+    ranks = sizes.tp * sizes.dp
+    files: dict[str, tuple[Any, Fetcher]] = {}
+    for t in range(sizes.tp):
+        rank_index = slicer.rank_index(t, sizes.dp)
+        rank_index.metadata["deepspeed_moe"] = meta
+        fetcher = Fetcher(source, index=rank_index)
+        zinfo = _rank_templates(info.ranks[t] if kept_tp else zinfo0, rank_index, align)
+        lane_ep = math.gcd(sizes.ep, sizes.dp)   # any ep that divides W: its expert groups are not used
+        dense = _by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=lane_ep, world=sizes.dp), tag, zero_cfg,
+                                   StatePlanner(rank_index, fetcher)))
+        experts = _by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=ranks), tag, zero_cfg,
+                                     StatePlanner(rank_index, fetcher)))
+        model = _module_slices(experts["model"], rank_index)
+        files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
+        for d in range(sizes.dp):
+            merged = _merge(dense[d], experts[t + sizes.tp * d])
+            files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)}"] = (merged, fetcher)
+    copied = _expert_copies(index, info, tag, sizes)
+    return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo0.files.tag is not None)
+
+
+def _by_rank(files: dict[str, Any]) -> dict[Any, Any]:
+    """moe_writer's files by rank ("model" for the model-states file)."""
+    out: dict[Any, Any] = {}
+    for name, structure in files.items():
+        base = name.rsplit("/", 1)[1]
+        if base == "mp_rank_00_model_states.pt":
+            out["model"] = structure
+        else:
+            out[int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])] = structure
+    return out
+
+
+def _merge(dense: dict, experts: dict) -> dict:
+    """One rank's optim-states file: the dense layout's, its expert groups taken from the expert layout."""
+    osd_d, osd_e = dense["optimizer_state_dict"], experts["optimizer_state_dict"]
+    groups = osd_e["base_optimizer_state"]["param_groups"]
+    expert_ids = [i for i, g in enumerate(groups) if isinstance(g, dict) and g.get("moe")]
+    osd = dict(osd_d)
+    for key in PER_GROUP:
+        if key in osd_d:
+            osd[key] = [osd_e[key][i] if i in expert_ids else v for i, v in enumerate(osd_d[key])]
+    state = {i: v for i, v in osd_d["base_optimizer_state"]["state"].items() if i not in expert_ids}
+    state.update({i: v for i, v in osd_e["base_optimizer_state"]["state"].items() if i in expert_ids})
+    osd["base_optimizer_state"] = {"state": dict(sorted(state.items())), "param_groups": groups}
+    return {**dense, "optimizer_state_dict": osd}
+
+
+def _expert_copies(index: CheckpointIndex, info: ModelParallelInfo, tag: str,
+                   sizes: ParallelSizes) -> list[tuple[str, str]]:
+    """(source file, output name) of every expert file: expert G of ep rank e under mp rank e % T."""
+    counts = dict(index.metadata["deepspeed_moe"]["num_experts"])
+    prefix = info.ranks[0].files.prefix
+    found: dict[tuple[int, int], str] = {}
+    for zinfo in info.ranks.values():
+        for name in zinfo.files.expert_files:
+            layer, expert = EXPERT_ID.match(name).groups()
+            found[(int(layer or 0), int(expert))] = name
+    copied = []
+    for layer, n in enumerate(counts.values()):
+        local = n // sizes.ep
+        for expert in range(n):
+            mp = (expert // local) % sizes.tp
+            copied.append((prefix + found[(layer, expert)],
+                           f"{tag}/layer_{layer}_expert_{expert}_mp_rank_{mp:02d}_model_states.pt"))
+    return copied
