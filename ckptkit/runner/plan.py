@@ -11,6 +11,7 @@ planning before storage IO (storage.py), a validation pass (default_planner._val
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
@@ -18,7 +19,7 @@ from typing import NamedTuple
 from ..errors import FormatError
 from ..index import geometry
 from ..index.dtypes import itemsize
-from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
+from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, Region, TensorEntry
 from ..torch_types import SmallTensor
 
 __all__ = ["Encoding", "Planner", "ReadPlan", "ReadSpan", "check_tiling", "plan_byte_ranges", "plan_reads"]
@@ -91,6 +92,8 @@ def check_tiling(entry: TensorEntry, label: Callable[[str], str] = _as_is) -> No
     Counting filled elements is not enough (a doubled row and a missing row add up), and a gap
     would otherwise leave uninitialised memory in the output.
     """
+    if len(entry.pieces) == 1 and _whole(entry.pieces[0].region, tuple(entry.shape)):
+        return  # one piece that is the whole tensor (every item a writer streams): nothing to count
     cov = geometry.coverage(entry.shape, [p.region for p in entry.pieces], max_report=1)
     if cov.exact:
         return
@@ -104,6 +107,12 @@ def check_tiling(entry: TensorEntry, label: Callable[[str], str] = _as_is) -> No
         why = f"elements are stored twice (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
     raise FormatError(f"{label('')}: tensor {entry.key} {list(entry.shape)} is not "
                       f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems")
+
+
+def _whole(region: Region, shape: tuple[int, ...]) -> bool:
+    if isinstance(region, FlatRange):
+        return region.start == 0 and region.length == math.prod(shape)
+    return tuple(region.sizes) == shape and not any(region.offsets)
 
 
 def plan_reads(index: CheckpointIndex | None, entry: TensorEntry, box: Box | None = None, *,
