@@ -184,28 +184,17 @@ def _fast_dumps(obj: Any) -> bytes | None:
                 n = len(encoded)
                 write(pickle.LONG1 + pack_b(n) + encoded if n < 256 else pickle.LONG4 + pack_i(n) + encoded)
             return
-        if t is str:
+        if t is str or t is tuple or t is dict or t is list:  # memoized: looked up first, as pickle does
             x = memo.get(id(o))
             if x is not None:
                 write(get(x[0]))
-                return
-            encoded = o.encode("utf-8", "surrogatepass")
-            write(pickle.BINUNICODE + pack_I(len(encoded)) + encoded)
-            memoize(o)
-            return
-        if t is tuple:
-            x = memo.get(id(o))
-            if x is not None:
-                write(get(x[0]))
-                return
-            save_tuple(o)
-            return
-        if t is dict or t is list:  # (memoized, so looked up first, as pickle does)
-            x = memo.get(id(o))
-            if x is not None:
-                write(get(x[0]))
-                return
-            if t is dict:
+            elif t is str:
+                encoded = o.encode("utf-8", "surrogatepass")
+                write(pickle.BINUNICODE + pack_I(len(encoded)) + encoded)
+                memoize(o)
+            elif t is tuple:
+                save_tuple(o)
+            elif t is dict:
                 write(pickle.EMPTY_DICT)
                 memoize(o)
                 batches(list(o.items()), True)
