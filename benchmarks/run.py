@@ -14,6 +14,8 @@ For each size (100M params ~ 1.2 GB, 400M ~ 4.6 GB of fp32 masters + Adam moment
                ckptkit convert zero3 -> dcp  vs  cp -r
        DCP:    ckptkit consolidate  vs  torch's loader (_load_state_dict_from_keys) + safetensors.save_file
                ckptkit reshard 2->3  vs  cp -r
+       both:   the disk's floor for the same bytes: reading every file (cat) and writing as many
+               bytes with fsync (dd conv=fsync); reshard is stated against max(read, write+fsync)
      and checks that the consolidated outputs agree bit for bit with the peers';
   3. at the largest size, the same reshard and convert with --nproc P for each P of --nproc;
   4. in-job saves and loads (bench_in_job.py, torchrun on 2 gloo ranks, FSDP2 + AdamW with
@@ -66,6 +68,19 @@ def _ckptkit(*args: str, nproc: int = 1):
     return lambda: run_python(["-m", "ckptkit", "--quiet", *args, *extra], {"DS_ACCELERATOR": "cpu"})
 
 
+def _read_floor(src: str):
+    """The disk's read floor for `src`: every file read once, in one process (cold cache)."""
+    return run_shell(["sh", "-c", f"find '{src}' -type f -exec cat {{}} + > /dev/null"])
+
+
+def _write_floor(nbytes: int, out: str):
+    """The disk's write floor: as many bytes written and fsynced as a reshard writes, in 4 MiB blocks."""
+    os.makedirs(out, exist_ok=True)
+    blocks = max(1, -(-nbytes // (4 << 20)))
+    return run_shell(["dd", "if=/dev/zero", f"of={os.path.join(out, 'floor')}", "bs=4M", f"count={blocks}",
+                      "conv=fsync", "status=none"])
+
+
 def measure_size(size: str, work: str, repeat: int) -> dict:
     base = os.path.join(work, size)
     os.makedirs(base, exist_ok=True)
@@ -102,6 +117,10 @@ def measure_size(size: str, work: str, repeat: int) -> dict:
         run("dcp consolidate", "torch loader + safetensors.save_file", lambda: torch_path(out)),
         run("dcp reshard 2->3", "ckptkit", _ckptkit("reshard", dcp, out, "--to", "3")),
         run("dcp reshard 2->3", "cp -r", lambda: run_shell(["cp", "-r", dcp, out])),
+        run("zero3 disk floor", "read: cat every file", lambda: _read_floor(z3)),
+        run("zero3 disk floor", "write+fsync: dd conv=fsync", lambda: _write_floor(du(z3), out)),
+        run("dcp disk floor", "read: cat every file", lambda: _read_floor(dcp)),
+        run("dcp disk floor", "write+fsync: dd conv=fsync", lambda: _write_floor(du(dcp), out)),
     ]
     # outputs agree bit for bit with the peers'
     agree = {}
@@ -142,6 +161,10 @@ def ratios(result: dict) -> dict:
         "dcp consolidate RSS vs torch": q(("dcp consolidate", "ckptkit"),
                                           ("dcp consolidate", "torch loader + safetensors.save_file"), 1),
         "dcp reshard wall vs cp -r": q(("dcp reshard 2->3", "ckptkit"), ("dcp reshard 2->3", "cp -r"), 0),
+        "zero3 reshard wall vs disk floor max(read, write+fsync)": r[("zero3 reshard 2->3", "ckptkit")][0] / max(
+            r[("zero3 disk floor", "read: cat every file")][0], r[("zero3 disk floor", "write+fsync: dd conv=fsync")][0]),
+        "dcp reshard wall vs disk floor max(read, write+fsync)": r[("dcp reshard 2->3", "ckptkit")][0] / max(
+            r[("dcp disk floor", "read: cat every file")][0], r[("dcp disk floor", "write+fsync: dd conv=fsync")][0]),
     }
 
 
