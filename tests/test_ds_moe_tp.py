@@ -9,6 +9,10 @@ each tensor's tp and ep split; reshard (moe_tp_writer.py) to new tp, ep and dp r
 and at the same sizes is DeepSpeed's own files object for object. One DeepSpeed launch
 (tests/dist/ds_moe_tp_load_check.py) loads a reshard at tp=4,ep=1,dp=1, compares every master,
 moment and module weight with the truth cut for its rank, and trains a step.
+
+Whole experts (enable_expert_tensor_parallelism=False, fixture moetp_noexptp_*: moe_whole.py,
+moe_whole_writer.py): read and consolidated bit for bit, resharded to new tp/ep/dp (read back equal,
+same sizes = DeepSpeed's files), one DeepSpeed launch loading tp=4,ep=4,dp=1.
 """
 from __future__ import annotations
 
