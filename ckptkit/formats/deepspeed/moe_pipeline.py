@@ -11,7 +11,8 @@ per stage s an ordinary MoE checkpoint under model-parallel rank s:
 So each stage is read as a MoE checkpoint (moe.py) and the stages are joined by name: their
 parameter names are disjoint (the global layer index leads each), every tensor gets
 attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". moe_pipeline_writer.py writes one at a
-new ep and dp (the same stages).
+new pp, ep and dp (at a new pp the layers move and the expert files' per-stage MoE layer ids are
+renumbered).
 """
 from __future__ import annotations
 
