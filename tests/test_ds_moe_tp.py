@@ -358,3 +358,22 @@ def test_deepspeed_loads_whole_experts_resharded_to_new_tp_and_ep_and_trains(tmp
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
     # per rank 12 dense parameters and 1 local expert of 4; master, 2 moments, module weight; 4 ranks
     assert r["world_size"] == 4 and r["tp"] == 4 and r["trained_step"] and r["compared"] == 4 * 16 * 4
+
+
+def test_whole_experts_at_ep_1_with_tp_2_deepspeed_loses_a_model_file_and_we_say_so(tmp_path):
+    """ep 1 < tp 2 with whole experts: DeepSpeed 0.19.8 writes model states only from global ranks
+    below ep (expert-data-parallel rank 0), so mp rank 1's module weights are never saved (and
+    every expert lands on mp rank 0); refused in one sentence that says why."""
+    name = "moetp_noexptp_z2_fp32_tp2_ep1_w4"
+    info = _info(name)
+    assert "mp_rank_01_model_states.pt" not in info["files"] and "mp_rank_00_model_states.pt" in info["files"]
+    assert sorted(f for f in info["files"] if "expert" in f) == [
+        f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(4)]
+    for args in (["inspect"], ["consolidate", tmp_path / "out"]):
+        res = _cli(args[0], MT_DATA / name, *args[1:])
+        assert res.exit_code == 2, res.output
+        assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output, res.output
+        for needle in ("no *_model_states.pt file of model-parallel rank 1", "enable_expert_tensor_parallelism=False",
+                       "mp ranks >= ep"):
+            assert needle in res.output, res.output
+        assert not (tmp_path / "out").exists()

@@ -4,8 +4,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from ...errors import FormatError, NotACheckpointError, UnsupportedError, quote
+from ...errors import CkptkitError, FormatError, NotACheckpointError, UnsupportedError, quote
 from ...index import problems
+from ...runner.torch_archive import load_structure, open_archive
 from ...storage.source import Source
 
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -124,11 +125,15 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
                             expert_files=sorted(experts.get(mp, [])))
               for mp in mp_ranks or [0]}
     whole = bool(experts) and len(per_mp) > 1 and _experts_whole(source, prefix, experts, list(per_mp))
-    if experts and len(per_mp) > 1 and not whole:
-        lacking = [mp for mp in per_mp if not per_mp[mp].expert_files]
-        if lacking:
+    lacking = [mp for mp in per_mp if not per_mp[mp].expert_files] if experts and len(per_mp) > 1 else []
+    if lacking and not whole:
+        # every expert on some mp ranks, none on the others: whole experts at ep 1 (all on mp rank 0),
+        # or sliced ones with files lost; the expert groups' partition count tells (moe_whole.py)
+        if lacking != list(range(1, len(per_mp))) or \
+                not moe_whole_at_ep1(source, prefix, optim_files.get(0, {}), len(per_mp)):
             raise FormatError(f"{source.label(prefix or '')}: model-parallel rank(s) {lacking} have no expert files "
                               f"(layer_<L>_expert_<G>_mp_rank_{lacking[0]:02d}_model_states.pt), the other ranks do")
+        whole = True
     if whole:
         per_mp = {mp: replace(f, whole_experts=True) for mp, f in per_mp.items()}
     first = per_mp[0]
@@ -168,14 +173,38 @@ def _experts_whole(source: Source, prefix: str, experts: dict[int, list[str]], m
                       f"each) or whole on exactly one (enable_expert_tensor_parallelism=False)")
 
 
+def moe_whole_at_ep1(source: Source, prefix: str, optim_files: dict[int, str], tp: int) -> bool:
+    """Whole experts at expert-parallel size 1 with tp ranks (every expert saved by global rank 0,
+    mp rank 0): mp rank 0's first optim-states file partitions its expert groups (ep_size_1) over
+    all tp x dp ranks, where sliced experts at ep 1 are partitioned over the dp ranks of a tp lane."""
+    if not optim_files:
+        return False
+    try:
+        osd = load_structure(open_archive(source, prefix + optim_files[min(optim_files)]), eager=False)
+        osd = osd["optimizer_state_dict"]
+        groups = osd["base_optimizer_state"]["param_groups"]
+        counts = osd["partition_count"]
+        expert = [i for i, g in enumerate(groups) if isinstance(g, dict) and g.get("moe")]
+        return bool(expert) and all(groups[i].get("name") == "ep_size_1" and counts[i] == tp * len(optim_files)
+                                    for i in expert)
+    except (CkptkitError, KeyError, TypeError, IndexError, AttributeError):
+        return False   # the reader names what is wrong with the file
+
+
 def _check_ranks(source: Source, files: ZeroFiles) -> None:
     """Model-states and optim-states files are there, and no rank's optim-states file is missing
     (verify: each missing one listed, the others still read)."""
     prefix = files.prefix
     if not files.model_files:
         which = f" of model-parallel rank {files.mp_rank}" if files.mp_rank else ""
+        why = ""
+        if files.whole_experts:
+            why = (" (DeepSpeed 0.19.8 saves none for it when MoE experts are whole, "
+                   "enable_expert_tensor_parallelism=False, with an expert-parallel size below the tensor-parallel "
+                   "size: only global ranks below ep write model states, so mp ranks >= ep lose their module "
+                   "weights; DeepSpeed cannot load such a checkpoint either)")
         raise FormatError(f"{source.label(prefix or '')}: no *_model_states.pt file{which} in the DeepSpeed tag "
-                          f"folder")
+                          f"folder{why}")
     if not files.optim_files:
         which = f" of model-parallel rank {files.mp_rank}" if files.mp_rank else ""
         raise FormatError(f"{source.label(prefix or '')}: no *_optim_states.pt files{which} (a checkpoint saved "
