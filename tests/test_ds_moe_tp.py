@@ -239,6 +239,7 @@ def test_whole_experts_layout_as_deepspeed_grouped_it():
     for rank, seen in info["ranks"].items():
         r = int(rank)
         assert seen == {"tp": r % 2, "dp": r // 2, "ep": r % 2, "expert_dp": r // 2}
+    assert info["expert_dp"] == 2   # the expert groups span both tp lanes: 4 ranks / ep 2
     assert sorted(f for f in info["files"] if "expert" in f) == [
         f"layer_0_expert_{g}_mp_rank_{(g // 2) % 2:02d}_model_states.pt" for g in range(4)]
 
