@@ -33,6 +33,7 @@ MT_DATA = DATA / "ds_moe_tp"
 FIXTURES = sorted(p.name for p in MT_DATA.iterdir() if p.is_dir() and "noexptp" not in p.name) \
     if MT_DATA.is_dir() else []
 NO_EXPERT_TP = "moetp_noexptp_z2_fp32_tp2_ep2_w4"   # MoE(enable_expert_tensor_parallelism=False): whole experts
+WHOLE = [NO_EXPERT_TP, "moetp_noexptp_z1_bf16_tp2_ep2_w4"]   # the same at ZeRO 1 bf16
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no MoE + TP fixtures (run fixtures/generate_ds_moe_tp.py)")
 EXPERTS = "layers.0.mlp.deepspeed_moe.experts.deepspeed_experts."
 
@@ -244,11 +245,12 @@ def test_whole_experts_layout_as_deepspeed_grouped_it():
         f"layer_0_expert_{g}_mp_rank_{(g // 2) % 2:02d}_model_states.pt" for g in range(4)]
 
 
-def test_whole_experts_read_and_consolidated_bit_exact(tmp_path):
+@pytest.mark.parametrize("name", WHOLE)
+def test_whole_experts_read_and_consolidated_bit_exact(tmp_path, name):
     """The experts gathered from the mp ranks that hold them (whole: ep only, no tp), the dense
     weights joined over tp; every master, moment and module weight equal to DeepSpeed's truth."""
-    truth = _truth(NO_EXPERT_TP)
-    opened, tensors, objects = read_all(MT_DATA / NO_EXPERT_TP)
+    truth = _truth(name)
+    opened, tensors, objects = read_all(MT_DATA / name)
     index = opened.index
     assert _equal_to_truth(tensors, truth) == 28 == len([k for k in index.tensors if k.startswith("model.")])
     assert index.metadata["parallel"] == {"tp": 2, "ep": 2, "dp": 2}
@@ -260,7 +262,7 @@ def test_whole_experts_read_and_consolidated_bit_exact(tmp_path):
             assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}}, kind
     assert objects["optim.param_groups.2.params"] == [f"{EXPERTS}{e}.{p}.weight" for e in range(4)
                                                       for p in ("dense_h_to_4h", "dense_4h_to_h")]
-    consolidate(str(MT_DATA / NO_EXPERT_TP), str(tmp_path / "out"), include_optimizer=True)
+    consolidate(str(MT_DATA / name), str(tmp_path / "out"), include_optimizer=True)
     model = load_file(str(tmp_path / "out" / "model.safetensors"))
     optim = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
     assert set(model) == set(_params(truth))
@@ -283,37 +285,40 @@ def test_inspect_shows_whole_experts_by_ep_rank_only():
 # grown with ep (4, 4), ep beyond tp (ep 4 at tp 2), a world size with dp 3, tp merged away (a plain
 # MoE checkpoint)
 WHOLE_COMBOS = [
-    ("tp=4,ep=4,dp=1", (4, 4, 1)),
-    ("tp=2,ep=4,dp=2", (2, 4, 2)),
-    ("6", (2, 2, 3)),
-    ("tp=1,ep=2,dp=2", (1, 2, 2)),
+    (NO_EXPERT_TP, "tp=4,ep=4,dp=1", (4, 4, 1)),
+    (NO_EXPERT_TP, "tp=2,ep=4,dp=2", (2, 4, 2)),
+    (NO_EXPERT_TP, "6", (2, 2, 3)),
+    (NO_EXPERT_TP, "tp=1,ep=2,dp=2", (1, 2, 2)),
+    (WHOLE[1], "tp=1,ep=4,dp=4", (1, 4, 4)),
+    (WHOLE[1], "tp=4,ep=4,dp=2", (4, 4, 2)),
 ]
 
 
-@pytest.mark.parametrize("to,sizes", WHOLE_COMBOS)
-def test_whole_experts_reshard_reads_back_equal_to_the_truth(tmp_path, to, sizes):
+@pytest.mark.parametrize("name,to,sizes", WHOLE_COMBOS)
+def test_whole_experts_reshard_reads_back_equal_to_the_truth(tmp_path, name, to, sizes):
     """Each expert file under the mp rank that saves it at the new sizes (ep rank e's: e % tp),
     copied; the dense groups over dp within each tp lane, the expert groups over tp x dp / ep."""
     tp, ep, dp = sizes
-    res = _cli("reshard", MT_DATA / NO_EXPERT_TP, tmp_path / "out", "--to", to)
+    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", to)
     assert res.exit_code == 0, res.output
     opened, tensors, objects = read_all(tmp_path / "out")
-    assert _equal_to_truth(tensors, _truth(NO_EXPERT_TP)) == 28
+    assert _equal_to_truth(tensors, _truth(name)) == 28
     assert opened.index.metadata["parallel"] == ({"tp": tp} if tp > 1 else {}) | {"ep": ep, "dp": dp}
     assert opened.index.metadata["deepspeed_moe"]["expert_dp_size"] == tp * dp // ep
     assert objects["ds.mp_world_size"] == tp and objects["ds.dp_world_size"] == dp
-    local = 4 // ep
+    local, prefix = 4 // ep, "bf16_" if "bf16" in name else ""
     assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
         [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
         + [f"layer_0_expert_{g}_mp_rank_{(g // local) % tp:02d}_model_states.pt" for g in range(4)]
-        + [f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
+        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
 
 
 @needs_deepspeed
-def test_whole_experts_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path):
-    res = _cli("reshard", MT_DATA / NO_EXPERT_TP, tmp_path / "out", "--to", "tp=2,ep=2,dp=2")
+@pytest.mark.parametrize("name", WHOLE)
+def test_whole_experts_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
+    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", "tp=2,ep=2,dp=2")
     assert res.exit_code == 0, res.output
-    src = MT_DATA / NO_EXPERT_TP / "global_step2"
+    src = MT_DATA / name / "global_step2"
     assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
         sorted(p.name for p in src.iterdir())
     for f in sorted(src.iterdir()):
