@@ -177,6 +177,8 @@ CASES = [
     # MoE inside a PipelineModule, resharded to a new pp: stages that the partition method does not give
     ("ppmoe-stages-swapped", PP_MOE, _swap_stages, ["reshard", "SRC", "OUT", "--to", "pp=1,ep=2,dp=2"],
      ["do not split into its 2 stages", "layer 0 is on stage 1", "--partition-method parameters"]),
+    ("ppmoe-stages-swapped-same-pp", PP_MOE, _swap_stages, ["reshard", "SRC", "OUT", "--to", "pp=2,ep=1,dp=2"],
+     ["pipeline stage 0 holds layer 3", "stage 1's layer 0", "in order"]),
     ("ppmoe-layer-types-too-few", PP_MOE, lambda f: None,
      ["reshard", "SRC", "OUT", "--to", "pp=1,ep=2,dp=2", "--layer-types", "Embed,MoEBlock"],
      ["--layer-types names 2 layers", "layer 3"]),

@@ -81,21 +81,36 @@ def _layer_weights(index: CheckpointIndex, ep: int, count: int) -> list[int]:
             continue
         name = key[len("model."):]
         i = _layer_of(name)
-        if i is None:
-            raise UnsupportedError(f"{index.root}: parameter {quote(name)} belongs to no PipelineModule layer (tied "
-                                   f"modules are not supported in a mixture-of-experts pipeline yet)")
+        if i is None:  # new_parts refused these before
+            continue
         numel = math.prod(entry.shape)
         weights[i] += numel // ep if MARK in name else numel  # experts are equal: 1/ep of them per rank
     return weights
 
 
 def new_parts(index: CheckpointIndex, pp: int, ep: int) -> list[int]:
-    """The new stages' boundaries, checked to give the source's stages at the source's sizes."""
+    """The new stages' boundaries (the source's at its own pp), by the partition method checked to
+    give the source's stages at the source's sizes."""
     info: PipelineMoeInfo = index.native
     method, types = chosen_partition_method(), chosen_layer_types()
-    stage_of = {i: t["pp"]["stage"] for k, e in index.tensors.items() if k.startswith("model.")
-                for i, t in [(_layer_of(k[len("model."):]), e.attrs.get("parallel", {}))] if i is not None}
+    stage_of: dict[int, int] = {}
+    for key, entry in index.tensors.items():
+        if key.startswith("model."):
+            i = _layer_of(key[len("model."):])
+            if i is None:
+                raise UnsupportedError(f"{index.root}: parameter {quote(key[len('model.'):])} belongs to no "
+                                       f"PipelineModule layer (tied modules are not supported in a "
+                                       f"mixture-of-experts pipeline yet)")
+            stage_of[i] = entry.attrs["parallel"]["pp"]["stage"]
     count = max(stage_of) + 1
+    if pp == info.pp:  # the source's own stages, whatever method made them
+        held = [sorted(i for i, t in stage_of.items() if t == st) for st in range(pp)]
+        for st in range(pp - 1):
+            if held[st] and held[st + 1] and held[st][-1] > held[st + 1][0]:
+                raise UnsupportedError(f"{index.root}: pipeline stage {st} holds layer {held[st][-1]}, after stage "
+                                       f"{st + 1}'s layer {held[st + 1][0]}; a PipelineModule places its layers on "
+                                       f"its stages in order")
+        return [0] + [held[st][0] if held[st] else count for st in range(1, pp)] + [count]
     if types is None and is_type_method(method):
         raise UsageError(f"--partition-method {method}: {index.root} does not record its layers' class names, which "
                          f"type: matches; give them with --layer-types (the PipelineModule's layers in order)")
