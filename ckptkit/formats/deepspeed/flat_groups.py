@@ -45,17 +45,25 @@ class _FlatPieces:
     pieces: dict[tuple[str, Any], list[Piece]] = field(default_factory=dict)
     dtypes: dict[tuple[str, Any], str] = field(default_factory=dict)
 
-    def add(self, arch: Archive, share: partition.RankShare, what: Any, dtype: str, loc: Location) -> None:
-        """Cut one rank's flat tensor at `loc` (`what`: a state key, None for the masters)."""
+    def add(self, arch: Archive, share: partition.RankShare, what: Any, dtype: str, loc: Location,
+            ranges: list[FlatRange]) -> None:
+        """Cut one rank's flat tensor at `loc` (`what`: a state key, None for the masters);
+        `ranges`: each slot's FlatRange, shared by the rank's flat tensors (they are immutable)."""
         item = itemsize(dtype)
-        for slot in share.slots:
-            if self.dtypes.setdefault((slot.name, what), dtype) != dtype:
-                key = model_key(slot.name) if what is None else state_key(slot.name, what)
+        file, base = loc.file, loc.offset
+        dtypes, pieces = self.dtypes, self.pieces
+        for (name, _, length, position), region in zip(share.slots, ranges):  # per parameter and rank: kept lean
+            k = (name, what)
+            if dtypes.setdefault(k, dtype) != dtype:
+                key = model_key(name) if what is None else state_key(name, what)
                 raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, "
-                                  f"{quote(self.dtypes[(slot.name, what)])} on another rank")
-            self.pieces.setdefault((slot.name, what), []).append(
-                Piece(FlatRange(slot.start, slot.length),
-                      Location(loc.file, loc.offset + slot.position * item, slot.length * item)))
+                                  f"{quote(dtypes[k])} on another rank")
+            piece = Piece(region, Location(file, base + position * item, length * item))
+            got = pieces.get(k)
+            if got is None:
+                pieces[k] = [piece]
+            else:
+                got.append(piece)
 
     def add_tensors(self, index: CheckpointIndex, shapes: dict[str, tuple[int, ...]]) -> None:
         """The masters (`model.<name>`), then every partitioned state key (`optim.state.<name>.<key>`),
@@ -93,12 +101,13 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
         arch = ranks.archive(rank)
         osd = ranks.optim[rank]["optimizer_state_dict"]
         mdtype, loc, length = _masters(arch, osd, names, group.index, share, ranks.world_size)
-        flats.add(arch, share, None, mdtype, loc)
+        ranges = [FlatRange(slot.start, slot.length) for slot in share.slots]
+        flats.add(arch, share, None, mdtype, loc, ranges)
         values = entry(entry(osd, names.optimizer, arch.label), "state", arch.label)
         if not isinstance(values, dict):
             raise FormatError(f"{arch.label}: optimizer state is a {type(values).__name__}, expected a dict")
         for key, sloc in state.read(arch, rank, values.get(group.index), (share.size, length)).items():
-            flats.add(arch, share, key, state.dtypes[key], sloc)
+            flats.add(arch, share, key, state.dtypes[key], sloc, ranges)
     _tolerate_damaged(damaged, state.partitioned())
     state.add_whole(index, group.names)
     for key in state.partitioned():  # a parameter with no elements still has its (empty) state

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 
-@dataclass(frozen=True, kw_only=True)
-class Slot:
-    """Elements [start, start+length) of parameter `name`, at `position` of a rank's flat tensor."""
+class Slot(NamedTuple):
+    """Elements [start, start+length) of parameter `name`, at `position` of a rank's flat tensor
+    (a NamedTuple: one per parameter and rank, built ~10x faster than a frozen dataclass)."""
 
     name: str
     start: int
@@ -63,15 +63,16 @@ def stage12_shares(params: Sequence[tuple[str, int]], paddings: Sequence[int] | 
 
 def stage3_shares(params: Sequence[tuple[str, int]], world_size: int) -> list[RankShare]:
     """Each rank's share of a stage-3 sub-group of (name, numel): slice r of every parameter."""
-    size = sum(stage3_slice(numel, world_size) for _, numel in params)
+    pers = [stage3_slice(numel, world_size) for _, numel in params]  # computed once, not once per rank
+    size = sum(pers)
     shares = []
     for rank in range(world_size):
         slots, position = [], 0
-        for name, numel in params:
-            per = stage3_slice(numel, world_size)
-            length = max(0, min(per, numel - rank * per))
-            if length:
-                slots.append(Slot(name=name, start=rank * per, length=length, position=position))
+        for (name, numel), per in zip(params, pers):
+            start = rank * per
+            length = min(per, numel - start)
+            if length > 0:
+                slots.append(Slot(name, start, length, position))
             position += per
         shares.append(RankShare(slots=tuple(slots), own=size, size=size))
     return shares

@@ -179,11 +179,12 @@ def _module_and_buffers(index: CheckpointIndex, stage: int, buffers: list[str], 
     if not isinstance(module, dict):
         raise FormatError(f"{label}: 'module' is not a state dict")
     precision = "float32"
+    buffer_names = set(buffers)  # a module has a name per parameter: no list scan for each
     for name, ref in module.items():
         if not isinstance(ref, TensorRef):
             continue
         dtype, loc, shape = tensor_of(archive, ref, f"module[{name}]")
-        if name in buffers:
+        if name in buffer_names:
             index.add_tensor(TensorEntry(model_key(name), dtype, shape, [Piece(Box.whole(shape), loc)],
                                          path=model_path(name), attrs={"ds_role": "buffer"}))
         elif math.prod(shape) == 0 and stage == 3:

@@ -80,10 +80,11 @@ def _files(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, sub_gro
     templates = state_templates(info.stage, osd_t[names.optimizer]["state"], groups)
     plans = [plan_group(index, states, info.stage, group, template, oarchive, f"{names.group} {group.index}", world)
              for group, template in zip(groups, templates)]
+    shared: dict = {}  # the ranks' model-states files share their template's lazy tensors and param_shapes
     for rank in range(world):
         if info.stage == 3:
             files[f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = stage3_model(index, info, groups,
-                                                                                         world, rank)
+                                                                                         world, rank, shared)
         osd = (stage12_optim if info.stage < 3 else stage3_optim)(osd_t, oarchive, plans, rank, world)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
         files[f"{tag}/{optim_file_name(rank, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
@@ -99,12 +100,21 @@ def _stage12_model(info: ZeroInfo, world: int) -> dict:
 
 
 def stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup], world: int,
-                  rank: int) -> dict:
-    """Stage 3's model-states file of `rank`: the new sub-groups' shapes, its slice of each frozen param."""
+                  rank: int, shared: dict | None = None) -> dict:
+    """Stage 3's model-states file of `rank`: the new sub-groups' shapes, its slice of each frozen param.
+    `shared` (one dict for all ranks' calls, never mutated by the files) keeps the template's lazy
+    tensors and the param_shapes, built once instead of once per rank (a module of 20k parameters
+    has 20k placeholder tensors)."""
     m_t, marchive = template_of(info, "model", 0)
-    model = lazify(m_t, marchive, {})
+    cache = shared.setdefault("lazy", {}) if shared is not None else {}
+    model = lazify(m_t, marchive, cache)
     model["dp_world_size"] = world
-    model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in grp.params) for grp in groups]
+    shapes = shared.get("param_shapes") if shared is not None else None
+    if shapes is None:
+        shapes = [OrderedDict((n, Size(s)) for n, s in grp.params) for grp in groups]
+        if shared is not None:
+            shared["param_shapes"] = shapes
+    model["param_shapes"] = shapes
     if rank != 0:
         model["shared_params"] = {}
     if info.frozen:
