@@ -221,3 +221,27 @@ def test_plan_command_errors_are_one_sentence(tmp_path):
     assert res.exit_code == 2 and res.output.strip() == f"error: {tmp_path / 'missing'}: no such file or folder"
     res = CliRunner().invoke(cli, ["plan", str(DATA / "fsdp2_w2"), "--tensor", "nope*"])
     assert res.exit_code == 2 and res.output.strip() == f"error: {DATA / 'fsdp2_w2'}: no tensor matches --tensor nope*"
+
+
+@pytest.mark.parametrize("runs,why", [
+    ([(0, 4), (4, 4)], None),                          # ZeRO partitions meeting end to end
+    ([(4, 4), (0, 4)], None),                          # in any order
+    ([(0, 4), (4, 0), (4, 4)], None),                  # an empty partition (padding rank)
+    ([(0, 4), (5, 3)], "in no piece"),                 # a gap
+    ([(0, 5), (4, 4)], "stored twice"),                # an overlap
+    ([(0, 4), (4, 4), (8, 2)], "outside the tensor"),  # past the end
+    ([(0, 4)], "in no piece"),                         # short
+])
+def test_flat_pieces_tiling_fast_path_agrees_with_coverage(runs, why):
+    """check_tiling's shortcut for flat pieces accepts exactly what coverage accepts, and a
+    refusal still carries coverage's reason."""
+    from ckptkit.index.types import FlatRange, Location, Piece, TensorEntry
+    from ckptkit.runner.plan import check_tiling
+
+    entry = TensorEntry("w", "float32", (2, 4),
+                        [Piece(FlatRange(s, n), Location("f", 0, 4 * n)) for s, n in runs])
+    if why is None:
+        check_tiling(entry)
+        return
+    with pytest.raises(FormatError, match=why):
+        check_tiling(entry)

@@ -46,6 +46,8 @@ def flat_to_boxes(fr: FlatRange, shape: tuple[int, ...]) -> list[tuple[Box, int]
         return out
     if len(shape) == 0:
         return [(Box((), ()), 0)] if fr.start == 0 and fr.length >= 1 else []
+    if len(shape) == 1:  # (a flat buffer, a bias: the range is its own box)
+        return [(Box((fr.start,), (fr.length,)), 0)]
 
     def rec(start: int, end: int, dims: tuple[int, ...], prefix: tuple[int, ...]) -> None:
         # [start, end) are flat positions inside the sub-tensor of shape `dims` at index `prefix`
