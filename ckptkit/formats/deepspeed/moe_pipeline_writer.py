@@ -37,7 +37,7 @@ from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
 from .moe_pipeline import PipelineMoeInfo, is_pipeline_moe
-from .moe_writer import MoeTarget, _files as moe_files
+from .moe_writer import MoeTarget, _files as moe_files, check_expert_counts
 from .pipeline_partition import (chosen_layer_types, chosen_partition_method, is_type_method, partition,
                                  type_weights)
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
@@ -59,11 +59,7 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     if sizes.dp % sizes.ep:
         raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel size (each "
                          f"expert-data-parallel group holds dp/ep ranks of a stage)")
-    odd = {prefix: n for prefix, n in meta["num_experts"].items() if n % sizes.ep}
-    if odd:
-        prefix, n = next(iter(odd.items()))
-        raise UsageError(f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {sizes.ep} expert-parallel "
-                         f"ranks cannot share equally (ep must divide every layer's expert count)")
+    check_expert_counts(sizes, sizes.ep, dict(meta["num_experts"]))
     return sizes
 
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UsageError, quote
+from ...errors import UsageError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
@@ -39,7 +39,7 @@ from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe import MARK
 from .moe_whole import is_whole
-from .moe_writer import MoeTarget, _files as moe_files
+from .moe_writer import MoeTarget, _files as moe_files, check_expert_counts
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .tp_writer import TpTarget, _local_group, _sizes, _Slicer
 
@@ -59,12 +59,7 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     if sizes.dp % sizes.ep:
         raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel size (each "
                          f"expert-data-parallel group holds dp/ep ranks of a tensor-parallel lane)")
-    counts = dict(meta["num_experts"])
-    odd = {prefix: n for prefix, n in counts.items() if n % sizes.ep}
-    if odd:
-        prefix, n = next(iter(odd.items()))
-        raise UsageError(f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {sizes.ep} expert-parallel "
-                         f"ranks cannot share equally (ep must divide every layer's expert count)")
+    check_expert_counts(sizes, sizes.ep, dict(meta["num_experts"]))
     return sizes
 
 

@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UsageError, quote
+from ...errors import UsageError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
@@ -33,7 +33,7 @@ from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe_whole import is_whole
 from .moe_tp_writer import _module_slices, _rank_templates
-from .moe_writer import MoeTarget, _files as moe_files
+from .moe_writer import MoeTarget, _files as moe_files, check_expert_counts
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .tp_writer import TpTarget, _sizes, _Slicer
 
@@ -62,10 +62,7 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
         raise UsageError(f"--to {sizes}: the expert-parallel size must divide the {ranks} ranks (tp x dp: "
                          f"DeepSpeed groups experts over consecutive ranks when enable_expert_tensor_parallelism "
                          f"is False)")
-    for prefix, n in dict(meta["num_experts"]).items():
-        if n % sizes.ep:
-            raise UsageError(f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {sizes.ep} "
-                             f"expert-parallel ranks cannot share equally (ep must divide every layer's expert count)")
+    check_expert_counts(sizes, sizes.ep, dict(meta["num_experts"]))
     if sizes.ep % sizes.tp:
         r = next(r for r in range(ranks) if r % sizes.tp != (r % sizes.ep) % sizes.tp)
         expert = (r % sizes.ep) * (next(iter(dict(meta["num_experts"]).values())) // sizes.ep)

@@ -74,13 +74,19 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> MoeTarget:
     if world % ep:
         raise UsageError(f"--to ep={ep},dp={world}: the expert-parallel size must divide the data-parallel "
                          f"world size (each expert-data-parallel group holds dp/ep ranks)")
+    check_expert_counts(f"ep={ep},dp={world}", ep, counts)
+    return MoeTarget(ep=ep, world=world)
+
+
+def check_expert_counts(sizes: object, ep: int, counts: dict[str, int]) -> None:
+    """Refuse an expert-parallel size that does not divide every MoE layer's expert count (one
+    sentence for every MoE writer; `sizes` is the --to text shown)."""
     odd = {prefix: n for prefix, n in counts.items() if n % ep}
     if odd:
         prefix, n = next(iter(odd.items()))
-        raise UsageError(f"--to ep={ep},dp={world}: MoE layer {quote(prefix)} has {n} experts, which {ep} "
-                         f"expert-parallel ranks cannot share equally (ep must divide every layer's expert "
-                         f"count: {sorted(set(counts.values()))})")
-    return MoeTarget(ep=ep, world=world)
+        raise UsageError(f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {ep} expert-parallel "
+                         f"ranks cannot share equally (ep must divide every layer's expert count: "
+                         f"{sorted(set(counts.values()))})")
 
 
 @dataclass(frozen=True, kw_only=True)
