@@ -137,9 +137,10 @@ def _fast_dumps(obj: Any) -> bytes | None:
     algorithm step for step (the memo by object identity, what is memoized and when, batches of
     1000, the POP of a tuple that became recursive), so the bytes are the same: tested against
     FaithfulPickler on every fixture's metadata and on generated values."""
-    out: list[bytes] = [pickle.PROTO + b"\x02"]
-    write = out.append
-    memo: dict[int, tuple[int, Any]] = {}
+    out = bytearray(pickle.PROTO + b"\x02")  # (a list of a million small bytes objects would take ~10x the room)
+    write = out.extend
+    memo: dict[int, int] = {}  # id -> memo index; `held` keeps each object alive, so ids stay unique
+    held: list[Any] = []
     class_refs: dict[str, GlobalRef] = {}  # (GlobalRef interns: one object per name, as FaithfulPickler finds)
     pack_b, pack_i, pack_I = struct.Struct("<B").pack, struct.Struct("<i").pack, struct.Struct("<I").pack
     pack_H, pack_d = struct.Struct("<H").pack, struct.Struct(">d").pack
@@ -150,12 +151,13 @@ def _fast_dumps(obj: Any) -> bytes | None:
     def memoize(o: Any) -> None:
         idx = len(memo)
         write(_BINPUT + pack_b(idx) if idx < 256 else _LONG_BINPUT + pack_I(idx))
-        memo[id(o)] = idx, o
+        memo[id(o)] = idx
+        held.append(o)
 
     def save_global_ref(ref: GlobalRef) -> None:
         x = memo.get(id(ref))
         if x is not None:
-            write(get(x[0]))
+            write(get(x))
             return
         write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode("utf-8"))
         memoize(ref)
@@ -166,7 +168,7 @@ def _fast_dumps(obj: Any) -> bytes | None:
         write(pickle.REDUCE)
         x = memo.get(id(o))
         if x is not None:
-            write(pickle.POP + get(x[0]))
+            write(pickle.POP + get(x))
         else:
             memoize(o)
 
@@ -187,7 +189,7 @@ def _fast_dumps(obj: Any) -> bytes | None:
         if t is str or t is tuple or t is dict or t is list:  # memoized: looked up first, as pickle does
             x = memo.get(id(o))
             if x is not None:
-                write(get(x[0]))
+                write(get(x))
             elif t is str:
                 encoded = o.encode("utf-8", "surrogatepass")
                 write(pickle.BINUNICODE + pack_I(len(encoded)) + encoded)
@@ -221,7 +223,7 @@ def _fast_dumps(obj: Any) -> bytes | None:
         if t is Size:
             x = memo.get(id(o))
             if x is not None:
-                write(get(x[0]))
+                write(get(x))
                 return
             save_reduce(_TORCH_SIZE, (tuple(o),), o)
             return
@@ -241,7 +243,7 @@ def _fast_dumps(obj: Any) -> bytes | None:
             save(element)
         x = memo.get(id(o))
         if x is not None:  # saving an element memoized this very tuple (a recursive tuple)
-            write((pickle.POP * n if n <= 3 else pickle.POP_MARK) + get(x[0]))
+            write((pickle.POP * n if n <= 3 else pickle.POP_MARK) + get(x))
             return
         write(_TUPLE_OPS[n] if n <= 3 else pickle.TUPLE)
         memoize(o)
@@ -270,7 +272,7 @@ def _fast_dumps(obj: Any) -> bytes | None:
     def save_inert(o: Inert) -> None:
         x = memo.get(id(o))
         if x is not None:
-            write(get(x[0]))
+            write(get(x))
             return
         ref = class_refs.get(o._qualname)
         if ref is None:
@@ -299,4 +301,4 @@ def _fast_dumps(obj: Any) -> bytes | None:
         if collecting:
             gc.enable()
     write(pickle.STOP)
-    return b"".join(out)
+    return bytes(out)
