@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 from ...context import RunContext
 from ...errors import UsageError
@@ -71,33 +71,49 @@ def write_moe_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: i
     meta = index.metadata["deepspeed_moe"]
     zinfo0: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
-    align = alignment(zero_cfg, zinfo0.dtype)
-    slicer = _Slicer(index, info, sizes.tp)
     tag = tag_name(zinfo0.files.tag, index)
-    kept_tp = sizes.tp == info.tp
     files: dict[str, tuple[Any, Fetcher]] = {}
     copied: list[tuple[str, str]] = []
-    for t in range(sizes.tp):
-        rank_index = slicer.rank_index(t, sizes.dp)
-        rank_index.metadata["deepspeed_moe"] = meta
-        fetcher = Fetcher(source, index=rank_index)
-        zinfo = _rank_templates(info.ranks[t] if kept_tp else zinfo0, rank_index, align)
-        for name, structure in moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=sizes.dp), tag, zero_cfg,
-                                         StatePlanner(rank_index, fetcher)).items():
-            base = name.rsplit("/", 1)[1]
-            if base == "mp_rank_00_model_states.pt":
-                model = _module_slices(structure, rank_index)
-                files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)),
-                                                                   fetcher)
-            else:
-                d = int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])
-                files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)}"] = (structure, fetcher)
-        if kept_tp:
+    for t, rank_index, fetcher, zinfo in tp_lanes(index, source, sizes):
+        laid_out = by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=sizes.dp), tag, zero_cfg,
+                                     StatePlanner(rank_index, fetcher)))
+        model = _module_slices(laid_out.pop("model"), rank_index)
+        files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
+        for d, structure in laid_out.items():
+            files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)}"] = (structure, fetcher)
+        if sizes.tp == info.tp:
             copied += [(zinfo.files.prefix + n, f"{tag}/{n}") for n in sorted(zinfo.files.expert_files)]
         else:
             for name, structure in _expert_files(rank_index, dict(meta["num_experts"]), t).items():
                 files[f"{tag}/{name}"] = (structure, fetcher)
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo0.files.tag is not None)
+
+
+def tp_lanes(index: CheckpointIndex, source: Source,
+             sizes: ParallelSizes) -> Iterator[tuple[int, CheckpointIndex, Fetcher, ZeroInfo]]:
+    """Each new mp rank t of a MoE + TP checkpoint: (t, its rank index, a fetcher over it, its
+    templates with its slice shapes), as both MoE + TP writers lay a lane out with moe_writer."""
+    info: ModelParallelInfo = index.native
+    zinfo0: ZeroInfo = info.ranks[0]
+    align = alignment(zero_config(index), zinfo0.dtype)
+    slicer = _Slicer(index, info, sizes.tp)
+    for t in range(sizes.tp):
+        rank_index = slicer.rank_index(t, sizes.dp)
+        rank_index.metadata["deepspeed_moe"] = index.metadata["deepspeed_moe"]
+        zinfo = _rank_templates(info.ranks[t] if sizes.tp == info.tp else zinfo0, rank_index, align)
+        yield t, rank_index, Fetcher(source, index=rank_index), zinfo
+
+
+def by_rank(files: dict[str, Any]) -> dict[Any, Any]:
+    """moe_writer's files by dp rank ("model" for the model-states file)."""
+    out: dict[Any, Any] = {}
+    for name, structure in files.items():
+        base = name.rsplit("/", 1)[1]
+        if base == "mp_rank_00_model_states.pt":
+            out["model"] = structure
+        else:
+            out[int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])] = structure
+    return out
 
 
 def _rank_templates(zinfo: ZeroInfo, rank_index: CheckpointIndex, align: int) -> ZeroInfo:

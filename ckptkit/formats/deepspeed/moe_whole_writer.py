@@ -32,10 +32,10 @@ from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe_whole import is_whole
-from .moe_tp_writer import _module_slices, _rank_templates
+from .moe_tp_writer import _module_slices, by_rank, tp_lanes
 from .moe_writer import MoeTarget, _files as moe_files, check_expert_counts
-from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
-from .tp_writer import TpTarget, _sizes, _Slicer
+from .tag_writer import keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tp_writer import TpTarget, _sizes
 
 # the per-group entries of a stage 1/2 optimizer_state_dict, one item per group
 PER_GROUP = ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings",
@@ -83,25 +83,17 @@ def write_whole_experts(out: Output, index: CheckpointIndex, source: Source, to:
     """Reshard a whole-expert MoE + TP ZeRO-1/2 checkpoint (module docstring)."""
     info: ModelParallelInfo = index.native
     sizes = target_sizes(index, to)
-    meta = index.metadata["deepspeed_moe"]
     zinfo0: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
-    align = alignment(zero_cfg, zinfo0.dtype)
-    slicer = _Slicer(index, info, sizes.tp)
     tag = tag_name(zinfo0.files.tag, index)
-    kept_tp = sizes.tp == info.tp
     ranks = sizes.tp * sizes.dp
     files: dict[str, tuple[Any, Fetcher]] = {}
-    for t in range(sizes.tp):
-        rank_index = slicer.rank_index(t, sizes.dp)
-        rank_index.metadata["deepspeed_moe"] = meta
-        fetcher = Fetcher(source, index=rank_index)
-        zinfo = _rank_templates(info.ranks[t] if kept_tp else zinfo0, rank_index, align)
+    for t, rank_index, fetcher, zinfo in tp_lanes(index, source, sizes):
         lane_ep = math.gcd(sizes.ep, sizes.dp)   # any ep that divides W: its expert groups are not used
-        dense = _by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=lane_ep, world=sizes.dp), tag, zero_cfg,
-                                   StatePlanner(rank_index, fetcher)))
-        experts = _by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=ranks), tag, zero_cfg,
-                                     StatePlanner(rank_index, fetcher)))
+        dense = by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=lane_ep, world=sizes.dp), tag, zero_cfg,
+                                  StatePlanner(rank_index, fetcher)))
+        experts = by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=ranks), tag, zero_cfg,
+                                    StatePlanner(rank_index, fetcher)))
         model = _module_slices(experts["model"], rank_index)
         files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
         for d in range(sizes.dp):
@@ -109,18 +101,6 @@ def write_whole_experts(out: Output, index: CheckpointIndex, source: Source, to:
             files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)}"] = (merged, fetcher)
     copied = _expert_copies(index, info, tag, sizes)
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo0.files.tag is not None)
-
-
-def _by_rank(files: dict[str, Any]) -> dict[Any, Any]:
-    """moe_writer's files by rank ("model" for the model-states file)."""
-    out: dict[Any, Any] = {}
-    for name, structure in files.items():
-        base = name.rsplit("/", 1)[1]
-        if base == "mp_rank_00_model_states.pt":
-            out["model"] = structure
-        else:
-            out[int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])] = structure
-    return out
 
 
 def _merge(dense: dict, experts: dict) -> dict:
