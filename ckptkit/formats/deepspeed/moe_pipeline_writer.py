@@ -37,7 +37,7 @@ from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
 from .moe_pipeline import PipelineMoeInfo, is_pipeline_moe
-from .moe_writer import MoeTarget, _files as moe_files, check_expert_counts
+from .moe_writer import MoeTarget, _files as moe_files, check_expert_sizes
 from .pipeline_partition import (chosen_layer_types, chosen_partition_method, is_type_method, partition,
                                  type_weights)
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
@@ -56,10 +56,7 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     meta = index.metadata["deepspeed_moe"]
     sizes = keep_parallel_sizes(index, to, ParallelSizes(pp=info.pp, ep=int(meta["ep_size"])),
                                 resizable=("pp", "ep"), kind="mixture-of-experts PipelineModule")
-    if sizes.dp % sizes.ep:
-        raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel size (each "
-                         f"expert-data-parallel group holds dp/ep ranks of a stage)")
-    check_expert_counts(sizes, sizes.ep, dict(meta["num_experts"]))
+    check_expert_sizes(sizes, sizes.ep, sizes.dp, dict(meta["num_experts"]), group_of=" of a stage")
     return sizes
 
 

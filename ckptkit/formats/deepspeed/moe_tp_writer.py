@@ -25,7 +25,6 @@ from collections import OrderedDict
 from typing import Any, Iterator
 
 from ...context import RunContext
-from ...errors import UsageError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
@@ -39,7 +38,7 @@ from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe import MARK
 from .moe_whole import is_whole
-from .moe_writer import MoeTarget, _files as moe_files, check_expert_counts
+from .moe_writer import MoeTarget, _files as moe_files, check_expert_sizes
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .tp_writer import TpTarget, _local_group, _sizes, _Slicer
 
@@ -56,10 +55,7 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     meta = index.metadata["deepspeed_moe"]
     sizes = keep_parallel_sizes(index, to, ParallelSizes(tp=info.tp, ep=int(meta["ep_size"])),
                                 resizable=("tp", "ep"), kind="mixture-of-experts tensor-parallel")
-    if sizes.dp % sizes.ep:
-        raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel size (each "
-                         f"expert-data-parallel group holds dp/ep ranks of a tensor-parallel lane)")
-    check_expert_counts(sizes, sizes.ep, dict(meta["num_experts"]))
+    check_expert_sizes(sizes, sizes.ep, sizes.dp, dict(meta["num_experts"]), group_of=" of a tensor-parallel lane")
     return sizes
 
 

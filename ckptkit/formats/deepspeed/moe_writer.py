@@ -71,16 +71,23 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> MoeTarget:
     sizes = keep_parallel_sizes(index, to, ParallelSizes(ep=int(meta["ep_size"])), resizable=("ep",),
                                 kind="mixture-of-experts")
     ep, world = sizes.ep, sizes.dp
-    if world % ep:
-        raise UsageError(f"--to ep={ep},dp={world}: the expert-parallel size must divide the data-parallel "
-                         f"world size (each expert-data-parallel group holds dp/ep ranks)")
-    check_expert_counts(f"ep={ep},dp={world}", ep, counts)
+    check_expert_sizes(f"ep={ep},dp={world}", ep, world, counts, "world size", "")
     return MoeTarget(ep=ep, world=world)
 
 
+def check_expert_sizes(sizes: object, ep: int, dp: int, counts: dict[str, int], dp_word: str = "size",
+                       group_of: str = "") -> None:
+    """Refuse an expert-parallel size that does not divide the data-parallel size or every MoE
+    layer's expert count (the sentences every MoE writer gives; `sizes` is the --to text shown,
+    `group_of` what an expert-data-parallel group's ranks belong to, e.g. " of a stage")."""
+    if dp % ep:
+        raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel {dp_word} (each "
+                         f"expert-data-parallel group holds dp/ep ranks{group_of})")
+    check_expert_counts(sizes, ep, counts)
+
+
 def check_expert_counts(sizes: object, ep: int, counts: dict[str, int]) -> None:
-    """Refuse an expert-parallel size that does not divide every MoE layer's expert count (one
-    sentence for every MoE writer; `sizes` is the --to text shown)."""
+    """Refuse an expert-parallel size that does not divide every MoE layer's expert count."""
     odd = {prefix: n for prefix, n in counts.items() if n % ep}
     if odd:
         prefix, n = next(iter(odd.items()))
