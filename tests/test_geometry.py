@@ -512,3 +512,29 @@ def test_standard_layouts_as_values():
     emb = fsdp.tensors["model.embed.weight"]
     assert [(a.rank, a.box.sizes[0]) for a in emb] == [(0, 13), (1, 13), (2, 11)]
     assert fsdp.tensors["model.temperature"] == [Assignment(0, Box((), ()))]  # 0-d: whole, once
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=0, max_size=3), st.data())
+def test_end_to_end_shortcut_agrees_with_the_box_sweep(shape, data):
+    """coverage's shortcut (one whole region, flat runs meeting end to end, nothing for an empty
+    tensor) says exact only where the general sweep says exact; otherwise it gives no verdict."""
+    from ckptkit.index import geometry
+
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if data.draw(st.booleans()):  # flat runs: cut points, then a few mistakes
+        cuts = sorted(data.draw(st.lists(st.integers(0, numel), max_size=4)))
+        bounds = [0, *cuts, numel]
+        regions = [FlatRange(a, b - a) for a, b in zip(bounds, bounds[1:])]
+        for _ in range(data.draw(st.integers(0, 2))):
+            regions.append(FlatRange(data.draw(st.integers(-1, numel + 1)), data.draw(st.integers(-1, 3))))
+        regions = data.draw(st.permutations(regions))
+    else:  # boxes: the whole tensor, or one box that may fall short or run past it
+        sizes = tuple(data.draw(st.integers(0, d + 1)) for d in shape)
+        offsets = tuple(data.draw(st.integers(0, 1)) for _ in shape)
+        regions = [Box(offsets, sizes)] * data.draw(st.integers(0, 2))
+    fast = geometry._tiles_end_to_end(shape, regions)
+    if fast:
+        assert geometry._coverage_by_boxes(shape, regions, 1).exact
+    assert geometry.coverage(shape, regions).exact == geometry._coverage_by_boxes(shape, regions, 16).exact

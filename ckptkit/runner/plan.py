@@ -11,7 +11,6 @@ planning before storage IO (storage.py), a validation pass (default_planner._val
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
@@ -19,7 +18,7 @@ from typing import NamedTuple
 from ..errors import FormatError
 from ..index import geometry
 from ..index.dtypes import itemsize
-from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, Region, TensorEntry
+from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
 from ..torch_types import SmallTensor
 
 __all__ = ["Encoding", "Planner", "ReadPlan", "ReadSpan", "check_tiling", "plan_byte_ranges", "plan_reads"]
@@ -92,12 +91,6 @@ def check_tiling(entry: TensorEntry, label: Callable[[str], str] = _as_is) -> No
     Counting filled elements is not enough (a doubled row and a missing row add up), and a gap
     would otherwise leave uninitialised memory in the output.
     """
-    pieces = entry.pieces
-    if (len(pieces) == 1 and _whole(pieces[0].region, tuple(entry.shape))) or (not pieces and entry.numel == 0):
-        return  # one piece that is the whole tensor (every item a writer streams), or nothing to hold
-        # (DeepSpeed's empty placeholders): nothing to count
-    if _flat_runs_tile(pieces, entry.numel):
-        return
     cov = geometry.coverage(entry.shape, [p.region for p in entry.pieces], max_report=1)
     if cov.exact:
         return
@@ -111,29 +104,6 @@ def check_tiling(entry: TensorEntry, label: Callable[[str], str] = _as_is) -> No
         why = f"elements are stored twice (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
     raise FormatError(f"{label('')}: tensor {entry.key} {list(entry.shape)} is not "
                       f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems")
-
-
-def _flat_runs_tile(pieces: list, numel: int) -> bool:
-    """Do flat pieces (ZeRO partitions of a parameter) cover [0, numel) end to end, each element
-    once? Sorted runs that meet exactly do; anything else is left to coverage (and its message)."""
-    runs = []
-    for p in pieces:
-        region = p.region
-        if type(region) is not FlatRange or region.length < 0:
-            return False
-        runs.append((region.start, region.length))
-    pos = 0
-    for start, length in sorted(runs):
-        if start != pos:
-            return False
-        pos += length
-    return pos == numel
-
-
-def _whole(region: Region, shape: tuple[int, ...]) -> bool:
-    if isinstance(region, FlatRange):
-        return region.start == 0 and region.length == math.prod(shape)
-    return tuple(region.sizes) == shape and not any(region.offsets)
 
 
 def plan_reads(index: CheckpointIndex | None, entry: TensorEntry, box: Box | None = None, *,
