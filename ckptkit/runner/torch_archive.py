@@ -78,15 +78,26 @@ class Archive:
                 for m in self.members.values() if not m.compressed]
 
 
-def open_archive(source: Source, rel: str, offset: int = 0, length: int | None = None) -> Archive:
-    """Parse the zip directory of a torch.save archive at [offset, offset+length) of `rel`."""
+def open_archive(source: Source, rel: str, offset: int = 0, length: int | None = None,
+                 memo: StructureMemo | None = None, data: bytes | None = None) -> Archive:
+    """Parse the zip directory of a torch.save archive at [offset, offset+length) of `rel`.
+    `data`: those very bytes, already read (a run of small items read at once); `memo` serves the
+    directory of an archive laid out exactly like one already checked (see _Layout)."""
     if length is None:
         length = source.size(rel) - offset
-    label = source.label(rel)
     if length < 22:
-        raise FormatError(f"{label}: {length} bytes at offset {offset} are too short to be a torch.save archive")
-    copy = source.read(rel, offset, length) \
-        if length <= SMALL_ARCHIVE and offset + length <= source.size(rel) else None
+        raise FormatError(f"{source.label(rel)}: {length} bytes at offset {offset} are too short to be a "
+                          f"torch.save archive")
+    if data is not None and len(data) == length <= SMALL_ARCHIVE:
+        copy: bytes | None = data
+    else:
+        copy = source.read(rel, offset, length) \
+            if length <= SMALL_ARCHIVE and offset + length <= source.size(rel) else None
+    if copy is not None and memo is not None:
+        known = memo.layout_of(copy, offset)
+        if known is not None:
+            return Archive(source, rel, known[1], known[0], copy=copy, base=offset)
+    label = source.label(rel)
     head = copy[:4] if copy is not None else source.read(rel, offset, min(4, length))
     if head != ZIP_MAGIC:
         if head[:1] == b"\x80" or head[:2] == b"\x8a\x0a":
@@ -117,6 +128,8 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     if len(pkls) != 1:
         raise FormatError(f"{label}: torch.save archive must hold exactly one <root>/data.pkl, found {len(pkls)}")
     prefix = pkls[0][: -len("/data.pkl")]
+    if memo is not None and plain is not None and copy is not None:
+        memo.remember_layout(copy, offset, plain[1], members, prefix)
     return Archive(source, rel, prefix, members, copy=copy, base=offset)
 
 
@@ -267,10 +280,35 @@ class StructureMemo:
     of many same-shaped tensors carry the very same data.pkl, and the restricted unpickler would
     otherwise run once per item. A hit still checks every storage the pickle references against
     this archive's own members (the part that differs from archive to archive); a pickle that
-    was refused is never remembered. TensorRefs are only read, never changed, so one serves all."""
+    was refused is never remembered. TensorRefs are only read, never changed, so one serves all.
+
+    It also remembers the zip layouts of small archives that passed every check of open_archive
+    (layout_of / remember_layout, see _Layout)."""
 
     def __init__(self) -> None:
         self._seen: dict[bytes, tuple[Any, list[Any]]] = {}
+        self._layouts: dict[int, list[_Layout]] = {}
+        self._layout_count = 0
+
+    def layout_of(self, copy: bytes, offset: int) -> tuple[dict[str, Member], str] | None:
+        """The members and prefix of the archive `copy` (at `offset` of its file) when it is laid
+        out byte for byte like one that passed open_archive's checks; None sends it through them."""
+        for layout in self._layouts.get(len(copy), ()):
+            found = layout.match(copy, offset)
+            if found is not None:
+                return found, layout.prefix
+        return None
+
+    def remember_layout(self, copy: bytes, offset: int, start_dir: int, members: dict[str, Member],
+                        prefix: str) -> None:
+        """Remember the layout of `copy`, which just passed every check of open_archive through
+        _plain_directory and _members (`members` at `offset`)."""
+        if self._layout_count >= _MEMO_ENTRIES or len(self._layouts.get(len(copy), ())) >= _LAYOUTS_PER_LENGTH:
+            return
+        layout = _Layout.of(copy, offset, start_dir, members, prefix)
+        if layout is not None:
+            self._layouts.setdefault(len(copy), []).append(layout)
+            self._layout_count += 1
 
     def get(self, data: bytes) -> tuple[Any, list[Any]] | None:
         return self._seen.get(data)
@@ -278,6 +316,108 @@ class StructureMemo:
     def put(self, data: bytes, value: Any, pids: list[Any]) -> None:
         if len(data) <= _MEMO_PICKLE and len(self._seen) < _MEMO_ENTRIES:
             self._seen[data] = (value, pids)
+
+
+_LAYOUTS_PER_LENGTH = 4
+_U32 = struct.Struct("<I")
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The zip layout of a small archive that passed every check of open_archive (its directory
+    read by _plain_directory, its members by _members): every byte of it but the members' data
+    and their CRC32 fields (the skeleton), and the members it yielded.
+
+    Why a match is safe: open_archive's checks read nothing but the bytes of the skeleton (the
+    zip magic, the end records, the zip64 locator test at 42 bytes before the end, the central
+    directory, the local headers) and the CRC fields, whose values are only copied into the
+    members and compared (local header against directory) where the local header carries one.
+    An archive of the same length whose skeleton is byte-equal therefore gets from them the very
+    same members, at its own offset, with its own CRCs, once that comparison is redone here (a
+    mismatch goes through the full checks, which refuse it with their own message). A CRC field
+    that overlaps a byte those checks read as something else is never masked (no layout is
+    remembered); a data descriptor's CRC is masked only where no check reads it."""
+
+    segments: tuple[tuple[int, int], ...]  # the skeleton's byte ranges
+    skeleton: bytes
+    members: tuple[tuple[str, int, int, int, int], ...]  # name, data at, size, directory CRC at, local CRC at (or -1)
+    prefix: str
+
+    def match(self, copy: bytes, offset: int) -> dict[str, Member] | None:
+        if b"".join([copy[a:b] for a, b in self.segments]) != self.skeleton:
+            return None
+        members: dict[str, Member] = {}
+        for name, at, size, central, local in self.members:
+            crc = copy[central:central + 4]
+            if local >= 0 and copy[local:local + 4] != crc:
+                return None  # the full checks refuse it, with their message
+            members[name] = Member(name, offset + at, size, _U32.unpack(crc)[0], False)
+        return members
+
+    @staticmethod
+    def of(copy: bytes, offset: int, start_dir: int, members: dict[str, Member], prefix: str) -> _Layout | None:
+        n = len(copy)
+        data: list[tuple[int, int]] = []
+        masks: list[tuple[int, int]] = []
+        read: list[tuple[int, int]] = [(0, 4), (start_dir, n)]  # what the checks read besides local headers
+        descriptors: list[tuple[int, int]] = []
+        rows: list[tuple[str, int, int, int, int]] = []
+        at = start_dir
+        for _ in range(len(members)):  # the directory's entries, as _plain_directory walked them
+            if at + _CENTRAL.size > n or copy[at:at + 4] != b"PK\x01\x02":
+                return None
+            (_sig, _made, _need, cd_flags, _method, _time, _date, _crc, _csize, _usize, name_len, extra_len,
+             comment_len, _disk, _internal, _external, header) = _CENTRAL.unpack_from(copy, at)
+            raw_name = copy[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
+            central_crc = at + 16
+            at += _CENTRAL.size + name_len + extra_len + comment_len
+            try:
+                member = members.get(raw_name.decode("utf-8" if cd_flags & _UTF8 else "cp437"))
+            except UnicodeDecodeError:
+                return None
+            if member is None or header + _LOCAL.size > n or copy[header:header + 4] != ZIP_MAGIC:
+                return None
+            (_magic, _version, flags, _m, _t, _d, _c, csize, usize, local_name, local_extra) = \
+                _LOCAL.unpack_from(copy, header)
+            start = member.data_offset - offset
+            if start != header + _LOCAL.size + local_name + local_extra or \
+                    copy[header + _LOCAL.size:header + _LOCAL.size + local_name] != raw_name:
+                return None
+            local_crc = header + 14
+            compared = not flags & _DATA_DESCRIPTOR and 0xFFFFFFFF not in (csize, usize)
+            rows.append((member.name, start, member.size, central_crc, local_crc if compared else -1))
+            read.append((header, start))
+            data.append((start, start + member.size))
+            masks += [(local_crc, local_crc + 4), (central_crc, central_crc + 4)]
+            if flags & _DATA_DESCRIPTOR:
+                end = start + member.size
+                descriptors.append((end + 4, end + 8) if copy[end:end + 4] == _DESCRIPTOR else (end, end + 4))
+        if len(rows) != len(members) or len({r[0] for r in rows}) != len(rows):
+            return None
+        tail = (max(0, n - _END.size - _ZIP64_LOCATOR.size), n)
+        if any(_overlaps(m, r) for m in masks for r in ((0, 4), tail)):
+            return None
+        masks += [d for d in descriptors if d[1] <= start_dir and
+                  not any(_overlaps(d, r) for r in read + data + masks)]
+        cut = sorted([r for r in data + masks if r[0] < r[1]])
+        if any(a[1] > b[0] for a, b in zip(cut, cut[1:])):
+            return None
+        segments, pos = [], 0
+        for a, b in cut:
+            if a > pos:
+                segments.append((pos, a))
+            pos = max(pos, b)
+        if pos < n:
+            segments.append((pos, n))
+        skeleton = b"".join([copy[a:b] for a, b in segments])
+        ordered = {name: i for i, name in enumerate(members)}
+        rows.sort(key=lambda r: ordered[r[0]])  # the members in open_archive's order
+        return _Layout(tuple(segments), skeleton, tuple(rows), prefix)
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | None = None) -> Any:

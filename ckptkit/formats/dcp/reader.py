@@ -20,9 +20,10 @@ from ...index.dtypes import dtype_name, itemsize
 from ...index.types import Box, CheckpointIndex, Encoding, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads
-from ...torch_types import DType
-from ...storage.source import Source
-from ...runner.torch_archive import StructureMemo, load_bytes_archive, load_structure, open_archive, tensor_location
+from ...torch_types import DType, Size
+from ...storage.source import LocalSource, Source
+from ...runner.torch_archive import (SMALL_ARCHIVE, StructureMemo, load_bytes_archive, load_structure, open_archive,
+                                     tensor_location)
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -161,17 +162,26 @@ class _Merged:
         sm = _field(md, "storage_meta", "Metadata", label, None)
         if sm is not None:
             self.save_id = getattr(sm, "__dict__", {}).get("save_id", self.save_id)
+        setdefault = self.sd_meta.setdefault
         for key, meta in _field(md, "state_dict_metadata", "Metadata", label).items():
-            if not isinstance(key, str):
+            if type(key) is not str:
                 raise FormatError(f"{label}: state_dict_metadata has a non-string key {key!r:.60}")
-            self.sd_meta.setdefault(key, meta)
+            setdefault(key, meta)
             if type(meta).__name__ == "TensorStorageMetadata":
                 self._add_chunks(key, meta, label)
+        storage = self.storage
         for mi, info in _mapping(_field(md, "storage_data", "Metadata", label, None), "storage_data", label).items():
-            fqn = _field(mi, "fqn", "MetadataIndex", label)
-            off = _field(mi, "offset", "MetadataIndex", label, None)
-            where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
-            self.storage.setdefault((fqn, where), info)
+            fields = getattr(mi, "__dict__", None)
+            off = fields.get("offset", _NO_FIELD) if fields is not None and "fqn" in fields else _NO_FIELD
+            if off is None or (type(off) is Size and (not off or min(off) >= 0)):  # torch's own kind: no checks due
+                where = tuple(off) if off is not None else None
+                fqn = fields["fqn"]
+            else:
+                fqn = _field(mi, "fqn", "MetadataIndex", label)
+                off = _field(mi, "offset", "MetadataIndex", label, None)
+                where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
+            if (fqn, where) not in storage:
+                storage[fqn, where] = info
         for key, path in _mapping(_field(md, "planner_data", "Metadata", label, None), "planner_data", label).items():
             if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
                 self.planner[key] = tuple(path)
@@ -179,6 +189,11 @@ class _Merged:
     def _add_chunks(self, key: str, meta: Any, label: str) -> None:
         """The chunk boxes of tensor `key`, each once, checked against the tensor's rank."""
         seen = self.chunks.setdefault(key, {})  # an ordered set: a tensor may have thousands of chunks
+        boxes = _plain_boxes(meta)
+        if boxes is not None:
+            for box in boxes:
+                seen.setdefault(box, None)
+            return
         rank = len(_ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label))
         chunk_list = _field(meta, "chunks", f"tensor {key}", label)
         if not isinstance(chunk_list, (list, tuple)):
@@ -190,6 +205,31 @@ class _Merged:
                 raise FormatError(f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
                                   f"(offsets {list(box[0])}), the tensor has rank {rank}")
             seen.setdefault(box, None)
+
+
+_NO_FIELD = object()
+
+
+def _plain_boxes(meta: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """The chunk boxes of a tensor's metadata when it is the kind torch pickles (torch.Size of
+    non-negative ints, of the tensor's rank, in a list of chunk objects), without a check per
+    field; None for anything else, which the checked path reads (and words what is wrong)."""
+    fields = meta.__dict__
+    size, chunks = fields.get("size"), fields.get("chunks")
+    if type(size) is not Size or type(chunks) is not list or (size and min(size) < 0):
+        return None
+    rank = len(size)
+    boxes = []
+    for chunk in chunks:
+        got = getattr(chunk, "__dict__", None)
+        if got is None:
+            return None
+        offsets, sizes = got.get("offsets"), got.get("sizes")
+        if type(offsets) is not Size or type(sizes) is not Size or len(offsets) != rank or len(sizes) != rank or (
+                rank and (min(offsets) < 0 or min(sizes) < 0)):
+            return None
+        boxes.append((tuple(offsets), tuple(sizes)))
+    return boxes
 
 
 def _new_index(source: Source, names: list[str], merged: _Merged) -> CheckpointIndex:
@@ -209,16 +249,23 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
     """One job per tensor chunk and per value, each with its storage record; tensors are added to
     `index` now (their pieces come from the jobs), values when read."""
     jobs: list[_Job] = []
+    names: dict[DType, str] = {}
+    storage = merged.storage
     for key, meta in merged.sd_meta.items():
         path = merged.planner.get(key)
         kind = type(meta).__name__
         if kind == "TensorStorageMetadata":
             dtype = _props_dtype(_field(meta, "properties", f"tensor {key}", label), label, key)
-            shape = _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
-            entry = TensorEntry(key, dtype_name(dtype), shape, [], path=path)
+            size = meta.__dict__.get("size")
+            shape = tuple(size) if type(size) is Size and (not size or min(size) >= 0) else \
+                _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
+            name = names.get(dtype)
+            if name is None:
+                name = names[dtype] = dtype_name(dtype)
+            entry = TensorEntry(key, name, shape, [], path=path)
             index.add_tensor(entry)
             for offsets, sizes in merged.chunks[key]:
-                info = merged.storage.get((key, offsets))
+                info = storage.get((key, offsets))
                 if info is None:
                     raise FormatError(f"{label}: tensor {key} chunk at offsets {list(offsets)} has no storage record")
                 jobs.append((entry, Box(offsets, sizes), info))
@@ -234,24 +281,94 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
 
 def _read_items(source: Source, jobs: list[_Job], parallel: int) -> list[Any]:
     """Each job's (piece or value, checks), or the CkptkitError that stopped it: handed back, so
-    that verify lists it and goes on (index.problems)."""
-    memo = StructureMemo()  # same-shaped items share their data.pkl: unpickled once
+    that verify lists it and goes on (index.problems).
+
+    The small items of a local folder are read in one thread: they are CPU work under the GIL,
+    which threads only contend for; threads serve remote sources and large items, whose reads wait."""
+    memo = StructureMemo()  # same-shaped items share their data.pkl and zip layout: checked once
+    files = _Files(source)
 
     def run(batch: list[_Job]) -> list[Any]:
         results: list[Any] = []
+        window = _Window(source)
         for job in batch:
             try:
-                results.append(_read_item(source, *job, memo=memo))
+                results.append(_read_item(source, *job, memo=memo, files=files, window=window))
             except CkptkitError as exc:
                 results.append(exc)
         return results
 
-    if parallel > 1 and len(jobs) > 8:  # in batches: a future per item costs more than a small item
+    if parallel > 1 and len(jobs) > 8 and not (isinstance(source, LocalSource) and _mostly_small(jobs)):
         size = min(_BATCH, -(-len(jobs) // (parallel * 4)))  # a few batches per thread, however few items
-        batches = [jobs[i:i + size] for i in range(0, len(jobs), size)]
+        batches = [jobs[i:i + size] for i in range(0, len(jobs), size)]  # a future per item costs too much
         with ThreadPoolExecutor(parallel) as pool:
             return [result for batch in pool.map(run, batches) for result in batch]
     return run(jobs)
+
+
+def _mostly_small(jobs: list[_Job]) -> bool:
+    """Nine items in ten or more are small archives (read whole, then parsed: CPU work only)."""
+    small = sum(1 for _, _, info in jobs
+                if isinstance(length := getattr(info, "__dict__", {}).get("length"), int) and length <= SMALL_ARCHIVE)
+    return small * 10 >= len(jobs) * 9
+
+
+# the most bytes read ahead for the next items of a file read in order
+_READ_AHEAD = 1 << 20
+
+
+class _Files:
+    """What an item's storage record names, looked up once per distinct value rather than once
+    per item: the data file's checked relative path, that it is no folder, and its size. Only
+    what passed is remembered: a bad path or a missing file is refused by every item naming it."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.label = source.label("")
+        self._paths: dict[str, str] = {}
+        self._sizes: dict[str, int] = {}
+
+    def relpath(self, path: Any, what: str) -> str:
+        rel = self._paths.get(path) if type(path) is str else None
+        if rel is None:
+            rel = _safe_relpath(path, f"{self.label} ({what})")
+            if type(path) is str:
+                self._paths[path] = rel
+        return rel
+
+    def size(self, rel: str, what: str) -> int:
+        size = self._sizes.get(rel)
+        if size is None:
+            if self.source.isdir(rel):
+                raise FormatError(f"{self.source.label(rel)}: is a folder, but the {what} points at it as a data file")
+            size = self._sizes[rel] = self.source.size(rel)
+        return size
+
+
+class _Window:
+    """Bytes of one data file read ahead for the next small items: DCP writes a file's items back
+    to back, so a run of them costs one read instead of one per item. It reads ahead only while
+    the items come in file order (each where the last ended), doubling up to _READ_AHEAD, and
+    never past the file's end; items out of order are read alone, as before."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.rel: str | None = None
+        self.start = 0
+        self.data = b""
+        self.ahead = 0
+        self.last = -1  # where the last item served ended
+
+    def read(self, rel: str, offset: int, length: int, size: int) -> bytes:
+        at = offset - self.start
+        if rel == self.rel and 0 <= at and at + length <= len(self.data):
+            self.last = offset + length
+            return self.data[at:at + length]
+        in_order = rel == self.rel and offset == self.last
+        self.ahead = min(_READ_AHEAD, max(length, 2 * self.ahead)) if in_order else 0
+        self.data = self.source.read(rel, offset, min(size - offset, length + self.ahead))
+        self.rel, self.start, self.last = rel, offset, offset + length
+        return self.data[:length] if len(self.data) > length else self.data
 
 
 def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:
@@ -280,20 +397,21 @@ def _item_file(source: Source, info: Any) -> str:
         return source.label("")
 
 
-def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: StructureMemo | None = None):
-    label = source.label("")
+def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: StructureMemo | None = None,
+               files: _Files | None = None, window: _Window | None = None):
+    files = files if files is not None else _Files(source)
+    label = files.label
     what = f"storage record of {target.key}"
-    rel = _safe_relpath(_field(info, "relative_path", "_StorageInfo", label), f"{label} ({what})")
+    rel = files.relpath(_field(info, "relative_path", "_StorageInfo", label), what)
     offset = _count(_field(info, "offset", "_StorageInfo", label), f"{what}: offset", label)
     length = _count(_field(info, "length", "_StorageInfo", label), f"{what}: length", label)
     transforms = _field(info, "transform_descriptors", "_StorageInfo", label, None) or ()
     if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
         raise FormatError(f"{label}: {what}: transform_descriptors must be a list of strings")
     transforms = tuple(transforms)
-    codecs.check(transforms, f"{source.label(rel)} ({what})")
-    if source.isdir(rel):
-        raise FormatError(f"{source.label(rel)}: is a folder, but the {what} points at it as a data file")
-    size = source.size(rel)
+    if transforms:
+        codecs.check(transforms, f"{source.label(rel)} ({what})")
+    size = files.size(rel, what)
     if offset < 0 or length < 0 or offset + length > size:
         raise FormatError(f"{source.label(rel)}: item of {target.key} at bytes {offset}..{offset + length} "
                           f"lies past the end of the file ({size} bytes; truncated?)")
@@ -302,7 +420,9 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: St
             codecs.check_declared(transforms, length, box.numel * itemsize(target.dtype), f"{source.label(rel)} "
                                   f"(item of {target.key})")
             return Piece(box, Location(rel, offset, length, Encoding.TORCH_SAVE, transforms=transforms)), []
-        archive = open_archive(source, rel, offset, length)
+        data = window.read(rel, offset, length, size) if window is not None and 22 <= length <= SMALL_ARCHIVE \
+            else None
+        archive = open_archive(source, rel, offset, length, memo=memo, data=data)
         ref = load_structure(archive, eager=False, memo=memo)
         if not isinstance(ref, TensorRef):
             raise FormatError(f"{source.label(rel)}: item of {target.key} does not hold a tensor")
