@@ -29,6 +29,7 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import DType, Size
 from ..torch_save.archive_writer import LazyTensor, write_archive_to
+from .metadata_pickle import metadata_pickle
 
 DCP_VERSION = "1.0.0"
 _METADATA = "torch.distributed.checkpoint.metadata."
@@ -206,7 +207,22 @@ def _tensor_properties(dtype: str) -> Any:
 
 def build_metadata(index: CheckpointIndex, written: list[_Written], key_order: list[str] | None = None) -> bytes:
     """`.metadata`: torch's Metadata for what was written, field for field as torch pickles it.
-    `key_order`: the state dict's key order, which torch keeps in planner_data (None: as written)."""
+    `key_order`: the state dict's key order, which torch keeps in planner_data (None: as written).
+    Written as opcodes straight from `written` (metadata_pickle), or where that declines, by
+    pickling the stand-ins: the same bytes."""
+    # the save id is a digest of what was written, so one plan gives the same bytes however many
+    # processes wrote it (and a rerun gives the same checkpoint)
+    save_id = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
+                                                                    for w in written])).hex
+    fast = metadata_pickle(index, written, key_order, save_id, DCP_VERSION)
+    if fast is not None:
+        return fast
+    return dumps(metadata_stand_ins(index, written, key_order, save_id), protocol=2)
+
+
+def metadata_stand_ins(index: CheckpointIndex, written: list[_Written], key_order: list[str] | None,
+                       save_id: str) -> Any:
+    """torch's Metadata for what was written, as stand-ins with the state torch's pickling gives each class."""
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
@@ -236,11 +252,6 @@ def build_metadata(index: CheckpointIndex, written: list[_Written], key_order: l
     if key_order is not None:
         position = {k: i for i, k in enumerate(key_order)}
         planner = {k: planner[k] for k in sorted(planner, key=lambda k: position.get(k, len(position)))}
-    # the save id is a digest of what was written, so one plan gives the same bytes however many
-    # processes wrote it (and a rerun gives the same checkpoint)
-    digest = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
-                                                                   for w in written]))
-    md = _md("Metadata", state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
-             storage_meta=_md("StorageMeta", checkpoint_id=None, save_id=digest.hex, load_id=None, modules=[]),
-             version=DCP_VERSION)
-    return dumps(md, protocol=2)
+    return _md("Metadata", state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
+               storage_meta=_md("StorageMeta", checkpoint_id=None, save_id=save_id, load_id=None, modules=[]),
+               version=DCP_VERSION)

@@ -1,0 +1,342 @@
+"""DCP's `.metadata` written straight as pickle opcodes, without building stand-ins.
+
+writer.metadata_stand_ins builds torch's Metadata classes as stand-ins and repickle pickles them
+into torch's own bytes; at 100k chunks that makes and walks about a million objects. This module
+writes the same opcodes from the written items: every object a chunk adds (its stand-ins, their
+state dicts, its Sizes and their tuples) is new, so it only takes the next memo index (pickle's
+memo counts up from 0) and needs no memo entry, while what may repeat (strings, globals, the
+planner's path tuples, torch.strided) goes through a memo by identity, as pickle's does.
+Anything it does not expect gives None, and the writer pickles the stand-ins instead; tests
+compare both byte for byte.
+"""
+from __future__ import annotations
+
+import pickle
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ...index.types import CheckpointIndex
+
+__all__ = ["metadata_pickle"]
+
+_MD = "torch.distributed.checkpoint.metadata"
+_STRIDED_NAME = "torch.strided"  # (a constant of its own: never the same object as a key read from a file)
+_BATCH = pickle._Pickler._BATCHSIZE  # type: ignore[attr-defined]
+_I = struct.Struct("<I").pack
+_i = struct.Struct("<i").pack
+_H = struct.Struct("<H").pack
+_NEW = pickle.EMPTY_TUPLE + pickle.NEWOBJ
+_TUPLE_OPS = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
+_END_STATE = pickle.SETITEMS + pickle.BUILD
+
+
+class _Unexpected(Exception):
+    """A value this writer does not handle: the stand-ins are pickled instead."""
+
+
+class _Emitter:
+    """pickle._Pickler's protocol-2 output for the values below, with its memo numbering."""
+
+    def __init__(self) -> None:
+        self.out = bytearray(pickle.PROTO + b"\x02")
+        self.n = 0  # the next memo index
+        self.memo: dict[Any, bytes] = {}  # id (or a global's name) -> the opcode that gets it back
+        self.held: list[Any] = []  # keeps memoized objects alive, so their ids stay unique
+
+    def put(self) -> None:
+        """Memoize a new object no one refers to again."""
+        n = self.n
+        self.out += pickle.BINPUT + bytes((n,)) if n < 256 else pickle.LONG_BINPUT + _I(n)
+        self.n = n + 1
+
+    def remember(self, key: Any) -> None:
+        n = self.n
+        self.memo[key] = pickle.BINGET + bytes((n,)) if n < 256 else pickle.LONG_BINGET + _I(n)
+        self.put()
+
+    def global_(self, module: str, name: str) -> None:
+        got = self.memo.get((module, name))
+        if got is not None:
+            self.out += got
+            return
+        self.out += pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8")
+        self.remember((module, name))
+
+    def new(self, module: str, name: str) -> None:
+        """A stand-in built by cls.__new__ (NEWOBJ), memoized; its state dict follows."""
+        self.global_(module, name)
+        self.out += _NEW
+        self.put()
+
+    def str_(self, s: Any) -> None:
+        if type(s) is not str:
+            raise _Unexpected(type(s))
+        got = self.memo.get(id(s))
+        if got is not None:
+            self.out += got
+            return
+        encoded = s.encode("utf-8", "surrogatepass")
+        self.out += pickle.BINUNICODE + _I(len(encoded)) + encoded
+        self.remember(id(s))
+        self.held.append(s)
+
+    def int_(self, o: Any) -> None:
+        if type(o) is not int:
+            raise _Unexpected(type(o))
+        if 0 <= o <= 0xFF:
+            self.out += pickle.BININT1 + bytes((o,))
+        elif 0 <= o <= 0xFFFF:
+            self.out += pickle.BININT2 + _H(o)
+        elif -0x80000000 <= o <= 0x7FFFFFFF:
+            self.out += pickle.BININT + _i(o)
+        else:
+            encoded = pickle.encode_long(o)
+            n = len(encoded)
+            self.out += pickle.LONG1 + bytes((n,)) + encoded if n < 256 else pickle.LONG4 + _i(n) + encoded
+
+    def ints(self, values: Sequence[int]) -> None:
+        """A new tuple of ints (the empty tuple is never memoized)."""
+        n = len(values)
+        if not n:
+            self.out += pickle.EMPTY_TUPLE
+            return
+        if n > 3:
+            self.out += pickle.MARK
+        for v in values:
+            self.int_(v)
+        self.out += _TUPLE_OPS[n] if n <= 3 else pickle.TUPLE
+        self.put()
+
+    def size(self, dims: Sequence[int]) -> None:
+        """A new torch.Size: torch.Size((dims,)) by REDUCE."""
+        self.global_("torch", "Size")
+        self.ints(dims)
+        self.out += pickle.TUPLE1
+        self.put()
+        self.out += pickle.REDUCE
+        self.put()
+
+    def value(self, o: Any) -> None:
+        """A planner path: a tuple (memoized by identity: it may be the index's own) of strs and ints."""
+        if type(o) is str:
+            self.str_(o)
+        elif type(o) is int:
+            self.int_(o)
+        elif type(o) is tuple and o:
+            got = self.memo.get(id(o))
+            if got is not None:
+                self.out += got
+                return
+            if len(o) > 3:
+                self.out += pickle.MARK
+            for e in o:
+                if type(e) is tuple:
+                    raise _Unexpected(tuple)  # (nested: a recursive tuple is not worth the care)
+                self.value(e)
+            self.out += _TUPLE_OPS[len(o)] if len(o) <= 3 else pickle.TUPLE
+            self.remember(id(o))
+            self.held.append(o)
+        else:
+            raise _Unexpected(type(o))
+
+    def batches(self, items: Sequence[Any], write_one: Any, many: bytes, one: bytes) -> None:
+        """pickle's batched SETITEMS/APPENDS: runs of 1000, a run of one without MARK."""
+        for start in range(0, len(items), _BATCH):
+            batch = items[start:start + _BATCH]
+            if len(batch) > 1:
+                self.out += pickle.MARK
+                for item in batch:
+                    write_one(item)
+                self.out += many
+            else:
+                write_one(batch[0])
+                self.out += one
+
+
+def metadata_pickle(index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None,
+                    save_id: str, version: str) -> bytes | None:
+    """The bytes repickle gives writer.metadata_stand_ins(index, written, key_order, save_id), or
+    None where this writer does not know them (a repeated item, an unusual path or value)."""
+    try:
+        return _metadata(index, written, key_order, save_id, version)
+    except (_Unexpected, RecursionError):
+        return None
+
+
+def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None,
+              save_id: str, version: str) -> bytes | None:
+    # what the stand-ins hold, in their dicts' order: per state-dict key, its tensor entry (None
+    # for a bytes item) and chunks; per storage item, its key, chunk number, box and place
+    sd: dict[str, tuple[Any, list[Any]]] = {}
+    planner: dict[str, Any] = {}
+    storage: list[tuple[Any, ...]] = []
+    for w in written:
+        file = sys.intern(w.file)
+        if w.box is None:
+            obj = index.objects[w.key]
+            key = obj.key
+            if key in sd:  # a value written twice, or also a tensor: its stand-in keys would merge
+                return None
+            sd[key] = (None, [])
+            storage.append((key, None, None, file, w.offset, w.length, w.transforms))
+            planner[key] = tuple(obj.path) if obj.path else (key,)
+            continue
+        entry = index.tensors[w.key]
+        key = entry.key
+        known = sd.get(key)
+        if known is None:
+            known = sd[key] = (entry, [])
+            planner[key] = tuple(entry.path) if entry.path else (key,)
+        elif known[0] is not entry:
+            return None
+        known[1].append(w.box)
+        storage.append((key, len(known[1]) - 1, w.box, file, w.offset, w.length, ()))
+    if key_order is not None:
+        position = {k: i for i, k in enumerate(key_order)}
+        planner = {k: planner[k] for k in sorted(planner, key=lambda k: position.get(k, len(position)))}
+
+    e = _Emitter()
+    out = e.out
+    e.new(_MD, "Metadata")
+    out += pickle.EMPTY_DICT
+    e.put()
+    out += pickle.MARK
+    e.str_("state_dict_metadata")
+    out += pickle.EMPTY_DICT
+    e.put()
+
+    def chunk(box: Any) -> None:
+        e.new(_MD, "ChunkStorageMetadata")
+        out.extend(pickle.EMPTY_DICT)
+        e.put()
+        out.extend(pickle.MARK)
+        e.str_("offsets")
+        e.size(box.offsets)
+        e.str_("sizes")
+        e.size(box.sizes)
+        out.extend(_END_STATE)
+
+    def sd_item(item: tuple[str, tuple[Any, list[Any]]]) -> None:
+        key, (entry, chunks) = item
+        e.str_(key)
+        if entry is None:
+            e.new(_MD, "BytesStorageMetadata")  # no state: no BUILD
+            return
+        e.new(_MD, "TensorStorageMetadata")
+        out.extend(pickle.EMPTY_DICT)
+        e.put()
+        out.extend(pickle.MARK)
+        e.str_("properties")
+        _tensor_properties(e, entry.dtype)
+        e.str_("size")
+        e.size(entry.shape)
+        e.str_("chunks")
+        out.extend(pickle.EMPTY_LIST)
+        e.put()
+        e.batches(chunks, chunk, pickle.APPENDS, pickle.APPEND)
+        out.extend(_END_STATE)
+
+    e.batches(list(sd.items()), sd_item, pickle.SETITEMS, pickle.SETITEM)
+
+    e.str_("planner_data")
+    out += pickle.EMPTY_DICT
+    e.put()
+
+    def planner_item(item: tuple[str, Any]) -> None:
+        e.str_(item[0])
+        e.value(item[1])
+
+    e.batches(list(planner.items()), planner_item, pickle.SETITEMS, pickle.SETITEM)
+
+    e.str_("storage_data")
+    out += pickle.EMPTY_DICT
+    e.put()
+
+    def storage_item(item: tuple[Any, ...]) -> None:
+        key, number, box, file, offset, length, transforms = item
+        e.new(_MD, "MetadataIndex")
+        out.extend(pickle.EMPTY_DICT)
+        e.put()
+        out.extend(pickle.MARK)
+        e.str_("fqn")
+        e.str_(key)
+        e.str_("index")
+        if number is None:
+            out.extend(pickle.NONE)
+        else:
+            e.int_(number)
+            e.str_("offset")
+            e.size(box.offsets)
+        out.extend(_END_STATE)
+        e.new("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+        out.extend(pickle.EMPTY_DICT)
+        e.put()
+        out.extend(pickle.MARK)
+        e.str_("relative_path")
+        e.str_(file)
+        e.str_("offset")
+        e.int_(offset)
+        e.str_("length")
+        e.int_(length)
+        if transforms:
+            e.str_("transform_descriptors")
+            out.extend(pickle.EMPTY_LIST)
+            e.put()
+            e.batches(list(transforms), e.str_, pickle.APPENDS, pickle.APPEND)
+        out.extend(_END_STATE)
+
+    e.batches(storage, storage_item, pickle.SETITEMS, pickle.SETITEM)
+
+    e.str_("storage_meta")
+    e.new(_MD, "StorageMeta")
+    out += pickle.EMPTY_DICT
+    e.put()
+    out += pickle.MARK
+    e.str_("checkpoint_id")
+    out += pickle.NONE
+    e.str_("save_id")
+    e.str_(save_id)
+    e.str_("load_id")
+    out += pickle.NONE
+    e.str_("modules")
+    out += pickle.EMPTY_LIST
+    e.put()
+    out += _END_STATE
+    e.str_("version")
+    e.str_(version)
+    out += _END_STATE + pickle.STOP
+    return bytes(out)
+
+
+def _tensor_properties(e: _Emitter, dtype: str) -> None:
+    """TensorProperties as its __getstate__ pickles it: (dtype, torch.strided, False,
+    TORCH_CONTIGUOUS, False), torch.strided and the memory format each written once."""
+    out = e.out
+    e.new(_MD, "TensorProperties")
+    out += pickle.MARK
+    e.global_("torch", dtype)
+    got = e.memo.get(("strided",))
+    if got is None:  # torch.serialization._get_layout("torch.strided")
+        e.global_("torch.serialization", "_get_layout")
+        e.str_(_STRIDED_NAME)
+        out += pickle.TUPLE1
+        e.put()
+        out += pickle.REDUCE
+        e.remember(("strided",))
+    else:
+        out += got
+    out += pickle.NEWFALSE
+    got = e.memo.get(("contiguous",))
+    if got is None:  # _MEM_FORMAT_ENCODING(0)
+        e.global_(_MD, "_MEM_FORMAT_ENCODING")
+        out += pickle.BININT1 + b"\x00" + pickle.TUPLE1
+        e.put()
+        out += pickle.REDUCE
+        e.remember(("contiguous",))
+    else:
+        out += got
+    out += pickle.NEWFALSE + pickle.TUPLE
+    e.put()
+    out += pickle.BUILD
