@@ -27,7 +27,7 @@ from ..storage.source import Source
 from ..torch_types import SmallTensor
 from .. import knobs
 from . import codecs, limits
-from .plan import Planner, ReadPlan, ReadSpan, check_tiling, plan_byte_ranges
+from .plan import Planner, ReadPlan, ReadSpan, check_tiling
 
 if TYPE_CHECKING:
     import torch
@@ -204,18 +204,7 @@ class Fetcher:
         the kernel instead of through Python."""
         if (dtype or entry.dtype) != entry.dtype:
             return None
-        tensors = self.index.tensors if self.index is not None else None
-        if start == 0 and length is None:  # the whole tensor: one plan (planning refuses a bad tiling, as fetch does)
-            return plan_byte_ranges(self.plan(entry), tensors, entry)
-        self.check_tiling(entry)  # the same refusal fetch() gives: never copy a doubled or gappy tensor
-        length = entry.numel - start if length is None else length
-        out: list[tuple[str | bytes | None, int, int]] = []
-        for box, _ in geometry.flat_to_boxes(FlatRange(start, length), entry.shape):
-            ranges = plan_byte_ranges(self.plan(entry, box), tensors, entry)
-            if ranges is None:
-                return None
-            out += ranges
-        return out
+        return self._planner.byte_ranges(entry, start, length)
 
     def _label(self, rel: str) -> str:
         return self.source.label(rel)

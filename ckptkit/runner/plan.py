@@ -20,6 +20,7 @@ from ..index import geometry
 from ..index.dtypes import itemsize
 from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
 from ..torch_types import SmallTensor
+from .flat_plan import coalesce, flat_byte_ranges
 
 __all__ = ["Encoding", "Planner", "ReadPlan", "ReadSpan", "check_tiling", "plan_byte_ranges", "plan_reads"]
 
@@ -129,6 +130,7 @@ class Planner:
         self.label = label
         self.tiling = tiling or (lambda e: check_tiling(e, label))
         self.file_sizes = file_sizes
+        self._runs: dict[int, tuple[TensorEntry, tuple]] = {}  # flat_plan's runs of referenced tensors
 
     def __call__(self, entry: TensorEntry, box: Box | None = None) -> ReadPlan:
         self.tiling(entry)
@@ -213,6 +215,35 @@ class Planner:
         refs = [self.plan(target, box) for box in boxes]
         return ReadSpan(entry.key, i, Encoding.REF, loc.file, start, inter.numel, inter, sub, elem_offset,
                         strides, False, tuple(refs))
+
+    def byte_ranges(self, entry: TensorEntry, start: int = 0, length: int | None = None) -> list[ByteRange] | None:
+        """Elements [start, start+length) (default: to the end) of the entry's flattening as
+        coalesced source byte ranges (see plan_byte_ranges), or None where they are not stored
+        that simply. Flat layouts (ZeRO partitions) are planned by an interval sweep
+        (flat_plan); the rest, and every refusal, through boxes. The tiling is checked first."""
+        self.tiling(entry)
+        tensors = self.index.tensors if self.index is not None else None
+        whole = start == 0 and length is None
+        length = entry.numel - start if length is None else length
+        fast = flat_byte_ranges(entry, start, length, tensors=tensors, tiling=self.tiling,
+                                boxed=self._boxed_range, file_sizes=self.file_sizes, cache=self._runs)
+        if fast is not None:
+            return fast
+        if whole:
+            return coalesce(plan_byte_ranges(self(entry), tensors, entry))
+        return coalesce(self._boxed_range(entry, start, length))
+
+    def _boxed_range(self, entry: TensorEntry, start: int, length: int) -> list[ByteRange] | None:
+        """byte_ranges of a flat range through N-d boxes: each box of the range planned, then
+        viewed as byte ranges (None when one is not simple)."""
+        tensors = self.index.tensors if self.index is not None else None
+        out: list[ByteRange] = []
+        for box, _ in geometry.flat_to_boxes(FlatRange(start, length), entry.shape):
+            ranges = plan_byte_ranges(self.plan(entry, box), tensors, entry)
+            if ranges is None:
+                return None
+            out += ranges
+        return out
 
     def _inside_file(self, rel: str, end: int) -> None:
         size = self.file_sizes.get(rel) if self.file_sizes is not None else None
