@@ -28,12 +28,13 @@ from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import DType, Size
-from ..torch_save.archive_writer import LazyTensor, write_archive_to
+from ..torch_save.archive_writer import LazyTensor, small_tensor_archive, write_archive_to
 from .metadata_pickle import metadata_pickle
 
 DCP_VERSION = "1.0.0"
 _METADATA = "torch.distributed.checkpoint.metadata."
 _STORAGE_INFO = "torch.distributed.checkpoint.filesystem._StorageInfo"
+_PENDING_BYTES = 1 << 20  # small items' archives are gathered up to this, then written with one call
 # torch.strided and _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT are single objects in torch, so
 # pickle writes each once and refers back to it: one stand-in each does the same
 _STRIDED = stand_in_call("torch.serialization._get_layout", "torch.strided")
@@ -84,14 +85,33 @@ def write_dcp(out: Output, index: CheckpointIndex, fetcher: Fetcher, layout: Lay
             written: list[_Written] = []
             name = data_file(rank)
             with out.open(name) as f:
+                pending = bytearray()  # small items' archives, written together (one write per MiB)
+                pos = f.tell()
                 for key, box in _in_order(per_rank[rank], index, layout, rank):
+                    if box is not None:
+                        small = _small_item(index.tensors[key], box, fetcher, slab_bytes)
+                        if small is not None:
+                            pending += small
+                            written.append(_Written(key, box, name, pos, len(small)))
+                            pos += len(small)
+                            progress.advance(box.numel * itemsize(index.tensors[key].dtype))
+                            if len(pending) >= _PENDING_BYTES:
+                                f.write(pending)
+                                pending.clear()
+                            continue
+                    if pending:
+                        f.write(pending)
+                        pending.clear()
                     start = f.tell()
                     if box is None:
                         transforms = _write_object(f, index.objects[key], source, fetcher, slab_bytes)
                         written.append(_Written(key, None, name, start, f.tell() - start, transforms))
-                        continue
-                    _write_item(f, index.tensors[key], box, fetcher, slab_bytes, progress, layout.exact_chunks)
-                    written.append(_Written(key, box, name, start, f.tell() - start))
+                    else:
+                        _write_item(f, index.tensors[key], box, fetcher, slab_bytes, progress, layout.exact_chunks)
+                        written.append(_Written(key, box, name, start, f.tell() - start))
+                    pos = f.tell()
+                if pending:
+                    f.write(pending)
             return written
         return run
 
@@ -139,6 +159,18 @@ def _write_item(f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_byt
               else _runs(entry, box)) if box.numel else []
     item = TensorEntry(f"{entry.key}@{list(box.offsets)}", entry.dtype, box.sizes, pieces, attrs={"virtual": True})
     write_archive_to(f, LazyTensor(item), fetcher, slab_bytes=slab_bytes, progress=progress)
+
+
+def _small_item(entry: TensorEntry, box: Box, fetcher: Fetcher, slab_bytes: int) -> bytes | None:
+    """The archive _write_item writes for a small chunk that is one flat run of its tensor (a
+    DCP item of a small tensor), as bytes, so a run of them is written with one call; None
+    where _write_item must write it."""
+    if not box.numel:
+        return None
+    start = _flat_start(entry.shape, box)
+    if start is None:
+        return None
+    return small_tensor_archive(entry, box.sizes, start, fetcher, slab_bytes)
 
 
 def _runs(entry: TensorEntry, box: Box) -> list[Piece]:

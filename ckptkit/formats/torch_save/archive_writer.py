@@ -310,6 +310,33 @@ def _write_from_template(f: Any, builder: _Builder, pickle_bytes: bytes, payload
     return True
 
 
+def small_tensor_archive(entry: TensorEntry, shape: tuple[int, ...], start: int, fetcher: Fetcher,
+                         slab_bytes: int) -> bytes | None:
+    """The archive write_archive_to writes for a LazyTensor of `shape` holding elements
+    [start, start + numel) of `entry`'s flattening (a DCP item that is one flat run of its
+    tensor), as bytes: its template filled from the run's byte ranges, with no virtual entry,
+    builder or pickler per item. None where write_archive_to must write it (a payload too large,
+    empty, or not plain bytes; a data.pkl or template not made yet: the first item of each dtype
+    and shape makes them)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    payload = numel * itemsize(entry.dtype)
+    if payload == 0 or payload > min(SMALL_ARCHIVE, slab_bytes):
+        return None
+    pickle_bytes = _LONE_TENSOR_PICKLES.get((entry.dtype, shape))
+    if pickle_bytes is None:
+        return None
+    template = _TEMPLATES.get((pickle_bytes, payload))
+    if template is None:
+        return None
+    ranges = fetcher.byte_ranges(entry, start, numel)
+    if ranges is None:
+        return None
+    data = kernel_copy.read(fetcher.source, ranges)
+    return template.fill(data) if len(data) == payload else None
+
+
 def _write_zip(zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher,
                slab_bytes: int, progress: Progress) -> None:
     """The archive's records into `zip_file`; tensors copied in the kernel into `f` where it is
