@@ -24,6 +24,11 @@ _ZEROS = bytes(1 << 20)
 # peak memory does not depend on tensor sizes, large enough that mapping costs nothing measurable
 _WINDOW = 2 << 20
 _BUFFER = 8 << 20
+# a range this small is read with one pread (into memory) rather than mapped or copied in the
+# kernel: a map or a copy_file_range costs more than the bytes; _PER_RANGE weighs a range's
+# fixed cost against bytes, so a Ctrl-C is checked after about a window's worth of work
+_SMALL = 64 << 10
+_PER_RANGE = 4 << 10
 # the most one copy_file_range call moves: a Ctrl-C (interrupts.check) is seen between calls
 _KERNEL_CHUNK = 256 << 20
 # copy_file_range refuses some pairs of files (across filesystems on many kernels, some network
@@ -38,10 +43,19 @@ def available(source: Any) -> bool:
 
 
 def crc32(source: Any, ranges: Ranges) -> int:
-    """CRC32 of the concatenated ranges, over short-lived memory maps of the source (no copy;
-    each window is unmapped before the next, so resident memory stays at one window)."""
+    """CRC32 of the concatenated ranges: a small range read with one pread (a ZeRO partition is
+    thousands of them), a large one over short-lived memory maps of the source (no copy; each
+    window is unmapped before the next, so resident memory stays at one window)."""
     crc = 0
+    since_check = _WINDOW  # the first range checks: a Ctrl-C already pending stops at once
     for rel, offset, nbytes in ranges:
+        if type(rel) is str and nbytes <= _SMALL:
+            since_check += nbytes + _PER_RANGE
+            if since_check >= _WINDOW:
+                interrupts.check()
+                since_check = 0
+            crc = _crc(_pread(source, rel, offset, nbytes), crc)
+            continue
         done = 0
         while done < nbytes:
             if rel is None:
@@ -56,6 +70,14 @@ def crc32(source: Any, ranges: Ranges) -> int:
                 crc = _crc_window(source, rel, offset + done, n, crc)
             done += n
     return crc
+
+
+def _pread(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
+    """nbytes at offset of a source file, in one positional read."""
+    data = os.pread(source.fileno(rel), nbytes, offset)
+    if len(data) != nbytes:
+        raise OSError(f"{source.label(rel)}: ends before byte {offset + len(data)}")
+    return data
 
 
 def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> int:
@@ -83,22 +105,49 @@ def read(source: Any, ranges: Ranges) -> bytes:
 
 
 def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> int:
-    """Append the ranges to `out` at its current position; returns the bytes written."""
+    """Append the ranges to `out` at its current position; returns the bytes written.
+
+    Small ranges (a ZeRO partition is thousands of a parameter's slices) are gathered, each with
+    one pread, and written together; a large one is copied in the kernel."""
     out.flush()
     out_fd = out.fileno()
     total = 0
+    pending = bytearray()   # small ranges read, not yet written
+    since_check = _WINDOW  # the first range checks: a Ctrl-C already pending stops at once
+
+    def flush() -> None:
+        if pending:
+            _write_all(out_fd, memoryview(pending))
+            advance(len(pending))
+            del pending[:]
+
     for rel, offset, nbytes in ranges:
-        interrupts.check()
-        if rel is None:
-            left = nbytes
-            while left:
-                left -= os.write(out_fd, _ZEROS[:min(left, len(_ZEROS))])
-        elif isinstance(rel, bytes):
-            _write_all(out_fd, memoryview(rel)[offset:offset + nbytes])
+        since_check += nbytes + _PER_RANGE
+        if since_check >= _WINDOW:
+            interrupts.check()
+            since_check = 0
+        if nbytes <= _SMALL:
+            if rel is None:
+                pending += _ZEROS[:nbytes]
+            elif isinstance(rel, bytes):
+                pending += memoryview(rel)[offset:offset + nbytes]
+            else:
+                pending += _pread(source, rel, offset, nbytes)
+            if len(pending) >= _BUFFER:
+                flush()
         else:
-            _copy_range(source, rel, offset, nbytes, out_fd)
-        advance(nbytes)
+            flush()
+            if rel is None:
+                left = nbytes
+                while left:
+                    left -= os.write(out_fd, _ZEROS[:min(left, len(_ZEROS))])
+            elif isinstance(rel, bytes):
+                _write_all(out_fd, memoryview(rel)[offset:offset + nbytes])
+            else:
+                _copy_range(source, rel, offset, nbytes, out_fd)
+            advance(nbytes)
         total += nbytes
+    flush()
     return total
 
 
