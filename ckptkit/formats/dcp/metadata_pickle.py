@@ -30,6 +30,31 @@ _H = struct.Struct("<H").pack
 _NEW = pickle.EMPTY_TUPLE + pickle.NEWOBJ
 _TUPLE_OPS = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 _END_STATE = pickle.SETITEMS + pickle.BUILD
+_PUTS = [pickle.BINPUT + bytes((i,)) for i in range(256)]
+_SMALL_INTS = [pickle.BININT1 + bytes((i,)) for i in range(256)]
+_TORCH_SIZE = ("torch", "Size")
+_CHUNK = (_MD, "ChunkStorageMetadata")
+_INDEX = (_MD, "MetadataIndex")
+_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+
+
+def _put(n: int) -> bytes:
+    return _PUTS[n] if n < 256 else pickle.LONG_BINPUT + _I(n)
+
+
+def _int(o: Any) -> bytes:
+    """An int's opcode (ints are never memoized)."""
+    if type(o) is not int:
+        raise _Unexpected(type(o))
+    if 0 <= o <= 0xFF:
+        return _SMALL_INTS[o]
+    if 0 <= o <= 0xFFFF:
+        return pickle.BININT2 + _H(o)
+    if -0x80000000 <= o <= 0x7FFFFFFF:
+        return pickle.BININT + _i(o)
+    encoded = pickle.encode_long(o)
+    n = len(encoded)
+    return pickle.LONG1 + bytes((n,)) + encoded if n < 256 else pickle.LONG4 + _i(n) + encoded
 
 
 class _Unexpected(Exception):
@@ -83,40 +108,41 @@ class _Emitter:
         self.held.append(s)
 
     def int_(self, o: Any) -> None:
-        if type(o) is not int:
-            raise _Unexpected(type(o))
-        if 0 <= o <= 0xFF:
-            self.out += pickle.BININT1 + bytes((o,))
-        elif 0 <= o <= 0xFFFF:
-            self.out += pickle.BININT2 + _H(o)
-        elif -0x80000000 <= o <= 0x7FFFFFFF:
-            self.out += pickle.BININT + _i(o)
-        else:
-            encoded = pickle.encode_long(o)
-            n = len(encoded)
-            self.out += pickle.LONG1 + bytes((n,)) + encoded if n < 256 else pickle.LONG4 + _i(n) + encoded
-
-    def ints(self, values: Sequence[int]) -> None:
-        """A new tuple of ints (the empty tuple is never memoized)."""
-        n = len(values)
-        if not n:
-            self.out += pickle.EMPTY_TUPLE
-            return
-        if n > 3:
-            self.out += pickle.MARK
-        for v in values:
-            self.int_(v)
-        self.out += _TUPLE_OPS[n] if n <= 3 else pickle.TUPLE
-        self.put()
+        self.out += _int(o)
 
     def size(self, dims: Sequence[int]) -> None:
-        """A new torch.Size: torch.Size((dims,)) by REDUCE."""
-        self.global_("torch", "Size")
-        self.ints(dims)
-        self.out += pickle.TUPLE1
-        self.put()
-        self.out += pickle.REDUCE
-        self.put()
+        """A new torch.Size: torch.Size((dims,)) by REDUCE; its tuple of ints is new too (the
+        empty tuple is never memoized)."""
+        out = self.out
+        got = self.memo.get(_TORCH_SIZE)
+        if got is None:
+            self.global_(*_TORCH_SIZE)
+        else:
+            out += got
+        n = self.n
+        k = len(dims)
+        if k:
+            if k > 3:
+                out += pickle.MARK
+            for v in dims:
+                out += _SMALL_INTS[v] if type(v) is int and 0 <= v <= 0xFF else _int(v)
+            out += _TUPLE_OPS[k] if k <= 3 else pickle.TUPLE
+            out += _PUTS[n] if n < 256 else pickle.LONG_BINPUT + _I(n)
+            n += 1
+        else:
+            out += pickle.EMPTY_TUPLE
+        out += pickle.TUPLE1
+        out += _PUTS[n] if n < 256 else pickle.LONG_BINPUT + _I(n)
+        out += pickle.REDUCE
+        n += 1
+        out += _PUTS[n] if n < 256 else pickle.LONG_BINPUT + _I(n)
+        self.n = n + 1
+
+    def new_state(self) -> None:
+        """A stand-in's new state dict, its items to follow (the stand-in's NEWOBJ is written)."""
+        n = self.n
+        self.out += _put(n) + pickle.EMPTY_DICT + _put(n + 1) + pickle.MARK
+        self.n = n + 2
 
     def value(self, o: Any) -> None:
         """A planner path: a tuple (memoized by identity: it may be the index's own) of strs and ints."""
@@ -198,7 +224,7 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
         planner = {k: planner[k] for k in sorted(planner, key=lambda k: position.get(k, len(position)))}
 
     e = _Emitter()
-    out = e.out
+    out, memo = e.out, e.memo
     e.new(_MD, "Metadata")
     out += pickle.EMPTY_DICT
     e.put()
@@ -208,13 +234,24 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
     e.put()
 
     def chunk(box: Any) -> None:
-        e.new(_MD, "ChunkStorageMetadata")
-        out.extend(pickle.EMPTY_DICT)
-        e.put()
-        out.extend(pickle.MARK)
-        e.str_("offsets")
+        known = memo.get(_CHUNK)
+        if known is None:
+            e.global_(*_CHUNK)
+        else:
+            out.extend(known)
+        out.extend(_NEW)
+        e.new_state()
+        known = memo.get(id("offsets"))
+        if known is None:
+            e.str_("offsets")
+        else:
+            out.extend(known)
         e.size(box.offsets)
-        e.str_("sizes")
+        known = memo.get(id("sizes"))
+        if known is None:
+            e.str_("sizes")
+        else:
+            out.extend(known)
         e.size(box.sizes)
         out.extend(_END_STATE)
 
@@ -255,31 +292,44 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
     e.put()
 
     def storage_item(item: tuple[Any, ...]) -> None:
+        # (the GETs of what is already memoized written inline: this runs once per chunk)
         key, number, box, file, offset, length, transforms = item
-        e.new(_MD, "MetadataIndex")
-        out.extend(pickle.EMPTY_DICT)
-        e.put()
-        out.extend(pickle.MARK)
-        e.str_("fqn")
-        e.str_(key)
-        e.str_("index")
+        known = memo.get(_INDEX)
+        if known is None:
+            e.global_(*_INDEX)
+        else:
+            out.extend(known)
+        out.extend(_NEW)
+        e.new_state()
+        for name in ("fqn", key, "index"):
+            known = memo.get(id(name))
+            if known is None:
+                e.str_(name)
+            else:
+                out.extend(known)
         if number is None:
             out.extend(pickle.NONE)
         else:
-            e.int_(number)
+            out.extend(_int(number))
             e.str_("offset")
             e.size(box.offsets)
         out.extend(_END_STATE)
-        e.new("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-        out.extend(pickle.EMPTY_DICT)
-        e.put()
-        out.extend(pickle.MARK)
-        e.str_("relative_path")
-        e.str_(file)
-        e.str_("offset")
-        e.int_(offset)
+        known = memo.get(_INFO)
+        if known is None:
+            e.global_(*_INFO)
+        else:
+            out.extend(known)
+        out.extend(_NEW)
+        e.new_state()
+        for name in ("relative_path", file, "offset"):
+            known = memo.get(id(name))
+            if known is None:
+                e.str_(name)
+            else:
+                out.extend(known)
+        out.extend(_int(offset))
         e.str_("length")
-        e.int_(length)
+        out.extend(_int(length))
         if transforms:
             e.str_("transform_descriptors")
             out.extend(pickle.EMPTY_LIST)
