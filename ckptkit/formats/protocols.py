@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..index.dtypes import itemsize
@@ -127,8 +128,8 @@ class OutTensor:
     entry: TensorEntry
     dtype: str  # output dtype
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # (asked several times per tensor while planning and writing shards)
         return math.prod(self.entry.shape) * itemsize(self.dtype)
 
 

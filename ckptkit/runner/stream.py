@@ -42,15 +42,32 @@ def stream_tensor(fetcher: Fetcher, entry: TensorEntry, out_dtype: str | None,
 
 
 def find_aliases(entries: dict[str, TensorEntry]) -> dict[str, str]:
-    """Tensors that are the very same bytes as an earlier one (tied weights): alias -> target."""
+    """Tensors that are the very same bytes as an earlier one (tied weights): alias -> target.
+    Entries are first told apart by plain values (dtype, shape, where the first piece lies); the
+    full signature (every piece's region and location, dataclasses slow to hash) is made only
+    for those that share them."""
     seen: dict[tuple, str] = {}
+    firsts: dict[tuple, tuple[str, TensorEntry] | None] = {}  # None: its signature is in seen
     aliases: dict[str, str] = {}
     for key, e in entries.items():
         if not e.pieces or e.numel == 0:
             continue
-        sig = (e.dtype, e.shape, tuple((p.region, p.location) for p in e.pieces))
+        loc = e.pieces[0].location
+        near = (e.dtype, e.shape, len(e.pieces)) + ((loc.file, loc.offset) if loc is not None else (None, None))
+        if near not in firsts:
+            firsts[near] = (key, e)
+            continue
+        first = firsts[near]
+        if first is not None:
+            seen.setdefault(_signature(first[1]), first[0])
+            firsts[near] = None
+        sig = _signature(e)
         if sig in seen:
             aliases[key] = seen[sig]
         else:
             seen[sig] = key
     return aliases
+
+
+def _signature(e: TensorEntry) -> tuple:
+    return (e.dtype, e.shape, tuple((p.region, p.location) for p in e.pieces))

@@ -19,6 +19,11 @@ from ...storage.commit import Output
 from ..protocols import OutTensor
 from .reader import ALIASES_KEY, INDEX_NAME, OBJECTS_KEY
 
+# tensors whose plain byte ranges are copied by one kernel_copy.copy call: up to this many bytes
+# or ranges, so planning and copying still take turns on a large shard
+_GATHER_BYTES = 64 << 20
+_GATHER_RANGES = 8192
+
 
 def plan_shards(tensors: list[OutTensor], max_shard_bytes: int) -> list[list[OutTensor]]:
     """Greedy, in order: a new shard starts when the next tensor would overflow the limit."""
@@ -69,14 +74,28 @@ def write_safetensors(out: Output, fetcher: Fetcher, tensors: list[OutTensor], *
         def run() -> None:
             with out.open(name) as f:
                 f.write(build_header(shard, base_meta))
+                plain = kernel_copy.available(fetcher.source)
+                # plain byte ranges of consecutive tensors, copied by one call (its small ranges
+                # gathered into one write): 10k small tensors are not 10k flushes and writes
+                gathered: list = []
+                gathered_bytes = 0
                 for t in shard:
-                    ranges = fetcher.byte_ranges(t.entry, dtype=t.dtype) if kernel_copy.available(fetcher.source) else None
+                    ranges = fetcher.byte_ranges(t.entry, dtype=t.dtype) if plain else None
                     if ranges is not None:  # plain bytes: copy them in the kernel
-                        kernel_copy.copy(fetcher.source, ranges, f, progress.advance)
+                        gathered += ranges
+                        gathered_bytes += t.nbytes
+                        if gathered_bytes >= _GATHER_BYTES or len(gathered) >= _GATHER_RANGES:
+                            kernel_copy.copy(fetcher.source, gathered, f, progress.advance)
+                            gathered, gathered_bytes = [], 0
                         continue
+                    if gathered:
+                        kernel_copy.copy(fetcher.source, gathered, f, progress.advance)
+                        gathered, gathered_bytes = [], 0
                     for chunk in stream_tensor(fetcher, t.entry, t.dtype, slab_bytes):
                         f.write(chunk)
                         progress.advance(len(chunk))
+                if gathered:
+                    kernel_copy.copy(fetcher.source, gathered, f, progress.advance)
         return run
 
     run_jobs([job(n, s) for n, s in zip(names, shards)], ctx.workers, group=out.group,
