@@ -18,7 +18,7 @@ import math
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..errors import CkptkitError, FormatError
 from ..index.dtypes import dtype_name
@@ -35,8 +35,9 @@ ZIP_MAGIC = b"PK\x03\x04"
 SMALL_ARCHIVE = 1 << 16
 
 
-@dataclass(frozen=True)
-class Member:
+class Member(NamedTuple):
+    """A stored zip member (a tuple: a DCP item has seven, built for each of 100k items)."""
+
     name: str
     data_offset: int  # absolute, in the containing file
     size: int
@@ -289,6 +290,16 @@ class StructureMemo:
         self._seen: dict[bytes, tuple[Any, list[Any]]] = {}
         self._layouts: dict[int, list[_Layout]] = {}
         self._layout_count = 0
+        self._where: dict[tuple[int, int], tuple[Any, tuple[str, int, int, tuple | None]]] = {}
+
+    def located(self, ref: Any, storage_bytes: int) -> tuple[str, int, int, tuple | None] | None:
+        """tensor_location's outcome for this very TensorRef over a storage of this size."""
+        hit = self._where.get((id(ref), storage_bytes))
+        return hit[1] if hit is not None and hit[0] is ref else None
+
+    def locate(self, ref: Any, storage_bytes: int, where: tuple[str, int, int, tuple | None]) -> None:
+        if len(self._where) < _MEMO_ENTRIES:  # (the ref is held: its id is never another's)
+            self._where[(id(ref), storage_bytes)] = (ref, where)
 
     def layout_of(self, copy: bytes, offset: int) -> tuple[dict[str, Member], str] | None:
         """The members and prefix of the archive `copy` (at `offset` of its file) when it is laid
@@ -321,6 +332,7 @@ class StructureMemo:
 _LAYOUTS_PER_LENGTH = 4
 _U32 = struct.Struct("<I")
 _DESCRIPTOR = b"PK\x07\x08"
+_new_tuple = tuple.__new__  # a Member without NamedTuple's Python-level __new__ (seven per DCP item)
 
 
 @dataclass(frozen=True)
@@ -352,7 +364,7 @@ class _Layout:
             crc = copy[central:central + 4]
             if local >= 0 and copy[local:local + 4] != crc:
                 return None  # the full checks refuse it, with their message
-            members[name] = Member(name, offset + at, size, _U32.unpack(crc)[0], False)
+            members[name] = _new_tuple(Member, (name, offset + at, size, _U32.unpack(crc)[0], False))
         return members
 
     @staticmethod
@@ -471,12 +483,26 @@ def is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def tensor_location(archive: Archive, ref: TensorRef, what: str) -> tuple[str, Location]:
+def tensor_location(archive: Archive, ref: TensorRef, what: str,
+                    memo: StructureMemo | None = None) -> tuple[str, Location]:
     """The dtype name and byte location of a lazily described tensor, checked against its storage:
     a view that is malformed (negative offset, ...), reaches past its storage or expands a few
     stored bytes into a huge tensor is refused, so the piece's bytes always lie inside its storage
-    member's data (never the zip headers before it or the member after it)."""
+    member's data (never the zip headers before it or the member after it). `memo`: the outcome
+    for the same TensorRef (one a StructureMemo hit shares) over a storage member of the same size."""
     member = archive.storage_member(ref.storage.key)
+    known = memo.located(ref, member.size) if memo is not None else None
+    if known is None:
+        known = _located(archive, ref, what, member)
+        if memo is not None:
+            memo.locate(ref, member.size, known)
+    dtype, start, length, stride = known
+    return dtype, Location(archive.file, member.data_offset + start, length, stride=stride)
+
+
+def _located(archive: Archive, ref: TensorRef, what: str, member: Member) -> tuple[str, int, int, tuple | None]:
+    """tensor_location's checks: the dtype name, the view's start and length in its storage
+    member's data, and its strides (None when contiguous)."""
     item = ref.dtype.itemsize
     storage_bytes = min(member.size, ref.storage.numel * ref.storage.dtype.itemsize)
     problem = view_problem(ref.storage_offset, tuple(ref.size), tuple(ref.stride), item, storage_bytes)
@@ -487,7 +513,7 @@ def tensor_location(archive: Archive, ref: TensorRef, what: str) -> tuple[str, L
     if not (0 <= start and start + length <= member.size):  # view_problem guarantees it; never read headers
         raise FormatError(f"{archive.label}: tensor {what} lies outside its storage member {member.name}")
     stride = None if is_contiguous(ref.size, ref.stride) else tuple(ref.stride)
-    return dtype_name(ref.dtype), Location(archive.file, member.data_offset + start, length, stride=stride)
+    return dtype_name(ref.dtype), start, length, stride
 
 
 def load_values(archive: Archive, value: Any) -> Any:

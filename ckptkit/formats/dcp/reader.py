@@ -426,7 +426,7 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: St
         ref = load_structure(archive, eager=False, memo=memo)
         if not isinstance(ref, TensorRef):
             raise FormatError(f"{source.label(rel)}: item of {target.key} does not hold a tensor")
-        dtype, loc = tensor_location(archive, ref, target.key)
+        dtype, loc = tensor_location(archive, ref, target.key, memo=memo)
         if dtype != target.dtype or tuple(ref.size) != box.sizes:
             raise FormatError(f"{source.label(rel)}: item of {target.key} holds {dtype} {list(ref.size)}, "
                               f"metadata says {target.dtype} {list(box.sizes)}")
