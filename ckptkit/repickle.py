@@ -15,12 +15,13 @@ import gc
 import io
 import pickle
 import struct
+from collections import OrderedDict
 from typing import Any, Callable
 
 from .safeload import Inert, inert_class
 from .torch_types import DType, GlobalRef, Size
 
-__all__ = ["FaithfulPickler", "GlobalRef", "dumps", "stand_in", "stand_in_call"]
+__all__ = ["FaithfulPickler", "GlobalRef", "dumps", "fast_dumps", "stand_in", "stand_in_call"]
 _TORCH_SIZE = GlobalRef("torch", "Size")
 
 
@@ -121,6 +122,15 @@ def dumps(obj: Any, protocol: int = 2, persistent_id: Callable[[Any], Any] | Non
     return buf.getvalue()
 
 
+def fast_dumps(obj: Any, persistent_id: Callable[[Any], Any], reduce_hook: Callable[[Any], Any],
+               hooked: tuple[type, ...]) -> bytes | None:
+    """FaithfulPickler's protocol-2 bytes of obj with these hooks, written by the fast writer
+    (a torch.save structure of 100k lazy tensors), or None where it declines. `hooked`: the only
+    types (exactly) the hooks answer for; they are promised to decline every other object. The
+    hooks may have been called before a decline: the caller undoes what they recorded."""
+    return _fast_dumps(obj, persistent_id, reduce_hook, hooked)
+
+
 class _Unsupported(Exception):
     """A value _fast_dumps does not write: FaithfulPickler writes the whole object instead."""
 
@@ -130,13 +140,16 @@ _TUPLE_OPS = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 _BATCH = pickle._Pickler._BATCHSIZE  # type: ignore[attr-defined]
 
 
-def _fast_dumps(obj: Any) -> bytes | None:
+def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
+                reduce_hook: Callable[[Any], Any] | None = None, hooked: tuple[type, ...] = ()) -> bytes | None:
     """FaithfulPickler's protocol-2 bytes for values made only of None, bools, ints, floats, strs,
     tuples, lists, dicts and ckptkit's stand-ins (GlobalRef, DType, Size, Inert), written without
     pickle._Pickler's per-object machinery; None for any other value. It is pickle._Pickler's own
     algorithm step for step (the memo by object identity, what is memoized and when, batches of
     1000, the POP of a tuple that became recursive), so the bytes are the same: tested against
-    FaithfulPickler on every fixture's metadata and on generated values."""
+    FaithfulPickler on every fixture's metadata and on generated values. An OrderedDict is written
+    as pickle reduces it; an object of a `hooked` type goes to `reduce_hook`, then `persistent_id`,
+    in FaithfulPickler's order (the hooks are promised to decline every other object)."""
     out = bytearray(pickle.PROTO + b"\x02")  # (a list of a million small bytes objects would take ~10x the room)
     write = out.extend
     memo: dict[int, int] = {}  # id -> memo index; `held` keeps each object alive, so ids stay unique
@@ -230,7 +243,47 @@ def _fast_dumps(obj: Any) -> bytes | None:
         if isinstance(o, Inert):
             save_inert(o)
             return
+        if t is OrderedDict:
+            save_ordered_dict(o)
+            return
+        if t in hooked:
+            save_hooked(o)
+            return
         raise _Unsupported(t)
+
+    def save_ordered_dict(o: OrderedDict) -> None:
+        x = memo.get(id(o))
+        if x is not None:
+            write(get(x))
+            return
+        if vars(o):  # attributes: pickle adds a BUILD of them
+            raise _Unsupported(OrderedDict)
+        x = memo.get(id(OrderedDict))  # the class, as pickle's save_global writes it: once, then memo
+        if x is not None:
+            write(get(x))
+        else:
+            write(pickle.GLOBAL + b"collections\nOrderedDict\n")
+            memoize(OrderedDict)
+        write(pickle.EMPTY_TUPLE + pickle.REDUCE)
+        memoize(o)
+        batches(list(o.items()), True)
+
+    def save_hooked(o: Any) -> None:
+        rv = reduce_hook(o) if reduce_hook is not None else None  # called before the memo, as FaithfulPickler does
+        if rv is not None:
+            x = memo.get(id(o))
+            if x is not None:
+                write(get(x))
+                return
+            if len(rv) != 2 or type(rv[1]) is not tuple or getattr(rv[0], "__name__", "") in ("__newobj__", "__newobj_ex__"):
+                raise _Unsupported(type(o))
+            save_reduce(rv[0], rv[1], o)
+            return
+        pid = persistent_id(o) if persistent_id is not None else None
+        if pid is None:
+            raise _Unsupported(type(o))
+        save(pid)
+        write(pickle.BINPERSID)
 
     def save_tuple(o: tuple) -> None:
         if not o:

@@ -114,7 +114,20 @@ def test_recursive_containers_pickle_the_same():
     assert repickle._fast_dumps(lst) == slow(lst)
 
 
-@pytest.mark.parametrize("value", [collections.OrderedDict(a=1), [b"bytes"], {1, 2}, [pathlib.PurePosixPath("x")]])
+def _with_attributes() -> collections.OrderedDict:
+    value = collections.OrderedDict(a=1)
+    value._metadata = {"": {"version": 1}}  # torch's state_dict(): pickle adds a BUILD of them
+    return value
+
+
+def test_ordered_dicts_pickle_the_same():
+    inner = collections.OrderedDict()
+    value = [collections.OrderedDict((f"k{i}", (i, inner)) for i in range(2500)), inner, collections.OrderedDict(a=1)]
+    fast = repickle._fast_dumps(value)
+    assert fast is not None and fast == slow(value)
+
+
+@pytest.mark.parametrize("value", [_with_attributes(), [b"bytes"], {1, 2}, [pathlib.PurePosixPath("x")]])
 def test_other_values_are_left_to_faithful_pickler(value):
     assert repickle._fast_dumps(value) is None
     assert repickle.dumps(value) == slow(value)  # dumps falls back whole

@@ -21,7 +21,7 @@ from ...index.dtypes import STORAGE_OF, dtype_name, itemsize
 from ...index.types import TensorEntry
 from ...lazy_torch import is_tensor
 from ...progress import NullProgress, Progress
-from ...repickle import GlobalRef, dumps
+from ...repickle import GlobalRef, dumps, fast_dumps
 from ...torch_types import DType, SmallTensor
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor, tensor_bytes
@@ -65,8 +65,17 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+# the only types _Builder's hooks answer for (a torch tensor, which they also answer for, makes
+# repickle's fast writer decline: FaithfulPickler then writes the structure)
+_HOOKED = (LazyTensor, SmallTensor, _Slot)
+
+
 class _Builder:
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No slots (a declined fast pickling's are forgotten)."""
         self.slots: list[_Slot] = []
         self._by_entry: dict[int, _Slot] = {}
         self._by_ptr: dict[tuple, _Slot] = {}
@@ -118,6 +127,17 @@ class _Builder:
         if legacy is not None:
             return ("storage", GlobalRef("torch", legacy), obj.key, "cpu", obj.numel)
         return ("storage", _UNTYPED, obj.key, "cpu", obj.numel * itemsize(obj.dtype))
+
+
+def _pickle(structure: Any, builder: _Builder) -> bytes:
+    """data.pkl of `structure`, its tensors' storages recorded in `builder`: repickle's fast
+    writer where it serves (plain containers, stand-ins, lazy and small tensors), else the
+    FaithfulPickler on a fresh builder; the same bytes either way."""
+    data = fast_dumps(structure, builder.persistent_id, builder.reduce, _HOOKED)
+    if data is None:
+        builder.reset()
+        data = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
+    return data
 
 
 def _aligned_info(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
@@ -184,7 +204,7 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
     builder = _Builder()
     pickle_bytes = _lone_tensor_pickle(structure, builder) if type(structure) is LazyTensor else None
     if pickle_bytes is None:
-        pickle_bytes = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
+        pickle_bytes = _pickle(structure, builder)
     payload = sum(slot.numel * itemsize(slot.dtype) for slot in builder.slots)
     if payload > min(SMALL_ARCHIVE, slab_bytes):
         _write_zip(_Window(f), f, builder, pickle_bytes, fetcher, slab_bytes, progress)
@@ -212,7 +232,7 @@ def _lone_tensor_pickle(structure: LazyTensor, builder: _Builder) -> bytes:
     if known is not None:
         builder.reduce(structure)  # the slot, exactly as pickling would make it
         return known
-    data = dumps(structure, protocol=2, persistent_id=builder.persistent_id, reduce_hook=builder.reduce)
+    data = _pickle(structure, builder)
     if len(_LONE_TENSOR_PICKLES) < _LONE_TENSOR_ENTRIES:
         _LONE_TENSOR_PICKLES[key] = data
     return data
