@@ -330,7 +330,6 @@ class StructureMemo:
 
 
 _LAYOUTS_PER_LENGTH = 4
-_U32 = struct.Struct("<I")
 _DESCRIPTOR = b"PK\x07\x08"
 _new_tuple = tuple.__new__  # a Member without NamedTuple's Python-level __new__ (seven per DCP item)
 
@@ -353,19 +352,20 @@ class _Layout:
 
     segments: tuple[tuple[int, int], ...]  # the skeleton's byte ranges
     skeleton: bytes
-    members: tuple[tuple[str, int, int, int, int], ...]  # name, data at, size, directory CRC at, local CRC at (or -1)
+    members: tuple[tuple[str, int, int], ...]  # name, data at, size (the directory's order)
+    central: struct.Struct  # unpacks the directory's CRC of each member, in that order
+    local: struct.Struct  # unpacks the local headers' CRCs that are compared with the directory's ...
+    compared: tuple[int, ...]  # ... those of these members
     prefix: str
 
     def match(self, copy: bytes, offset: int) -> dict[str, Member] | None:
         if b"".join([copy[a:b] for a, b in self.segments]) != self.skeleton:
             return None
-        members: dict[str, Member] = {}
-        for name, at, size, central, local in self.members:
-            crc = copy[central:central + 4]
-            if local >= 0 and copy[local:local + 4] != crc:
-                return None  # the full checks refuse it, with their message
-            members[name] = _new_tuple(Member, (name, offset + at, size, _U32.unpack(crc)[0], False))
-        return members
+        crcs = self.central.unpack_from(copy)
+        if self.compared and self.local.unpack_from(copy) != tuple(crcs[i] for i in self.compared):
+            return None  # the full checks refuse it, with their message
+        return {name: _new_tuple(Member, (name, offset + at, size, crc, False))
+                for (name, at, size), crc in zip(self.members, crcs)}
 
     @staticmethod
     def of(copy: bytes, offset: int, start_dir: int, members: dict[str, Member], prefix: str) -> _Layout | None:
@@ -423,9 +423,20 @@ class _Layout:
         if pos < n:
             segments.append((pos, n))
         skeleton = b"".join([copy[a:b] for a, b in segments])
-        ordered = {name: i for i, name in enumerate(members)}
-        rows.sort(key=lambda r: ordered[r[0]])  # the members in open_archive's order
-        return _Layout(tuple(segments), skeleton, tuple(rows), prefix)
+        if [r[0] for r in rows] != list(members):  # (open_archive keeps the directory's order)
+            return None
+        locals_ = sorted((r[4], i) for i, r in enumerate(rows) if r[4] >= 0)
+        return _Layout(tuple(segments), skeleton, tuple(r[:3] for r in rows), _fields_at([r[3] for r in rows]),
+                       _fields_at([at for at, _ in locals_]), tuple(i for _, i in locals_), prefix)
+
+
+def _fields_at(positions: list[int]) -> struct.Struct:
+    """A struct unpacking the little-endian 32-bit fields at these increasing byte positions."""
+    fmt, pos = "<", 0
+    for at in positions:
+        fmt += f"{at - pos}xI"
+        pos = at + 4
+    return struct.Struct(fmt)
 
 
 def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
