@@ -17,6 +17,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Mapping
 
+from ..errors import FormatError
 from ..index.dtypes import itemsize
 from ..index.types import Box, Encoding, FlatRange, TensorEntry
 from ..torch_types import SmallTensor
@@ -34,30 +35,36 @@ class _NotSimple(Exception):
 
 def runs(entry: TensorEntry) -> tuple[list[int], list[int], list[int]] | None:
     """The entry's non-empty pieces as flat runs sorted by start: (starts, ends, piece indexes),
-    meeting end to end over [0, numel); None when a piece is not a flat run this planner reads
-    (an N-d box, a strided one) or the runs do not tile the tensor."""
+    meeting end to end over [0, numel), every empty piece inside the tensor: so the pieces tile
+    it exactly (what plan.check_tiling asks). None when a piece is not a flat run this planner
+    reads (an N-d box, a strided one) or the runs do not tile the tensor."""
     shape = tuple(entry.shape)
     one_d = len(shape) == 1
+    numel = entry.numel
     triples = []
     for i, piece in enumerate(entry.pieces):
         region = piece.region
         if type(region) is FlatRange:
             start, length = region.start, region.length
-        elif type(region) is Box and (one_d or (region.sizes == shape and not any(region.offsets))):
+        elif type(region) is Box and ((one_d and len(region.sizes) == 1)
+                                      or (region.sizes == shape and not any(region.offsets))):
             if piece.location.stride is not None:
                 return None
-            start, length = (region.offsets[0] if one_d else 0), region.numel
+            start, length = (region.offsets[0] if one_d else 0), region.sizes[0] if one_d else numel
         else:
             return None
         if length > 0:
             triples.append((start, start + length, i))
-    triples.sort()
+        elif length < 0 or start < 0 or start > numel:
+            return None  # a negative or out-of-bounds empty piece: refused by the box planner
+    if len(triples) > 1:
+        triples.sort()
     pos = 0
     for start, end, _ in triples:
         if start != pos:
             return None
         pos = end
-    if pos != entry.numel:
+    if pos != numel:
         return None
     return [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
 
@@ -78,7 +85,7 @@ def flat_byte_ranges(entry: TensorEntry, start: int, length: int, *,
     out: list[ByteRange] = []
     try:
         found = _ranges(entry, start, start + length, out, tensors, tiling, boxed, file_sizes, cache, None)
-    except _NotSimple:
+    except (_NotSimple, FormatError):  # the box planner gives its own answer, or its own refusal
         return None
     return out if found else None
 
@@ -124,9 +131,11 @@ def _ranges(entry: TensorEntry, start: int, end: int, out: list[ByteRange],
             first = loc.offset + local
             if target is None or target.dtype != entry.dtype or first + n > target.numel:
                 raise _NotSimple
-            tiling(target)
-            if not _ranges(target, first, first + n, out, tensors, tiling, boxed, file_sizes, cache,
-                           _cached_runs(target, cache)):
+            table = _cached_runs(target, cache)
+            if table is not None:  # flat runs meeting end to end: the tiling is exact
+                _ranges(target, first, first + n, out, tensors, tiling, boxed, file_sizes, cache, table)
+            else:
+                tiling(target)
                 inner = boxed(target, first, n)
                 if inner is None:
                     raise _NotSimple
@@ -140,10 +149,10 @@ def _ranges(entry: TensorEntry, start: int, end: int, out: list[ByteRange],
 
 
 def _cached_runs(entry: TensorEntry, cache: dict | None) -> tuple | None:
-    """runs(entry), remembered for a stored tensor that many references read (a one-use virtual
-    tensor is not remembered)."""
-    if cache is None or entry.attrs.get("virtual") or len(entry.pieces) < 8:
-        return None
+    """runs(entry), remembered for a stored tensor of many pieces that many references read (a
+    one-use virtual tensor is not remembered)."""
+    if cache is None or len(entry.pieces) < 8 or entry.attrs.get("virtual"):
+        return runs(entry)
     hit = cache.get(id(entry))
     if hit is not None and hit[0] is entry:
         return hit[1]
