@@ -17,6 +17,7 @@ from ..formats.registry import format_named, open_checkpoint
 from ..index.dtypes import is_floating
 from ..index.serialize import safe_value
 from ..runner.fetch import Fetcher
+from ..runner.heap import frozen_heap
 from ..runner.stream import find_aliases
 from ..storage.output import open_output
 from .outputs import file_output, single_file_shards
@@ -66,7 +67,8 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     ctx.progress.start(sum(t.nbytes for t in model + optim), "consolidate")
     fetcher, writer = Fetcher(opened.source, index=index), format_named("safetensors")
     sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
-    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as target:
+    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources,
+                                    single_file=single) as target:
         basename = target.name[: -len(".safetensors")] if single else "model"
         files = writer.write(SafetensorsTarget(fetcher, model, max_bytes, basename, aliases), target, ctx)
         if optim:

@@ -14,6 +14,7 @@ from ..errors import UnsupportedError, UsageError
 from ..index.parallel_spec import MeshSpec, ParallelSizes, check_deepspeed_ranks, check_mesh_ranks, parse_parallel
 from ..formats.protocols import ZERO_PARTITIONS
 from ..formats.registry import capabilities_of, format_of, open_checkpoint
+from ..runner.heap import frozen_heap
 from ..storage.output import open_output
 from ..context import RunContext, context_of
 
@@ -78,7 +79,7 @@ def reshard(src: str, out: str, to: "int | str | MeshSpec | ParallelSizes",
         raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
                                f"is nothing to reshard (reshard takes a DCP folder or a DeepSpeed checkpoint)")
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
-    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
         files = fmt.reshard(opened, target, to, ctx)
     ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),
@@ -95,7 +96,7 @@ def _reshard_parallel(opened, src: str, out: str, sizes: ParallelSizes, expect_f
     if expect_from is not None and not isinstance(expect_from, MeshSpec) and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{sizes}")
-    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
         files = fmt.reshard_parallel(opened, target, sizes, ctx)
     ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, sizes.world_size, files, len(index.tensors),
@@ -116,7 +117,7 @@ def _reshard_mesh(opened, src: str, out: str, mesh: MeshSpec, expect_from: "int 
     for entry in index.tensors.values():   # a source with overlapping chunks or gaps fits no mesh: say so
         check_tiling(entry, lambda _rel: src)   # first, not as a missing tp rule or a --from mismatch
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{mesh}")
-    with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
         files, note = fmt.reshard_mesh(opened, target, mesh, ctx,
                                        source_mesh=expect_from if isinstance(expect_from, MeshSpec) else None,
                                        tp_dim_for=tp_dims_from_rules(tp_rules))

@@ -11,6 +11,7 @@ compare both byte for byte.
 """
 from __future__ import annotations
 
+import gc
 import pickle
 import struct
 import sys
@@ -185,10 +186,16 @@ def metadata_pickle(index: CheckpointIndex, written: Sequence[Any], key_order: l
                     save_id: str, version: str) -> bytes | None:
     """The bytes repickle gives writer.metadata_stand_ins(index, written, key_order, save_id), or
     None where this writer does not know them (a repeated item, an unusual path or value)."""
+    collecting = gc.isenabled()
+    if collecting:  # ~10 objects a chunk, all alive until it returns, none in a cycle: collecting only costs
+        gc.disable()
     try:
         return _metadata(index, written, key_order, save_id, version)
     except (_Unexpected, RecursionError):
         return None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None,

@@ -9,6 +9,7 @@ resharding) reads it. Values copied from a DCP source keep their exact bytes.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import sys
 import uuid
@@ -242,14 +243,21 @@ def build_metadata(index: CheckpointIndex, written: list[_Written], key_order: l
     `key_order`: the state dict's key order, which torch keeps in planner_data (None: as written).
     Written as opcodes straight from `written` (metadata_pickle), or where that declines, by
     pickling the stand-ins: the same bytes."""
-    # the save id is a digest of what was written, so one plan gives the same bytes however many
-    # processes wrote it (and a rerun gives the same checkpoint)
-    save_id = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
-                                                                    for w in written])).hex
-    fast = metadata_pickle(index, written, key_order, save_id, DCP_VERSION)
-    if fast is not None:
-        return fast
-    return dumps(metadata_stand_ins(index, written, key_order, save_id), protocol=2)
+    collecting = gc.isenabled()
+    if collecting:  # a few objects per chunk, alive until it returns, no cycles: full collections over
+        gc.disable()  # the whole index would free nothing
+    try:
+        # the save id is a digest of what was written, so one plan gives the same bytes however
+        # many processes wrote it (and a rerun gives the same checkpoint)
+        save_id = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
+                                                                        for w in written])).hex
+        fast = metadata_pickle(index, written, key_order, save_id, DCP_VERSION)
+        if fast is not None:
+            return fast
+        return dumps(metadata_stand_ins(index, written, key_order, save_id), protocol=2)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def metadata_stand_ins(index: CheckpointIndex, written: list[_Written], key_order: list[str] | None,
