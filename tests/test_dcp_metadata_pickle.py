@@ -59,10 +59,18 @@ def test_one_tensor_of_1001_chunks():
     _check(index, written)
 
 
-@pytest.mark.parametrize("shape", [(), (0,), (6,), (2, 3, 4, 5), (4, 2, 2, 2, 2)])
-def test_shapes(shape):
-    """0-dim (the empty tuple, never memoized), empty, and more than 3 dims (MARK ... TUPLE)."""
-    index, written = _many(3, 1 if not shape or shape[0] < 2 else 2, shape=shape)
+@pytest.mark.parametrize("n", [3, 120])  # (120: most chunks past memo index 255, the one-join path)
+@pytest.mark.parametrize("shape", [(), (0,), (6,), (2, 3, 4, 5), (4, 2, 2, 2, 2), (600, 70000)])
+def test_shapes(shape, n):
+    """0-dim (the empty tuple, never memoized), empty, more than 3 dims (MARK ... TUPLE), sizes
+    past one and two bytes."""
+    index, written = _many(n, 1 if not shape or shape[0] < 2 else 2, shape=shape)
+    _check(index, written)
+
+
+def test_offsets_past_32_bits_after_memo_255():
+    index, written = _many(200, 2)
+    written = [_Written(w.key, w.box, w.file, w.offset << 33, w.length << 31) for w in written]
     _check(index, written)
 
 

@@ -43,6 +43,21 @@ def _put(n: int) -> bytes:
     return _PUTS[n] if n < 256 else pickle.LONG_BINPUT + _I(n)
 
 
+_LONG_PUT = struct.Struct("<cI").pack
+
+
+def _size_tail(dims: Sequence[int], n: int) -> tuple[bytes, int]:
+    """A new torch.Size after its class's GET, once memo indexes are past 255 (every PUT a
+    LONG_BINPUT): its bytes and how many memo indexes it took."""
+    k = len(dims)
+    if not k:
+        return pickle.EMPTY_TUPLE + pickle.TUPLE1 + _LONG_PUT(b"r", n) + pickle.REDUCE + _LONG_PUT(b"r", n + 1), 2
+    ints = b"".join([_SMALL_INTS[v] if type(v) is int and 0 <= v <= 0xFF else _int(v) for v in dims])
+    return b"".join((pickle.MARK if k > 3 else b"", ints, _TUPLE_OPS[k] if k <= 3 else pickle.TUPLE,
+                     _LONG_PUT(b"r", n), pickle.TUPLE1, _LONG_PUT(b"r", n + 1), pickle.REDUCE,
+                     _LONG_PUT(b"r", n + 2))), 3
+
+
 def _int(o: Any) -> bytes:
     """An int's opcode (ints are never memoized)."""
     if type(o) is not int:
@@ -240,7 +255,26 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
     out += pickle.EMPTY_DICT
     e.put()
 
+    fast: dict[str, bytes] = {}  # GETs of what every chunk names, once all are memoized
+
     def chunk(box: Any) -> None:
+        got = fast.get("chunk")
+        n = e.n
+        if got is not None and n >= 256:  # the common case, as one join: GETs and LONG_BINPUTs
+            offsets, used = _size_tail(box.offsets, n + 2)
+            sizes, used2 = _size_tail(box.sizes, n + 2 + used)
+            out.extend(b"".join((got, _LONG_PUT(b"r", n), pickle.EMPTY_DICT, _LONG_PUT(b"r", n + 1), pickle.MARK,
+                                 fast["offsets"], offsets, fast["sizes"], sizes, _END_STATE)))
+            e.n = n + 2 + used + used2
+            return
+        _chunk(box)
+        names = [memo.get(k) for k in (_CHUNK, id("offsets"), _TORCH_SIZE, id("sizes"))]
+        if None not in names:
+            fast["chunk"] = names[0] + _NEW
+            fast["offsets"] = names[1] + names[2]
+            fast["sizes"] = names[3] + names[2]
+
+    def _chunk(box: Any) -> None:
         known = memo.get(_CHUNK)
         if known is None:
             e.global_(*_CHUNK)
@@ -299,7 +333,34 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
     e.put()
 
     def storage_item(item: tuple[Any, ...]) -> None:
-        # (the GETs of what is already memoized written inline: this runs once per chunk)
+        key, number, box, file, offset, length, transforms = item
+        got = fast.get("index")
+        n = e.n
+        if got is not None and n >= 256 and number is not None and not transforms:
+            key_get, file_get = memo.get(id(key)), memo.get(id(file))
+            if key_get is not None and file_get is not None:  # the common case, as one join
+                offsets, used = _size_tail(box.offsets, n + 2)
+                m = n + 2 + used
+                out.extend(b"".join((
+                    got, _LONG_PUT(b"r", n), pickle.EMPTY_DICT, _LONG_PUT(b"r", n + 1), pickle.MARK,
+                    fast["fqn"], key_get, fast["index_name"], _int(number), fast["offset"], offsets, _END_STATE,
+                    fast["info"], _LONG_PUT(b"r", m), pickle.EMPTY_DICT, _LONG_PUT(b"r", m + 1), pickle.MARK,
+                    fast["relative_path"], file_get, fast["offset_name"], _int(offset), fast["length"], _int(length),
+                    _END_STATE)))
+                e.n = m + 2
+                return
+        _storage_item(item)
+        names = [memo.get(k) for k in (_INDEX, id("fqn"), id("index"), id("offset"), _TORCH_SIZE, _INFO,
+                                       id("relative_path"), id("length"))]
+        if None not in names:
+            fast["index"] = names[0] + _NEW
+            fast["fqn"], fast["index_name"] = names[1], names[2]
+            fast["offset"] = names[3] + names[4]
+            fast["info"] = names[5] + _NEW
+            fast["relative_path"], fast["offset_name"], fast["length"] = names[6], names[3], names[7]
+
+    def _storage_item(item: tuple[Any, ...]) -> None:
+        # (the GETs of what is already memoized written inline)
         key, number, box, file, offset, length, transforms = item
         known = memo.get(_INDEX)
         if known is None:
