@@ -70,6 +70,8 @@ def _cuts(rng: random.Random, n: int) -> list[tuple[int, int]]:
         runs.append((rng.randint(0, n), 0))
     if rng.random() < 0.03:  # refused by the box planner: an empty piece outside, a negative one
         runs.append(rng.choice([(n + 1, 0), (-1, 0), (0, -1)]))
+    if rng.random() < 0.03 and runs[-1][1]:  # the tail in no piece: refused
+        runs.pop()
     return runs
 
 

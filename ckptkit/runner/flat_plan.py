@@ -41,7 +41,11 @@ def runs(entry: TensorEntry) -> tuple[list[int], list[int], list[int]] | None:
     shape = tuple(entry.shape)
     one_d = len(shape) == 1
     numel = entry.numel
-    triples = []
+    starts: list[int] = []
+    ends: list[int] = []
+    order: list[int] = []
+    pos = 0  # where the next run starts when the pieces come in order (the usual case: no sort)
+    in_order = True
     for i, piece in enumerate(entry.pieces):
         region = piece.region
         if type(region) is FlatRange:
@@ -54,11 +58,16 @@ def runs(entry: TensorEntry) -> tuple[list[int], list[int], list[int]] | None:
         else:
             return None
         if length > 0:
-            triples.append((start, start + length, i))
+            in_order = in_order and start == pos
+            pos = start + length
+            starts.append(start)
+            ends.append(pos)
+            order.append(i)
         elif length < 0 or start < 0 or start > numel:
             return None  # a negative or out-of-bounds empty piece: refused by the box planner
-    if len(triples) > 1:
-        triples.sort()
+    if in_order:
+        return (starts, ends, order) if pos == numel else None
+    triples = sorted(zip(starts, ends, order))
     pos = 0
     for start, end, _ in triples:
         if start != pos:
