@@ -447,37 +447,43 @@ def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | 
     """Unpickle data.pkl. Lazy: tensors become TensorRefs; eager: SmallTensors over their
     storage's bytes, read once per storage and shared by its views (small values only).
     `memo` (lazy loads only) serves a data.pkl already loaded with the same bytes."""
+    data = _read_member(archive, f"{archive.prefix}/data.pkl")
+    if memo is not None and not eager:
+        hit = memo.get(data)
+        if hit is not None:
+            for pid in hit[1]:
+                _checked_storage(archive, pid)  # this archive's storage members, checked as a first load would
+            return hit[0]
     loaded: dict[str, Any] = {}
     pids: list[Any] = []
 
     def persistent_load(pid: Any) -> Any:
         pids.append(pid)
-        key, dtype, numel = storage_pid(pid, archive.label)
-        member = archive.storage_member(key)
-        nbytes = numel * dtype.itemsize
-        if numel < 0 or member.size < nbytes:
-            raise FormatError(f"{archive.label}: storage {key} holds {member.size} bytes, "
-                              f"the pickle expects {nbytes}")
+        key, dtype, numel, member, nbytes = _checked_storage(archive, pid)
         if not eager:
             return typed_storage(StorageRef(key, dtype, numel), dtype)
         if key not in loaded:
             loaded[key] = RawStorage(archive.read(member.data_offset, nbytes))
         return typed_storage(loaded[key], dtype)
 
-    data = _read_member(archive, f"{archive.prefix}/data.pkl")
-    if memo is not None and not eager:
-        hit = memo.get(data)
-        if hit is not None:
-            for pid in hit[1]:
-                persistent_load(pid)  # this archive's storage members, checked as a first load would
-            return hit[0]
-        value = restricted_loads(data, archive.label, persistent_load)
-        memo.put(data, value, pids)
-        return value
     value = restricted_loads(data, archive.label, persistent_load)
+    if memo is not None and not eager:
+        memo.put(data, value, pids)
     if eager:  # views share their storage's bytes; what they would copy is counted here
         _check_whole(archive.label, whole_bytes(value))
     return value
+
+
+def _checked_storage(archive: Archive, pid: Any) -> tuple[str, Any, int, Member, int]:
+    """The storage a persistent id names (key, dtype, element count), its member in this archive
+    and its byte size, which the member must hold."""
+    key, dtype, numel = storage_pid(pid, archive.label)
+    member = archive.storage_member(key)
+    nbytes = numel * dtype.itemsize
+    if numel < 0 or member.size < nbytes:
+        raise FormatError(f"{archive.label}: storage {key} holds {member.size} bytes, "
+                          f"the pickle expects {nbytes}")
+    return key, dtype, numel, member, nbytes
 
 
 def tensor_span_elems(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
