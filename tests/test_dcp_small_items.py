@@ -56,3 +56,35 @@ def test_small_items_load_in_torch(tmp_path):
     assert state.keys() == truth.keys()
     for k in truth:
         assert torch.equal(state[k], truth[k]), k
+
+
+def _flat_start_reference(shape, box):
+    """The definition: the box is one run of the row-major flattening iff every dimension
+    after its first non-unit one is whole; then the flat index of its first element."""
+    import math
+
+    if math.prod(box.sizes) == 0:
+        return 0
+    first = next((d for d, n in enumerate(box.sizes) if n != 1), len(box.sizes))
+    if any(box.sizes[d] != shape[d] for d in range(first + 1, len(shape))):
+        return None
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return sum(o * st for o, st in zip(box.offsets, strides))
+
+
+def test_flat_start_on_random_boxes():
+    import random
+
+    from ckptkit.index.types import Box
+
+    rng = random.Random(3)
+    runs = 0
+    for _ in range(3000):
+        shape = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(0, 4)))
+        offsets = tuple(rng.randrange(n) for n in shape)
+        sizes = tuple(rng.randint(0 if rng.random() < 0.05 else 1, n - o) for n, o in zip(shape, offsets))
+        box = Box(offsets, sizes)
+        expected = _flat_start_reference(shape, box)
+        assert writer._flat_start(shape, box) == expected, (shape, box)
+        runs += expected is not None
+    assert 500 < runs < 2900  # both answers are exercised

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import operator
 import sys
 import uuid
 from dataclasses import dataclass
@@ -197,12 +198,24 @@ def _runs(entry: TensorEntry, box: Box) -> list[Piece]:
 def _flat_start(shape: tuple[int, ...], box: Box) -> int | None:
     """The flat index of the box's first element when the box is one contiguous run of the
     tensor's row-major flattening (every dimension after its first non-unit one is whole)."""
-    if box.numel == 0:
+    sizes = tuple(box.sizes)
+    if 0 in sizes:  # no elements
         return 0
-    first = next((d for d, n in enumerate(box.sizes) if n != 1), len(box.sizes))
-    if any(box.sizes[d] != shape[d] for d in range(first + 1, len(shape))):
+    first = 0
+    while first < len(sizes) and sizes[first] == 1:
+        first += 1
+    shape = tuple(shape)
+    if sizes[first + 1:] != shape[first + 1:]:
         return None
-    return sum(o * st for o, st in zip(box.offsets, geometry.row_major_strides(tuple(shape))))
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        strides = geometry.row_major_strides(shape)
+        if len(_STRIDES) < 4096:
+            _STRIDES[shape] = strides
+    return sum(map(operator.mul, box.offsets, strides))
+
+
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}  # row-major strides by shape (a few shapes, many chunks)
 
 
 def _write_object(f: Any, obj: ObjectEntry, source: Source | None, fetcher: Fetcher,
