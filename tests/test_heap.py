@@ -54,3 +54,41 @@ def test_leaves_a_callers_freeze_and_a_paused_collector_alone():
             assert gc.get_freeze_count() == 0
     finally:
         gc.enable()
+
+
+def test_paused_collector_pauses_inside_and_gives_it_back_even_on_error():
+    from ckptkit.runner.heap import paused_collector
+
+    assert gc.isenabled()
+    with paused_collector():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with paused_collector():
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_collector():
+            pass
+        assert not gc.isenabled()  # the caller's pause is left as it was
+    finally:
+        gc.enable()
+
+
+def test_indexes_are_read_with_the_collector_paused(monkeypatch):
+    """open_checkpoint reads every format's index with the collector paused, and resumes it."""
+    import os
+
+    from ckptkit.formats import dcp as _  # noqa: F401
+    from ckptkit.formats import registry
+    from ckptkit.formats.dcp import reader
+
+    seen = []
+    real = reader.read_index
+    monkeypatch.setattr(reader, "read_index", lambda source, *a, **k: (seen.append(gc.isenabled()), real(source))[1])
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "data", "fsdp2_w3")
+    registry.open_checkpoint(fixture)
+    assert seen == [False] and gc.isenabled()

@@ -24,6 +24,7 @@ from .deepspeed import files as ds_files
 from .opened import Opened
 from .protocols import Capabilities, Reader, Writer
 from .safetensors import reader as st_reader
+from ..runner.heap import paused_collector
 from ..runner.torch_archive import ZIP_MAGIC
 
 FORMATS: tuple = (DEEPSPEED, DCP, SAFETENSORS, TORCH_SAVE)  # each a Reader and a Writer; folder kinds resolve to them
@@ -66,6 +67,11 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp");
     `tag` picks a DeepSpeed tag other than the one `latest` names; `follow_links` lets a local
     checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1)."""
+    with paused_collector():  # the index is millions of new objects and no garbage: nothing to collect
+        return _open_checkpoint(path, expect, tag, follow_links)
+
+
+def _open_checkpoint(path: str, expect: str | None, tag: str | None, follow_links: bool | None) -> Opened:
     source = open_source(path, follow_links)
     _refuse_unfinished(path, source)
     run = run_folder.resolve(path, source, open_checkpoint, tag, follow_links) if source.isdir("") else None

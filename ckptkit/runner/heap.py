@@ -1,4 +1,4 @@
-"""The collector kept off the index while a command writes.
+"""The collector kept off the index while a command reads and writes it.
 
 A command holds its index (at 30k DCP tensors, millions of objects) for the whole write, and the
 write allocates many small objects (a record per item, a few tuples per chunk), which trigger
@@ -13,7 +13,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["frozen_heap"]
+__all__ = ["frozen_heap", "paused_collector"]
 
 
 @contextmanager
@@ -28,3 +28,19 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextmanager
+def paused_collector() -> Iterator[None]:
+    """No collections inside the block: reading an index creates its objects (at 100k DCP tensors,
+    millions), none of them garbage in a cycle, and each full collection would traverse all of
+    them again and free nothing. Cycles made inside (an exception's traceback) wait for the next
+    collection after it. Does nothing where the caller paused the collector itself."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
