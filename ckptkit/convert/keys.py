@@ -102,9 +102,25 @@ def _is_number(part: Any) -> bool:
     return isinstance(part, int) or (isinstance(part, str) and part.isdigit())
 
 
+def _head_role(head: Any, container: str | None) -> str:
+    """Where a tensor whose path starts with `head` (and goes deeper) belongs, before its role
+    attribute and the optimizer's list entries are looked at: split_roles' order of tests."""
+    if container is not None and head == container:
+        return "model_below"
+    if head in OPTIM_LISTS:
+        return "optim_list"
+    if isinstance(head, str) and head in OPTIM_CONTAINERS:
+        return "optim"
+    if head in LOW_PRECISION_CONTAINERS:
+        return "low_precision"
+    if container is None and head not in OTHER_CONTAINERS and head not in OPTIM_CONTAINERS:
+        return "model"
+    return "other"
+
+
 def split_roles(index: CheckpointIndex) -> Split:
     split = Split()
-    heads = {e.path[0] for e in list(index.tensors.values()) + list(index.objects.values())
+    heads = {e.path[0] for entries in (index.tensors, index.objects) for e in entries.values()
              if e.path and len(e.path) > 1}
     container = next((c for c in MODEL_CONTAINERS if c in heads), None)
     split.container = container
@@ -112,22 +128,44 @@ def split_roles(index: CheckpointIndex) -> Split:
     bare_optimizer = container is None and "param_groups" in heads and heads <= BARE_OPTIMIZER_KEYS
     optim_tensors: list[tuple[str, str, tuple]] = []   # (index key, slot, path below the slot)
     optim_objects: list[tuple[str, str, tuple]] = []
-    for key, e in index.tensors.items():
-        path = e.path if e.path else (key,)
-        head = path[0] if len(path) > 1 else None
-        parts = optimizer_parts(tuple(path)) if head is not None else None
-        if e.attrs.get("role") == "optimizer" or bare_optimizer:  # e.g. optimizer*.safetensors by consolidate
-            split.optim[key] = key
-        elif container is not None and head == container:
-            split.model[key_of(path[1:])] = key
-        elif parts is not None:
-            optim_tensors.append((key, *parts))
-        elif head in LOW_PRECISION_CONTAINERS:
-            split.low_precision.append(key)
-        elif container is None and head not in OTHER_CONTAINERS and head not in OPTIM_CONTAINERS:
-            split.model[key] = key
+    model, optim, other, low = split.model, split.optim, split.other, split.low_precision
+    single = "model" if container is None else "other"   # a path of one part
+    roles: dict[str, str] = {}   # head (a str) -> _head_role: a few heads for every tensor
+    for key, e in index.tensors.items():   # per tensor: kept lean
+        if bare_optimizer or e.attrs.get("role") == "optimizer":  # e.g. optimizer*.safetensors by consolidate
+            optim[key] = key
+            continue
+        path = e.path
+        if not path or len(path) == 1:
+            if single == "model":
+                model[key] = key
+            else:
+                other.append(key)
+            continue
+        head = path[0]
+        if type(head) is str:
+            role = roles.get(head)
+            if role is None:
+                role = roles[head] = _head_role(head, container)
         else:
-            split.other.append(key)
+            role = _head_role(head, container)
+        if role == "model_below":
+            below = path[1] if len(path) == 2 else None
+            model[below if type(below) is str else key_of(path[1:])] = key
+        elif role == "optim":
+            optim_tensors.append((key, head, tuple(path[1:])))
+        elif role == "optim_list":
+            parts = optimizer_parts(tuple(path))
+            if parts is not None:
+                optim_tensors.append((key, *parts))
+            else:
+                other.append(key)   # a name in OPTIM_CONTAINERS: never a model tensor
+        elif role == "low_precision":
+            low.append(key)
+        elif role == "model":
+            model[key] = key
+        else:
+            other.append(key)
     for key, o in index.objects.items():
         path = o.path if o.path else (key,)
         parts = optimizer_parts(tuple(path))
@@ -142,21 +180,26 @@ def split_roles(index: CheckpointIndex) -> Split:
 def _name_optimizer(index: CheckpointIndex, split: Split, tensors: list[tuple[str, str, tuple]],
                     objects: list[tuple[str, str, tuple]]) -> None:
     """Canonical names below each optimizer slot; numbers become names where that is proven."""
-    slots = list(dict.fromkeys(slot for _, slot, _ in tensors + objects))
+    slots = list(dict.fromkeys([slot for _, slot, _ in tensors] + [slot for _, slot, _ in objects]))
     names = {slot: _slot_names(index, split, slot, tensors, objects) for slot in slots}
+    prefix = "" if len(slots) <= 1 else None   # None: each slot's own `<slot>.`
+    optim_params = split.optim_params
     for entries, target in ((tensors, split.optim), (objects, split.optim_objects)):
-        for key, slot, rest in entries:
-            prefix = f"{slot}." if len(slots) > 1 else ""
+        is_objects = target is split.optim_objects
+        for key, slot, rest in entries:   # per tensor: kept lean
+            pre = f"{slot}." if prefix is None else prefix
             mapping = names[slot]
             if len(rest) >= 3 and rest[0] == "state":
-                param = str(rest[1])
-                param = mapping.get(int(param), param) if mapping and param.isdigit() else param
-                statekey = key_of(rest[2:])
-                name = f"{prefix}state.{param}.{statekey}"
-                split.optim_params[name] = (prefix, param, statekey)
+                param = rest[1]
+                param = param if type(param) is str else str(param)
+                if mapping and param.isdigit():
+                    param = mapping.get(int(param), param)
+                statekey = rest[2] if len(rest) == 3 and type(rest[2]) is str else key_of(rest[2:])
+                name = f"{pre}state.{param}.{statekey}"
+                optim_params[name] = (pre, param, statekey)
             else:
-                name = prefix + key_of(rest)
-                value = index.objects[key].data if target is split.optim_objects else None
+                name = pre + key_of(rest)
+                value = index.objects[key].data if is_objects else None
                 if (mapping and len(rest) == 3 and rest[0] == "param_groups" and rest[2] == "params"
                         and isinstance(value, list)):
                     split.optim_values[name] = [mapping.get(v, v) if isinstance(v, int) else v for v in value]
@@ -165,8 +208,14 @@ def _name_optimizer(index: CheckpointIndex, split: Split, tensors: list[tuple[st
 
 def _slot_names(index: CheckpointIndex, split: Split, slot: str, tensors: list, objects: list) -> dict[int, str]:
     """number -> name for one optimizer slot keyed by number (empty when keyed by name or unproven)."""
-    state = [(key, rest) for key, s, rest in tensors + objects if s == slot and len(rest) >= 3 and rest[0] == "state"]
-    if not state or not all(_is_number(rest[1]) for _, rest in state):
+    state = []
+    for entries in (tensors, objects):
+        for key, s, rest in entries:
+            if s == slot and len(rest) >= 3 and rest[0] == "state":
+                if not _is_number(rest[1]):
+                    return {}   # keyed by name
+                state.append((key, rest))
+    if not state:
         return {}
     groups: dict[int, Any] = {}
     for key, s, rest in objects:
