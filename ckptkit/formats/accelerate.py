@@ -80,7 +80,7 @@ def read_index(source: Source, subdirs: list[str]) -> CheckpointIndex:
             o.location = moved(o.location)
             merged.add_object(o)
         merged.files.update({prefix + k: v for k, v in index.files.items()})
-        merged.checks.extend(dataclasses.replace(c, file=prefix + c.file) for c in index.checks)
+        merged.checks.extend(c._replace(file=prefix + c.file) for c in index.checks)
         if index.world_size:
             worlds.add(index.world_size)
     merged.world_size = max(worlds) if worlds else None
