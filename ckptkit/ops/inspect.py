@@ -1,15 +1,19 @@
 """`ckptkit inspect`: what a checkpoint holds, from its index alone (no payload is read)."""
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from ..formats import lightning
 from ..formats.registry import Opened, open_checkpoint
 from . import inspect_steps
 from .inspect_steps import StepsReport
+from ..index.dtypes import itemsize
 from ..index.serialize import safe_value, to_json
+from ..index.types import TensorEntry
 from ..text import escape
 from ..convert.keys import guess_step, split_roles
 
@@ -42,12 +46,14 @@ def inspect(path: str, tag: str | None = None,
         step = guess_step(index)
         index.step = step if step is not None else index.step
     split = split_roles(index)
+    entries = list(index.tensors.values())
+    sizes = _sizes(entries)
     dtypes = Counter()
-    for t in index.tensors.values():
-        dtypes[t.dtype] += t.nbytes
+    for t, nbytes in zip(entries, sizes):
+        dtypes[t.dtype] += nbytes
     report = Report(
         path=path, format=index.format, world_size=index.world_size, step=index.step,
-        tensor_count=len(index.tensors), tensor_bytes=index.total_tensor_bytes,
+        tensor_count=len(index.tensors), tensor_bytes=sum(sizes),
         dtypes=dict(dtypes.most_common()),
         roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other),
                "low_precision": len(split.low_precision)},
@@ -55,6 +61,20 @@ def inspect(path: str, tag: str | None = None,
         files=len(index.files), file_bytes=sum(index.files.values()), notes=_notes(index, split),
         parallel=index.metadata.get("parallel") or None)
     return opened, report
+
+
+def _sizes(tensors: list[TensorEntry]) -> list[int]:
+    """Each tensor's TensorEntry.nbytes, each dtype's item size looked up once: 100k tensors
+    are summed, counted per dtype and ranked."""
+    items: dict[str, int] = {}
+    sizes: list[int] = []
+    for t in tensors:
+        dtype = t.dtype
+        item = items.get(dtype)
+        if item is None:
+            item = items[dtype] = itemsize(dtype)
+        sizes.append(prod(t.shape) * item)
+    return sizes
 
 
 def _notes(index, split) -> list[str]:
@@ -159,7 +179,12 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
         from .trainer_folder import describe_lines
 
         lines[-1:-1] = describe_lines(opened.trainer)
-    tensors = sorted(opened.index.tensors.values(), key=lambda t: (-t.nbytes, t.key))
+    entries = list(opened.index.tensors.values())
+    sizes = _sizes(entries)
+    largest = (lambda i: (-sizes[i], entries[i].key))
+    # the rows shown, as sorted(...)[:max_rows] gives them, without sorting 100k tensors
+    tensors = ([entries[i] for i in heapq.nsmallest(max_rows, range(len(entries)), key=largest)]
+               if max_rows >= 0 else sorted(entries, key=lambda t: (-t.nbytes, t.key)))
     shown = {t.key: escape(t.key) for t in tensors[:max_rows]}  # as printed, so the columns line up
     width = min(60, max((len(k) for k in shown.values()), default=10))
     splits = {t.key: split_of(t.attrs) for t in tensors[:max_rows]}
@@ -173,8 +198,8 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
         line = (f"{key:<{width}}  {t.dtype:<9} {str(list(t.shape)):<18} {len(t.pieces):>6}  "
                 f"{human_bytes(t.nbytes):>10}{split}{alias}")
         lines.append(line.rstrip() if split_width else line)
-    if len(tensors) > max_rows:
-        lines.append(f"... and {len(tensors) - max_rows} more tensors (use --json for all)")
+    if len(entries) > max_rows:
+        lines.append(f"... and {len(entries) - max_rows} more tensors (use --json for all)")
     if report.objects:
         lines.append("")
         lines.append("objects")
