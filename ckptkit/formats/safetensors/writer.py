@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from json.encoder import encode_basestring_ascii
 
 from ...index.dtypes import to_safetensors
 from ...context import RunContext
@@ -45,15 +46,50 @@ def shard_names(basename: str, count: int) -> list[str]:
 
 
 def build_header(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
+    raw = _joined_header(tensors, metadata) or _dumped_header(tensors, metadata)
+    data = raw.encode("utf-8")
+    data += b" " * (-len(data) % 8)  # the data buffer starts 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(data)) + data
+
+
+def _dumped_header(tensors: list[OutTensor], metadata: dict[str, str]) -> str:
+    """The header as json.dumps writes it: what _joined_header must equal, byte for byte."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for t in tensors:
         header[t.name] = {"dtype": to_safetensors(t.dtype), "shape": list(t.entry.shape),
                           "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned, as safetensors does
-    return struct.pack("<Q", len(raw)) + raw
+    return json.dumps(header, separators=(",", ":"))
+
+
+def _joined_header(tensors: list[OutTensor], metadata: dict[str, str]) -> str | None:
+    """_dumped_header's text, one string per tensor (each shape's and dtype's text made once),
+    without a dict per tensor: 30k tensors are 30k entries. None where the dict's text could
+    differ (no tensors, a name twice or "__metadata__", a name not a str, a shape not a tuple
+    of ints): _dumped_header writes those."""
+    names = [t.name for t in tensors]
+    if (not names or "__metadata__" in names or len(set(names)) != len(names)
+            or any(type(n) is not str for n in names)
+            or any(type(t.entry.shape) is not tuple or any(type(d) is not int for d in t.entry.shape)
+                   for t in tensors)):
+        return None
+    dtypes: dict[str, str] = {}
+    shapes: dict[tuple[int, ...], str] = {}
+    parts = [json.dumps({"__metadata__": metadata}, separators=(",", ":"))[:-1]]
+    offset = 0
+    for t in tensors:   # per tensor: kept lean
+        dtype = dtypes.get(t.dtype)
+        if dtype is None:
+            dtype = dtypes[t.dtype] = encode_basestring_ascii(to_safetensors(t.dtype))
+        shape = shapes.get(t.entry.shape)
+        if shape is None:
+            shape = shapes[t.entry.shape] = json.dumps(list(t.entry.shape), separators=(",", ":"))
+        end = offset + t.nbytes
+        parts.append(f'{encode_basestring_ascii(t.name)}:{{"dtype":{dtype},"shape":{shape},'
+                     f'"data_offsets":[{offset},{end}]}}')
+        offset = end
+    return ",".join(parts) + "}"
 
 
 def write_safetensors(out: Output, fetcher: Fetcher, tensors: list[OutTensor], *,
