@@ -359,22 +359,26 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
             fast["info"] = names[5] + _NEW
             fast["relative_path"], fast["offset_name"], fast["length"] = names[6], names[3], names[7]
 
-    def _storage_item(item: tuple[Any, ...]) -> None:
-        # (the GETs of what is already memoized written inline)
-        key, number, box, file, offset, length, transforms = item
-        known = memo.get(_INDEX)
+    def _new_with(cls: tuple[str, str], names: tuple[str, ...]) -> None:
+        """A new object of `cls` with its state dict opened and `names` written (GETs of what is
+        already memoized written inline)."""
+        known = memo.get(cls)
         if known is None:
-            e.global_(*_INDEX)
+            e.global_(*cls)
         else:
             out.extend(known)
         out.extend(_NEW)
         e.new_state()
-        for name in ("fqn", key, "index"):
+        for name in names:
             known = memo.get(id(name))
             if known is None:
                 e.str_(name)
             else:
                 out.extend(known)
+
+    def _storage_item(item: tuple[Any, ...]) -> None:
+        key, number, box, file, offset, length, transforms = item
+        _new_with(_INDEX, ("fqn", key, "index"))
         if number is None:
             out.extend(pickle.NONE)
         else:
@@ -382,19 +386,7 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
             e.str_("offset")
             e.size(box.offsets)
         out.extend(_END_STATE)
-        known = memo.get(_INFO)
-        if known is None:
-            e.global_(*_INFO)
-        else:
-            out.extend(known)
-        out.extend(_NEW)
-        e.new_state()
-        for name in ("relative_path", file, "offset"):
-            known = memo.get(id(name))
-            if known is None:
-                e.str_(name)
-            else:
-                out.extend(known)
+        _new_with(_INFO, ("relative_path", file, "offset"))
         out.extend(_int(offset))
         e.str_("length")
         out.extend(_int(length))
