@@ -50,39 +50,43 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     whose config.json and tokenizer files are copied instead of those found beside the source."""
     ctx = context_of(ctx, options)
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
-    index = opened.index
-    split = split_roles(index)
-    if not split.model:
-        raise UsageError(f"{src}: found no model tensors to consolidate "
-                         f"({len(index.tensors)} tensors, none under a model container)")
-    names = _rename(split, index, key_rules(index, rules), src)
-    max_bytes = knobs.parse_size(max_shard_size, "--max-shard-size")
-    model, aliases = _model_tensors(index, split, dtype)
-    optim = [OutTensor(name, index.tensors[key], index.tensors[key].dtype)
-             for name, key in split.optim.items()] if include_optimizer else []
-    single = file_output(out, "safetensors")
-    if single:
-        _check_single_file(out, model, max_bytes, include_optimizer, config)
-    sides = None if single else _side_files(opened.path, config, ctx)
-    ctx.progress.start(sum(t.nbytes for t in model + optim), "consolidate")
-    fetcher, writer = Fetcher(opened.source, index=index), format_named("safetensors")
-    sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
-    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources,
-                                    single_file=single) as target:
-        basename = target.name[: -len(".safetensors")] if single else "model"
-        files = writer.write(SafetensorsTarget(fetcher, model, max_bytes, basename, aliases), target, ctx)
-        if optim:
-            objects = {name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)), names)
-                       for name, key in split.optim_objects.items()}
-            optimizer = SafetensorsTarget(fetcher, optim, max_bytes, "optimizer", objects=objects)
-            files += writer.write(optimizer, target, ctx)
-        if sides is not None:
-            try:
-                side_files.copy(sides, target)
-            finally:
-                sides.close()
-    ctx.progress.close()
-    return _result(out, index, split, model, aliases, optim, files, sides, rules, include_optimizer)
+    # the index out of the collector's sight from here to the end of the write (runner/heap): naming,
+    # planning and writing make many objects, and a full collection would traverse the index each time
+    with frozen_heap():
+        index = opened.index
+        split = split_roles(index)
+        if not split.model:
+            raise UsageError(f"{src}: found no model tensors to consolidate "
+                             f"({len(index.tensors)} tensors, none under a model container)")
+        names = _rename(split, index, key_rules(index, rules), src)
+        max_bytes = knobs.parse_size(max_shard_size, "--max-shard-size")
+        model, aliases = _model_tensors(index, split, dtype)
+        optim = [OutTensor(name, index.tensors[key], index.tensors[key].dtype)
+                 for name, key in split.optim.items()] if include_optimizer else []
+        single = file_output(out, "safetensors")
+        if single:
+            _check_single_file(out, model, max_bytes, include_optimizer, config)
+        sides = None if single else _side_files(opened.path, config, ctx)
+        ctx.progress.start(sum(t.nbytes for t in model + optim), "consolidate")
+        fetcher, writer = Fetcher(opened.source, index=index), format_named("safetensors")
+        sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
+        with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources,
+                         single_file=single) as target:
+            basename = target.name[: -len(".safetensors")] if single else "model"
+            files = writer.write(SafetensorsTarget(fetcher, model, max_bytes, basename, aliases), target, ctx)
+            if optim:
+                objects = {name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)),
+                                             names)
+                           for name, key in split.optim_objects.items()}
+                optimizer = SafetensorsTarget(fetcher, optim, max_bytes, "optimizer", objects=objects)
+                files += writer.write(optimizer, target, ctx)
+            if sides is not None:
+                try:
+                    side_files.copy(sides, target)
+                finally:
+                    sides.close()
+        ctx.progress.close()
+        return _result(out, index, split, model, aliases, optim, files, sides, rules, include_optimizer)
 
 
 def _model_tensors(index, split, dtype: str | None) -> tuple[list[OutTensor], dict[str, str]]:
