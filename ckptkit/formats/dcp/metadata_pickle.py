@@ -274,19 +274,25 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
             fast["offsets"] = names[1] + names[2]
             fast["sizes"] = names[3] + names[2]
 
-    def _chunk(box: Any) -> None:
-        known = memo.get(_CHUNK)
+    def _new_with(cls: tuple[str, str], names: tuple[str, ...]) -> None:
+        """A new object of `cls` with its state dict opened and `names` written (GETs of what is
+        already memoized written inline)."""
+        known = memo.get(cls)
         if known is None:
-            e.global_(*_CHUNK)
+            e.global_(*cls)
         else:
             out.extend(known)
         out.extend(_NEW)
         e.new_state()
-        known = memo.get(id("offsets"))
-        if known is None:
-            e.str_("offsets")
-        else:
-            out.extend(known)
+        for name in names:
+            known = memo.get(id(name))
+            if known is None:
+                e.str_(name)
+            else:
+                out.extend(known)
+
+    def _chunk(box: Any) -> None:
+        _new_with(_CHUNK, ("offsets",))
         e.size(box.offsets)
         known = memo.get(id("sizes"))
         if known is None:
@@ -358,23 +364,6 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
             fast["offset"] = names[3] + names[4]
             fast["info"] = names[5] + _NEW
             fast["relative_path"], fast["offset_name"], fast["length"] = names[6], names[3], names[7]
-
-    def _new_with(cls: tuple[str, str], names: tuple[str, ...]) -> None:
-        """A new object of `cls` with its state dict opened and `names` written (GETs of what is
-        already memoized written inline)."""
-        known = memo.get(cls)
-        if known is None:
-            e.global_(*cls)
-        else:
-            out.extend(known)
-        out.extend(_NEW)
-        e.new_state()
-        for name in names:
-            known = memo.get(id(name))
-            if known is None:
-                e.str_(name)
-            else:
-                out.extend(known)
 
     def _storage_item(item: tuple[Any, ...]) -> None:
         key, number, box, file, offset, length, transforms = item
