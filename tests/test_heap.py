@@ -45,7 +45,9 @@ def test_leaves_a_callers_freeze_and_a_paused_collector_alone():
         before = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == before  # not unfrozen under the caller
+        # not unfrozen under the caller (an unfreeze empties the permanent generation; frozen
+        # objects that die meanwhile leave it one by one, so the count is not exact in a full run)
+        assert gc.get_freeze_count() > before // 2 > 0
     finally:
         gc.unfreeze()
     gc.disable()
