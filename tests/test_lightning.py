@@ -429,6 +429,14 @@ def _resume_truth(strategy: str, tmp_path) -> dict:
             "global_step": full["global_step"], "epoch": full["epoch"]}
 
 
+def _died_in_teardown(output: str) -> bool:
+    """A rank aborted after Trainer.fit had finished, in a C++ destructor at exit ("terminate
+    called without an active exception", SIGABRT): a known, rare crash of the CPU process group's
+    threads at interpreter exit, seen in two of many CI runs, never before the fit ends."""
+    fit_done = output.find("`Trainer.fit` stopped")
+    return 0 <= fit_done < output.find("terminate called without an active exception")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
 def test_lightning_resumes_the_reshard_at_three_processes(strategy, tmp_path):
@@ -451,6 +459,9 @@ def test_lightning_resumes_the_reshard_at_three_processes(strategy, tmp_path):
     env = subprocess_env()
     env["DS_ACCELERATOR"] = "cpu"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    if proc.returncode != 0 and _died_in_teardown(proc.stdout + proc.stderr):  # torch's abort at exit: once more
+        result.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     got = json.loads(result.read_text())
     assert got["world_size"] == 3 and got["global_step_restored"] == 2, got
