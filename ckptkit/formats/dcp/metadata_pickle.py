@@ -111,6 +111,12 @@ class _Emitter:
         self.out += _NEW
         self.put()
 
+    def new_with_state(self, module: str, name: str) -> None:
+        """A stand-in built by NEWOBJ with its state dict opened: its items follow, then _END_STATE."""
+        self.global_(module, name)
+        self.out += _NEW
+        self.new_state()
+
     def str_(self, s: Any) -> None:
         if type(s) is not str:
             raise _Unexpected(type(s))
@@ -247,10 +253,7 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
 
     e = _Emitter()
     out, memo = e.out, e.memo
-    e.new(_MD, "Metadata")
-    out += pickle.EMPTY_DICT
-    e.put()
-    out += pickle.MARK
+    e.new_with_state(_MD, "Metadata")
     e.str_("state_dict_metadata")
     out += pickle.EMPTY_DICT
     e.put()
@@ -275,30 +278,15 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
             fast["sizes"] = names[3] + names[2]
 
     def _new_with(cls: tuple[str, str], names: tuple[str, ...]) -> None:
-        """A new object of `cls` with its state dict opened and `names` written (GETs of what is
-        already memoized written inline)."""
-        known = memo.get(cls)
-        if known is None:
-            e.global_(*cls)
-        else:
-            out.extend(known)
-        out.extend(_NEW)
-        e.new_state()
+        """A new object of `cls` with its state dict opened and `names` written."""
+        e.new_with_state(*cls)
         for name in names:
-            known = memo.get(id(name))
-            if known is None:
-                e.str_(name)
-            else:
-                out.extend(known)
+            e.str_(name)
 
     def _chunk(box: Any) -> None:
         _new_with(_CHUNK, ("offsets",))
         e.size(box.offsets)
-        known = memo.get(id("sizes"))
-        if known is None:
-            e.str_("sizes")
-        else:
-            out.extend(known)
+        e.str_("sizes")
         e.size(box.sizes)
         out.extend(_END_STATE)
 
@@ -308,10 +296,7 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
         if entry is None:
             e.new(_MD, "BytesStorageMetadata")  # no state: no BUILD
             return
-        e.new(_MD, "TensorStorageMetadata")
-        out.extend(pickle.EMPTY_DICT)
-        e.put()
-        out.extend(pickle.MARK)
+        e.new_with_state(_MD, "TensorStorageMetadata")
         e.str_("properties")
         _tensor_properties(e, entry.dtype)
         e.str_("size")
@@ -389,10 +374,7 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
     e.batches(storage, storage_item, pickle.SETITEMS, pickle.SETITEM)
 
     e.str_("storage_meta")
-    e.new(_MD, "StorageMeta")
-    out += pickle.EMPTY_DICT
-    e.put()
-    out += pickle.MARK
+    e.new_with_state(_MD, "StorageMeta")
     e.str_("checkpoint_id")
     out += pickle.NONE
     e.str_("save_id")
