@@ -173,8 +173,8 @@ class _Merged:
         for mi, info in _mapping(_field(md, "storage_data", "Metadata", label, None), "storage_data", label).items():
             fields = getattr(mi, "__dict__", None)
             off = fields.get("offset", _NO_FIELD) if fields is not None and "fqn" in fields else _NO_FIELD
-            if off is None or (type(off) is Size and (not off or min(off) >= 0)):  # torch's own kind: no checks due
-                where = tuple(off) if off is not None else None
+            where = _sized(off) if off is not None else None
+            if off is None or where is not None:  # torch's own kind: no checks due
                 fqn = fields["fqn"]
             else:
                 fqn = _field(mi, "fqn", "MetadataIndex", label)
@@ -210,13 +210,21 @@ class _Merged:
 _NO_FIELD = object()
 
 
+def _sized(value: Any) -> tuple[int, ...] | None:
+    """`value` as a tuple when it is the kind torch pickles (a torch.Size, whose items the unpickler
+    made ints, none negative), else None: the checked path (`_ints`) reads it and words what is wrong."""
+    if type(value) is Size and (not value or min(value) >= 0):
+        return tuple(value)
+    return None
+
+
 def _plain_boxes(meta: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
     """The chunk boxes of a tensor's metadata when it is the kind torch pickles (torch.Size of
     non-negative ints, of the tensor's rank, in a list of chunk objects), without a check per
     field; None for anything else, which the checked path reads (and words what is wrong)."""
     fields = meta.__dict__
-    size, chunks = fields.get("size"), fields.get("chunks")
-    if type(size) is not Size or type(chunks) is not list or (size and min(size) < 0):
+    size, chunks = _sized(fields.get("size")), fields.get("chunks")
+    if size is None or type(chunks) is not list:
         return None
     rank = len(size)
     boxes = []
@@ -224,11 +232,10 @@ def _plain_boxes(meta: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | N
         got = getattr(chunk, "__dict__", None)
         if got is None:
             return None
-        offsets, sizes = got.get("offsets"), got.get("sizes")
-        if type(offsets) is not Size or type(sizes) is not Size or len(offsets) != rank or len(sizes) != rank or (
-                rank and (min(offsets) < 0 or min(sizes) < 0)):
+        offsets, sizes = _sized(got.get("offsets")), _sized(got.get("sizes"))
+        if offsets is None or sizes is None or len(offsets) != rank or len(sizes) != rank:
             return None
-        boxes.append((tuple(offsets), tuple(sizes)))
+        boxes.append((offsets, sizes))
     return boxes
 
 
@@ -256,9 +263,9 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
         kind = type(meta).__name__
         if kind == "TensorStorageMetadata":
             dtype = _props_dtype(_field(meta, "properties", f"tensor {key}", label), label, key)
-            size = meta.__dict__.get("size")
-            shape = tuple(size) if type(size) is Size and (not size or min(size) >= 0) else \
-                _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
+            shape = _sized(meta.__dict__.get("size"))
+            if shape is None:
+                shape = _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
             name = names.get(dtype)
             if name is None:
                 name = names[dtype] = dtype_name(dtype)
