@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .errors import CkptkitError, FormatError, InternalError, quote
+from . import safeload_dcp
 from .safeload_grammar import RestrictedGrammar, table
 from .safeload_inert import Inert, inert_class
 from .safeload_refs import RawStorage, StorageRef, TensorRef, storage_pid, typed_storage
@@ -25,7 +26,8 @@ from .safeload_vm import run
 
 # the names readers and writers take from here (defined beside the unpickler, re-exported)
 __all__ = ["Inert", "RawStorage", "StorageRef", "TensorRef", "allowlist", "extra_allowed", "inert_class",
-           "register_allowed", "restricted_loads", "storage_pid", "typed_storage"]
+           "register_allowed", "restricted_loads", "restricted_loads_dcp_metadata", "storage_pid",
+           "typed_storage"]
 
 
 def allowlist() -> dict[tuple[str, str], Any]:
@@ -64,6 +66,13 @@ def restricted_loads(data: bytes, file: str,
     except Exception as exc:  # refusals and malformed input are CkptkitErrors: anything else is a bug
         raise InternalError(f"{file}: the restricted unpickler failed on its own ({type(exc).__name__}: "
                             f"{quote(str(exc))})") from exc
+
+
+def restricted_loads_dcp_metadata(data: bytes, file: str) -> Any:
+    """A DCP `.metadata`: through the fenced C unpickler (safeload_dcp) when it is torch's own
+    shape, which gives what the restricted machine would, 5x faster; else `restricted_loads`."""
+    value = safeload_dcp.load(data)
+    return value if value is not None else restricted_loads(data, file)
 
 
 def _with_file(exc: CkptkitError, file: str) -> CkptkitError:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from . import knobs
 from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
-from .safeload_inert import Inert, inert_class
+from .safeload_inert import _INERT_ATTRS, Inert, _attrs, apply_inert_state, inert_class
 from .safeload_refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage
 from .safeload_rules import Refused, Rule, extra_allowed
 from .safeload_vm import Placeholder, check_keys
@@ -302,32 +302,8 @@ def _inert(cls: type) -> Rule:
 
 # ---- state (BUILD) -----------------------------------------------------------------------------
 
-_INERT_ATTRS = frozenset(dir(Inert)) | {"_qualname"}
 _STR = {str}
 _ORDERED_DICT_ATTRS = frozenset(dir(collections.OrderedDict))
-
-
-def _attrs(state: Any, reserved: frozenset, what: str) -> dict:
-    if type(state) is not dict or state.keys() & reserved or not set(map(type, state)) <= _STR:
-        bad = next((k for k in state if type(k) is not str or k in reserved), None) if isinstance(state, dict) else None
-        raise UnsafePickleError(f"refusing the state of {what}: attribute {quote(repr(bad), 60)} is not plain data "
-                                f"(nothing was executed)")
-    return state
-
-
-def apply_inert_state(obj: Inert, state: Any) -> None:
-    """A stand-in's pickled state: a dict of plain attributes, a (dict, slots dict) pair, or any
-    other value kept as `_state`; attributes never shadow the stand-in's own methods."""
-    what = f"a {obj._qualname} stand-in"
-    if isinstance(state, dict):
-        obj.__dict__.update(_attrs(state, _INERT_ATTRS, what))
-    elif (type(state) is tuple and len(state) == 2 and all(p is None or isinstance(p, dict) for p in state)
-          and any(isinstance(p, dict) for p in state)):
-        for part in state:
-            if part:
-                obj.__dict__.update(_attrs(part, _INERT_ATTRS, what))
-    else:
-        obj.__dict__["_state"] = state
 
 
 # ---- the table ---------------------------------------------------------------------------------

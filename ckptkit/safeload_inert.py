@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .errors import UnsafePickleError, quote
+
 _HASH_SALT = int.from_bytes(os.urandom(8), "little")
 
 
@@ -23,14 +25,7 @@ class Inert:
             self.__dict__["_kwargs"] = kwargs
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
-            for part in state:
-                if isinstance(part, dict):
-                    self.__dict__.update(part)
-        elif isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.__dict__["_state"] = state
+        apply_inert_state(self, state)  # (the grammar's BUILD: whoever unpickles a stand-in)
 
     def __reduce__(self):  # re-emitting a stand-in pickles it as the original class
         return (_inert_rebuild, (self._qualname, self.__dict__.get("_args", ())), self._public_state())
@@ -65,6 +60,33 @@ class Inert:
             except TypeError:
                 continue
         return hash(tuple(parts))
+
+
+_INERT_ATTRS = frozenset(dir(Inert)) | {"_qualname"}
+_STR = {str}
+
+
+def _attrs(state: Any, reserved: frozenset, what: str) -> dict:
+    if type(state) is not dict or state.keys() & reserved or not set(map(type, state)) <= _STR:
+        bad = next((k for k in state if type(k) is not str or k in reserved), None) if isinstance(state, dict) else None
+        raise UnsafePickleError(f"refusing the state of {what}: attribute {quote(repr(bad), 60)} is not plain data "
+                                f"(nothing was executed)")
+    return state
+
+
+def apply_inert_state(obj: Inert, state: Any) -> None:
+    """A stand-in's pickled state: a dict of plain attributes, a (dict, slots dict) pair, or any
+    other value kept as `_state`; attributes never shadow the stand-in's own methods."""
+    what = f"a {obj._qualname} stand-in"
+    if isinstance(state, dict):
+        obj.__dict__.update(_attrs(state, _INERT_ATTRS, what))
+    elif (type(state) is tuple and len(state) == 2 and all(p is None or isinstance(p, dict) for p in state)
+          and any(isinstance(p, dict) for p in state)):
+        for part in state:
+            if part:
+                obj.__dict__.update(_attrs(part, _INERT_ATTRS, what))
+    else:
+        obj.__dict__["_state"] = state
 
 
 def _inert_rebuild(qualname: str, args: tuple) -> Inert:

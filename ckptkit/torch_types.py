@@ -51,6 +51,11 @@ class _Interned:
     def __deepcopy__(self, memo: dict) -> Any:
         return self
 
+    def __setstate__(self, state: Any) -> None:
+        # one object per key for the whole process: no unpickler may give it a state (pickle's
+        # BUILD would otherwise rewrite, say, torch.float32 for every later reader)
+        raise TypeError(f"{self!r} takes no pickled state")
+
 
 class DType(_Interned):
     """A torch dtype by canonical name; one object per name, pickled as the global torch.<name>."""

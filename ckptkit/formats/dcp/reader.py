@@ -19,7 +19,7 @@ from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
 from ...index.types import Box, CheckpointIndex, Encoding, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
-from ...safeload import Inert, TensorRef, restricted_loads
+from ...safeload import Inert, TensorRef, restricted_loads_dcp_metadata
 from ...torch_types import DType, Size
 from ...storage.source import LocalSource, Source
 from ...runner.torch_archive import (SMALL_ARCHIVE, StructureMemo, load_bytes_archive, load_structure, open_archive,
@@ -94,7 +94,7 @@ def _mapping(value: Any, what: str, label: str) -> dict:
 
 def _load_metadata(source: Source, name: str) -> Any:
     label = source.label(name)
-    md = restricted_loads(source.read(name, 0, source.size(name)), label)
+    md = restricted_loads_dcp_metadata(source.read(name, 0, source.size(name)), label)
     if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "__dict__", {}).get("state_dict_metadata"), dict):
         raise FormatError(f"{label}: not a DCP Metadata object (found {type(md).__name__})")
     return md
