@@ -15,6 +15,7 @@ from ..index.parallel_spec import MeshSpec, ParallelSizes, check_deepspeed_ranks
 from ..formats.protocols import ZERO_PARTITIONS
 from ..formats.registry import capabilities_of, format_of, open_checkpoint
 from ..runner.heap import frozen_heap
+from ..runner.readahead import ReadAhead
 from ..storage.output import open_output
 from ..context import RunContext, context_of
 
@@ -79,8 +80,9 @@ def reshard(src: str, out: str, to: "int | str | MeshSpec | ParallelSizes",
         raise UnsupportedError(f"{src}: a {index.format} checkpoint is not sharded by world size, so there "
                                f"is nothing to reshard (reshard takes a DCP folder or a DeepSpeed checkpoint)")
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{to}")
-    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
-        files = fmt.reshard(opened, target, to, ctx)
+    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target, \
+            ReadAhead(opened.source, index, ctx, target) as run_ctx:  # the disk works on while workers copy
+        files = fmt.reshard(opened, target, to, run_ctx)
     ctx.progress.close()
     return ReshardResult(out, index.format, index.world_size, to, files, len(index.tensors),
                          index.total_tensor_bytes)
