@@ -17,13 +17,14 @@ from typing import Any
 from ...errors import CkptkitError, FormatError, quote
 from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
-from ...index.types import Box, CheckpointIndex, Encoding, Location, ObjectEntry, Piece, TensorEntry
+from ...index.types import Box, CheckpointIndex, Encoding, IntegrityCheck, Location, ObjectEntry, Piece, TensorEntry
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads_dcp_metadata
 from ...torch_types import DType, Size
 from ...storage.source import LocalSource, Source
-from ...runner.torch_archive import (SMALL_ARCHIVE, StructureMemo, load_bytes_archive, load_structure, open_archive,
-                                     tensor_location)
+from ...runner.torch_archive import (SMALL_ARCHIVE, Archive, StructureMemo, load_bytes_archive, load_structure,
+                                     open_archive, tensor_location)
+from ...runner.torch_archive import _Layout, _plain_directory  # (the item template reuses the layout memo's skeleton)
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -294,13 +295,17 @@ def _read_items(source: Source, jobs: list[_Job], parallel: int) -> list[Any]:
     which threads only contend for; threads serve remote sources and large items, whose reads wait."""
     memo = StructureMemo()  # same-shaped items share their data.pkl and zip layout: checked once
     files = _Files(source)
+    templates = _Templates(files)  # a run of items laid out alike: one comparison each
 
     def run(batch: list[_Job]) -> list[Any]:
         results: list[Any] = []
         window = _Window(source)
+        fast = templates.item
         for job in batch:
             try:
-                results.append(_read_item(source, *job, memo=memo, files=files, window=window))
+                got = fast(*job, window)
+                results.append(got if got is not None else
+                               _read_item(source, *job, memo=memo, files=files, window=window, learn=templates))
             except CkptkitError as exc:
                 results.append(exc)
         return results
@@ -378,6 +383,147 @@ class _Window:
         return self.data[:length] if len(self.data) > length else self.data
 
 
+# item templates: at most this many per (archive length, dtype, shape), and this many bytes in all
+# (each holds two ints of its archive's size); kinds of item counted for learning, at most
+_TEMPLATES_PER_KIND = 2
+_TEMPLATE_BYTES = 16 << 20
+_KINDS_COUNTED = 1 << 16
+
+
+class _Templates:
+    """The item templates of one read, by (archive length, dtype, shape): a template is learnt
+    from an item that passed the full path, once a second item of its kind goes through it (a
+    kind seen once is not worth one), and serves the next items of its kind laid out alike."""
+
+    def __init__(self, files: _Files) -> None:
+        self.files = files
+        self._kinds: dict[tuple[int, str, tuple[int, ...]], list[_ItemTemplate]] = {}
+        self._full: dict[tuple[int, str, tuple[int, ...]], int] = {}  # items of each kind read the full way
+        self._bytes = 0
+
+    def item(self, target: Any, box: Box | None, info: Any,
+             window: _Window) -> tuple[Piece, list[IntegrityCheck]] | None:
+        """The item's (piece, checks) when a template serves it, exactly as _read_item would give
+        them; None sends it through _read_item (which words any refusal)."""
+        if type(target) is not TensorEntry or not self._kinds:
+            return None
+        fields = getattr(info, "__dict__", None)
+        if fields is None:
+            return None
+        length = fields.get("length")
+        templates = self._kinds.get((length, target.dtype, box.sizes)) if type(length) is int else None
+        if templates is None:
+            return None
+        path, offset, transforms = fields.get("relative_path"), fields.get("offset"), fields.get("transform_descriptors")
+        rel = self.files._paths.get(path) if type(path) is str else None
+        size = self.files._sizes.get(rel) if rel is not None else None
+        if size is None or type(offset) is not int or offset < 0 or offset + length > size or \
+                not (transforms is None or (type(transforms) in (list, tuple) and not transforms)):
+            return None
+        copy = window.read(rel, offset, length, size)
+        if len(copy) != length:
+            return None
+        for template in templates:
+            got = template.match(copy, offset, rel)
+            if got is not None:
+                return _frozen(Piece, {"region": box, "location": got[0]}), got[1]
+        return None
+
+    def learn(self, archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
+              checks: list[IntegrityCheck]) -> None:
+        """Called with what _read_item gave for a small tensor item read whole (`archive.copy`)."""
+        copy = archive.copy
+        if copy is None:
+            return
+        kind = (len(copy), dtype, size)
+        seen = self._full.get(kind, 0) + 1
+        if len(self._full) < _KINDS_COUNTED or kind in self._full:
+            self._full[kind] = seen
+        known = self._kinds.get(kind, [])
+        if seen < 2 or len(known) >= _TEMPLATES_PER_KIND or self._bytes + 2 * len(copy) > _TEMPLATE_BYTES:
+            return
+        template = _ItemTemplate.of(archive, dtype, size, loc, checks)
+        if template is not None:
+            self._kinds[kind] = known + [template]
+            self._bytes += 2 * len(copy)
+
+
+class _ItemTemplate:
+    """What a small DCP item holding one tensor gave through _read_item's full path (open_archive,
+    load_structure, tensor_location, the dtype and shape check, Archive.checks), kept to serve the
+    next items of its kind at the cost of one comparison, one unpack of their CRC32 fields and
+    the building of their piece and checks.
+
+    Why a match gives what the full path gives: the comparison covers every byte of the zip layout
+    the layout memo compares (_Layout's skeleton: all that open_archive's checks read but the
+    CRC32 fields, which are unpacked here and, where the local header carries one, compared with
+    the directory's as they would be) and every byte of data.pkl. An archive of the same length
+    equal on them therefore gets from open_archive the same members (at its own offset, with its
+    own CRCs: _Layout's argument), from load_structure the same tensor (the same data.pkl, over
+    storage members of the same names and sizes), from tensor_location the same view checks and
+    the same location relative to the archive, and its dtype and shape are the metadata's (the
+    kind is looked up by them). Anything else goes through the full path, which refuses it with
+    its own sentence or reads it."""
+
+    __slots__ = ("mask", "want", "central", "local", "compared", "members", "start", "length", "stride")
+
+    def __init__(self, mask: int, want: int, layout: _Layout, members: tuple[tuple[int, int, str], ...],
+                 start: int, length: int, stride: tuple[int, ...] | None) -> None:
+        self.mask, self.want = mask, want  # the bytes compared (as bits of a little-endian int), their values
+        self.central, self.local, self.compared = layout.central, layout.local, layout.compared
+        self.members = members  # each member's data (relative to the archive), size and check's name
+        self.start, self.length, self.stride = start, length, stride  # the tensor's bytes, relative
+
+    @staticmethod
+    def of(archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
+           checks: list[IntegrityCheck]) -> _ItemTemplate | None:
+        """The template of `archive` (read whole), which gave `loc` and `checks`; None when its
+        layout is not one the layout memo can remember, or the template would not give them."""
+        copy, offset = archive.copy, archive.base
+        plain = _plain_directory(copy)
+        pkl = archive.members.get(f"{archive.prefix}/data.pkl")
+        layout = _Layout.of(copy, offset, plain[1], archive.members, archive.prefix) \
+            if plain is not None and pkl is not None else None
+        if layout is None:
+            return None
+        mask = bytearray(len(copy))
+        at = pkl.data_offset - offset
+        for a, b in (*layout.segments, (at, at + pkl.size)):
+            mask[a:b] = b"\xff" * (b - a)
+        bits = int.from_bytes(mask, "little")
+        members = tuple((m.data_offset - offset, m.size, f"zip member {m.name}") for m in archive.members.values())
+        template = _ItemTemplate(bits, int.from_bytes(copy, "little") & bits, layout, members, loc.offset - offset,
+                                 loc.length, loc.stride)
+        if loc.encoding is not Encoding.RAW or loc.transforms or \
+                template.match(copy, offset, archive.file) != (loc, checks):
+            return None  # (never expected: the template gives exactly what the full path gave, or nothing)
+        return template
+
+    def match(self, copy: bytes, offset: int, file: str) -> tuple[Location, list[IntegrityCheck]] | None:
+        """The location and checks of the archive `copy` (at `offset` of `file`) when it is laid
+        out like this template's, else None."""
+        if int.from_bytes(copy, "little") & self.mask != self.want:
+            return None
+        crcs = self.central.unpack_from(copy)
+        if self.compared and self.local.unpack_from(copy) != tuple([crcs[i] for i in self.compared]):
+            return None  # the full path refuses it, with its message
+        loc = _frozen(Location, {"file": file, "offset": offset + self.start, "length": self.length,
+                                 "encoding": Encoding.RAW, "stride": self.stride, "transforms": ()})
+        return loc, [_new_check(IntegrityCheck, (file, offset + at, size, crc, what))
+                     for (at, size, what), crc in zip(self.members, crcs)]
+
+
+_new_check = tuple.__new__  # an IntegrityCheck without NamedTuple's Python-level __new__ (seven per item)
+
+
+def _frozen(cls: type, fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass `cls` with these (all) fields, made without its
+    __init__, whose object.__setattr__ per field costs a microsecond (two per item of 100k)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
 def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:
     """Pieces to their tensors, values to the index, checks to the index's checks; an item that
     could not be read is raised unless problems are being collected."""
@@ -405,7 +551,7 @@ def _item_file(source: Source, info: Any) -> str:
 
 
 def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: StructureMemo | None = None,
-               files: _Files | None = None, window: _Window | None = None):
+               files: _Files | None = None, window: _Window | None = None, learn: _Templates | None = None):
     files = files if files is not None else _Files(source)
     label = files.label
     what = f"storage record of {target.key}"
@@ -437,7 +583,10 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: St
         if dtype != target.dtype or tuple(ref.size) != box.sizes:
             raise FormatError(f"{source.label(rel)}: item of {target.key} holds {dtype} {list(ref.size)}, "
                               f"metadata says {target.dtype} {list(box.sizes)}")
-        return Piece(box, loc), archive.checks()
+        checks = archive.checks()
+        if learn is not None and data is not None:
+            learn.learn(archive, dtype, tuple(ref.size), loc, checks)
+        return Piece(box, loc), checks
     raw = source.read(rel, offset, length)
     data = codecs.decode(raw, transforms, f"{source.label(rel)} (value {target.key})")
     if data[:4] == b"PK\x03\x04":
