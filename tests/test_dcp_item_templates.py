@@ -111,6 +111,9 @@ def test_a_run_of_items_is_served_by_its_template_as_the_full_path_reads_it(tmp_
     served = _served(monkeypatch)
     fast = _read(source, jobs, monkeypatch, fast=True)
     assert fast == full
+    for (piece, _), (theirs, _) in zip(fast, full):  # (made without their __init__: every field, in order)
+        assert list(vars(piece.location).items()) == list(vars(theirs.location).items())
+        assert list(vars(piece).items()) == list(vars(theirs).items())
     assert sum(served) == len(jobs) - 2  # the first two of the kind go the full way (the second teaches)
     assert len({c.crc32 for _, checks in fast for c in checks}) > 20  # (each item's own CRCs)
 

@@ -426,7 +426,10 @@ class _Templates:
         for template in templates:
             got = template.match(copy, offset, rel)
             if got is not None:
-                return _frozen(Piece, {"region": box, "location": got[0]}), got[1]
+                piece = _new(Piece)  # (a frozen dataclass made without its __init__: see match)
+                fields = piece.__dict__
+                fields["region"], fields["location"] = box, got[0]
+                return piece, got[1]
         return None
 
     def learn(self, archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
@@ -465,14 +468,16 @@ class _ItemTemplate:
     kind is looked up by them). Anything else goes through the full path, which refuses it with
     its own sentence or reads it."""
 
-    __slots__ = ("mask", "want", "central", "local", "compared", "members", "start", "length", "stride")
+    __slots__ = ("mask", "want", "central", "local", "compared", "members", "start", "location")
 
     def __init__(self, mask: int, want: int, layout: _Layout, members: tuple[tuple[int, int, str], ...],
                  start: int, length: int, stride: tuple[int, ...] | None) -> None:
         self.mask, self.want = mask, want  # the bytes compared (as bits of a little-endian int), their values
         self.central, self.local, self.compared = layout.central, layout.local, layout.compared
         self.members = members  # each member's data (relative to the archive), size and check's name
-        self.start, self.length, self.stride = start, length, stride  # the tensor's bytes, relative
+        self.start = start  # the tensor's bytes, relative to the archive, and the fields of its Location:
+        self.location = {"file": "", "offset": 0, "length": length, "encoding": Encoding.RAW, "stride": stride,
+                         "transforms": ()}  # (each field of the dataclass, in its order)
 
     @staticmethod
     def of(archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
@@ -507,21 +512,16 @@ class _ItemTemplate:
         crcs = self.central.unpack_from(copy)
         if self.compared and self.local.unpack_from(copy) != tuple([crcs[i] for i in self.compared]):
             return None  # the full path refuses it, with its message
-        loc = _frozen(Location, {"file": file, "offset": offset + self.start, "length": self.length,
-                                 "encoding": Encoding.RAW, "stride": self.stride, "transforms": ()})
+        loc = _new(Location)  # its fields set without the frozen dataclass's __init__ (a microsecond each)
+        fields = loc.__dict__
+        fields.update(self.location)
+        fields["file"], fields["offset"] = file, offset + self.start
         return loc, [_new_check(IntegrityCheck, (file, offset + at, size, crc, what))
                      for (at, size, what), crc in zip(self.members, crcs)]
 
 
+_new = object.__new__
 _new_check = tuple.__new__  # an IntegrityCheck without NamedTuple's Python-level __new__ (seven per item)
-
-
-def _frozen(cls: type, fields: dict[str, Any]) -> Any:
-    """An instance of the frozen dataclass `cls` with these (all) fields, made without its
-    __init__, whose object.__setattr__ per field costs a microsecond (two per item of 100k)."""
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
 
 
 def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:
