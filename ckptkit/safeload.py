@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .errors import CkptkitError, FormatError, InternalError, quote
-from . import safeload_dcp
+from . import safeload_dcp, safeload_torchsave
 from .safeload_grammar import RestrictedGrammar, table
 from .safeload_inert import Inert, inert_class
 from .safeload_refs import RawStorage, StorageRef, TensorRef, storage_pid, typed_storage
@@ -26,7 +26,8 @@ from .safeload_vm import run
 
 # the names readers and writers take from here (defined beside the unpickler, re-exported)
 __all__ = ["Inert", "RawStorage", "StorageRef", "TensorRef", "allowlist", "extra_allowed", "inert_class",
-           "register_allowed", "restricted_loads", "restricted_loads_dcp_metadata", "storage_pid",
+           "fenced_torch_save_loads", "register_allowed", "restricted_loads", "restricted_loads_dcp_metadata",
+           "storage_pid",
            "typed_storage"]
 
 
@@ -73,6 +74,13 @@ def restricted_loads_dcp_metadata(data: bytes, file: str) -> Any:
     shape, which gives what the restricted machine would, 5x faster; else `restricted_loads`."""
     value = safeload_dcp.load(data)
     return value if value is not None else restricted_loads(data, file)
+
+
+def fenced_torch_save_loads(data: bytes, persistent_load: Callable[[Any], Any]) -> Any | None:
+    """A torch.save data.pkl loaded lazily through the fenced C unpickler (safeload_torchsave),
+    or None where it declines: the caller then runs `restricted_loads` (and undoes what its
+    `persistent_load` recorded)."""
+    return safeload_torchsave.load(data, persistent_load)
 
 
 def _with_file(exc: CkptkitError, file: str) -> CkptkitError:

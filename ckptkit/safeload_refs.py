@@ -4,15 +4,28 @@ torch's persistent ids that name those storages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import FormatError, quote
 from .torch_types import DType
 
 
+class _Sealed:
+    """Made by the grammar's rules from checked values: no unpickler may give it a state (pickle's
+    BUILD writes a frozen dataclass's __dict__ directly); pickled again through its constructor."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise TypeError(f"a {type(self).__name__} takes no pickled state")
+
+    def __reduce__(self):
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class StorageRef:
+class StorageRef(_Sealed):
     """A storage of a torch.save archive, not loaded: its member key, dtype and element count."""
 
     key: str
@@ -21,14 +34,14 @@ class StorageRef:
 
 
 @dataclass(frozen=True)
-class RawStorage:
+class RawStorage(_Sealed):
     """A storage read whole (eager loading of a small pickle): its bytes."""
 
     data: bytes
 
 
 @dataclass(frozen=True)
-class TensorRef:
+class TensorRef(_Sealed):
     """A tensor of a torch.save archive described without loading it (a view of a storage)."""
 
     storage: StorageRef
@@ -40,7 +53,7 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
-class _TypedStorage:
+class _TypedStorage(_Sealed):
     """What persistent_load returns: the storage plus the dtype its legacy class named."""
 
     ref: Any
@@ -54,6 +67,12 @@ class _StorageType:
 
     def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
+
+    def __setstate__(self, state: Any) -> None:  # one per class name for the whole process
+        raise TypeError("a storage type takes no pickled state")
+
+    def __reduce__(self):
+        return _StorageType, (self.dtype,)
 
 
 def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:

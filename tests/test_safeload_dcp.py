@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptkit import safeload_dcp
+from ckptkit import safeload_dcp, safeload_fence
 from ckptkit.errors import CkptkitError, UnsafePickleError
 from ckptkit.formats.dcp.metadata_pickle import metadata_pickle
 from ckptkit.formats.dcp.writer import DCP_VERSION
@@ -173,9 +173,9 @@ def test_a_stand_in_cannot_shadow_its_own_methods():
 
 def test_wide_integers_that_could_seed_colliding_tuple_keys_are_declined():
     """2-tuples of 8-byte ints can be crafted to share one hash (dictionary inserts then cost
-    n**2); more than MAX_WIDE_INTS integers wider than 4 bytes send the pickle to the machine."""
+    n**2); more than MAX_WIDE_VALUES integers wider than 4 bytes send the pickle to the machine."""
     wide = b"\x8a\x08" + struct.pack("<q", (1 << 62) + 5)
-    pairs = (b"K\x01" + wide + b"\x86" + b"N") * (safeload_dcp.MAX_WIDE_INTS + 1)
+    pairs = (b"K\x01" + wide + b"\x86" + b"N") * (safeload_fence.MAX_WIDE_VALUES + 1)
     data = b"\x80\x04}(" + pairs + b"u."
     _declined_quickly(data)
 
@@ -218,6 +218,19 @@ def test_fields_torch_never_writes_are_declined(field, value):
     data = dumps(md, protocol=2)
     assert safeload_dcp.load(data) is None
     assert machine(data) == md
+
+
+def test_a_path_whose_slots_a_build_set_is_declined():
+    """StorageMeta.checkpoint_id is a Path (slots): a BUILD that sets its `_str` is not kept."""
+    md = _stand_ins(SEED.read_bytes())
+    assert isinstance(md.storage_meta.checkpoint_id, __import__("pathlib").PurePath)
+    data = dumps(md, protocol=2)
+    fast = safeload_dcp.load(data)
+    assert fast == machine(data)
+    path_call = data.index(b"pathlib\nPurePosixPath\n")
+    reduce_at = data.index(b"R", path_call)
+    forged = data[:reduce_at + 1] + b"N}" + b"X\x04\x00\x00\x00_str" + b"X\x04\x00\x00\x00evils\x86b" + data[reduce_at + 1:]
+    assert safeload_dcp.load(forged) is None
 
 
 def test_deep_nesting_is_declined():

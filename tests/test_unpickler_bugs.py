@@ -3,7 +3,8 @@
 restricted_loads used to turn every exception into "cannot read pickle" (a FormatError, exit 2) and
 drop its cause, so a TypeError of ckptkit's own read as a user's broken file. Now only the
 unpickler's refusals and malformed input are CkptkitErrors; the bug here is injected by replacing
-the grammar's call with one that raises.
+the grammar's call with one that raises, and the fenced C road's call too (safeload_fence: a bug
+there makes the road decline, and the machine, meeting the same bug, reports it).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from click.testing import CliRunner
 from cli.main import cli
 from ckptkit.errors import FormatError, InternalError, UnsafePickleError
 from ckptkit.safeload import restricted_loads
+from ckptkit.safeload_fence import Call
 from ckptkit.safeload_grammar import RestrictedGrammar
 from conftest import DATA
 
@@ -33,6 +35,10 @@ def buggy_grammar(monkeypatch):
     def call(self, func, args):
         raise TypeError("injected bug")
     monkeypatch.setattr(RestrictedGrammar, "call", call)
+
+    def fenced_call(self, *args):
+        raise TypeError("injected bug")
+    monkeypatch.setattr(Call, "__call__", fenced_call)
 
 
 def test_a_bug_is_exit_3_not_bad_input(buggy_grammar):

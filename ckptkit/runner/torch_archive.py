@@ -24,7 +24,8 @@ from ..errors import CkptkitError, FormatError
 from ..index.dtypes import dtype_name
 from ..index.geometry import row_major_strides, strided_span
 from ..index.types import IntegrityCheck, Location
-from ..safeload import RawStorage, StorageRef, TensorRef, restricted_loads, storage_pid, typed_storage
+from ..safeload import (RawStorage, StorageRef, TensorRef, fenced_torch_save_loads, restricted_loads, storage_pid,
+                        typed_storage)
 from ..storage.source import BytesSource, RangeFile, Source
 from . import limits
 from ..torch_types import SmallTensor, view_problem
@@ -466,7 +467,10 @@ def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | 
             loaded[key] = RawStorage(archive.read(member.data_offset, nbytes))
         return typed_storage(loaded[key], dtype)
 
-    value = restricted_loads(data, archive.label, persistent_load)
+    value = None if eager else fenced_torch_save_loads(data, persistent_load)  # (C speed, fenced)
+    if value is None:  # declined (or None itself): the restricted machine reads it, and words any refusal
+        pids.clear()
+        value = restricted_loads(data, archive.label, persistent_load)
     if memo is not None and not eager:
         memo.put(data, value, pids)
     if eager:  # views share their storage's bytes; what they would copy is counted here
