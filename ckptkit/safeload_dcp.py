@@ -8,8 +8,10 @@ two more on the result, else `load` hands back None and the restricted machine r
 
 - the result's shape: torch's DCP Metadata field for field (`_Shape`), every field of the
    type torch writes, so that nothing else (no deep nesting, no foreign value) comes through;
-- no sharing: every container is reached once (layouts and memory formats, which hold one
-   string or int, aside), so the result expands to no more than it holds and holds no cycle.
+- nothing of unbounded size shared: each chunk list, planner path, transform list and top
+   mapping is reached once, so a walk of the result costs what it holds (the small fixed-size
+   objects, which torch never shares either, add a bounded amount each time they are reached),
+   and the fixed shape leaves no room for a cycle.
 
 What it returns equals what the restricted machine builds from the same bytes (tested on every
 DCP fixture and on thousands of mutations of them).
@@ -17,7 +19,6 @@ DCP fixture and on thousands of mutations of them).
 from __future__ import annotations
 
 import pathlib
-from itertools import chain
 from typing import Any
 
 from .safeload_fence import Call, Decline, SizeCall, run
@@ -69,22 +70,21 @@ def _classes() -> dict[str, type]:
 
 
 class _Shape:
-    """One walk over the result: torch's DCP Metadata, each container met once. (Hundreds of
-    thousands of tensors: the loops over tensors and storage records are written out flat.)"""
+    """One walk over the result: torch's DCP Metadata, nothing of unbounded size met twice.
+    (Hundreds of thousands of tensors: the loops over tensors and storage records are flat.)"""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
         self.classes = _classes()
         self.leaves: set[int] = set()  # layouts and memory formats already checked
-        self.bulk: list[tuple] = []   # tuples of ids of the containers met in the long loops
+        self.bulk: list[int] = []     # ids of the chunk lists met in the loop over tensors
         self.met = self.bulk.append
 
     def all_once(self) -> None:
-        """No container met twice: those of the long loops (gathered as ids, compared at the end,
-        which costs less than a set lookup each), and the others (`seen`)."""
-        ids = list(chain.from_iterable(self.bulk))
-        unique = set(ids)
-        if len(unique) != len(ids) or not unique.isdisjoint(self.seen):
+        """No container of unbounded size met twice: the chunk lists (gathered as ids, compared
+        at the end, which costs less than a set lookup each) and the others (`seen`)."""
+        unique = set(self.bulk)
+        if len(unique) != len(self.bulk) or not unique.isdisjoint(self.seen):
             raise Decline
 
     def once(self, value: Any) -> None:
@@ -145,7 +145,6 @@ class _Shape:
             if t is bytes_cls:
                 if got:
                     raise Decline
-                met((id(meta),))
                 continue
             if len(got) != 3 or not got.keys() <= _TENSOR_FIELDS:
                 raise Decline
@@ -155,7 +154,7 @@ class _Shape:
             state = props.__dict__.get("_state")
             if len(props.__dict__) != 1 or type(state) is not tuple or len(state) != 5:
                 raise Decline
-            met((id(meta), id(props), id(size), id(chunks), id(state)))
+            met(id(chunks))
             dtype, layout, requires_grad, memory_format, pin_memory = state
             if type(dtype) is not DType or type(requires_grad) is not bool or type(pin_memory) is not bool:
                 raise Decline
@@ -170,7 +169,6 @@ class _Shape:
                 offsets, sizes = fields.get("offsets"), fields.get("sizes")
                 if type(offsets) is not Size or type(sizes) is not Size:
                     raise Decline
-                met((id(chunk), id(offsets), id(sizes)))
 
     def storage_data(self, storage: Any) -> None:
         if storage is None:
@@ -178,7 +176,6 @@ class _Shape:
         if type(storage) is not dict:
             raise Decline
         self.once(storage)
-        met = self.met
         index_cls, info_cls = self.classes[f"{_META}.MetadataIndex"], self.classes[_STORAGE_INFO]
         for index, info in storage.items():
             if type(index) is not index_cls or type(info) is not info_cls:
@@ -189,11 +186,8 @@ class _Shape:
             offset, number = key.get("offset"), key.get("index")
             if type(key.get("fqn")) is not str or (number is not None and type(number) is not int):
                 raise Decline
-            if offset is not None:
-                if type(offset) is not Size:
-                    raise Decline
-                met((id(offset),))
-            met((id(index), id(info)))
+            if offset is not None and type(offset) is not Size:
+                raise Decline
             if type(got.get("relative_path")) is not str or type(got.get("offset")) is not int or \
                     type(got.get("length")) is not int:
                 raise Decline
