@@ -19,7 +19,7 @@ from typing import Any, Callable
 from . import knobs
 from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
-from .safeload_inert import _INERT_ATTRS, Inert, _attrs, apply_inert_state, inert_class
+from .safeload_inert import Inert, _attrs, apply_inert_state, inert_class
 from .safeload_refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage
 from .safeload_rules import Refused, Rule, extra_allowed
 from .safeload_vm import Placeholder, check_keys
@@ -302,7 +302,6 @@ def _inert(cls: type) -> Rule:
 
 # ---- state (BUILD) -----------------------------------------------------------------------------
 
-_STR = {str}
 _ORDERED_DICT_ATTRS = frozenset(dir(collections.OrderedDict))
 
 
@@ -504,10 +503,7 @@ class RestrictedGrammar:
 
     def build(self, obj: Any, state: Any) -> Any:
         if isinstance(obj, Inert):
-            if type(state) is dict and not (state.keys() & _INERT_ATTRS) and set(map(type, state)) <= _STR:
-                obj.__dict__.update(state)
-            else:
-                apply_inert_state(obj, state)
+            Inert.__setstate__(obj, state)  # (the grammar's BUILD, whoever unpickles a stand-in)
             return obj
         if type(obj) is collections.OrderedDict:  # torch's state_dict() carries `_metadata`
             obj.__dict__.update(_attrs(state, _ORDERED_DICT_ATTRS, "an OrderedDict"))
