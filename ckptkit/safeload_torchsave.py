@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 from . import knobs
 from .safeload_fence import Call, Decline, SizeCall, run
-from .safeload_grammar import RestrictedGrammar, _rebuild_from_type_v2_marker, table
-from .safeload_inert import Inert
+from .safeload_grammar import _ORDERED_DICT_ATTRS, RestrictedGrammar, _rebuild_from_type_v2_marker, table
+from .safeload_inert import Inert, _attrs
 from .safeload_refs import StorageRef, TensorRef, _StorageType, _TypedStorage
 from .safeload_rules import extra_allowed
 from .torch_types import DType, GlobalRef, Size
@@ -38,7 +38,6 @@ _MODULES = {"torch", "torch._utils", "torch._tensor", "torch.nn.parameter", "tor
             "collections", "argparse"}
 _LEAVES = frozenset({str, int, float, bool, type(None), DType, GlobalRef, Size, TensorRef, StorageRef,
                      _TypedStorage, _StorageType})
-_ORDERED_DICT_ATTRS = frozenset(dir(collections.OrderedDict))
 # the walk's depth limit: the machine counts the depth of a rebuilt value's arguments too
 _DEPTH_MARGIN = 16
 
@@ -99,9 +98,7 @@ def _check(value: Any, budget: int) -> None:
             if t is not dict:
                 attrs = v.__dict__  # torch's state_dict()._metadata, set by BUILD
                 if attrs:
-                    if not set(map(type, attrs)) <= _STR or not attrs.keys().isdisjoint(_ORDERED_DICT_ATTRS):
-                        raise Decline
-                    push((attrs, depth))
+                    push((_attrs(attrs, _ORDERED_DICT_ATTRS, "an OrderedDict"), depth))  # (the grammar's check)
             for k, x in v.items():
                 if type(k) not in leaves:
                     push((k, depth))
@@ -117,7 +114,6 @@ def _check(value: Any, budget: int) -> None:
             raise Decline
 
 
-_STR = {str}
 # containers a walk may reach beyond one per input byte: what torch.save's pickles share (the
 # `betas` list every param group of an optimizer holds) is reached again
 _SHARED = 100_000
