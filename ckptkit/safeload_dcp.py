@@ -56,7 +56,7 @@ def _globals() -> dict[tuple[str, str], Any]:
     return _GLOBALS
 
 
-# ---- 3 and 4. the result's shape, nothing shared -------------------------------------------------
+# ---- the result's shape, nothing of unbounded size shared ---------------------------------------
 
 _PATHS = (pathlib.PurePosixPath, pathlib.PureWindowsPath)  # what the grammar makes of pickled Paths
 _LEAF_ARGS = {_LAYOUT: str, f"{_META}._MEM_FORMAT_ENCODING": int}
@@ -170,12 +170,17 @@ class _Shape:
                 if type(offsets) is not Size or type(sizes) is not Size:
                     raise Decline
 
-    def storage_data(self, storage: Any) -> None:
-        if storage is None:
-            return
-        if type(storage) is not dict:
+    def optional_mapping(self, value: Any) -> dict:
+        """A dict met once ({} for None: storage_data and planner_data may be absent)."""
+        if value is None:
+            return {}
+        if type(value) is not dict:
             raise Decline
-        self.once(storage)
+        self.once(value)
+        return value
+
+    def storage_data(self, storage: Any) -> None:
+        storage = self.optional_mapping(storage)
         index_cls, info_cls = self.classes[f"{_META}.MetadataIndex"], self.classes[_STORAGE_INFO]
         for index, info in storage.items():
             if type(index) is not index_cls or type(info) is not info_cls:
@@ -205,11 +210,7 @@ class _Shape:
                 raise Decline
 
     def planner_data(self, planner: Any) -> None:
-        if planner is None:
-            return
-        if type(planner) is not dict:
-            raise Decline
-        self.once(planner)
+        planner = self.optional_mapping(planner)
         seen, add = self.seen, self.seen.add
         for key, path in planner.items():
             if type(key) is not str or (type(path) is not tuple and type(path) is not list) or id(path) in seen:
@@ -242,8 +243,6 @@ class _Shape:
 _STR_OR_INT = {str, int}
 _METADATA_FIELDS = frozenset({"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"})
 _TENSOR_FIELDS = frozenset({"properties", "size", "chunks"})
-_CHUNK_FIELDS = frozenset({"offsets", "sizes"})
-_PROPERTIES_FIELDS = frozenset({"_state"})
 _INDEX_FIELDS = frozenset({"fqn", "offset", "index"})
 _STORAGE_INFO_FIELDS = frozenset({"relative_path", "offset", "length", "transform_descriptors"})
 _STORAGE_META_FIELDS = frozenset({"checkpoint_id", "save_id", "load_id", "modules"})
