@@ -332,7 +332,7 @@ class StructureMemo:
 
 _LAYOUTS_PER_LENGTH = 4
 _DESCRIPTOR = b"PK\x07\x08"
-_new_tuple = tuple.__new__  # a Member without NamedTuple's Python-level __new__ (seven per DCP item)
+_new_tuple = tuple.__new__  # a Member or IntegrityCheck without NamedTuple's Python-level __new__ (7 per DCP item)
 
 
 @dataclass(frozen=True)

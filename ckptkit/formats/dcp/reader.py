@@ -24,7 +24,8 @@ from ...torch_types import DType, Size
 from ...storage.source import LocalSource, Source
 from ...runner.torch_archive import (SMALL_ARCHIVE, Archive, StructureMemo, load_bytes_archive, load_structure,
                                      open_archive, tensor_location)
-from ...runner.torch_archive import _Layout, _plain_directory  # (the item template reuses the layout memo's skeleton)
+# (the item template reuses the layout memo's skeleton and its way of making NamedTuples)
+from ...runner.torch_archive import _Layout, _new_tuple, _plain_directory
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -414,7 +415,8 @@ class _Templates:
         templates = self._kinds.get((length, target.dtype, box.sizes)) if type(length) is int else None
         if templates is None:
             return None
-        path, offset, transforms = fields.get("relative_path"), fields.get("offset"), fields.get("transform_descriptors")
+        path, offset = fields.get("relative_path"), fields.get("offset")
+        transforms = fields.get("transform_descriptors")
         rel = self.files._paths.get(path) if type(path) is str else None
         size = self.files._sizes.get(rel) if rel is not None else None
         if size is None or type(offset) is not int or offset < 0 or offset + length > size or \
@@ -516,12 +518,11 @@ class _ItemTemplate:
         fields = loc.__dict__
         fields.update(self.location)
         fields["file"], fields["offset"] = file, offset + self.start
-        return loc, [_new_check(IntegrityCheck, (file, offset + at, size, crc, what))
+        return loc, [_new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
                      for (at, size, what), crc in zip(self.members, crcs)]
 
 
 _new = object.__new__
-_new_check = tuple.__new__  # an IntegrityCheck without NamedTuple's Python-level __new__ (seven per item)
 
 
 def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:
