@@ -9,9 +9,7 @@ what the full path gives with no memo at all (the same pieces, locations and int
 the same refusal)."""
 from __future__ import annotations
 
-import io
 import types
-import zipfile
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from ckptkit.formats.dcp import reader
 from ckptkit.index.types import Box, IntegrityCheck, Location, Piece, TensorEntry
 from ckptkit.storage.source import LocalSource
 from conftest import save_random_dcp
+from test_archive_layouts import _repacked
 
 DATA_FILE = "__0_0.distcp"
 
@@ -37,17 +36,6 @@ class _Patched(LocalSource):
             changed[self.flip[0] - offset] ^= self.flip[1]
             data = bytes(changed)
         return data
-
-
-def _repacked(data: bytes) -> bytes:
-    """The same members written by Python's zipfile: CRCs in the local headers (compared with the
-    directory's), no data descriptors."""
-    src = zipfile.ZipFile(io.BytesIO(data))
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
-        for info in src.infolist():
-            zf.writestr(info.filename, src.read(info))
-    return out.getvalue()
 
 
 def _folder(tmp_path, count: int, repack: bool = False) -> tuple[_Patched, list]:

@@ -70,17 +70,22 @@ def test_ckptkit_written_metadata_takes_the_fast_road(n, chunks):
     assert fast == machine(data)
 
 
-def _same_or_declined(data: bytes) -> bool:
-    """The fast road declines, or returns what the machine builds (which then must not refuse)."""
-    fast = safeload_dcp.load(data)
+def same_or_declined(road, machine_load, data: bytes) -> bool:
+    """The fast road declines, or returns what the machine builds (which then must not refuse).
+    (test_safeload_torchsave's too.)"""
+    fast = road(data)
     if fast is None:
         return False
     try:
-        want = machine(data)
+        want = machine_load(data)
     except CkptkitError as exc:  # pragma: no cover - the failure this test exists for
         pytest.fail(f"the fast road accepted a pickle the machine refuses: {exc}")
     assert fast == want
     return True
+
+
+def _same_or_declined(data: bytes) -> bool:
+    return same_or_declined(safeload_dcp.load, machine, data)
 
 
 @FUZZ
@@ -111,16 +116,22 @@ def test_byte_mutations_are_declined_or_equal():
 
 # ---- the attacks the C unpickler alone falls for ---------------------------------------------
 
-def _declined_quickly(data: bytes, max_bytes: int = 16 << 20) -> None:
+def declined_quickly(road, data: bytes, max_bytes: int, seconds: float = 5.0) -> None:
+    """The road declines `data` within `seconds`, allocating less than `max_bytes` (tracemalloc).
+    (test_safeload_torchsave's too.)"""
     tracemalloc.start()
     start = time.monotonic()
     try:
-        assert safeload_dcp.load(data) is None
+        assert road(data) is None
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < seconds
     assert peak < max_bytes
+
+
+def _declined_quickly(data: bytes, max_bytes: int = 16 << 20) -> None:
+    declined_quickly(safeload_dcp.load, data, max_bytes)
 
 
 @pytest.mark.parametrize("index", [0x7FFFFFFF, 1 << 20, 70_000])

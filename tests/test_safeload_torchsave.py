@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import collections
 import struct
-import time
-import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from ckptkit.safeload_refs import TensorRef
 from ckptkit.torch_types import DType
 from conftest import ROOT
 from test_pickle_fuzz import FUZZ, SEEDS, mutated
+from test_safeload_dcp import declined_quickly, same_or_declined
 
 
 def _lazy(pid):
@@ -54,16 +53,12 @@ def machine(data: bytes):
     return restricted_loads(data, "f.pkl", _lazy)
 
 
+def _road(data: bytes):
+    return safeload_torchsave.load(data, _lazy)
+
+
 def _same_or_declined(data: bytes) -> bool:
-    fast = safeload_torchsave.load(data, _lazy)
-    if fast is None:
-        return False
-    try:
-        want = machine(data)
-    except CkptkitError as exc:  # pragma: no cover - the failure this test exists for
-        pytest.fail(f"the fast road accepted a pickle the machine refuses: {exc}")
-    assert fast == want
-    return True
+    return same_or_declined(_road, machine, data)
 
 
 def test_the_fixture_archives_take_the_fast_road_and_equal_the_machine():
@@ -153,15 +148,8 @@ def test_torch_state_dict_metadata_attribute_is_taken():
     assert type(fast) is collections.OrderedDict and fast._metadata == {} and fast == machine(data)
 
 
-def _declined_quickly(data: bytes, seconds: float = 5.0, max_bytes: int = 256 << 20) -> None:
-    tracemalloc.start()
-    start = time.monotonic()
-    try:
-        assert safeload_torchsave.load(data, _lazy) is None
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert time.monotonic() - start < seconds and peak < max_bytes
+def _declined_quickly(data: bytes, max_bytes: int = 256 << 20) -> None:
+    declined_quickly(_road, data, max_bytes)
 
 
 def test_a_list_that_contains_itself_is_declined():
