@@ -3,6 +3,7 @@ would otherwise use, in one run, with a growth table and a process-count curve.
 
     python benchmarks/run.py [--sizes 100M,400M] [--repeat 3] [--nproc 1,2] [--work /tmp/ckptkit-bench-all] [--keep]
                             [--in-job-mb 1200] [--zero3-params 20000]
+                            [--tensors 10000,30000,100000]
 
 For each size (100M params ~ 1.2 GB, 400M ~ 4.6 GB of fp32 masters + Adam moments):
   1. writes a ZeRO-3 bf16 checkpoint with DeepSpeed (2 CPU ranks) and an FSDP2 DCP checkpoint with
@@ -23,7 +24,10 @@ For each size (100M params ~ 1.2 GB, 400M ~ 4.6 GB of fp32 masters + Adam moment
      ckptkit.save/load against dcp.async_save, dcp.load + set_state_dict, dcp.save/load;
   5. the cost per parameter (bench_zero3_many.py): a ZeRO-3 bf16 checkpoint of --zero3-params small
      parameters (0 skips it): inspect vs zero_to_fp32's parsing, consolidate (and with
-     --include-optimizer) vs zero_to_fp32.py, reshard --to 3, weights checked bit for bit.
+     --include-optimizer) vs zero_to_fp32.py, reshard --to 3, weights checked bit for bit;
+  6. the cost per tensor (bench_many_tensors.py): a dcp.save checkpoint of N small tensors for each N
+     of --tensors (empty skips it): inspect vs read_metadata, consolidate vs dcp_to_torch_save,
+     reshard --to 2, consolidated outputs checked bit for bit.
 Prints the tables (Markdown) and the ratios the goals are stated in, and writes them as JSON to
 <work>/results.json. docs/performance.md keeps the latest output with the machine and the date.
 """
@@ -40,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_dcp  # noqa: E402
 import bench_in_job  # noqa: E402
+import bench_many_tensors  # noqa: E402
 import bench_zero3  # noqa: E402
 import bench_zero3_many  # noqa: E402
 from _measure import drop_caches, du, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
@@ -183,6 +188,8 @@ def main() -> None:
                     help="MB of FSDP2 + AdamW state for the in-job case (bench_in_job.py); 0 skips it")
     ap.add_argument("--zero3-params", type=int, default=20000,
                     help="parameters of the many-parameter ZeRO-3 case (bench_zero3_many.py); 0 skips it")
+    ap.add_argument("--tensors", default="10000,30000,100000",
+                    help="tensor counts of the many-tensor DCP case (bench_many_tensors.py); empty skips it")
     args = ap.parse_args()
     try:
         import huggingface_hub  # noqa: F401  (zero_to_fp32.py needs it)
@@ -215,6 +222,10 @@ def main() -> None:
     if args.zero3_params > 0:
         print(f"== ZeRO-3 of {args.zero3_params} small parameters", flush=True)
         many = bench_zero3_many.measure(args.zero3_params, os.path.join(args.work, "zero3_many"), args.repeat)
+    per_tensor = []
+    for n in [int(x) for x in args.tensors.split(",") if x]:
+        print(f"== DCP of {n} small tensors", flush=True)
+        per_tensor.append(bench_many_tensors.measure(n, os.path.join(args.work, "many_tensors"), args.repeat))
 
     print(f"\n{machine_line()}; cold cache: {'yes' if cold else 'no (not root)'}; median of {args.repeat}")
     for res in results:
@@ -240,20 +251,29 @@ def main() -> None:
         bench_in_job.print_result(in_job)
     if many is not None:
         bench_zero3_many.print_result(many)
+    if per_tensor:
+        print("\n### DCP of many small tensors\n")
+        print_table([row for r in per_tensor for row in r["rows"]])
+        print()
+        bench_many_tensors.per_tensor_table(per_tensor)
+        print(f"\n- consolidated outputs equal torch's: {[r['agree'] for r in per_tensor]}")
     with open(os.path.join(args.work, "results.json"), "w") as f:
         json.dump({"machine": machine_line(), "cold": cold, "results": results,
                    "ratios": {r["size"]: ratios(r) for r in results}, "nproc": curve, "in_job": in_job,
-                   "zero3_many": many}, f, indent=1)
+                   "zero3_many": many, "many_tensors": per_tensor}, f, indent=1)
     if not all(all(r["agree"].values()) for r in results):
         raise SystemExit("outputs differ from the peers'")
     if in_job is not None and not all(in_job["equal"].values()):
         raise SystemExit("an in-job restore or load differs from the saved state")
     if many is not None and not many["agree"]:
         raise SystemExit("the many-parameter ZeRO-3 consolidation differs from zero_to_fp32's")
+    if not all(r["agree"] for r in per_tensor):
+        raise SystemExit("a many-tensor consolidation differs from torch's")
     if not args.keep:
         for res in results:
             shutil.rmtree(os.path.join(args.work, res["size"]), ignore_errors=True)
         shutil.rmtree(os.path.join(args.work, "zero3_many"), ignore_errors=True)
+        shutil.rmtree(os.path.join(args.work, "many_tensors"), ignore_errors=True)
 
 
 if __name__ == "__main__":
