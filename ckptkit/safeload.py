@@ -27,8 +27,7 @@ from .safeload_vm import run
 # the names readers and writers take from here (defined beside the unpickler, re-exported)
 __all__ = ["Inert", "RawStorage", "StorageRef", "TensorRef", "allowlist", "extra_allowed", "inert_class",
            "fenced_torch_save_loads", "register_allowed", "restricted_loads", "restricted_loads_dcp_metadata",
-           "storage_pid",
-           "typed_storage"]
+           "storage_pid", "typed_storage"]
 
 
 def allowlist() -> dict[tuple[str, str], Any]:
