@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from .. import interrupts
 from .checksum import crc32 as _crc
@@ -29,6 +29,13 @@ _BUFFER = 8 << 20
 # fixed cost against bytes, so a Ctrl-C is checked after about a window's worth of work
 _SMALL = 64 << 10
 _PER_RANGE = 4 << 10
+# small ranges of one file that lie close together are read as one block of at most _BLOCK bytes:
+# a gap of up to _GAP bytes between them costs less to read than another call (and, from a
+# thread, another wait for the GIL); a ZeRO partition's slices are thousands of neighbours
+_BLOCK = 1 << 20
+_GAP = 4 << 10
+# blocks kept at once (one per source file being read: a ZeRO slice alternates between ranks)
+_OPEN_BLOCKS = 16
 # the most one copy_file_range call moves: a Ctrl-C (interrupts.check) is seen between calls
 _KERNEL_CHUNK = 256 << 20
 # copy_file_range refuses some pairs of files (across filesystems on many kernels, some network
@@ -43,41 +50,95 @@ def available(source: Any) -> bool:
 
 
 def crc32(source: Any, ranges: Ranges) -> int:
-    """CRC32 of the concatenated ranges: a small range read with one pread (a ZeRO partition is
-    thousands of them), a large one over short-lived memory maps of the source (no copy; each
-    window is unmapped before the next, so resident memory stays at one window)."""
+    """CRC32 of the concatenated ranges: small ranges read a block of neighbours at a time (a ZeRO
+    partition is thousands of them), a large one over short-lived memory maps of the source (no
+    copy; each window is unmapped before the next, so resident memory stays at one window)."""
     crc = 0
     since_check = _WINDOW  # the first range checks: a Ctrl-C already pending stops at once
-    for rel, offset, nbytes in ranges:
+    small = _SmallReads(source, ranges, _pread_block)
+    for i, (rel, offset, nbytes) in enumerate(ranges):
         if type(rel) is str and nbytes <= _SMALL:
             since_check += nbytes + _PER_RANGE
             if since_check >= _WINDOW:
                 interrupts.check()
                 since_check = 0
-            crc = _crc(_pread(source, rel, offset, nbytes), crc)
+            crc = _crc(small.get(i, rel, offset, nbytes), crc)
             continue
-        done = 0
-        while done < nbytes:
-            if rel is None:
-                n = min(len(_ZEROS), nbytes - done)
-                crc = _crc(_ZEROS[:n], crc)
-            elif isinstance(rel, bytes):
-                n = nbytes - done
-                crc = _crc(memoryview(rel)[offset + done:offset + nbytes], crc)
-            else:
-                interrupts.check()
-                n = min(_WINDOW, nbytes - done)
-                crc = _crc_window(source, rel, offset + done, n, crc)
-            done += n
+        crc = _crc_large(source, rel, offset, nbytes, crc)
     return crc
 
 
-def _pread(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
+def _crc_large(source: Any, rel: str | bytes | None, offset: int, nbytes: int, crc: int) -> int:
+    """`crc` continued over one range that is not read as a small one."""
+    done = 0
+    while done < nbytes:
+        if rel is None:
+            n = min(len(_ZEROS), nbytes - done)
+            crc = _crc(_ZEROS[:n], crc)
+        elif isinstance(rel, bytes):
+            n = nbytes - done
+            crc = _crc(memoryview(rel)[offset + done:offset + nbytes], crc)
+        else:
+            interrupts.check()
+            n = min(_WINDOW, nbytes - done)
+            crc = _crc_window(source, rel, offset + done, n, crc)
+        done += n
+    return crc
+
+
+class _SmallReads:
+    """The bytes of the small file ranges of one list of ranges, read a block at a time: the
+    ranges of a file that follow each other closely (up to _GAP bytes apart, in increasing
+    order, _BLOCK bytes in all) share one read. The blocks are planned in one pass over the
+    list, so a block is read once, when its first range comes, and holds only bytes up to its
+    last range: nothing is read that a range does not need but the gaps."""
+
+    def __init__(self, source: Any, ranges: Ranges, read_block: Callable[[Any, str, int, int], bytes]) -> None:
+        self._source, self._read_block = source, read_block
+        self.block_of: list[int] = []      # per range: its block's number, -1 for a range not read here
+        self.blocks: list[list[Any]] = []  # [file, start, end]
+        last: dict[str, int] = {}          # file -> its latest block
+        for rel, offset, nbytes in ranges:
+            if type(rel) is not str or nbytes > _SMALL:
+                self.block_of.append(-1)
+                continue
+            b = last.get(rel)
+            if b is not None:
+                block = self.blocks[b]
+                if block[1] <= offset <= block[2] + _GAP and offset + nbytes - block[1] <= _BLOCK:
+                    if offset + nbytes > block[2]:
+                        block[2] = offset + nbytes
+                    self.block_of.append(b)
+                    continue
+            last[rel] = len(self.blocks)
+            self.block_of.append(len(self.blocks))
+            self.blocks.append([rel, offset, offset + nbytes])
+        self._open: dict[str, tuple[int, memoryview]] = {}
+
+    def get(self, i: int, rel: str, offset: int, nbytes: int) -> memoryview:
+        """Range i's bytes (`rel`, `offset`, `nbytes` as listed)."""
+        b = self.block_of[i]
+        held = self._open.get(rel)
+        if held is None or held[0] != b:
+            _, start, end = self.blocks[b]
+            if rel not in self._open and len(self._open) >= _OPEN_BLOCKS:
+                del self._open[next(iter(self._open))]
+            held = self._open[rel] = (b, memoryview(self._read_block(self._source, rel, start, end - start)))
+        start = self.blocks[b][1]
+        return held[1][offset - start:offset - start + nbytes]
+
+
+def _pread_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
     """nbytes at offset of a source file, in one positional read."""
     data = os.pread(source.fileno(rel), nbytes, offset)
     if len(data) != nbytes:
         raise OSError(f"{source.label(rel)}: ends before byte {offset + len(data)}")
     return data
+
+
+def _source_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
+    """nbytes at offset of a source file, through the source's own reads (any storage)."""
+    return source.read(rel, offset, nbytes)
 
 
 def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> int:
@@ -93,27 +154,43 @@ def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> in
 
 def read(source: Any, ranges: Ranges) -> bytes:
     """The concatenated ranges in memory (for small values; any source that can read)."""
-    parts = []
-    for rel, offset, nbytes in ranges:
+    parts: list[Any] = []
+    small = _SmallReads(source, ranges, _source_block)
+    for i, (rel, offset, nbytes) in enumerate(ranges):
         if rel is None:
             parts.append(bytes(nbytes))
         elif isinstance(rel, bytes):
             parts.append(rel[offset:offset + nbytes])
+        elif nbytes <= _SMALL:
+            parts.append(small.get(i, rel, offset, nbytes))
         else:
             parts.append(source.read(rel, offset, nbytes))
     return b"".join(parts)
 
 
-def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> int:
+def copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], Any] = lambda n: None) -> int:
     """Append the ranges to `out` at its current position; returns the bytes written.
 
-    Small ranges (a ZeRO partition is thousands of a parameter's slices) are gathered, each with
-    one pread, and written together; a large one is copied in the kernel."""
+    Small ranges (a ZeRO partition is thousands of a parameter's slices) are gathered, read a
+    block of neighbours at a time, and written together; a large one is copied in the kernel."""
+    return _copy(source, ranges, out, advance, False)[0]
+
+
+def copy_with_crc(source: Any, ranges: Ranges, out: BinaryIO,
+                  advance: Callable[[int], Any] = lambda n: None) -> tuple[int, int]:
+    """copy, and the CRC32 of the bytes written (a zip record's): a small range's bytes are
+    checksummed as they pass, so they are read once; a large one is checksummed over memory
+    maps, then copied in the kernel."""
+    return _copy(source, ranges, out, advance, True)
+
+
+def _copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], Any], with_crc: bool) -> tuple[int, int]:
     out.flush()
     out_fd = out.fileno()
-    total = 0
+    total = crc = 0
     pending = bytearray()   # small ranges read, not yet written
     since_check = _WINDOW  # the first range checks: a Ctrl-C already pending stops at once
+    small = _SmallReads(source, ranges, _pread_block)
 
     def flush() -> None:
         if pending:
@@ -121,22 +198,27 @@ def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> 
             advance(len(pending))
             del pending[:]
 
-    for rel, offset, nbytes in ranges:
+    for i, (rel, offset, nbytes) in enumerate(ranges):
         since_check += nbytes + _PER_RANGE
         if since_check >= _WINDOW:
             interrupts.check()
             since_check = 0
         if nbytes <= _SMALL:
             if rel is None:
-                pending += _ZEROS[:nbytes]
+                data: Any = _ZEROS[:nbytes]
             elif isinstance(rel, bytes):
-                pending += memoryview(rel)[offset:offset + nbytes]
+                data = memoryview(rel)[offset:offset + nbytes]
             else:
-                pending += _pread(source, rel, offset, nbytes)
+                data = small.get(i, rel, offset, nbytes)
+            if with_crc:
+                crc = _crc(data, crc)
+            pending += data
             if len(pending) >= _BUFFER:
                 flush()
         else:
             flush()
+            if with_crc:
+                crc = _crc_large(source, rel, offset, nbytes, crc)
             if rel is None:
                 left = nbytes
                 while left:
@@ -148,7 +230,7 @@ def copy(source: Any, ranges: Ranges, out: BinaryIO, advance=lambda n: None) -> 
             advance(nbytes)
         total += nbytes
     flush()
-    return total
+    return total, crc
 
 
 def _copy_range(source: Any, rel: str, offset: int, nbytes: int, out_fd: int) -> None:

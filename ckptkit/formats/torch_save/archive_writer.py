@@ -152,12 +152,12 @@ def _aligned_info(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
 
 def copy_in_kernel(member: Any, f: Any, source: Any, ranges: kernel_copy.Ranges, progress: Progress) -> bool:
     """Fill a zip member straight from source byte ranges (see storage.kernel_copy); the zip
-    record's CRC32 is computed first, through a small buffer. False (nothing written) where the
+    record's CRC32 is computed as they are copied (zipfile writes it into the record's local
+    header when the member closes). False (nothing written) where the
     source is not local or the member is not the standard library's zip writer."""
     if not (kernel_copy.available(source) and all(hasattr(member, a) for a in ("_crc", "_file_size", "_compress_size"))):
         return False
-    crc = kernel_copy.crc32(source, ranges)
-    total = kernel_copy.copy(source, ranges, f, progress.advance)
+    total, crc = kernel_copy.copy_with_crc(source, ranges, f, progress.advance)
     member._crc, member._file_size, member._compress_size = crc, total, total
     return True
 
