@@ -16,7 +16,9 @@ For each size (100M params ~ 1.2 GB, 400M ~ 4.6 GB of fp32 masters + Adam moment
        DCP:    ckptkit consolidate  vs  torch's loader (_load_state_dict_from_keys) + safetensors.save_file
                ckptkit reshard 2->3  vs  cp -r
        both:   the disk's floor for the same bytes: reading every file (cat) and writing as many
-               bytes with fsync (dd conv=fsync); reshard is stated against max(read, write+fsync)
+               bytes with fsync (dd conv=fsync), and both at once (cat & dd: a disk that shares its
+               time between reads and writes cannot beat it); reshard is stated against
+               max(read, write+fsync) and against the two at once
      and checks that the consolidated outputs agree bit for bit with the peers';
   3. at the largest size, the same reshard and convert with --nproc P for each P of --nproc;
   4. in-job saves and loads (bench_in_job.py, torchrun on 2 gloo ranks, FSDP2 + AdamW with
@@ -90,6 +92,17 @@ def _write_floor(nbytes: int, out: str):
                       "conv=fsync", "status=none"])
 
 
+def _together_floor(src: str, nbytes: int, out: str):
+    """Both floors at once: every source file read while as many bytes are written and fsynced.
+    A reshard reads and writes the same bytes; on a disk that shares its time between reads and
+    writes (rather than overlapping them) this, not the larger floor alone, is what any copy costs."""
+    os.makedirs(out, exist_ok=True)
+    blocks = max(1, -(-nbytes // (4 << 20)))
+    return run_shell(["sh", "-c", f"find '{src}' -type f -exec cat {{}} + > /dev/null & "
+                      f"dd if=/dev/zero of='{os.path.join(out, 'floor')}' bs=4M count={blocks} conv=fsync "
+                      f"status=none; wait"])
+
+
 def measure_size(size: str, work: str, repeat: int) -> dict:
     base = os.path.join(work, size)
     os.makedirs(base, exist_ok=True)
@@ -130,6 +143,8 @@ def measure_size(size: str, work: str, repeat: int) -> dict:
         run("zero3 disk floor", "write+fsync: dd conv=fsync", lambda: _write_floor(du(z3), out)),
         run("dcp disk floor", "read: cat every file", lambda: _read_floor(dcp)),
         run("dcp disk floor", "write+fsync: dd conv=fsync", lambda: _write_floor(du(dcp), out)),
+        run("zero3 disk floor", "read and write+fsync at once: cat & dd", lambda: _together_floor(z3, du(z3), out)),
+        run("dcp disk floor", "read and write+fsync at once: cat & dd", lambda: _together_floor(dcp, du(dcp), out)),
     ]
     # outputs agree bit for bit with the peers'
     agree = {}
@@ -174,6 +189,10 @@ def ratios(result: dict) -> dict:
             r[("zero3 disk floor", "read: cat every file")][0], r[("zero3 disk floor", "write+fsync: dd conv=fsync")][0]),
         "dcp reshard wall vs disk floor max(read, write+fsync)": r[("dcp reshard 2->3", "ckptkit")][0] / max(
             r[("dcp disk floor", "read: cat every file")][0], r[("dcp disk floor", "write+fsync: dd conv=fsync")][0]),
+        "zero3 reshard wall vs disk floor read and write at once": q(
+            ("zero3 reshard 2->3", "ckptkit"), ("zero3 disk floor", "read and write+fsync at once: cat & dd"), 0),
+        "dcp reshard wall vs disk floor read and write at once": q(
+            ("dcp reshard 2->3", "ckptkit"), ("dcp disk floor", "read and write+fsync at once: cat & dd"), 0),
     }
 
 
