@@ -1,7 +1,8 @@
 """The torch.save container: a stored (uncompressed) zip whose data.pkl rebuilds tensors over raw
 storages in data/<key>.
 
-We parse the zip with the standard library over exact byte ranges, unpickle data.pkl with the
+We parse the zip over exact byte ranges (the plain directory torch.save writes with struct, read
+once from the end of the file; anything else with the standard library), unpickle data.pkl with the
 restricted unpickler, and describe each tensor as a byte range of its storage member, so a
 tensor's bytes can be read later with one positional read and no torch.load.
 
@@ -106,7 +107,7 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
             raise FormatError(f"{label}: legacy (pre-1.6, non-zip) torch.save format is not supported; "
                               f"re-save it with a current torch")
         raise FormatError(f"{label}: not a torch.save archive (no zip header at offset {offset})")
-    plain = _plain_directory(copy) if copy is not None else None
+    plain = _plain_directory(copy) if copy is not None else _tail_directory(source, rel, offset, length)
     try:
         if plain is not None:
             infos, start_dir = plain
@@ -124,7 +125,8 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
         raise FormatError(f"{label}: damaged torch.save archive{where}: its zip directory cannot be read "
                           f"(the file may be cut short): {detail}") from None
     read: Callable[[int, int], bytes] = (lambda at, n: copy[at:at + n]) if copy is not None \
-        else (lambda at, n: source.read(rel, offset + at, n))
+        else _HeaderReads(lambda at, n: source.read(rel, offset + at, n), infos,
+                          min(start_dir, length) if offset + length <= source.size(rel) else 0).read
     members = _members(read, offset, length, label, infos, start_dir)
     pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
@@ -166,36 +168,80 @@ def _plain_directory(copy: bytes) -> tuple[list[_Entry], int] | None:
     reading of the end records, zip64 included). Anything else is None, and zipfile reads it with
     its own checks and messages: this is only the fast path for DCP's many small items, where
     zipfile's general parser costs more than the rest of the item."""
-    n = len(copy)
-    if n < _END.size:
+    found = _end_records(copy, len(copy))
+    if found is None:
         return None
-    magic, disk, cd_disk, _here, count, cd_size, cd_offset, comment = _END.unpack_from(copy, n - _END.size)
-    end = n - _END.size
+    count, cd_offset, end = found
+    entries = _central_entries(copy, cd_offset, end, count, extras_checked=False)
+    return (entries, cd_offset) if entries is not None else None
+
+
+# the most bytes of zip directory _tail_directory reads at once (zipfile reads it whole too)
+_TAIL_DIRECTORY = 256 << 20
+_TAIL = _END.size + _ZIP64_LOCATOR.size + _ZIP64_END.size  # the end records, zip64's included
+
+
+def _tail_directory(source: Source, rel: str, offset: int, length: int) -> tuple[list[_Entry], int] | None:
+    """_plain_directory for an archive too big to read whole: its end records and central
+    directory read from the end in two bounded reads, so the directory is parsed once (by
+    struct, not zipfile). Entries with extra fields also go to zipfile, which checks them."""
+    size = source.size(rel)
+    if offset + length > size:
+        return None
+    tail_len = min(length, _TAIL)
+    found = _end_records(source.read(rel, offset + length - tail_len, tail_len), length)
+    if found is None:
+        return None
+    count, cd_offset, end = found
+    if end - cd_offset > _TAIL_DIRECTORY:
+        return None
+    directory = source.read(rel, offset + cd_offset, end - cd_offset)
+    entries = _central_entries(directory, 0, len(directory), count, extras_checked=True)
+    return (entries, cd_offset) if entries is not None else None
+
+
+def _end_records(tail: bytes, n: int) -> tuple[int, int, int] | None:
+    """(entry count, directory offset, directory end) from the last bytes `tail` of an `n`-byte
+    archive, when its end records are the plain kind (see _plain_directory); else None."""
+    base = n - len(tail)  # the archive offset of tail[0]
+    if len(tail) < _END.size:
+        return None
+    magic, disk, cd_disk, _here, count, cd_size, cd_offset, comment = _END.unpack_from(tail, len(tail) - _END.size)
+    end = len(tail) - _END.size
     if magic != b"PK\x05\x06" or comment:
         return None
-    if end >= _ZIP64_LOCATOR.size and copy[end - _ZIP64_LOCATOR.size:end - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
+    if end >= _ZIP64_LOCATOR.size and tail[end - _ZIP64_LOCATOR.size:end - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
         located = end - _ZIP64_LOCATOR.size
-        _sig, locator_disk, _record, disks = _ZIP64_LOCATOR.unpack_from(copy, located)
+        _sig, locator_disk, _record, disks = _ZIP64_LOCATOR.unpack_from(tail, located)
         if locator_disk or disks > 1 or located < _ZIP64_END.size:
             return None
         end = located - _ZIP64_END.size
         (sig, _size, _made, _need, disk, cd_disk, _here, count, cd_size,
-         cd_offset) = _ZIP64_END.unpack_from(copy, end)
+         cd_offset) = _ZIP64_END.unpack_from(tail, end)
         if sig != b"PK\x06\x06":
             return None
+    end += base
     if disk or cd_disk or cd_offset + cd_size != end:
         return None
+    return count, cd_offset, end
+
+
+def _central_entries(directory: bytes, at: int, end: int, count: int, extras_checked: bool) -> list[_Entry] | None:
+    """The `count` entries of the central directory at [at, end) of `directory`, when it is the
+    plain kind, or None (see _plain_directory). `extras_checked`: an entry with extra fields is
+    left to zipfile too."""
     entries: list[_Entry] = []
-    at = cd_offset
+    unpack = _CENTRAL.unpack_from
     while at < end:
         if at + _CENTRAL.size > end:
             return None
         (sig, _made, need, flags, method, _time, _date, crc, csize, usize, name_len, extra_len, comment_len,
-         _disk, _internal, _external, header) = _CENTRAL.unpack_from(copy, at)
-        if sig != b"PK\x01\x02" or need > 63 or 0xFFFFFFFF in (csize, usize, header):
+         _disk, _internal, _external, header) = unpack(directory, at)
+        if sig != b"PK\x01\x02" or need > 63 or 0xFFFFFFFF in (csize, usize, header) or \
+                (extras_checked and extra_len):
             return None
         name_at = at + _CENTRAL.size
-        raw_name = copy[name_at:name_at + name_len]
+        raw_name = directory[name_at:name_at + name_len]
         at = name_at + name_len + extra_len + comment_len
         if at > end or b"\x00" in raw_name:
             return None
@@ -206,7 +252,55 @@ def _plain_directory(copy: bytes) -> tuple[list[_Entry], int] | None:
         entries.append(_Entry(name, name, flags, method, csize, usize, header, crc))
     if at != end or len(entries) != count:
         return None
-    return entries, cd_offset
+    return entries
+
+
+# local headers closer than this are read together by _HeaderReads, in reads of at most _WINDOW
+_GAP = 4096
+_WINDOW = 1 << 20
+
+
+class _HeaderReads:
+    """The local-header reads of _members for an archive not held in memory: the headers the
+    directory lists, when close together (torch.save's many small storages), are read a window
+    at a time rather than one request each. Only ranges inside [0, limit) of the archive are
+    windowed (`limit`: start_dir, 0 for an archive said to run past its file's end); any other
+    read goes through as asked (and fails, or not, as it did)."""
+
+    def __init__(self, read: Callable[[int, int], bytes], infos: list, limit: int) -> None:
+        self._read = read
+        self._window: tuple[int, int] | None = None  # [start, end) of the archive in _bytes
+        self._bytes = b""
+        spans = sorted((i.header_offset, i.header_offset + _LOCAL.size + len(i.filename.encode("utf-8", "replace")))
+                       for i in infos)
+        self._windows: dict[int, tuple[int, int]] = {}  # header offset -> the window holding it
+        group: list[int] = []
+        lo = hi = 0
+        for a, b in spans:
+            if a < 0 or b > limit:
+                continue
+            if group and a - hi <= _GAP and b - lo <= _WINDOW:
+                group.append(a)
+                hi = max(hi, b)
+                continue
+            self._close(group, lo, hi)
+            group, lo, hi = [a], a, b
+        self._close(group, lo, hi)
+
+    def _close(self, group: list[int], lo: int, hi: int) -> None:
+        if len(group) > 1:
+            for a in group:
+                self._windows[a] = (lo, hi)
+
+    def read(self, at: int, n: int) -> bytes:
+        window = self._windows.get(at)
+        if window is None or at + n > window[1]:
+            return self._read(at, n)
+        if window != self._window:
+            self._bytes = self._read(window[0], window[1] - window[0])
+            self._window = window
+        start = at - window[0]
+        return self._bytes[start:start + n]
 
 
 def _members(read: Callable[[int, int], bytes], offset: int, length: int, label: str,
