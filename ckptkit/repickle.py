@@ -277,13 +277,107 @@ def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
                 return
             if len(rv) != 2 or type(rv[1]) is not tuple or getattr(rv[0], "__name__", "") in ("__newobj__", "__newobj_ex__"):
                 raise _Unsupported(type(o))
-            save_reduce(rv[0], rv[1], o)
+            if not save_rebuild(rv[0], rv[1], o):
+                save_reduce(rv[0], rv[1], o)
             return
         pid = persistent_id(o) if persistent_id is not None else None
         if pid is None:
             raise _Unsupported(type(o))
         save(pid)
         write(pickle.BINPERSID)
+
+    def int_tuple(t: Any) -> tuple[bytes, bool] | None:
+        """save(t)'s bytes for a tuple of ints (a tensor's size or stride) less its memo PUT, and
+        whether the caller writes that PUT (None: not such a tuple)."""
+        if type(t) is not tuple:
+            return None
+        x = memo.get(id(t))
+        if x is not None:
+            return get(x), False
+        n = len(t)
+        parts = [pickle.MARK] if n > 3 else []
+        for i in t:
+            if type(i) is not int:
+                return None
+            if 0 <= i <= 0xFF:
+                parts.append(pickle.BININT1 + pack_b(i))
+            elif 0 <= i <= 0xFFFF:
+                parts.append(pickle.BININT2 + pack_H(i))
+            elif -0x80000000 <= i <= 0x7FFFFFFF:
+                parts.append(pickle.BININT + pack_i(i))
+            else:
+                return None
+        parts.append(pickle.EMPTY_TUPLE if n == 0 else _TUPLE_OPS[n] if n <= 3 else pickle.TUPLE)
+        return b"".join(parts), n > 0
+
+    def save_rebuild(func: Any, args: tuple, o: Any) -> bool:
+        """save_reduce(func, args, o) in one pass for torch's tensor rebuild, the one reduction a
+        torch.save structure repeats per tensor: args (storage, offset, size, stride, False, an
+        empty OrderedDict[, dtype]), the storage a `hooked` object written by persistent_id as
+        (str, GlobalRef, str, str, int), every global and repeated string already in the memo,
+        the args, the storage's tuple and the OrderedDict new (size and stride may repeat). Exactly the opcodes and memo entries of the general
+        path; False, with nothing written, for anything else (the general path then writes it;
+        the hooks may have been asked about the storage: they decline it both times)."""
+        n = len(args)
+        if n != 6 and n != 7 or type(func) is not GlobalRef or id(args) in memo:
+            return False
+        storage, offset, size, stride, flag, state = args[:6]
+        f = memo.get(id(func))
+        od = memo.get(id(OrderedDict))
+        if (f is None or od is None or type(storage) not in hooked or isinstance(storage, (GlobalRef, DType, Size, Inert))
+                or id(storage) in memo or type(offset) is not int
+                or not 0 <= offset <= 0xFF or flag is not False or type(state) is not OrderedDict or state
+                or id(state) in memo or vars(state)):
+            return False
+        dtype_ref = None
+        if n == 7:
+            if type(args[6]) is not DType:
+                return False
+            dtype_ref = memo.get(id(GlobalRef("torch", args[6].attr)))
+            if dtype_ref is None:
+                return False
+        sized, strided = int_tuple(size), int_tuple(stride)
+        if sized is None or strided is None or (size is stride and sized[1]):
+            return False
+        if reduce_hook is not None and reduce_hook(storage) is not None:
+            return False
+        pid = persistent_id(storage) if persistent_id is not None else None
+        if type(pid) is not tuple or len(pid) != 5 or id(pid) in memo:
+            return False
+        tag, cls, key, device, numel = pid
+        got = memo.get
+        tag_at, cls_at, device_at = got(id(tag)), got(id(cls)), got(id(device))
+        if (type(tag) is not str or tag_at is None or type(cls) is not GlobalRef or cls_at is None
+                or type(key) is not str or type(device) is not str or device_at is None
+                or type(numel) is not int):
+            return False
+        key_at = got(id(key))
+        write(get(f) + pickle.MARK + pickle.MARK + get(tag_at) + get(cls_at))
+        if key_at is not None:
+            write(get(key_at))
+        else:
+            encoded = key.encode("utf-8", "surrogatepass")
+            write(pickle.BINUNICODE + pack_I(len(encoded)) + encoded)
+            memoize(key)
+        write(get(device_at))
+        save(numel)
+        write(pickle.TUPLE)
+        memoize(pid)
+        write(pickle.BINPERSID + pickle.BININT1 + pack_b(offset) + sized[0])
+        if sized[1]:
+            memoize(size)
+        write(strided[0])
+        if strided[1]:
+            memoize(stride)
+        write(pickle.NEWFALSE + get(od) + pickle.EMPTY_TUPLE + pickle.REDUCE)
+        memoize(state)
+        if dtype_ref is not None:
+            write(get(dtype_ref))
+        write(pickle.TUPLE)
+        memoize(args)
+        write(pickle.REDUCE)
+        memoize(o)
+        return True
 
     def save_tuple(o: tuple) -> None:
         if not o:

@@ -104,3 +104,20 @@ def test_a_declined_structure_is_pickled_faithfully_with_fresh_slots() -> None:
         assert repickle.fast_dumps(obj, builder.persistent_id, builder.reduce, archive_writer._HOOKED) is None
         assert len(builder.slots) >= 3  # the declined try made slots...
         assert _ours(obj) == _faithful(obj)  # ...that the writer forgets
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (300,), (70000,), (2, 3), (0, 4), (2, 3, 4, 5), (1 << 31,), (3, 1 << 20)])
+def test_tensor_rebuild_in_one_pass_is_faithful(shape) -> None:
+    """The one-pass tensor rebuild (repickle's save_rebuild): sizes and strides of every int
+    encoding and length (a size past int32 falls back to the general path), storage keys that
+    are strings the structure memoized before ("0", "1"), the same entry twice (one slot), a
+    dtype with and without a legacy storage class, past 256 memo entries."""
+    entries = [TensorEntry(f"e{i}", dtype, shape, [Piece(Box.whole(shape), Location("f", 0, 0))])
+               for i, dtype in enumerate(["bfloat16", "float8_e4m3fn", "float32"])]
+    lazies = [LazyTensor(e) for e in entries]
+    obj = {"0": str(0), "1": [str(1), "cpu", "storage"], "t": lazies, "again": LazyTensor(entries[0]),
+           "many": [LazyTensor(TensorEntry(f"m{i}", "float16", shape, [])) for i in range(150)],
+           "tail": lazies[1]}
+    builder = _Builder()
+    assert repickle.fast_dumps(obj, builder.persistent_id, builder.reduce, archive_writer._HOOKED) is not None
+    assert _ours(obj) == _faithful(obj)
