@@ -92,8 +92,18 @@ class LocalSource:
         return fd
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
-        buf = bytearray(length)
-        self.readinto(rel, offset, memoryview(buf))
+        # one positional read straight into the bytes returned (a DCP folder of 1M items reads
+        # 2 GB a megabyte at a time: a buffer, then a copy of it, cost a tenth of inspect)
+        if offset < 0 or length <= 0:
+            buf = bytearray(length)
+            self.readinto(rel, offset, memoryview(buf))
+            return bytes(buf)
+        data = os.pread(self._fd(rel), length, offset)
+        if len(data) == length:
+            return data
+        buf = bytearray(length)  # a short read: the rest as readinto reads it (and refuses a file cut short)
+        buf[:len(data)] = data
+        self.readinto(rel, offset + len(data), memoryview(buf)[len(data):])
         return bytes(buf)
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
