@@ -19,10 +19,11 @@ import math
 import struct
 import zipfile
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, NamedTuple
 
 from ..errors import CkptkitError, FormatError
-from ..index.dtypes import dtype_name
+from ..index.dtypes import ITEMSIZE, dtype_name
 from ..index.geometry import row_major_strides, strided_span
 from ..index.types import IntegrityCheck, Location
 from ..safeload import (RawStorage, StorageRef, TensorRef, fenced_torch_save_loads, restricted_loads, storage_pid,
@@ -65,8 +66,8 @@ class Archive:
             return self.copy[start:start + length]
         return self.source.read(self.file, offset, length)
 
-    @property
-    def label(self) -> str:
+    @cached_property
+    def label(self) -> str:  # (kept: every storage a pickle names passes it to its checks)
         return self.source.label(self.file)
 
     def storage_member(self, key: str) -> Member:
@@ -147,9 +148,9 @@ _ZIP64_LOCATOR = struct.Struct("<4sIQI")  # the zip64 end record's locator (20 b
 _ZIP64_END = struct.Struct("<4sQHHIIQQQQ")  # the zip64 end of central directory record (56 bytes)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """The fields of a central directory entry `_members` checks (zipfile.ZipInfo's names)."""
+class _Entry(NamedTuple):
+    """The fields of a central directory entry `_members` checks (zipfile.ZipInfo's names; a
+    tuple: one per storage record, 20k in a ZeRO-3 model-states file)."""
 
     filename: str
     orig_filename: str
@@ -249,7 +250,7 @@ def _central_entries(directory: bytes, at: int, end: int, count: int, extras_che
             name = raw_name.decode("utf-8" if flags & _UTF8 else "cp437")
         except UnicodeDecodeError:
             return None
-        entries.append(_Entry(name, name, flags, method, csize, usize, header, crc))
+        entries.append(_new_tuple(_Entry, (name, name, flags, method, csize, usize, header, crc)))
     if at != end or len(entries) != count:
         return None
     return entries
@@ -613,6 +614,18 @@ def tensor_location(archive: Archive, ref: TensorRef, what: str,
             memo.locate(ref, member.size, known)
     dtype, start, length, stride = known
     return dtype, Location(archive.file, member.data_offset + start, length, stride=stride)
+
+
+def empty_view(ref: TensorRef) -> bool:
+    """True when `ref` has no elements and tensor_location would accept it over any storage of
+    its archive (offset 0, sizes and strides non-negative ints of one length, dtypes ckptkit
+    holds): a reader that skips empty tensors need not locate it. False sends it through
+    tensor_location, which words whatever is wrong."""
+    size, stride = ref.size, ref.stride
+    return (type(ref.storage_offset) is int and ref.storage_offset == 0 and type(size) is tuple
+            and type(stride) is tuple and len(size) == len(stride) and 0 in size
+            and all(type(v) is int and v >= 0 for v in size) and all(type(v) is int and v >= 0 for v in stride)
+            and ref.dtype.name in ITEMSIZE and ref.storage.dtype.name in ITEMSIZE)
 
 
 def _located(archive: Archive, ref: TensorRef, what: str, member: Member) -> tuple[str, int, int, tuple | None]:

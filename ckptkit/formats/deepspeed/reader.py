@@ -28,7 +28,7 @@ from ...index.state_keys import model_key, model_path, param_group_key, param_gr
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
-from ...runner.torch_archive import Archive, load_structure, open_archive
+from ...runner.torch_archive import Archive, empty_view, load_structure, open_archive
 from ..torch_save.reader import materialize
 from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
 from . import model_parallel, moe, moe_pipeline, moe_whole, partition, standins
@@ -183,6 +183,8 @@ def _module_and_buffers(index: CheckpointIndex, stage: int, buffers: list[str], 
     for name, ref in module.items():
         if not isinstance(ref, TensorRef):
             continue
+        if stage == 3 and name not in buffer_names and empty_view(ref):
+            continue  # ZeRO-3 placeholder for a partitioned parameter: nothing of it to locate
         dtype, loc, shape = tensor_of(archive, ref, f"module[{name}]")
         if name in buffer_names:
             index.add_tensor(TensorEntry(model_key(name), dtype, shape, [Piece(Box.whole(shape), loc)],
