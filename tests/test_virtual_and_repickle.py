@@ -39,6 +39,48 @@ def test_flat_concat_and_slices_equal_torch_cat(opened):
         assert torch.equal(got, want), (start, length)
 
 
+def _reference_slice(key, dtype, parts, start, length):
+    """flat_slice and flat_concat as they were written before their fast constructors (issue 17),
+    through the dataclasses' own __init__."""
+    from ckptkit.index.types import FlatRange, Location, Piece, TensorEntry
+    from ckptkit.index.virtual import REF, ZEROS
+
+    out, pos, end = [], 0, start + length
+    for part in parts:
+        lo, hi = max(pos, start), min(pos + part.length, end)
+        if hi > lo:
+            out.append(Part(part.key, part.start + lo - pos if part.key is not None else 0, hi - lo))
+        pos += part.length
+    covered = sum(p.length for p in out)
+    if covered < length:
+        out.append(Part(None, 0, length - covered))
+    pieces, pos = [], 0
+    for part in out:
+        if part.length <= 0:
+            continue
+        loc = Location("", 0, 0, ZEROS) if part.key is None else Location(part.key, part.start, part.length, REF)
+        pieces.append(Piece(FlatRange(pos, part.length), loc))
+        pos += part.length
+    return TensorEntry(key, dtype, (pos,), pieces, attrs={"virtual": True})
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_flat_slice_builds_the_dataclasses_own_objects(seed):
+    """The fast piece constructors give objects equal to (and with the same fields as) what the
+    dataclasses' __init__ builds, parts wholly inside a slice reused, cut ones and zeros rebuilt."""
+    import random
+
+    rng = random.Random(seed)
+    parts = [Part(None if rng.random() < 0.3 else f"p{i}", rng.randrange(5), rng.randrange(0, 6)) for i in range(30)]
+    total = sum(p.length for p in parts)
+    for start, length in [(0, total), (0, total + 7), (rng.randrange(total + 1), rng.randrange(total + 3))]:
+        got, want = flat_slice("s", "float32", parts, start, length), _reference_slice("s", "float32", parts, start, length)
+        assert got == want
+        assert [(vars(p), vars(p.region), vars(p.location)) for p in got.pieces] == \
+               [(vars(p), vars(p.region), vars(p.location)) for p in want.pieces]
+        assert [hash(p) for p in got.pieces] == [hash(p) for p in want.pieces]
+
+
 def test_virtual_ref_to_unknown_tensor_is_an_error(opened):
     from ckptkit.errors import FormatError
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ...errors import UnsupportedError, quote
 from ...index.state_keys import model_key, state_key
 from ...index.types import CheckpointIndex
-from ...index.virtual import Part, flat_slice
+from ...index.virtual import Part, flat_slice, part
 from ...optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ...runner.fetch import Fetcher
 from ...runner.torch_archive import Archive
@@ -120,11 +120,11 @@ class GroupPlan:
 def _parts(share: partition.RankShare, key_of: Callable[[str], str]) -> list[Part]:
     """A rank's flat tensor as parts of per-parameter tensors, zeros where it is padded."""
     parts, position = [], 0
-    for slot in share.slots:
-        if slot.position > position:
-            parts.append(Part(None, 0, slot.position - position))
-        parts.append(Part(key_of(slot.name), slot.start, slot.length))
-        position = slot.position + slot.length
+    for name, start, length, at in share.slots:
+        if at > position:
+            parts.append(Part(None, 0, at - position))
+        parts.append(part(key_of(name), start, length))
+        position = at + length
     return parts
 
 

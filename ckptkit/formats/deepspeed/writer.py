@@ -102,12 +102,16 @@ def _stage12_model(info: ZeroInfo, world: int) -> dict:
 def stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup], world: int,
                   rank: int, shared: dict | None = None) -> dict:
     """Stage 3's model-states file of `rank`: the new sub-groups' shapes, its slice of each frozen param.
-    `shared` (one dict for all ranks' calls, never mutated by the files) keeps the template's lazy
-    tensors and the param_shapes, built once instead of once per rank (a module of 20k parameters
-    has 20k placeholder tensors)."""
+    `shared` (one dict for all ranks' calls, never mutated by the files) keeps the template's
+    lazified values (lazy tensors, the module's dict) and the param_shapes, built once instead of
+    once per rank (a module of 20k parameters has 20k placeholder tensors)."""
     m_t, marchive = template_of(info, "model", 0)
-    cache = shared.setdefault("lazy", {}) if shared is not None else {}
-    model = lazify(m_t, marchive, cache)
+    model = shared.get("model") if shared is not None else None
+    if model is None:
+        model = lazify(m_t, marchive, {})
+        if shared is not None:
+            shared["model"] = model
+    model = copy.copy(model)  # the top level is each rank's own; what it holds is shared (never mutated)
     model["dp_world_size"] = world
     shapes = shared.get("param_shapes") if shared is not None else None
     if shapes is None:
