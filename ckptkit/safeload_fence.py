@@ -39,14 +39,23 @@ _NO_ARG = b"(012N)]}abelstu\x85\x86\x87\x88\x89\x81\x93\x94Rd"
 _BINPERSID = b"Q"
 
 
+# strings this short are matched by the regex too, their length spelled out (one alternative per
+# length): a torch.save data.pkl names every parameter several times (60k BINUNICODE in a
+# ZeRO-3 model-states file of 20k params), each an iteration of scan's loop otherwise
+_SHORT = 128
+
+
 @lru_cache(maxsize=None)
-def _run(top: int, persistent: bool) -> re.Pattern:
+def _run(top: int, persistent: bool, short: int = 0) -> re.Pattern:
     """Opcodes with no argument (BINPERSID where `persistent`) or one of fixed size: BINGET,
-    BINPUT, BININT1 (1 byte); BININT2 (2); LONG_BINGET, BININT (4); FRAME (8); and LONG_BINPUT
-    of an index below (top + 1) * 2**16."""
+    BINPUT, BININT1 (1 byte); BININT2 (2); LONG_BINGET, BININT (4); FRAME (8); LONG_BINPUT of
+    an index below (top + 1) * 2**16; and BINUNICODE and SHORT_BINUNICODE of fewer than `short`
+    bytes, all of them in the input (scan's loop takes any other string, and says what is wrong)."""
     no_arg = b"".join(re.escape(bytes([c])) for c in _NO_ARG + (_BINPERSID if persistent else b""))
     put = b"r..[\\x00-" + re.escape(bytes([top])) + b"]\\x00" if top < 256 else b"r...\\x00"
-    return re.compile(b"(?:[" + no_arg + b"]|[hqK].|M..|[jJ]....|\\x95.{8}|" + put + b")*+", re.DOTALL)
+    strings = b"|X(?:" + b"|".join(re.escape(bytes([k, 0, 0, 0])) + b".{%d}" % k for k in range(short)) + \
+        b")|\\x8c(?:" + b"|".join(re.escape(bytes([k])) + b".{%d}" % k for k in range(short)) + b")" if short else b""
+    return re.compile(b"(?:[" + no_arg + b"]|[hqK].|M..|[jJ]....|\\x95.{8}|" + put + strings + b")*+", re.DOTALL)
 
 
 def _run_for(n: int, persistent: bool) -> re.Pattern:
@@ -55,7 +64,8 @@ def _run_for(n: int, persistent: bool) -> re.Pattern:
     the pickle's length (one entry per input byte: a pickler numbers its entries from 0), inline
     up to the largest multiple of 2**16 below it (2**16 at least, 2**24 at most), beyond that
     one by one."""
-    return _run(min(256, max(1, n >> 16)) - 1 if n < 1 << 24 else 256, persistent)
+    short = min(_SHORT, knobs.MAX_PICKLE_BLOB + 1)  # (a string past the blob limit is the loop's to decline)
+    return _run(min(256, max(1, n >> 16)) - 1 if n < 1 << 24 else 256, persistent, max(0, short))
 
 
 # opcodes that make a container or a rebuilt value: their bytes counted bound the objects made
