@@ -111,7 +111,7 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
         arch = ranks.archive(rank)
         osd = ranks.optim[rank]["optimizer_state_dict"]
         mdtype, loc, length = _masters(arch, osd, names, group.index, share, ranks.world_size)
-        ranges = [FlatRange(slot.start, slot.length) for slot in share.slots]
+        ranges = [_flat_range(slot.start, slot.length) for slot in share.slots]
         flats.add(arch, share, None, mdtype, loc, ranges)
         values = entry(entry(osd, names.optimizer, arch.label), "state", arch.label)
         if not isinstance(values, dict):
@@ -123,6 +123,13 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
     for key in state.partitioned():  # a parameter with no elements still has its (empty) state
         for name in group.names:
             flats.dtypes.setdefault((name, key), state.dtypes[key])
+
+
+def _flat_range(start: int, length: int) -> FlatRange:
+    """FlatRange(start, length) without the frozen dataclass's __init__ (one per parameter and rank)."""
+    made = _new(FlatRange)
+    made.__dict__.update(start=start, length=length)
+    return made
 
 
 def _tolerate_damaged(names: list[str], keys: list[str]) -> None:
