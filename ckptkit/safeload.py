@@ -20,14 +20,14 @@ from .errors import CkptkitError, FormatError, InternalError, quote
 from . import safeload_dcp, safeload_torchsave
 from .safeload_grammar import RestrictedGrammar, table
 from .safeload_inert import Inert, inert_class
-from .safeload_refs import RawStorage, StorageRef, TensorRef, storage_pid, storage_ref, typed_storage
+from .safeload_refs import RawStorage, StorageRef, TensorRef, storage_pid, typed_storage
 from .safeload_rules import extra_allowed, register_allowed
 from .safeload_vm import run
 
 # the names readers and writers take from here (defined beside the unpickler, re-exported)
 __all__ = ["Inert", "RawStorage", "StorageRef", "TensorRef", "allowlist", "extra_allowed", "inert_class",
            "fenced_torch_save_loads", "register_allowed", "restricted_loads", "restricted_loads_dcp_metadata",
-           "storage_pid", "storage_ref", "typed_storage"]
+           "storage_pid", "typed_storage"]
 
 
 def allowlist() -> dict[tuple[str, str], Any]:

@@ -20,7 +20,7 @@ from . import knobs
 from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
 from .safeload_inert import Inert, _attrs, apply_inert_state, inert_class
-from .safeload_refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage, tensor_ref
+from .safeload_refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage
 from .safeload_rules import Refused, Rule, extra_allowed
 from .safeload_vm import Placeholder, check_keys
 from .torch_types import DType, GlobalRef, Size, SmallTensor
@@ -67,7 +67,7 @@ def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: t
         raise FormatError(f"tensor rebuilt with size {list(size)[:8]} and stride {list(stride)[:8]} of different "
                           f"lengths")
     if isinstance(storage, StorageRef):
-        return tensor_ref(storage, dtype, offset, size, stride, requires_grad)
+        return TensorRef(storage, dtype, offset, size, stride, requires_grad)
     if isinstance(storage, RawStorage):
         item = _itemsize(dtype)
         span = 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))

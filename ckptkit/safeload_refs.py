@@ -89,26 +89,5 @@ def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
     return key, storage_type.dtype, numel
 
 
-_new = object.__new__  # the sealed refs below are built without their frozen __init__: one per storage or tensor
-
-
 def typed_storage(ref: Any, dtype: DType) -> _TypedStorage:
-    made = _new(_TypedStorage)
-    made.__dict__.update(ref=ref, dtype=dtype)
-    return made
-
-
-def storage_ref(key: str, dtype: DType, numel: int) -> StorageRef:
-    """StorageRef(key, dtype, numel), for each storage a pickle names (issue 17: 40k of them)."""
-    made = _new(StorageRef)
-    made.__dict__.update(key=key, dtype=dtype, numel=numel)
-    return made
-
-
-def tensor_ref(storage: StorageRef, dtype: DType, offset: int, size: tuple, stride: tuple,
-               requires_grad: bool) -> TensorRef:
-    """TensorRef(storage, dtype, offset, size, stride, requires_grad), for each tensor rebuilt."""
-    made = _new(TensorRef)
-    made.__dict__.update(storage=storage, dtype=dtype, storage_offset=offset, size=size, stride=stride,
-                         requires_grad=requires_grad)
-    return made
+    return _TypedStorage(ref, dtype)

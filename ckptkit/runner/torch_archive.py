@@ -26,8 +26,8 @@ from ..errors import CkptkitError, FormatError
 from ..index.dtypes import ITEMSIZE, dtype_name
 from ..index.geometry import row_major_strides, strided_span
 from ..index.types import IntegrityCheck, Location
-from ..safeload import (RawStorage, TensorRef, fenced_torch_save_loads, restricted_loads, storage_pid,
-                        storage_ref, typed_storage)
+from ..safeload import (RawStorage, StorageRef, TensorRef, fenced_torch_save_loads, restricted_loads, storage_pid,
+                        typed_storage)
 from ..storage.source import BytesSource, RangeFile, Source
 from . import limits
 from ..torch_types import SmallTensor, view_problem
@@ -557,7 +557,7 @@ def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | 
         pids.append(pid)
         key, dtype, numel, member, nbytes = _checked_storage(archive, pid)
         if not eager:
-            return typed_storage(storage_ref(key, dtype, numel), dtype)
+            return typed_storage(StorageRef(key, dtype, numel), dtype)
         if key not in loaded:
             loaded[key] = RawStorage(archive.read(member.data_offset, nbytes))
         return typed_storage(loaded[key], dtype)

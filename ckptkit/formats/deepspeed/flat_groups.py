@@ -24,10 +24,6 @@ from .group_state import GroupState
 from .info import StageNames, ZeroGroup
 
 
-_new = object.__new__
-_RAW = Location.__dataclass_fields__["encoding"].default  # what Location(file, offset, length) holds
-
-
 @dataclass(frozen=True, kw_only=True)
 class RankFiles:
     """The optim-states files as opened: rank -> structure (a rank verify found unreadable is absent)."""
@@ -62,13 +58,7 @@ class _FlatPieces:
                 key = model_key(name) if what is None else state_key(name, what)
                 raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, "
                                   f"{quote(dtypes[k])} on another rank")
-            # Piece(region, Location(file, base + position * item, length * item)), its fields set
-            # without the frozen dataclasses' __init__ (a microsecond each, 2 per parameter, rank, key)
-            at = _new(Location)
-            at.__dict__.update(file=file, offset=base + position * item, length=length * item, encoding=_RAW,
-                               stride=None, transforms=())
-            piece = _new(Piece)
-            piece.__dict__.update(region=region, location=at)
+            piece = Piece(region, Location(file, base + position * item, length * item))
             got = pieces.get(k)
             if got is None:
                 pieces[k] = [piece]
@@ -111,7 +101,7 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
         arch = ranks.archive(rank)
         osd = ranks.optim[rank]["optimizer_state_dict"]
         mdtype, loc, length = _masters(arch, osd, names, group.index, share, ranks.world_size)
-        ranges = [_flat_range(slot.start, slot.length) for slot in share.slots]
+        ranges = [FlatRange(slot.start, slot.length) for slot in share.slots]
         flats.add(arch, share, None, mdtype, loc, ranges)
         values = entry(entry(osd, names.optimizer, arch.label), "state", arch.label)
         if not isinstance(values, dict):
@@ -123,13 +113,6 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
     for key in state.partitioned():  # a parameter with no elements still has its (empty) state
         for name in group.names:
             flats.dtypes.setdefault((name, key), state.dtypes[key])
-
-
-def _flat_range(start: int, length: int) -> FlatRange:
-    """FlatRange(start, length) without the frozen dataclass's __init__ (one per parameter and rank)."""
-    made = _new(FlatRange)
-    made.__dict__.update(start=start, length=length)
-    return made
 
 
 def _tolerate_damaged(names: list[str], keys: list[str]) -> None:
