@@ -40,8 +40,8 @@ def test_flat_concat_and_slices_equal_torch_cat(opened):
 
 
 def _reference_slice(key, dtype, parts, start, length):
-    """flat_slice and flat_concat as they were written before their fast constructors (issue 17),
-    through the dataclasses' own __init__."""
+    """flat_slice and flat_concat as they were written before issue 17 (every part copied, a
+    zeros Location per padding piece)."""
     from ckptkit.index.types import FlatRange, Location, Piece, TensorEntry
     from ckptkit.index.virtual import REF, ZEROS
 
@@ -65,9 +65,9 @@ def _reference_slice(key, dtype, parts, start, length):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_flat_slice_builds_the_dataclasses_own_objects(seed):
-    """The fast piece constructors give objects equal to (and with the same fields as) what the
-    dataclasses' __init__ builds, parts wholly inside a slice reused, cut ones and zeros rebuilt."""
+def test_flat_slice_builds_the_same_pieces(seed):
+    """Parts wholly inside a slice reused, cut ones and zeros rebuilt, one shared zeros Location:
+    the same pieces (equal, same fields, same hashes) as before."""
     import random
 
     rng = random.Random(seed)

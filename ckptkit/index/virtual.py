@@ -39,8 +39,8 @@ def flat_concat(key: str, dtype: str, parts: list[Part]) -> TensorEntry:
         length = part.length
         if length <= 0:
             continue
-        loc = _ZERO_LOCATION if part.key is None else _located(part.key, part.start, length)
-        pieces.append(_piece(_flat_range(pos, length), loc))
+        loc = _ZERO_LOCATION if part.key is None else Location(part.key, part.start, length, REF)
+        pieces.append(Piece(FlatRange(pos, length), loc))
         pos += length
     return TensorEntry(key, dtype, (pos,), pieces, attrs={"virtual": True})
 
@@ -67,42 +67,8 @@ def flat_slice(key: str, dtype: str, parts: list[Part], start: int, length: int)
     return flat_concat(key, dtype, out)
 
 
-# A ZeRO-3 partition of 20k parameters is 20k parts and 20k pieces (a FlatRange, a Location and a
-# Piece each); a frozen dataclass's __init__ sets each field through object.__setattr__ (~3x the
-# cost of filling the instance's dict). These build the same objects (equal, the same fields: see
-# tests/test_virtual_and_repickle.py) for the hot loops.
-_new = object.__new__
+# one zeros Location for every padding piece (immutable, equal to a new one)
 _ZERO_LOCATION = Location("", 0, 0, ZEROS)
-
-
-def part(key: str | None, start: int, length: int) -> Part:
-    """Part(key, start, length), built as the pieces below are (a ZeRO partition's parts: one per
-    parameter and rank)."""
-    made = _new(Part)
-    d = made.__dict__
-    d["key"], d["start"], d["length"] = key, start, length
-    return made
-
-
-def _located(file: str, offset: int, length: int) -> Location:
-    loc = _new(Location)
-    d = loc.__dict__
-    d["file"], d["offset"], d["length"], d["encoding"], d["stride"], d["transforms"] = file, offset, length, REF, None, ()
-    return loc
-
-
-def _flat_range(start: int, length: int) -> FlatRange:
-    region = _new(FlatRange)
-    d = region.__dict__
-    d["start"], d["length"] = start, length
-    return region
-
-
-def _piece(region: FlatRange, location: Location) -> Piece:
-    piece = _new(Piece)
-    d = piece.__dict__
-    d["region"], d["location"] = region, location
-    return piece
 
 
 def inline_tensor(key: str, value: "torch.Tensor | SmallTensor", path: tuple | None = None) -> TensorEntry:

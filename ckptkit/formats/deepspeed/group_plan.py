@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ...errors import UnsupportedError, quote
 from ...index.state_keys import model_key, state_key
 from ...index.types import CheckpointIndex
-from ...index.virtual import Part, flat_slice, part
+from ...index.virtual import Part, flat_slice
 from ...optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ...runner.fetch import Fetcher
 from ...runner.torch_archive import Archive
@@ -123,7 +123,7 @@ def _parts(share: partition.RankShare, key_of: Callable[[str], str]) -> list[Par
     for name, start, length, at in share.slots:
         if at > position:
             parts.append(Part(None, 0, at - position))
-        parts.append(part(key_of(name), start, length))
+        parts.append(Part(key_of(name), start, length))
         position = at + length
     return parts
 
