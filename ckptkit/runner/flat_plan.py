@@ -138,7 +138,13 @@ def _ranges(entry: TensorEntry, start: int, end: int, out: list[ByteRange],
         elif encoding is _REF:
             target = tensors.get(loc.file) if tensors is not None else None
             first = loc.offset + local
-            if target is None or target.dtype != entry.dtype or first + n > target.numel:
+            if target is None or target.dtype != entry.dtype:
+                raise _NotSimple
+            if len(target.pieces) < _FEW and _few_raw(target, first, first + n, item, out, file_sizes):
+                pos = hi
+                k += 1
+                continue
+            if first + n > target.numel:
                 raise _NotSimple
             table = _cached_runs(target, cache)
             if table is not None:  # flat runs meeting end to end: the tiling is exact
@@ -157,10 +163,61 @@ def _ranges(entry: TensorEntry, start: int, end: int, out: list[ByteRange],
     return True
 
 
+_FEW = 8  # a tensor of fewer pieces is swept without a remembered runs() table
+
+
+def _few_raw(target: TensorEntry, start: int, end: int, item: int, out: list[ByteRange],
+             file_sizes: Mapping[str, int] | None) -> bool:
+    """Append the ranges of [start, end) of a referenced tensor of few pieces in one pass over
+    them (a ZeRO-3 parameter: its slices of the source ranks' buffers), where they are what the
+    sweep reads most simply: flat runs in order tiling the tensor (runs()' in-order case), the
+    read ones raw bytes inside their pieces and files. Else False with `out` as it was, and the
+    general sweep (runs(), then _ranges) gives its answer, or its refusal, for the same range."""
+    numel = target.numel
+    if end > numel:
+        return False
+    mark = len(out)
+    last = out[-1] if mark else None
+    pos = 0
+    for piece in target.pieces:
+        region = piece.region
+        if type(region) is not FlatRange:
+            break
+        lo, length = region.start, region.length
+        if length <= 0:
+            if length < 0 or lo < 0 or lo > numel:
+                break
+            continue
+        if lo != pos:
+            break
+        pos = lo + length
+        if pos > start and lo < end:
+            loc = piece.location
+            if _ENCODINGS.get(loc.encoding) is not _RAW:
+                break
+            a = start if start > lo else lo
+            b = end if end < pos else pos
+            first = (a - lo) * item
+            nbytes = (b - a) * item
+            if first + nbytes > loc.length:
+                break
+            offset = loc.offset + first
+            if file_sizes is not None and file_sizes.get(loc.file, offset + nbytes) < offset + nbytes:
+                break
+            _append(out, loc.file, offset, nbytes)
+    else:
+        if pos == numel:
+            return True
+    del out[mark:]
+    if mark:
+        out[mark - 1] = last  # type: ignore[assignment]
+    return False
+
+
 def _cached_runs(entry: TensorEntry, cache: dict | None) -> tuple | None:
     """runs(entry), remembered for a stored tensor of many pieces that many references read (a
     one-use virtual tensor is not remembered)."""
-    if cache is None or len(entry.pieces) < 8 or entry.attrs.get("virtual"):
+    if cache is None or len(entry.pieces) < _FEW or entry.attrs.get("virtual"):
         return runs(entry)
     hit = cache.get(id(entry))
     if hit is not None and hit[0] is entry:
