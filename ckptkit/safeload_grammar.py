@@ -39,6 +39,8 @@ _NOT_SEEN = object()           # a dict lookup's default that no unpickled value
 def _ints(value: Any, what: str, low: int = 0) -> tuple:
     """A tuple (or list, or torch.Size) of at most 64 ints in [low, 2**63)."""
     t = type(value)
+    if t is tuple and len(value) == 1 and type(value[0]) is int and low <= value[0] < _I64:
+        return value  # (a flat tensor's size or stride: the common case, checked without a set)
     if (t is not tuple and t is not list and t is not Size) or len(value) > MAX_DIMS or (
             value and (not set(map(type, value)) <= _INT or min(value) < low or max(value) >= _I64)):
         raise Refused(f"{what} must be a tuple of at most {MAX_DIMS} integers in [{low}, 2**63)")

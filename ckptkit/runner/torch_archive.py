@@ -78,7 +78,7 @@ class Archive:
             raise FormatError(f"{self.label}: archive has no storage record {name}") from None
 
     def checks(self) -> list[IntegrityCheck]:
-        return [IntegrityCheck(self.file, m.data_offset, m.size, m.crc32, f"zip member {m.name}")
+        return [_new_tuple(IntegrityCheck, (self.file, m.data_offset, m.size, m.crc32, f"zip member {m.name}"))
                 for m in self.members.values() if not m.compressed]
 
 
@@ -349,7 +349,7 @@ def _members(read: Callable[[int, int], bytes], offset: int, length: int, label:
             raise FormatError(f"{what} runs past the end of the archive's data: {info.file_size} bytes at byte "
                               f"{data_offset}, the zip directory starts at byte {start_dir} (truncated file?)")
         spans.append((info.header_offset, data_offset + info.file_size, name))
-        members[name] = Member(name, offset + data_offset, info.file_size, info.CRC, False)
+        members[name] = _new_tuple(Member, (name, offset + data_offset, info.file_size, info.CRC, False))
     spans.sort()
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:

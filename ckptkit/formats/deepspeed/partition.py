@@ -61,6 +61,9 @@ def stage12_shares(params: Sequence[tuple[str, int]], paddings: Sequence[int] | 
     return shares
 
 
+_new_tuple = tuple.__new__  # a Slot without NamedTuple's Python-level __new__ (one per parameter and rank)
+
+
 def stage3_shares(params: Sequence[tuple[str, int]], world_size: int) -> list[RankShare]:
     """Each rank's share of a stage-3 sub-group of (name, numel): slice r of every parameter."""
     pers = [stage3_slice(numel, world_size) for _, numel in params]  # computed once, not once per rank
@@ -72,7 +75,7 @@ def stage3_shares(params: Sequence[tuple[str, int]], world_size: int) -> list[Ra
             start = rank * per
             length = min(per, numel - start)
             if length > 0:
-                slots.append(Slot(name, start, length, position))
+                slots.append(_new_tuple(Slot, (name, start, length, position)))
             position += per
         shares.append(RankShare(slots=tuple(slots), own=size, size=size))
     return shares
