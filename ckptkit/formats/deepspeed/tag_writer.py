@@ -20,7 +20,7 @@ from ...runner.executor import run_jobs
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
-from ..torch_save.archive_writer import LazyTensor, write_archive
+from ..torch_save.archive_writer import SMALL_ARCHIVE, LazyTensor, small_archive_bytes, write_archive
 
 MODEL_PARALLEL = ("tp", "pp", "ep")
 _LONG = {"tp": "tensor-parallel size", "pp": "pipeline size", "ep": "expert-parallel size"}
@@ -134,6 +134,50 @@ def copy_file(source: Source, out: Output, rel: str, new: str, progress: Progres
                 progress.advance(n)
 
 
+def _alike(structures: dict[str, tuple[Any, Fetcher]]) -> list[list[str]]:
+    """The names grouped by the archive they write, in their order: top-level dicts with the same
+    keys, in the same order, holding the very same objects, read through the same fetcher, pickle
+    to the same bytes and read the same tensors (ZeRO-3's model-states file is the same on every
+    rank but the first, and holds a placeholder tensor per parameter: 20k, on every rank)."""
+    groups: dict[Any, list[str]] = {}
+    for name, (structure, fetcher) in structures.items():
+        key: Any = name
+        if type(structure) is dict:
+            key = (id(fetcher), tuple([(k, id(v)) for k, v in structure.items()]))
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _write_alike(out: Output, names: list[str], structure: Any, fetcher: Fetcher, ctx: RunContext) -> None:
+    """One small archive assembled once and written under each name (its tensors' bytes counted
+    in the progress once per file, as writing each would)."""
+    counted = _Counted(ctx.progress)
+    data = small_archive_bytes(structure, fetcher, slab_bytes=ctx.slab_bytes, progress=counted)
+    if data is None:  # (its tensors were too large after all: each file written as usual)
+        for name in names:
+            write_archive(out, name, structure, fetcher, slab_bytes=ctx.slab_bytes, progress=ctx.progress)
+        return
+    for i, name in enumerate(names):
+        with out.open(name) as f:
+            f.write(data)
+        if i:
+            ctx.progress.advance(counted.total)
+
+
+class _Counted:
+    """A progress that passes every advance on and counts it."""
+
+    def __init__(self, inner: Progress) -> None:
+        self.inner, self.total = inner, 0
+
+    def advance(self, n: int) -> None:
+        self.total += n
+        self.inner.advance(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def write_tag(out: Output, source: Source, tag: str, structures: dict[str, tuple[Any, Fetcher]], ctx: RunContext, *,
               copied: list[tuple[str, str]] = (), scripts: bool = False) -> list[str]:
     """Write `structures` (name -> (structure, the fetcher its lazy tensors read through)), copy
@@ -142,11 +186,22 @@ def write_tag(out: Output, source: Source, tag: str, structures: dict[str, tuple
     copies = list(copied)
     if scripts:
         copies += [(s, s) for s in HELPER_SCRIPTS if source.exists(s) and not source.isdir(s)]
-    jobs: list = [(lambda n=n, s=s, f=f: write_archive(out, n, s, f, slab_bytes=ctx.slab_bytes,
-                                                       progress=ctx.progress))
-                  for n, (s, f) in structures.items()]
+    jobs: list = []
+    weights: list[int] = []
+    for names in _alike(structures):
+        structure, fetcher = structures[names[0]]
+        weight = structure_bytes(structure)
+        if len(names) > 1 and weight <= min(SMALL_ARCHIVE, ctx.slab_bytes):
+            jobs.append(lambda names=names, s=structure, f=fetcher: _write_alike(out, names, s, f, ctx))
+            weights.append(weight * len(names))
+            continue
+        for name in names:
+            s, f = structures[name]
+            jobs.append(lambda n=name, s=s, f=f: write_archive(out, n, s, f, slab_bytes=ctx.slab_bytes,
+                                                               progress=ctx.progress))
+            weights.append(structure_bytes(s) if name != names[0] else weight)
     jobs += [(lambda a=a, b=b: copy_file(source, out, a, b, ctx.progress)) for a, b in copies]
-    weights = [structure_bytes(s) for s, _ in structures.values()] + [source.size(a) for a, _ in copies]
+    weights += [source.size(a) for a, _ in copies]
     # the progress total: what this process writes (each rank's partitions with padding, tensors on
     # every rank, copied files), not the source's bytes the operation started with
     group = out.group

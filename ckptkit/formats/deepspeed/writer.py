@@ -119,8 +119,10 @@ def stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup]
         if shared is not None:
             shared["param_shapes"] = shapes
     model["param_shapes"] = shapes
-    if rank != 0:
-        model["shared_params"] = {}
+    held = model.get("shared_params")
+    if rank != 0 or (type(held) is dict and not held):  # only rank 0 keeps the tied params; one empty dict
+        # for all the others (and rank 0's when it is one): their files then pickle alike (tag_writer._alike)
+        model["shared_params"] = shared.setdefault("no_shared_params", {}) if shared is not None else {}
     if info.frozen:
         frags = OrderedDict()
         for name, shape in info.frozen.items():

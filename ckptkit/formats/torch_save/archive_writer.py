@@ -202,14 +202,39 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
                      progress: Progress | None = None) -> None:
     """Append `structure` as a self-contained torch.save archive at f's current position."""
     progress = progress or NullProgress()
+    builder, pickle_bytes, payload = _pickled(structure)
+    if payload > min(SMALL_ARCHIVE, slab_bytes):
+        _write_zip(_Window(f), f, builder, pickle_bytes, fetcher, slab_bytes, progress)
+        return
+    _write_small(f, structure, builder, pickle_bytes, payload, fetcher, slab_bytes, progress)
+
+
+def small_archive_bytes(structure: Any, fetcher: Fetcher, *, slab_bytes: int,
+                        progress: Progress | None = None) -> bytes | None:
+    """The bytes write_archive_to writes for `structure` when its tensors are small enough to be
+    assembled in memory (the same bytes, built once, serve several files that would be written
+    alike); None, having read nothing, when they are not."""
+    progress = progress or NullProgress()
+    builder, pickle_bytes, payload = _pickled(structure)
+    if payload > min(SMALL_ARCHIVE, slab_bytes):
+        return None
+    buf = io.BytesIO()
+    _write_small(buf, structure, builder, pickle_bytes, payload, fetcher, slab_bytes, progress)
+    return buf.getvalue()
+
+
+def _pickled(structure: Any) -> tuple[_Builder, bytes, int]:
+    """The archive's storage records, its data.pkl and the bytes of its tensors."""
     builder = _Builder()
     pickle_bytes = _lone_tensor_pickle(structure, builder) if type(structure) is LazyTensor else None
     if pickle_bytes is None:
         pickle_bytes = _pickle(structure, builder)
-    payload = sum(slot.numel * itemsize(slot.dtype) for slot in builder.slots)
-    if payload > min(SMALL_ARCHIVE, slab_bytes):
-        _write_zip(_Window(f), f, builder, pickle_bytes, fetcher, slab_bytes, progress)
-        return
+    return builder, pickle_bytes, sum(slot.numel * itemsize(slot.dtype) for slot in builder.slots)
+
+
+def _write_small(f: Any, structure: Any, builder: _Builder, pickle_bytes: bytes, payload: int, fetcher: Fetcher,
+                 slab_bytes: int, progress: Progress) -> None:
+    """An archive whose tensors are held in memory: its bytes assembled, then written at once."""
     if type(structure) is LazyTensor and _write_from_template(f, builder, pickle_bytes, payload, fetcher):
         progress.advance(payload)
         return
