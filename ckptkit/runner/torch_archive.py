@@ -539,10 +539,29 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | None = None) -> Any:
+class LastStructure:
+    """A StructureMemo of one entry, whatever its size: the last data.pkl loaded through it. The
+    ranks of a ZeRO-3 checkpoint pickle their model-states files alike (a placeholder tensor per
+    parameter, 20k for as many parameters; every rank but the first, often that one too): each is
+    then unpickled once, the others checked storage by storage against their own archive, as a
+    StructureMemo hit is. Only the last is held, so memory stays at one pickle and its structure."""
+
+    def __init__(self) -> None:
+        self._data: bytes | None = None
+        self._hit: tuple[Any, list[Any]] | None = None
+
+    def get(self, data: bytes) -> tuple[Any, list[Any]] | None:
+        return self._hit if self._data is not None and data == self._data else None
+
+    def put(self, data: bytes, value: Any, pids: list[Any]) -> None:
+        self._data, self._hit = data, (value, pids)
+
+
+def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | LastStructure | None = None) -> Any:
     """Unpickle data.pkl. Lazy: tensors become TensorRefs; eager: SmallTensors over their
     storage's bytes, read once per storage and shared by its views (small values only).
-    `memo` (lazy loads only) serves a data.pkl already loaded with the same bytes."""
+    `memo` (lazy loads only) serves a data.pkl already loaded with the same bytes: the same
+    structure (only ever read), its storages checked against this archive's members."""
     data = _read_member(archive, f"{archive.prefix}/data.pkl")
     if memo is not None and not eager:
         hit = memo.get(data)

@@ -28,7 +28,7 @@ from ...index.state_keys import model_key, model_path, param_group_key, param_gr
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
-from ...runner.torch_archive import Archive, empty_view, load_structure, open_archive
+from ...runner.torch_archive import Archive, LastStructure, empty_view, load_structure, open_archive
 from ..torch_save.reader import materialize
 from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
 from . import model_parallel, moe, moe_pipeline, moe_whole, partition, standins
@@ -124,11 +124,12 @@ def _load_ranks(source: Source, files: ZeroFiles, names: dict[int, str], archive
     """rank -> lazily loaded structure of each file named; the archives opened kept in `archives`.
     Under verify, an unreadable file is listed and left out, and the other ranks still read."""
     loaded = {}
+    alike = LastStructure()  # ranks' files that pickle alike are unpickled once (ZeRO-3 model states)
     for rank, name in sorted(names.items()):
         rel = files.prefix + name
         try:
             archive = open_archive(source, rel)
-            structure = load_structure(archive, eager=False)
+            structure = load_structure(archive, eager=False, memo=alike)
         except CkptkitError as exc:
             if not problems.collecting_now():
                 raise
