@@ -188,8 +188,8 @@ def test_unmappable_state_is_refused_in_one_sentence(monkeypatch):
     name = "z2_sgd_fp32_w2" if "z2_sgd_fp32_w2" in FIXTURES else FIXTURES[0]
     real = reader.load_structure
 
-    def renamed(archive, eager=False):
-        structure = real(archive, eager=eager)
+    def renamed(archive, eager=False, **kwargs):
+        structure = real(archive, eager=eager, **kwargs)
         osd = structure.get("optimizer_state_dict") if isinstance(structure, dict) else None
         if isinstance(osd, dict):
             inner = osd.get("base_optimizer_state") or osd.get("optimizer_state_dict")
