@@ -161,6 +161,7 @@ def tp_rules_option(fn: Callable) -> Callable:
             use_rules_file(value)
         except CkptkitError as exc:
             raise click.BadParameter(str(exc), param=param) from None
+        _click_ctx.call_on_close(lambda: use_rules_file(None))  # this command's only: not the next call's
     return click.option("--tp-rules", default=None, metavar="FILE", expose_value=False, callback=remember,
                         help="Split rules (JSON or TOML) for tensor-parallel DeepSpeed checkpoints: which "
                              "dimension each parameter's tp slices split, before the built-in Megatron "
@@ -178,6 +179,7 @@ def partition_method_option(fn: Callable) -> Callable:
             use_partition_method(value)
         except UsageError as exc:  # before the command's own error handling: click's one-line usage error
             raise click.UsageError(str(exc)) from None
+        _click_ctx.call_on_close(lambda: use_partition_method(None))  # this command's only: not the next call's
 
     def remember_types(_click_ctx: click.Context, param: Any, value: str | None) -> None:
         from ckptkit.errors import UsageError
@@ -187,6 +189,7 @@ def partition_method_option(fn: Callable) -> Callable:
             use_layer_types(value)
         except UsageError as exc:  # before the command's own error handling: click's one-line usage error
             raise click.UsageError(str(exc)) from None
+        _click_ctx.call_on_close(lambda: use_layer_types(None))  # this command's only: not the next call's
     fn = click.option("--layer-types", default=None, metavar="NAME,NAME*K,...", expose_value=False,
                       callback=remember_types,
                       help="DeepSpeed pipelines: the PipelineModule's layers' class (or function) names in order, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from ckptkit_cli.main import cli
-from conftest import DATA
+from conftest import DATA, ROOT
 
 
 def test_quiet_prints_nothing_on_success(tmp_path):
@@ -53,3 +53,21 @@ def test_progress_bar_on_a_terminal(monkeypatch, capsys):
     bar.advance(1000)
     bar.close()
     assert "reshard" in fake.getvalue()
+
+
+def test_command_scoped_options_end_with_their_command(tmp_path):
+    """--tp-rules, --partition-method and --layer-types hold for the command that gives them, not
+    for the next call in the same process (an API call after an in-process CLI run once reused a
+    stale --layer-types and refused a pipeline reshard), whether the command succeeds or fails."""
+    from ckptkit.convert.tp_rules import chosen_rules_file
+    from ckptkit.formats.deepspeed.pipeline_partition import chosen_layer_types, chosen_partition_method
+
+    rules = ROOT / "docs" / "tp_rules.partial.json"
+    for to in ("3", "pp=0"):  # a reshard that runs, and one refused after the options were taken
+        res = CliRunner().invoke(cli, ["reshard", str(DATA / "fsdp2_w2"), str(tmp_path / f"r{to}"), "--to", to,
+                                       "--tp-rules", str(rules), "--partition-method", "type:layer",
+                                       "--layer-types", "Embed,Layer*2,Head"])
+        assert (res.exit_code == 0) == (to == "3"), res.output
+        assert chosen_rules_file() is None
+        assert chosen_layer_types() is None
+        assert chosen_partition_method() == "parameters"
