@@ -18,6 +18,7 @@ import torch
 from ckptkit.errors import FormatError
 from ckptkit.runner import torch_archive as ta
 from ckptkit.storage.source import BytesSource
+from test_small_archives import _central_damaged, _cut, _prefixed, _two_disks, _with_comment  # the same damages
 
 FIELDS = ("filename", "orig_filename", "flag_bits", "compress_type", "compress_size", "file_size", "header_offset", "CRC")
 
@@ -70,29 +71,6 @@ def test_members_and_checks_agree_with_zipfiles_path_in_far_fewer_reads(monkeypa
     slow = _open(data, monkeypatch, fast=False)
     assert fast.members == slow.members and fast.prefix == slow.prefix
     assert fast.checks() == slow.checks()
-
-
-def _with_comment(data: bytes) -> bytes:
-    end = data.rindex(b"PK\x05\x06")
-    return data[:end + 20] + struct.pack("<H", 3) + b"abc"
-
-
-def _prefixed(data: bytes) -> bytes:
-    return b"\0" * 16 + data
-
-
-def _two_disks(data: bytes) -> bytes:
-    locator = data.rindex(b"PK\x06\x07")
-    return data[:locator + 16] + struct.pack("<I", 2) + data[locator + 20:]
-
-
-def _cut(data: bytes) -> bytes:
-    return data[:-5]
-
-
-def _central_damaged(data: bytes) -> bytes:
-    at = data.index(b"PK\x01\x02")
-    return data[:at] + b"XX\x01\x02" + data[at + 4:]
 
 
 def _corrupt_extra(data: bytes) -> bytes:
