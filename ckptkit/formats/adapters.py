@@ -115,10 +115,11 @@ class DeepSpeedFormat:
         return name is None and ds_files.detect(source)
 
     def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
-                   tag: str | None = None) -> CheckpointIndex:
+                   tag: str | None = None, optimizer: bool = True) -> CheckpointIndex:
+        """`optimizer` False: the optimizer's per-parameter state may be counted, not indexed (reader.read_index)."""
         if ds_pipeline.detect(source, tag):  # PipelineModule's per-layer files: one ZeRO checkpoint per stage
             return ds_pipeline.read_index(source, tag)
-        return ds_reader.read_index(source, tag)
+        return ds_reader.read_index(source, tag, optimizer=optimizer)
 
     def write(self, target: ZeroTarget | ZeroTemplatesTarget, out: object, ctx: "RunContext") -> list[str]:
         """ZeroTarget: a ZeRO checkpoint's own files for a new world size (with its helper scripts);

@@ -31,6 +31,11 @@ FSDP2_SHARDS = "fsdp2 shard(0)"                  # torch.chunk on dim 0 per rank
 ZERO_PARTITIONS = "zero1/2/3 flat partitions"    # DeepSpeed's flat groups cut into equal rank ranges
 WHOLE_TENSORS = "whole tensors"                  # every tensor in one piece
 
+# index.metadata key: {"tensors": n, "values": m}, the optimizer's per-parameter state entries a
+# reader opened with optimizer=False (registry.open_checkpoint; consolidate writing the weights
+# alone) counted and left out of the index, so that what is not written can still be said
+UNINDEXED_OPTIMIZER = "unindexed_optimizer"
+
 
 @dataclass(frozen=True)
 class Capabilities:

@@ -63,21 +63,24 @@ def _parent_and_name(path: str) -> tuple[str, str]:
 
 
 def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None,
-                    follow_links: bool | None = None) -> Opened:
+                    follow_links: bool | None = None, *, optimizer: bool = True) -> Opened:
     """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp");
     `tag` picks a DeepSpeed tag other than the one `latest` names; `follow_links` lets a local
-    checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1)."""
+    checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1);
+    `optimizer` False: the caller writes no optimizer state, so a ZeRO reader may count the
+    optimizer's per-parameter entries instead of indexing them (consolidate)."""
     with paused_collector():  # the index is millions of new objects and no garbage: nothing to collect
-        return _open_checkpoint(path, expect, tag, follow_links)
+        return _open_checkpoint(path, expect, tag, follow_links, optimizer)
 
 
-def _open_checkpoint(path: str, expect: str | None, tag: str | None, follow_links: bool | None) -> Opened:
+def _open_checkpoint(path: str, expect: str | None, tag: str | None, follow_links: bool | None,
+                     optimizer: bool = True) -> Opened:
     source = open_source(path, follow_links)
     _refuse_unfinished(path, source)
     run = run_folder.resolve(path, source, open_checkpoint, tag, follow_links) if source.isdir("") else None
     if run is not None:  # a training output folder: its newest complete checkpoint (or the one --tag names)
         opened = (run.opened if run.opened is not None and expect is None   # read whole while choosing
-                  else open_checkpoint(run.path, expect, run.tag, follow_links))
+                  else open_checkpoint(run.path, expect, run.tag, follow_links, optimizer=optimizer))
         run.opened = None
         opened.run = run
         if opened.index.step is None:
@@ -89,7 +92,7 @@ def _open_checkpoint(path: str, expect: str | None, tag: str | None, follow_link
     if tag is not None and not (source.isdir("") and ds_files.detect(source) or tag_folder):
         raise NotACheckpointError(f"{path}: --tag is for DeepSpeed checkpoints, and this is not one")
     if source.isdir("") and (ds_files.detect(source) or tag_folder):
-        opened = Opened(source, DEEPSPEED.read_index(source, tag=tag), path)
+        opened = Opened(source, DEEPSPEED.read_index(source, tag=tag, optimizer=optimizer), path)
     elif source.isdir(""):
         opened = _open_folder(path, source)
     else:

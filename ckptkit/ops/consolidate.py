@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .. import knobs
 from ..convert.names import KeyRules
 from ..errors import UsageError
-from ..formats.protocols import OutTensor, SafetensorsTarget
+from ..formats.protocols import UNINDEXED_OPTIMIZER, OutTensor, SafetensorsTarget
 from ..formats.registry import format_named, open_checkpoint
 from ..index.dtypes import is_floating
 from ..index.serialize import safe_value
@@ -49,7 +49,8 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
     """`rules`: --strip-prefix/--rename (convert's KeyRules); `config`: --config DIR, the folder
     whose config.json and tokenizer files are copied instead of those found beside the source."""
     ctx = context_of(ctx, options)
-    opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
+    # without --include-optimizer no optimizer state is written: a ZeRO reader then only counts its entries
+    opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links, optimizer=include_optimizer)
     # the index out of the collector's sight from here to the end of the write (runner/heap): naming,
     # planning and writing make many objects, and a full collection would traverse the index each time
     with frozen_heap():
@@ -204,8 +205,11 @@ def _name_notes(index, split, rules: KeyRules | None, include_optimizer: bool) -
 def _not_written(index, split, include_optimizer: bool) -> list[str]:
     """What consolidate read and, writing the model by design, left out: never a silent loss."""
     notes = []
-    if not include_optimizer and (split.optim or split.optim_objects):
-        notes.append(f"not written: {len(split.optim)} optimizer tensors and {len(split.optim_objects)} optimizer "
+    unindexed = index.metadata.get(UNINDEXED_OPTIMIZER, {})  # counted by the reader, not indexed
+    tensors = len(split.optim) + unindexed.get("tensors", 0)
+    values = len(split.optim_objects) + unindexed.get("values", 0)
+    if not include_optimizer and (tensors or values):
+        notes.append(f"not written: {tensors} optimizer tensors and {values} optimizer "
                      f"values (add --include-optimizer)")
     optim_keys = set(split.optim_objects.values())
     other = [k for k in index.objects if k not in optim_keys]

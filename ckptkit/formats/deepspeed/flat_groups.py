@@ -4,6 +4,11 @@ Each rank's optim-states file holds, per (sub-)group, a flat fp32 partition of t
 one flat partition per partitioned optimizer state. partition.py says which elements of which
 parameter each rank's partition holds; here those become `FlatRange` pieces of `model.<name>`
 and `optim.state.<name>.<key>`, one tensor per parameter shaped like it.
+
+A reader told the optimizer's per-parameter state is not wanted (consolidate writing the weights
+alone) still reads and checks every rank's optimizer state group by group, but indexes only the
+masters: the per-parameter state entries it leaves out are counted in
+index.metadata[UNINDEXED_OPTIMIZER], so what is not written is still said.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from ...index.dtypes import is_floating, itemsize
 from ...index.state_keys import model_key, model_path, state_key, state_path
 from ...index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
 from ...runner.torch_archive import Archive
+from ..protocols import UNINDEXED_OPTIMIZER
 from . import partition
 from .entries import entry, tensor_of
 from .files import ZeroFiles
@@ -79,18 +85,26 @@ class _FlatPieces:
 
 
 def read_flat_groups(index: CheckpointIndex, stage: int, ranks: RankFiles, groups: list[ZeroGroup],
-                     names: StageNames) -> None:
-    """Every group's masters and optimizer state into `index`."""
+                     names: StageNames, *, optimizer: bool = True) -> None:
+    """Every group's masters and optimizer state into `index`; `optimizer` False: the optimizer
+    state is read and checked the same, but its per-parameter entries are only counted
+    (index.metadata[UNINDEXED_OPTIMIZER]): cutting 2 states x 20k parameters into pieces costs
+    more than the masters a consolidate writes."""
     flats = _FlatPieces()
     shapes: dict[str, tuple[int, ...]] = {}
+    left_out = [0, 0]  # (tensors, values) not indexed
     for group in groups:
         shapes.update(group.params)
-        _read_group(index, stage, ranks, group, names, flats)
+        _read_group(index, stage, ranks, group, names, flats, left_out if not optimizer else None)
     flats.add_tensors(index, shapes)
+    if not optimizer:
+        index.metadata[UNINDEXED_OPTIMIZER] = {"tensors": left_out[0], "values": left_out[1]}
 
 
 def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: ZeroGroup, names: StageNames,
-                flats: _FlatPieces) -> None:
+                flats: _FlatPieces, left_out: list[int] | None) -> None:
+    """One (sub-)group, rank by rank; `left_out` (tensors, values) counts the optimizer state
+    entries not indexed (None: every one is)."""
     numels = [(name, math.prod(shape)) for name, shape in group.params]
     state = GroupState(where=f"{names.group} {group.index}", params=len(group.params))
     damaged: list[str] = []
@@ -106,8 +120,16 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
         values = entry(entry(osd, names.optimizer, arch.label), "state", arch.label)
         if not isinstance(values, dict):
             raise FormatError(f"{arch.label}: optimizer state is a {type(values).__name__}, expected a dict")
-        for key, sloc in state.read(arch, rank, values.get(group.index), (share.size, length)).items():
+        locs = state.read(arch, rank, values.get(group.index), (share.size, length))
+        if left_out is not None:
+            continue
+        for key, sloc in locs.items():
             flats.add(arch, share, key, state.dtypes[key], sloc, ranges)
+    if left_out is not None:
+        _tolerate_damaged(damaged, [])
+        left_out[0] += len(group.params) * len(state.partitioned())
+        left_out[1] += len(group.params) * (len(state.kinds) - len(state.partitioned()))
+        return
     _tolerate_damaged(damaged, state.partitioned())
     state.add_whole(index, group.names)
     for key in state.partitioned():  # a parameter with no elements still has its (empty) state

@@ -46,10 +46,14 @@ DS_KEYS = {"lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_n
            "num_experts", "ds_autoep_layers"}  # the last two: MoE checkpoints (moe.py)
 
 
-def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None = None) -> CheckpointIndex:
+def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None = None, *,
+               optimizer: bool = True) -> CheckpointIndex:
     """The checkpoint's index; a tensor-parallel one (several mp ranks) is read one ZeRO checkpoint
     per mp rank and joined into full tensors (model_parallel.py), their splits decided by what the
-    checkpoint records, then `tp_rules` (default: the --tp-rules file, then the built-in rules)."""
+    checkpoint records, then `tp_rules` (default: the --tp-rules file, then the built-in rules).
+    `optimizer` False (the weights alone are wanted): a plain ZeRO checkpoint's optimizer state is
+    read and checked but its per-parameter entries only counted (flat_groups.UNINDEXED_OPTIMIZER);
+    tensor-parallel and expert checkpoints are indexed whole regardless."""
     files = locate(source, tag)
     if files.model_parallel:
         subs = {mp: _read_one(source, mp_files) for mp, mp_files in sorted(files.model_parallel.items())}
@@ -60,11 +64,11 @@ def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None 
         if files.whole_experts:  # each expert whole on one mp rank: read across them (moe_whole.py)
             moe_whole.read_experts(source, files, index, subs)
         return index
-    return _read_one(source, files)
+    return _read_one(source, files, optimizer=optimizer)
 
 
-def _read_one(source: Source, files: ZeroFiles) -> CheckpointIndex:
-    """One ZeRO checkpoint: the files of one model-parallel rank."""
+def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> CheckpointIndex:
+    """One ZeRO checkpoint: the files of one model-parallel rank (`optimizer`: as read_index's)."""
     archives: dict[str, Archive] = {}
     optim = _load_ranks(source, files, files.optim_files, archives)
     model = _load_ranks(source, files, files.model_files, archives)
@@ -94,7 +98,8 @@ def _read_one(source: Source, files: ZeroFiles) -> CheckpointIndex:
         flat_groups = moe_whole.dense_groups(groups_meta, groups)
     elif files.expert_files:  # mixture of experts: moe.py reads the expert files and expert groups
         flat_groups, groups = moe.read_experts(source, index, stage, ranks, groups_meta, groups, m0, label)
-    read_flat_groups(index, stage, ranks, flat_groups, stage_names(stage))
+    plain = not files.whole_experts and not files.expert_files
+    read_flat_groups(index, stage, ranks, flat_groups, stage_names(stage), optimizer=optimizer or not plain)
     if stage == 1:  # frozen params live only in `module`
         frozen = {**frozen, **_stage1_frozen(index, groups, buffers, shared)}
     _param_groups(index, groups_meta, groups)
