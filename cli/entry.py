@@ -19,4 +19,11 @@ def main() -> None:
     gc.set_threshold(*GC_THRESHOLD)
     from .main import main as run
 
-    run()
+    try:
+        run()
+    finally:
+        # the interpreter's exit runs one full collection over everything still alive (the
+        # command's index: ~0.35-0.7 s CPU for a ZeRO-3 checkpoint of 20k params) to free what
+        # the exit frees anyway; frozen objects are out of its sight (the outputs are already
+        # committed and closed: nothing waits on a finalizer in a cycle)
+        gc.freeze()
