@@ -105,3 +105,18 @@ def test_optimizer_state_damage_is_refused_by_consolidate_as_by_inspect(monkeypa
     assert "every rank's must match" in said and "optim_states.pt" in said
     assert _one_sentence(["consolidate", str(path), str(tmp_path / "out")]) == said
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("path", PLAIN[::3], ids=lambda p: p.name)
+def test_flat_pieces_equal_and_hash_like_those_their_constructors_make(path):
+    """flat_groups makes the per-parameter FlatRange/Location/Piece without their __init__: each
+    must be the very value the constructors give (equal, same hash, same repr)."""
+    from ckptkit.index.types import FlatRange, Location, Piece
+
+    index = open_checkpoint(str(path)).index
+    flat = [p for e in index.tensors.values() for p in e.pieces if type(p.region) is FlatRange]
+    assert flat
+    for p in flat:
+        loc = p.location
+        made = Piece(FlatRange(p.region.start, p.region.length), Location(loc.file, loc.offset, loc.length))
+        assert p == made and hash(p) == hash(made) and repr(p) == repr(made)

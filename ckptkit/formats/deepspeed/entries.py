@@ -22,6 +22,16 @@ def shape_of(value: Any, where: str) -> tuple[int, ...]:
     return tuple(int(d) for d in value)
 
 
+def plain_shape(value: Any) -> tuple[int, ...] | None:
+    """shape_of's answer for the usual shape (a tuple or list of plain non-negative ints, a
+    torch.Size), without a message to word; None for any other (shape_of then says what is wrong)."""
+    if isinstance(value, (tuple, list)):
+        shape = tuple(value)
+        if all(type(d) is int and d >= 0 for d in shape):
+            return shape
+    return None
+
+
 def tensor_of(archive: Archive, value: Any, what: str) -> tuple[str, Location, tuple[int, ...]]:
     """(dtype, location, shape) of a tensor entry."""
     if not isinstance(value, TensorRef):

@@ -32,7 +32,7 @@ from ...runner.torch_archive import Archive, LastStructure, empty_view, load_str
 from ..torch_save.reader import materialize
 from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
 from . import model_parallel, moe, moe_pipeline, moe_whole, partition, standins
-from .entries import entry, shape_of, tensor_of
+from .entries import entry, plain_shape, shape_of, tensor_of
 from .files import ZeroFiles, locate, optim_file_name
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, ZeroInfo, stage_names
@@ -289,7 +289,8 @@ def _stage3_groups(osd0: dict, param_shapes: list, label: str) -> tuple[list, li
 
 
 def _params(i: int, shapes: dict) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((n, shape_of(s, f"param_shapes[{i}][{n}]")) for n, s in shapes.items())
+    """(name, shape) per parameter; the place for a message is written only for a shape that needs one."""
+    return tuple((n, plain_shape(s) or shape_of(s, f"param_shapes[{i}][{n}]")) for n, s in shapes.items())
 
 
 def _stage1_frozen(index: CheckpointIndex, groups: list[ZeroGroup], buffers: list[str],
