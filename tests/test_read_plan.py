@@ -245,3 +245,21 @@ def test_flat_pieces_tiling_fast_path_agrees_with_coverage(runs, why):
         return
     with pytest.raises(FormatError, match=why):
         check_tiling(entry)
+
+
+@pytest.mark.parametrize("runs,why", [
+    ([(0, 4), (5, 3)], "in no piece"), ([(0, 5), (4, 4)], "stored twice"), ([(0, 4), (4, 4), (8, 2)], "outside the tensor"),
+])
+def test_byte_ranges_of_flat_pieces_not_tiling_the_tensor_are_refused(tmp_path, runs, why):
+    """byte_ranges takes flat runs meeting end to end as the tiling check (flat_plan.runs); any
+    other flat pieces still get check_tiling's sentence, never byte ranges."""
+    from ckptkit.index.types import FlatRange, Location, Piece, TensorEntry
+    from ckptkit.runner.plan import Planner
+
+    (tmp_path / "f").write_bytes(bytes(64))
+    entry = TensorEntry("w", "float32", (2, 4), [Piece(FlatRange(s, n), Location("f", 4 * s, 4 * n)) for s, n in runs])
+    with pytest.raises(FormatError, match=f"tensor w \\[2, 4\\] is not tiled exactly by its pieces: .*{why}"):
+        Planner(None).byte_ranges(entry)
+    good = TensorEntry("w", "float32", (2, 4), [Piece(FlatRange(4, 4), Location("f", 16, 16)),
+                                                  Piece(FlatRange(0, 4), Location("f", 0, 16))])
+    assert Planner(None).byte_ranges(good) == [("f", 0, 32)]

@@ -220,8 +220,9 @@ class Planner:
         """Elements [start, start+length) (default: to the end) of the entry's flattening as
         coalesced source byte ranges (see plan_byte_ranges), or None where they are not stored
         that simply. Flat layouts (ZeRO partitions) are planned by an interval sweep
-        (flat_plan); the rest, and every refusal, through boxes. The tiling is checked first."""
-        self.tiling(entry)
+        (flat_plan), which answers only for flat runs meeting end to end: an exact tiling, so
+        not checked twice (20k ZeRO-3 parameters); the rest, and every refusal, through boxes,
+        the tiling checked first."""
         tensors = self.index.tensors if self.index is not None else None
         whole = start == 0 and length is None
         length = entry.numel - start if length is None else length
@@ -229,6 +230,7 @@ class Planner:
                                 boxed=self._boxed_range, file_sizes=self.file_sizes, cache=self._runs)
         if fast is not None:
             return fast
+        self.tiling(entry)
         if whole:
             return coalesce(plan_byte_ranges(self(entry), tensors, entry))
         return coalesce(self._boxed_range(entry, start, length))
