@@ -15,6 +15,7 @@ from .dtypes import dtype_name
 from .types import Box, Encoding, FlatRange, Location, Piece, TensorEntry
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 REF = Encoding.REF
@@ -82,3 +83,69 @@ def inline_tensor(key: str, value: "torch.Tensor | SmallTensor", path: tuple | N
     loc = Location("", 0, nbytes, INLINE)
     return TensorEntry(key, dtype, shape, [Piece(Box.whole(shape), loc)], path=path,
                        attrs={"virtual": True, "value": value})
+
+
+class FlatTable:
+    """A 1-D virtual tensor of `numel` elements as a table, not a piece per part: part i is
+    elements [starts[i], starts[i]+lengths[i]) of the flattening of tensor `refs[i]`, placed at
+    `positions[i]`; every element no part covers is zero padding. A ZeRO partition at a new world
+    size is 20k such parts for 20k parameters: three int64 arrays and a list of keys instead of
+    a Part, a Piece, a FlatRange and a Location each (runner/flat_table.py plans its byte ranges
+    from the arrays). Parts are non-empty, in order and apart (checked when made)."""
+
+    __slots__ = ("refs", "starts", "lengths", "positions", "numel")
+
+    def __init__(self, refs: list[str], starts: "np.ndarray", lengths: "np.ndarray", positions: "np.ndarray",
+                 numel: int) -> None:
+        import numpy as np
+
+        self.refs, self.numel = refs, numel
+        self.starts, self.lengths, self.positions = (np.asarray(a, dtype=np.int64) for a in (starts, lengths, positions))
+        n = len(refs)
+        if not (len(self.starts) == len(self.lengths) == len(self.positions) == n):
+            raise ValueError("a flat table's columns differ in length")
+        if n and (bool((self.lengths <= 0).any()) or bool((self.starts < 0).any()) or int(self.positions[0]) < 0
+                  or bool((self.positions[1:] < self.positions[:-1] + self.lengths[:-1]).any())
+                  or int(self.positions[-1] + self.lengths[-1]) > numel):
+            raise ValueError("a flat table's parts must be non-empty, in order, apart and inside the tensor")
+
+    def parts(self) -> list[Part]:
+        """The same tensor as Part lists describe it (zeros for every gap, then the end's)."""
+        out: list[Part] = []
+        pos = 0
+        for ref, start, length, at in zip(self.refs, self.starts.tolist(), self.lengths.tolist(),
+                                          self.positions.tolist()):
+            if at > pos:
+                out.append(Part(None, 0, at - pos))
+            out.append(Part(ref, start, length))
+            pos = at + length
+        if pos < self.numel:
+            out.append(Part(None, 0, self.numel - pos))
+        return out
+
+
+class TableEntry(TensorEntry):
+    """The TensorEntry of a FlatTable (`table`): its pieces (flat_concat's, for the table's parts)
+    are made only when something asks for them; the read planner plans its byte ranges from the
+    table itself (runner/flat_table.py)."""
+
+    def __init__(self, key: str, dtype: str, table: FlatTable) -> None:  # noqa: no dataclass __init__: lazy pieces
+        self.key, self.dtype, self.shape, self.path = key, dtype, (table.numel,), None
+        self.attrs = {"virtual": True}
+        self.table = table
+        self._pieces: list[Piece] | None = None
+
+    @property  # type: ignore[override]
+    def pieces(self) -> list[Piece]:
+        if self._pieces is None:
+            self._pieces = flat_concat(self.key, self.dtype, self.table.parts()).pieces
+        return self._pieces
+
+    @pieces.setter
+    def pieces(self, value: list[Piece]) -> None:
+        self._pieces = value
+
+
+def flat_table(key: str, dtype: str, table: FlatTable) -> TableEntry:
+    """A 1-D virtual tensor described by `table` (see FlatTable)."""
+    return TableEntry(key, dtype, table)

@@ -31,6 +31,8 @@ from .plan import Planner, ReadPlan, ReadSpan, check_tiling
 
 if TYPE_CHECKING:
     import torch
+
+    from ..storage.range_table import RangeTable
 else:
     from ..lazy_torch import torch
 
@@ -205,6 +207,12 @@ class Fetcher:
         if (dtype or entry.dtype) != entry.dtype:
             return None
         return self._planner.byte_ranges(entry, start, length)
+
+    def range_table(self, entry: TensorEntry) -> RangeTable | None:
+        """byte_ranges of a whole flat table (index/virtual.FlatTable: a ZeRO partition) as
+        arrays (storage/range_table), or None: not a table, or not stored that simply (then
+        byte_ranges, or fetch())."""
+        return self._planner.range_table(entry)
 
     def _label(self, rel: str) -> str:
         return self.source.label(rel)

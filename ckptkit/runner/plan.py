@@ -13,14 +13,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import FormatError
 from ..index import geometry
 from ..index.dtypes import itemsize
 from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
+from ..index.virtual import TableEntry
 from ..torch_types import SmallTensor
 from .flat_plan import coalesce, flat_byte_ranges
+
+if TYPE_CHECKING:  # numpy is imported when a flat table is first planned, not by every command
+    from ..storage.range_table import RangeTable
+    from .flat_table import SourceRuns
 
 __all__ = ["Encoding", "Planner", "ReadPlan", "ReadSpan", "check_tiling", "plan_byte_ranges", "plan_reads"]
 
@@ -131,6 +136,7 @@ class Planner:
         self.tiling = tiling or (lambda e: check_tiling(e, label))
         self.file_sizes = file_sizes
         self._runs: dict[int, tuple[TensorEntry, tuple]] = {}  # flat_plan's runs of referenced tensors
+        self._source_runs: SourceRuns | None = None  # flat_table's, made when a table is first planned
 
     def __call__(self, entry: TensorEntry, box: Box | None = None) -> ReadPlan:
         self.tiling(entry)
@@ -222,7 +228,11 @@ class Planner:
         that simply. Flat layouts (ZeRO partitions) are planned by an interval sweep
         (flat_plan), which answers only for flat runs meeting end to end: an exact tiling, so
         not checked twice (20k ZeRO-3 parameters); the rest, and every refusal, through boxes,
-        the tiling checked first."""
+        the tiling checked first. A flat table (a ZeRO partition) is planned from its table."""
+        if type(entry) is TableEntry and start == 0 and length is None:
+            table = self.range_table(entry)
+            if table is not None:
+                return table.as_list()
         tensors = self.index.tensors if self.index is not None else None
         whole = start == 0 and length is None
         length = entry.numel - start if length is None else length
@@ -234,6 +244,18 @@ class Planner:
         if whole:
             return coalesce(plan_byte_ranges(self(entry), tensors, entry))
         return coalesce(self._boxed_range(entry, start, length))
+
+    def range_table(self, entry: TensorEntry) -> RangeTable | None:
+        """byte_ranges of a whole flat table (a ZeRO partition) as arrays, planned from the table
+        (runner/flat_table.py); None where the entry is no table or its parts' tensors are not
+        stored that simply (byte_ranges then plans its pieces, or refuses them)."""
+        if type(entry) is not TableEntry or self.index is None:
+            return None
+        from .flat_table import SourceRuns, table_ranges
+
+        if self._source_runs is None:
+            self._source_runs = SourceRuns(self.index.tensors, self.file_sizes)
+        return table_ranges(entry.table, entry.dtype, self._source_runs)
 
     def _boxed_range(self, entry: TensorEntry, start: int, length: int) -> list[ByteRange] | None:
         """byte_ranges of a flat range through N-d boxes: each box of the range planned, then

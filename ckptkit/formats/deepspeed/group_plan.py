@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...errors import UnsupportedError, quote
 from ...index.state_keys import model_key, state_key
 from ...index.types import CheckpointIndex
-from ...index.virtual import Part, flat_slice
+from ...index.virtual import FlatTable, Part, flat_slice, flat_table
 from ...optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ...runner.fetch import Fetcher
 from ...runner.torch_archive import Archive
@@ -101,20 +101,54 @@ class GroupPlan:
     master_dtype: str
     has_state: bool                    # the optimizer holds state for it (else it is left out)
     shares: list[partition.RankShare]
+    # each rank's slots as table columns, and the referenced keys per (names, state key): shared
+    # by the rank's partitions and, where the names are the same, by the ranks (_table)
+    _columns: dict = field(default_factory=dict, compare=False, repr=False)
 
     def masters(self, rank: int) -> LazyTensor:
         """This rank's flat partition of the fp32 masters."""
         share = self.shares[rank]
-        return virtual(f"fp32.{self.group.index}.{rank}", self.master_dtype,
-                        _parts(share, model_key), 0, share.own)
+        return _table_or_parts(f"fp32.{self.group.index}.{rank}", self.master_dtype,
+                               self._table(rank, None, share.own),
+                               lambda: _parts(share, model_key), share.own)
 
     def state(self, rank: int) -> dict[Any, Any]:
         """This rank's optimizer state of the group: flat partitions and whole values."""
         share = self.shares[rank]
-        return {key: (virtual(f"{key}.{self.group.index}.{rank}", dtype,
-                               _parts(share, lambda name, key=key: state_key(name, key)), 0, share.size)
+        return {key: (_table_or_parts(f"{key}.{self.group.index}.{rank}", dtype, self._table(rank, key, share.size),
+                                      lambda key=key: _parts(share, lambda name: state_key(name, key)), share.size)
                       if dtype is not None else copy.deepcopy(self.whole[key]))
                 for key, dtype in self.keys.items()}
+
+    def _table(self, rank: int, key: Any, numel: int) -> FlatTable | None:
+        """Rank's partition of `numel` elements of the masters (key None) or of state `key`, as a
+        flat table of its slots (a part per parameter, zeros between), or None where a slot ends
+        past `numel` (then its parts, sliced)."""
+        cols = self._columns.get(rank)
+        if cols is None:
+            import numpy as np  # here: a plan that writes no partition needs none
+
+            slots = self.shares[rank].slots
+            names, starts, lengths, positions = (tuple(c) for c in zip(*slots)) if slots else ((), (), (), ())
+            end = positions[-1] + lengths[-1] if slots else 0
+            cols = self._columns[rank] = (names, *(np.array(c, dtype=np.int64) for c in (starts, lengths, positions)),
+                                          end)
+        names, starts, lengths, positions, end = cols
+        if end > numel:
+            return None
+        refs = self._columns.get((names, key))  # the ranks' names are alike in stage 3: built once
+        if refs is None:
+            refs = self._columns[(names, key)] = ([model_key(n) for n in names] if key is None else
+                                                  [state_key(n, key) for n in names])
+        return FlatTable(refs, starts, lengths, positions, numel)
+
+
+def _table_or_parts(key: str, dtype: str, table: FlatTable | None, parts: Callable[[], list[Part]],
+                    length: int) -> LazyTensor:
+    """A partition as its flat table, else as its parts sliced to `length`."""
+    if table is not None:
+        return LazyTensor(flat_table(key, dtype, table))
+    return virtual(key, dtype, parts(), 0, length)
 
 
 def _parts(share: partition.RankShare, key_of: Callable[[str], str]) -> list[Part]:

@@ -25,7 +25,7 @@ from ...repickle import GlobalRef, dumps, fast_dumps
 from ...torch_types import DType, SmallTensor
 from ...runner.fetch import Fetcher
 from ...runner.stream import stream_tensor, tensor_bytes
-from ...storage import kernel_copy
+from ...storage import kernel_copy, range_table
 from ...storage.commit import Output
 from . import zip_records
 
@@ -151,14 +151,18 @@ def _aligned_info(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
     return info
 
 
-def copy_in_kernel(member: Any, f: Any, source: Any, ranges: kernel_copy.Ranges, progress: Progress) -> bool:
-    """Fill a zip member straight from source byte ranges (see storage.kernel_copy); the zip
-    record's CRC32 is computed as they are copied (zipfile writes it into the record's local
-    header when the member closes). False (nothing written) where the
-    source is not local or the member is not the standard library's zip writer."""
+def copy_in_kernel(member: Any, f: Any, source: Any, ranges: "kernel_copy.Ranges | range_table.RangeTable",
+                   progress: Progress) -> bool:
+    """Fill a zip member straight from source byte ranges (see storage.kernel_copy; a RangeTable's
+    through storage.range_table); the zip record's CRC32 is computed as they are copied (zipfile
+    writes it into the record's local header when the member closes). False (nothing written)
+    where the source is not local or the member is not the standard library's zip writer."""
     if not (kernel_copy.available(source) and all(hasattr(member, a) for a in ("_crc", "_file_size", "_compress_size"))):
         return False
-    total, crc = kernel_copy.copy_with_crc(source, ranges, f, progress.advance)
+    if isinstance(ranges, list):
+        total, crc = kernel_copy.copy_with_crc(source, ranges, f, progress.advance)
+    else:
+        total, crc = range_table.copy_with_crc(source, ranges, f, progress.advance)
     member._crc, member._file_size, member._compress_size = crc, total, total
     return True
 
@@ -262,8 +266,11 @@ def _records_archive(builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher, s
             if slot.numel == 0:
                 data = b""
             else:
-                ranges = fetcher.byte_ranges(slot.lazy)
-                if ranges is not None:
+                table = fetcher.range_table(slot.lazy)
+                ranges = fetcher.byte_ranges(slot.lazy) if table is None else None
+                if table is not None:
+                    data = range_table.read(fetcher.source, table)
+                elif ranges is not None:
                     data = kernel_copy.read(fetcher.source, ranges)
                 else:
                     data = b"".join(bytes(c) for c in stream_tensor(fetcher, slot.lazy, None, slab_bytes))
@@ -429,7 +436,17 @@ def _write_zip(zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fe
         zf.writestr(zipfile.ZipInfo(f"{ROOT}/byteorder", _DATE), b"little")
         for slot in builder.slots:
             with zf.open(_aligned_info(zf, f"{ROOT}/data/{slot.key}"), "w", force_zip64=True) as member:
-                ranges = fetcher.byte_ranges(slot.lazy) if slot.lazy is not None else None
+                table = fetcher.range_table(slot.lazy) if slot.lazy is not None else None
+                if table is not None:  # a flat table (a ZeRO partition): gathered from its range arrays
+                    if f is None:
+                        data = range_table.read(fetcher.source, table)
+                        member.write(data)
+                        progress.advance(len(data))
+                        continue
+                    if copy_in_kernel(member, f, fetcher.source, table, progress):
+                        continue
+                ranges = (fetcher.byte_ranges(slot.lazy) if table is None else table.as_list()) \
+                    if slot.lazy is not None else None
                 if ranges is not None and f is None:  # assembled in memory: the byte ranges, read
                     data = kernel_copy.read(fetcher.source, ranges)
                     member.write(data)

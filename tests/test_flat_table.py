@@ -1,0 +1,189 @@
+"""Flat tables (index/virtual.FlatTable, runner/flat_table.py, storage/range_table.py): a ZeRO
+partition described as arrays must plan and copy exactly the bytes its pieces name.
+
+- On random layouts (flat_plan's generator: shuffled flat runs of several files, zeros, small
+  values, boxes, broken pieces, other dtypes, unknown keys, reads past a tensor's end), a
+  table's byte_ranges equal the box planner's for the pieces the table stands for, with the
+  same None and the same refusal; where the table path answers, its arrays say the same.
+- The writer's tables (GroupPlan) stand for the same pieces as its part lists did, for stage
+  1/2 and 3 at uneven world sizes, with zero-size parameters, parameters smaller than the world
+  and alignment padding.
+- The gathered copy (range_table) writes the bytes and CRC32 kernel_copy writes, across windows,
+  with zeros, with ranges too large or too far apart for a block (kernel_copy's path).
+"""
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+from ckptkit.formats.deepspeed import partition
+from ckptkit.formats.deepspeed.group_plan import GroupPlan, _parts, virtual
+from ckptkit.formats.deepspeed.info import ZeroGroup
+from ckptkit.index.state_keys import model_key, state_key
+from ckptkit.index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
+from ckptkit.index.virtual import FlatTable, TableEntry, flat_concat, flat_table
+from ckptkit.runner.plan import Planner
+from ckptkit.storage import kernel_copy, range_table
+from ckptkit.storage.range_table import RangeTable
+from ckptkit.storage.source import LocalSource
+from test_flat_plan import _boxed, _merged, _outcome, _stored
+
+
+def _random_table(rng: random.Random, index: CheckpointIndex, dtype: str) -> TableEntry:
+    """A table of random parts of the index's tensors (now and then an unknown key, or a part
+    past its tensor's end), with random zero padding between them and at the end."""
+    refs, starts, lengths, positions = [], [], [], []
+    pos = 0
+    keys = [k for k, e in index.tensors.items() if e.numel]
+    for _ in range(rng.randint(0, 10) if keys else 0):
+        pos += rng.choice([0, 0, rng.randint(1, 5)])
+        target = index.tensors[rng.choice(keys)]
+        start = rng.randrange(target.numel)
+        end = rng.randint(start + 1, target.numel)
+        if rng.random() < 0.03:
+            end = target.numel + 1  # past the end: refused
+        refs.append(target.key if rng.random() > 0.02 else "unknown")
+        starts.append(start)
+        lengths.append(end - start)
+        positions.append(pos)
+        pos += end - start
+    numel = pos + rng.choice([0, 0, rng.randint(1, 6)])
+    return flat_table(f"p.{rng.random()}", dtype, FlatTable(refs, starts, lengths, positions, numel))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_table_names_the_bytes_its_pieces_name(seed: int) -> None:
+    rng = random.Random(seed)
+    dtype = rng.choice(["float32", "bfloat16"])
+    index = CheckpointIndex("test", "/nowhere")
+    for i in range(rng.randint(1, 6)):
+        other = dtype if rng.random() < 0.9 else ("bfloat16" if dtype == "float32" else "float32")
+        entry = _stored(rng, f"t{i}", other, broken=rng.random() < 0.05)
+        index.tensors[entry.key] = entry
+    planner = Planner(index)
+    for _ in range(4):
+        table = _random_table(rng, index, dtype)
+        pieces = flat_concat(table.key, dtype, table.table.parts())  # what the table stands for
+        assert table.pieces == pieces.pieces and table.shape == pieces.shape
+        want = _outcome(lambda: _merged(_boxed(index, pieces, 0, None)))
+        assert _outcome(lambda: Planner(index).byte_ranges(_random_copy(table))) == want, seed
+        arrays = planner.range_table(table)
+        if arrays is not None:
+            assert ("ok", arrays.as_list()) == want, seed
+            assert arrays.total == table.nbytes
+
+
+def _random_copy(entry: TableEntry) -> TableEntry:
+    """The same table in a new entry (its pieces not yet made)."""
+    return flat_table(entry.key, entry.dtype, entry.table)
+
+
+def test_the_table_path_is_taken_for_flat_runs() -> None:
+    """Flat runs of raw bytes (a ZeRO-3 parameter: a run per source rank) are planned from the
+    arrays, adjacent ranges merged, zeros between; the table's pieces are never made."""
+    w = TensorEntry("w", "float32", (4, 4), [Piece(FlatRange(8, 8), Location("b", 0, 32)),
+                                             Piece(FlatRange(0, 8), Location("a", 64, 32))])
+    v = TensorEntry("v", "float32", (3,), [Piece(FlatRange(0, 3), Location("a", 96, 12))])
+    index = CheckpointIndex("test", "/nowhere", tensors={"w": w, "v": v})
+    entry = flat_table("p", "float32", FlatTable(["w", "v"], [2, 0], [6, 3], [0, 6], 11))
+    table = Planner(index).range_table(entry)
+    assert table is not None and entry._pieces is None
+    assert table.as_list() == [("a", 72, 36), (None, 0, 8)]  # w's 2..8 then v: one run of file a
+    assert Planner(index).byte_ranges(entry) == table.as_list() and entry._pieces is None
+    # another dtype, a virtual or unknown tensor, a run past its piece's bytes: not from the table
+    for refs in (["w", "nope"],):
+        assert Planner(index).range_table(flat_table("q", "float32", FlatTable(refs, [0, 0], [1, 1], [0, 1], 2))) is None
+    assert Planner(index).range_table(flat_table("q", "bfloat16", FlatTable(["w"], [0], [1], [0], 1))) is None
+    short = TensorEntry("s", "float32", (2,), [Piece(FlatRange(0, 2), Location("a", 0, 4))])
+    index.tensors["s"] = short
+    assert Planner(index).range_table(flat_table("q", "float32", FlatTable(["s"], [0], [1], [0], 1))) is None
+
+
+def test_a_table_refuses_parts_out_of_order() -> None:
+    for starts, lengths, positions, numel in (([0], [0], [0], 1), ([0, 0], [2, 2], [0, 1], 4),
+                                              ([0], [2], [0], 1), ([-1], [1], [0], 1)):
+        with pytest.raises(ValueError):
+            FlatTable(["a"] * len(starts), starts, lengths, positions, numel)
+
+
+@pytest.mark.parametrize("stage,world,numels,paddings", [
+    (3, 3, [64, 64, 1, 5, 0, 2, 64], None),      # 2 -> 3 ranks: parameters straddle, some smaller than W
+    (3, 5, [7, 64, 3], None),
+    (3, 1, [4, 6], None),
+    (2, 3, [10, 3, 7, 0, 5], [2, 1, 0, 0, 0]),   # alignment padding, the end padded to 2W
+    (1, 4, [3], None),                           # ranks past the end: empty partitions
+])
+def test_the_writers_tables_stand_for_its_parts(stage: int, world: int, numels: list[int],
+                                                paddings: list[int] | None) -> None:
+    params = tuple((f"layer.{i}.weight", (n,)) for i, n in enumerate(numels))
+    group = ZeroGroup(index=0, param_group=0, params=params, paddings=tuple(paddings) if paddings else None)
+    shares = partition.rank_shares(stage, [(n, s[0]) for n, s in params], group.paddings, world)
+    plan = GroupPlan(group=group, keys={"exp_avg": "float32", "step": None}, whole={"step": 1},
+                     master_dtype="float32", has_state=True, shares=shares)
+    for rank, share in enumerate(shares):
+        masters = plan.masters(rank).entry
+        old = virtual(masters.key, "float32", _parts(share, model_key), 0, share.own).entry
+        assert type(masters) is TableEntry and masters.pieces == old.pieces and masters.shape == old.shape
+        state = plan.state(rank)
+        old = virtual(state["exp_avg"].entry.key, "float32",
+                      _parts(share, lambda n: state_key(n, "exp_avg")), 0, share.size).entry
+        assert state["exp_avg"].entry.pieces == old.pieces and state["step"] == 1
+
+
+def _source(tmp_path, sizes: dict[str, int]) -> LocalSource:
+    rng = np.random.default_rng(0)
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    return LocalSource(str(tmp_path))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_gathered_copy_writes_kernel_copys_bytes(tmp_path, monkeypatch, seed: int) -> None:
+    monkeypatch.setattr(range_table, "_WINDOW", 4096)  # many windows from a small table
+    source = _source(tmp_path, {"a": 1 << 20, "b": 1 << 20})
+    rng = random.Random(seed)
+    unit = rng.choice([1, 2, 4, 8])
+    ranges = []
+    for _ in range(rng.randint(0, 400)):
+        kind = rng.random()
+        n = unit * rng.randint(1, 40)
+        if kind < 0.1:
+            ranges.append((None, 0, n))
+        elif kind < 0.12 and seed % 3 == 0:  # larger than a small range: kernel_copy's path
+            ranges.append(("a", unit * rng.randint(0, 1000), (kernel_copy._SMALL // unit + 1) * unit))
+        elif kind < 0.15:  # far apart: the window is read range by range
+            ranges.append((rng.choice("ab"), unit * rng.randint(0, (1 << 20) // unit - 50), n))
+        else:
+            ranges.append((rng.choice("ab"), unit * rng.randint(0, 2000), n))
+    files = ["a", "b"]
+    table = RangeTable(files, np.array([files.index(r) if r else -1 for r, _, _ in ranges], dtype=np.int64),
+                       np.array([o for _, o, _ in ranges], dtype=np.int64),
+                       np.array([n for _, _, n in ranges], dtype=np.int64))
+    assert table.as_list() == ranges
+    want = kernel_copy.read(source, ranges)
+    assert range_table.read(source, table) == want
+    with open(tmp_path / "out", "wb") as f:
+        f.write(b"head")
+        advanced = []
+        total, crc = range_table.copy_with_crc(source, table, f, advanced.append)
+    assert (tmp_path / "out").read_bytes() == b"head" + want
+    assert total == len(want) == sum(advanced) and crc == zlib.crc32(want)
+    os.remove(tmp_path / "out")
+
+
+def test_ranges_far_apart_are_not_read_as_one_block(tmp_path, monkeypatch) -> None:
+    """Memory stays flat: two ranges a megabyte apart are read each alone, not with the megabyte
+    between them (kernel_copy's reads), and still give the same bytes."""
+    source = _source(tmp_path, {"a": 2 << 20})
+    blocks = []
+    for name in ("_pread_block", "_source_block"):
+        real = getattr(kernel_copy, name)
+        monkeypatch.setattr(kernel_copy, name, lambda s, rel, o, n, real=real: blocks.append(n) or real(s, rel, o, n))
+    table = RangeTable(["a"], np.array([0, 0]), np.array([0, (2 << 20) - 64]), np.array([64, 64]))
+    with open(tmp_path / "out", "wb") as f:
+        range_table.copy_with_crc(source, table, f)
+    assert (tmp_path / "out").read_bytes() == kernel_copy.read(source, table.as_list()) and max(blocks) <= 64
