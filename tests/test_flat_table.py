@@ -24,7 +24,7 @@ from ckptkit.formats.deepspeed import partition
 from ckptkit.formats.deepspeed.group_plan import GroupPlan, _parts, virtual
 from ckptkit.formats.deepspeed.info import ZeroGroup
 from ckptkit.index.state_keys import model_key, state_key
-from ckptkit.index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
+from ckptkit.index.types import CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
 from ckptkit.index.virtual import FlatTable, TableEntry, flat_concat, flat_table
 from ckptkit.runner.plan import Planner
 from ckptkit.storage import kernel_copy, range_table
@@ -99,8 +99,10 @@ def test_the_table_path_is_taken_for_flat_runs() -> None:
         assert Planner(index).range_table(flat_table("q", "float32", FlatTable(refs, [0, 0], [1, 1], [0, 1], 2))) is None
     assert Planner(index).range_table(flat_table("q", "bfloat16", FlatTable(["w"], [0], [1], [0], 1))) is None
     short = TensorEntry("s", "float32", (2,), [Piece(FlatRange(0, 2), Location("a", 0, 4))])
-    index.tensors["s"] = short
-    assert Planner(index).range_table(flat_table("q", "float32", FlatTable(["s"], [0], [1], [0], 1))) is None
+    encoded = TensorEntry("e", "float32", (2,), [Piece(FlatRange(0, 2), Location("a", 0, 999, Encoding.TORCH_SAVE))])
+    index.tensors.update(s=short, e=encoded)
+    for key in "se":
+        assert Planner(index).range_table(flat_table("q", "float32", FlatTable([key], [0], [1], [0], 1))) is None
 
 
 def test_a_table_refuses_parts_out_of_order() -> None:

@@ -13,6 +13,7 @@ same bytes or the same refusal.
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 
@@ -58,9 +59,11 @@ class SourceRuns:
             if hit is not None and hit[0] is refs:
                 rows = hit[1]
             else:
-                row_of, register = self._row_of, self._register
-                rows = np.fromiter([row_of[k] if k in row_of else register(k) for k in refs], dtype=np.int64,
-                                   count=len(refs))
+                row_of = self._row_of
+                new = [k for k in refs if k not in row_of]
+                if new:
+                    self._register_all(new)
+                rows = np.fromiter(map(row_of.__getitem__, refs), dtype=np.int64, count=len(refs))
                 self._rows[id(refs)] = (refs, rows)  # the list is kept, so its id stays its own
             if self._arrays is None:
                 self._arrays = tuple(np.array(col, dtype=np.int64) for col in (
@@ -70,6 +73,64 @@ class SourceRuns:
 
     def dtype_code(self, dtype: str) -> int:
         return self._dtypes.setdefault(dtype, len(self._dtypes))
+
+    def _register_all(self, keys: list[str]) -> None:
+        """_register each key; the usual tensor (a ZeRO parameter: flat runs in order, raw, inside
+        their pieces' bytes, nothing empty) in one tight pass, anything else through _register."""
+        tensors, row_of, items, codes = self._tensors, self._row_of, {}, self._dtypes
+        first, count, numel_of, dtype_of = self._first, self._count, self._numel, self._dtype
+        start_of, length_of, file_of, offset_of = self._start, self._length, self._file, self._offset
+        file_id, files = self._file_id, self.files
+        sizes = self._file_sizes
+        for key in keys:
+            if key in row_of:
+                continue
+            entry = tensors.get(key)
+            if entry is None or sizes is not None or "virtual" in entry.attrs:
+                self._register(key)
+                continue
+            dtype = entry.dtype
+            item = items.get(dtype)
+            if item is None:
+                try:
+                    item = items[dtype] = itemsize(dtype)
+                except (KeyError, ValueError):
+                    self._register(key)
+                    continue
+            runs = []
+            pos = 0
+            for piece in entry.pieces:
+                region = piece.region
+                if type(region) is not FlatRange or region.start != pos:
+                    break
+                length = region.length
+                loc = piece.location
+                if length <= 0 or loc.encoding != _RAW or length * item > loc.length:
+                    break
+                runs.append((pos, length, loc.file, loc.offset))
+                pos += length
+            else:
+                shape = entry.shape
+                numel = shape[0] if len(shape) == 1 else math.prod(shape)
+                if pos == numel:
+                    row_of[key] = len(first)
+                    first.append(len(start_of))
+                    count.append(len(runs))
+                    numel_of.append(numel)
+                    code = codes.get(dtype)
+                    dtype_of.append(code if code is not None else self.dtype_code(dtype))
+                    for start, length, rel, offset in runs:
+                        f = file_id.get(rel)
+                        if f is None:
+                            f = file_id[rel] = len(files)
+                            files.append(rel)
+                        start_of.append(start)
+                        length_of.append(length)
+                        file_of.append(f)
+                        offset_of.append(offset)
+                    continue
+            self._register(key)  # not the usual: the general checks
+        self._arrays = None
 
     def _register(self, key: str) -> int:
         """Key's row: its flat runs in order, or -1 where they are not what flat_plan's sweep
