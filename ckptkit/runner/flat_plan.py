@@ -85,8 +85,9 @@ def flat_byte_ranges(entry: TensorEntry, start: int, length: int, *,
                      file_sizes: Mapping[str, int] | None = None,
                      cache: dict[int, tuple[TensorEntry, tuple]] | None = None) -> list[ByteRange] | None:
     """Elements [start, start+length) of `entry`'s flattening as coalesced byte ranges (see
-    plan.plan_byte_ranges for their form), or None: not planned here. `entry`'s tiling is
-    already checked; `tiling` checks a referenced tensor's; `boxed` plans a referenced range
+    plan.plan_byte_ranges for their form), or None: not planned here. Ranges come only when
+    `entry`'s pieces are flat runs tiling it exactly (runs(): plan.byte_ranges checks the tiling
+    of the rest); `tiling` checks a referenced tensor's; `boxed` plans a referenced range
     through boxes where that tensor's pieces are not flat (None: not simple); `cache` keeps
     the runs of referenced tensors by id (the entry held alongside, so ids stay unique)."""
     if start < 0 or length < 0 or start + length > entry.numel:
