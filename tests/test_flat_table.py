@@ -14,6 +14,7 @@ partition described as arrays must plan and copy exactly the bytes its pieces na
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import random
 import zlib
 
@@ -189,3 +190,34 @@ def test_ranges_far_apart_are_not_read_as_one_block(tmp_path, monkeypatch) -> No
     with open(tmp_path / "out", "wb") as f:
         range_table.copy_with_crc(source, table, f)
     assert (tmp_path / "out").read_bytes() == kernel_copy.read(source, table.as_list()) and max(blocks) <= 64
+
+
+@pytest.mark.parametrize("name", [n for n in ("z3_bf16_w2", "z3_fp16_w2", "z3_fp32_w2")
+                                  if (Path(__file__).parent.parent / "fixtures/data/deepspeed" / n).is_dir()])
+def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) -> None:
+    """The ZeRO-3 module's empty placeholders are located without the view checks (templates.
+    _empty_location): the same dtype and Location as tensor_location gives, for every one."""
+    from ckptkit.formats.deepspeed.templates import lazify, template_of
+    from ckptkit.formats.registry import open_checkpoint
+    from ckptkit.runner.torch_archive import empty_view, tensor_location
+    from ckptkit.safeload import TensorRef
+
+    info = open_checkpoint(str(Path(__file__).parent.parent / "fixtures/data/deepspeed" / name)).index.native
+    model, archive = template_of(info, "model", 0)
+    refs = []
+
+    def walk(v):
+        if isinstance(v, TensorRef):
+            refs.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+    walk(model)
+    assert any(empty_view(r) for r in refs)
+    for ref in refs:
+        entry = lazify(ref, archive, {}).entry
+        dtype, loc = tensor_location(archive, ref, "tensor")
+        assert (entry.dtype, entry.pieces[0].location) == (dtype, loc)
