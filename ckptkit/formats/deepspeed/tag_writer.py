@@ -115,10 +115,17 @@ def structure_bytes(value: Any, seen: set[int] | None = None) -> int:
         seen.add(id(value.entry))
         return value.entry.nbytes
     if isinstance(value, dict):
-        return sum(structure_bytes(v, seen) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(structure_bytes(v, seen) for v in value)
-    return 0
+        values = value.values()
+    elif isinstance(value, (list, tuple)):
+        values = value
+    else:
+        return 0
+    total = 0
+    for v in values:  # scalars (a torch.Size's ints: 20k param_shapes in a ZeRO-3 file) hold no tensor
+        t = type(v)
+        if t is not int and t is not str and t is not float and t is not bool and v is not None:
+            total += structure_bytes(v, seen)
+    return total
 
 
 def copy_file(source: Source, out: Output, rel: str, new: str, progress: Progress | None = None) -> None:
