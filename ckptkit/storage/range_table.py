@@ -120,7 +120,7 @@ def _window(source: Any, table: RangeTable, a: int, b: int, unit: int, view_as: 
     where = np.empty(b - a, dtype=np.int64)  # each range's first byte in the blocks, end to end
     blocks: list[np.ndarray] = []
     at = 0
-    for f in np.unique(fids).tolist():
+    for f in (np.flatnonzero(np.bincount(fids + 1)) - 1).tolist():  # (np.unique imports numpy.ma: 0.08 s)
         mine = fids == f
         n = nbytes[mine]
         if f < 0:  # zeros: one block as long as the longest of them
