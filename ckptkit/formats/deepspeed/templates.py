@@ -14,13 +14,17 @@ from .info import ZeroInfo
 
 
 def lazify(value: Any, archive: Archive, cache: dict) -> Any:
-    """Replace TensorRefs of a template structure by LazyTensors reading the same bytes."""
+    """Replace TensorRefs of a template structure by LazyTensors reading the same bytes. `cache`:
+    TensorRef -> its LazyTensor (equal refs, one tensor), and shape -> its whole Box."""
     if isinstance(value, TensorRef):
         hit = cache.get(value)
         if hit is None:
             dtype, loc = _empty_location(archive, value) if empty_view(value) else tensor_location(archive, value, "tensor")
             shape = tuple(value.size)
-            entry = TensorEntry(f"{archive.file}:{value.storage.key}", dtype, shape, [Piece(Box.whole(shape), loc)])
+            box = cache.get(shape)  # one (immutable) Box per shape: a module's placeholders share a few
+            if box is None:
+                box = cache[shape] = Box.whole(shape)
+            entry = TensorEntry(f"{archive.file}:{value.storage.key}", dtype, shape, [Piece(box, loc)])
             hit = cache[value] = LazyTensor(entry)
         return hit
     if isinstance(value, OrderedDict):
