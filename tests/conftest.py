@@ -82,3 +82,15 @@ def subprocess_env() -> dict:
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files with the most multi-process (slow) tests first, the rest in their usual order: with
+    `--dist loadfile` (scripts/test.sh) a worker takes a whole file, and a long file handed out last
+    would leave the other workers idle while it runs."""
+    slow_per_file: dict[str, int] = {}
+    for item in items:
+        slow_per_file.setdefault(item.nodeid.split("::")[0], 0)
+        if item.get_closest_marker("slow") is not None:
+            slow_per_file[item.nodeid.split("::")[0]] += 1
+    items.sort(key=lambda item: -slow_per_file[item.nodeid.split("::")[0]])
