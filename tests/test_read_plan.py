@@ -20,7 +20,7 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.index import geometry
 from ckptkit.index.dtypes import torch_dtype
-from ckptkit.index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
+from ckptkit.index.types import Box, Encoding, FlatRange, Location, Piece, TensorEntry
 from ckptkit.index.virtual import Part, flat_concat, flat_slice, inline_tensor
 from ckptkit.runner.fetch import Fetcher
 from ckptkit.runner.plan import ReadPlan, ReadSpan, plan_byte_ranges, plan_reads

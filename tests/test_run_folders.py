@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 
-import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
@@ -161,8 +160,8 @@ def test_checkpointer_directory(tmp_path):
     (tmp_path / "run" / "step_000000003" / ".metadata").unlink()  # its marker lists it
     code, stdout, stderr = run("consolidate", tmp_path / "run", tmp_path / "out")
     assert code == 0, stdout + stderr
-    assert (f"using step_000000002 (newest complete of 3 in this Checkpointer directory; step_000000003 is "
-            f"incomplete: lacks .metadata, which its .ckptkit-complete lists)") in stderr
+    assert ("using step_000000002 (newest complete of 3 in this Checkpointer directory; step_000000003 is "
+            "incomplete: lacks .metadata, which its .ckptkit-complete lists)") in stderr
     loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
     for name, value in weights[2].items():
         assert_tensor_equal(loaded[name], value, name)

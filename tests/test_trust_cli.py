@@ -275,7 +275,7 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(big_source, tmp_path, ea
         _check_interrupted(run, scene)
         interrupted += 1
     # how many runs are still going when Ctrl-C comes depends on the machine; each one that is, is checked whole
-    assert interrupted >= 1, f"none of 3 runs was still running when Ctrl-C came"
+    assert interrupted >= 1, "none of 3 runs was still running when Ctrl-C came"
 
 
 def test_ctrl_c_while_a_rank_waits_for_its_peers_ends_it_at_once(tmp_path):
