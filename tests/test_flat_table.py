@@ -195,11 +195,12 @@ def test_ranges_far_apart_are_not_read_as_one_block(tmp_path, monkeypatch) -> No
 @pytest.mark.parametrize("name", [n for n in ("z3_bf16_w2", "z3_fp16_w2", "z3_fp32_w2")
                                   if (Path(__file__).parent.parent / "fixtures/data/deepspeed" / n).is_dir()])
 def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) -> None:
-    """The ZeRO-3 module's empty placeholders are located without the view checks (templates.
-    _empty_location): the same dtype and Location as tensor_location gives, for every one."""
+    """The ZeRO-3 module's empty placeholders are located without the view checks (tensor_location's
+    empty_view road): the same dtype and Location as the checks (_located) give, for every one."""
     from ckptkit.formats.deepspeed.templates import lazify, template_of
     from ckptkit.formats.registry import open_checkpoint
-    from ckptkit.runner.torch_archive import empty_view, tensor_location
+    from ckptkit.index.types import Location
+    from ckptkit.runner.torch_archive import _located, empty_view
     from ckptkit.safeload import TensorRef
 
     info = open_checkpoint(str(Path(__file__).parent.parent / "fixtures/data/deepspeed" / name)).index.native
@@ -219,5 +220,7 @@ def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) ->
     assert any(empty_view(r) for r in refs)
     for ref in refs:
         entry = lazify(ref, archive, {}).entry
-        dtype, loc = tensor_location(archive, ref, "tensor")
-        assert (entry.dtype, entry.pieces[0].location) == (dtype, loc)
+        member = archive.storage_member(ref.storage.key)
+        dtype, start, length, stride = _located(archive, ref, "tensor", member)
+        assert (entry.dtype, entry.pieces[0].location) == (
+            dtype, Location(archive.file, member.data_offset + start, length, stride=stride))

@@ -624,13 +624,17 @@ def tensor_location(archive: Archive, ref: TensorRef, what: str,
     a view that is malformed (negative offset, ...), reaches past its storage or expands a few
     stored bytes into a huge tensor is refused, so the piece's bytes always lie inside its storage
     member's data (never the zip headers before it or the member after it). `memo`: the outcome
-    for the same TensorRef (one a StructureMemo hit shares) over a storage member of the same size."""
+    for the same TensorRef (one a StructureMemo hit shares) over a storage member of the same size.
+    An empty view that empty_view() passes needs none of the checks: it is located at once."""
     member = archive.storage_member(ref.storage.key)
-    known = memo.located(ref, member.size) if memo is not None else None
-    if known is None:
-        known = _located(archive, ref, what, member)
-        if memo is not None:
-            memo.locate(ref, member.size, known)
+    if empty_view(ref):  # no bytes, and a view _located accepts over any storage (a ZeRO-3 module's 20k placeholders)
+        known = (dtype_name(ref.dtype), 0, 0, None if is_contiguous(ref.size, ref.stride) else tuple(ref.stride))
+    else:
+        known = memo.located(ref, member.size) if memo is not None else None
+        if known is None:
+            known = _located(archive, ref, what, member)
+            if memo is not None:
+                memo.locate(ref, member.size, known)
     dtype, start, length, stride = known
     return dtype, Location(archive.file, member.data_offset + start, length, stride=stride)
 

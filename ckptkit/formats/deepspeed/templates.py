@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ...index.dtypes import dtype_name
-from ...index.types import Box, Location, Piece, TensorEntry
+from ...index.types import Box, Piece, TensorEntry
 from ...safeload import TensorRef
-from ...runner.torch_archive import Archive, empty_view, is_contiguous, tensor_location
+from ...runner.torch_archive import Archive, tensor_location
 from ..torch_save.archive_writer import LazyTensor
 from .info import ZeroInfo
 
@@ -19,7 +18,7 @@ def lazify(value: Any, archive: Archive, cache: dict) -> Any:
     if isinstance(value, TensorRef):
         hit = cache.get(value)
         if hit is None:
-            dtype, loc = _empty_location(archive, value) if empty_view(value) else tensor_location(archive, value, "tensor")
+            dtype, loc = tensor_location(archive, value, "tensor")
             shape = tuple(value.size)
             box = cache.get(shape)  # one (immutable) Box per shape: a module's placeholders share a few
             if box is None:
@@ -36,15 +35,6 @@ def lazify(value: Any, archive: Archive, cache: dict) -> Any:
     if type(value) is tuple:
         return tuple(lazify(v, archive, cache) for v in value)
     return value
-
-
-def _empty_location(archive: Archive, ref: TensorRef) -> tuple[str, Location]:
-    """tensor_location of a view with no elements that it accepts over any storage of the
-    archive (torch_archive.empty_view: a ZeRO-3 module's 20k placeholders), without its checks
-    of the view against the storage: the same dtype and Location (no bytes, at the storage)."""
-    member = archive.storage_member(ref.storage.key)
-    stride = None if is_contiguous(ref.size, ref.stride) else tuple(ref.stride)
-    return dtype_name(ref.dtype), Location(archive.file, member.data_offset, 0, stride=stride)
 
 
 def template_of(info: ZeroInfo, kind: str, rank: int) -> tuple[Any, Archive]:
