@@ -17,7 +17,8 @@ from typing import Any
 from ...errors import CkptkitError, FormatError, quote
 from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
-from ...index.types import Box, CheckpointIndex, Encoding, IntegrityCheck, Location, ObjectEntry, Piece, TensorEntry
+from ...index.types import (Box, CheckpointIndex, Encoding, IntegrityCheck, Location, ObjectEntry, Piece, TensorEntry,
+                            unchecked_location, unchecked_piece)
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads_dcp_metadata
 from ...torch_types import DType, Size
@@ -428,10 +429,7 @@ class _Templates:
         for template in templates:
             got = template.match(copy, offset, rel)
             if got is not None:
-                piece = _new(Piece)  # (a frozen dataclass made without its __init__: see match)
-                fields = piece.__dict__
-                fields["region"], fields["location"] = box, got[0]
-                return piece, got[1]
+                return unchecked_piece(box, got[0]), got[1]  # (checked: see match)
         return None
 
     def learn(self, archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
@@ -470,16 +468,15 @@ class _ItemTemplate:
     kind is looked up by them). Anything else goes through the full path, which refuses it with
     its own sentence or reads it."""
 
-    __slots__ = ("mask", "want", "central", "local", "compared", "members", "start", "location")
+    __slots__ = ("mask", "want", "central", "local", "compared", "members", "start", "length", "stride")
 
     def __init__(self, mask: int, want: int, layout: _Layout, members: tuple[tuple[int, int, str], ...],
                  start: int, length: int, stride: tuple[int, ...] | None) -> None:
         self.mask, self.want = mask, want  # the bytes compared (as bits of a little-endian int), their values
         self.central, self.local, self.compared = layout.central, layout.local, layout.compared
         self.members = members  # each member's data (relative to the archive), size and check's name
-        self.start = start  # the tensor's bytes, relative to the archive, and the fields of its Location:
-        self.location = {"file": "", "offset": 0, "length": length, "encoding": Encoding.RAW, "stride": stride,
-                         "transforms": ()}  # (each field of the dataclass, in its order)
+        self.start, self.length, self.stride = start, length, stride  # the tensor's bytes (start relative
+        # to the archive) and its element strides: its Location's fields
 
     @staticmethod
     def of(archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
@@ -514,15 +511,9 @@ class _ItemTemplate:
         crcs = self.central.unpack_from(copy)
         if self.compared and self.local.unpack_from(copy) != tuple([crcs[i] for i in self.compared]):
             return None  # the full path refuses it, with its message
-        loc = _new(Location)  # its fields set without the frozen dataclass's __init__ (a microsecond each)
-        fields = loc.__dict__
-        fields.update(self.location)
-        fields["file"], fields["offset"] = file, offset + self.start
+        loc = unchecked_location(file, offset + self.start, self.length, Encoding.RAW, self.stride)
         return loc, [_new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
                      for (at, size, what), crc in zip(self.members, crcs)]
-
-
-_new = object.__new__
 
 
 def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:

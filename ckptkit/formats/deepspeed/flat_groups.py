@@ -20,7 +20,8 @@ from ...errors import FormatError, quote
 from ...index import problems
 from ...index.dtypes import is_floating, itemsize
 from ...index.state_keys import model_key, model_path, state_key, state_path
-from ...index.types import CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
+from ...index.types import (CheckpointIndex, FlatRange, Location, Piece, TensorEntry, unchecked_flat_range,
+                            unchecked_location, unchecked_piece)
 from ...runner.torch_archive import Archive
 from ..protocols import UNINDEXED_OPTIMIZER
 from . import partition
@@ -28,8 +29,6 @@ from .entries import entry, tensor_of
 from .files import ZeroFiles
 from .group_state import GroupState
 from .info import StageNames, ZeroGroup
-
-_new = object.__new__  # per-parameter pieces are made without their frozen dataclasses' __init__
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +57,7 @@ class _FlatPieces:
         """Cut one rank's flat tensor at `loc` (`what`: a state key, None for the masters);
         `ranges`: each slot's FlatRange, shared by the rank's flat tensors (they are immutable)."""
         item = itemsize(dtype)
-        base = loc.offset
-        raw = {"file": loc.file, "offset": 0, "length": 0, "encoding": Encoding.RAW, "stride": None, "transforms": ()}
+        base, file = loc.offset, loc.file
         dtypes, pieces = self.dtypes, self.pieces
         for (name, _, length, position), region in zip(share.slots, ranges):  # per parameter and rank: kept lean
             k = (name, what)
@@ -67,15 +65,8 @@ class _FlatPieces:
                 key = model_key(name) if what is None else state_key(name, what)
                 raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, "
                                   f"{quote(dtypes[k])} on another rank")
-            # Piece(region, Location(file, offset, length)), their fields set without the frozen
-            # dataclasses' __init__ (a microsecond a field; as dcp/reader's templates do)
-            at = _new(Location)
-            fields = at.__dict__
-            fields.update(raw)
-            fields["offset"], fields["length"] = base + position * item, length * item
-            piece = _new(Piece)
-            fields = piece.__dict__
-            fields["region"], fields["location"] = region, at
+            # Piece(region, Location(file, offset, length)) without the dataclasses' checks (types.py says why)
+            piece = unchecked_piece(region, unchecked_location(file, base + position * item, length * item))
             got = pieces.get(k)
             if got is None:
                 pieces[k] = [piece]
@@ -126,7 +117,7 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
         arch = ranks.archive(rank)
         osd = ranks.optim[rank]["optimizer_state_dict"]
         mdtype, loc, length = _masters(arch, osd, names, group.index, share, ranks.world_size)
-        ranges = [_flat_range(slot.start, slot.length) for slot in share.slots]
+        ranges = [unchecked_flat_range(slot.start, slot.length) for slot in share.slots]
         flats.add(arch, share, None, mdtype, loc, ranges)
         values = entry(entry(osd, names.optimizer, arch.label), "state", arch.label)
         if not isinstance(values, dict):
@@ -146,14 +137,6 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
     for key in state.partitioned():  # a parameter with no elements still has its (empty) state
         for name in group.names:
             flats.dtypes.setdefault((name, key), state.dtypes[key])
-
-
-def _flat_range(start: int, length: int) -> FlatRange:
-    """FlatRange(start, length) without the frozen dataclass's __init__ (one per parameter and rank)."""
-    region = _new(FlatRange)
-    fields = region.__dict__
-    fields["start"], fields["length"] = start, length
-    return region
 
 
 def _tolerate_damaged(names: list[str], keys: list[str]) -> None:
