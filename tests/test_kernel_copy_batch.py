@@ -4,6 +4,7 @@ the CRC32 must be those of the ranges concatenated, in order, whatever the mix."
 from __future__ import annotations
 
 import random
+import tempfile
 import zlib
 
 import pytest
@@ -11,6 +12,12 @@ import pytest
 from ckptkit.errors import FormatError
 from ckptkit.storage import kernel_copy
 from ckptkit.storage.source import LocalSource
+
+
+def _crc(source: LocalSource, ranges: list) -> int:
+    """The CRC32 the writers get for these ranges: copy_with_crc's (written to a scratch file)."""
+    with tempfile.TemporaryFile() as out:
+        return kernel_copy.copy_with_crc(source, ranges, out)[1]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -42,7 +49,7 @@ def test_copy_and_crc_are_the_ranges_concatenated(tmp_path, seed: int) -> None:
             want += data[start:start + n]
     source = LocalSource(str(tmp_path))
     try:
-        assert kernel_copy.crc32(source, ranges) == zlib.crc32(want)
+        assert _crc(source, ranges) == zlib.crc32(want)
         advanced = []
         with open(tmp_path / "out", "wb") as out:
             out.write(b"head")
@@ -58,7 +65,7 @@ def test_a_small_range_past_the_end_of_its_file_is_refused(tmp_path) -> None:
     source = LocalSource(str(tmp_path))
     try:
         with pytest.raises(OSError, match="ends before byte 100"):
-            kernel_copy.crc32(source, [("a", 90, 20)])
+            _crc(source, [("a", 90, 20)])
         with open(tmp_path / "out", "wb") as out, pytest.raises(OSError, match="ends before byte 100"):
             kernel_copy.copy(source, [("a", 0, 10), ("a", 90, 20)], out)
     finally:
@@ -98,7 +105,7 @@ def test_neighbouring_ranges_read_in_blocks_are_the_ranges_concatenated(tmp_path
     ranges, want = _neighbour_ranges(rng, files, rng.randint(1, 3000))
     source = LocalSource(str(tmp_path))
     try:
-        assert kernel_copy.crc32(source, ranges) == zlib.crc32(want)
+        assert _crc(source, ranges) == zlib.crc32(want)
         assert kernel_copy.read(source, ranges) == want
         with open(tmp_path / "out", "wb") as out:
             out.write(b"head")
@@ -139,7 +146,7 @@ def test_a_block_past_the_end_of_its_file_names_the_file_and_byte(tmp_path) -> N
     source = LocalSource(str(tmp_path))
     try:
         with pytest.raises(OSError, match="a: ends before byte 100"):
-            kernel_copy.crc32(source, ranges)
+            _crc(source, ranges)
         with pytest.raises(FormatError, match="a: file ends at byte 100, expected 5 more bytes"):
             kernel_copy.read(source, ranges)
     finally:

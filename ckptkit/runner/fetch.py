@@ -208,6 +208,11 @@ class Fetcher:
             return None
         return self._planner.byte_ranges(entry, start, length)
 
+    def ranges(self, entry: TensorEntry) -> RangeTable | list[tuple[str | bytes | None, int, int]] | None:
+        """The whole entry's byte ranges: a flat table's as arrays (range_table), else as
+        byte_ranges lists them; its table planned once either way. None as byte_ranges."""
+        return self._planner.ranges(entry)
+
     def range_table(self, entry: TensorEntry) -> RangeTable | None:
         """byte_ranges of a whole flat table (index/virtual.FlatTable: a ZeRO partition) as
         arrays (storage/range_table), or None: not a table, or not stored that simply (then

@@ -229,10 +229,22 @@ class Planner:
         (flat_plan), which answers only for flat runs meeting end to end: an exact tiling, so
         not checked twice (20k ZeRO-3 parameters); the rest, and every refusal, through boxes,
         the tiling checked first. A flat table (a ZeRO partition) is planned from its table."""
-        if type(entry) is TableEntry and start == 0 and length is None:
+        if start == 0 and length is None:
+            found = self.ranges(entry)
+            return found if found is None or isinstance(found, list) else found.as_list()
+        return self._listed_ranges(entry, start, length)
+
+    def ranges(self, entry: TensorEntry) -> RangeTable | list[ByteRange] | None:
+        """The whole entry's byte ranges, each table planned once: a flat table's as arrays
+        (range_table), else, or where its table is declined, as byte_ranges lists them."""
+        if type(entry) is TableEntry:
             table = self.range_table(entry)
             if table is not None:
-                return table.as_list()
+                return table
+        return self._listed_ranges(entry, 0, None)
+
+    def _listed_ranges(self, entry: TensorEntry, start: int, length: int | None) -> list[ByteRange] | None:
+        """byte_ranges planned from the entry's pieces (not from a flat table)."""
         tensors = self.index.tensors if self.index is not None else None
         whole = start == 0 and length is None
         length = entry.numel - start if length is None else length

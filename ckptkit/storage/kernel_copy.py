@@ -49,25 +49,6 @@ def available(source: Any) -> bool:
     return hasattr(os, "copy_file_range") and hasattr(source, "fileno")
 
 
-def crc32(source: Any, ranges: Ranges) -> int:
-    """CRC32 of the concatenated ranges: small ranges read a block of neighbours at a time (a ZeRO
-    partition is thousands of them), a large one over short-lived memory maps of the source (no
-    copy; each window is unmapped before the next, so resident memory stays at one window)."""
-    crc = 0
-    since_check = _WINDOW  # the first range checks: a Ctrl-C already pending stops at once
-    small = _SmallReads(source, ranges, _pread_block)
-    for i, (rel, offset, nbytes) in enumerate(ranges):
-        if type(rel) is str and nbytes <= _SMALL:
-            since_check += nbytes + _PER_RANGE
-            if since_check >= _WINDOW:
-                interrupts.check()
-                since_check = 0
-            crc = _crc(small.get(i, rel, offset, nbytes), crc)
-            continue
-        crc = _crc_large(source, rel, offset, nbytes, crc)
-    return crc
-
-
 def _crc_large(source: Any, rel: str | bytes | None, offset: int, nbytes: int, crc: int) -> int:
     """`crc` continued over one range that is not read as a small one."""
     done = 0

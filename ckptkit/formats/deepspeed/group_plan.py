@@ -108,9 +108,11 @@ class GroupPlan:
     master_dtype: str
     has_state: bool                    # the optimizer holds state for it (else it is left out)
     shares: list[partition.RankShare]
-    # each rank's slots as table columns, and the referenced keys per (names, state key): shared
-    # by the rank's partitions and, where the names are the same, by the ranks (_table)
-    _columns: dict = field(default_factory=dict, compare=False, repr=False)
+    # rank -> its slots as table columns (names, starts, lengths, positions, end), shared by the
+    # rank's partitions; (names, state key or None) -> the keys the table refers to, shared by the
+    # ranks whose names are the same (stage 3's are alike) (_table)
+    _rank_columns: dict[int, tuple] = field(default_factory=dict, compare=False, repr=False)
+    _refs: dict[tuple[tuple[str, ...], Any], list[str]] = field(default_factory=dict, compare=False, repr=False)
 
     def masters(self, rank: int) -> LazyTensor:
         """This rank's flat partition of the fp32 masters."""
@@ -131,21 +133,21 @@ class GroupPlan:
         """Rank's partition of `numel` elements of the masters (key None) or of state `key`, as a
         flat table of its slots (a part per parameter, zeros between), or None where a slot ends
         past `numel` (then its parts, sliced)."""
-        cols = self._columns.get(rank)
+        cols = self._rank_columns.get(rank)
         if cols is None:
             import numpy as np  # here: a plan that writes no partition needs none
 
             slots = self.shares[rank].slots
             names, starts, lengths, positions = (tuple(c) for c in zip(*slots)) if slots else ((), (), (), ())
             end = positions[-1] + lengths[-1] if slots else 0
-            cols = self._columns[rank] = (names, *(np.array(c, dtype=np.int64) for c in (starts, lengths, positions)),
+            cols = self._rank_columns[rank] = (names, *(np.array(c, dtype=np.int64) for c in (starts, lengths, positions)),
                                           end)
         names, starts, lengths, positions, end = cols
         if end > numel:
             return None
-        refs = self._columns.get((names, key))  # the ranks' names are alike in stage 3: built once
+        refs = self._refs.get((names, key))  # the ranks' names are alike in stage 3: built once
         if refs is None:
-            refs = self._columns[(names, key)] = ([model_key(n) for n in names] if key is None else
+            refs = self._refs[(names, key)] = ([model_key(n) for n in names] if key is None else
                                                   [state_key(n, key) for n in names])
         return FlatTable(refs, starts, lengths, positions, numel)
 

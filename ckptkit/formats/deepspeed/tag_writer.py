@@ -181,9 +181,6 @@ class _Counted:
         self.total += n
         self.inner.advance(n)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
 
 def write_tag(out: Output, source: Source, tag: str, structures: dict[str, tuple[Any, Fetcher]], ctx: RunContext, *,
               copied: list[tuple[str, str]] = (), scripts: bool = False) -> list[str]:

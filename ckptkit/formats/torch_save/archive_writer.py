@@ -167,6 +167,13 @@ def copy_in_kernel(member: Any, f: Any, source: Any, ranges: "kernel_copy.Ranges
     return True
 
 
+def _read_ranges(source: Any, ranges: "kernel_copy.Ranges | range_table.RangeTable") -> bytes:
+    """The bytes of a tensor's ranges (Fetcher.ranges: a RangeTable or a list), in memory."""
+    if isinstance(ranges, list):
+        return kernel_copy.read(source, ranges)
+    return range_table.read(source, ranges)
+
+
 def write_archive(out: Output, name: str, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
                   progress: Progress | None = None) -> None:
     """Write `structure` as the torch.save file `name` inside `out`."""
@@ -266,12 +273,9 @@ def _records_archive(builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher, s
             if slot.numel == 0:
                 data = b""
             else:
-                table = fetcher.range_table(slot.lazy)
-                ranges = fetcher.byte_ranges(slot.lazy) if table is None else None
-                if table is not None:
-                    data = range_table.read(fetcher.source, table)
-                elif ranges is not None:
-                    data = kernel_copy.read(fetcher.source, ranges)
+                ranges = fetcher.ranges(slot.lazy)
+                if ranges is not None:
+                    data = _read_ranges(fetcher.source, ranges)
                 else:
                     data = b"".join(bytes(c) for c in stream_tensor(fetcher, slot.lazy, None, slab_bytes))
                 progress.advance(len(data))
@@ -436,19 +440,10 @@ def _write_zip(zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fe
         zf.writestr(zipfile.ZipInfo(f"{ROOT}/byteorder", _DATE), b"little")
         for slot in builder.slots:
             with zf.open(_aligned_info(zf, f"{ROOT}/data/{slot.key}"), "w", force_zip64=True) as member:
-                table = fetcher.range_table(slot.lazy) if slot.lazy is not None else None
-                if table is not None:  # a flat table (a ZeRO partition): gathered from its range arrays
-                    if f is None:
-                        data = range_table.read(fetcher.source, table)
-                        member.write(data)
-                        progress.advance(len(data))
-                        continue
-                    if copy_in_kernel(member, f, fetcher.source, table, progress):
-                        continue
-                ranges = (fetcher.byte_ranges(slot.lazy) if table is None else table.as_list()) \
-                    if slot.lazy is not None else None
+                # a flat table (a ZeRO partition) as its range arrays, other tensors as a list of ranges
+                ranges = fetcher.ranges(slot.lazy) if slot.lazy is not None else None
                 if ranges is not None and f is None:  # assembled in memory: the byte ranges, read
-                    data = kernel_copy.read(fetcher.source, ranges)
+                    data = _read_ranges(fetcher.source, ranges)
                     member.write(data)
                     progress.advance(len(data))
                     continue
