@@ -25,7 +25,7 @@ from ckptkit.formats.deepspeed import partition
 from ckptkit.formats.deepspeed.group_plan import GroupPlan, _parts, virtual
 from ckptkit.formats.deepspeed.info import ZeroGroup
 from ckptkit.index.state_keys import model_key, state_key
-from ckptkit.index.types import CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
+from ckptkit.index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
 from ckptkit.index.virtual import FlatTable, TableEntry, flat_concat, flat_table
 from ckptkit.runner.plan import Planner
 from ckptkit.storage import kernel_copy, range_table
@@ -224,3 +224,88 @@ def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) ->
         dtype, start, length, stride = _located(archive, ref, "tensor", member)
         assert (entry.dtype, entry.pieces[0].location) == (
             dtype, Location(archive.file, member.data_offset + start, length, stride=stride))
+
+
+def _zero_param(rng: random.Random, key: str, dtype: str) -> TensorEntry:
+    """A parameter as the ZeRO reader indexes it: flat runs in order, one per source rank, each
+    in that rank's file (none for a zero-size parameter)."""
+    shape = tuple(rng.randint(0, 4) for _ in range(rng.randint(1, 2)))
+    numel = int(np.prod(shape))
+    item = 4 if dtype == "float32" else 2
+    pieces, pos, world = [], 0, rng.randint(1, 3)
+    per = -(-numel // world)
+    for rank in range(world):
+        length = max(0, min(per, numel - pos))
+        if length:
+            pieces.append(Piece(FlatRange(pos, length), Location(f"r{rank}", rng.randint(0, 99) * 8,
+                                                                length * item + rng.choice([0, 0, 4]))))
+        pos += length
+    return TensorEntry(key, dtype, shape, pieces)
+
+
+def _spoiled(rng: random.Random, entry: TensorEntry) -> TensorEntry:
+    """The entry with one thing SourceRuns' usual path must not take: a box, a gap, a run out of
+    order or past its piece's bytes, an empty run, zeros, a stride, a float, a virtual tensor."""
+    pieces = list(entry.pieces)
+    how = rng.choice(["box", "gap", "order", "long", "empty", "zeros", "stride", "float", "virtual"])
+    if how == "virtual" or not pieces:
+        return TensorEntry(entry.key, entry.dtype, entry.shape, pieces, attrs={"virtual": "x"})
+    i = rng.randrange(len(pieces))
+    region, loc = pieces[i].region, pieces[i].location
+    if how == "box":
+        pieces[i] = Piece(Box((region.start,), (region.length,)), loc)
+    elif how == "gap":
+        pieces[i] = Piece(FlatRange(region.start + 1, region.length), loc)
+    elif how == "order":
+        pieces.reverse()
+        if len(pieces) == 1:
+            pieces.append(pieces[0])
+    elif how == "long":
+        item = 4 if entry.dtype == "float32" else 2
+        pieces[i] = Piece(region, Location(loc.file, loc.offset, region.length * item - 1))
+    elif how == "empty":
+        pieces.insert(i, Piece(FlatRange(region.start, 0), loc))
+    elif how == "zeros":
+        pieces[i] = Piece(region, Location("", 0, loc.length, Encoding.ZEROS))
+    elif how == "stride":
+        pieces[i] = Piece(region, Location(loc.file, loc.offset, loc.length, stride=(1,)))
+    elif how == "float":
+        object.__setattr__(region, "start", float(region.start))
+        pieces[i] = Piece(region, loc)
+    return TensorEntry(entry.key, entry.dtype, entry.shape, pieces)
+
+
+def _runs_state(runs) -> tuple:
+    return (runs._row_of, runs._first, runs._count, runs._numel, runs._dtype, runs._dtypes, runs._start,
+            runs._length, runs._file, runs._offset, runs.files)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_batch_of_zero_parameters_registers_as_one_at_a_time(seed: int) -> None:
+    """SourceRuns registers a batch of the usual tensors (a ZeRO partition's parameters) on arrays
+    (_register_usual): the same rows, runs, files and dtype codes as the one-at-a-time pass; a
+    batch holding anything else is left to that pass whole."""
+    from ckptkit.runner.flat_table import SourceRuns
+
+    rng = random.Random(seed)
+    index = CheckpointIndex("test", "/nowhere")
+    for i in range(rng.randint(1, 40)):
+        entry = _zero_param(rng, f"t{i}", rng.choice(["float32", "float32", "bfloat16"]))
+        index.tensors[entry.key] = entry
+    keys = list(index.tensors)
+    spoil = rng.random() < 0.5
+    if spoil:
+        key = rng.choice(keys)
+        index.tensors[key] = _spoiled(rng, index.tensors[key])
+    fast, slow = SourceRuns(index.tensors), SourceRuns(index.tensors)
+    taken = fast._register_usual(keys)
+    slow._register_each(keys)
+    if taken:
+        assert _runs_state(fast) == _runs_state(slow), seed
+    else:  # nothing registered (the general checks may still take the spoiled one, sorted or boxed)
+        assert spoil and _runs_state(fast) == _runs_state(SourceRuns(index.tensors)), seed
+    if not spoil:
+        assert taken, seed
+    either = SourceRuns(index.tensors)
+    either._register_all(keys)
+    assert _runs_state(either) == _runs_state(slow), seed

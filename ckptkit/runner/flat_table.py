@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
+from itertools import chain, repeat
+from operator import attrgetter, contains
 
 import numpy as np
 
@@ -27,6 +29,9 @@ from ..storage.range_table import RangeTable
 __all__ = ["SourceRuns", "table_ranges"]
 
 _RAW = Encoding.RAW
+_ATTRS, _DTYPE, _PIECES, _SHAPE = (attrgetter(a) for a in ("attrs", "dtype", "pieces", "shape"))
+_REGION, _LOCATION, _START, _LENGTH = (attrgetter(a) for a in ("region", "location", "start", "length"))
+_ENCODING, _FILE, _OFFSET = (attrgetter(a) for a in ("encoding", "file", "offset"))
 
 
 class SourceRuns:
@@ -76,7 +81,77 @@ class SourceRuns:
 
     def _register_all(self, keys: list[str]) -> None:
         """_register each key; the usual tensor (a ZeRO parameter: flat runs in order, raw, inside
-        their pieces' bytes, nothing empty) in one tight pass, anything else through _register."""
+        their pieces' bytes, nothing empty) in one tight pass, anything else through _register.
+        A batch of nothing but usual tensors (a ZeRO partition's 20k parameters) is checked and
+        added on arrays at once (_register_usual)."""
+        if not self._register_usual(keys):
+            self._register_each(keys)
+        self._arrays = None
+
+    def _register_usual(self, keys: list[str]) -> bool:
+        """_register_each's outcome for `keys` when every one of them is the usual tensor, its
+        checks made on arrays (the same checks, each over the whole batch); False, having
+        registered nothing, when any key is not (then _register_each sorts them one by one)."""
+        tensors, sizes = self._tensors, self._file_sizes
+        if sizes is not None or not keys or len(set(keys)) != len(keys):
+            return False
+        entries = list(map(tensors.get, keys))
+        if type(None) in set(map(type, entries)) or any(map(contains, map(_ATTRS, entries), repeat("virtual"))):
+            return False
+        items: dict[str, int] = {}
+        dtypes = list(map(_DTYPE, entries))
+        for dtype in dict.fromkeys(dtypes):
+            try:
+                items[dtype] = itemsize(dtype)
+            except (KeyError, ValueError):
+                return False
+        lists = list(map(_PIECES, entries))
+        pieces = list(chain.from_iterable(lists))
+        regions = list(map(_REGION, pieces))
+        locs = list(map(_LOCATION, pieces))
+        if set(map(type, regions)) - {FlatRange} or set(map(_ENCODING, locs)) - {_RAW}:
+            return False
+        counts = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        starts, lengths, loc_lengths, numels = (_ints(v) for v in (
+            list(map(_START, regions)), list(map(_LENGTH, regions)), list(map(_LENGTH, locs)),
+            [shape[0] if len(shape) == 1 else math.prod(shape) for shape in map(_SHAPE, entries)]))
+        if starts is None or lengths is None or loc_lengths is None or numels is None:
+            return False
+        item = np.repeat(np.array([items[d] for d in dtypes], dtype=np.int64), counts)
+        if float(np.abs(lengths).sum(dtype=np.float64)) >= 2.0 ** 62:  # (sums below: no int64 overflow)
+            return False
+        # each entry's runs tile it in order: a run starts where the entry's runs before it end
+        ends = np.cumsum(lengths)
+        firsts = np.cumsum(counts) - counts  # each entry's first run
+        held = counts > 0
+        base = np.repeat((ends - lengths)[firsts[held]], counts[held])  # its runs' sum before the entry
+        totals = np.zeros(len(entries), dtype=np.int64)
+        totals[held] = ends[firsts[held] + counts[held] - 1] - (ends - lengths)[firsts[held]]
+        if not (bool((lengths > 0).all()) and bool((starts == ends - lengths - base).all())
+                and bool((lengths <= loc_lengths // item).all()) and bool((totals == numels).all())):
+            return False
+        files, file_id = self.files, self._file_id
+        rels = list(map(_FILE, locs))
+        for rel in dict.fromkeys(rels):
+            if rel not in file_id:
+                file_id[rel] = len(files)
+                files.append(rel)
+        codes = self._dtypes
+        code_of = {dtype: codes[dtype] if dtype in codes else self.dtype_code(dtype) for dtype in items}
+        row = len(self._first)
+        self._row_of.update(zip(keys, range(row, row + len(keys))))
+        self._first.extend((firsts + len(self._start)).tolist())
+        self._count.extend(counts.tolist())
+        self._numel.extend(numels.tolist())
+        self._dtype.extend(map(code_of.__getitem__, dtypes))
+        self._start.extend(starts.tolist())
+        self._length.extend(lengths.tolist())
+        self._file.extend(map(file_id.__getitem__, rels))
+        self._offset.extend(map(_OFFSET, locs))
+        return True
+
+    def _register_each(self, keys: list[str]) -> None:
+        """_register_all one key at a time."""
         tensors, row_of, items, codes = self._tensors, self._row_of, {}, self._dtypes
         first, count, numel_of, dtype_of = self._first, self._count, self._numel, self._dtype
         start_of, length_of, file_of, offset_of = self._start, self._length, self._file, self._offset
@@ -130,7 +205,6 @@ class SourceRuns:
                         offset_of.append(offset)
                     continue
             self._register(key)  # not the usual: the general checks
-        self._arrays = None
 
     def _register(self, key: str) -> int:
         """Key's row: its flat runs in order, or -1 where they are not what flat_plan's sweep
@@ -203,6 +277,17 @@ class SourceRuns:
                     return None
                 pos = start + length
         return (entry, item, out) if pos == numel else None
+
+
+def _ints(values: list) -> np.ndarray | None:
+    """`values` as an int64 array, None unless every one is an int that fits (then the checks
+    on Python ints decide)."""
+    if set(map(type, values)) - {int}:
+        return None
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        return None
 
 
 def table_ranges(table: FlatTable, dtype: str, runs: SourceRuns) -> RangeTable | None:

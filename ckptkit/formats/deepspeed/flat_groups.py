@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from ...errors import FormatError, quote
@@ -51,27 +52,51 @@ class _FlatPieces:
 
     pieces: dict[tuple[str, Any], list[Piece]] = field(default_factory=dict)
     dtypes: dict[tuple[str, Any], str] = field(default_factory=dict)
+    # state key (None: the masters) -> every dtype `dtypes` holds for it: while a key has had one
+    # dtype only, a rank's tensor of that dtype cannot disagree with any parameter's (add)
+    _kinds: dict[Any, set[str]] = field(default_factory=dict)
 
     def add(self, arch: Archive, share: partition.RankShare, what: Any, dtype: str, loc: Location,
             ranges: list[FlatRange]) -> None:
         """Cut one rank's flat tensor at `loc` (`what`: a state key, None for the masters);
         `ranges`: each slot's FlatRange, shared by the rank's flat tensors (they are immutable)."""
+        if not share.slots:
+            return
         item = itemsize(dtype)
-        base, file = loc.offset, loc.file
-        dtypes, pieces = self.dtypes, self.pieces
-        for (name, _, length, position), region in zip(share.slots, ranges):  # per parameter and rank: kept lean
-            k = (name, what)
-            if dtypes.setdefault(k, dtype) != dtype:
-                key = model_key(name) if what is None else state_key(name, what)
-                raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, "
-                                  f"{quote(dtypes[k])} on another rank")
-            # Piece(region, Location(file, offset, length)) without the dataclasses' checks (types.py says why)
-            piece = unchecked_piece(region, unchecked_location(file, base + position * item, length * item))
+        base = loc.offset
+        names, _, lengths, positions = zip(*share.slots)
+        keys = list(zip(names, repeat(what)))
+        kinds = self._kinds.setdefault(what, set())
+        if kinds and kinds != {dtype}:  # some parameter may hold another dtype: each checked, in order
+            self._check_dtypes(arch, keys, dtype)
+        self.dtypes.update(zip(keys, repeat(dtype)))  # (every key already there holds `dtype`)
+        kinds.add(dtype)
+        # Piece(region, Location(file, offset, length)) without the dataclasses' checks (types.py says why)
+        made = map(unchecked_piece, ranges, map(unchecked_location, repeat(loc.file),
+                                                [base + p * item for p in positions], [n * item for n in lengths]))
+        pieces = self.pieces
+        for k, piece in zip(keys, made):  # per parameter and rank: kept lean
             got = pieces.get(k)
             if got is None:
                 pieces[k] = [piece]
             else:
                 got.append(piece)
+
+    def _check_dtypes(self, arch: Archive, keys: list[tuple[str, Any]], dtype: str) -> None:
+        """Refuse the first parameter whose tensor another rank gave another dtype."""
+        dtypes = self.dtypes
+        for k in keys:
+            if dtypes.get(k, dtype) != dtype:
+                name, what = k
+                key = model_key(name) if what is None else state_key(name, what)
+                raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, "
+                                  f"{quote(dtypes[k])} on another rank")
+
+    def ensure(self, name: str, what: Any, dtype: str) -> None:
+        """A parameter's tensor of `what` exists (with no pieces, if no rank held any), of `dtype`
+        unless a rank's said otherwise."""
+        if self.dtypes.setdefault((name, what), dtype) == dtype:
+            self._kinds.setdefault(what, set()).add(dtype)
 
     def add_tensors(self, index: CheckpointIndex, shapes: dict[str, tuple[int, ...]]) -> None:
         """The masters (`model.<name>`), then every partitioned state key (`optim.state.<name>.<key>`),
@@ -136,7 +161,7 @@ def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: Zer
     state.add_whole(index, group.names)
     for key in state.partitioned():  # a parameter with no elements still has its (empty) state
         for name in group.names:
-            flats.dtypes.setdefault((name, key), state.dtypes[key])
+            flats.ensure(name, key, state.dtypes[key])
 
 
 def _tolerate_damaged(names: list[str], keys: list[str]) -> None:

@@ -41,6 +41,7 @@ _DATE = (1980, 1, 1, 0, 0, 0)
 _REBUILD_V2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
 _UNTYPED = GlobalRef("torch", "UntypedStorage")
+_LEGACY_STORAGE = {dtype: GlobalRef("torch", legacy) for dtype, legacy in STORAGE_OF.items()}  # (one object per name)
 
 
 @dataclass(eq=False)
@@ -108,6 +109,17 @@ class _Builder:
         return slot, t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
     def reduce(self, obj: Any) -> Any:
+        if type(obj) is LazyTensor:  # _slot_for's first case, inlined: a placeholder per parameter (20k)
+            e = obj.entry
+            slot = self._by_entry.get(id(e))
+            if slot is None:
+                slot = _Slot(str(len(self.slots)), e.dtype, e.numel, e, None)
+                self.slots.append(slot)
+                self._by_entry[id(e)] = slot
+            shape = tuple(e.shape)
+            if slot.dtype in STORAGE_OF:
+                return (_REBUILD_V2, (slot, 0, shape, _contiguous_stride(shape), False, OrderedDict()))
+            return (_REBUILD_V3, (slot, 0, shape, _contiguous_stride(shape), False, OrderedDict(), DType(slot.dtype)))
         if not isinstance(obj, (LazyTensor, SmallTensor)):
             if not is_tensor(obj):
                 return None
@@ -124,9 +136,9 @@ class _Builder:
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, _Slot):
             return None
-        legacy = STORAGE_OF.get(obj.dtype)
+        legacy = _LEGACY_STORAGE.get(obj.dtype)
         if legacy is not None:
-            return ("storage", GlobalRef("torch", legacy), obj.key, "cpu", obj.numel)
+            return ("storage", legacy, obj.key, "cpu", obj.numel)
         return ("storage", _UNTYPED, obj.key, "cpu", obj.numel * itemsize(obj.dtype))
 
 
