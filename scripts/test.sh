@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # The test command from the README: set up the environment, then run the whole suite.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -m "not slow"`).
-# PYTEST_WORKERS=auto (or a number) runs the suite a test file per worker (pytest-xdist, at most 4):
-# a file's module fixtures (a DeepSpeed job, the docs' examples) then run once, and
-# tests/conftest.py sends the files with multi-process tests out first. It halves the suite's time
-# on 2 cores, but one of three such runs lost a rank of a 3-process trainer job to SIGABRT
-# ("terminate called without an active exception") while another job ran beside it; until that is
-# understood the default is one process (PYTEST_WORKERS=0).
+# The suite runs a test file per worker (pytest-xdist, one per core, at most 4): a file's module
+# fixtures (a DeepSpeed job, the docs' examples) then run once, and tests/conftest.py sends the
+# files with multi-process tests out first; on 2 cores it takes about half the time of one process.
+# PYTEST_WORKERS=0 runs everything in one process (PYTEST_WORKERS=N: N workers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,4 +14,4 @@ VENV="${VENV:-.venv}"
 # sources again (~0.3 s each)
 "$VENV/bin/python" -m compileall -q ckptkit cli tests > /dev/null
 "$VENV/bin/python" -m compileall -q -l fixtures > /dev/null  # its own scripts, not the checkpoints' copies of zero_to_fp32.py
-exec "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-0}" --maxprocesses 4 --dist loadfile "$@"
+exec "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-auto}" --maxprocesses 4 --dist loadfile "$@"
