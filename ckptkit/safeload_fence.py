@@ -70,6 +70,7 @@ def _run_for(n: int, persistent: bool) -> re.Pattern:
 
 # opcodes that make a container or a rebuilt value: their bytes counted bound the objects made
 _MAKERS = b")]}ltd\x85\x86\x87\x81R"
+_NOT_MAKERS = bytes(c for c in range(256) if c not in _MAKERS)
 # integers of 5-8 bytes (LONG1: storage offsets past 2 GiB) and floats (hyperparameters): each
 # could seed a tuple key crafted to share another's hash; this many cost a dictionary at most
 # ~1e8 probes
@@ -136,7 +137,7 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> None:
             raise Decline
         if pos > n:
             raise Decline
-    objects = sum(data.count(bytes([c])) for c in _MAKERS)
+    objects = len(data.translate(None, _NOT_MAKERS))  # (the makers kept: one pass, 8x less than a count each)
     if objects > max(knobs.MAX_PICKLE_OBJECTS, n // 4):
         raise Decline
 
@@ -172,9 +173,13 @@ class SizeCall(Call):
     def __call__(self, *args: Any) -> Any:
         if len(args) == 1:
             t = args[0]
-            if type(t) is tuple and len(t) <= 64 and (not t or (set(map(type, t)) <= _INT and -_I64 <= min(t)
-                                                               and max(t) < _I64)):
-                return Size(t)
+            if type(t) is tuple:
+                if len(t) == 1:  # (most of them: a 1-d tensor's size, offsets and chunk sizes)
+                    x = t[0]
+                    if type(x) is int and -_I64 <= x < _I64:
+                        return Size(t)
+                elif len(t) <= 64 and (not t or (set(map(type, t)) <= _INT and -_I64 <= min(t) and max(t) < _I64)):
+                    return Size(t)
         return Call.__call__(self, *args)
 
 

@@ -27,8 +27,11 @@ class Inert:
     def __setstate__(self, state: Any) -> None:
         # the grammar's BUILD, whoever unpickles a stand-in (the C unpickler in safeload_dcp
         # calls this for each of a .metadata's 500k objects: the plain case inline)
-        if type(state) is dict and set(map(type, state)) <= _STR and state.keys().isdisjoint(_INERT_ATTRS):
+        kind = type(state)
+        if kind is dict and set(map(type, state)) <= _STR and state.keys().isdisjoint(_INERT_ATTRS):
             self.__dict__.update(state)
+        elif kind is tuple and len(state) != 2:  # kept as `_state`, as apply_inert_state does (a
+            self.__dict__["_state"] = state     # TensorProperties: 100k in a .metadata)
         else:
             apply_inert_state(self, state)
 

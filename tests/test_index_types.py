@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from ckptkit.index.types import (Box, Encoding, FlatRange, Location, Piece, unchecked_flat_range,
+from ckptkit.index.types import (Box, Encoding, FlatRange, Location, Piece, unchecked_box, unchecked_flat_range,
                                  unchecked_location, unchecked_piece)
 
 LOCATIONS = [
@@ -32,9 +32,10 @@ def test_unchecked_location_is_the_location_its_constructor_makes(args):
 
 
 @pytest.mark.parametrize("region", [FlatRange(3, 4), Box((0, 2), (4, 2)), Box((), ())], ids=repr)
-def test_unchecked_piece_and_flat_range_are_what_their_constructors_make(region):
+def test_unchecked_piece_box_and_flat_range_are_what_their_constructors_make(region):
     loc = Location("f", 16, 64)
-    fast_region = unchecked_flat_range(region.start, region.length) if type(region) is FlatRange else region
+    fast_region = unchecked_flat_range(region.start, region.length) if type(region) is FlatRange else \
+        unchecked_box(region.offsets, region.sizes)
     _same(fast_region, region)
     fast = unchecked_piece(fast_region, unchecked_location("f", 16, 64))
     _same(fast, Piece(region, loc))
@@ -43,7 +44,7 @@ def test_unchecked_piece_and_flat_range_are_what_their_constructors_make(region)
 
 
 def test_unchecked_values_stay_frozen():
-    for value, name in ((unchecked_location("f", 0, 1), "offset"), (unchecked_flat_range(0, 1), "start"),
+    for value, name in ((unchecked_location("f", 0, 1), "offset"), (unchecked_flat_range(0, 1), "start"), (unchecked_box((0,), (1,)), "sizes"),
                         (unchecked_piece(FlatRange(0, 1), Location("f", 0, 4)), "region")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(value, name, 2)

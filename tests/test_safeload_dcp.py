@@ -191,6 +191,26 @@ def test_wide_integers_that_could_seed_colliding_tuple_keys_are_declined():
     _declined_quickly(data)
 
 
+def test_the_scan_bounds_the_objects_by_the_opcodes_that_make_them(monkeypatch):
+    """scan counts the container-making opcodes (an upper bound on the objects built) against
+    max(MAX_PICKLE_OBJECTS, a quarter of the pickle's bytes): a .metadata torch wrote is well
+    under a quarter; a pickle of nothing but empty lists is over it and is declined."""
+    import pickle
+
+    from ckptkit import knobs
+
+    monkeypatch.setattr(knobs, "MAX_PICKLE_OBJECTS", 0)  # the quarter of the bytes alone bounds them
+    safeload_fence.scan(SEED.read_bytes())  # (raises Decline when over)
+    lists = pickle.dumps([[] for _ in range(1000)], protocol=4)  # ']' and a MEMOIZE per list: 2 bytes each
+    with pytest.raises(safeload_fence.Decline):
+        safeload_fence.scan(lists)
+    monkeypatch.setattr(knobs, "MAX_PICKLE_OBJECTS", 1000)
+    with pytest.raises(safeload_fence.Decline):
+        safeload_fence.scan(lists)  # 1001 lists made
+    monkeypatch.setattr(knobs, "MAX_PICKLE_OBJECTS", 1001)
+    safeload_fence.scan(lists)
+
+
 def _stand_ins(data: bytes):
     return machine(data)
 

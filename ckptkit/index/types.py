@@ -108,6 +108,16 @@ class Piece:
 _new = object.__new__
 
 
+def unchecked_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
+    """Box(offsets, sizes), made without the frozen dataclass's __init__ and its rank check
+    (see above: the caller has checked that offsets and sizes have the same length)."""
+    box = _new(Box)
+    fields = box.__dict__
+    fields["offsets"] = offsets
+    fields["sizes"] = sizes
+    return box
+
+
 def unchecked_flat_range(start: int, length: int) -> FlatRange:
     """FlatRange(start, length), made without the frozen dataclass's __init__ (see above)."""
     region = _new(FlatRange)

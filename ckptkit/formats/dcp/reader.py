@@ -18,7 +18,7 @@ from ...errors import CkptkitError, FormatError, quote
 from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
 from ...index.types import (Box, CheckpointIndex, Encoding, IntegrityCheck, Location, ObjectEntry, Piece, TensorEntry,
-                            unchecked_location, unchecked_piece)
+                            unchecked_box, unchecked_location, unchecked_piece)
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads_dcp_metadata
 from ...torch_types import DType, Size
@@ -122,6 +122,7 @@ def read_index(source: Source, parallel: int = 8) -> CheckpointIndex:
         merged.add(_load_metadata(source, name), source.label(name))
     index = _new_index(source, names, merged)
     jobs = _item_jobs(index, merged, source.label(names[0]))
+    del merged  # (the metadata's objects the jobs do not hold go before the items' are made: peak RSS)
     _add_items(index, source, jobs, _read_items(source, jobs, parallel))
     ranks = [int(m.group(1)) for n in index.files if (m := _DATA_FILE.match(n))]
     index.world_size = max(ranks) + 1 if ranks else None
@@ -278,7 +279,7 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
                 info = storage.get((key, offsets))
                 if info is None:
                     raise FormatError(f"{label}: tensor {key} chunk at offsets {list(offsets)} has no storage record")
-                jobs.append((entry, Box(offsets, sizes), info))
+                jobs.append((entry, unchecked_box(offsets, sizes), info))  # (ranks checked by _Merged.add)
         elif kind == "BytesStorageMetadata":
             info = merged.storage.get((key, None))
             if info is None:
