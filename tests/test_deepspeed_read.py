@@ -176,3 +176,39 @@ def test_consolidate_dtype_bf16_casts_the_masters(tmp_path):
         if kind in ("fp32", "frozen", "buffer"):
             want = expected.to(torch.bfloat16) if expected.is_floating_point() else expected
             assert_tensor_equal(out[pname], want, key)
+
+
+def test_flat_pieces_refuse_a_parameter_whose_ranks_disagree_on_its_dtype():
+    """_FlatPieces.add checks a parameter's dtype against the other ranks' only where its state
+    key has held another dtype: every such parameter is still refused, the first in slot order,
+    with the dtype of each side; parameters of different dtypes that never meet pass."""
+    from types import SimpleNamespace
+
+    from ckptkit.errors import FormatError
+    from ckptkit.formats.deepspeed.flat_groups import _FlatPieces
+    from ckptkit.formats.deepspeed.partition import stage3_shares
+    from ckptkit.index.types import FlatRange, Location
+
+    def add(flats, names, rank, what, dtype, world=2):
+        share = stage3_shares([(n, 8) for n in names], world)[rank]
+        ranges = [FlatRange(s.start, s.length) for s in share.slots]
+        flats.add(SimpleNamespace(label=f"rank{rank}.pt"), share, what, dtype, Location(f"r{rank}", 0, 64), ranges)
+
+    flats = _FlatPieces()
+    add(flats, ["a", "b", "c"], 0, None, "float32")
+    with pytest.raises(FormatError, match=r"^rank1\.pt: model\.b is 'float16' here, 'float32' on another rank$"):
+        add(flats, ["b", "c"], 1, None, "float16")
+
+    flats = _FlatPieces()
+    add(flats, ["a"], 0, "exp_avg", "float32")
+    add(flats, ["x", "y"], 0, "exp_avg", "float16")  # other parameters: no disagreement
+    add(flats, ["a"], 1, "exp_avg", "float32")
+    with pytest.raises(FormatError, match=r"^rank1\.pt: optim\.state\.y\.exp_avg is 'float32' here, "
+                                          r"'float16' on another rank$"):
+        add(flats, ["a", "y", "x"], 1, "exp_avg", "float32")
+
+    flats = _FlatPieces()
+    flats.ensure("z", "exp_avg", "float16")  # a zero-size parameter's (empty) state
+    add(flats, ["w"], 0, "exp_avg", "float32")
+    with pytest.raises(FormatError, match=r"optim\.state\.z\.exp_avg is 'float32' here, 'float16' on another"):
+        add(flats, ["z"], 1, "exp_avg", "float32")

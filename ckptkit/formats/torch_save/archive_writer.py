@@ -82,15 +82,19 @@ class _Builder:
         self._by_entry: dict[int, _Slot] = {}
         self._by_ptr: dict[tuple, _Slot] = {}
 
+    def _lazy_slot(self, e: TensorEntry) -> _Slot:
+        """The storage record of a LazyTensor's entry (one per entry, however often it is met)."""
+        slot = self._by_entry.get(id(e))
+        if slot is None:
+            slot = _Slot(str(len(self.slots)), e.dtype, e.numel, e, None)
+            self.slots.append(slot)
+            self._by_entry[id(e)] = slot
+        return slot
+
     def _slot_for(self, obj: Any) -> tuple[_Slot, int, tuple, tuple]:
         if isinstance(obj, LazyTensor):
             e = obj.entry
-            slot = self._by_entry.get(id(e))
-            if slot is None:
-                slot = _Slot(str(len(self.slots)), e.dtype, e.numel, e, None)
-                self.slots.append(slot)
-                self._by_entry[id(e)] = slot
-            return slot, 0, tuple(e.shape), _contiguous_stride(tuple(e.shape))
+            return self._lazy_slot(e), 0, tuple(e.shape), _contiguous_stride(tuple(e.shape))
         if isinstance(obj, SmallTensor):
             slot = _Slot(str(len(self.slots)), obj.dtype, obj.numel, None, obj.data)
             self.slots.append(slot)
@@ -111,11 +115,7 @@ class _Builder:
     def reduce(self, obj: Any) -> Any:
         if type(obj) is LazyTensor:  # _slot_for's first case, inlined: a placeholder per parameter (20k)
             e = obj.entry
-            slot = self._by_entry.get(id(e))
-            if slot is None:
-                slot = _Slot(str(len(self.slots)), e.dtype, e.numel, e, None)
-                self.slots.append(slot)
-                self._by_entry[id(e)] = slot
+            slot = self._lazy_slot(e)
             shape = tuple(e.shape)
             if slot.dtype in STORAGE_OF:
                 return (_REBUILD_V2, (slot, 0, shape, _contiguous_stride(shape), False, OrderedDict()))
