@@ -143,10 +143,39 @@ def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _join(lambda: dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s)))
     group = group_of(None, timeout_s)
     _CURRENT.append(group)
     return group
+
+
+def _join(rendezvous: Any) -> None:
+    """Run torch's rendezvous where Ctrl-C cannot reach it: in a thread that blocks SIGINT, the main
+    thread waiting. Inside it (TCPStore's connect loop, in C++) Python's signal handler cannot run:
+    a Ctrl-C there made torch log an "Interrupted system call" retry with a C++ trace, and, landing
+    in its retry delay, left the rank waiting for peers that had already gone, until the timeout.
+    Now the signal goes to the main thread, whose handler ends the process at once (nothing is open
+    during the rendezvous). Off the main thread (a library caller's thread) it runs as it is."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        rendezvous()
+        return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            rendezvous()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="ckptkit-rendezvous", daemon=True)
+    thread.start()
+    thread.join()  # a Ctrl-C interrupts this wait: the handler runs here
+    if failure:
+        raise failure[0]
 
 
 _GLOO: dict[Any, Any] = {}  # process group -> its gloo twin for object collectives
