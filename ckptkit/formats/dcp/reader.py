@@ -173,7 +173,7 @@ class _Merged:
             setdefault(key, meta)
             if type(meta).__name__ == "TensorStorageMetadata":
                 self._add_chunks(key, meta, label)
-        storage = self.storage
+        keep = self.storage.setdefault  # (the first record of a key wins)
         for mi, info in _mapping(_field(md, "storage_data", "Metadata", label, None), "storage_data", label).items():
             fields = getattr(mi, "__dict__", None)
             off = fields.get("offset", _NO_FIELD) if fields is not None and "fqn" in fields else _NO_FIELD
@@ -184,11 +184,12 @@ class _Merged:
                 fqn = _field(mi, "fqn", "MetadataIndex", label)
                 off = _field(mi, "offset", "MetadataIndex", label, None)
                 where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
-            if (fqn, where) not in storage:
-                storage[fqn, where] = info
+            keep((fqn, where), info)
+        planner = self.planner
         for key, path in _mapping(_field(md, "planner_data", "Metadata", label, None), "planner_data", label).items():
-            if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
-                self.planner[key] = tuple(path)
+            if isinstance(path, (tuple, list)) and (set(map(type, path)) <= _STR_OR_INT or  # (no generator a key)
+                                                    all(isinstance(p, (str, int)) for p in path)):
+                planner[key] = tuple(path)
 
     def _add_chunks(self, key: str, meta: Any, label: str) -> None:
         """The chunk boxes of tensor `key`, each once, checked against the tensor's rank."""
@@ -212,6 +213,7 @@ class _Merged:
 
 
 _NO_FIELD = object()
+_STR_OR_INT = {str, int}
 
 
 def _sized(value: Any) -> tuple[int, ...] | None:
@@ -236,10 +238,11 @@ def _plain_boxes(meta: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | N
         got = getattr(chunk, "__dict__", None)
         if got is None:
             return None
-        offsets, sizes = _sized(got.get("offsets")), _sized(got.get("sizes"))
-        if offsets is None or sizes is None or len(offsets) != rank or len(sizes) != rank:
+        offsets, sizes = got.get("offsets"), got.get("sizes")  # (_sized inline: 200k chunks' worth of calls)
+        if type(offsets) is not Size or type(sizes) is not Size or len(offsets) != rank or len(sizes) != rank or \
+                (rank and (min(offsets) < 0 or min(sizes) < 0)):
             return None
-        boxes.append((offsets, sizes))
+        boxes.append((tuple(offsets), tuple(sizes)))
     return boxes
 
 
@@ -266,8 +269,13 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
         path = merged.planner.get(key)
         kind = type(meta).__name__
         if kind == "TensorStorageMetadata":
-            dtype = _props_dtype(_field(meta, "properties", f"tensor {key}", label), label, key)
-            shape = _sized(meta.__dict__.get("size"))
+            fields = meta.__dict__
+            props = getattr(fields.get("properties"), "__dict__", None)  # torch's kind: the dtype first in
+            state = props.get("_state") if props is not None and "dtype" not in props else None  # its state
+            dtype = state[0] if type(state) is tuple and state else None
+            if type(dtype) is not DType:  # any other: the checked path, which says what is wrong
+                dtype = _props_dtype(_field(meta, "properties", f"tensor {key}", label), label, key)
+            shape = _sized(fields.get("size"))
             if shape is None:
                 shape = _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
             name = names.get(dtype)
