@@ -209,8 +209,13 @@ def follow_links() -> bool | None:
 
 def dump_json(value: Any) -> str:
     """Strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as the string
-    "nan", "inf" or "-inf", so every parser reads the output."""
-    return json.dumps(_finite(value), indent=1, allow_nan=False)
+    "nan", "inf" or "-inf", so every parser reads the output. Most documents hold no such number:
+    they are written as they are, and only one that does is copied with its numbers replaced
+    (copying an index of 100k tensors first cost more than a second)."""
+    try:
+        return json.dumps(value, indent=1, allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere (or a cycle, which _finite reports as before)
+        return json.dumps(_finite(value), indent=1, allow_nan=False)
 
 
 def _finite(value: Any) -> Any:

@@ -471,3 +471,33 @@ def test_diff_json_is_strict_json_with_non_finite_differences(tmp_path):
     assert doc["equal"] is False
     values = {r["name"]: r["max_abs_diff"] for r in doc["rows"]}
     assert any(isinstance(v, str) and v in ("nan", "inf") for v in values.values()), doc
+
+
+def test_dump_json_writes_what_the_finite_copy_would():
+    """dump_json writes a document as it is unless it holds a NaN or an infinity; either way the
+    bytes are those of the copy with every non-finite number written as a string."""
+    import json as _json
+    import random
+
+    from ckptkit_cli.main import _finite, dump_json
+
+    rng = random.Random(3)
+    specials = [float("nan"), float("inf"), float("-inf")]
+
+    def doc(depth: int, special: bool):
+        if depth == 0:
+            return rng.choice([1, -2.5, "s", None, True, 1e300, 0.1, *(specials if special else [])])
+        kind = rng.choice(["dict", "list", "tuple"])
+        items = [doc(depth - 1, special) for _ in range(rng.randint(0, 4))]
+        if kind == "dict":
+            return {f"k{i}" if i % 2 else i: v for i, v in enumerate(items)}
+        return items if kind == "list" else tuple(items)
+
+    seen_special = 0
+    for i in range(300):
+        value = doc(4, special=i % 2 == 1)
+        text = dump_json(value)
+        assert text == _json.dumps(_finite(value), indent=1, allow_nan=False)
+        _json.loads(text, parse_constant=lambda token: (_ for _ in ()).throw(AssertionError(token)))
+        seen_special += any(t in text for t in ('"nan"', '"inf"', '"-inf"'))
+    assert seen_special > 10
