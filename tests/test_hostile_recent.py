@@ -1,7 +1,8 @@
 """Hostile ZeRO rank files against the recent ZeRO read/write path (flat_groups, SourceRuns'
-batch path): a master partition stored as a view that is not plain contiguous must be read
-with its strides or refused, never read as contiguous bytes (wrong values, or bytes past its
-storage) into an output that looks valid."""
+batch path): a flat partition (fp32 masters or a partitioned optimizer state) stored as a view that
+is not contiguous is refused in one sentence naming the rank file, by every command, and nothing is
+written; before, it was read as contiguous bytes (the wrong elements, or bytes past its storage) into
+an output that looked valid."""
 from __future__ import annotations
 
 import shutil
@@ -32,73 +33,61 @@ def _with_rank1_group0(tmp_path, view: torch.Tensor):
     return ckpt
 
 
-def _consolidated_or_refused(tmp_path, ckpt, view: torch.Tensor) -> None:
-    """consolidate either refuses (exit != 0, one sentence, no output) or writes the values
-    torch.load gives: embed.weight's last 142 elements are rank 1's first 142 of group 0."""
+def _refused(tmp_path, args: list[str], out) -> None:
+    """The command refuses: not 0, one sentence naming rank 1's file and the strided view, no output."""
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and RANK1 in lines[0] and "strided view" in lines[0], res.output
+    assert not out.exists(), res.output
+
+
+def _consolidated(tmp_path, ckpt, view: torch.Tensor) -> None:
+    """consolidate writes the values torch.load gives: embed.weight's last 142 elements are rank
+    1's first 142 of group 0."""
     out = tmp_path / "st"
     res = CliRunner().invoke(cli, ["consolidate", str(ckpt), str(out)])
-    assert "Traceback" not in res.output
-    if res.exit_code != 0:
-        assert RANK1 in res.output, res.output
-        assert not out.exists()
-        return
+    assert res.exit_code == 0, res.output
     got = load_file(str(out / "model.safetensors"))["embed.weight"].flatten()
     assert torch.equal(got[-142:], view[:142].contiguous()), (got[-142:][:6], view[:6])
 
 
-@pytest.mark.xfail(strict=True, reason="flat_groups._FlatPieces.add drops the master partition's "
-                   "Location.stride (unchecked_location(file, offset, length)): a strided fp32 partition "
-                   "is read as contiguous bytes, consolidate exits 0 with the wrong values")
-def test_strided_master_partition_is_read_with_its_strides_or_refused(tmp_path):
-    view = (torch.arange(564, dtype=torch.float32) + 1000)[::2]  # stride 2 over a 564-element storage
-    _consolidated_or_refused(tmp_path, _with_rank1_group0(tmp_path, view), view)
+VIEWS = {"stride 2": lambda: (torch.arange(564, dtype=torch.float32) + 1000)[::2],   # every other element
+         "expanded": lambda: torch.full((1,), 7.0).expand(282)}                        # one float seen 282 times
+COMMANDS = {"consolidate": [], "consolidate --include-optimizer": ["--include-optimizer"], "reshard": ["--to", "3"],
+            "convert": ["--to", "dcp"], "inspect": None, "verify": None}
 
 
-@pytest.mark.xfail(strict=True, reason="flat_groups._FlatPieces.add drops the stride of an expanded "
-                   "(stride-0) fp32 partition: 282*4 bytes are read from a 4-byte storage, i.e. past it "
-                   "(other members' bytes / zip headers), into a consolidated file that exits 0")
-def test_expanded_master_partition_never_reads_past_its_storage(tmp_path):
-    view = torch.full((1,), 7.0).expand(282)  # one stored float seen 282 times
-    _consolidated_or_refused(tmp_path, _with_rank1_group0(tmp_path, view), view)
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("kind", list(VIEWS))
+def test_a_strided_master_partition_is_refused(tmp_path, kind, command):
+    ckpt = _with_rank1_group0(tmp_path, VIEWS[kind]())
+    out = tmp_path / "out"
+    name, extra = command.split()[0], COMMANDS[command]
+    if extra is None:  # read-only commands: refused the same (verify reports it as a problem)
+        res = CliRunner().invoke(cli, [name, str(ckpt)])
+        assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+        assert RANK1 in res.output and "strided view" in res.output, res.output
+        return
+    _refused(tmp_path, [name, str(ckpt), str(out), *extra], out)
 
 
 def test_storage_offset_master_partition_reads_its_own_elements(tmp_path):
-    """Holds: a contiguous partition at a storage offset reads from that offset."""
+    """A contiguous partition at a storage offset is not strided: it is read from that offset."""
     view = (torch.arange(564, dtype=torch.float32) + 1000)[100:382]
-    _consolidated_or_refused(tmp_path, _with_rank1_group0(tmp_path, view), view)
+    _consolidated(tmp_path, _with_rank1_group0(tmp_path, view), view)
 
 
-@pytest.mark.xfail(strict=True, reason="the same dropped stride on reshard's road (flat_groups -> "
-                   "SourceRuns/table_ranges copy the bytes as contiguous): reshard exits 0 and its ranks "
-                   "hold the wrong values")
-def test_reshard_of_a_strided_master_partition_keeps_its_values_or_refuses(tmp_path):
-    view = (torch.arange(564, dtype=torch.float32) + 1000)[::2]
-    ckpt = _with_rank1_group0(tmp_path, view)
-    out = tmp_path / "r"
-    res = CliRunner().invoke(cli, ["reshard", str(ckpt), str(out), "--to", "3"])
-    assert "Traceback" not in res.output
-    if res.exit_code != 0:
-        assert RANK1 in res.output and not out.exists(), res.output
-        return
-    _consolidated_or_refused(tmp_path, out, view)
-
-
-@pytest.mark.xfail(strict=True, reason="group_state's partitioned optimizer state (exp_avg) goes through "
-                   "_FlatPieces.add too: a strided exp_avg is written by consolidate --include-optimizer "
-                   "as contiguous bytes (0, 1, 2, ... for 0, 2, 4, ...)")
-def test_strided_partitioned_exp_avg_is_read_with_its_strides_or_refused(tmp_path):
+@pytest.mark.parametrize("include_optimizer", [True, False])
+def test_a_strided_partitioned_exp_avg_is_refused(tmp_path, include_optimizer):
+    """The optimizer state's flat partitions too, also where consolidate only counts them."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(DS_DATA / NAME, ckpt)
     victim = ckpt / "global_step2" / RANK1
     state = torch.load(victim, weights_only=False)  # trusted: our own fixture
-    view = torch.arange(564, dtype=torch.float32)[::2]
-    state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"] = view
+    state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"] = torch.arange(564.0)[::2]
     torch.save(state, victim)
     out = tmp_path / "o"
-    res = CliRunner().invoke(cli, ["consolidate", "--include-optimizer", str(ckpt), str(out)])
-    assert "Traceback" not in res.output
-    if res.exit_code != 0:
-        assert RANK1 in res.output and not out.exists(), res.output
-        return
-    got = load_file(str(out / "optimizer.safetensors"))["state.embed.weight.exp_avg"].flatten()
-    assert torch.equal(got[-142:], view[:142].contiguous()), (got[-142:][:6], view[:6])
+    _refused(tmp_path, ["consolidate", *(["--include-optimizer"] if include_optimizer else []), str(ckpt), str(out)],
+             out)

@@ -38,3 +38,12 @@ def tensor_of(archive: Archive, value: Any, what: str) -> tuple[str, Location, t
         raise FormatError(f"{archive.label}: {what} is not a tensor (found {type(value).__name__})")
     dtype, loc = tensor_location(archive, value, what)
     return dtype, loc, tuple(value.size)
+
+
+def refuse_strided(arch: Archive, loc: Location, what: str) -> None:
+    """A flat partition is cut into per-parameter byte ranges of its storage, so it must be stored
+    contiguous, as DeepSpeed saves it: a strided or expanded view (a crafted file) would otherwise
+    be read as the wrong elements, or as bytes past its storage."""
+    if loc.stride is not None:
+        raise FormatError(f"{arch.label}: {what} is stored as a strided view (strides {list(loc.stride)}), "
+                          f"expected a contiguous flat tensor")

@@ -26,7 +26,7 @@ from ...index.types import (CheckpointIndex, FlatRange, Location, Piece, TensorE
 from ...runner.torch_archive import Archive
 from ..protocols import UNINDEXED_OPTIMIZER
 from . import partition
-from .entries import entry, tensor_of
+from .entries import entry, refuse_strided, tensor_of
 from .files import ZeroFiles
 from .group_state import GroupState
 from .info import StageNames, ZeroGroup
@@ -185,5 +185,7 @@ def _masters(arch: Archive, osd: dict, names: StageNames, i: int, share: partiti
     if not is_floating(dtype):
         raise FormatError(f"{arch.label}: fp32 partition of {what} {i} is {quote(dtype)}, expected a "
                           f"floating-point tensor (the optimizer's master weights)")
+    refuse_strided(arch, loc, f"fp32 partition of {what} {i}")
     return dtype, loc, shape[0]
+
 

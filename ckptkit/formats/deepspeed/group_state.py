@@ -16,6 +16,7 @@ from ...optim_state import PARTITIONED, WHOLE, kind_of, refuse_unmappable
 from ...safeload import TensorRef
 from ...runner.torch_archive import Archive, tensor_location
 from ..torch_save.reader import materialize
+from .entries import refuse_strided
 from .values import same_value, value_weight
 
 # A state kept whole is copied to every parameter of its group, and every command then walks it
@@ -74,6 +75,7 @@ class GroupState:
     def _partitioned(self, arch: Archive, key: Any, value: TensorRef) -> Location:
         """Where this rank's flat partition of `key` is; its dtype the same on every rank."""
         dtype, loc = tensor_location(arch, value, f"optimizer state {key!r} of {self.where}")
+        refuse_strided(arch, loc, f"optimizer state {quote(str(key))} of {self.where}")
         if self.dtypes.setdefault(key, dtype) != dtype:
             raise FormatError(f"{arch.label}: optimizer state {quote(str(key))} of {self.where} is "
                               f"{quote(dtype)}, rank {self.keys_rank}'s is {quote(self.dtypes[key])}")
