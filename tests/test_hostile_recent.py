@@ -91,3 +91,44 @@ def test_a_strided_partitioned_exp_avg_is_refused(tmp_path, include_optimizer):
     out = tmp_path / "o"
     _refused(tmp_path, ["consolidate", *(["--include-optimizer"] if include_optimizer else []), str(ckpt), str(out)],
              out)
+
+
+def _with_rank1(tmp_path, name: str, change) -> tuple:
+    """A copy of fixture `name` whose rank 1 optimizer_state_dict went through `change`."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DS_DATA / name, ckpt)
+    victim = ckpt / "global_step2" / RANK1
+    state = torch.load(victim, weights_only=False)  # trusted: our own fixture
+    change(state["optimizer_state_dict"])
+    torch.save(state, victim)
+    return ckpt, tmp_path / "out"
+
+
+@pytest.mark.parametrize("name,masters", [(NAME, GROUPS), ("z3_fp32_w2", "fp32_flat_groups")])
+def test_a_flat_partition_of_no_described_group_is_refused(tmp_path, name, masters):
+    """A rank holding one more flat partition than the groups the checkpoint describes: its data
+    belongs to no parameter, so reading on would lose it (DeepSpeed's zero_to_fp32 refuses too)."""
+    if name not in ds_fixtures():
+        pytest.skip(f"needs the {name} fixture")
+    ckpt, out = _with_rank1(tmp_path, name, lambda osd: osd[masters].append(torch.zeros(8)))
+    for args in (["consolidate", str(ckpt), str(out)], ["reshard", str(ckpt), str(out), "--to", "3"]):
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert RANK1 in res.output and "3 flat partitions" in res.output and "describes 2" in res.output, res.output
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("name,count", [(NAME, [0, 2]), (NAME, [2, 10 ** 30]), (NAME, [3, 3]), (NAME, [2]),
+                                        (NAME, [True, 2]), (NAME, [2.0, 2]), ("z3_fp32_w2", 3), ("z3_fp32_w2", 0),
+                                        ("z3_fp32_w2", "2")])
+def test_a_partition_count_other_than_the_ranks_is_refused(tmp_path, name, count):
+    """partition_count says how many ranks each group is partitioned over; one that is not the
+    number of optim-states files describes another layout (or a lie): refused, nothing written."""
+    if name not in ds_fixtures():
+        pytest.skip(f"needs the {name} fixture")
+    ckpt, out = _with_rank1(tmp_path, name, lambda osd: osd.__setitem__("partition_count", count))
+    res = CliRunner().invoke(cli, ["consolidate", str(ckpt), str(out)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and RANK1 in lines[0] and "partition_count" in lines[0], res.output
+    assert not out.exists()

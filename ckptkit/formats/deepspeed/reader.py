@@ -93,6 +93,7 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
     frozen = _frozen(index, stage, world, files, archives, model, label)
     groups_meta, groups = (_stage12_groups if stage < 3 else _stage3_groups)(osd0, param_shapes, first_optim)
     ranks = RankFiles(files=files, archives=archives, optim=optim, world_size=world)
+    _check_partitions(ranks, stage, len(groups), plain=not files.whole_experts and not files.expert_files)
     flat_groups = groups
     if files.whole_experts:  # the expert groups span the mp ranks: moe_whole.py reads them after the join
         flat_groups = moe_whole.dense_groups(groups_meta, groups)
@@ -176,6 +177,28 @@ def _check_world(source: Source, files: ZeroFiles, stage: int, world: int, m0: A
         raise FormatError(f"{label}: says dp_world_size {dp}, but the optim-states {which} missing ({names}{more})")
     if isinstance(dp, int) and dp != world:
         raise FormatError(f"{label}: says dp_world_size {dp} but there are {world} optim-states files")
+
+
+def _check_partitions(ranks: RankFiles, stage: int, groups: int, *, plain: bool) -> None:
+    """Every rank holds one flat partition per (sub-)group the checkpoint describes (DeepSpeed's
+    zero_to_fp32 refuses the same), so none is left unread; and, without experts (whose groups span
+    fewer ranks), partition_count, when saved, is the number of optim-states files."""
+    names = stage_names(stage)
+    for rank in sorted(ranks.optim):
+        arch = ranks.archive(rank)
+        osd = entry(ranks.optim[rank], "optimizer_state_dict", arch.label)
+        masters = entry(osd, names.masters, arch.label)
+        if isinstance(masters, list) and len(masters) != groups:
+            raise FormatError(f"{arch.label}: {names.masters} holds {len(masters)} flat partitions, but the "
+                              f"checkpoint describes {groups} {names.group}s (param_shapes and the optimizer's "
+                              f"param groups); a partition of no described group would be lost")
+        count = osd.get("partition_count") if plain else None
+        counts = count if isinstance(count, list) else [count] if count is not None else []
+        if any(type(c) is not int or c != ranks.world_size for c in counts) or (stage < 3 and isinstance(
+                count, list) and len(count) != groups):
+            raise FormatError(f"{arch.label}: partition_count is {str(count)[:80]}, expected "
+                              f"{[ranks.world_size] * groups if stage < 3 else ranks.world_size} (one partition "
+                              f"per optim-states file: there are {ranks.world_size})")
 
 
 def _module_and_buffers(index: CheckpointIndex, stage: int, buffers: list[str], archive: Archive, m0: dict,
