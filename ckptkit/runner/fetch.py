@@ -14,7 +14,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import interrupts
@@ -43,6 +43,9 @@ class _Decoded:
     place in it (byte offset, strides)."""
 
     nbytes: int
+    dtype: str
+    size: tuple[int, ...]           # the item's tensor as it found it: every use checks these
+    contiguous: bool
     tensor: "torch.Tensor | None" = None
     stream: Any = None
     offset: int = 0
@@ -224,17 +227,22 @@ class Fetcher:
 
     def _decoded(self, entry: TensorEntry, piece: Piece) -> _Decoded:
         """A compressed item decoded within bounds (its declared bytes plus the archive around
-        them): in memory when small, else streamed; cached within a quarter of the budget."""
+        them): in memory when small, else streamed; cached within a quarter of the budget. Every
+        use, a cached one too, checks the item against what this entry's metadata says of it (two
+        storage records may name the same bytes)."""
         loc = piece.location
-        key = (loc.file, loc.offset)
+        flat = isinstance(piece.region, FlatRange)
+        key = (loc.file, loc.offset, loc.length, loc.transforms, flat)
+        label = f"{self.source.label(loc.file)} (item of {entry.key})"
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+        if hit is not None:
+            _check_item(hit, entry, piece, label)
+            return hit
         from .torch_archive import item_tensor, open_item
 
-        label = f"{self.source.label(loc.file)} (item of {entry.key})"
         declared = piece.region.numel * itemsize(entry.dtype)
         item = codecs.open_decoded(self.source, loc.file, loc.offset, loc.length, loc.transforms, label,
                                    codecs.tensor_limit(declared), limits.inline_bytes(self.memory_budget))
@@ -243,23 +251,17 @@ class Fetcher:
             raise FormatError(f"{label}: does not hold a tensor")
         ref, dtype, inner = found
         size = tuple(ref.size)
-        if dtype != entry.dtype:
-            raise FormatError(f"{label}: holds {dtype}, metadata says {entry.dtype}")
-        if isinstance(piece.region, Box) and size != piece.region.sizes:
-            raise FormatError(f"{label}: has shape {size}, metadata says {piece.region.sizes}")
-        if isinstance(piece.region, FlatRange) and (math.prod(size) != piece.region.numel or inner.stride is not None):
-            raise FormatError(f"{label}: holds {list(size)} elements, metadata says a contiguous "
-                              f"{piece.region.numel}")
         strides = inner.stride or geometry.row_major_strides(size)
+        checked = _Decoded(item.nbytes, dtype, size, inner.stride is None)
+        _check_item(checked, entry, piece, label)
         if isinstance(item, codecs.StreamedItem):
-            decoded = _Decoded(item.nbytes, stream=item, offset=inner.offset, strides=tuple(strides))
+            decoded = replace(checked, stream=item, offset=inner.offset, strides=tuple(strides))
         else:
             tdtype = torch_dtype(dtype)
-            flat = torch.frombuffer(item.data, dtype=tdtype, count=inner.length // tdtype.itemsize,
-                                    offset=inner.offset) if inner.length else torch.empty(0, dtype=tdtype)
-            tensor = flat.as_strided(size, strides)
-            decoded = _Decoded(item.nbytes, tensor=tensor.reshape(-1) if isinstance(piece.region, FlatRange)
-                               else tensor)
+            whole = torch.frombuffer(item.data, dtype=tdtype, count=inner.length // tdtype.itemsize,
+                                     offset=inner.offset) if inner.length else torch.empty(0, dtype=tdtype)
+            tensor = whole.as_strided(size, strides)
+            decoded = replace(checked, tensor=tensor.reshape(-1) if flat else tensor)
         with self._lock:
             self._cache[key] = decoded
             held = sum(d.nbytes for d in self._cache.values())
@@ -269,6 +271,18 @@ class Fetcher:
                 if old.stream is not None:
                     old.stream.close()
         return decoded
+
+
+def _check_item(item: _Decoded, entry: TensorEntry, piece: Piece, label: str) -> None:
+    """The decoded item holds what the metadata says of this piece: its dtype, and its shape (a
+    box) or element count, stored contiguous (a flat range)."""
+    if item.dtype != entry.dtype:
+        raise FormatError(f"{label}: holds {item.dtype}, metadata says {entry.dtype}")
+    if isinstance(piece.region, Box) and item.size != piece.region.sizes:
+        raise FormatError(f"{label}: has shape {item.size}, metadata says {piece.region.sizes}")
+    if isinstance(piece.region, FlatRange) and (math.prod(item.size) != piece.region.numel or not item.contiguous):
+        raise FormatError(f"{label}: holds {list(item.size)} elements, metadata says a contiguous "
+                          f"{piece.region.numel}")
 
 
 def _narrow(view: torch.Tensor, region: Box, box: Box) -> torch.Tensor:

@@ -42,9 +42,9 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
             raise FormatError(f"{label}: tensor {name_of(name)} lacks dtype, shape or data_offsets")
         shape, offs = info["shape"], info["data_offsets"]
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+        if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < _U64 for d in shape)
                 or not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) for o in offs)):
+                or not all(type(o) is int for o in offs)):  # (not bool: JSON's true is no dimension)
             raise FormatError(f"{label}: tensor {name_of(name)} has a malformed shape or data_offsets")
         try:
             dtype = from_safetensors(info["dtype"]) if isinstance(info["dtype"], str) else None
@@ -53,6 +53,8 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
         if dtype is None:
             raise FormatError(f"{label}: tensor {name_of(name)} has an unknown dtype {quote(str(info['dtype']))}")
         begin, end = offs
+        if not _fits_u64(shape, itemsize(dtype)):
+            raise FormatError(f"{label}: tensor {name_of(name)} has shape {shape}, whose size overflows 64 bits")
         expected = math.prod(shape) * itemsize(dtype)
         if not 0 <= begin <= end <= buffer:
             raise FormatError(f"{label}: tensor {name_of(name)} data_offsets {offs} lie outside the "
@@ -62,10 +64,28 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
                               f"data_offsets span {end - begin} bytes")
         spans.append((begin, end, name))
     spans.sort()
-    for (b1, e1, n1), (b2, e2, n2) in zip(spans, spans[1:]):
-        if b2 < e1 and e1 > b1 and e2 > b2:
-            raise FormatError(f"{label}: tensors {name_of(n1)} and {name_of(n2)} overlap in the data buffer")
+    reach, holder = 0, None  # the furthest end so far, and whose (an empty tensor between cannot hide it)
+    for begin, end, name in spans:
+        if end == begin:
+            continue
+        if begin < reach:
+            raise FormatError(f"{label}: tensors {name_of(holder)} and {name_of(name)} overlap in the data buffer")
+        reach, holder = end, name
     return header, 8 + n
+
+
+_U64 = 1 << 64
+
+
+def _fits_u64(shape: list[int], item: int) -> bool:
+    """The element count and byte size stay below 2**64 at every step of their product, as the
+    safetensors library computes them (it refuses an overflow even where a later dimension is 0)."""
+    count = 1
+    for d in shape:
+        count *= d
+        if count >= _U64:
+            return False
+    return count * item < _U64
 
 
 def safetensors_files(source: Source) -> list[str]:
