@@ -39,6 +39,11 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise FormatError(f"{label}: __metadata__ must map strings to strings")
             continue
+        if not name.isascii():
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate, written \udXXX in the JSON: no loader takes it
+                raise FormatError(f"{label}: tensor name {name_of(name)} is not UTF-8 text") from None
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
             raise FormatError(f"{label}: tensor {name_of(name)} lacks dtype, shape or data_offsets")
         shape, offs = info["shape"], info["data_offsets"]
