@@ -14,9 +14,10 @@ from ..index.types import CheckpointIndex
 from ..storage.source import Source
 from .dcp import reader as dcp_reader
 
-MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
-OPTIM_DIR = re.compile(r"^optimizer_(\d+)$")
-LOCAL_FILE = re.compile(r"^pytorch_model_fsdp(_\d+)?_rank\d+\.bin$")
+# ASCII digits, and the whole name ("$" would also match before a trailing line break)
+MODEL_DIR = re.compile(r"^pytorch_model_fsdp_([0-9]+)\Z", re.ASCII)
+OPTIM_DIR = re.compile(r"^optimizer_([0-9]+)\Z", re.ASCII)
+LOCAL_FILE = re.compile(r"^pytorch_model_fsdp(_[0-9]+)?_rank[0-9]+\.bin\Z", re.ASCII)
 
 
 class SubSource:

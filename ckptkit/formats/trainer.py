@@ -26,7 +26,9 @@ from .dcp import reader as dcp_reader
 
 TRAINER_STATE = "trainer_state.json"
 RNG_SINGLE = "rng_state.pth"
-RNG_RANK = re.compile(r"^rng_state_(\d+)\.pth$")
+# Names are matched whole (fullmatch: "$" would let a trailing line break in) and in ASCII digits
+# only ("\d" takes any script's digits, which int() reads as the same rank)
+RNG_RANK = re.compile(r"rng_state_([0-9]+)\.pth", re.ASCII)
 MAX_STATE_BYTES = 64 << 20  # log_history grows with the run; a few MB in long ones
 
 # The trainer's own files, by name: copied as bytes, never parsed beyond trainer_state.json.
@@ -48,12 +50,14 @@ SIDE_FILES = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
-FULL_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?\.bin$")
+WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-[0-9]{5}-of-[0-9]{5})?\.(safetensors|bin)(\.index\.json)?\Z",
+                         re.ASCII)
+FULL_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_[0-9]+)?\.bin\Z", re.ASCII)
 OPTIMIZER_FILE = "optimizer.pt"
 # accelerate's save_state() beside its DCP folders (no trainer_state.json): its own side files
-ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
-ACCELERATE_SIDE = re.compile(r"^((scheduler|sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
+ACCELERATE_RNG = re.compile(r"random_states_([0-9]+)\.pkl", re.ASCII)
+ACCELERATE_SIDE = re.compile(r"^((scheduler|sampler|dl_state_dict)(_[0-9]+)?\.bin|scaler\.pt|custom_checkpoint_[0-9]+\.pkl)\Z",
+                             re.ASCII)
 TRAINER, ACCELERATE = "HF Trainer", "accelerate"
 
 
@@ -113,8 +117,7 @@ def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
             continue
         what = _side_kind(source, name, kind)
         if what == "rng":
-            m = RNG_RANK.match(name) or ACCELERATE_RNG.match(name)
-            rng[int(m.group(1)) if m else None] = name
+            rng[rng_rank(name, kind)] = name  # one canonical name per rank: none overwrites another
         elif what == "side":
             side.append(name)
         else:
@@ -167,14 +170,25 @@ def _side_kind(source: Source, name: str, kind: str) -> str:
     if _isdir(source, name):
         return "unknown"
     if kind == ACCELERATE:
-        return "rng" if ACCELERATE_RNG.match(name) else "side" if ACCELERATE_SIDE.match(name) else "unknown"
-    if RNG_RANK.match(name) or name == RNG_SINGLE:
+        return "rng" if rng_rank(name, kind) is not None else "side" if ACCELERATE_SIDE.match(name) else "unknown"
+    if rng_rank(name, kind) is not None or name == RNG_SINGLE:
         return "rng"
     if name in SIDE_FILES or name in TOKENIZER_FILES:
         return "side"
     if WEIGHT_FILE.match(name):  # save_model's copy of the weights beside a DeepSpeed/FSDP part
         return "side"
     return "unknown"
+
+
+def rng_rank(name: str, kind: str = TRAINER) -> int | None:
+    """The rank an RNG file is for, read only from the name its writer gives it (rng_state_1.pth,
+    random_states_1.pkl): None for any other spelling (rng_state_01.pth, a rank in non-ASCII
+    digits), which is then an entry not understood, copied and named, never taken for the rank's
+    own file. None too for rng_state.pth (the one-process file, which describe keys by None)."""
+    m = (ACCELERATE_RNG if kind == ACCELERATE else RNG_RANK).fullmatch(name)
+    if m is None or str(int(m.group(1))) != m.group(1):
+        return None
+    return int(m.group(1))
 
 
 def _read_step(source: Source) -> tuple[int | None, str | None]:
@@ -227,8 +241,8 @@ def map_rng(rng_files: dict[int | None, str], to: int, kind: str = TRAINER) -> t
 
 
 def _rank_order(name: str) -> tuple[int, str]:
-    m = RNG_RANK.match(name) or ACCELERATE_RNG.match(name)
-    return (int(m.group(1)) if m else -1, name)
+    rank = rng_rank(name, ACCELERATE if name.endswith(".pkl") else TRAINER)
+    return (-1 if rank is None else rank, name)
 
 
 __all__ = ["TrainerFolder", "Part", "describe", "map_rng", "rng_world", "RNG_POLICY", "TRAINER_STATE"]
