@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import UsageError
+from ..errors import CkptkitError, UsageError
 from ..formats.accelerate import SubSource
 from ..formats.protocols import DcpTarget, ZeroTarget
 from ..formats.registry import Opened, format_named
@@ -151,6 +151,19 @@ def _copy_tree(source: Source, target: Output, rel: str, written: set[str]) -> l
     return [rel]
 
 
+def _uncopiable(source: Source, rel: str) -> list[tuple[str, CkptkitError]]:
+    """(path, why) for each file under `rel` that _copy_tree would refuse (a FIFO, a device, a
+    link leading out, a folder that cannot be listed): what verify reports instead of "ok" about
+    a folder reshard and convert then refuse. Only stat()s: nothing is opened or read."""
+    try:
+        if source.isdir(rel):
+            return [bad for name in sorted(source.listdir(rel)) for bad in _uncopiable(source, f"{rel}/{name}")]
+        source.size(rel)
+    except CkptkitError as exc:
+        return [(rel, exc)]
+    return []
+
+
 copy_tree = _copy_tree  # public: the Lightning folder (ops/lightning_folder.py) copies its files the same way
 
 
@@ -190,7 +203,8 @@ __all__ = ["reshard_folder", "write_folder", "reshard_dcp_part", "FolderResult",
 
 def folder_findings(opened: Opened) -> list:
     """verify: what is wrong with the Trainer folder beyond its parts (an unreadable
-    trainer_state.json; a rank's RNG file missing among the others')."""
+    trainer_state.json; a rank's RNG file missing among the others'; an entry reshard would copy
+    that it refuses to read)."""
     from ..index import problems as P
     from ..index.problems import Problem
 
@@ -198,6 +212,9 @@ def folder_findings(opened: Opened) -> list:
     found = []
     if folder.state_problem:
         found.append(Problem(P.FORMAT, folder.state_problem, source.label("trainer_state.json")))
+    copied = [p.name for p in folder.parts if not p.sharded] + folder.side_files + list(folder.rng_files.values())
+    for rel in copied + [n.rstrip("/") for n in folder.unknown]:
+        found += [Problem(P.kind_of(exc), str(exc), source.label(where)) for where, exc in _uncopiable(source, rel)]
     world = opened.index.world_size
     ranks = {r for r in folder.rng_files if r is not None}
     if world and world > 1 and ranks:
