@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, UnsupportedError
+from .errors import FormatError, UnsupportedError, UsageError
 from .index.dtypes import torch_dtype
 from .index.flatten import flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
@@ -68,8 +68,10 @@ def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,
     Tensors are copied into (DTensors: into their local shards); other values are replaced by the
     checkpoint's. Keys follow DCP's flattening (`model.<fqn>`, `optim.state.<fqn>.exp_avg`, ...);
     a DeepSpeed checkpoint is seen through convert's canonical state, so FSDP2 loads ZeRO
-    directly. A key the state dict has and the checkpoint lacks is an error naming it. Files are
-    read only inside `path` (links out refused unless `follow_links` or CKPTKIT_FOLLOW_LINKS=1)."""
+    directly. A key the state dict has and the checkpoint lacks, a shape that differs, a tensor
+    where the state dict holds a value, or a meta tensor is an error naming it, raised before
+    anything is filled. Files are read only inside `path` (links out refused unless
+    `follow_links` or CKPTKIT_FOLLOW_LINKS=1)."""
     from .formats.registry import open_checkpoint
 
     return load_opened(state_dict, open_checkpoint(path, tag=tag, follow_links=follow_links), path)
@@ -85,12 +87,14 @@ def load_opened(state_dict: dict[str, Any], opened: Any, path: str) -> dict[str,
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise FormatError(f"{path}: has no {shown} (the checkpoint holds {len(index.tensors)} tensors, e.g. "
                           f"{', '.join(list(index.tensors)[:3])})")
-    for path_, value in leaves:
+    # every refusal before the first byte is copied: a refused load leaves the state dict as it was
+    targets = [(path_, value, _target(value, index, key_of(path_), path)) for path_, value in leaves]
+    for path_, value, target in targets:
         key = key_of(path_)
-        if isinstance(value, torch.Tensor):
-            _fill(value, index.tensors.get(key), key, fetcher, path)
+        if target is None:
+            _set(state_dict, path_, index.objects[key].value)
         else:
-            _set(state_dict, path_, index.objects[key].value if key in index.objects else value)
+            _fill(*target, index.tensors[key], fetcher)
     return state_dict
 
 
@@ -108,13 +112,30 @@ def _loadable(opened: Any) -> tuple[CheckpointIndex, Any]:
     return index, fetcher_for(state, resolver)
 
 
-def _fill(target: torch.Tensor, entry: TensorEntry | None, key: str, fetcher: Any, path: str) -> None:
+def _target(value: Any, index: CheckpointIndex, key: str, path: str) -> tuple[torch.Tensor, Box] | None:
+    """The local tensor and box a tensor leaf is filled into (None for a value the checkpoint's
+    replaces); an error naming `key` where the two do not fit. torch's dcp.load refuses a
+    checkpoint tensor for a leaf that is no tensor too, and would leave a meta tensor empty."""
+    entry = index.tensors.get(key)
+    if not isinstance(value, torch.Tensor):
+        if entry is not None:
+            raise FormatError(f"{path}: {key} is a tensor in the checkpoint, the state dict holds "
+                              f"{type(value).__name__} (put a tensor of shape {list(entry.shape)} there to load it)")
+        return None
     if entry is None:
         raise FormatError(f"{path}: {key} is not a tensor in the checkpoint")
-    if tuple(target.shape) != tuple(entry.shape):
+    if tuple(value.shape) != tuple(entry.shape):
         raise FormatError(f"{path}: {key} has shape {list(entry.shape)} in the checkpoint, the state dict "
-                          f"expects {list(target.shape)}")
-    local, box = _local_box(target)
+                          f"expects {list(value.shape)}")
+    local, box = _local_box(value)
+    if local.is_meta:
+        raise UsageError(f"{key} is a tensor on the meta device, which holds no data to load into: "
+                               f"materialise the model first (model.to_empty(device=...)), then load")
+    return local, box
+
+
+def _fill(local: torch.Tensor, box: Box, entry: TensorEntry, fetcher: Any) -> None:
+    """Copy the checkpoint's `box` of `entry` into `local`."""
     if local.numel() == 0:
         return
     with torch.no_grad():

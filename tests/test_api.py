@@ -111,9 +111,10 @@ def test_load_fills_in_place_whatever_the_target_dtype_and_layout(tmp_path):
     assert_tensor_equal(half, saved["b"].to(torch.bfloat16), "b")
     assert_tensor_equal(base.t(), saved["t"], "t")
     assert param.requires_grad
-    # a target off the CPU (a GPU shard; here the meta device stands in) is filled by copy_, never
-    # read into as host memory
-    ckptkit.load({"w": torch.empty(6, 4, device="meta")}, str(tmp_path / "c"))
+    # a meta tensor holds no data: refused, not "filled" (a GPU target is filled by copy_, never
+    # read into as host memory: test_hostile_hooks.test_load_fills_a_gpu_tensor, on a GPU)
+    with pytest.raises(UsageError, match="meta device"):
+        ckptkit.load({"w": torch.empty(6, 4, device="meta")}, str(tmp_path / "c"))
 
 
 def test_load_names_missing_keys_and_shape_mismatches(tmp_path):

@@ -64,8 +64,8 @@ class Checkpointer:
     With `rng` (the default) each rank's random generators are saved and restored too."""
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = False, rng: bool = True) -> None:
-        if keep < 1:
-            raise UsageError(f"keep must be at least 1 (got {keep})")
+        if type(keep) is not int or keep < 1:  # 1.5 or nan would never equal a count: every step kept
+            raise UsageError(f"keep must be an int of at least 1 (got {keep!r:.60})")
         if is_url(directory):
             raise UsageError(f"{directory}: the Checkpointer saves to a local or mounted folder, not a URL "
                              f"(the ranks write in place and rename; an object store cannot rename)")
@@ -306,12 +306,16 @@ class Checkpointer:
             self.extra = None
             return None
         path = os.path.join(self.directory, found.name)
+        rng_doc, rng_why = self._read_rng(path) if self.rng else (None, None)  # refused before anything loads
         if _is_engine(model):
             self._restore_engine(found.step, path, model, states or {})
         else:
             self._restore_torch(path, model, optimizer, states or {})
-        if self.rng:
-            self._restore_rng(found.step, path)
+        if rng_doc is not None:
+            rng.apply(rng_doc)
+        elif rng_why is not None and self._group.is_root:
+            warnings.warn(f"{path}: step {found.step} {rng_why}; the random generators are left as they are",
+                          RngNotRestoredWarning, stacklevel=2)
         return found.step
 
     def _restore_torch(self, path: str, model: Any, optimizer: Any, states: dict[str, Any]) -> None:
@@ -346,24 +350,34 @@ class Checkpointer:
         own = rank_key(self._group.rank)
         return own if has_prefix(index, (STATES, own)) else rank_key(0)
 
-    def _restore_rng(self, step: int, path: str) -> None:
-        """Every rank takes its own generator states back when the world size is the saved one;
-        otherwise (or when the step has none) rank 0 warns once and the generators stay."""
+    def _read_rng(self, path: str) -> tuple[dict | None, str | None]:
+        """(this rank's generator states to put back, or None and why not). Read before anything
+        is loaded, so an unusable RNG file is refused with nothing changed. The states are put
+        back when the world size is the saved one; otherwise (or when the step has none) rank 0
+        warns once and the generators stay. A rank whose file is refused makes every rank refuse
+        it, at the same call (each rank reads only its own file)."""
         def saved_world() -> int | None:
             doc = rng.read(path, 0)
             return doc["world_size"] if doc is not None else None
 
         world = self._on_root(saved_world)
-        if world is not None and world == self._group.world:
+        if world is None:
+            return None, "was saved without RNG state"
+        if world != self._group.world:
+            return None, f"was saved at world size {world}, this run has {self._group.world}"
+        doc, refusal = None, None
+        try:
             doc = rng.read(path, self._group.rank)
-            if doc is not None:
-                rng.apply(doc)
-                return
-        if self._group.is_root:
-            why = ("was saved without RNG state" if world is None
-                   else f"was saved at world size {world}, this run has {self._group.world}")
-            warnings.warn(f"{path}: step {step} {why}; the random generators are left as they are",
-                          RngNotRestoredWarning, stacklevel=3)
+        except FormatError as exc:
+            refusal = exc
+        refused = [r for r in self._group.gather_all(None if refusal is None else str(refusal)) if r is not None]
+        if refusal is not None:
+            raise refusal
+        if refused:
+            raise FormatError(refused[0])
+        if doc is None:  # rank 0 has a file, this rank none
+            return None, "was saved without RNG state"
+        return doc, None
 
     def _choose(self, step: int | None) -> tuple[Folder | None, list[Folder]]:
         """(the folder to restore, the strays newer than it, newest first). Only as many folders

@@ -83,42 +83,85 @@ def read(folder: str, rank: int) -> dict | None:
     try:
         doc = json.loads(raw.decode("utf-8"))
         _check(doc, rank)
-    except (ValueError, UnicodeDecodeError, TypeError, KeyError, RecursionError) as exc:
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError, OverflowError, RuntimeError,
+            RecursionError) as exc:  # what json and the generators' own setters raise for a bad state
         raise FormatError(f"{path}: is not a ckptkit RNG state ({quote(str(exc)[:120])})") from None
     return doc
 
 
 def _check(doc: Any, rank: int) -> None:
+    """Raise unless every state in `doc` is one its generator takes back: each is set on a
+    throwaway generator first, so apply() never fails half-way with the generators half replaced."""
     if not isinstance(doc, dict) or doc.get("version") != VERSION or doc.get("rank") != rank:
         raise ValueError(f"version {VERSION} and rank {rank} expected")
     world = doc.get("world_size")
     if type(world) is not int or not rank < world:
         raise ValueError(f"world_size is not an int above rank {rank}")
-    py = doc["python"]
-    if not (isinstance(py["state"], list) and all(type(w) is int for w in py["state"])):
+    import torch
+
+    random.Random().setstate(_python_state(doc["python"]))
+    torch.Generator().set_state(_byte_tensor(doc["torch"]))
+    if "numpy" in doc:
+        import numpy as np
+
+        np.random.RandomState().set_state(_numpy_state(doc["numpy"]))
+    if "cuda" in doc:
+        cuda = doc["cuda"]
+        if not isinstance(cuda, dict) or type(cuda.get("device")) is not int:
+            raise ValueError("cuda is not a device and a state")
+        state = _byte_tensor(cuda["state"])
+        if torch.cuda.is_available():  # apply() sets it only then
+            torch.Generator(device="cuda").set_state(state)
+
+
+def _python_state(py: Any) -> tuple:
+    """What random.setstate takes; its words are checked by the setter (and need 32 bits)."""
+    if not isinstance(py, dict) or type(py.get("version")) is not int:
+        raise ValueError("python is not a version, state and gauss")
+    words, gauss = py["state"], py["gauss"]
+    if not (isinstance(words, list) and all(type(w) is int for w in words)):
         raise ValueError("python state is not a list of ints")
-    bytes.fromhex(doc["torch"])
+    if gauss is not None and type(gauss) is not float:
+        raise ValueError("python gauss is neither null nor a float")
+    return py["version"], tuple(words), gauss
+
+
+def _numpy_state(n: Any) -> dict:
+    """What np.random.set_state takes. numpy accepts any position, also outside its 624-word key,
+    and then reads past it: the position is checked here."""
+    import numpy as np
+
+    if not isinstance(n, dict) or not isinstance(n.get("bit_generator"), str):
+        raise ValueError("numpy is not a generator state")
+    key, pos = n["key"], n["pos"]
+    if not (isinstance(key, list) and all(type(k) is int for k in key)):
+        raise ValueError("numpy key is not a list of ints")
+    if type(pos) is not int or not 0 <= pos <= len(key):
+        raise ValueError(f"numpy pos is not a position in its key of {len(key)} words")
+    if n["has_gauss"] not in (0, 1) or type(n["has_gauss"]) is not int or type(n["gauss"]) is not float:
+        raise ValueError("numpy has_gauss is not 0 or 1 with a float gauss")
+    return {"bit_generator": n["bit_generator"], "state": {"key": np.array(key, dtype=np.uint32), "pos": pos},
+            "has_gauss": n["has_gauss"], "gauss": n["gauss"]}
 
 
 def apply(doc: dict) -> None:
-    """Put the generators back as `doc` records them (CUDA only where CUDA is available)."""
+    """Put the generators back as `doc` records them (CUDA only where CUDA is available). `doc`
+    comes from read(), which has tried every state on a throwaway generator."""
     import torch
 
-    py = doc["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    random.setstate(_python_state(doc["python"]))
     torch.set_rng_state(_byte_tensor(doc["torch"]))
     if "numpy" in doc:
         import numpy as np
 
-        n = doc["numpy"]
-        np.random.set_state({"bit_generator": n["bit_generator"],
-                             "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": n["pos"]},
-                             "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+        np.random.set_state(_numpy_state(doc["numpy"]))
     if "cuda" in doc and torch.cuda.is_available():
         torch.cuda.set_rng_state(_byte_tensor(doc["cuda"]["state"]))
 
 
-def _byte_tensor(hexed: str) -> Any:
+def _byte_tensor(hexed: Any) -> Any:
     import torch
 
+    if not isinstance(hexed, str):
+        raise ValueError("a generator state is not a hex string")
     return torch.frombuffer(bytearray(bytes.fromhex(hexed)), dtype=torch.uint8)
