@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import ckptkit
 from ckptkit.errors import CkptkitError, FormatError, UsageError
 from ckptkit.hooks import rng as rng_files
+from conftest import ROOT, subprocess_env, torchrun_cmd
 
 MARKER = ".ckptkit-complete"
 
@@ -79,6 +81,19 @@ def test_a_refused_rng_file_changes_neither_the_model_nor_any_generator(tmp_path
             ck.restore(model, optim)
     assert torch.equal(model.weight.detach(), weights), "the model was loaded before the RNG file was refused"
     assert _same_generators(_generators(), before), "a refused RNG file changed a generator"
+
+
+@pytest.mark.slow
+def test_two_ranks_refuse_one_ranks_bad_rng_file_together_and_stay_usable(tmp_path: Path) -> None:
+    """Rank 1's file is refused on both ranks at the same call, nothing changed, then save and
+    restore go on (tests/dist/hostile_rng_job.py)."""
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(2) + [str(ROOT / "tests" / "dist" / "hostile_rng_job.py"), "--dir", str(tmp_path / "run"),
+                             "--result", str(result)]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads(result.read_text())
+    assert doc["ok"], doc
 
 
 def test_a_good_rng_file_still_puts_every_generator_back(tmp_path: Path) -> None:
