@@ -492,3 +492,25 @@ def test_quote_escapes_and_cuts():
     assert name_of("model.layers.0.weight") == "model.layers.0.weight"
     assert name_of("a\x1b[2Jb") == "'a\\x1b[2Jb'"
     assert len(name_of("k" * 5000)) <= 110
+
+
+@pytest.mark.parametrize("name", ["a\x00b.safetensors", "a\ud800.safetensors"])
+def test_a_name_no_file_can_have_is_refused_as_such(tmp_path, name):
+    """A name read from a checkpoint (an index's weight_map, a marker) with a NUL or a lone
+    surrogate: no OS call may see it (they raise ValueError or UnicodeEncodeError, not OSError);
+    the source refuses it in its own words. A listed name's undecodable bytes stay readable."""
+    from ckptkit.errors import CkptkitError
+    from ckptkit.storage.source import LocalSource
+
+    (tmp_path / "x.bin").write_bytes(b"1234")
+    odd = os.fsdecode(b"\xff.bin")  # an undecodable byte, as os.listdir gives it (surrogateescape)
+    (tmp_path / odd).write_bytes(b"5678")
+    source = LocalSource(str(tmp_path))
+    for call in (lambda: source.size(name), lambda: source.read(name, 0, 1), lambda: source.exists(name)):
+        try:
+            got = call()
+        except CkptkitError as e:
+            assert "no file can have" in str(e), e
+        else:
+            assert got is False, got  # exists() may simply say no
+    assert source.read(odd, 0, 4) == b"5678"
