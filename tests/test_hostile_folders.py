@@ -4,8 +4,8 @@ Each case is crafted from a real fixture (copied into tmp_path, never modified i
 checkpoint saved by the Checkpointer in this process, the way an attacker or a careless user would
 break it, and held to the promise of README.md / docs/reliability.md: one sentence naming the
 file and a non-zero exit (a CkptkitError from the API), never a traceback, never a silently wrong
-value, nothing left that looks complete. The strict xfails are bugs found by this pass; each says
-what happens today.
+value, nothing left that looks complete. Most tests here were bugs when this pass found them
+(they were strict xfails in f4078db, saying what happened then), fixed in e86e653 and bf84c20.
 """
 from __future__ import annotations
 
@@ -50,10 +50,6 @@ def _saved_step(tmp_path: Path) -> tuple[ckptkit.Checkpointer, torch.nn.Module, 
 
 # ---- Trainer folders: RNG files -------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="trainer.describe keys RNG files by int(rank): rng_state_01.pth and "
-                                       "rng_state_1.pth are both rank 1, the first is overwritten in the dict "
-                                       "and vanishes: not listed by inspect, not copied by reshard, not named "
-                                       "as left out")
 def test_a_second_rng_file_for_one_rank_is_named_not_dropped(tmp_path: Path) -> None:
     src = _trainer(tmp_path)
     (src / "rng_state_01.pth").write_bytes(b"a different generator state")
@@ -63,10 +59,6 @@ def test_a_second_rng_file_for_one_rank_is_named_not_dropped(tmp_path: Path) -> 
     assert "rng_state_01.pth" in run.output or (out / "rng_state_01.pth").exists(), run.detail()
 
 
-@pytest.mark.xfail(strict=True, reason="RNG_RANK uses \\d, so a rank in another script's digits "
-                                       "(rng_state_\\uff11.pth, fullwidth 1) is int()ed to rank 1; sorted after "
-                                       "rng_state_1.pth, it replaces it: inspect lists only the impostor and reshard "
-                                       "writes OUT/rng_state_1.pth from it, exit 0, the real rank-1 file not named")
 def test_a_rank_spelled_in_other_digits_does_not_replace_the_real_one(tmp_path: Path) -> None:
     src = _trainer(tmp_path)
     (src / "rng_state_\uff11.pth").write_bytes(b"not rank 1's generator state")
@@ -143,12 +135,6 @@ RNG_DAMAGE = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="hooks/rng._check only looks at types (python state a list of ints, torch "
-                                       "hex); rng.apply then hands the values to random.setstate / "
-                                       "torch.set_rng_state / np.random.set_state, whose ValueError, KeyError, "
-                                       "RuntimeError, IndexError or OverflowError escapes restore() raw, after "
-                                       "the model was already loaded (and, for a bad torch state, after the "
-                                       "python generator was already replaced)")
 @pytest.mark.parametrize("damage", list(RNG_DAMAGE))
 def test_an_rng_file_that_is_no_generator_state_is_an_error_naming_it(tmp_path: Path, damage: str) -> None:
     ck, model, optim, step_dir = _saved_step(tmp_path)
@@ -170,10 +156,6 @@ def _nul_marker(step_dir: Path) -> None:
     marker.write_text(json.dumps(doc))
 
 
-@pytest.mark.xfail(strict=True, reason="formats/step_folders._marker_problem calls os.lstat on each listed path "
-                                       "and catches OSError only; a name with a NUL raises ValueError (embedded "
-                                       "null byte), which escapes restore(), steps() and the retention of a later "
-                                       "save() (raised after the new step was committed, before `latest` moves)")
 @pytest.mark.parametrize("call", ["restore", "steps", "save"])
 def test_a_marker_listing_a_name_with_a_nul_is_a_stray_not_a_crash(tmp_path: Path, call: str) -> None:
     ck, model, optim, step_dir = _saved_step(tmp_path)
@@ -192,8 +174,6 @@ def test_a_marker_listing_a_name_with_a_nul_is_a_stray_not_a_crash(tmp_path: Pat
             pass  # a refusal in one sentence is also kept to the promise
 
 
-@pytest.mark.xfail(strict=True, reason="the same ValueError reaches the CLI: `inspect DIR` of a Checkpointer "
-                                       "directory exits 3 with 'internal error: ValueError: embedded null byte'")
 def test_inspect_of_a_checkpointer_directory_with_a_nul_in_a_marker(tmp_path: Path) -> None:
     _ck, _model, _optim, step_dir = _saved_step(tmp_path)
     _nul_marker(step_dir)
@@ -204,9 +184,6 @@ def test_inspect_of_a_checkpointer_directory_with_a_nul_in_a_marker(tmp_path: Pa
 
 # ---- Checkpointer: keep that is not a count ------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="Checkpointer.__init__ checks only `keep < 1`: keep=1.5 or nan never equals "
-                                       "len(newest) in _retain, so retention silently keeps every step; keep='3' "
-                                       "or None raises a raw TypeError from the comparison")
 @pytest.mark.parametrize("keep", [1.5, float("nan"), "3", None])
 def test_keep_that_is_not_a_positive_int_is_refused(tmp_path: Path, keep) -> None:
     with pytest.raises(ckptkit.errors.UsageError, match="keep"):
@@ -215,10 +192,6 @@ def test_keep_that_is_not_a_positive_int_is_refused(tmp_path: Path, keep) -> Non
 
 # ---- ckptkit.load: values left as they were ------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="api.load_opened: a non-tensor leaf whose key the checkpoint holds as a "
-                                       "TENSOR passes the missing-key check (key in index.tensors) and _set keeps "
-                                       "the state dict's own value (it only replaces from index.objects): the "
-                                       "caller gets step=0 back for a saved step of 5, without a word")
 def test_load_never_leaves_a_stale_value_where_the_checkpoint_has_a_tensor(tmp_path: Path) -> None:
     path = str(tmp_path / "ck")
     ckptkit.save({"w": torch.arange(4.0), "step": torch.tensor(5)}, path)
@@ -231,9 +204,6 @@ def test_load_never_leaves_a_stale_value_where_the_checkpoint_has_a_tensor(tmp_p
     assert int(sd["step"]) == 5, f"step left at {sd['step']!r}"
 
 
-@pytest.mark.xfail(strict=True, reason="api._fill on a meta-device tensor (a model built under "
-                                       "torch.device('meta') and not yet materialised) copies into it, which is a "
-                                       "no-op: load returns normally and nothing was loaded")
 def test_load_into_a_meta_tensor_is_refused(tmp_path: Path) -> None:
     path = str(tmp_path / "ck")
     ckptkit.save({"w": torch.arange(4.0)}, path)
