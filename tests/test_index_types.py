@@ -48,3 +48,28 @@ def test_unchecked_values_stay_frozen():
                         (unchecked_piece(FlatRange(0, 1), Location("f", 0, 4)), "region")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(value, name, 2)
+
+
+def test_check_table_gives_back_the_checks_put_in():
+    """CheckTable (issue 17: an index's checks as columns) iterates, indexes, compares and pickles
+    as the list of IntegrityChecks it stands for; a list given to the index is made one."""
+    from ckptkit.index.types import CheckpointIndex, CheckTable, IntegrityCheck
+    rows = [IntegrityCheck("a/b.distcp", 1 << 40, 7, 0xFFFFFFFF, "zip member x/data.pkl"),
+            IntegrityCheck("c", 0, 0, 0, "zip member x/data/0"), IntegrityCheck("a/b.distcp", 9, 3, 5, "w")]
+    table = CheckTable(rows[:1])
+    table.extend(iter(rows[1:]))
+    assert list(table) == rows and table == rows and rows == table and len(table) == 3
+    assert [type(c) for c in table] == [IntegrityCheck] * 3 and table[-1] == rows[-1] and table[1:] == rows[1:]
+    assert pickle.loads(pickle.dumps(table)) == rows
+    table.add_members("c", 100, (4, 8), (1, 2), (11, 12), ("m0", "m1"))
+    assert list(table)[3:] == [IntegrityCheck("c", 104, 1, 11, "m0"), IntegrityCheck("c", 108, 2, 12, "m1")]
+    again = CheckTable()
+    again.extend(table)
+    assert again == table
+    with pytest.raises(OverflowError):  # a CRC past 32 bits: refused, the table as it was
+        again.extend([IntegrityCheck("d", 1, 1, 1, "ok"), IntegrityCheck("d", 1, 1, 1 << 32, "bad")])
+    assert again == table
+    index = CheckpointIndex("dcp", "/r", checks=rows)
+    assert type(index.checks) is CheckTable and index.checks == rows
+    index.checks = rows[:1]
+    assert type(index.checks) is CheckTable and index.checks == rows[:1]

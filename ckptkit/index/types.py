@@ -8,9 +8,11 @@ build an index and never decide what happens to the data; writers turn a layout 
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, NamedTuple, Union
+from functools import partial
+from typing import Any, Iterable, Iterator, NamedTuple, Union
 
 from ..errors import FormatError, quote
 from ..torch_types import realize
@@ -214,6 +216,102 @@ class IntegrityCheck(NamedTuple):
     what: str
 
 
+_make_check = partial(tuple.__new__, IntegrityCheck)  # IntegrityCheck(*row) without its Python-level __new__
+_U32 = "I" if array("I").itemsize >= 4 else "L"  # ids and CRC32s: 4 bytes each where C allows
+
+
+class _Ids(dict):
+    """Interned names (files, what a check covers): name -> id, with `names[id]` -> name."""
+
+    __slots__ = ("names",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __missing__(self, name: str) -> int:
+        self[name] = got = len(self.names)
+        self.names.append(name)
+        return got
+
+
+class CheckTable:
+    """An index's IntegrityChecks, held as columns: a DCP checkpoint of 100k small items has 700k
+    checks, which as NamedTuples of Python ints cost ~1.1 kB a tensor; here ~200 B (issue 17).
+    List-like for what the codebase does with `index.checks` (extend, append, iterate, len,
+    index, compare with a list): iterating gives the same IntegrityCheck values that went in."""
+
+    __slots__ = ("_ids", "_file", "_offset", "_length", "_crc32", "_what")
+
+    def __init__(self, checks: Iterable[IntegrityCheck] = ()) -> None:
+        self._ids = _Ids()
+        self._file, self._what = array(_U32), array(_U32)
+        self._offset, self._length, self._crc32 = array("q"), array("q"), array(_U32)
+        self.extend(checks)
+
+    def extend(self, checks: Iterable[IntegrityCheck]) -> None:
+        """Add `checks` in order. Every column is built before any grows: a value no column holds
+        (a CRC32 past 32 bits, an offset past 63) raises and leaves the table as it was."""
+        if type(checks) is CheckTable:
+            names = checks._ids.names
+            rows = zip(map(names.__getitem__, checks._file), checks._offset, checks._length, checks._crc32,
+                       map(names.__getitem__, checks._what))
+        else:
+            rows = checks
+        columns = tuple(zip(*rows))
+        if not columns:
+            return
+        files, offsets, lengths, crcs, whats = columns
+        ids = self._ids.__getitem__
+        new = (array(_U32, map(ids, files)), array("q", offsets), array("q", lengths), array(_U32, crcs),
+               array(_U32, map(ids, whats)))
+        for column, added in zip((self._file, self._offset, self._length, self._crc32, self._what), new):
+            column.extend(added)
+
+    def add_members(self, file: str, base: int, ats: tuple[int, ...], lengths: tuple[int, ...],
+                    crc32s: tuple[int, ...], whats: tuple[str, ...]) -> None:
+        """The checks (file, base + at, length, crc32, what) of one archive's members, column by
+        column, without making their tuples (the DCP reader's 100k templated items). The caller's
+        values fit the columns (offsets in a file, CRC32s unpacked from 4 bytes): not checked."""
+        ids = self._ids
+        self._file.extend((ids[file],) * len(ats))
+        self._offset.extend(map(base.__add__, ats))
+        self._length.extend(lengths)
+        self._crc32.extend(crc32s)
+        self._what.extend(map(ids.__getitem__, whats))
+
+    def append(self, check: IntegrityCheck) -> None:
+        self.extend((check,))
+
+    def __len__(self) -> int:
+        return len(self._offset)
+
+    def __iter__(self) -> Iterator[IntegrityCheck]:
+        name = self._ids.names.__getitem__
+        return map(_make_check, zip(map(name, self._file), self._offset, self._length, self._crc32,
+                                    map(name, self._what)))
+
+    def __getitem__(self, at: int | slice) -> Any:
+        if isinstance(at, slice):
+            return list(self)[at]
+        name = self._ids.names
+        return _make_check((name[self._file[at]], self._offset[at], self._length[at], self._crc32[at],
+                            name[self._what[at]]))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (CheckTable, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  (mutable, like the list it stands for)
+
+    def __repr__(self) -> str:
+        return f"CheckTable({list(self)!r})"
+
+    def __reduce__(self) -> tuple:
+        return CheckTable, (list(self),)
+
+
 class NameCollision(FormatError):
     """Two entries of one checkpoint flatten to the same name; `detail` is the sentence without
     the place, for a reader that knows the file better than the index's root."""
@@ -234,10 +332,15 @@ class CheckpointIndex:
     world_size: int | None = None
     step: int | None = None
     files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
-    checks: list[IntegrityCheck] = field(default_factory=list)
+    checks: CheckTable = field(default_factory=CheckTable)  # a list given is made one (__setattr__)
     metadata: dict[str, Any] = field(default_factory=dict)
     # format-specific parsed structures a writer of the same format needs (never serialised)
     native: Any = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "checks" and type(value) is not CheckTable:
+            value = CheckTable(value)  # (index.checks = [...] and CheckpointIndex(checks=[...]) stay valid)
+        object.__setattr__(self, name, value)
 
     def add_tensor(self, entry: TensorEntry) -> None:
         self._refuse_collision(entry.key, entry.path)

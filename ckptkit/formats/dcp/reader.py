@@ -12,13 +12,13 @@ import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ...errors import CkptkitError, FormatError, quote
 from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
-from ...index.types import (Box, CheckpointIndex, Encoding, IntegrityCheck, Location, ObjectEntry, Piece, TensorEntry,
-                            unchecked_box, unchecked_location, unchecked_piece)
+from ...index.types import (Box, CheckpointIndex, CheckTable, Encoding, IntegrityCheck, Location, ObjectEntry, Piece,
+                            TensorEntry, unchecked_box, unchecked_location, unchecked_piece)
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads_dcp_metadata
 from ...torch_types import DType, Size
@@ -477,13 +477,14 @@ class _ItemTemplate:
     kind is looked up by them). Anything else goes through the full path, which refuses it with
     its own sentence or reads it."""
 
-    __slots__ = ("mask", "want", "central", "local", "compared", "members", "start", "length", "stride")
+    __slots__ = ("mask", "want", "central", "local", "compared", "ats", "sizes", "whats", "start", "length", "stride")
 
     def __init__(self, mask: int, want: int, layout: _Layout, members: tuple[tuple[int, int, str], ...],
                  start: int, length: int, stride: tuple[int, ...] | None) -> None:
         self.mask, self.want = mask, want  # the bytes compared (as bits of a little-endian int), their values
         self.central, self.local, self.compared = layout.central, layout.local, layout.compared
-        self.members = members  # each member's data (relative to the archive), size and check's name
+        # each member's data (relative to the archive), size and check's name, as columns (CheckTable.add_members)
+        self.ats, self.sizes, self.whats = (tuple(column) for column in zip(*members)) if members else ((), (), ())
         self.start, self.length, self.stride = start, length, stride  # the tensor's bytes (start relative
         # to the archive) and its element strides: its Location's fields
 
@@ -507,12 +508,13 @@ class _ItemTemplate:
         members = tuple((m.data_offset - offset, m.size, f"zip member {m.name}") for m in archive.members.values())
         template = _ItemTemplate(bits, int.from_bytes(copy, "little") & bits, layout, members, loc.offset - offset,
                                  loc.length, loc.stride)
-        if loc.encoding is not Encoding.RAW or loc.transforms or \
-                template.match(copy, offset, archive.file) != (loc, checks):
+        got = template.match(copy, offset, archive.file)  # (one CRC a member: add_members's columns stay aligned)
+        if loc.encoding is not Encoding.RAW or loc.transforms or got is None or got[0] != loc or \
+                len(got[1].crcs) != len(template.ats) or list(got[1]) != checks:
             return None  # (never expected: the template gives exactly what the full path gave, or nothing)
         return template
 
-    def match(self, copy: bytes, offset: int, file: str) -> tuple[Location, list[IntegrityCheck]] | None:
+    def match(self, copy: bytes, offset: int, file: str) -> tuple[Location, _MatchedChecks] | None:
         """The location and checks of the archive `copy` (at `offset` of `file`) when it is laid
         out like this template's, else None."""
         if int.from_bytes(copy, "little") & self.mask != self.want:
@@ -521,13 +523,46 @@ class _ItemTemplate:
         if self.compared and self.local.unpack_from(copy) != tuple([crcs[i] for i in self.compared]):
             return None  # the full path refuses it, with its message
         loc = unchecked_location(file, offset + self.start, self.length, Encoding.RAW, self.stride)
-        return loc, [_new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
-                     for (at, size, what), crc in zip(self.members, crcs)]
+        return loc, _MatchedChecks(self, file, offset, crcs)
+
+
+class _MatchedChecks:
+    """The checks of an item a template served, not built: 700k IntegrityChecks of a 100k-item
+    checkpoint were made only to be taken apart into the index's CheckTable (issue 17), which
+    takes these columns as they are (`add_to`). Iterates as, and equals, the list the full path
+    (Archive.checks) gives."""
+
+    __slots__ = ("template", "file", "offset", "crcs")
+
+    def __init__(self, template: _ItemTemplate, file: str, offset: int, crcs: tuple[int, ...]) -> None:
+        self.template, self.file, self.offset, self.crcs = template, file, offset, crcs
+
+    def add_to(self, table: CheckTable) -> None:
+        t = self.template
+        table.add_members(self.file, self.offset, t.ats, t.sizes, self.crcs, t.whats)
+
+    def __iter__(self) -> Iterator[IntegrityCheck]:
+        file, offset = self.file, self.offset
+        return iter([_new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
+                     for at, size, crc, what in zip(self.template.ats, self.template.sizes, self.crcs,
+                                                   self.template.whats)])
+
+    def __len__(self) -> int:
+        return len(self.crcs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, _MatchedChecks)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results: list[Any]) -> None:
     """Pieces to their tensors, values to the index, checks to the index's checks; an item that
     could not be read is raised unless problems are being collected."""
+    table = index.checks
+    pending: list[IntegrityCheck] = []  # the full path's checks, added at once (a call an item costs)
     for (target, _, info), result in zip(jobs, results):
         if isinstance(result, CkptkitError):
             if not problems.tolerate(result, _item_file(source, info), target.key):
@@ -539,7 +574,14 @@ def _add_items(index: CheckpointIndex, source: Source, jobs: list[_Job], results
         else:
             target.data, target.location = piece_or_value
             index.add_object(target)
-        index.checks.extend(checks)
+        if type(checks) is _MatchedChecks:
+            if pending:
+                table.extend(pending)
+                pending = []
+            checks.add_to(table)
+        else:
+            pending += checks
+    table.extend(pending)
 
 
 def _item_file(source: Source, info: Any) -> str:
