@@ -23,9 +23,19 @@ if pid == 0:
         os.execv(command[0], command)
     finally:
         os._exit(127)
-# a SIGINT sent to the launcher goes on to the command alone (as to the process a user runs);
-# wait4 is resumed after the handler (PEP 475)
-signal.signal(signal.SIGINT, lambda signum, frame: os.kill(pid, signal.SIGINT))
+
+
+def _pass_on(signum, frame) -> None:
+    """A SIGINT sent to the launcher goes on to the command alone (as to the process a user runs);
+    wait4 is resumed after the handler (PEP 475). One that lands just after wait4 reaped the
+    command has no one to reach: the command's own exit status stands."""
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
+
+
+signal.signal(signal.SIGINT, _pass_on)
 _, status, usage = os.wait4(pid, 0)
 with open(report, "w") as f:
     f.write(f"{status} {usage.ru_maxrss * 1024}\n")
