@@ -220,6 +220,8 @@ RULES = [
     ("fused-count-does-not-divide", "rules.toml", '[[rules]]\npattern = "*"\nfused = 1000000000\n',
      ["tied_modules.embed.weight", "1000000000 equal blocks"]),
     ("too-many-rules", "rules.json", MANY, ["rules.json", "100001 rules"]),
+    ("toml-nested-too-deeply", "rules.toml", "a = " + "[" * 5000 + "]" * 5000 + "\n",  # tomllib recursed
+     ["rules.toml", "nested too deeply"]),
 ]
 
 

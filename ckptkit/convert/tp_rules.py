@@ -205,6 +205,8 @@ def _parse_text(text: str, where: str, toml: bool) -> Any:
         return tomllib.loads(text) if toml else safe_json.loads(text, where, "a JSON rules file")
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise FormatError(f"{where}: is not valid {'TOML' if toml else 'JSON'} ({exc})") from None
+    except RecursionError:  # tomllib recurses once per nesting level (the JSON reader stops at 64)
+        raise FormatError(f"{where}: is nested too deeply for a rules file") from None
 
 
 def builtin_rules() -> TpRules:
