@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from .. import safe_json
 from ..errors import CkptkitError
+from ..storage.paths import nameable
 from .opened import Opener
 from .structure import structural_problems
 
@@ -182,7 +183,7 @@ def _marker_problem(path: str, doc: dict, step: int) -> str:
     if not any(rel == needed if fmt == "dcp" else rel.startswith(needed) for rel in files if isinstance(rel, str)):
         return f"has a {MARKER} listing no {needed} (a {fmt} checkpoint of step {step} has one)"
     for rel, size in files.items():
-        parts = rel.split("/") if isinstance(rel, str) and _os_can_name(rel) else []
+        parts = rel.split("/") if isinstance(rel, str) and nameable(rel) else []
         if not parts or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
             return f"has a {MARKER} listing {rel!r:.80}, which is not a path inside the folder"
         try:
@@ -192,18 +193,6 @@ def _marker_problem(path: str, doc: dict, step: int) -> str:
         if not stat.S_ISREG(st.st_mode) or type(size) is not int or st.st_size != size:
             return f"has {rel} of {st.st_size} bytes, its {MARKER} says {size!r:.40}"
     return ""
-
-
-def _os_can_name(rel: str) -> bool:
-    """Whether a path read from a marker is one the OS can be asked about: a NUL (ValueError) or a
-    lone surrogate that is no escaped byte (UnicodeEncodeError) would escape os.lstat's OSError."""
-    if "\0" in rel:
-        return False
-    try:
-        os.fsencode(rel)
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _unmarked_problem(path: str, step: int, open_checkpoint: Opener) -> str:

@@ -71,7 +71,7 @@ def hf_blobs_of(real_root: str) -> str | None:
     return None
 
 
-def _nameable(rel: str) -> bool:
+def nameable(rel: str) -> bool:
     """A name the file system can hold: no NUL, and text the OS encoding takes (a lone surrogate
     read from a JSON or pickle is not; a listed name's undecodable bytes are, as surrogateescape)."""
     if "\0" in rel:
@@ -110,7 +110,7 @@ class Boundary:
 
     def lexical(self, rel: str) -> str | None:
         """Where `rel` points before links are followed; None when it leaves by itself."""
-        if not _nameable(rel):  # no file has this name; os calls would raise on it
+        if not nameable(rel):  # no file has this name; os calls would raise on it
             return None
         if self.only is not None:
             return self.real if rel in ("", self.only) else None
@@ -122,7 +122,7 @@ class Boundary:
     def resolve(self, rel: str, label: str) -> str:
         """The path to open for `rel` (relative to the checkpoint); refuses one that leaves it."""
         path = self.lexical(rel)
-        if path is None and not _nameable(rel):
+        if path is None and not nameable(rel):
             raise UnsafePathError(f"{label}: the checkpoint names a path no file can have ({quote(rel)}); refused")
         if path is None:
             what = "a single file" if self.only is not None else "its folder"
