@@ -233,16 +233,16 @@ class Fetcher:
         loc = piece.location
         flat = isinstance(piece.region, FlatRange)
         key = (loc.file, loc.offset, loc.length, loc.transforms, flat)
-        label = f"{self.source.label(loc.file)} (item of {entry.key})"
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
         if hit is not None:
-            _check_item(hit, entry, piece, label)
+            _check_item(hit, entry, piece, self.source)
             return hit
         from .torch_archive import item_tensor, open_item
 
+        label = _item_label(self.source, entry, piece)
         declared = piece.region.numel * itemsize(entry.dtype)
         item = codecs.open_decoded(self.source, loc.file, loc.offset, loc.length, loc.transforms, label,
                                    codecs.tensor_limit(declared), limits.inline_bytes(self.memory_budget))
@@ -253,7 +253,7 @@ class Fetcher:
         size = tuple(ref.size)
         strides = inner.stride or geometry.row_major_strides(size)
         checked = _Decoded(item.nbytes, dtype, size, inner.stride is None)
-        _check_item(checked, entry, piece, label)
+        _check_item(checked, entry, piece, self.source)
         if isinstance(item, codecs.StreamedItem):
             decoded = replace(checked, stream=item, offset=inner.offset, strides=tuple(strides))
         else:
@@ -273,16 +273,22 @@ class Fetcher:
         return decoded
 
 
-def _check_item(item: _Decoded, entry: TensorEntry, piece: Piece, label: str) -> None:
+def _item_label(source: Source, entry: TensorEntry, piece: Piece) -> str:
+    return f"{source.label(piece.location.file)} (item of {entry.key})"
+
+
+def _check_item(item: _Decoded, entry: TensorEntry, piece: Piece, source: Source) -> None:
     """The decoded item holds what the metadata says of this piece: its dtype, and its shape (a
-    box) or element count, stored contiguous (a flat range)."""
+    box) or element count, stored contiguous (a flat range). (Called for every use of a cached
+    item: its message is worded only for a refusal.)"""
+    region = piece.region
     if item.dtype != entry.dtype:
-        raise FormatError(f"{label}: holds {item.dtype}, metadata says {entry.dtype}")
-    if isinstance(piece.region, Box) and item.size != piece.region.sizes:
-        raise FormatError(f"{label}: has shape {item.size}, metadata says {piece.region.sizes}")
-    if isinstance(piece.region, FlatRange) and (math.prod(item.size) != piece.region.numel or not item.contiguous):
-        raise FormatError(f"{label}: holds {list(item.size)} elements, metadata says a contiguous "
-                          f"{piece.region.numel}")
+        raise FormatError(f"{_item_label(source, entry, piece)}: holds {item.dtype}, metadata says {entry.dtype}")
+    if isinstance(region, Box) and item.size != region.sizes:
+        raise FormatError(f"{_item_label(source, entry, piece)}: has shape {item.size}, metadata says {region.sizes}")
+    if isinstance(region, FlatRange) and (math.prod(item.size) != region.numel or not item.contiguous):
+        raise FormatError(f"{_item_label(source, entry, piece)}: holds {list(item.size)} elements, metadata says "
+                          f"a contiguous {region.numel}")
 
 
 def _narrow(view: torch.Tensor, region: Box, box: Box) -> torch.Tensor:

@@ -187,5 +187,3 @@ def _masters(arch: Archive, osd: dict, names: StageNames, i: int, share: partiti
                           f"floating-point tensor (the optimizer's master weights)")
     refuse_strided(arch, loc, f"fp32 partition of {what} {i}")
     return dtype, loc, shape[0]
-
-
