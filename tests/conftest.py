@@ -94,3 +94,18 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.get_closest_marker("slow") is not None:
             slow_per_file[item.nodeid.split("::")[0]] += 1
     items.sort(key=lambda item: -slow_per_file[item.nodeid.split("::")[0]])
+
+
+def saved_checkpointer_step(tmp_path: Path) -> tuple:
+    """(Checkpointer, model, optimizer, step folder): a Checkpointer directory holding step 1 of a
+    tiny model + AdamW, saved by this one process (torch seeded with 0 first)."""
+    import ckptkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optim.step()
+    ck = ckptkit.Checkpointer(str(tmp_path / "run"))
+    ck.save(1, model, optim)
+    return ck, model, optim, tmp_path / "run" / "step_000000001"

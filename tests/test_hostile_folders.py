@@ -22,6 +22,7 @@ import torch
 import ckptkit
 from ckptkit.errors import CkptkitError
 from ckptkit.hooks import rng as rng_files
+from conftest import saved_checkpointer_step
 from hostile import Scene, check_refused, run_ckptkit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,18 +35,6 @@ def _trainer(tmp_path: Path, name: str = "checkpoint-2") -> Path:
     folder = tmp_path / name
     shutil.copytree(FSDP, folder)
     return folder
-
-
-def _saved_step(tmp_path: Path) -> tuple[ckptkit.Checkpointer, torch.nn.Module, torch.optim.Optimizer, Path]:
-    """A Checkpointer directory holding step 1 of a tiny model + AdamW (one process)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    optim = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 4)).sum().backward()
-    optim.step()
-    ck = ckptkit.Checkpointer(str(tmp_path / "run"))
-    ck.save(1, model, optim)
-    return ck, model, optim, tmp_path / "run" / "step_000000001"
 
 
 # ---- Trainer folders: RNG files -------------------------------------------------------------------
@@ -137,7 +126,7 @@ RNG_DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(RNG_DAMAGE))
 def test_an_rng_file_that_is_no_generator_state_is_an_error_naming_it(tmp_path: Path, damage: str) -> None:
-    ck, model, optim, step_dir = _saved_step(tmp_path)
+    ck, model, optim, step_dir = saved_checkpointer_step(tmp_path)
     _damage_rng(step_dir, RNG_DAMAGE[damage])
     before = random.getstate()
     with warnings.catch_warnings():
@@ -158,7 +147,7 @@ def _nul_marker(step_dir: Path) -> None:
 
 @pytest.mark.parametrize("call", ["restore", "steps", "save"])
 def test_a_marker_listing_a_name_with_a_nul_is_a_stray_not_a_crash(tmp_path: Path, call: str) -> None:
-    ck, model, optim, step_dir = _saved_step(tmp_path)
+    ck, model, optim, step_dir = saved_checkpointer_step(tmp_path)
     _nul_marker(step_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -175,7 +164,7 @@ def test_a_marker_listing_a_name_with_a_nul_is_a_stray_not_a_crash(tmp_path: Pat
 
 
 def test_inspect_of_a_checkpointer_directory_with_a_nul_in_a_marker(tmp_path: Path) -> None:
-    _ck, _model, _optim, step_dir = _saved_step(tmp_path)
+    _ck, _model, _optim, step_dir = saved_checkpointer_step(tmp_path)
     _nul_marker(step_dir)
     run = run_ckptkit("inspect", tmp_path / "run")
     assert "internal error" not in run.output and "Traceback" not in run.output, run.detail()
@@ -214,7 +203,7 @@ def test_load_into_a_meta_tensor_is_refused(tmp_path: Path) -> None:
 # ---- ckptkit.load / Checkpointer: what held -------------------------------------------------------
 
 def test_restore_into_other_shapes_or_keys_names_the_key(tmp_path: Path) -> None:
-    ck, _model, _optim, _ = _saved_step(tmp_path)
+    ck, _model, _optim, _ = saved_checkpointer_step(tmp_path)
     wide = torch.nn.Linear(4, 5)
     with pytest.raises(ckptkit.errors.FormatError, match=r"model\.weight has shape \[4, 4\]"):
         ck.restore(wide, torch.optim.AdamW(wide.parameters()))
@@ -227,7 +216,7 @@ def test_restore_into_other_shapes_or_keys_names_the_key(tmp_path: Path) -> None
 
 
 def test_a_pointer_naming_a_missing_step_falls_back_to_the_newest_complete(tmp_path: Path) -> None:
-    ck, model, optim, _ = _saved_step(tmp_path)
+    ck, model, optim, _ = saved_checkpointer_step(tmp_path)
     (tmp_path / "run" / "latest").write_text("step_000000007\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

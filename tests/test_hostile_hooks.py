@@ -16,21 +16,9 @@ import torch
 import ckptkit
 from ckptkit.errors import CkptkitError, FormatError, UsageError
 from ckptkit.hooks import rng as rng_files
-from conftest import ROOT, subprocess_env, torchrun_cmd
+from conftest import ROOT, saved_checkpointer_step, subprocess_env, torchrun_cmd
 
 MARKER = ".ckptkit-complete"
-
-
-def _saved(tmp_path: Path) -> tuple[ckptkit.Checkpointer, Path]:
-    """A Checkpointer directory holding step 1 of a tiny model + AdamW (one process)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    optim = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 4)).sum().backward()
-    optim.step()
-    ck = ckptkit.Checkpointer(str(tmp_path / "run"))
-    ck.save(1, model, optim)
-    return ck, tmp_path / "run" / "step_000000001"
 
 
 def _damage(step_dir: Path, mutate) -> None:
@@ -69,7 +57,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_refused_rng_file_changes_neither_the_model_nor_any_generator(tmp_path: Path, damage: str) -> None:
-    ck, step_dir = _saved(tmp_path)
+    ck, _model, _optim, step_dir = saved_checkpointer_step(tmp_path)
     _damage(step_dir, DAMAGE[damage])
     model = torch.nn.Linear(4, 4)
     optim = torch.optim.AdamW(model.parameters())
@@ -100,7 +88,7 @@ def test_a_good_rng_file_still_puts_every_generator_back(tmp_path: Path) -> None
     random.seed(1)
     np.random.seed(1)
     torch.manual_seed(1)
-    ck, _ = _saved(tmp_path)  # seeds torch with 0 before saving
+    ck, _model, _optim, _ = saved_checkpointer_step(tmp_path)  # seeds torch with 0 before saving
     saved = _generators()
     random.random(), np.random.rand(), torch.rand(3)
     model = torch.nn.Linear(4, 4)
@@ -159,7 +147,7 @@ def test_load_into_meta_says_to_materialise_and_fills_nothing(tmp_path: Path) ->
 
 
 def test_restore_into_a_meta_model_is_refused(tmp_path: Path) -> None:
-    ck, _ = _saved(tmp_path)
+    ck, _model, _optim, _ = saved_checkpointer_step(tmp_path)
     with torch.device("meta"):
         model = torch.nn.Linear(4, 4)
     before = _generators()
@@ -181,7 +169,7 @@ def test_load_fills_a_gpu_tensor(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_cuda_generator_state_is_checked_and_put_back(tmp_path: Path) -> None:
     torch.rand(1, device="cuda")  # CUDA in use: the step saves its generator
-    ck, step_dir = _saved(tmp_path)
+    ck, _model, _optim, step_dir = saved_checkpointer_step(tmp_path)
     saved = torch.cuda.get_rng_state()
     torch.rand(8, device="cuda")
     model = torch.nn.Linear(4, 4)
