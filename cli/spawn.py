@@ -65,6 +65,8 @@ def relaunch(nproc: int, out: str | None = None) -> int:
         from ckptkit.storage.rename_output import recover
 
         recover(out)  # a killed process could not remove its temporary folder and lock
+    if len(procs) == nproc and not any(codes):  # every process succeeded: the output is committed, and
+        return 0                                 # a Ctrl-C that came after that changes nothing (exit 0)
     if interrupts.cancelled.is_set() or INTERRUPTED in codes:
         raise interrupts.Cancelled()
     return next((c for c in codes if c), 0)
