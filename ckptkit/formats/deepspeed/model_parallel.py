@@ -9,7 +9,10 @@ shape whose pieces point straight into the rank files (no hidden per-rank entrie
 * fused blocks (Megatron's QKV: rank r holds [q_r; k_r; v_r]): each rank contributes one box per
   block, at the block's start + r * its local size, so one rank gives several pieces;
 * replicated: rank 0's pieces; the other ranks' copies must be the same bytes, which
-  `verify --deep` checks (`ModelParallelInfo.replica_entries`).
+  `verify --deep` checks (`ModelParallelInfo.replica_entries`). Copies of another shape are
+  refused; so are copies of other bytes where a `--tp-rules` rule of the user declared the tensor
+  replicated (a rule naming a split tensor would give rank 0's slice as the whole): those copies
+  are read and compared here, the only tensor payload this reader reads.
 
 A local piece (a flat ZeRO range, or a whole module tensor) becomes flat ranges of the full
 tensor when the split dimension has only size-1 dimensions before it (dim 0), else row-major
@@ -32,8 +35,12 @@ from ...index.dtypes import itemsize
 from ...index.geometry import flat_to_boxes
 from ...index.strides import row_major_strides, strided_span
 from ...index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
+from ...runner.fetch import Fetcher
+from ...storage import kernel_copy
 from ...storage.source import Source
 from .files import ZeroFiles
+
+COMPARE_ELEMENTS_BYTES = 16 << 20   # bytes of each copy compared at a time (user-declared replicas)
 
 NOT_RESHARDABLE = ("converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
                    "--to tp=...,dp=... lays it out at new sizes)")
@@ -83,15 +90,22 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
     splits: dict[str, TpSplit] = {}
     replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
     aliases = []
+    declared = _user_replicated(rules)
+    to_compare: list[tuple[str, TpSplit]] = []
     for key, e0 in first.tensors.items():
         if "alias_of" in e0.attrs:
             aliases.append(e0)
             continue
         entries = [_same_entry(subs, r, key, e0, files, source) for r in range(tp)]
-        full = _full_entry(entries, _param_name(e0), first, chain, splits, tp, label)
+        name = _param_name(e0)
+        full = _full_entry(entries, name, first, chain, splits, tp, label)
         index.add_tensor(full)
         if full.attrs["parallel"]["tp"]["dim"] is None:
             replicas[key] = list(enumerate(entries))[1:]
+            split = splits.get(name) if name is not None else None
+            if split is not None and id(split) in declared:
+                to_compare.append((key, split))
+    _check_declared_replicas(source, index, to_compare, replicas, label)
     for e0 in aliases:
         owner = index.tensors.get(e0.attrs["alias_of"])
         if owner is not None:
@@ -157,6 +171,7 @@ def _full_entry(entries: list[TensorEntry], name: str | None, first: CheckpointI
     split = splits.get(name) or _decide(rules, name, [e.shape for e in entries], label)
     splits[name] = split
     if split.kind == "replicated":
+        _check_replica_shapes(entries, split, label)
         return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)
     shapes = {tuple(e.shape) for e in entries}
     if len(shapes) != 1:
@@ -173,6 +188,66 @@ def _full_entry(entries: list[TensorEntry], name: str | None, first: CheckpointI
     for rank, entry in enumerate(entries):
         pieces.extend(_place(entry, local, full, dim, blocks_of(rank)))
     return _with_tp(e0, pieces, full, dim, tp, split)
+
+
+def _check_replica_shapes(entries: list[TensorEntry], split: TpSplit, label: str) -> None:
+    """A replicated tensor is whole on every rank: slices of another shape mean the rule is wrong
+    for it (reading rank 0's would drop the others' without a word)."""
+    e0 = entries[0]
+    if all(tuple(e.shape) == tuple(e0.shape) for e in entries):
+        return
+    per_rank = ", ".join(f"rank {r}: {list(e.shape)}" for r, e in enumerate(entries))
+    raise UnsupportedError(f"{label}: {e0.key} is declared replicated by tensor-parallel rule {quote(split.rule)}, "
+                           f"but its model-parallel slices differ in shape ({per_rank}); a replicated tensor is "
+                           f"whole on every rank, so the rule does not fit it; {HOW_TO}")
+
+
+def _user_replicated(rules: TpRules) -> set[int]:
+    """ids of the "replicated" splits of the user's rules (--tp-rules FILE), the built-in ones left
+    out: only those copies are compared when the checkpoint is read (verify --deep checks all)."""
+    return {id(r.split) for r in rules.rules
+            if r.split.kind == "replicated" and not r.source.startswith("built-in ")}
+
+
+def _check_declared_replicas(source: Source, index: CheckpointIndex, keys: list[tuple[str, TpSplit]],
+                             replicas: dict[str, list[tuple[int, TensorEntry]]], label: str) -> None:
+    """Every copy of a tensor the user's rule declared replicated holds rank 0's bytes: a rule that
+    names a split tensor (equal slices of different values) is refused by name, not joined as
+    rank 0's slice. Reads those tensors on every rank, in slabs."""
+    if not keys:
+        return
+    fetcher = Fetcher(source, index=index)
+    for key, split in keys:
+        e0 = index.tensors[key]
+        for rank, copy in replicas[key]:
+            if not _same_bytes(fetcher, e0, copy):
+                raise FormatError(f"{label}: {key} is declared replicated by tensor-parallel rule "
+                                  f"{quote(split.rule)}, but model-parallel rank {rank}'s copy differs from rank "
+                                  f"0's; replicated tensors (layernorms) are equal on every rank, so the rule "
+                                  f"does not fit it: give its split instead (see docs/tp_rules.md)")
+
+
+def _same_bytes(fetcher: Fetcher, a: TensorEntry, b: TensorEntry) -> bool:
+    """Whether two entries of one dtype and shape hold the same bytes, compared a slab at a time."""
+    total = math.prod(a.shape)
+    step = max(1, COMPARE_ELEMENTS_BYTES // itemsize(a.dtype))
+    for start in range(0, total, step):
+        length = min(step, total - start)
+        if _slab_bytes(fetcher, a, start, length) != _slab_bytes(fetcher, b, start, length):
+            return False
+    return True
+
+
+def _slab_bytes(fetcher: Fetcher, entry: TensorEntry, start: int, length: int) -> bytes:
+    """Elements [start, start+length) of the entry's flattening as bytes (through torch only when
+    they are not stored plainly)."""
+    ranges = fetcher.byte_ranges(entry, start, length)
+    if ranges is not None:
+        return kernel_copy.read(fetcher.source, ranges)
+    from ...lazy_torch import torch
+
+    flat = fetcher.fetch(entry).reshape(-1)[start:start + length].contiguous()
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def _decide(rules: TpRules, name: str, shapes: list[tuple[int, ...]], label: str) -> TpSplit:
