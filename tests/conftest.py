@@ -1,6 +1,7 @@
 """Shared fixtures: paths to the real checkpoints in fixtures/data and their ground truth."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -34,6 +35,12 @@ def dcp_params():
 def load_truth(name: str) -> dict:
     """Ground truth written at save time through torch's full-state-dict APIs (trusted file)."""
     return torch.load(DATA / f"{name}.truth.pt", weights_only=True)
+
+
+def dataclass_fields(value: object) -> list[tuple[str, object]]:
+    """Every field of a dataclass instance, in order, as (name, value): what `vars` gave before the
+    index's dataclasses had slots (an unset slot raises here, as a missing key would)."""
+    return [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
 
 
 def assert_tensor_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

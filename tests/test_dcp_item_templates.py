@@ -18,7 +18,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.dcp import reader
 from ckptkit.index.types import Box, IntegrityCheck, Location, Piece, TensorEntry
 from ckptkit.storage.source import LocalSource
-from conftest import save_random_dcp
+from conftest import dataclass_fields as _fields, save_random_dcp
 from test_archive_layouts import _repacked
 
 DATA_FILE = "__0_0.distcp"
@@ -100,8 +100,8 @@ def test_a_run_of_items_is_served_by_its_template_as_the_full_path_reads_it(tmp_
     fast = _read(source, jobs, monkeypatch, fast=True)
     assert fast == full
     for (piece, _), (theirs, _) in zip(fast, full):  # (made without their __init__: every field, in order)
-        assert list(vars(piece.location).items()) == list(vars(theirs.location).items())
-        assert list(vars(piece).items()) == list(vars(theirs).items())
+        assert _fields(piece.location) == _fields(theirs.location)
+        assert _fields(piece) == _fields(theirs)
     assert sum(served) == len(jobs) - 2  # the first two of the kind go the full way (the second teaches)
     assert len({c.crc32 for _, checks in fast for c in checks}) > 20  # (each item's own CRCs)
 

@@ -14,7 +14,7 @@ from ckptkit.index.virtual import Part, flat_concat, flat_slice
 from ckptkit.repickle import dumps
 from ckptkit.runner.fetch import Fetcher
 from ckptkit.safeload import inert_class, register_allowed, restricted_loads
-from conftest import DATA
+from conftest import DATA, dataclass_fields as _fields
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_flat_slice_builds_the_same_pieces(seed):
     for start, length in [(0, total), (0, total + 7), (rng.randrange(total + 1), rng.randrange(total + 3))]:
         got, want = flat_slice("s", "float32", parts, start, length), _reference_slice("s", "float32", parts, start, length)
         assert got == want
-        assert [(vars(p), vars(p.region), vars(p.location)) for p in got.pieces] == \
-               [(vars(p), vars(p.region), vars(p.location)) for p in want.pieces]
+        assert [(_fields(p), _fields(p.region), _fields(p.location)) for p in got.pieces] == \
+               [(_fields(p), _fields(p.region), _fields(p.location)) for p in want.pieces]
         assert [hash(p) for p in got.pieces] == [hash(p) for p in want.pieces]
 
 

@@ -19,7 +19,7 @@ from ..torch_types import realize
 from .dtypes import itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Box:
     """An N-d box of a tensor in global coordinates (0-d tensors use empty tuples)."""
 
@@ -43,7 +43,7 @@ class Box:
         return Box(tuple(0 for _ in shape), tuple(shape))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FlatRange:
     """Elements [start, start+length) of the tensor's row-major flattening (ZeRO partitions)."""
 
@@ -79,7 +79,7 @@ class Encoding(StrEnum):
     __hash__ = str.__hash__  # Enum hashes its name: equal to "raw", it must hash like "raw" too
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Location:
     """Where a piece's bytes live: ``file``, ``offset``, ``length`` as ``encoding`` reads them."""
 
@@ -91,7 +91,7 @@ class Location:
     transforms: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     region: Region
     location: Location
@@ -104,28 +104,34 @@ class Piece:
 # Unchecked constructors. A reader making one piece per tensor and rank (100k+ tensors in a DCP
 # checkpoint of small items, a ZeRO rank's 20k parameters x 3 flat tensors) would spend a
 # microsecond a field in the frozen dataclasses' __init__ (object.__setattr__ per field); these
-# fill the instance's __dict__ directly, in field order, so the object equals, hashes and reprs
+# set the slots directly through their member descriptors, so the object equals, hashes and reprs
 # like the constructed one. No check runs (neither does the dataclasses' __init__ check types):
-# the caller passes values it has already checked.
+# the caller passes values it has already checked. The classes have slots, not a __dict__: a
+# piece of a 100k-tensor index costs its fields, not three dicts (issue 17).
 _new = object.__new__
+_box_offsets, _box_sizes = Box.offsets.__set__, Box.sizes.__set__  # type: ignore[attr-defined]
+_range_start, _range_length = FlatRange.start.__set__, FlatRange.length.__set__  # type: ignore[attr-defined]
+_loc_file, _loc_offset, _loc_length = (Location.file.__set__, Location.offset.__set__,  # type: ignore[attr-defined]
+                                       Location.length.__set__)  # type: ignore[attr-defined]
+_loc_encoding, _loc_stride, _loc_transforms = (Location.encoding.__set__, Location.stride.__set__,  # type: ignore[attr-defined]
+                                               Location.transforms.__set__)  # type: ignore[attr-defined]
+_piece_region, _piece_location = Piece.region.__set__, Piece.location.__set__  # type: ignore[attr-defined]
 
 
 def unchecked_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
     """Box(offsets, sizes), made without the frozen dataclass's __init__ and its rank check
     (see above: the caller has checked that offsets and sizes have the same length)."""
     box = _new(Box)
-    fields = box.__dict__
-    fields["offsets"] = offsets
-    fields["sizes"] = sizes
+    _box_offsets(box, offsets)
+    _box_sizes(box, sizes)
     return box
 
 
 def unchecked_flat_range(start: int, length: int) -> FlatRange:
     """FlatRange(start, length), made without the frozen dataclass's __init__ (see above)."""
     region = _new(FlatRange)
-    fields = region.__dict__
-    fields["start"] = start
-    fields["length"] = length
+    _range_start(region, start)
+    _range_length(region, length)
     return region
 
 
@@ -134,26 +140,24 @@ def unchecked_location(file: str, offset: int, length: int, encoding: str = Enco
     """Location(file, offset, length, encoding, stride, transforms), made without the frozen
     dataclass's __init__ (see above)."""
     loc = _new(Location)
-    fields = loc.__dict__
-    fields["file"] = file
-    fields["offset"] = offset
-    fields["length"] = length
-    fields["encoding"] = encoding
-    fields["stride"] = stride
-    fields["transforms"] = transforms
+    _loc_file(loc, file)
+    _loc_offset(loc, offset)
+    _loc_length(loc, length)
+    _loc_encoding(loc, encoding)
+    _loc_stride(loc, stride)
+    _loc_transforms(loc, transforms)
     return loc
 
 
 def unchecked_piece(region: Region, location: Location) -> Piece:
     """Piece(region, location), made without the frozen dataclass's __init__ (see above)."""
     piece = _new(Piece)
-    fields = piece.__dict__
-    fields["region"] = region
-    fields["location"] = location
+    _piece_region(piece, region)
+    _piece_location(piece, location)
     return piece
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorEntry:
     """A logical tensor. ``path`` is the original nesting (keys, list indices) when known."""
 
@@ -176,7 +180,7 @@ class TensorEntry:
 _UNREALIZED = object()
 
 
-@dataclass
+@dataclass(slots=True)
 class ObjectEntry:
     """A non-tensor value (step, hyperparameter, scheduler state, rng, config).
 

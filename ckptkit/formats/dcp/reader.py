@@ -265,6 +265,7 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
     jobs: list[_Job] = []
     names: dict[DType, str] = {}
     storage = merged.storage
+    shared = {}.setdefault  # one tuple per distinct shape, offsets or sizes (a model repeats a few: 48 B a piece each)
     for key, meta in merged.sd_meta.items():
         path = merged.planner.get(key)
         kind = type(meta).__name__
@@ -281,13 +282,14 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
             name = names.get(dtype)
             if name is None:
                 name = names[dtype] = dtype_name(dtype)
-            entry = TensorEntry(key, name, shape, [], path=path)
+            entry = TensorEntry(key, name, shared(shape, shape), [], path=path)
             index.add_tensor(entry)
             for offsets, sizes in merged.chunks[key]:
                 info = storage.get((key, offsets))
                 if info is None:
                     raise FormatError(f"{label}: tensor {key} chunk at offsets {list(offsets)} has no storage record")
-                jobs.append((entry, unchecked_box(offsets, sizes), info))  # (ranks checked by _Merged.add)
+                box = unchecked_box(shared(offsets, offsets), shared(sizes, sizes))  # (ranks checked by _Merged.add)
+                jobs.append((entry, box, info))
         elif kind == "BytesStorageMetadata":
             info = merged.storage.get((key, None))
             if info is None:
