@@ -318,6 +318,17 @@ class _Group(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+def dtype_help() -> str:
+    """--dtype's help, listing every spelling it accepts (index/dtypes.DTYPE_SPELLINGS) and no other."""
+    from ckptkit.index.dtypes import DTYPE_SPELLINGS
+
+    by_dtype: dict[str, list[str]] = {}
+    for spelling, name in DTYPE_SPELLINGS.items():
+        by_dtype.setdefault(name, []).append(spelling)
+    return ("Cast floating model tensors to one of: " + "; ".join(", ".join(s) for s in by_dtype.values())
+            + " (case-insensitive). Any other value, or an empty one, is refused.")
+
+
 def examples(*lines: str) -> str:
     """A command's help epilog: 1-3 runnable examples, shown verbatim (tests/test_docs.py runs them
     against fixtures it links under the names EXAMPLE_NAMES describes)."""
@@ -439,8 +450,7 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, f
                              "ckptkit consolidate dcp_ckpt hf_opt --include-optimizer --dtype torch.float16"))
 @click.argument("src")
 @click.argument("out")
-@click.option("--dtype", default=None,
-              help="Cast floating model tensors: bf16, fp16 or fp32 (torch's names too: bfloat16, torch.bfloat16, half, float).")
+@click.option("--dtype", default=None, metavar="[bf16|fp16|fp32]", help=dtype_help())
 @click.option("--max-shard-size", default=knobs.MAX_SHARD_SIZE, show_default=True,
               help="Largest safetensors shard, e.g. 5GB, 500MB.")
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer state to optimizer*.safetensors.")
@@ -461,15 +471,17 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
                 tag: str | None, flags: RunFlags) -> None:
     """Write SRC's model as Hugging Face style safetensors: into folder OUT, or into the file OUT
     when it ends in .safetensors and the model fits in one file."""
+    from ckptkit.index.dtypes import parse_dtype_option
+
+    cast = parse_dtype_option(dtype) if dtype is not None else None   # refused before anything starts
     relaunch_if_asked(flags.nproc, out)
     from ckptkit.convert.names import KeyRules
-    from ckptkit.index.dtypes import parse_dtype_option
     from ckptkit.ops.consolidate import consolidate as run_consolidate
     from ckptkit.ops.inspect import human_bytes
 
     run = make_run_context(ctx, flags)
     rules = KeyRules(strip=tuple(strip_prefix), renames=KeyRules.parse_renames(rename))
-    res = run_consolidate(src, out, dtype=parse_dtype_option(dtype) if dtype else None,
+    res = run_consolidate(src, out, dtype=cast,
                           max_shard_size=max_shard_size, include_optimizer=include_optimizer,
                           tag=tag, rules=rules, config=config, ctx=run)
     into = f"into {out}" if os.path.isfile(out) else f"into {out}: {', '.join(res.files)}"

@@ -100,13 +100,23 @@ def from_safetensors(code: str) -> str:
         raise UnsupportedError(f"safetensors dtype {quote(str(code))} is not supported") from None
 
 
+# Every spelling --dtype accepts (case and surrounding spaces aside), and the dtype it names:
+# ours, and torch's names with or without "torch.". Nothing else: the help lists exactly these.
+DTYPE_SPELLINGS: dict[str, str] = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16", "torch.float16": "float16", "torch.half": "float16",
+    "fp32": "float32", "float32": "float32", "float": "float32", "torch.float32": "float32", "torch.float": "float32",
+}
+
+
 def parse_dtype_option(text: str) -> str:
-    """Map a user's --dtype spelling to a canonical name: ours (bf16, fp16, fp32) and torch's
-    (bfloat16, torch.bfloat16, half, torch.half, float, torch.float32, ...)."""
-    aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-               "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
-    spelled = text.strip().lower().removeprefix("torch.")
-    name = aliases.get(spelled, spelled)
-    if name not in FLOATING:
+    """Map a user's --dtype spelling to a canonical name: one of DTYPE_SPELLINGS, strictly (an
+    empty value or another dtype is refused, not ignored or cast to)."""
+    spelled = text.strip().lower()
+    if not spelled:
+        raise UnsupportedError("--dtype is empty: give the dtype to cast floating model tensors to "
+                               "(fp32, bf16 or fp16), or leave --dtype out to keep their dtypes")
+    name = DTYPE_SPELLINGS.get(spelled)
+    if name is None:
         raise UnsupportedError(f"--dtype {text!r} is not a floating dtype (use fp32, bf16 or fp16)")
     return name
