@@ -155,3 +155,68 @@ def test_dtype_help_lists_exactly_the_accepted_spellings():
         assert spelling in help_text
         assert parse_dtype_option(spelling) == name
     assert set(DTYPE_SPELLINGS.values()) == {"bfloat16", "float16", "float32"}
+
+
+# ---- 3. a nested state dict must be a mapping of names to tensors ----------------------------
+
+def _save(path: Path, obj) -> Path:
+    import torch
+
+    torch.save(obj, path)
+    return path
+
+
+def _as_list(kind: str):
+    import torch
+
+    values = [torch.ones(2), torch.zeros(3)]
+    return values if kind == "list" else tuple(values)
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple"])
+@pytest.mark.parametrize("key,name,extra", [
+    ("state_dict", "lightning.ckpt", {"pytorch-lightning_version": "2.4.0", "global_step": 3}),  # Lightning
+    ("module", "mp_rank_00_model_states.bin", {}),      # DeepSpeed's module key in a plain torch.save
+    ("model", "pytorch_model.bin", {}),                 # accelerate / FSDP full state dict {"model": ...}
+    ("model_state_dict", "checkpoint.pt", {"epoch": 1}),
+])
+@pytest.mark.parametrize("command", ["inspect", "consolidate", "convert"])
+def test_a_listed_state_dict_is_refused(command, key, name, extra, kind, tmp_path):
+    src = _save(tmp_path / name, {key: _as_list(kind), **extra})
+    out = tmp_path / "OUT"
+    args = {"inspect": [src], "consolidate": [src, out], "convert": [src, out, "--to", "torch"]}[command]
+    res = run_cli(command, *args)
+    assert_error(res, str(src), repr(key), "mapping", out=out)
+    assert not out.exists()
+
+
+def test_the_refusal_names_file_key_and_what_was_expected(tmp_path):
+    from ckptkit.errors import FormatError
+    from ckptkit.formats.registry import open_checkpoint
+
+    src = _save(tmp_path / "list.ckpt", {"state_dict": _as_list("list"), "pytorch-lightning_version": "2.4.0"})
+    with pytest.raises(FormatError) as exc:
+        open_checkpoint(str(src))
+    msg = str(exc.value)
+    assert msg.startswith(f"{src}: ") and "'state_dict'" in msg and "list" in msg, msg
+    assert "mapping of parameter names to tensors" in msg, msg
+
+
+def test_the_reader_knows_every_model_container():
+    """The reader's list of keys that hold a state dict is the one the model is found under."""
+    from ckptkit.convert.keys import MODEL_CONTAINERS
+    from ckptkit.formats.torch_save.reader import STATE_DICT_KEYS
+
+    assert set(STATE_DICT_KEYS) == set(MODEL_CONTAINERS)
+
+
+def test_other_lists_and_mapped_state_dicts_still_read(tmp_path):
+    """Lightning's optimizer_states is a list, and a state dict as a mapping reads as before."""
+    import torch
+    from ckptkit.formats.registry import open_checkpoint
+
+    src = _save(tmp_path / "ok.ckpt", {"state_dict": {"model.w": torch.ones(2)}, "optimizer_states": [{"state": {},
+               "param_groups": [{"lr": 0.1, "params": [0]}]}], "pytorch-lightning_version": "2.4.0"})
+    index = open_checkpoint(str(src)).index
+    assert "state_dict.model.w" in index.tensors
+

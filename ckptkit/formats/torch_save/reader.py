@@ -17,6 +17,10 @@ from ...storage.source import Source
 from ...runner.torch_archive import Archive, load_structure, load_values, open_archive, tensor_location
 
 FORMAT = "torch_save"
+# Top-level keys that hold a model's state dict: Lightning's `state_dict`, DeepSpeed's `module`,
+# accelerate's and FSDP full state dicts' `model`, the `model_state_dict` of training scripts
+# (convert/keys.MODEL_CONTAINERS, where the model is looked for; the formats layer cannot import it).
+STATE_DICT_KEYS = ("model", "module", "state_dict", "model_state_dict")
 
 
 def read_index(source: Source, rel: str) -> CheckpointIndex:
@@ -40,6 +44,7 @@ def add_structure(index: CheckpointIndex, archive: Archive, structure: Any, pref
     if isinstance(structure, TensorRef):
         leaves = [(prefix, structure)] if prefix else [(("",), structure)]
     elif isinstance(structure, Mapping):
+        _check_state_dicts(structure, archive.label)
         leaves = [(prefix + p, v) for p, v in flatten(structure, lambda v: isinstance(v, TensorRef))]
     else:
         raise FormatError(f"{archive.label}: expected a state dict (a mapping) at the top level, "
@@ -56,6 +61,16 @@ def add_structure(index: CheckpointIndex, archive: Archive, structure: Any, pref
     loaded = materialize([v for _, v in values], archive)  # one shared read per storage for them all
     for (path, _), value in zip(values, loaded):
         index.add_object(ObjectEntry(key_of(path), value, path=path))
+
+
+def _check_state_dicts(structure: Mapping, label: str) -> None:
+    """A state dict nested under a known key must be a mapping: a list of tensors there would be
+    read as parameters named 0, 1, ..., which no model has."""
+    for key in STATE_DICT_KEYS:
+        value = structure.get(key)
+        if isinstance(value, (list, tuple)):
+            raise FormatError(f"{label}: {key!r} is a {type(value).__name__} of {len(value)} values, expected "
+                              f"a mapping of parameter names to tensors (a state dict)")
 
 
 def materialize(value: Any, archive: Archive) -> Any:
