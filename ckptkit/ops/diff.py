@@ -3,8 +3,10 @@
 Both sides are split into model and optimizer state (convert/keys.py) and model names are
 normalised (wrapper prefixes such as `module.`, `_orig_mod.`, `_fsdp_wrapped_module.` dropped),
 so an FSDP2 DCP, a ZeRO checkpoint and a safetensors file of the same model line up. Values are
-compared slab by slab within the memory budget: equal, or the largest absolute difference and
-the relative L2 change ||a-b|| / ||a||, both summed in float64 as the slabs stream by.
+compared slab by slab within the memory budget: equal (bit for bit, NaNs included), or the largest
+absolute difference and the relative L2 change ||a-b|| / ||a||, both summed in float64 as the slabs
+stream by over the positions where neither side is NaN; positions where exactly one side is NaN are
+counted (`nan_mismatches`) and make the tensor different whatever the tolerance.
 Optimizer steps and param-group hyperparameters are compared by value, whatever their backend
 form (DeepSpeed's int step vs AdamW's 0-d tensor); a hyperparameter only one backend keeps
 (DeepSpeed's bias_correction, torch's foreach) is listed as "one_side" and is not a difference.
@@ -60,10 +62,11 @@ class Row:
     max_abs_diff: float | None = None
     detail: str = ""
     rel_l2: float | None = None   # ||a-b|| / ||a|| (|a-b| / |a| for a number); inf when a is 0 and b is not
+    nan_mismatches: int = 0       # positions where exactly one side is NaN (left out of the two above)
 
     def as_json(self) -> dict:
         return {"name": self.name, "status": self.status, "max_abs_diff": self.max_abs_diff,
-                "rel_l2": self.rel_l2, "detail": self.detail}
+                "rel_l2": self.rel_l2, "nan_mismatches": self.nan_mismatches, "detail": self.detail}
 
 
 @dataclass
@@ -81,10 +84,12 @@ class DiffResult:
         return out
 
     def largest(self, n: int = STAT_TOP) -> list[Row]:
-        """The `n` rows that changed most: by relative change, then those without one (a string
+        """The `n` rows that changed most: those with NaN mismatches first (their relative change
+        leaves those positions out), then by relative change, then those without one (a string
         value, a shape), in name order."""
         changed = [r for r in self.rows if r.status not in ("equal", "one_side")]
-        measured = sorted((r for r in changed if r.rel_l2 is not None), key=lambda r: (-r.rel_l2, r.name))
+        measured = sorted((r for r in changed if r.rel_l2 is not None),
+                          key=lambda r: (-r.nan_mismatches, -r.rel_l2, r.name))
         return (measured + [r for r in changed if r.rel_l2 is None])[:n]
 
 
@@ -268,30 +273,61 @@ def _relative(diff_sq: float, base_sq: float) -> float:
 
 def _compare(name: str, ea: TensorEntry, eb: TensorEntry, fa: Fetcher, fb: Fetcher, atol: float,
              slab_bytes: int, progress: Progress | None = None) -> Row:
-    worst = 0.0
-    identical = True
-    base_sq = diff_sq = 0.0  # sum a^2 and sum (a-b)^2 in float64, for ||a-b|| / ||a||
+    """Bit for bit first; where the bits differ, the largest |a-b| and the squared sums over the
+    positions neither side holds NaN at, and the NaN positions counted apart: a NaN against a
+    number is no amount of difference (it was shown as `inf`), and two NaNs of other bits are not
+    the same bits."""
+    tally = _Tally()
     item = max(itemsize(ea.dtype), itemsize(eb.dtype))
     for slab in geometry.split_rowmajor(Box.whole(ea.shape), max(1, slab_bytes // (2 * item))):
         ta, tb = fa.fetch(ea, slab), fb.fetch(eb, slab)
         if progress is not None:
             progress.advance(slab.numel * (itemsize(ea.dtype) + itemsize(eb.dtype)))
         da = ta.to(torch.float64)
-        base_sq += float(torch.nansum(da * da))
+        tally.base_sq += float(torch.nansum(da * da))
         if ta.dtype == tb.dtype and (ta.numel() == 0 or _bits(ta).equal(_bits(tb))):
             continue  # bit-identical slab (NaNs included)
-        identical = False
-        db = tb.to(torch.float64)
-        both_nan = torch.isnan(da) & torch.isnan(db)
-        delta = torch.nan_to_num((da - db).abs().masked_fill(both_nan, 0.0), nan=math.inf)
-        worst = max(worst, float(delta.max()) if delta.numel() else 0.0)
-        diff_sq += float((delta * delta).sum())
-    if identical and ea.dtype == eb.dtype:
+        tally.add(ta, tb, da, tb.to(torch.float64))
+    if tally.identical and ea.dtype == eb.dtype:
         return Row(name, "equal", 0.0, rel_l2=0.0)
-    rel = _relative(diff_sq, base_sq)
-    if worst <= atol:
-        return Row(name, "close", worst, rel_l2=rel)
-    return Row(name, "different", worst, f"max |a-b| = {worst:.6g}", rel_l2=rel)
+    rel = _relative(tally.diff_sq, tally.base_sq)
+    if tally.nan_mismatches:
+        many = "s" if tally.nan_mismatches > 1 else ""
+        return Row(name, "different", tally.worst, f"{tally.nan_mismatches} position{many} NaN on one side only "
+                   f"(max |a-b| and rel L2 over the others)", rel_l2=rel, nan_mismatches=tally.nan_mismatches)
+    if tally.worst <= atol:
+        detail = f"{tally.nan_bits} NaN positions with other bits" if tally.nan_bits else ""
+        return Row(name, "close", tally.worst, detail, rel_l2=rel)
+    return Row(name, "different", tally.worst, f"max |a-b| = {tally.worst:.6g}", rel_l2=rel)
+
+
+@dataclass
+class _Tally:
+    """What the slabs whose bits differ add up to (one tensor)."""
+
+    identical: bool = True
+    worst: float = 0.0
+    base_sq: float = 0.0   # sum a^2 and sum (a-b)^2 in float64, for ||a-b|| / ||a||
+    diff_sq: float = 0.0
+    nan_mismatches: int = 0
+    nan_bits: int = 0      # both NaN, other bits (same dtype only)
+
+    def add(self, ta: torch.Tensor, tb: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> None:
+        self.identical = False
+        nan_a, nan_b = torch.isnan(da), torch.isnan(db)
+        self.nan_mismatches += int((nan_a ^ nan_b).sum())
+        if ta.dtype == tb.dtype:
+            self.nan_bits += int((nan_a & nan_b & (_elements(ta) != _elements(tb))).sum())
+        # the same value (an infinity too) is no difference; NaN positions are counted above
+        delta = torch.where((da == db) | nan_a | nan_b, 0.0, (da - db).abs())
+        self.worst = max(self.worst, float(delta.max()) if delta.numel() else 0.0)
+        self.diff_sq += float((delta * delta).sum())
+
+
+def _elements(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bits as one integer, for comparing NaN payloads position by position."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.reshape(-1).view(ints[t.element_size()]).reshape(t.shape)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
