@@ -12,9 +12,16 @@ Everything else the Trainer writes (trainer_state.json, training_args.bin, sched
 rng_state_<r>.pth, config.json, tokenizer files, DeepSpeed's zero_to_fp32.py...) is a side file:
 commands that write a Trainer folder copy it byte for byte. Nothing here unpickles anything:
 training_args.bin and the RNG files are only ever copied.
+
+The step is the one trainer_state.json records (`global_step`). A folder named `checkpoint-N`
+whose N is another step (copied, renamed, or saved by a script that numbers otherwise) keeps the
+recorded step and carries a warning saying both (`TrainerFolder.warnings`, shown by inspect and
+verify); a run folder still orders its `checkpoint-N` entries by N, as transformers'
+get_last_checkpoint does (formats/run_folder.py).
 """
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass, field
 
@@ -26,6 +33,7 @@ from .dcp import reader as dcp_reader
 
 TRAINER_STATE = "trainer_state.json"
 RNG_SINGLE = "rng_state.pth"
+NAMED_STEP = re.compile(r"checkpoint-([0-9]+)", re.ASCII)   # the Trainer's folder name (fullmatch)
 # Names are matched whole (fullmatch: "$" would let a trailing line break in) and in ASCII digits
 # only ("\d" takes any script's digits, which int() reads as the same rank)
 RNG_RANK = re.compile(r"rng_state_([0-9]+)\.pth", re.ASCII)
@@ -83,6 +91,7 @@ class TrainerFolder:
     state_problem: str | None = None  # trainer_state.json unreadable (said by verify)
     notes: list[str] = field(default_factory=list)
     kind: str = TRAINER  # HF Trainer (trainer_state.json) or accelerate (save_state's folder alone)
+    warnings: list[str] = field(default_factory=list)  # what looks wrong but does not stop a read
 
     def as_json(self) -> dict:
         return {"kind": self.kind, "layout": self.layout, "step": self.step,
@@ -91,7 +100,8 @@ class TrainerFolder:
                 "rng_files": {("single" if r is None else str(r)): f for r, f in sorted(
                     self.rng_files.items(), key=lambda kv: -1 if kv[0] is None else kv[0])},
                 "not_understood": self.unknown,
-                **({"state_problem": self.state_problem} if self.state_problem else {})}
+                **({"state_problem": self.state_problem} if self.state_problem else {}),
+                **({"warnings": self.warnings} if self.warnings else {})}
 
 
 def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
@@ -123,7 +133,18 @@ def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
         else:
             unknown.append(name + ("/" if _isdir(source, name) else ""))
     step, problem = _read_step(source) if trainer else (None, None)
-    return TrainerFolder(layout, parts, side, rng, unknown, step, problem, kind=kind)
+    return TrainerFolder(layout, parts, side, rng, unknown, step, problem, kind=kind,
+                         warnings=step_name_mismatch(source.root, step))
+
+
+def step_name_mismatch(root: str, step: int | None) -> list[str]:
+    """A warning when the folder is named `checkpoint-N` and trainer_state.json records another
+    global_step: the step shown is the recorded one, and a reader of the name would expect N."""
+    name = posixpath.basename(root.replace("\\", "/").rstrip("/"))
+    m = NAMED_STEP.fullmatch(name)
+    if m is None or step is None or int(m.group(1)) == step:
+        return []
+    return [f"folder name {name} says step {int(m.group(1))}, but {TRAINER_STATE} records global_step {step}"]
 
 
 def _isdir(source: Source, name: str) -> bool:

@@ -194,6 +194,7 @@ def describe_lines(folder: TrainerFolder) -> list[str]:
     lines.append("not understood  " + (", ".join(folder.unknown) if folder.unknown else "none"))
     if folder.state_problem:
         lines.append(f"problem     {folder.state_problem}")
+    lines += [f"warning     {w}" for w in folder.warnings]
     return lines
 
 
@@ -240,7 +241,8 @@ def verify_lines(folder: TrainerFolder, index_files: list[str]) -> list[str]:
     return [f"  {folder.kind} folder ({folder.layout}{step}): read {done or 'nothing'}" + (f"; not read (copied by reshard/convert): {', '.join(unread)}" if unread else ""),
             f"  side files (not read, copied by reshard/convert): "
             f"{', '.join([f for f in folder.side_files if f not in index_files] + sorted(folder.rng_files.values(), key=str)) or 'none'}",
-            f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}"]
+            f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}",
+            *(f"  warning: {w}" for w in folder.warnings)]
 
 
 def same_kind(folder: TrainerFolder, target: str) -> bool:
