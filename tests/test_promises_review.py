@@ -373,3 +373,18 @@ def test_the_checkpointer_never_resumes_from_a_trainer_folder(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")      # no SkippedStepsWarning for checkpoint-5
         assert ck.restore(model, optim) == 1
+
+
+def test_a_listed_model_in_a_dcp_folder_is_refused(tmp_path):
+    """DCP flattens a list under "model" to model.0, model.1 (accelerate's and Lightning's FSDP
+    folders are DCP): refused like the torch.save file, naming the folder and the key."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    dcp.save({"model": [torch.ones(2), torch.zeros(3)]}, checkpoint_id=str(src), no_dist=True)
+    out = tmp_path / "OUT"
+    res = run_cli("consolidate", src, out)
+    assert_error(res, str(src), "'model'", "mapping of parameter names to tensors", out=out)
+    res = run_cli("inspect", src)
+    assert_error(res, str(src), "'model'")

@@ -24,6 +24,7 @@ from .deepspeed import files as ds_files
 from .opened import Opened
 from .protocols import Capabilities, Reader, Writer
 from .safetensors import reader as st_reader
+from .torch_save.reader import check_listed_state_dicts
 from ..runner.heap import paused_collector
 from ..runner.torch_archive import ZIP_MAGIC
 
@@ -97,6 +98,7 @@ def _open_checkpoint(path: str, expect: str | None, tag: str | None, follow_link
         opened = _open_folder(path, source)
     else:
         opened = _open_file(path, follow_links)
+    check_listed_state_dicts(opened.index, path)
     lightning.annotate(opened.index)
     if expect is not None and opened.index.format != expect:
         raise NotACheckpointError(f"{path}: is a {opened.index.format} checkpoint, expected {expect}")

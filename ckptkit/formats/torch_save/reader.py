@@ -73,6 +73,16 @@ def _check_state_dicts(structure: Mapping, label: str) -> None:
                               f"a mapping of parameter names to tensors (a state dict)")
 
 
+def check_listed_state_dicts(index: CheckpointIndex, label: str) -> None:
+    """The same refusal for any format's index (a DCP folder flattens a list under "model" to
+    model.0, model.1): a tensor whose path is a known state-dict key then a list position."""
+    for e in index.tensors.values():
+        path = e.path
+        if path and len(path) > 1 and type(path[1]) is int and path[0] in STATE_DICT_KEYS:
+            raise FormatError(f"{label}: {path[0]!r} is a list of values, expected a mapping of parameter names "
+                              f"to tensors (a state dict)")
+
+
 def materialize(value: Any, archive: Archive) -> Any:
     """Replace TensorRefs nested in a non-tensor value (a step, a tuple of tensors, ...) by
     SmallTensors over their bytes (ObjectEntry.value gives them as torch tensors); views of one
