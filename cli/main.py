@@ -18,7 +18,7 @@ import sys
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import click
 
@@ -207,15 +207,71 @@ def follow_links() -> bool | None:
     return True if click.get_current_context().meta.get(FOLLOW_LINKS_KEY) else None
 
 
+# containers this deep or deeper are written on one line each: one tensor, piece or row a line
+_JSON_FLAT_DEPTH = 2
+_compact_json = json.JSONEncoder(allow_nan=False, separators=(", ", ": ")).encode  # (the C encoder)
+
+
 def dump_json(value: Any) -> str:
-    """Strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as the string
-    "nan", "inf" or "-inf", so every parser reads the output. Most documents hold no such number:
-    they are written as they are, and only one that does is copied with its numbers replaced
-    (copying an index of 100k tensors first cost more than a second)."""
-    try:
-        return json.dumps(value, indent=1, allow_nan=False)
-    except ValueError:  # a NaN or an infinity somewhere (or a cycle, which _finite reports as before)
-        return json.dumps(_finite(value), indent=1, allow_nan=False)
+    """`value` as strict JSON (RFC 8259 has no NaN or Infinity: a non-finite number is written as
+    the string "nan", "inf" or "-inf", so every parser reads it). The top levels are indented and
+    each deeper value (a tensor's record, a diff row) is one line: written by the C encoder, an
+    index of 100k tensors takes a fraction of a second and a tenth of the bytes that indenting
+    every level in Python took (9 s, 144 MB)."""
+    return "".join(_json_chunks(value, 0))
+
+
+def echo_json(value: Any) -> None:
+    """Print `value` as dump_json writes it, a megabyte at a time (no second copy of the text)."""
+    out = click.get_text_stream("stdout")
+    batch: list[str] = []
+    size = 0
+    for chunk in _json_chunks(value, 0):
+        batch.append(chunk)
+        size += len(chunk)
+        if size >= 1 << 20:
+            out.write("".join(batch))
+            batch, size = [], 0
+    batch.append("\n")
+    out.write("".join(batch))
+    out.flush()
+
+
+def _json_chunks(value: Any, depth: int) -> Iterator[str]:
+    if depth >= _JSON_FLAT_DEPTH or not isinstance(value, (dict, list, tuple)) or not value:
+        try:
+            yield _compact_json(value)
+        except ValueError:  # a NaN or an infinity in it (or a cycle, which _finite reports as before)
+            yield _compact_json(_finite(value))
+        return
+    pad = "\n" + " " * (depth + 1)
+    if isinstance(value, dict):
+        sep = "{"
+        for key, item in value.items():
+            yield f"{sep}{pad}{_compact_json(_json_key(key))}: "
+            yield from _json_chunks(item, depth + 1)
+            sep = ","
+        yield "\n" + " " * depth + "}"
+    else:
+        sep = "["
+        for item in value:
+            yield sep + pad
+            yield from _json_chunks(item, depth + 1)
+            sep = ","
+        yield "\n" + " " * depth + "]"
+
+
+def _json_key(key: Any) -> str:
+    """A dict key as the json module writes it (a str as it is; a number, bool or None spelled)."""
+    if isinstance(key, str):
+        return key
+    if key is True or key is False or key is None:
+        return json.dumps(key)
+    if isinstance(key, float):
+        return str(_finite(key)) if not math.isfinite(key) else float.__repr__(key)
+    if isinstance(key, int):
+        return int.__repr__(key)
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
 
 
 def _finite(value: Any) -> Any:
@@ -399,7 +455,7 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
 
     opened, report = run_inspect(src, tag=tag, follow_links=follow_links())
     if as_json:
-        click.echo(dump_json(report_json(opened, report)))
+        echo_json(report_json(opened, report))
     else:
         echo(*render(opened, report))
 
@@ -422,7 +478,7 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, f
 
     report = check(src, deep=deep, tag=tag, ctx=make_run_context(ctx, flags))
     if as_json:
-        click.echo(dump_json(report.as_json()))
+        echo_json(report.as_json())
         sys.exit(0 if report.ok else EXIT_PROBLEMS)
     trainer_lines = []
     if report.opened is not None and report.opened.trainer is not None:
@@ -655,7 +711,7 @@ def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: b
         doc = {"equal": result.equal, "counts": result.counts(), "rows": [r.as_json() for r in result.rows]}
         if stat:
             doc["largest"] = [r.name for r in result.largest(STAT_TOP)]
-        click.echo(dump_json(doc))
+        echo_json(doc)
     else:
         echo(*render(result, a, b, atol, stat=stat))
         ctx.say_done()
