@@ -265,7 +265,10 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
     jobs: list[_Job] = []
     names: dict[DType, str] = {}
     storage = merged.storage
-    shared = {}.setdefault  # one tuple per distinct shape, offsets or sizes (a model repeats a few: 48 B a piece each)
+    # one tuple per distinct chunk offsets or sizes (a model repeats a few: 48 B a piece each). Not
+    # the entries' shapes: a writer pickles those (param_shapes), and a pickle writes a shared
+    # tuple as a reference to its first copy, so sharing them would change the output's bytes
+    shared = {}.setdefault
     for key, meta in merged.sd_meta.items():
         path = merged.planner.get(key)
         kind = type(meta).__name__
@@ -282,7 +285,7 @@ def _item_jobs(index: CheckpointIndex, merged: _Merged, label: str) -> list[_Job
             name = names.get(dtype)
             if name is None:
                 name = names[dtype] = dtype_name(dtype)
-            entry = TensorEntry(key, name, shared(shape, shape), [], path=path)
+            entry = TensorEntry(key, name, shape, [], path=path)
             index.add_tensor(entry)
             for offsets, sizes in merged.chunks[key]:
                 info = storage.get((key, offsets))
