@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # arithmetic on shapes that the stand-ins below the index need, with no index types
     ("foundation", ("ckptkit.errors", "ckptkit.text", "ckptkit.knobs", "ckptkit.lazy_torch",
                     "ckptkit.progress", "ckptkit.interrupts", "ckptkit.optim_state", "ckptkit.runner.limits",
-                    "ckptkit.safe_json", "ckptkit.index.dtypes", "ckptkit.index.strides",
+                    "ckptkit.safe_json", "ckptkit.regex_guard", "ckptkit.index.dtypes", "ckptkit.index.strides",
                     # split rules read by the DeepSpeed reader: names and files only, no index types
                     "ckptkit.convert.tp_rules")),
     # what unpickling builds (stand-ins of torch's and foreign types) and the unpickler itself

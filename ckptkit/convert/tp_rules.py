@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from .. import safe_json
 from ..errors import FormatError, UnsupportedError, UsageError, quote
+from ..regex_guard import MAX_PATTERN as MAX_PATTERN, regex_refusal  # MAX_PATTERN: re-exported
 
 KINDS = ("split", "replicated", "fused")
 RECORDED = "recorded-re:"   # a pattern DeepSpeed recorded (matched with re.match)
@@ -88,6 +89,9 @@ class TpRules:
     def find(self, name: str) -> TpSplit | None:
         """The first rule matching `name`, or None; UnsupportedError for a parameter the
         checkpoint itself records as not convertible."""
+        if len(name) > MAX_NAME:  # no real parameter name is this long; matching it costs its length cubed
+            raise FormatError(f"tensor-parallel checkpoint: parameter name {quote(name, 80)} has {len(name)} "
+                              f"characters, more than the {MAX_NAME} ckptkit matches split rules against")
         for pattern, why in self.refusals:
             if re.match(pattern, name):
                 raise UnsupportedError(f"{self.source}: records {quote(name)} as not convertible ({quote(why, 200)}); "
@@ -137,7 +141,9 @@ def _rule(item: Any, where: str) -> TpRule:
         raise FormatError(f"{where}: expected a table with a \"pattern\" string")
     pattern = item["pattern"]
     if pattern.startswith("re:"):
-        check_regex(pattern[3:], f"{where}: pattern {quote(pattern)}")
+        check_regex(pattern[3:], where)
+    elif len(pattern) > MAX_PATTERN:
+        raise FormatError(f"{where}: pattern of {len(pattern)} characters, more than the {MAX_PATTERN} ckptkit accepts")
     unknown = sorted(set(item) - {"pattern", "split", "fused", "dim", "note"})
     if unknown:
         raise FormatError(f"{where}: unknown field(s) {unknown}; a rule has pattern, split or fused (+ dim)")
@@ -164,27 +170,24 @@ def _rule(item: Any, where: str) -> TpRule:
                       f"positive block sizes")
 
 
-# A group repeated by + or * (or {n,}) that itself holds a + or * or alternatives: (a+)+, (\w|\d)*,
-# the shapes whose failing matches backtrack exponentially (a 40-character name can take hours).
-_NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*(?:[*+|]|\{\d*,\d*\})(?:[^()\\]|\\.)*\)(?:[*+]|\{\d*,\})")
-MAX_PATTERN = 1000   # characters of one pattern
 MAX_RULES = 100_000  # rules of one file, patterns of one recorded list
+MAX_NAME = 1024      # characters of a parameter name matched against the rules (a 3-repeat pattern: ~0.1 s)
 
 
 def check_regex(pattern: Any, what: str) -> str:
-    """`pattern` as a regular expression ckptkit will match names with: a string that compiles,
-    of bounded length, without a repeated group that itself repeats (catastrophic backtracking)."""
+    """`pattern` as a regular expression ckptkit will match names with: a string that compiles
+    and that regex_guard finds safe (no nested or alternating repeats, no backreference, few
+    unbounded repeats, bounded length), so a failing match cannot backtrack for hours."""
     if not isinstance(pattern, str) or not pattern:
         raise FormatError(f"{what}: expected a non-empty pattern string, not {pattern!r:.60}")
-    if len(pattern) > MAX_PATTERN:
-        raise FormatError(f"{what}: pattern of {len(pattern)} characters, more than the {MAX_PATTERN} ckptkit accepts")
     try:
-        re.compile(pattern)
+        why = regex_refusal(pattern)
+        if why is None:
+            re.compile(pattern)
     except (re.error, RecursionError, OverflowError) as exc:
         raise FormatError(f"{what}: {quote(pattern, 80)} is not a regular expression ({exc})") from None
-    if _NESTED_REPEAT.search(pattern):
-        raise FormatError(f"{what}: {quote(pattern, 80)} repeats a group that itself repeats or alternates (such as (a+)+), "
-                          f"which can take exponential time to match; write it without the nested repetition")
+    if why is not None:
+        raise FormatError(f"{what}: the pattern {quote(pattern, 80)} {why}")
     return pattern
 
 

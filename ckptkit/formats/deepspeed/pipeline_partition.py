@@ -23,6 +23,7 @@ import re
 from typing import Sequence
 
 from ...errors import UsageError
+from ...regex_guard import regex_refusal
 
 METHODS = ("parameters", "uniform", "type:REGEX")
 _chosen: str | None = None
@@ -74,9 +75,13 @@ def type_regex(method: str) -> re.Pattern:
     between the first and second colon, matched case-insensitively with search()."""
     pattern = method.lower().split(":")[1]
     try:
-        return re.compile(pattern, re.IGNORECASE)
+        why = regex_refusal(pattern)   # a pattern that could backtrack for hours (ckptkit/regex_guard.py)
+        compiled = re.compile(pattern, re.IGNORECASE)
     except re.error as exc:
         raise UsageError(f"--partition-method {method!r}: {pattern!r} is not a regular expression ({exc})") from None
+    if why is not None:
+        raise UsageError(f"--partition-method {method!r}: the pattern {pattern!r} {why}")
+    return compiled
 
 
 def type_weights(method: str, layer_types: Sequence[str]) -> list[int]:
