@@ -28,6 +28,12 @@ from . import locks, swap
 from .commit import FinishingFile, on_root
 from .overlap import check_apart, relation
 
+# what the system says when an output cannot be written, for no fault of ckptkit's: worded as one
+# sentence (exit 2), where any other OSError is a bug's (exit 3)
+_WRITE_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "ENOSPC", "EFBIG", "EDQUOT", "EIO", "EROFS", "EACCES", "EPERM", "ENAMETOOLONG", "EMFILE", "ENFILE",
+    "ENOMEM", "EXDEV", "ESTALE", "ENODEV", "ENXIO") if hasattr(errno, name))
+
 if TYPE_CHECKING:
     from ..runner.distributed import Group
 
@@ -104,10 +110,28 @@ class RenameOutput:
         if not stat.S_ISDIR(st.st_mode):
             raise OutputError(f"{self.path}: parent {parent} is a file, not a folder")
 
+    def _refuse_unreplaceable(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return  # nothing there (or nothing to look at): the checks that follow word it
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            raise OutputError(f"{self.path}: is a device, FIFO or socket; --overwrite replaces only a file, "
+                              f"a folder or a symlink")
+        if stat.S_ISDIR(st.st_mode):
+            for what, folder in (("current folder", os.getcwd()), ("home folder", os.path.expanduser("~"))):
+                real, out = os.path.realpath(folder), os.path.realpath(self.path)
+                if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
+                    raise OutputError(f"{self.path}: holds the {what} {folder}; --overwrite would delete it, "
+                                      f"so ckptkit refuses: choose another OUT")
+
     def _refuse_existing(self) -> None:
         """Without --overwrite, anything at OUT but an empty folder (a symlink, dangling or not,
-        counts as something) is refused."""
+        counts as something) is refused. With it, what is no file, folder or symlink (a device,
+        a FIFO, a socket) and a folder that holds the current folder or the home folder are
+        refused still: replacing them is never what a conversion meant."""
         if self.overwrite:
+            self._refuse_unreplaceable()
             return
         try:
             st = os.lstat(self.path)
@@ -195,14 +219,27 @@ class RenameOutput:
                 self.commit()
         finally:
             self.abort()
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise OutputError(f"{self.path}: no space left on device while writing; nothing was written") from None
+        failure = self._write_failure(exc)
+        if failure is not None:
+            raise failure from None
+
+    def _write_failure(self, exc: BaseException | None, where: str = "") -> OutputError | None:
+        """The sentence for an error the system gave while the output was being made (a full disk,
+        a file size limit, a quota, an I/O error, a read-only or forbidden place), or None for any
+        other exception. The output was abandoned before this runs: nothing was written."""
+        if not isinstance(exc, OSError) or exc.errno not in _WRITE_ERRNOS:
+            return None
+        if exc.errno == errno.ENOSPC:
+            return OutputError(f"{self.path}: no space left on device while writing{where}; nothing was written")
+        named = exc.filename if isinstance(exc.filename, str) else None
+        if named and not os.path.abspath(named).startswith(os.path.abspath(self.tmp) + os.sep) \
+                and os.path.abspath(named) != os.path.abspath(self.tmp):
+            return OutputError(f"{named}: {exc.strerror}{where}; nothing was written to {self.path}")
+        return OutputError(f"{self.path}: {exc.strerror} while writing{where}; nothing was written")
 
     def _exit_distributed(self, exc: BaseException | None) -> None:
         """Every rank reports; rank 0 commits only when all succeeded, then tells the others."""
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            exc = OutputError(f"{self.path}: no space left on device while writing (rank {self.group.rank}); "
-                              f"nothing was written")
+        exc = self._write_failure(exc, f" (rank {self.group.rank})") or exc
         try:
             self.group.check(exc)
             on_root(self.group, self.commit)
@@ -231,6 +268,21 @@ class RenameFileOutput(RenameOutput):
     def __init__(self, path: str, *, overwrite: bool, group: Group, sources: Sequence[str | None]) -> None:
         super().__init__(path, overwrite=overwrite, group=group, sources=sources)
         self.name = os.path.basename(self.path)
+
+    def _refuse_unreplaceable(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return  # nothing there (or nothing to look at): the checks that follow word it
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            raise OutputError(f"{self.path}: is a device, FIFO or socket; --overwrite replaces only a file, "
+                              f"a folder or a symlink")
+        if stat.S_ISDIR(st.st_mode):
+            for what, folder in (("current folder", os.getcwd()), ("home folder", os.path.expanduser("~"))):
+                real, out = os.path.realpath(folder), os.path.realpath(self.path)
+                if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
+                    raise OutputError(f"{self.path}: holds the {what} {folder}; --overwrite would delete it, "
+                                      f"so ckptkit refuses: choose another OUT")
 
     def _refuse_existing(self) -> None:
         if self.overwrite or not os.path.lexists(self.path):
