@@ -87,10 +87,12 @@ def test_overwrite_refuses_a_folder_holding_the_current_or_home_folder(tmp_path,
     assert (work / "notes.txt").read_text() == "mine"
 
 
-def test_overwrite_refuses_a_fifo(tmp_path):
-    fifo = tmp_path / "out"
+@pytest.mark.parametrize("command,name", [(["consolidate"], "out"), (["convert", "--to", "torch"], "out.pt")],
+                         ids=["folder output", "file output"])
+def test_overwrite_refuses_a_fifo(tmp_path, command, name):
+    fifo = tmp_path / name
     os.mkfifo(fifo)
-    res = _ckptkit("consolidate", "--overwrite", DCP, fifo)
+    res = _ckptkit(*command, "--overwrite", DCP, fifo)
     _one_sentence(res)
     assert "device, FIFO or socket" in res.stderr
     assert os.path.exists(fifo) and not os.path.isdir(fifo) and not os.path.isfile(fifo)

@@ -269,23 +269,11 @@ class RenameFileOutput(RenameOutput):
         super().__init__(path, overwrite=overwrite, group=group, sources=sources)
         self.name = os.path.basename(self.path)
 
-    def _refuse_unreplaceable(self) -> None:
-        try:
-            st = os.lstat(self.path)
-        except OSError:
-            return  # nothing there (or nothing to look at): the checks that follow word it
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-            raise OutputError(f"{self.path}: is a device, FIFO or socket; --overwrite replaces only a file, "
-                              f"a folder or a symlink")
-        if stat.S_ISDIR(st.st_mode):
-            for what, folder in (("current folder", os.getcwd()), ("home folder", os.path.expanduser("~"))):
-                real, out = os.path.realpath(folder), os.path.realpath(self.path)
-                if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
-                    raise OutputError(f"{self.path}: holds the {what} {folder}; --overwrite would delete it, "
-                                      f"so ckptkit refuses: choose another OUT")
-
     def _refuse_existing(self) -> None:
-        if self.overwrite or not os.path.lexists(self.path):
+        if self.overwrite:
+            self._refuse_unreplaceable()
+            return
+        if not os.path.lexists(self.path):
             return
         raise OutputError(f"{self.path}: output already exists (choose another path or pass --overwrite)")
 
