@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, UnsupportedError, UsageError
+from .errors import CkptkitError, FormatError, UnsupportedError, UsageError
 from .index.dtypes import torch_dtype
-from .index.flatten import flatten, key_of
+from .index.flatten import Path, flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
 from .runner.distributed import group_of
 from .storage.output import open_output
@@ -35,8 +35,47 @@ def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite:
         raise UnsupportedError(f"{path}: ckptkit.save writes to a local or mounted path, not a URL; save "
                                f"locally, then copy the folder to the store")
     group = group_of(pg)
+    refusal = None
+    try:
+        flat_leaves(state_dict)
+    except UsageError as exc:
+        refusal = exc
+    agree(group, refusal)  # before anything is written: refused on every rank, or written by all
     with open_output(path, overwrite=overwrite, group=group) as out:
         write_dcp(state_dict, out.tmp, pg)
+
+
+def flat_leaves(state_dict: Mapping[str, Any]) -> list[tuple[Path, Any]]:
+    """The leaves of `state_dict` as DCP flattens them (keys joined with dots). Two entries that
+    flatten to one name (`{"a.b": x, "a": {"b": y}}`) are a UsageError naming both: DCP would
+    fail on them with its own exception, a traceback in its message."""
+    if not isinstance(state_dict, Mapping):
+        raise UsageError(f"the state dict must be a dict of name -> value (got {type(state_dict).__name__})")
+    leaves = flatten(state_dict, lambda v: isinstance(v, torch.Tensor))
+    seen: dict[str, Path] = {}
+    for path, _ in leaves:
+        key = key_of(path)
+        if key in seen:
+            raise UsageError(f"the state dict entries {spell(seen[key])} and {spell(path)} both flatten to the "
+                             f"name {key!r} (DCP joins nested keys with dots): rename one of them")
+        seen[key] = path
+    return leaves
+
+
+def spell(path: Path) -> str:
+    """A leaf's path as the subscripts that reach it: `['a']['b']`, `['pair'][0]`."""
+    return "".join(f"[{p!r}]" for p in path)
+
+
+def agree(group: Any, refusal: CkptkitError | None) -> None:
+    """Collective: a rank that refused raises its refusal, every other rank the first one's, so no
+    rank goes on into a write the others refused (and the group stays usable: it is a refusal)."""
+    reports = group.gather_all(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    first = next((r for r in reports if r is not None), None)
+    if first is not None:
+        raise UsageError(first)
 
 
 def write_dcp(state_dict: Mapping[str, Any], folder: str, pg: Any = None) -> None:

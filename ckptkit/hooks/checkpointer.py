@@ -38,7 +38,7 @@ from ..storage.rename_output import recover
 from . import pointer, rng
 from . import steps as step_folders
 from .rng import RngNotRestoredWarning  # noqa: F401  (re-exported: restore warns with it)
-from .saved import STATES, has_prefix, rank_key, template
+from .saved import STATES, check_restorable, has_prefix, rank_key, template
 from .steps import Folder
 
 TMP_MARK = ".ckptkit-tmp-"
@@ -79,10 +79,7 @@ class Checkpointer:
         self._bg_pg: Any = None
         self._group = group_of()
         if self._group.is_root:
-            try:
-                os.makedirs(self.directory, exist_ok=True)
-            except OSError as exc:
-                raise OutputError(f"{self.directory}: cannot create the checkpoint folder ({exc.strerror})") from None
+            _make_folder(self.directory)
         if async_save and self._group.distributed:
             import torch.distributed as dist
 
@@ -99,6 +96,7 @@ class Checkpointer:
     def path(self, step: int) -> str:
         """The folder of `step`'s complete checkpoint, whichever spelling; where save(step) would
         write it when there is none."""
+        _check_step(step)
         names = step_folders.scan(self.directory).get(step, [])
         found = self._complete(step, names)
         return os.path.join(self.directory, found.name if found else step_folders.default_name(step))
@@ -154,21 +152,25 @@ class Checkpointer:
         replaced only with `overwrite`."""
         self._raise_background()
         self.wait()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise UsageError(f"step must be a non-negative int (got {step!r})")
+        _check_step(step)
+        _check_model(model)
+        engine = _is_engine(model)
+        if engine and optimizer is not None and extra is None and isinstance(optimizer, dict):
+            extra, optimizer = optimizer, None
+        if extra is not None and not isinstance(extra, dict):
+            raise UsageError(f"extra must be a dict of name -> value, or None (got {type(extra).__name__})")
         saved_states = _state_dicts(states)
+        # checked before anything is written: a step restore would refuse is never committed
+        if engine:
+            self._agree_restorable({"extra": extra or {}, STATES: {rank_key(self._group.rank): saved_states}},
+                                   dcp=False)
+        else:
+            state = self._torch_state(step, model, optimizer, extra, saved_states)
         name = self._on_root(lambda: self._target(step, overwrite))
         rng_doc = rng.capture(self._group.world, self._group.rank) if self.rng else None
-        if _is_engine(model):
-            if optimizer is not None and extra is None and isinstance(optimizer, dict):
-                extra, optimizer = optimizer, None
+        if engine:
             self._save_engine(step, name, model, extra, saved_states, rng_doc, overwrite)
             return
-        state = self._state_dict(model, optimizer)
-        state["extra"] = copy.deepcopy(extra) if extra else {}
-        if saved_states:
-            state[STATES] = {rank_key(self._group.rank): saved_states}
-        state["ckptkit"] = {"step": step}
         if not self.async_save:
             self._write(step, name, overwrite, state, rng_doc, self._group, None)
             return
@@ -178,6 +180,32 @@ class Checkpointer:
                                         args=(step, name, overwrite, staged, rng_doc, group),
                                         name=f"ckptkit-save-{step}", daemon=True)
         self._thread.start()
+
+    def _torch_state(self, step: int, model: Any, optimizer: Any, extra: dict | None, saved_states: dict) -> dict:
+        """The DCP state dict of a step, once every rank found each value in it restorable."""
+        state = self._state_dict(model, optimizer)
+        state["extra"] = extra or {}
+        if saved_states:
+            state[STATES] = {rank_key(self._group.rank): saved_states}
+        state["ckptkit"] = {"step": step}
+        self._agree_restorable(state, dcp=True)
+        state["extra"] = copy.deepcopy(extra) if extra else {}  # the values at the call (async_save)
+        return state
+
+    def _agree_restorable(self, state: dict, dcp: bool) -> None:
+        """Collective: every rank checks its own state (states differ by rank); a refusal on any
+        rank is raised on all of them, and the Checkpointer stays usable. For DCP two entries that
+        flatten to one name are refused too (a DeepSpeed engine pickles its client state whole)."""
+        from ..api import agree, flat_leaves
+        from ..index.flatten import flatten
+
+        refusal = None
+        try:
+            leaves = flat_leaves(state) if dcp else flatten(state, lambda v: isinstance(v, torch.Tensor))
+            check_restorable(leaves)
+        except UsageError as exc:
+            refusal = exc
+        agree(self._group, refusal)
 
     def _target(self, step: int, overwrite: bool) -> str:
         """The folder name save(step) writes: the default spelling, or with `overwrite` the one
@@ -297,8 +325,9 @@ class Checkpointer:
         newer steps that are not complete checkpoints are skipped, and named in a
         SkippedStepsWarning."""
         self.wait()
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise UsageError(f"step must be a non-negative int (got {step!r})")
+        if step is not None:
+            _check_step(step)
+        _check_model(model)
         found, skipped = self._on_root(lambda: self._sweep_and_choose(step))
         if skipped and self._group.is_root:
             _warn_skipped(self.directory, found, skipped)
@@ -460,6 +489,32 @@ class Checkpointer:
         for target in sorted(targets):
             recover(os.path.join(self.directory, target))
         pointer.sweep(self.directory)
+
+
+def _check_step(step: Any) -> None:
+    """save, restore and path take the same steps: non-negative ints."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UsageError(f"step must be a non-negative int (got {step!r:.60})")
+
+
+def _check_model(model: Any) -> None:
+    """What save and restore take as `model` (docs/hooks.md): a torch module or a DeepSpeed engine."""
+    if not (_is_engine(model) or isinstance(model, torch.nn.Module)):
+        raise UsageError(f"model must be a torch.nn.Module (plain, DDP or FSDP2) or a DeepSpeed engine "
+                         f"(got {type(model).__name__}); a state dict is saved with ckptkit.save")
+
+
+def _make_folder(directory: str) -> None:
+    """Create the Checkpointer's folder; a file in its place (or in its path) is named as such."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        what = ("is a file, not a folder" if os.path.isfile(directory) else "is not a folder"
+                if os.path.lexists(directory) else "has a file where one of its parent folders should be")
+        raise OutputError(f"{directory}: {what}; the Checkpointer keeps its steps in a folder "
+                          f"({exc.strerror})") from None
+    except OSError as exc:
+        raise OutputError(f"{directory}: cannot create the checkpoint folder ({exc.strerror})") from None
 
 
 def _remove(directory: str, name: str) -> None:

@@ -20,13 +20,27 @@ _TMP = re.compile(rf"{re.escape(TMP_PREFIX)}([0-9]+)-[0-9a-f]{{8}}", re.ASCII)
 
 
 def write(directory: str, folder_name: str) -> None:
+    """Point `latest` at `folder_name` atomically. When that fails (a folder named `latest` in the
+    way, a full disk) the temporary is removed before the error is raised: sweep() only removes
+    those of dead processes, and this one lives on."""
     tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(folder_name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, NAME))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(folder_name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(directory, NAME))
+    except BaseException:
+        _unlink(tmp)
+        raise
     fsync_dir(directory)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def sweep(directory: str) -> None:
@@ -39,10 +53,7 @@ def sweep(directory: str) -> None:
     for n in names:
         m = _TMP.fullmatch(n)
         if m and not _alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(directory, n))
-            except OSError:
-                pass
+            _unlink(os.path.join(directory, n))
 
 
 def _alive(pid: int) -> bool:

@@ -1,11 +1,15 @@
 """What a Checkpointer step holds besides the model and optimizer: `extra` (what save() was
 given, tensors included) and `states` (each named object's state_dict(), one per rank), read
-back as nested values from the checkpoint's index."""
+back as nested values from the checkpoint's index. Before a step is written, every value that
+is no tensor is checked to be one the restricted loader gives back (`check_restorable`): a step
+restore would refuse must never be committed, or retention could delete the restorable ones."""
 from __future__ import annotations
 
+import io
 from typing import Any
 
-from ..index.flatten import unflatten
+from ..errors import CkptkitError, UsageError
+from ..index.flatten import Path, unflatten
 from ..index.types import CheckpointIndex
 
 STATES = "states"
@@ -44,3 +48,39 @@ def template(index: CheckpointIndex, prefix: tuple[str, ...]) -> dict | None:
 def path_of(path: tuple | None, key: str) -> tuple:
     """An entry's nesting; its key split on dots where the index did not record one."""
     return tuple(path) if path else tuple(key.split("."))
+
+
+EXTRA_HOLDS = "dicts, lists, tuples, str, int, float, bool, None and tensors"
+_HOLD = f"extra (and each state_dict() of states) may hold {EXTRA_HOLDS}"
+
+
+def check_restorable(leaves: list[tuple[Path, Any]]) -> None:
+    """Refuse (a UsageError naming the entry and its type) a value that is no tensor and that
+    restore could not read back: one that cannot be pickled (a lambda), or whose pickle ckptkit's
+    restricted loader refuses (a Fraction, any class of your own). Each is pickled as DCP writes
+    it (torch.save of the value alone) and run through the loader the reader uses."""
+    import torch
+
+    from ..api import spell
+    from ..runner.torch_archive import load_bytes_archive
+
+    for path, value in leaves:
+        if isinstance(value, torch.Tensor):
+            continue
+        name = f"{path[0]}{spell(path[2:] if path[0] == STATES else path[1:])}"  # states: not the rank
+        buf = io.BytesIO()
+        try:
+            torch.save(value, buf)
+        except Exception as exc:  # pickling runs user code (__reduce__): any error is the value's
+            raise UsageError(f"{name}: a {type(value).__name__} cannot be saved ({_first_line(exc)}); "
+                             f"{_HOLD}") from None
+        try:
+            load_bytes_archive(buf.getvalue(), name)
+        except CkptkitError as exc:
+            raise UsageError(f"{name}: a {type(value).__name__} would be saved that restore refuses "
+                             f"({_first_line(exc).removeprefix(name + ': ')}); {_HOLD}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
