@@ -27,7 +27,7 @@ import gc
 import struct
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any, Protocol
 
@@ -66,14 +66,15 @@ class Grammar(Protocol):
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds one pickle is held to (defaults: ckptkit.knobs at import)."""
+    """The bounds one pickle is held to (defaults: ckptkit.knobs when made, read from the
+    environment when first used, never at import)."""
 
-    objects: int = knobs.MAX_PICKLE_OBJECTS
-    depth: int = knobs.MAX_PICKLE_DEPTH
-    expanded: int = knobs.MAX_PICKLE_EXPANDED
-    blob: int = knobs.MAX_PICKLE_BLOB
-    built: int = knobs.MAX_PICKLE_BUILT
-    seconds: float = knobs.MAX_PICKLE_SECONDS
+    objects: int = field(default_factory=lambda: knobs.MAX_PICKLE_OBJECTS)
+    depth: int = field(default_factory=lambda: knobs.MAX_PICKLE_DEPTH)
+    expanded: int = field(default_factory=lambda: knobs.MAX_PICKLE_EXPANDED)
+    blob: int = field(default_factory=lambda: knobs.MAX_PICKLE_BLOB)
+    built: int = field(default_factory=lambda: knobs.MAX_PICKLE_BUILT)
+    seconds: float = field(default_factory=lambda: knobs.MAX_PICKLE_SECONDS)
 
     @classmethod
     def current(cls) -> "Limits":

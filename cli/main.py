@@ -407,6 +407,10 @@ def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
     """Read, verify, consolidate, reshard, convert and compare sharded training checkpoints
     (torch.distributed.checkpoint / FSDP, DeepSpeed ZeRO 1-3, torch.save files, safetensors)."""
     click_ctx.obj = Context(quiet, debug)
+    try:
+        knobs.check_environment()  # a bad CKPTKIT_* variable: one sentence before any work
+    except CkptkitError as exc:
+        _fail(exc, debug)
     from ckptkit.formats import run_folder
 
     obj = click_ctx.obj  # which checkpoint of a run folder was read: one line on stderr (not with --quiet)
@@ -685,13 +689,25 @@ def convert(ctx: Context, src: str, out: str, tag: str | None, target: ConvertTa
     ctx.say_done()
 
 
+def _tolerance(click_ctx: click.Context, _param: Any, atol: float) -> float:
+    """--atol: a difference no larger than it is close, so it is 0 or more (inf allowed); NaN or a
+    negative number is no tolerance: refused in one sentence, like every bad value."""
+    if math.isnan(atol) or atol < 0:
+        from ckptkit.errors import UsageError
+
+        ctx = click_ctx.find_object(Context)
+        _fail(UsageError(f"--atol must be a number, 0 or more (got {atol:g})"), bool(ctx and ctx.debug))
+    return atol
+
+
 @cli.command(short_help="Compare two checkpoints tensor by tensor (exit 1 if unequal).",
              epilog=examples("ckptkit diff --model-only --atol 1e-6 dcp_ckpt dcp_ckpt_w3",
                              "ckptkit diff --json dcp_ckpt dcp_ckpt_w3"))
 @click.argument("a")
 @click.argument("b")
-@click.option("--atol", type=float, default=0.0, show_default=True,
-              help="Largest absolute difference still counted as equal (also allows dtype differences).")
+@click.option("--atol", type=float, default=0.0, show_default=True, callback=_tolerance,
+              help="Largest absolute difference still counted as equal, 0 or more; inf counts every "
+                   "difference but a NaN on one side only (also allows dtype differences).")
 @click.option("--model-only", is_flag=True, help="Compare model tensors only, not optimizer state.")
 @click.option("--json", "as_json", is_flag=True, help="Print every comparison as JSON.")
 @click.option("--stat", is_flag=True,

@@ -18,9 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import knobs
 from ..errors import CkptkitError
-
-DEFAULT_TIMEOUT_S = float(os.environ.get("CKPTKIT_DIST_TIMEOUT", 600))
 
 
 class PeerError(CkptkitError):
@@ -51,7 +50,7 @@ class Group:
             return fn()
         except RuntimeError as exc:  # gloo timeout or a peer that went away
             self.failed = PeerError(f"another rank of the job stopped answering (crashed, killed or stuck past the "
-                                    f"{DEFAULT_TIMEOUT_S:.0f} s timeout): {str(exc).splitlines()[0][:200]}")
+                                    f"{knobs.DIST_TIMEOUT:.0f} s timeout): {str(exc).splitlines()[0][:200]}")
             raise self.failed from None
 
     def _gather(self, obj: Any) -> list[Any]:
@@ -128,9 +127,10 @@ def report_failure(error: BaseException) -> None:
             pass
 
 
-def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
+def from_environment(timeout_s: float | None = None) -> Group:
     """The torchrun job this process belongs to (gloo on CPU, nccl when CUDA is available), or
-    the one-process group. Initialises the default process group if nobody did."""
+    the one-process group. Initialises the default process group if nobody did (`timeout_s`:
+    default knobs.DIST_TIMEOUT, CKPTKIT_DIST_TIMEOUT)."""
     if _CURRENT:
         return _CURRENT[0]
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -139,6 +139,7 @@ def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
     import torch
     import torch.distributed as dist
 
+    timeout_s = knobs.DIST_TIMEOUT if timeout_s is None else timeout_s
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
