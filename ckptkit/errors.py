@@ -80,6 +80,11 @@ class MissingDependencyError(CkptkitError):
     """An optional package (a codec, deepspeed, ...) is needed for this input."""
 
 
+class StorageError(CkptkitError):
+    """The storage a URL names cannot be opened at all (a protocol fsspec does not know, no
+    credentials, a refused connection): bad input, never a problem found in a checkpoint."""
+
+
 class OutputError(CkptkitError):
     """The output location cannot be written (exists, locked, disk full, ...)."""
 

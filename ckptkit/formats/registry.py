@@ -17,7 +17,7 @@ import os
 
 from ..errors import NotACheckpointError, UnsupportedError, name_of
 from ..index.types import CheckpointIndex
-from ..storage.source import Source, is_url, open_source
+from ..storage.source import Source, is_url, local_path, open_source
 from . import accelerate, lightning, run_folder, trainer
 from .adapters import DCP, DEEPSPEED, SAFETENSORS, TORCH_SAVE, TORCH_SUFFIXES, looks_like_safetensors, torch_files
 from .deepspeed import files as ds_files
@@ -70,6 +70,7 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
     checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1);
     `optimizer` False: the caller writes no optimizer state, so a ZeRO reader may count the
     optimizer's per-parameter entries instead of indexing them (consolidate)."""
+    path = local_path(path)  # file:///abs/x.pt reads exactly as /abs/x.pt (its folder, its side files)
     with paused_collector():  # the index is millions of new objects and no garbage: nothing to collect
         return _open_checkpoint(path, expect, tag, follow_links, optimizer)
 

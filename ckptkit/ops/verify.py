@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import CkptkitError, quote
+from ..errors import CkptkitError, StorageError, quote
 from ..formats.registry import Opened, capabilities_of, open_checkpoint
 from ..formats.structure import structural_findings
 from ..index import geometry, problems as P
@@ -72,6 +72,8 @@ def check(path: str, deep: bool = False, options: RunContext | None = None, tag:
     with P.collecting() as log:
         try:
             opened = open_checkpoint(path, tag=tag, follow_links=ctx.follow_links)
+        except StorageError:
+            raise  # SRC's storage cannot be opened at all (unknown protocol, no credentials): bad input
         except CkptkitError as exc:
             return Report(path, None, log.problems + [Problem(P.kind_of(exc), str(exc), path)], deep)
     found = list(log.problems)

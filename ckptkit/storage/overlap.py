@@ -12,6 +12,7 @@ import stat
 from collections.abc import Iterable
 
 from ..errors import OutputError
+from .source import is_url, local_path
 
 MAX_WALK = 200_000  # entries of a source folder looked at for a hard link to OUT
 
@@ -29,17 +30,9 @@ def check_apart(sources: Iterable[str | None], out: str) -> None:
 
 def relation(src: str, out: str) -> str | None:
     """How `out` overlaps `src` in words ("is the source {src}", ...), or None when they are apart."""
-    if _remote(src) or _remote(out):
-        return _remote_relation(src, out) if _remote(src) and _remote(out) else None
-    return _local_relation(_local(src), _local(out))
-
-
-def _remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _local(path: str) -> str:
-    return os.path.abspath(path.removeprefix("file://"))
+    if is_url(src) or is_url(out):
+        return _remote_relation(src, out) if is_url(src) and is_url(out) else None
+    return _local_relation(os.path.abspath(local_path(src)), os.path.abspath(local_path(out)))
 
 
 def _under(child: str, parent: str) -> bool:

@@ -25,6 +25,7 @@ from .. import interrupts
 from ..errors import OutputError
 from .commit import FinishingFile, on_root
 from .overlap import check_apart
+from .url_fs import backend_errors, filesystem
 
 if TYPE_CHECKING:
     from ..runner.distributed import Group
@@ -41,16 +42,11 @@ class MarkerOutput:
     small files (`write_bytes`), and the final marker only after every rank reported success."""
 
     def __init__(self, path: str, *, overwrite: bool, group: Group, sources: Sequence[str | None]) -> None:
-        import fsspec
-
         self.path = path.rstrip("/")
         self.overwrite = overwrite
         self.sources = tuple(sources)
         self.group = group
-        try:
-            self.fs, self.base = fsspec.core.url_to_fs(self.path)
-        except (ImportError, ValueError) as exc:
-            raise OutputError(f"{path}: cannot open this storage ({exc})") from None
+        self.fs, self.base = filesystem(self.path, OutputError)  # the same sentences as for a SRC
         self.tmp = ""  # no temporary folder: the markers commit
         self._spool: str | None = None
         self._sizes: dict[str, int] = {}
@@ -103,7 +99,8 @@ class MarkerOutput:
     def write_bytes(self, rel: str, data: bytes) -> None:
         if not self.group.is_root:
             return
-        self.fs.pipe_file(self._remote(rel), data)
+        with backend_errors(self.path, f"writing {rel}", OutputError):
+            self.fs.pipe_file(self._remote(rel), data)
         with self._lock:
             self._sizes[rel] = len(data)
 
@@ -114,8 +111,9 @@ class MarkerOutput:
             sizes.update(part)
         if self.group.is_root:
             doc = {"files": dict(sorted(sizes.items()))}
-            self.fs.pipe_file(self._remote(COMPLETE), json.dumps(doc, indent=1).encode())
-            self.fs.rm(self._remote(INCOMPLETE))
+            with backend_errors(self.path, "committing it", OutputError):
+                self.fs.pipe_file(self._remote(COMPLETE), json.dumps(doc, indent=1).encode())
+                self.fs.rm(self._remote(INCOMPLETE))
 
     def abort(self) -> None:
         """Remove everything uploaded (rank 0). Should that fail, the first marker stays and

@@ -8,14 +8,24 @@ from __future__ import annotations
 import io
 import os
 import threading
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
-from ..errors import QUOTE_LIMIT, FormatError, NotACheckpointError
+from ..errors import QUOTE_LIMIT, CkptkitError, FormatError, NotACheckpointError, StorageError
 from .paths import Boundary, check_folder, open_regular, stat_regular
+from .url_fs import backend_errors, backend_message, failure_behind, filesystem
+
+FILE_URL = "file://"
 
 
 def is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
+    """Whether `path` is read through fsspec: any URL but file://, which names a local path."""
+    return "://" in path and not path.startswith(FILE_URL)
+
+
+def local_path(path: str) -> str:
+    """A file:// URL as the local path it names (file:///abs/x.pt: /abs/x.pt); any other path as is."""
+    return path[len(FILE_URL):] if path.startswith(FILE_URL) else path
 
 
 class Source(Protocol):
@@ -44,9 +54,7 @@ class LocalSource:
     are opened, without blocking; `follow_links` lets links leave (still regular files only)."""
 
     def __init__(self, root: str, follow_links: bool | None = None, only: str | None = None) -> None:
-        if root.startswith("file://"):
-            root = root[len("file://"):]
-        self.root = os.path.abspath(root)
+        self.root = os.path.abspath(local_path(root))
         self.boundary = Boundary.of(os.path.join(self.root, only) if only else self.root, follow_links)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -146,13 +154,17 @@ class LocalSource:
 
 
 class FsspecSource:
-    """Any fsspec URL (s3://, gs://, memory://): byte-range reads, never whole-file downloads."""
+    """Any fsspec URL (s3://, gs://, memory://): byte-range reads, never whole-file downloads.
 
-    def __init__(self, root: str) -> None:
-        import fsspec
+    Whatever the backend raises (credentials, network, permissions) is one sentence naming the
+    URL and the backend's message (storage/url_fs.py)."""
 
+    def __init__(self, root: str, fs: object | None = None, base: str | None = None) -> None:
         self.root = root.rstrip("/")
-        self.fs, self._base = fsspec.core.url_to_fs(self.root)
+        if fs is None or base is None:
+            fs, base = filesystem(self.root, StorageError)
+        self.fs: Any = fs
+        self._base = base
         self._sizes: dict[str, int] = {}
 
     def _path(self, rel: str) -> str:
@@ -161,31 +173,52 @@ class FsspecSource:
     def label(self, rel: str) -> str:
         return f"{self.root}/{shown_rel(rel)}" if rel else self.root
 
+    def _calling(self, rel: str, doing: str, missing: str | None = None,
+                 error: type[CkptkitError] = FormatError) -> AbstractContextManager[None]:
+        """Around one call into the backend: its errors as one sentence naming the file."""
+        return backend_errors(self.label(rel), doing, error, missing)
+
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._path(rel)))
+        with self._calling(rel, "looking it up"):
+            return bool(self.fs.exists(self._path(rel)))
 
     def isdir(self, rel: str = "") -> bool:
-        return bool(self.fs.isdir(self._path(rel)))
+        with self._calling(rel, "looking it up"):
+            return bool(self.fs.isdir(self._path(rel)))
 
     def listdir(self, rel: str = "") -> list[str]:
-        return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(self._path(rel), detail=False))
+        with self._calling(rel, "listing it", "cannot list it (no such folder)"):
+            names = self.fs.ls(self._path(rel), detail=False)
+        return sorted(os.path.basename(p.rstrip("/")) for p in names)
+
+    def check_there(self) -> None:
+        """NotACheckpointError "no such file or folder" unless the root exists; StorageError when
+        the backend fails (no credentials) or says what kept the root from being reached."""
+        with self._calling("", "opening it", error=StorageError):
+            if self.fs.exists(self._base):
+                return
+            try:  # exists() swallows every error; info() says why (HTTP: FileNotFoundError from the cause)
+                self.fs.info(self._base)
+                return
+            except FileNotFoundError as exc:
+                cause = failure_behind(exc)
+        if cause is None:
+            raise NotACheckpointError(f"{self.root}: no such file or folder")
+        what = "the connection failed" if isinstance(cause, OSError) else "the storage refused it"
+        raise StorageError(f"{self.root}: cannot reach it: {what} ({backend_message(cause)})")
 
     def size(self, rel: str) -> int:
         if rel not in self._sizes:
-            try:
+            with self._calling(rel, "reading its size", "file is missing"):
                 self._sizes[rel] = int(self.fs.size(self._path(rel)))
-            except (FileNotFoundError, OSError):
-                raise FormatError(f"{self.label(rel)}: file is missing") from None
         return self._sizes[rel]
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0:
             raise FormatError(f"{self.label(rel)}: asked for {length} bytes at offset {offset}: the metadata "
                               f"that points there is damaged")
-        try:
+        with self._calling(rel, "reading it", "cannot read it (file is missing)"):
             data = self.fs.cat_file(self._path(rel), start=offset, end=offset + length)
-        except FileNotFoundError:
-            raise FormatError(f"{self.label(rel)}: cannot read it (file is missing)") from None
         if len(data) != length:
             raise FormatError(f"{self.label(rel)}: file ends before byte {offset + length} (truncated?)")
         return data
@@ -238,14 +271,14 @@ def open_source(path: str, follow_links: bool | None = None, only: str | None = 
     Local sources keep reads inside the checkpoint (see storage.paths): `follow_links` allows links
     that leave it (default: CKPTKIT_FOLLOW_LINKS); `only` names the one file of a single-file
     checkpoint in folder `path`, the only file that may then be read. Remote URLs have no links;
-    a URL of the local filesystem (local://) is read as the local path it names, with these checks."""
+    a URL of the local filesystem (local://) is read as the local path it names, with these checks.
+    A URL fsspec cannot open (unknown protocol, package missing, no credentials) is one sentence."""
     if is_url(path):
-        local_path = _local_path_of(path)
-        if local_path is not None:
-            return open_source(local_path, follow_links, only)
-        src = FsspecSource(path)
-        if not src.exists(""):
-            raise NotACheckpointError(f"{path}: no such file or folder")
+        fs, base = filesystem(path, StorageError)
+        if _is_local(fs):
+            return open_source(base, follow_links, only)
+        src = FsspecSource(path, fs, base)
+        src.check_there()
         return src
     local = LocalSource(path, follow_links, only)
     if not os.path.exists(local.boundary.real):
@@ -253,16 +286,11 @@ def open_source(path: str, follow_links: bool | None = None, only: str | None = 
     return local
 
 
-def _local_path_of(url: str) -> str | None:
-    """The path a URL names when fsspec maps it to the local filesystem (local://...), else None."""
-    try:
-        import fsspec
-        from fsspec.implementations.local import LocalFileSystem
+def _is_local(fs: object) -> bool:
+    """Whether fsspec maps a URL to the local filesystem (local://...): read with local checks."""
+    from fsspec.implementations.local import LocalFileSystem
 
-        fs, base = fsspec.core.url_to_fs(url)
-    except Exception:  # unknown protocol or missing package: FsspecSource says which
-        return None
-    return base if isinstance(fs, LocalFileSystem) else None
+    return isinstance(fs, LocalFileSystem)
 
 
 class RangeFile(io.RawIOBase):
