@@ -121,20 +121,33 @@ def load_opened(state_dict: dict[str, Any], opened: Any, path: str) -> dict[str,
     the step's index once for its templates and for the load."""
     index, fetcher = _loadable(opened)
     leaves = flatten(state_dict, lambda v: isinstance(v, torch.Tensor))
-    missing = [key_of(p) for p, _ in leaves if key_of(p) not in index.tensors and key_of(p) not in index.objects]
+    keys = _keys_in(index, state_dict, [key_of(p) for p, _ in leaves])
+    missing = [k for k in keys if k not in index.tensors and k not in index.objects]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise FormatError(f"{path}: has no {shown} (the checkpoint holds {len(index.tensors)} tensors, e.g. "
                           f"{', '.join(list(index.tensors)[:3])})")
     # every refusal before the first byte is copied: a refused load leaves the state dict as it was
-    targets = [(path_, value, _target(value, index, key_of(path_), path)) for path_, value in leaves]
-    for path_, value, target in targets:
-        key = key_of(path_)
+    targets = [(path_, value, _target(value, index, key, path)) for (path_, value), key in zip(leaves, keys)]
+    for (path_, value, target), key in zip(targets, keys):
         if target is None:
             _set(state_dict, path_, index.objects[key].value)
         else:
             _fill(*target, index.tensors[key], fetcher)
     return state_dict
+
+
+def _keys_in(index: CheckpointIndex, state_dict: Mapping[str, Any], keys: list[str]) -> list[str]:
+    """The checkpoint keys of a state dict's leaves: their own (DCP's flattening), or, for a bare
+    model state dict (`model.state_dict()`, no "model" key of its own) whose every leaf the
+    checkpoint holds under `model.`, those: a plain torch.save file or a DeepSpeed checkpoint is
+    seen through convert's canonical state, which names the model's tensors `model.<fqn>`."""
+    held = lambda k: k in index.tensors or k in index.objects  # noqa: E731
+    if keys and "model" not in state_dict and not all(map(held, keys)):
+        prefixed = ["model." + k for k in keys]
+        if all(map(held, prefixed)):
+            return prefixed
+    return keys
 
 
 def _loadable(opened: Any) -> tuple[CheckpointIndex, Any]:

@@ -82,9 +82,6 @@ def test_a_file_url_naming_a_torch_save_file_reads_like_its_path(tmp_path):
     assert '"format": "torch_save"' in res.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="the file:// URL is read now (see the test below); what still fails is "
-                                       "that a bare torch.save dict is indexed as model.<name>, so loading {'w': ...} "
-                                       "from the plain path fails the same way ('has no w'): api.load's key mapping")
 def test_load_from_a_file_url_naming_a_file(tmp_path):
     path = tmp_path / "w.pt"
     torch.save({"w": torch.arange(3.0)}, path)
@@ -187,3 +184,27 @@ def test_a_file_url_naming_a_file_verifies_and_consolidates_like_its_path(tmp_pa
         assert (by_url / p.name).read_bytes() == p.read_bytes(), p.name
 
 # ---- write errors other than a full disk ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", [PLAIN, DATA / "deepspeed" / "z3_bf16_w2"], ids=["torch.save", "zero3"])
+def test_a_bare_model_state_dict_loads_what_model_keys_load(source):
+    """`ckptkit.load(model.state_dict(), ...)`: the checkpoint's model.<fqn> tensors, as
+    {"model": model.state_dict()} gets them."""
+    from ckptkit.api import _loadable
+    from ckptkit.formats.registry import open_checkpoint
+
+    index, _ = _loadable(open_checkpoint(str(source)))
+    shapes = {k[len("model."):]: e for k, e in index.tensors.items() if k.startswith("model.")}
+    assert shapes
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+             "int32": torch.int32, "bool": torch.bool}
+
+    def zeros() -> dict:
+        return {k: torch.zeros(e.shape, dtype=dtype[e.dtype]) for k, e in shapes.items()}
+
+    bare = ckptkit.load(zeros(), str(source))
+    nested = ckptkit.load({"model": zeros()}, str(source))["model"]
+    assert set(bare) == set(nested)
+    assert all(torch.equal(bare[k], nested[k]) for k in bare)
+    assert any(bool(v.any()) for v in bare.values())  # (filled, not left at zero)
+
