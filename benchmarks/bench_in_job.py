@@ -223,6 +223,8 @@ def worker(args: argparse.Namespace) -> None:
             for name in os.listdir(args.work):
                 if name.endswith(f"_{i}"):
                     shutil.rmtree(os.path.join(args.work, name), ignore_errors=True)
+            os.sync()  # the deletion's own writes, done before the next repeat's first tool starts
+            time.sleep(2)  # (and the filesystem's deferred freeing of the blocks settled)
         if rank == 0:
             print(f"repeat {i + 1}/{args.repeat}: " + ", ".join(
                 f"{op.split(' ')[0]} ck {t['ckptkit'][-1]:.2f} / torch {t['torch'][-1]:.2f}"

@@ -162,6 +162,38 @@ def test_async_checkpointer_in_one_process(tmp_path):
     _assert_same(_flat(fresh, fresh_optim), before)
 
 
+def test_async_saves_copy_into_the_last_saves_staging_and_keep_their_own_values(tmp_path):
+    """The second async save copies into the CPU buffers the first staged (no new memory for the
+    state's size each save), yet every step restores the values of its own call: training goes on
+    between the call and wait(), and the next save reuses buffers only after the last is written."""
+    model, optim = _trained(steps=1)
+    ck = ckptkit.Checkpointer(str(tmp_path / "a"), async_save=True, keep=5)
+    truths, pointers = {}, []
+    for step in (1, 2, 3):
+        truths[step] = _flat(model, optim)
+        ck.save(step, model, optim)
+        pointers.append(list(ck._staging))  # held: a new allocation could not land on a freed buffer
+        models.train_steps(model, optim, 1, models.DATA_SEED + step)  # changes every tensor at once
+    ck.wait()
+    assert len(pointers[0]) > 4 and all(a is b is c for a, b, c in zip(*pointers))  # the same buffers each save
+    for step, truth in truths.items():
+        fresh, fresh_optim = _trained(models.MODEL_SEED + 3, steps=1)
+        assert ckptkit.Checkpointer(str(tmp_path / "a")).restore(fresh, fresh_optim, step=step) == step
+        _assert_same(_flat(fresh, fresh_optim), truth)
+
+
+def test_staging_takes_new_memory_for_a_tensor_whose_layout_changed():
+    from ckptkit.hooks.checkpointer import _stage
+
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4)
+    staged, made = _stage({"a": a, "b": b})
+    again, reused = _stage({"a": a.t(), "b": b * 2}, made)  # a: other shape and strides; b: as before
+    assert reused[1].data_ptr() == made[1].data_ptr() and torch.equal(again["b"], b * 2)
+    assert reused[0].data_ptr() != made[0].data_ptr() and torch.equal(again["a"], a.t())
+    assert again["a"].stride() == a.t().clone().stride()
+    assert torch.equal(staged["a"], a)  # (the first staging of `a` was left alone)
+
+
 def test_rank_0s_outcome_reaches_every_rank_in_one_broadcast(tmp_path):
     """The Checkpointer's rank-0 decisions (_on_root) send one broadcast: a result and a refusal
     arrive as themselves; a failure is raised on rank 0 and as a PeerError naming it elsewhere,

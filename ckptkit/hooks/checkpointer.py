@@ -77,6 +77,10 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._bg_pg: Any = None
+        # the CPU copies the last async save staged, free again once it is written: the next save
+        # copies into them (same shapes and dtypes) instead of allocating, and faulting in, the
+        # state's size in fresh memory each time (pinned memory, for a GPU's state, is slower yet)
+        self._staging: list[torch.Tensor] = []
         self._group = group_of()
         if self._group.is_root:
             _make_folder(self.directory)
@@ -174,7 +178,7 @@ class Checkpointer:
         if not self.async_save:
             self._write(step, name, overwrite, state, rng_doc, self._group, None)
             return
-        staged = _stage(state)
+        staged, self._staging = _stage(state, self._staging)
         group = group_of(self._bg_pg) if self._bg_pg is not None else self._group
         self._thread = threading.Thread(target=self._background,
                                         args=(step, name, overwrite, staged, rng_doc, group),
@@ -561,22 +565,35 @@ def _check_states(path: str, states: dict[str, Any], saved: dict) -> None:
         raise FormatError(f"{path}: holds no state {missing[0]!r} (states saved: {have})")
 
 
-def _stage(obj: Any) -> Any:
+def _stage(obj: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
     """A CPU copy of a state dict (DTensors stay DTensors over CPU copies of their shards; pinned
-    memory when the source is on a GPU), so training can go on while the copy is written."""
+    memory when the source is on a GPU), so training can go on while the copy is written; and the
+    copies made, in order. The k-th tensor is copied into `reuse[k]` (a previous save's staging,
+    no longer read) when that has its shape, dtype and memory kind, else into new memory."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - older torch
         from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
     cuda_seen = []
+    old = list(reuse or ())
+    made: list[torch.Tensor] = []
 
     def copy_tensor(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
+        k = len(made)
+        prior = old[k] if k < len(old) else None
+        pinned = t.is_cuda
+        laid_out = prior is not None and (prior.is_contiguous() if pinned else prior.stride() == t.stride())
+        if prior is not None and not (laid_out and prior.shape == t.shape and prior.dtype == t.dtype
+                                      and prior.is_pinned() == pinned):
+            prior = None  # (laid out as the new memory would be: empty() for a GPU's, a clone of `t`)
         if t.is_cuda:
             cuda_seen.append(True)
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return out.copy_(t, non_blocking=True)
-        return t.clone()
+            out = prior if prior is not None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            made.append(out.copy_(t, non_blocking=True))
+        else:
+            made.append(prior.copy_(t) if prior is not None else t.clone())
+        return made[-1]
 
     def visit(v: Any) -> Any:
         if isinstance(v, DTensor):
@@ -595,4 +612,4 @@ def _stage(obj: Any) -> Any:
     staged = visit(obj)
     if cuda_seen:
         torch.cuda.synchronize()
-    return staged
+    return staged, made
