@@ -13,6 +13,7 @@ import time
 import pytest
 
 from ckptkit.context import RunContext
+from ckptkit.errors import OutputError
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.ops.reshard import reshard
 from ckptkit.progress import NullProgress
@@ -171,8 +172,8 @@ def test_a_failed_paced_reshard_leaves_no_output_and_no_thread(tmp_path, monkeyp
 
     monkeypatch.setattr(readahead._Counting, "advance", failing)
     out = tmp_path / "out"
-    with pytest.raises(OSError, match="Input/output error"):
-        reshard(SRC, str(out), 3, ctx=RunContext(workers=2))
+    with pytest.raises(OutputError, match="Input/output error while the output was being made; nothing was written"):
+        reshard(SRC, str(out), 3, ctx=RunContext(workers=2))  # (the system's error, worded: exit 2, not a bug's 3)
     assert len(advances) >= 3
     assert os.listdir(tmp_path) == []  # no output, no temporary folder, no lock
     assert not [t for t in threading.enumerate() if t.name == "ckptkit-readahead"]

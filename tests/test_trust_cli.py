@@ -179,7 +179,9 @@ EARLIEST_S = 0.25  # never earlier than this (and than twice the interpreter's s
 @pytest.fixture(scope="module")
 def big_source(tmp_path_factory):
     path = tmp_path_factory.mktemp("ctrl_c") / "src"
-    save_random_dcp(path, 16, (2048, 1024), seed=1, name="layer{i}.weight")  # 128 MB
+    save_random_dcp(path, 32, (2048, 1024), seed=1, name="layer{i}.weight")  # 256 MB: a run long enough
+    # that every fraction lies past the interpreter's start-up on a loaded machine (at 128 MB a
+    # reshard under xdist took 0.3-0.6 s, and 0.5 of it could fall before `earliest`)
     return path
 
 

@@ -235,7 +235,7 @@ class RenameOutput:
         if named and not os.path.abspath(named).startswith(os.path.abspath(self.tmp) + os.sep) \
                 and os.path.abspath(named) != os.path.abspath(self.tmp):
             return OutputError(f"{named}: {exc.strerror}{where}; nothing was written to {self.path}")
-        return OutputError(f"{self.path}: {exc.strerror} while writing{where}; nothing was written")
+        return OutputError(f"{self.path}: {exc.strerror} while the output was being made{where}; nothing was written")
 
     def _exit_distributed(self, exc: BaseException | None) -> None:
         """Every rank reports; rank 0 commits only when all succeeded, then tells the others."""
