@@ -159,8 +159,9 @@ def tp_rules_option(fn: Callable) -> Callable:
 
         try:
             use_rules_file(value)
-        except CkptkitError as exc:
-            raise click.BadParameter(str(exc), param=param) from None
+        except CkptkitError as exc:  # one sentence, as any bad input (not click's usage form)
+            echo(f"error: {exc}" if "--tp-rules" in str(exc) else f"error: --tp-rules: {exc}", err=True)
+            _click_ctx.exit(exc.exit_code)
         _click_ctx.call_on_close(lambda: use_rules_file(None))  # this command's only: not the next call's
     return click.option("--tp-rules", default=None, metavar="FILE", expose_value=False, callback=remember,
                         help="Split rules (JSON or TOML) for tensor-parallel DeepSpeed checkpoints: which "

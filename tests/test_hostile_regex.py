@@ -268,7 +268,7 @@ def test_cli_tp_rules_refuses_a_hostile_pattern(tmp_path: Path, pattern: str, wo
     out = tmp_path / "out"
     proc = _ckptkit("convert", str(DATA / PIPELINE), str(out), "--to", "dcp", "--world-size", "mesh=dp_shard:2,tp:2",
                     "--tp-rules", str(rules))
-    _assert_one_sentence(proc, "--tp-rules", "rules.json", "rule 1", word, usage=True)
+    _assert_one_sentence(proc, "--tp-rules", "rules.json", "rule 1", word)
     assert not out.exists()
 
 

@@ -222,6 +222,7 @@ RULES = [
     ("too-many-rules", "rules.json", MANY, ["rules.json", "100001 rules"]),
     ("toml-nested-too-deeply", "rules.toml", "a = " + "[" * 5000 + "]" * 5000 + "\n",  # tomllib recursed
      ["rules.toml", "nested too deeply"]),
+    ("not-toml", "rules.toml", "rules:\n  - [\"*\", 0]\n", ["rules.toml", "not valid TOML"]),
 ]
 
 
@@ -242,6 +243,8 @@ def test_hostile_tp_rules_file_is_one_sentence(tmp_path: Path, case) -> None:
     for name in names:
         assert name in res.output, f"{name!r} not in {res.output}"
     assert not out.exists()
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output  # not click's usage form
 
 
 def test_layout_on_a_mesh_of_many_ranks_is_linear_in_ranks() -> None:
