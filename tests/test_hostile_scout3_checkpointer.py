@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "fixtures" / "data"
@@ -124,3 +124,24 @@ def test_extra_that_is_no_dict_is_refused_before_anything_is_written(tmp_path, e
     with pytest.raises(CkptkitError, match="extra must be a dict"):
         ckpt.save(1, torch.nn.Linear(2, 2), extra=extra)
     assert ckpt.steps() == [] and sorted(p.name for p in run.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra,states_dict", [
+    ({1: torch.ones(1)}, None), ({"n": {2: 3}}, None), ({"l": [{None: 1}]}, None), (None, {5: 1, "a": 2}),
+], ids=["int key", "nested int key", "None key in a list", "int key in a state"])
+def test_a_key_restore_would_give_back_as_text_is_refused_before_writing(tmp_path, extra, states_dict):
+    """DCP joins nested dict keys into dotted names: {1: x} came back from restore as {'1': x}."""
+
+    class Stateful:
+        def state_dict(self):
+            return states_dict
+
+        def load_state_dict(self, d):
+            pass
+
+    ck = ckptkit.Checkpointer(str(tmp_path / "ck"))
+    with pytest.raises(UsageError, match="keys must be str"):
+        ck.save(1, torch.nn.Linear(2, 2), extra=extra, states={"s": Stateful()} if states_dict else None)
+    assert ck.steps() == [] and not [p for p in (tmp_path / "ck").iterdir() if not p.name.startswith(".")]
+    ck.save(1, torch.nn.Linear(2, 2), extra={"fine": {"a": [1, {"b": 2}]}})  # the Checkpointer stays usable
+    assert ck.steps() == [1]

@@ -205,6 +205,9 @@ class Checkpointer:
 
         refusal = None
         try:
+            if dcp:
+                _refuse_other_keys(state.get("extra"), "extra")
+                _refuse_other_keys(state.get(STATES), "states")
             leaves = flat_leaves(state) if dcp else flatten(state, lambda v: isinstance(v, torch.Tensor))
             check_restorable(leaves)
         except UsageError as exc:
@@ -563,6 +566,23 @@ def _check_states(path: str, states: dict[str, Any], saved: dict) -> None:
     if missing:
         have = ", ".join(sorted(map(str, saved))) or "none"
         raise FormatError(f"{path}: holds no state {missing[0]!r} (states saved: {have})")
+
+
+def _refuse_other_keys(value: Any, where: str) -> None:
+    """DCP flattens nested dicts into dotted names, so a key that is no str (1, (0, 1), None)
+    would come back from restore as its text ('1'): refused before anything is written."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if not isinstance(key, str):
+                    raise UsageError(f"{at}: key {key!r:.60} is a {type(key).__name__}; a checkpoint's "
+                                     f"dict keys must be str (DCP joins them into dotted names, so restore "
+                                     f"would give back {str(key)!r:.60})")
+                stack.append((inner, f"{at}[{key!r:.60}]"))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((inner, f"{at}[{i}]") for i, inner in enumerate(item))
 
 
 def _stage(obj: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
