@@ -27,6 +27,7 @@ from ..errors import OutputError
 from . import locks, swap
 from .commit import FinishingFile, on_root
 from .overlap import check_apart, relation
+from .source import local_path
 
 # what the system says when an output cannot be written, for no fault of ckptkit's: worded as one
 # sentence (exit 2), where any other OSError is a bug's (exit 3)
@@ -51,7 +52,7 @@ class RenameOutput:
     reported success. `sources` are the paths the run reads: OUT may not overlap any of them."""
 
     def __init__(self, path: str, *, overwrite: bool, group: Group, sources: Sequence[str | None]) -> None:
-        self.path = os.path.abspath(path.removeprefix("file://"))
+        self.path = os.path.abspath(local_path(path))
         self.overwrite = overwrite
         self.sources = tuple(sources)
         parent = os.path.dirname(self.path) or "."
