@@ -1,7 +1,6 @@
 """Pin the bytes that consolidate, reshard and convert write for the committed fixtures.
 
-Issue 15 refactors the readers, writers and planner; its promise is that outputs stay
-byte-identical. This script runs a representative set of commands (each fixture family, a few
+Refactors of the readers, writers and planner promise outputs that stay byte-identical. This script runs a representative set of commands (each fixture family, a few
 targets each) in-process and records a SHA-256 per output file. `tests/test_output_digests.py`
 recomputes them and names the output that changed. The bytes depend on neither the worker count
 nor the memory budget (checked with CKPTKIT_WORKERS=1/16, CKPTKIT_MEMORY_BUDGET=2MiB), nor on the
@@ -77,6 +76,37 @@ CASES: list[tuple[str, str, list[str]]] = [
      ["convert", "--to", "dcp", "--world-size", "2", "--model-only"]),
     ("lightning_fsdp.reshard3", "lightning/fsdp_sharded_w2", ["reshard", "--to", "3"]),
     ("lightning_ds_z2.to_torch", "lightning/deepspeed_z2_w2", ["convert", "--to", "torch"]),
+    # DeepSpeed model parallelism: each family resharded along each dimension that can change,
+    # consolidated, and its index pinned by an `inspect --json` digest
+    ("ds_tp.mpu_z2_fp32.reshard_tp1", "ds_tp/mpu_z2_fp32", ["reshard", "--to", "tp=1,dp=2"]),
+    ("ds_tp.mpu_z1_bf16.reshard_dp1", "ds_tp/mpu_z1_bf16", ["reshard", "--to", "tp=2,dp=1"]),
+    ("ds_tp.mpu_z3_fp32.consolidate", "ds_tp/mpu_z3_fp32", ["consolidate", "--include-optimizer"]),
+    ("ds_tp.autotp_z2_fp32.reshard_tp1_dp3", "ds_tp/autotp_z2_fp32", ["reshard", "--to", "tp=1,dp=3"]),
+    ("ds_tp.autotp_z3_bf16.to_torch", "ds_tp/autotp_z3_bf16", ["convert", "--to", "torch"]),
+    ("ds_tp.mpu_z2_fp32.inspect", "ds_tp/mpu_z2_fp32", ["inspect"]),
+    ("ds_pp.pp2_dp2_z1_fp32.reshard_pp3", "ds_pp/pp2_dp2_z1_fp32", ["reshard", "--to", "pp=3,dp=1"]),
+    ("ds_pp.tiedhead.reshard_pp1_dp2", "ds_pp/pp2_dp1_z1_fp32_tiedhead", ["reshard", "--to", "pp=1,dp=2"]),
+    ("ds_pp.pp2_dp2_z1_bf16.consolidate", "ds_pp/pp2_dp2_z1_bf16", ["consolidate"]),
+    ("ds_pp.pp2_dp2_z1_fp32.inspect", "ds_pp/pp2_dp2_z1_fp32", ["inspect"]),
+    ("ds_3d.bf16.reshard_tp1_dp2", "ds_3d/pp2_tp2_dp1_z1_bf16",
+     ["reshard", "--to", "tp=1,pp=2,dp=2", "--partition-method", "uniform"]),
+    ("ds_3d.dp2.reshard_pp1", "ds_3d/pp2_tp2_dp2_z1_fp32",
+     ["reshard", "--to", "tp=2,pp=1,dp=2", "--partition-method", "uniform"]),
+    ("ds_3d.fp32.consolidate", "ds_3d/pp2_tp2_dp1_z1_fp32", ["consolidate"]),
+    ("ds_3d.dp2.inspect", "ds_3d/pp2_tp2_dp2_z1_fp32", ["inspect"]),
+    ("ds_moe.z2_w4.reshard_ep2_dp4", "ds_moe/moe_z2_fp32_w4_k1", ["reshard", "--to", "ep=2,dp=4"]),
+    ("ds_moe.z1_bf16_w4.reshard_ep1_dp3", "ds_moe/moe_z1_bf16_w4_k2", ["reshard", "--to", "ep=1,dp=3"]),
+    ("ds_moe.moe2.consolidate", "ds_moe/moe2_z2_fp32_w2_k1", ["consolidate", "--include-optimizer"]),
+    ("ds_moe.z1_bf16_w4.inspect", "ds_moe/moe_z1_bf16_w4_k2", ["inspect"]),
+    ("ds_moe_tp.z2.reshard_tp1", "ds_moe_tp/moetp_z2_fp32_tp2_ep2_w4", ["reshard", "--to", "tp=1,ep=2,dp=2"]),
+    ("ds_moe_tp.noexptp.reshard_ep4", "ds_moe_tp/moetp_noexptp_z2_fp32_tp2_ep2_w4",
+     ["reshard", "--to", "tp=2,ep=4,dp=2"]),
+    ("ds_moe_tp.z1_bf16.consolidate", "ds_moe_tp/moetp_z1_bf16_tp2_ep2_w4", ["consolidate"]),
+    ("ds_moe_tp.z2.inspect", "ds_moe_tp/moetp_z2_fp32_tp2_ep2_w4", ["inspect"]),
+    ("ds_pp_moe.reshard_pp1", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["reshard", "--to", "pp=1,ep=2,dp=2"]),
+    ("ds_pp_moe.moe4.reshard_ep4", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4_moe4", ["reshard", "--to", "pp=2,ep=4,dp=4"]),
+    ("ds_pp_moe.consolidate", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["consolidate"]),
+    ("ds_pp_moe.inspect", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["inspect"]),
 ]
 
 
@@ -101,6 +131,17 @@ def digest_tree(out: Path) -> dict[str, str]:
     return result
 
 
+def _inspect_digest(result) -> dict[str, str]:
+    """The SHA-256 of `inspect --json`'s document with its `root` (the fixture's absolute path) blanked,
+    so the index a reader builds is pinned wherever the checkout lies."""
+    if result.exit_code != 0:
+        return {"error": f"exit {result.exit_code}: {result.output.strip()[-300:]}"}
+    doc = json.loads(result.output)
+    doc["root"] = "SRC"
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return {"inspect.json": hashlib.sha256(text.encode()).hexdigest()}
+
+
 def run_case(case_id: str, src: str, args: list[str], work: Path) -> dict[str, str]:
     """Run one command in-process; its output digests, or an 'error' entry with the exit and text."""
     from click.testing import CliRunner
@@ -108,6 +149,8 @@ def run_case(case_id: str, src: str, args: list[str], work: Path) -> dict[str, s
     from cli.main import cli
 
     command, rest = args[0], _args(args[1:])
+    if command == "inspect":
+        return _inspect_digest(CliRunner().invoke(cli, ["inspect", "--json", str(DATA / src), *rest]))
     suffix = ".pt" if command == "convert" and rest[:2] == ["--to", "torch"] else \
         ".safetensors" if case_id.endswith("to_one_safetensors") else ""
     out = work / f"{case_id}{suffix}"

@@ -1,4 +1,4 @@
-"""Outputs of consolidate, reshard and convert stay byte-identical (issue 15, "Behaviour unchanged").
+"""Outputs of consolidate, reshard and convert stay byte-identical through refactors.
 
 The digests in tests/data/output_digests.json were written by tests/pin_outputs.py before the
 refactor. A change here means a command now writes different bytes for the same fixture: either
