@@ -4,6 +4,7 @@ In-job API (imported lazily, so the command line starts fast):
     ckptkit.save(state_dict, path)       collective DCP save, committed atomically
     ckptkit.load(state_dict, path)       fill a (sharded) state dict from any checkpoint format
     ckptkit.Checkpointer(directory, keep=3, async_save=False)
+    ckptkit.StorageReader(path)          torch's dcp.load reading any checkpoint format
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ TYPE_CHECKING = False  # typing is not imported: `python -m ckptkit` runs this b
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["save", "load", "Checkpointer"]
+__all__ = ["save", "load", "Checkpointer", "StorageReader"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from .hooks.checkpointer import Checkpointer
 
         return Checkpointer
+    if name == "StorageReader":
+        from .hooks.storage_reader import StorageReader
+
+        return StorageReader
     raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")

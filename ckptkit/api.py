@@ -150,16 +150,18 @@ def _keys_in(index: CheckpointIndex, state_dict: Mapping[str, Any], keys: list[s
     return keys
 
 
-def _loadable(opened: Any) -> tuple[CheckpointIndex, Any]:
-    """The index whose keys are the state dict's, and the fetcher that reads its tensors."""
+def _loadable(opened: Any, rules: Any = None) -> tuple[CheckpointIndex, Any]:
+    """The index whose keys are the state dict's, and the fetcher that reads its tensors.
+    `rules` (convert's KeyRules: --strip-prefix, --rename) rename the parameters: the checkpoint
+    is then read through the canonical training state whatever its format."""
     from .convert.state import read_state
     from .convert.to_torch_layouts import fetcher_for, torch_recipe_index
     from .formats.registry import capabilities_of
     from .runner.fetch import Fetcher
 
-    if capabilities_of(opened.index).recipe_keys:  # DCP: its keys are already the state dict's
+    if rules is None and capabilities_of(opened.index).recipe_keys:  # DCP: its keys are the state dict's
         return opened.index, Fetcher(opened.source, index=opened.index)
-    state = read_state(opened)
+    state = read_state(opened, rules)
     index, resolver = torch_recipe_index(state, "load")
     return index, fetcher_for(state, resolver)
 
