@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 
 from ..errors import CkptkitError, FormatError, name_of
-from ..index.types import CheckpointIndex
 
 _MISSING = re.compile(r"^Missing key in checkpoint state_dict: (?P<key>.*)\.$", re.S)
 _SIZE = re.compile(r"^Size mismatch between saved (?P<saved>torch\.Size\(\[.*?\]\)) and current: "
@@ -30,26 +29,27 @@ def failures_of(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def unwrap_exception(exc: BaseException, path: str, index: CheckpointIndex) -> BaseException:
-    """ckptkit's error for what `exc` (from dcp.load over the checkpoint at `path`) reports; `exc`
-    itself where it is neither a ckptkit error nor a refusal torch's planner words."""
+def unwrap_exception(exc: BaseException, path: str, tensors: list[str]) -> BaseException:
+    """ckptkit's error for what `exc` (from dcp.load over the checkpoint at `path`, whose tensors
+    the reader shows as `tensors`) reports; `exc` itself where it is neither a ckptkit error nor a
+    refusal torch's planner words."""
     inner = failures_of(exc)
     for e in inner:
         if isinstance(e, CkptkitError):
             return e
     for e in inner:
-        worded = _worded(e, path, index)
+        worded = _worded(e, path, tensors)
         if worded is not None:
             return worded
     return exc
 
 
-def _worded(exc: BaseException, path: str, index: CheckpointIndex) -> CkptkitError | None:
+def _worded(exc: BaseException, path: str, tensors: list[str]) -> CkptkitError | None:
     text = str(exc.args[0]) if exc.args else ""
     missing = _MISSING.match(text)
     if missing:
-        sample = ", ".join(name_of(k) for k in list(index.tensors)[:3])
-        return FormatError(f"{path}: has no {name_of(missing['key'])} (the checkpoint holds {len(index.tensors)} "
+        sample = ", ".join(name_of(k) for k in tensors[:3])
+        return FormatError(f"{path}: has no {name_of(missing['key'])} (the checkpoint holds {len(tensors)} "
                            f"tensors, e.g. {sample})")
     size = _SIZE.match(text)
     if size:

@@ -35,6 +35,7 @@ from ..index.dtypes import torch_dtype
 from ..index.types import Box, CheckpointIndex, TensorEntry
 from .dcp_errors import unwrap_exception
 from .reader_detect import readable
+from .reader_keys import MODEL, OPTIM, check_prefix, presented_names
 
 
 class StorageReader(dcp.StorageReader):
@@ -48,11 +49,15 @@ class StorageReader(dcp.StorageReader):
 
     def __init__(self, path: str | os.PathLike, *, tag: str | None = None, follow_links: bool | None = None,
                  strip_prefix: str | tuple[str, ...] | list[str] = (), rename: str | tuple[str, ...] | list[str] = (),
-                 add_prefix: str = "") -> None:
+                 add_prefix: str = "", model_prefix: str = MODEL, optim_prefix: str = OPTIM) -> None:
         super().__init__()
+        self.model_prefix = check_prefix("model_prefix", model_prefix)
+        self.optim_prefix = check_prefix("optim_prefix", optim_prefix)
         strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
         renames = KeyRules.parse_renames((rename,) if isinstance(rename, str) else tuple(rename))
         self.rules = KeyRules(strip, renames, add_prefix) if strip or renames or add_prefix else None
+        if self.rules is None and (model_prefix, optim_prefix) != (MODEL, OPTIM):
+            self.rules = KeyRules()  # through the canonical state, whose containers are model./optim.
         self.tag, self.follow_links = tag, follow_links
         self.path = ""
         self._open(os.fspath(path))
@@ -65,6 +70,7 @@ class StorageReader(dcp.StorageReader):
             raise UsageError(f"ckptkit.StorageReader takes a checkpoint path, not {path!r}")
         opened = open_checkpoint(path, tag=self.tag, follow_links=self.follow_links)
         self.index, self.fetcher = _loadable(opened, self.rules)
+        self.names = presented_names(self.index, self.model_prefix, self.optim_prefix)
         self.path = path
         self._metadata: Metadata | None = None
         self.load_id = uuid.uuid4().hex
@@ -85,7 +91,7 @@ class StorageReader(dcp.StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint as DCP metadata: one chunk per tensor, a bytes item per other value."""
         if self._metadata is None:
-            self._metadata = metadata_of(self.index)
+            self._metadata = metadata_of(self.index, self.names)
         self._metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
         return self._metadata
 
@@ -133,9 +139,10 @@ class StorageReader(dcp.StorageReader):
     def unwrap(self, exc: BaseException) -> BaseException:
         """The ckptkit error inside torch's CheckpointException (a key the checkpoint lacks and a
         shape that differs worded as ckptkit words them); any other exception as is."""
-        return unwrap_exception(exc, self.path, self.index)
+        return unwrap_exception(exc, self.path, [n for n, k in self.names.items() if k in self.index.tensors])
 
-    def _value_bytes(self, key: str) -> io.BytesIO:
+    def _value_bytes(self, name: str) -> io.BytesIO:
+        key = self.names.get(name, name)
         entry = self.index.objects.get(key)
         if entry is None:  # the metadata listed it: only a changed index gets here
             raise FormatError(f"{self.path}: has no value {key}")
@@ -146,7 +153,7 @@ class StorageReader(dcp.StorageReader):
 
     def _read_tensor(self, item: ReadItem, planner: LoadPlanner) -> None:
         key = item.storage_index.fqn
-        entry = self.index.tensors.get(key)
+        entry = self.index.tensors.get(self.names.get(key, key))
         if entry is None:
             raise FormatError(f"{self.path}: has no tensor {key}")
         box = Box(tuple(item.storage_offsets), tuple(item.lengths))
@@ -170,29 +177,19 @@ def fill(target: torch.Tensor, entry: TensorEntry, box: Box, fetcher: Any) -> No
         target.copy_(fetcher.fetch(entry, box).reshape(target.shape))
 
 
-def metadata_of(index: CheckpointIndex) -> Metadata:
-    """DCP metadata for `index`: each tensor a single whole-tensor chunk, each object bytes.
-    planner_data gives each key its nesting, so torch's own whole-checkpoint loaders
-    (dcp_to_torch_save's planner) rebuild the nested dict."""
+def metadata_of(index: CheckpointIndex, names: dict[str, str]) -> Metadata:
+    """DCP metadata for `index` under the shown `names` (name -> index key): each tensor a single
+    whole-tensor chunk, each other value a bytes item."""
     md: dict[str, Any] = {}
-    nesting: dict[str, tuple] = {}
-    for key, entry in index.tensors.items():
+    for name, key in names.items():
+        entry = index.tensors.get(key)
+        if entry is None:
+            md[name] = BytesStorageMetadata()
+            continue
         shape = torch.Size(entry.shape)
-        md[key] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)), shape,
-                                        [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
-        nesting[key] = _nesting(key, entry.path)
-    for key, obj in index.objects.items():
-        md[key] = BytesStorageMetadata()
-        nesting[key] = _nesting(key, obj.path)
-    return Metadata(state_dict_metadata=md, planner_data=nesting)
-
-
-def _nesting(key: str, path: tuple | None) -> tuple:
-    """The entry's nesting as torch's flatten_state_dict writes it (its path where that joins back
-    to the key, else the key as one name)."""
-    if path and ".".join(map(str, path)) == key:
-        return tuple(path)
-    return (key,)
+        md[name] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)), shape,
+                                         [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
+    return Metadata(state_dict_metadata=md)
 
 
 __all__ = ["StorageReader"]

@@ -236,3 +236,60 @@ def test_unwrap_leaves_other_exceptions_alone():
     reader = ckptkit.StorageReader(str(DATA / "fsdp2_w2"))
     exc = ValueError("something else")
     assert reader.unwrap(exc) is exc
+
+
+def _titan_state(model, optim) -> dict:
+    """torchtitan's layout: the model's names at the top level, the optimizer flattened by torch
+    under "optimizer" (state.<fqn>.<what>, param_groups.<fqn>.<hyper>)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    return {**get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optim, options=opts)}
+
+
+def _set_titan(model, optim, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    msd = {k: v for k, v in state.items() if k != "optimizer"}
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+@pytest.mark.parametrize("source", ["zero3", "dcp"])
+def test_torchtitans_layout_loads_with_its_container_prefixes(source):
+    """model_prefix="" and optim_prefix="optimizer." fill torchtitan's state dict, per-parameter
+    group values included, equal to the default layout's load."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if source == "zero3":
+        import deepspeed_models as dm
+        import generate_convert as gc
+
+        path, make = str(DS_DATA / "z3_fp32_w2"), lambda seed: (lambda m: (m, gc.make_optimizer(m)))(dm.make_model(seed))
+    else:
+        path, make = str(DATA / "fsdp2_w2"), lambda seed: (lambda m: (m, models.make_optimizer(m)))(models.make_model(seed))
+    model, optim = make(101)
+    msd, osd = get_state_dict(model, optim)
+    _load({"model": msd, "optim": osd}, ckptkit.StorageReader(path))
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    titan_model, titan_optim = make(102)
+    state = _titan_state(titan_model, titan_optim)
+    assert "optimizer" in state and not any(k.startswith("model.") for k in state if k != "optimizer")
+    _load(state, ckptkit.StorageReader(path, model_prefix="", optim_prefix="optimizer."))
+    _set_titan(titan_model, titan_optim, state)
+    want, got = _flat(dict(zip(("model", "optim"), get_state_dict(model, optim)))), \
+        _flat(dict(zip(("model", "optim"), get_state_dict(titan_model, titan_optim))))
+    assert set(got) == set(want) and len(want) > 20
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert_tensor_equal(got[key], value, key)
+        else:
+            assert got[key] == value, key
+    assert [g["lr"] for g in titan_optim.param_groups] == [g["lr"] for g in optim.param_groups]
+    if source == "zero3":  # DeepSpeed's scheduled lr, not the fresh optimizer's
+        assert [g["lr"] for g in titan_optim.param_groups] == [0.0036, 0.0036]
+
+
+def test_container_prefixes_are_checked():
+    with pytest.raises(CkptkitError, match="model_prefix='model' must be"):
+        ckptkit.StorageReader(str(DATA / "fsdp2_w2"), model_prefix="model")
