@@ -293,3 +293,14 @@ def test_torchtitans_layout_loads_with_its_container_prefixes(source):
 def test_container_prefixes_are_checked():
     with pytest.raises(CkptkitError, match="model_prefix='model' must be"):
         ckptkit.StorageReader(str(DATA / "fsdp2_w2"), model_prefix="model")
+
+
+def test_the_integrations_example_runs(tmp_path, monkeypatch):
+    import re
+
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    blocks = re.findall(r"<!-- run -->\n```python\n(.*?)```", text, re.S)
+    assert blocks, "docs/integrations.md lost its runnable example"
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, "docs/integrations.md", "exec"), {})
