@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptkit
 from ckptkit.errors import CkptkitError, FormatError, NotACheckpointError, UnsafePickleError
+from ckptkit.index.dtypes import torch_dtype
 from conftest import DATA, ROOT, assert_tensor_equal
 from ds_helpers import DS_DATA
 
@@ -304,3 +305,43 @@ def test_the_integrations_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         exec(compile(code, "docs/integrations.md", "exec"), {})
+
+
+FORMATS = [DS_DATA / "z1_bf16_w2", DS_DATA / "z2_fp16_w2", DATA / "ds_pp" / "pp2_dp2_z1_bf16",
+           DATA / "ds_moe" / "moe_z2_bf16_w2_k2", DATA / "ds_3d" / "pp2_tp2_dp1_z1_fp32",
+           DATA / "ds_moe_tp" / "moetp_z2_fp32_tp2_ep2_w4", DATA / "ds_tp" / "mpu_z3_fp32",
+           DATA / "fsdp1_sharded_w2", DATA / "fsdp1_full_state_dict.pt", DATA / "plain_state_dict.pt",
+           DATA / "trainer" / "ds_z2", DATA / "trainer" / "fsdp2_full", DATA / "lightning" / "fsdp_sharded_w2",
+           DATA / "lightning" / "single_w1.ckpt", DATA / "convert" / "accelerate_fsdp1_w2"]
+
+
+@pytest.mark.parametrize("path", FORMATS, ids=lambda p: p.name)
+def test_every_format_loads_as_ckptkit_load_fills_it(path):
+    """The whole checkpoint, every tensor and value, through dcp.load and the reader, equal to what
+    ckptkit.load (proven against each framework's own loader) fills; and where the fixture has a
+    truth file (DeepSpeed's fp32 masters and moments, torch's flat state), equal to it."""
+    reader = ckptkit.StorageReader(str(path))
+    own = {n for n, k in reader.names.items() if n == k}  # the index's names (no per-parameter group aliases)
+    template = lambda: {n: (torch.zeros(e.shape, dtype=torch_dtype(e.dtype)) if (e := reader.index.tensors.get(n))
+                            else None) for n in own}  # noqa: E731
+    got, want = template(), template()
+    _load(got, reader)
+    ckptkit.load(want, str(path))
+    assert got.keys() == want.keys() and any(isinstance(v, torch.Tensor) for v in got.values())
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert_tensor_equal(got[key], value, key)
+        else:
+            assert got[key] == value, key
+    truth_file = path.parent / f"{path.name}.truth.pt"
+    if truth_file.exists():
+        truth = torch.load(truth_file, weights_only=True)
+        pairs = [(f"model.{k[5:]}", k) for k in truth if k.startswith("fp32.")]
+        pairs += [(f"optim.state.{k.split('.', 1)[1]}.{k.split('.', 1)[0]}", k) for k in truth
+                  if k.startswith(("exp_avg.", "exp_avg_sq."))]
+        pairs += [(k, k) for k in truth if k.startswith(("model.", "optim.state."))]  # a DCP fixture's flat truth
+        compared = [(mine, theirs) for mine, theirs in pairs
+                    if mine in got and tuple(got[mine].shape) == tuple(truth[theirs].shape)]
+        for mine, theirs in compared:
+            assert_tensor_equal(got[mine], truth[theirs], mine)
+        assert compared, "no tensor of the truth was compared"
