@@ -345,3 +345,48 @@ def test_every_format_loads_as_ckptkit_load_fills_it(path):
         for mine, theirs in compared:
             assert_tensor_equal(got[mine], truth[theirs], mine)
         assert compared, "no tensor of the truth was compared"
+
+
+def test_a_hub_snapshot_loads_without_follow_links(tmp_path):
+    """huggingface_hub's cache layout (snapshot files linking into blobs/): read as the snapshot's
+    safetensors, equal to safetensors' own loader, and validate_checkpoint_id says so."""
+    from test_trust_paths import hf_cache
+
+    snap, tensors = hf_cache(tmp_path)
+    assert ckptkit.StorageReader.validate_checkpoint_id(snap)
+    state = {"model": {k: torch.zeros_like(v) for k, v in tensors.items()}}
+    _load(state, ckptkit.StorageReader(str(snap)))
+    for k, v in tensors.items():
+        assert_tensor_equal(state["model"][k], v, k)
+
+
+def test_a_read_item_reads_only_the_bytes_of_its_box(tmp_path):
+    """A rank's share of a 4 MB tensor (16 of its 1024 rows) costs the bytes of those rows, not the
+    tensor's: read_data reads through ckptkit's fetcher, box by box."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    full = torch.randn(1024, 1024)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    reader = ckptkit.StorageReader(str(tmp_path / "w.safetensors"))
+    source = reader.fetcher.source
+    counted = []
+    real_read, real_readinto = source.read, source.readinto
+    source.read = lambda rel, offset, length: counted.append(length) or real_read(rel, offset, length)
+    source.readinto = lambda rel, offset, buf: counted.append(len(buf)) or real_readinto(rel, offset, buf)
+    target = torch.zeros(16, 1024)
+
+    class Planner:
+        def resolve_tensor(self, item):
+            return target
+
+        def commit_tensor(self, item, tensor):
+            pass
+
+    name = next(n for n in reader.names if n.endswith("w"))
+    item = ReadItem(LoadItemType.TENSOR, MetadataIndex(name), torch.Size([0, 0]), MetadataIndex(name, torch.Size([0, 0])),
+                    torch.Size([512, 0]), torch.Size([16, 1024]))
+    reader.read_data(LoadPlan([item]), Planner()).wait()
+    assert_tensor_equal(target, full[512:528], "rows")
+    assert sum(counted) == 16 * 1024 * 4, counted
