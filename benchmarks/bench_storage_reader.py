@@ -1,15 +1,15 @@
 """Benchmark (CPU, one process): torch's dcp.load through ckptkit.StorageReader against torch's own
 FileSystemReader, on the same DCP checkpoint.
 
-    python benchmarks/bench_storage_reader.py [--size-mb 400] [--repeat 5] [--work /tmp/ckptkit-bench-reader]
+    python benchmarks/bench_storage_reader.py [--size-mb 400] [--repeat 5] [--warm] [--work /tmp/ckptkit-bench-reader]
 
 Writes, with torch's dcp.save, a checkpoint of about --size-mb MB: a model-like state dict of fp32
 matrices and vectors of mixed sizes plus AdamW-like moments and a few plain values. Then, --repeat
 times each (median reported, the order of the two readers alternating between repeats), times
-`dcp.load(state, storage_reader=R)` into the same preallocated state dict, the reader made inside
+`dcp.load(state, storage_reader=R)` into a fresh zeroed copy of the state dict, the reader made inside
 the timed region (ckptkit's indexes the checkpoint when made; torch's reads .metadata inside
-dcp.load). The page cache is synced before every timed load, and dropped too when run as root, so
-each starts alike. After every load the state must equal what was saved bit for bit (the state is
+dcp.load). The page cache is synced before every timed load, and dropped too when run as root (unless
+--warm), so each starts alike. After every load the state must equal what was saved bit for bit (the state is
 zeroed before each load, so a load that does nothing cannot pass). Prints a Markdown table with the
 ratio ckptkit / torch, the machine line and the date; exits 1 when a check failed.
 """
@@ -78,14 +78,15 @@ def equal(a, b) -> bool:
     return a == b
 
 
-def timed_load(target: dict, kind: str, path: str) -> float:
+def timed_load(target: dict, kind: str, path: str, warm: bool = False) -> float:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     import ckptkit
 
     os.sync()
-    drop_caches()
+    if not warm:
+        drop_caches()
     t0 = time.perf_counter()
     reader = ckptkit.StorageReader(path) if kind == "ckptkit" else FileSystemReader(path)
     dcp.load(target, storage_reader=reader)
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--work", default="/tmp/ckptkit-bench-reader")
+    ap.add_argument("--warm", action="store_true", help="keep the page cache (the checkpoint read from memory)")
     args = ap.parse_args()
     warnings.simplefilter("ignore", UserWarning)  # dcp's "assuming a single process"
     import torch.distributed.checkpoint as dcp
@@ -110,7 +112,7 @@ def main() -> None:
     saved = make_state(args.size_mb)
     dcp.save(saved, checkpoint_id=path)
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-    cold = drop_caches()
+    cold = not args.warm and drop_caches()
     times: dict[str, list[float]] = {"ckptkit": [], "torch": []}
     ok = True
     for kind in ("ckptkit", "torch"):  # one untimed load each: the first-call costs (lazy imports)
@@ -118,12 +120,12 @@ def main() -> None:
     for i in range(args.repeat):
         for kind in (("ckptkit", "torch") if i % 2 == 0 else ("torch", "ckptkit")):
             target = zeroed_like(saved)
-            times[kind].append(timed_load(target, kind, path))
+            times[kind].append(timed_load(target, kind, path, args.warm))
             ok = ok and equal(saved, target)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n### dcp.load through ckptkit.StorageReader vs FileSystemReader: {size / 2**20:.0f} MB DCP "
           f"checkpoint, {len(saved['model'])} parameters, one process, median of {args.repeat}\n")
-    print(f"{machine_line()}; page cache dropped before every timed load: {'yes' if cold else 'no (not root)'}\n")
+    print(f"{machine_line()}; page cache dropped before every timed load: {'yes' if cold else ('no (--warm)' if args.warm else 'no (not root)')}\n")
     print("| reader | median (s) | runs (s) |\n|---|---:|---|")
     for kind, label in (("ckptkit", "ckptkit.StorageReader"), ("torch", "FileSystemReader")):
         print(f"| {label} | {med[kind]:.2f} | {', '.join(f'{t:.2f}' for t in times[kind])} |")
