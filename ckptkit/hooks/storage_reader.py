@@ -44,8 +44,11 @@ class StorageReader(dcp.StorageReader):
     `dcp.load(state_dict, storage_reader=ckptkit.StorageReader(path))` fills a (sharded) state
     dict from DeepSpeed ZeRO, DCP, FSDP, torch.save, safetensors, trainer and run folders, at any
     world size. Options: `strip_prefix` and `rename` (OLD=NEW) change parameter names as convert's
-    --strip-prefix and --rename do; `add_prefix` as --add-prefix; `tag` picks a DeepSpeed tag;
-    `follow_links` lets a local checkpoint's links lead outside it."""
+    --strip-prefix and --rename do; `add_prefix` as --add-prefix; `model_prefix` and
+    `optim_prefix` name the containers the state dict keeps the model and the optimizer under
+    ("model." and "optim." as `get_state_dict` under {"model", "optim"}; torchtitan: "" and
+    "optimizer."); `tag` picks a DeepSpeed tag; `follow_links` lets a local checkpoint's links
+    lead outside it (docs/integrations.md)."""
 
     def __init__(self, path: str | os.PathLike, *, tag: str | None = None, follow_links: bool | None = None,
                  strip_prefix: str | tuple[str, ...] | list[str] = (), rename: str | tuple[str, ...] | list[str] = (),
@@ -60,14 +63,18 @@ class StorageReader(dcp.StorageReader):
             self.rules = KeyRules()  # through the canonical state, whose containers are model./optim.
         self.tag, self.follow_links = tag, follow_links
         self.path = ""
-        self._open(os.fspath(path))
+        self._open(path)
 
-    def _open(self, path: str) -> None:
-        """Index the checkpoint at `path` (every rank, outside torch's collectives)."""
+    def _open(self, checkpoint_id: str | os.PathLike) -> None:
+        """Index the checkpoint at `checkpoint_id` (every rank, outside torch's collectives)."""
         from ..formats.registry import open_checkpoint
 
+        try:
+            path = os.fspath(checkpoint_id)
+        except TypeError:
+            path = None
         if not isinstance(path, str) or not path:
-            raise UsageError(f"ckptkit.StorageReader takes a checkpoint path, not {path!r}")
+            raise UsageError(f"ckptkit.StorageReader takes a checkpoint path, not {checkpoint_id!r}")
         opened = open_checkpoint(path, tag=self.tag, follow_links=self.follow_links)
         self.index, self.fetcher = _loadable(opened, self.rules)
         self.names = presented_names(self.index, self.model_prefix, self.optim_prefix)
@@ -84,8 +91,9 @@ class StorageReader(dcp.StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new read; another `checkpoint_id` opens that checkpoint instead."""
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self._open(os.fspath(checkpoint_id))
+        same = isinstance(checkpoint_id, (str, os.PathLike)) and os.fspath(checkpoint_id) == self.path
+        if checkpoint_id is not None and not same:
+            self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

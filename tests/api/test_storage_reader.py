@@ -390,3 +390,23 @@ def test_a_read_item_reads_only_the_bytes_of_its_box(tmp_path):
     reader.read_data(LoadPlan([item]), Planner()).wait()
     assert_tensor_equal(target, full[512:528], "rows")
     assert sum(counted) == 16 * 1024 * 4, counted
+
+
+def test_a_checkpoint_id_given_to_dcp_load_is_the_one_read(tmp_path):
+    """dcp.load(checkpoint_id=..., storage_reader=reader) resets the reader to that path: the
+    checkpoint read is the one named there."""
+    ckptkit.save({"w": torch.full((3,), 1.0)}, str(tmp_path / "a"))
+    ckptkit.save({"w": torch.full((3,), 2.0)}, str(tmp_path / "b"))
+    reader = ckptkit.StorageReader(str(tmp_path / "a"))
+    state = {"w": torch.zeros(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(tmp_path / "b"), storage_reader=reader)
+    assert_tensor_equal(state["w"], torch.full((3,), 2.0), "w")
+    assert reader.checkpoint_id == str(tmp_path / "b")
+
+
+@pytest.mark.parametrize("bad", [42, None, ""])
+def test_a_path_that_is_no_path_is_a_usage_error(bad):
+    with pytest.raises(CkptkitError, match="takes a checkpoint path"):
+        ckptkit.StorageReader(bad)
