@@ -1,7 +1,8 @@
 """ckptkit.StorageReader in real 4-process jobs (gloo, CPU): torch's plain dcp.load + set_state_dict
 fill FSDP2 + TP models on a 2 x 2 mesh, and their optimizers, from a DeepSpeed ZeRO-3 checkpoint, a
 DeepSpeed ZeRO-2 AutoTP checkpoint and a Hugging Face safetensors folder, every value equal to the
-source's truth (tests/dist/storage_reader_check.py), and each model trains a step after."""
+source's truth (tests/dist/storage_reader_check.py), and each model trains a step after; a key the
+checkpoint lacks is ckptkit's sentence on every rank."""
 from __future__ import annotations
 
 import json
@@ -42,3 +43,5 @@ def test_dcp_load_through_the_reader_fills_fsdp2_tp_models_from_zero_autotp_and_
     assert (doc["zero3"]["compared"], doc["tp"]["compared"], doc["hf"]["compared"]) == (45, 48, 12)
     for part in ("zero3", "tp", "hf"):
         assert not doc[part]["mismatches"] and doc[part]["trained_step"], (part, doc[part])
+    (message,) = doc["refusal"]["messages"]  # one sentence, the same on all 4 ranks
+    assert message.startswith(str(DS_DATA / "z3_bf16_w2") + ": has no model.not_there"), message

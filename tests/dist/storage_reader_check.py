@@ -18,7 +18,9 @@ state gathered (full_state_dict=True) is compared bit for bit with the source's 
 3. `--hf`: a Hugging Face safetensors folder (save_pretrained, several shards) of the same Llama:
    the model only (such a folder holds no optimizer); truth: safetensors.torch.load_file.
 
-Each model then trains one step. Rank 0 writes {"ok", "zero3": {...}, "tp": {...}, "hf": {...}}.
+Each model then trains one step. Last, a state dict asking for a key the checkpoint lacks:
+`StorageReader.load` raises ckptkit's sentence naming it, the same on every rank. Rank 0 writes
+{"ok", "zero3": {...}, "tp": {...}, "hf": {...}, "refusal": {...}}.
 Exit 0 when the check ran to the end, 1 when it crashed, 124 when the --deadline watchdog fired.
 """
 from __future__ import annotations
@@ -136,6 +138,24 @@ def check_hf(mesh, src: str, rank: int) -> dict:
     return out
 
 
+def check_refusal(src: str) -> dict:
+    """A key the checkpoint lacks: torch's CheckpointException on every rank, which
+    StorageReader.load raises as ckptkit's one sentence naming the key, the same on every rank."""
+    import ckptkit
+    from ckptkit.errors import FormatError
+
+    reader = ckptkit.StorageReader(src)
+    try:
+        reader.load({"model": {"not_there": torch.zeros(2)}})
+        mine = "no error"
+    except FormatError as exc:
+        mine = str(exc)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"messages": sorted(set(every)), "ok": len(set(every)) == 1 and "has no model.not_there" in mine
+            and "\n" not in mine}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for name in ("--zero3", "--zero3-truth", "--tp", "--tp-truth", "--hf", "--result"):
@@ -154,8 +174,9 @@ def main() -> None:
         out["zero3"] = check_zero3(mesh, args.zero3, args.zero3_truth, rank)
         out["tp"] = check_tp(mesh, args.tp, args.tp_truth, rank)
         out["hf"] = check_hf(mesh, args.hf, rank)
-        out["ok"] = rank != 0 or all(not out[k]["n_mismatches"] and out[k]["trained_step"]
-                                     for k in ("zero3", "tp", "hf"))
+        out["refusal"] = check_refusal(args.zero3)
+        out["ok"] = rank != 0 or (out["refusal"]["ok"] and all(not out[k]["n_mismatches"] and out[k]["trained_step"]
+                                                              for k in ("zero3", "tp", "hf")))
         return out
 
     run_and_leave(rank, args.result, body)
