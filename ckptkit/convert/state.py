@@ -36,6 +36,7 @@ from ..index.flatten import key_of
 from .keys import (LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, Split, guess_step,
                         optimizer_parts, split_roles)
 from ..torch_types import SmallTensor
+from .hf_ties import config_ties, source_config
 from .hyper import DsOptimizer, ds_optimizer, source_is_ds_own, step_number
 from .names import KeyRules
 
@@ -66,6 +67,9 @@ class TrainingState:
     dropped: dict[str, str] = field(default_factory=dict)    # canonical key -> why (on request)
     optimizer_dropped: bool = False                          # the whole optimizer left out on request
     numbered_why: str = ""         # the optimizer is keyed by parameter number: the refusal, unless dropped
+    config_ties: dict[str, str] = field(default_factory=dict)  # the ties of `ties` only config.json records
+    config_why: str = ""                                       # where they were read (said in the summary)
+    notes: list[str] = field(default_factory=list)             # what the reading could not decide
 
     @property
     def from_deepspeed(self) -> bool:
@@ -150,7 +154,7 @@ def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: t
     if capabilities_of(opened.index).flat_partitions:
         state = _from_deepspeed(opened, rules)
     else:
-        state = _from_torch_layout(opened, rules, frozen_patterns, (ctx or RunContext()).slab_bytes_for(2))
+        state = _from_torch_layout(opened, rules, frozen_patterns, ctx or RunContext())
     _check_partners(state)
     return state
 
@@ -276,13 +280,16 @@ def _optim_names(split: Split) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[str, ...],
-                       slab_bytes: int) -> TrainingState:
+                       ctx: RunContext) -> TrainingState:
     index = opened.index
     split = split_roles(index)
     _refuse_flat_parameters(opened, list(split.model))
-    rules = rules.for_names(list(split.model))
-    model = {rules.apply(n): index.tensors[k] for n, k in split.model.items()}
-    if len(model) != len(split.model):
+    raw = {n: index.tensors[k] for n, k in split.model.items()}
+    config = config_ties(source_config(opened.path, index.format, ctx.follow_links), raw)
+    raw.update({alias: raw[owner] for alias, owner in config.ties.items()})  # save_pretrained left them out
+    rules = rules.for_names(list(raw))
+    model = {rules.apply(n): e for n, e in raw.items()}
+    if len(model) != len(raw):
         raise UsageError(f"{opened.path}: the name rules map two model tensors to the same name")
     fetcher = Fetcher(opened.source, index=index)
     optim = _OptimState(str(opened.path), fetcher, {n: tuple(e.shape) for n, e in model.items()})
@@ -292,8 +299,12 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     numbered_why = entries.refuse_numbered()
     group_list, group_params = _named_groups(entries.groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
-    frozen, buffers, ties = _classify(opened, model, trainable, frozen_patterns, fetcher, slab_bytes)
+    config_tied = {rules.apply(a): rules.apply(o) for a, o in config.ties.items()}
+    frozen, buffers, ties = _classify(opened, {n: e for n, e in model.items() if n not in config_tied}, trainable,
+                                      frozen_patterns, fetcher, ctx.slab_bytes_for(2), weights_only=not group_params)
+    ties.update(config_tied)
     return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
+                         config_ties=config_tied, config_why=config.why, notes=config.notes,
                          param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
                          group_params=group_params, extras=entries.extras, ds=entries.ds, derived=entries.derived,
                          unmapped=entries.unmapped, numbered_why=numbered_why)
@@ -425,8 +436,12 @@ def _empty(value: Any) -> bool:
 
 
 def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str], frozen_patterns: tuple[str, ...],
-              fetcher: Fetcher, slab_bytes: int) -> tuple[list[str], list[str], dict[str, str]]:
-    """Sort the model tensors outside the param groups into frozen params, buffers and ties."""
+              fetcher: Fetcher, slab_bytes: int, *, weights_only: bool = False
+              ) -> tuple[list[str], list[str], dict[str, str]]:
+    """Sort the model tensors outside the param groups into frozen params, buffers and ties.
+    `weights_only`: the source has no optimizer (a safetensors file, a plain state dict), so no
+    tensor is known to be a buffer: a floating N-d one is a parameter (FSDP2 shards it), and only
+    what cannot be a parameter (an integer or bool tensor, a 0-d value) is a buffer."""
     aliases = find_aliases(model)
     multi_rank = (opened.index.world_size or 1) > 1
     frozen, buffers, ties = [], [], {}
@@ -447,6 +462,8 @@ def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str]
             frozen.append(name)
         elif is_floating(e.dtype) and e.shape and multi_rank and is_sharded(e):
             frozen.append(name)  # FSDP shards parameters; buffers stay whole on every rank
+        elif is_floating(e.dtype) and e.shape and weights_only and not multi_rank:
+            frozen.append(name)  # nothing says it is a buffer: laid out as the parameter it most likely is
         else:
             buffers.append(name)
     return frozen, buffers, ties
@@ -498,6 +515,15 @@ def flat_extras(extras: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
     return out
 
 
+def config_tie_text(state: TrainingState) -> str:
+    """' (a -> b taken from config.json's ...)': the ties only the config records, said (or '')."""
+    if not state.config_ties:
+        return ""
+    pairs = ", ".join(f"{a} -> {o}" for a, o in list(state.config_ties.items())[:3])
+    more = f" and {len(state.config_ties) - 3} more" if len(state.config_ties) > 3 else ""
+    return f" ({pairs}{more} taken from {state.config_why})"
+
+
 def describe(state: TrainingState) -> str:
     """One line: the model's roles, then the optimizer state by key name (never a silent 0)."""
     partitioned = dict.fromkeys(k for m in state.param_states.values() for k in m)
@@ -506,7 +532,7 @@ def describe(state: TrainingState) -> str:
     n_whole = sum(len(m) for m in state.whole_states.values())
     trainable = [n for n in state.trainable if n in state.model]
     text = (f"{len(trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
-            f"{len(state.ties)} tied; ")
+            f"{len(state.ties)} tied{config_tie_text(state)}; ")
     if state.optimizer_dropped:
         return text + "no optimizer (dropped on request)"
     text += (f"{len(state.group_params)} param groups; "
@@ -516,4 +542,4 @@ def describe(state: TrainingState) -> str:
     return text
 
 
-__all__ = ["TrainingState", "read_state", "flat_extras", "describe"]
+__all__ = ["TrainingState", "read_state", "flat_extras", "describe", "config_tie_text"]

@@ -28,7 +28,7 @@ from typing import Callable
 from ..convert import NAMES, SOURCE_OF, SOURCES, TARGET_OF, TARGETS
 from ..convert.names import KeyRules
 from ..convert.drops import apply_drops, dropped_summary
-from ..convert.state import TrainingState, describe, flat_extras, read_state
+from ..convert.state import TrainingState, config_tie_text, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, mesh_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UnsupportedError, UsageError
 from ..index.parallel_spec import (MeshSpec, ParallelSizes, check_deepspeed_ranks, check_mesh_ranks, check_ranks,
@@ -146,6 +146,7 @@ def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | Non
     single = file_output(out, target)
     rules, notes = _output_rules(opened, target, rules)
     state = read_state(opened, rules, frozen, ctx)
+    notes = notes + state.notes  # what config.json says that could not be honoured
     reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
     if mesh is not None and (opened.trainer is not None or _is_lightning(opened)):
         raise UnsupportedError(f"{src}: --world-size {mesh} writes a plain DCP folder; writing "
@@ -358,6 +359,7 @@ def _safetensors_summary(state: TrainingState, plan: tuple) -> str:
     """What a weights-only target holds, and what it leaves out (never reported as written)."""
     tensors, aliases, _ = plan
     text = f"{len(tensors)} model tensors" + (f" ({len(aliases)} tied, written once)" if aliases else "")
+    text += config_tie_text(state)
     dropped = []
     n_part = sum(len(m) for m in state.param_states.values())
     n_whole = sum(len(m) for m in state.whole_states.values())
