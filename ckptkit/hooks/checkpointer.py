@@ -40,6 +40,8 @@ from . import steps as step_folders
 from .rng import RngNotRestoredWarning  # noqa: F401  (re-exported: restore warns with it)
 from .saved import STATES, check_restorable, has_prefix, rank_key, template
 from .steps import Folder
+from .states import check_states as _check_states, refuse_other_keys as _refuse_other_keys
+from .states import state_dicts as _state_dicts, validate as validate_states
 
 TMP_MARK = ".ckptkit-tmp-"
 # what a RenameOutput leaves next to a step when a save is killed (storage/rename_output.py, locks.py):
@@ -335,6 +337,7 @@ class Checkpointer:
         if step is not None:
             _check_step(step)
         _check_model(model)
+        validate_states(states or {})  # a fresh start too: the next save would refuse them
         found, skipped = self._on_root(lambda: self._sweep_and_choose(step))
         if skipped and self._group.is_root:
             _warn_skipped(self.directory, found, skipped)
@@ -541,48 +544,6 @@ def _warn_skipped(directory: str, found: Folder | None, skipped: list[Folder]) -
     took = f"restoring step {found.step} from {found.name}" if found else "no complete checkpoint, a fresh start"
     warnings.warn(f"{directory}: skipped {len(skipped)} folder(s) named like steps that are not complete "
                   f"checkpoints: {shown}{more}; {took}", SkippedStepsWarning, stacklevel=3)
-
-
-def _validate(states: dict[str, Any]) -> None:
-    """Refuse, before anything is written or loaded, what cannot be a `states` entry."""
-    if not isinstance(states, dict):
-        raise UsageError(f"states must be a dict of name -> object (got {type(states).__name__})")
-    for name, obj in states.items():
-        if not isinstance(name, str) or not name or "." in name:
-            raise UsageError(f"states: names are non-empty strings without dots (got {name!r:.60})")
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise UsageError(f"states[{name!r}]: {type(obj).__name__} has no state_dict() and load_state_dict()")
-
-
-def _state_dicts(states: dict[str, Any] | None) -> dict[str, Any]:
-    """Each named object's state_dict()."""
-    _validate(states or {})
-    return {name: obj.state_dict() for name, obj in (states or {}).items()}
-
-
-def _check_states(path: str, states: dict[str, Any], saved: dict) -> None:
-    _validate(states)
-    missing = [k for k in states if k not in saved]
-    if missing:
-        have = ", ".join(sorted(map(str, saved))) or "none"
-        raise FormatError(f"{path}: holds no state {missing[0]!r} (states saved: {have})")
-
-
-def _refuse_other_keys(value: Any, where: str) -> None:
-    """DCP flattens nested dicts into dotted names, so a key that is no str (1, (0, 1), None)
-    would come back from restore as its text ('1'): refused before anything is written."""
-    stack = [(value, where)]
-    while stack:
-        item, at = stack.pop()
-        if isinstance(item, dict):
-            for key, inner in item.items():
-                if not isinstance(key, str):
-                    raise UsageError(f"{at}: key {key!r:.60} is a {type(key).__name__}; a checkpoint's "
-                                     f"dict keys must be str (DCP joins them into dotted names, so restore "
-                                     f"would give back {str(key)!r:.60})")
-                stack.append((inner, f"{at}[{key!r:.60}]"))
-        elif isinstance(item, (list, tuple)):
-            stack.extend((inner, f"{at}[{i}]") for i, inner in enumerate(item))
 
 
 def _stage(obj: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
