@@ -4,8 +4,8 @@ folders are written by transformers' save_pretrained and read back by transforme
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from ckptkit.convert import hf_ties
 from ckptkit_cli.main import cli
 from conftest import ROOT as REPO, subprocess_env, torchrun_cmd
 from hf_folders import edit_config, gpt2_folder, llama_folder
+from hostile import Scene, check_refused, run_ckptkit
 
 transformers = pytest.importorskip("transformers", reason="the HF folders are written by transformers")
 
@@ -130,15 +131,25 @@ def test_single_file_source_reads_the_config_beside_it(tied_llama, tmp_path):
     assert LLAMA_TIE in out
 
 
-def test_config_that_is_no_json_is_one_sentence(tmp_path):
+def _hostile_config(tmp_path, make) -> tuple:
+    """An HF folder whose config.json `make` replaces, and the scene watched across one convert."""
     folder = llama_folder(tmp_path / "bad")
-    (folder / "config.json").write_text("{not json")
-    run = subprocess.run([sys.executable, "-m", "ckptkit", "convert", str(folder),
-                          str(tmp_path / "m.pt"), "--to", "torch"], capture_output=True, text=True,
-                         env=subprocess_env(), timeout=120)
-    lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
-    assert run.returncode == 2 and len(lines) == 1 and "config.json" in lines[0], run.stderr
-    assert "Traceback" not in run.stderr and not (tmp_path / "m.pt").exists()
+    (folder / "config.json").unlink()
+    make(folder / "config.json")
+    return folder, Scene(folder, tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", ["no-json", "a-list", "fifo", "oversize", "link-out"])
+def test_hostile_config_is_one_sentence(tmp_path, kind):
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    make = {"no-json": lambda p: p.write_text("{not json"),
+            "a-list": lambda p: p.write_text("[1, 2]"),
+            "fifo": lambda p: os.mkfifo(p),
+            "oversize": lambda p: p.write_bytes(b"{" + b" " * (hf_ties.MAX_CONFIG_BYTES + 1) + b"}"),
+            "link-out": lambda p: p.symlink_to(outside)}[kind]
+    folder, scene = _hostile_config(tmp_path, make)
+    check_refused(run_ckptkit("convert", str(folder), str(scene.out), "--to", "dcp"), "config.json", scene=scene)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "GPT2LMHeadModel", "T5ForConditionalGeneration",
