@@ -21,6 +21,7 @@ The rule, without importing the model class (its `_tied_weights_keys` are not on
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -54,9 +55,16 @@ def source_config(path: str, fmt: str, follow_links: bool | None = None) -> dict
     formats save_pretrained writes; None for any other source or when there is none."""
     if fmt not in SOURCE_FORMATS:
         return None
-    from ..ops.side_files import homes  # (lazy: ops imports convert)
+    return read_config(_folder_of(path, follow_links), follow_links)
 
-    return read_config(homes(path, follow_links)[0], follow_links)
+
+def _folder_of(path: str, follow_links: bool | None) -> str:
+    """The checkpoint's folder: `path` itself, or a single file's own folder."""
+    from ..storage.source import is_url, open_source
+
+    if is_url(path):
+        return path.rstrip("/") if open_source(path, follow_links).isdir("") else path.rstrip("/").rpartition("/")[0]
+    return path.rstrip("/") if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
 
 
 def read_config(folder: str, follow_links: bool | None = None) -> dict | None:
