@@ -184,3 +184,22 @@ def test_fsdp2_job_loads_the_tied_folder(tied_llama, tmp_path, world):
     verdict = json.loads(result.read_text())
     assert verdict["ok"], verdict
     assert "lm_head.weight" in verdict["keys"] and verdict["compared"] == 21
+
+
+def test_storage_reader_and_load_fill_the_tied_name(tied_llama):
+    """torch's dcp.load through ckptkit.StorageReader, and ckptkit.load, read the folder through
+    convert's state, so the tied head is filled (torch's HuggingFaceStorageReader misses it)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptkit
+
+    truth = _truth(tied_llama)
+    config = transformers.AutoConfig.from_pretrained(tied_llama)
+    for load in (lambda sd: dcp.load(sd, storage_reader=ckptkit.StorageReader(str(tied_llama)), no_dist=True),
+                 lambda sd: ckptkit.load(sd, str(tied_llama))):
+        torch.manual_seed(99)
+        state = {"model": transformers.AutoModelForCausalLM.from_config(config).state_dict()}
+        load(state)
+        assert sorted(state["model"]) == sorted(truth)
+        for name, value in truth.items():
+            assert torch.equal(state["model"][name], value), name
