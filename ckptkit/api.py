@@ -15,6 +15,7 @@ unpickled outside the restricted loader and no rank holds more than its share.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,11 +27,12 @@ from .index.flatten import Path, flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
 from .runner.distributed import group_of
 from .storage.output import open_output
-from .storage.source import is_url
+from .storage.source import is_url, path_text
 
 
-def save(state_dict: Mapping[str, Any], path: str, *, pg: Any = None, overwrite: bool = False) -> None:
+def save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, pg: Any = None, overwrite: bool = False) -> None:
     """Write `state_dict` as a DCP checkpoint at `path` (a local or mounted path), atomically. Collective."""
+    path = path_text(path, "ckptkit.save")
     if is_url(path):  # torch's writer fills a local folder: a URL would send the shards elsewhere
         raise UnsupportedError(f"{path}: ckptkit.save writes to a local or mounted path, not a URL; save "
                                f"locally, then copy the folder to the store")
@@ -100,7 +102,7 @@ def write_dcp(state_dict: Mapping[str, Any], folder: str, pg: Any = None) -> Non
         inner(state_dict=dict(state_dict), storage_writer=writer, no_dist=True)
 
 
-def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,
+def load(state_dict: dict[str, Any], path: str | os.PathLike, *, tag: str | None = None,
          follow_links: bool | None = None) -> dict[str, Any]:
     """Fill `state_dict` in place from the checkpoint at `path` (any format, any world size).
 
@@ -113,6 +115,7 @@ def load(state_dict: dict[str, Any], path: str, *, tag: str | None = None,
     `follow_links` or CKPTKIT_FOLLOW_LINKS=1)."""
     from .formats.registry import open_checkpoint
 
+    path = path_text(path, "ckptkit.load")
     return load_opened(state_dict, open_checkpoint(path, tag=tag, follow_links=follow_links), path)
 
 

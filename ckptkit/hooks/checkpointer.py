@@ -33,7 +33,7 @@ import torch
 from ..errors import CkptkitError, FormatError, OutputError, UsageError
 from ..runner.distributed import Group, PeerError, group_of
 from ..storage.output import open_output
-from ..storage.source import is_url
+from ..storage.source import is_url, path_text
 from ..storage.rename_output import recover
 from . import pointer, rng
 from . import steps as step_folders
@@ -65,7 +65,9 @@ class Checkpointer:
     """Saves into `directory/step_<N>`, keeps the newest `keep`, restores the newest complete one.
     With `rng` (the default) each rank's random generators are saved and restored too."""
 
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = False, rng: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False,
+                 rng: bool = True) -> None:
+        directory = path_text(directory, "Checkpointer")
         if type(keep) is not int or keep < 1:  # 1.5 or nan would never equal a count: every step kept
             raise UsageError(f"keep must be an int of at least 1 (got {keep!r:.60})")
         if is_url(directory):

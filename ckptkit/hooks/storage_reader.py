@@ -35,6 +35,7 @@ from ..index.dtypes import torch_dtype
 from ..index.types import Box, CheckpointIndex, TensorEntry
 from .dcp_errors import unwrap_exception
 from .reader_detect import readable
+from ..storage.source import path_text
 from .reader_keys import MODEL, OPTIM, check_prefix, presented_names
 
 
@@ -69,12 +70,7 @@ class StorageReader(dcp.StorageReader):
         """Index the checkpoint at `checkpoint_id` (every rank, outside torch's collectives)."""
         from ..formats.registry import open_checkpoint
 
-        try:
-            path = os.fspath(checkpoint_id)
-        except TypeError:
-            path = None
-        if not isinstance(path, str) or not path:
-            raise UsageError(f"ckptkit.StorageReader takes a checkpoint path, not {checkpoint_id!r}")
+        path = path_text(checkpoint_id, "ckptkit.StorageReader")
         opened = open_checkpoint(path, tag=self.tag, follow_links=self.follow_links)
         self.index, self.fetcher = _loadable(opened, self.rules)
         self.names = presented_names(self.index, self.model_prefix, self.optim_prefix)

@@ -11,11 +11,23 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from ..errors import QUOTE_LIMIT, CkptkitError, FormatError, NotACheckpointError, StorageError
+from ..errors import QUOTE_LIMIT, CkptkitError, FormatError, NotACheckpointError, StorageError, UsageError
 from .paths import Boundary, check_folder, open_regular, stat_regular
 from .url_fs import backend_errors, backend_message, failure_behind, filesystem
 
 FILE_URL = "file://"
+
+
+def path_text(value: object, what: str) -> str:
+    """`value` as the path string the training API works with: a str or any os.PathLike
+    (pathlib.Path); anything else, or an empty path, is a UsageError naming `what` takes a path."""
+    try:
+        text = os.fspath(value)  # type: ignore[arg-type]
+    except TypeError:
+        text = None
+    if not isinstance(text, str) or not text:
+        raise UsageError(f"{what} takes a checkpoint path (a str or pathlib.Path), not {value!r:.80}")
+    return text
 
 
 def is_url(path: str) -> bool:
