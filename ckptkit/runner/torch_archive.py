@@ -594,11 +594,12 @@ def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | 
 
 def _checked_storage(archive: Archive, pid: Any) -> tuple[str, Any, int, Member, int]:
     """The storage a persistent id names (key, dtype, element count), its member in this archive
-    and its byte size, which the member must hold."""
+    and its byte size, which must be the member's exactly: torch.load refuses any other size (a
+    longer record read as a shorter type's elements would be other values than the ones saved)."""
     key, dtype, numel = storage_pid(pid, archive.label)
     member = archive.storage_member(key)
     nbytes = numel * dtype.itemsize
-    if numel < 0 or member.size < nbytes:
+    if numel < 0 or member.size != nbytes:
         raise FormatError(f"{archive.label}: storage {key} holds {member.size} bytes, "
                           f"the pickle expects {nbytes}")
     return key, dtype, numel, member, nbytes
