@@ -189,6 +189,10 @@ class _Merged:
         for key, path in _mapping(_field(md, "planner_data", "Metadata", label, None), "planner_data", label).items():
             if isinstance(path, (tuple, list)) and (set(map(type, path)) <= _STR_OR_INT or  # (no generator a key)
                                                     all(isinstance(p, (str, int)) for p in path)):
+                if ".".join(map(str, path)) != key:  # torch names each entry by its path joined with dots
+                    raise FormatError(f"{label}: planner_data gives {quote(str(key))} the path "
+                                      f"{quote(str(tuple(path)))}, which does not join to that name (torch's "
+                                      f"load would rebuild the state dict otherwise or fail)")
                 planner[key] = tuple(path)
 
     def _add_chunks(self, key: str, meta: Any, label: str) -> None:
