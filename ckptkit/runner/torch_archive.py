@@ -30,6 +30,7 @@ from ..safeload import (RawStorage, StorageRef, TensorRef, fenced_torch_save_loa
                         typed_storage)
 from ..storage.source import BytesSource, RangeFile, Source
 from . import limits
+from .archive_records import check_records
 from ..torch_types import SmallTensor, view_problem
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -100,7 +101,7 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     if copy is not None and memo is not None:
         known = memo.layout_of(copy, offset)
         if known is not None:
-            return Archive(source, rel, known[1], known[0], copy=copy, base=offset)
+            return check_records(Archive(source, rel, known[1], known[0], copy=copy, base=offset))
     label = source.label(rel)
     head = copy[:4] if copy is not None else source.read(rel, offset, min(4, length))
     if head != ZIP_MAGIC:
@@ -135,7 +136,7 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     prefix = pkls[0][: -len("/data.pkl")]
     if memo is not None and plain is not None and copy is not None:
         memo.remember_layout(copy, offset, plain[1], members, prefix)
-    return Archive(source, rel, prefix, members, copy=copy, base=offset)
+    return check_records(Archive(source, rel, prefix, members, copy=copy, base=offset))
 
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
