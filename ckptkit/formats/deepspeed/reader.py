@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...errors import CkptkitError, FormatError, UnsupportedError
+from ...errors import CkptkitError, FormatError, UnsupportedError, quote
 from ...index import problems
 from ...index.state_keys import model_key, model_path, param_group_key, param_group_path
 from ...index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
@@ -104,7 +104,7 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
     if stage == 1:  # frozen params live only in `module`
         frozen = {**frozen, **_stage1_frozen(index, groups, buffers, shared)}
     _param_groups(index, groups_meta, groups)
-    _aliases(index, shared)
+    _aliases(index, shared, label)
     _objects(index, stage, archives[m0_name], m0, optim[min(optim)])
     steps = index.objects.get("ds.global_steps")
     index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
@@ -257,9 +257,9 @@ def _stage2_fragment(archive: Archive, m0: dict, name: str, shape: tuple[int, ..
     numel = math.prod(shape)
     frag = entry(m0.get("frozen_param_fragments") or {}, name, f"{label}: frozen_param_fragments")
     dtype, loc, fshape = tensor_of(archive, frag, f"frozen_param_fragments[{name}]")
-    if math.prod(fshape) != numel:
-        raise FormatError(f"{label}: frozen fragment {name} holds {math.prod(fshape)} elements, "
-                          f"its shape {list(shape)} needs {numel}")
+    if tuple(fshape) != tuple(shape):  # zero_to_fp32 takes the fragment as it is: its shape must agree
+        raise FormatError(f"{label}: frozen fragment {name} has shape {list(fshape)}, frozen_param_shapes "
+                          f"says {list(shape)}")
     return dtype, [Piece(FlatRange(0, numel), loc)]
 
 
@@ -331,10 +331,15 @@ def _stage1_frozen(index: CheckpointIndex, groups: list[ZeroGroup], buffers: lis
     return frozen
 
 
-def _aliases(index: CheckpointIndex, shared: dict[str, str]) -> None:
-    """Tied parameters (shared_params) as aliases of their owner's entry."""
+def _aliases(index: CheckpointIndex, shared: dict[str, str], label: str) -> None:
+    """Tied parameters (shared_params) as aliases of their owner's entry. A tied name the
+    checkpoint also holds as a parameter, frozen parameter or buffer of its own is two records of
+    one tensor (zero_to_fp32 overwrites the held values with the owner's): refused."""
     for alias, owner in shared.items():
-        if model_key(owner) in index.tensors and model_key(alias) not in index.tensors:
+        if model_key(owner) in index.tensors and model_key(alias) in index.tensors:
+            raise FormatError(f"{label}: shared_params ties {quote(str(alias))} to {quote(str(owner))}, but the "
+                              f"checkpoint also holds {quote(str(alias))} itself; one of the two records is wrong")
+        if model_key(owner) in index.tensors:
             target = index.tensors[model_key(owner)]
             index.add_tensor(TensorEntry(model_key(alias), target.dtype, target.shape, list(target.pieces),
                                          path=model_path(alias), attrs={"alias_of": model_key(owner)}))
