@@ -91,6 +91,13 @@ def subprocess_env() -> dict:
     return env
 
 
+def pytest_addoption(parser) -> None:
+    """The differential oracle's run length and seed (tests/hostile/test_differential_oracle.py)."""
+    parser.addoption("--examples", type=int, default=None,
+                     help="mutants per operator for the differential oracle (default: the CI run's)")
+    parser.addoption("--oracle-seed", type=int, default=0, help="the differential oracle's seed (default 0)")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Files with the most multi-process (slow) tests first, the rest in their usual order: with
     `--dist loadfile` (scripts/test.sh) a worker takes a whole file, and a long file handed out last

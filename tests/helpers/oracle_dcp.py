@@ -81,7 +81,7 @@ def record_hint_duplicate(rng: random.Random, meta):
     after = rng.random() < 0.5
     pairs.insert(at + after, (hint, other))
     meta.storage_data = DupDict(pairs)
-    return (f"record {key.fqn}@{list(key.offset)} doubled with index {hint.index} "
+    return (f"record {key.fqn}@{list(key.offset or ())} doubled with index {hint.index} "
             f"({'after' if after else 'before'} it), pointing at {other_key.fqn}'s bytes")
 
 
@@ -94,7 +94,7 @@ def record_duplicate(rng: random.Random, meta):
     other_key, other = rng.choice(_alike(meta, key))
     pairs = _records(meta) + [(key, other)]
     meta.storage_data = DupDict(pairs)
-    return f"record {key.fqn}@{list(key.offset)} written twice, the second pointing at {other_key.fqn}'s bytes"
+    return f"record {key.fqn}@{list(key.offset or ())} written twice, the second pointing at {other_key.fqn}'s bytes"
 
 
 def record_swap(rng: random.Random, meta):
@@ -104,7 +104,7 @@ def record_swap(rng: random.Random, meta):
     key, value = rng.choice(candidates)
     other_key, other = rng.choice(_alike(meta, key))
     meta.storage_data[key], meta.storage_data[other_key] = other, value
-    return f"records {key.fqn}@{list(key.offset)} and {other_key.fqn}@{list(other_key.offset)} swap their bytes"
+    return f"records {key.fqn}@{list(key.offset or ())} and {other_key.fqn}@{list(other_key.offset or ())} swap their bytes"
 
 
 def record_fields(rng: random.Random, meta):
@@ -116,7 +116,7 @@ def record_fields(rng: random.Random, meta):
     else:
         new = getattr(value, field) + rng.choice([-64, -8, -1, 1, 8, 64])
     meta.storage_data[key] = dataclasses.replace(value, **{field: new})
-    return f"record {key.fqn}@{list(key.offset)}: {field} {getattr(value, field)!r} -> {new!r}"
+    return f"record {key.fqn}@{list(key.offset or ())}: {field} {getattr(value, field)!r} -> {new!r}"
 
 
 def _tensor_entries(meta) -> list:

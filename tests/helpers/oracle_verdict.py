@@ -42,7 +42,7 @@ class Read:
     """What one side read: flat key -> tensor, or the refusal's text."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    aliases: set[str] = field(default_factory=set)   # keys ckptkit restored from its own alias records
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> target: ckptkit's own alias records
     refusal: str | None = None
 
 
@@ -103,8 +103,38 @@ def ckptkit_read(path: Path) -> Read:
         tensors = {k: fetcher.fetch(t) for k, t in index.tensors.items()}
     except CkptkitError as exc:
         return Read(refusal=str(exc))
-    aliases = {k for k, t in index.tensors.items() if t.attrs.get("alias_of")}
+    aliases = {k: t.attrs["alias_of"] for k, t in index.tensors.items() if t.attrs.get("alias_of")}
     return Read(tensors, aliases)
+
+
+def ckptkit_consolidated(path: Path, out: Path) -> Read:
+    """verify --deep, then consolidate to `out` (a .safetensors file), read back by the safetensors
+    library with the aliases consolidate reports (tied parameters) as their targets' tensors."""
+    from safetensors.torch import load_file
+
+    from ckptkit.errors import CkptkitError
+    from ckptkit.ops.consolidate import consolidate
+    from ckptkit.ops.verify import check
+
+    try:
+        report = check(str(path), deep=True)
+        if not report.ok:
+            return Read(refusal=report.problems[0].message)
+        result = consolidate(str(path), str(out))
+    except CkptkitError as exc:
+        return Read(refusal=str(exc))
+    tensors = load_file(str(out))
+    for alias, target in result.aliases.items():
+        tensors[alias] = tensors[target]
+    return Read(tensors)
+
+
+def upcast_to_ours(key: str, ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+    """consolidate writes floating tensors as float32 where zero_to_fp32 keeps a frozen parameter or
+    buffer in its saved half precision (exact: every half value is a float32 value)."""
+    if ours.dtype == torch.float32 and theirs.is_floating_point() and theirs.dtype != torch.float32:
+        return theirs.float()
+    return theirs
 
 
 def framework_read(load: Callable[[Path], Any], path: Path) -> Read:
@@ -146,7 +176,13 @@ def compare(mutant: Mutant, ours: Read, theirs: Read, intended: Mapping[str, Int
         if any(row.allows(mutant.operator, theirs.refusal) for row in intended.values()):
             return None
         return f"ckptkit accepts, the framework refuses ({theirs.refusal})"
-    restored = ours.aliases - set(theirs.tensors) if "restored-alias" in intended else set()
+    restored = set(ours.aliases) - set(theirs.tensors) if "restored-alias" in intended else set()
+    for alias in sorted(restored):  # a tied tensor ckptkit restored: the value of the tensor it names
+        target = _resolved(alias, ours.aliases)
+        diff = same_tensor(ours.tensors[alias], theirs.tensors[target]) if target in theirs.tensors else \
+            f"names {target!r}, which the framework does not read"
+        if diff is not None:
+            return f"restored alias {alias!r}: {diff}"
     names = set(ours.tensors) - restored
     if names != set(theirs.tensors):
         extra, missing = sorted(names - set(theirs.tensors)), sorted(set(theirs.tensors) - names)
@@ -157,3 +193,11 @@ def compare(mutant: Mutant, ours: Read, theirs: Read, intended: Mapping[str, Int
         if diff is not None:
             return f"tensor {key!r}: {diff}"
     return None
+
+
+def _resolved(name: str, aliases: Mapping[str, str]) -> str:
+    seen = set()
+    while name in aliases and name not in seen:
+        seen.add(name)
+        name = aliases[name]
+    return name
