@@ -2,7 +2,8 @@
 
 torch's PyTorchStreamReader refuses an archive with a member outside its one top folder, and one
 whose version record is missing, no number, or outside the zip format versions it reads (1 to 10);
-torch.load refuses a `.storage_alignment` record that is no number. ckptkit read such archives on
+torch.load refuses a `.storage_alignment` record that is no number and a `.data/serialization_id`
+that is no UTF-8 text. ckptkit read such archives on
 as if the records were right: a future or damaged layout would be read as today's.
 """
 from __future__ import annotations
@@ -46,12 +47,19 @@ def check_records(archive: A) -> A:
     alignment = archive.members.get(f"{folder}.storage_alignment")
     if alignment is not None and not _NUMBER.fullmatch(_content(archive, alignment)):
         raise FormatError(f"{archive.label}: record {alignment.name} is not a number; torch.load refuses it")
+    ident = archive.members.get(f"{folder}.data/serialization_id")
+    if ident is not None:
+        try:
+            _content(archive, ident, 4096).decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"{archive.label}: record {ident.name} is not UTF-8 text; torch.load refuses it") from None
     return archive
 
 
-def _content(archive: _Archive, member: Any) -> bytes:
+def _content(archive: _Archive, member: Any, limit: int = 64) -> bytes:
     if member.compressed:
         raise FormatError(f"{archive.label}: record {member.name} is compressed; torch.save never compresses")
-    if member.size > 64:
-        raise FormatError(f"{archive.label}: record {member.name} is {member.size} bytes, not a number")
+    if member.size > limit:
+        raise FormatError(f"{archive.label}: record {member.name} is {member.size} bytes, more than such a "
+                          f"record holds ({limit})")
     return archive.read(member.data_offset, member.size)

@@ -1,5 +1,6 @@
 """The records torch's zip reader checks before reading a tensor (every member inside the archive's
-folder, a version record torch reads, a storage alignment that is a number) are checked by ckptkit
+folder, a version record torch reads, a storage alignment that is a number, a serialization id
+that is text) are checked by ckptkit
 the same way: an archive torch.load refuses for them is refused in one sentence, one it reads is
 read to the same values."""
 from __future__ import annotations
@@ -41,6 +42,8 @@ REFUSED = {  # change -> (words of ckptkit's sentence, words of torch's refusal)
     "member-outside-the-folder": (lambda m: _moved(m, "byteorder"), "outside the archive's folder", "subdirectory"),
     "storage-alignment-no-number": (lambda m: with_data(m, find(m, ".storage_alignment"), b""),
                                     ".storage_alignment", "invalid literal"),
+    "serialization-id-no-text": (lambda m: with_data(m, find(m, ".data/serialization_id"), b"\x95" * 40),
+                                 "serialization_id", "utf-8"),
 }
 
 
