@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from . import cover
 from .strides import row_major_strides, strided_span
 from .types import Box, FlatRange, Region
 
@@ -142,6 +143,11 @@ class Coverage:
         return not (self.missing or self.doubled or self.out_of_bounds)
 
 
+# Up to this many boxes the pairwise check below runs (its examples are the ones users have
+# seen); past it, cover.py's grid test and sweep, O(n log n) in every layout.
+_PAIRWISE_BOXES = 256
+
+
 def coverage(shape: tuple[int, ...], regions: list[Region], max_report: int = 16) -> Coverage:
     """Check that the regions cover every element of a tensor of `shape` exactly once."""
     if _tiles_end_to_end(tuple(shape), regions):
@@ -150,8 +156,7 @@ def coverage(shape: tuple[int, ...], regions: list[Region], max_report: int = 16
 
 
 def _coverage_by_boxes(shape: tuple[int, ...], regions: list[Region], max_report: int) -> Coverage:
-    """coverage's general sweep: every region as boxes, doubles found along dim 0, the tensor
-    minus every box left as what is missing."""
+    """coverage without its shortcut: every region as boxes, checked pairwise or swept."""
     cov = Coverage()
     boxes: list[Box] = []
     for region in regions:
@@ -159,6 +164,26 @@ def _coverage_by_boxes(shape: tuple[int, ...], regions: list[Region], max_report
             cov.out_of_bounds.append(region)
             continue
         boxes.extend(b for b, _ in region_boxes(region, shape) if b.numel)
+    if len(boxes) <= _PAIRWISE_BOXES or not shape:
+        return _coverage_pairwise(shape, boxes, max_report, cov)
+    return _coverage_swept(tuple(shape), boxes, max_report, cov)
+
+
+def _coverage_swept(shape: tuple[int, ...], boxes: list[Box], max_report: int, cov: Coverage) -> Coverage:
+    """coverage for many boxes: a grid tiling is exact at once, the rest is swept (cover.py)."""
+    spans = [(b.offsets, b.sizes) for b in boxes]
+    if cover.is_grid_tiling(shape, spans):
+        return cov
+    swept = cover.Sweep(shape, max_report).run(spans)
+    cov.missing = [Box(o, s) for o, s in swept.missing]
+    cov.doubled = [Box(o, s) for o, s in swept.doubled]
+    cov.missing_elements = swept.missing_elements
+    return cov
+
+
+def _coverage_pairwise(shape: tuple[int, ...], boxes: list[Box], max_report: int, cov: Coverage) -> Coverage:
+    """coverage for few boxes: doubles found pairwise along dim 0, the tensor minus every box
+    left as what is missing."""
     # doubled: sweep along dim 0 so disjoint row bands are never compared
     if boxes and boxes[0].ndim:
         order = sorted(boxes, key=lambda b: b.offsets[0])

@@ -22,6 +22,7 @@ from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
 from ..index.virtual import TableEntry
 from ..torch_types import SmallTensor
 from .flat_plan import coalesce, flat_byte_ranges
+from .piece_lookup import PieceLookup
 
 if TYPE_CHECKING:  # numpy is imported when a flat table is first planned, not by every command
     from ..storage.range_table import RangeTable
@@ -32,6 +33,7 @@ __all__ = ["Encoding", "Planner", "ReadPlan", "ReadSpan", "check_tiling", "plan_
 _ENCODINGS = {e.value: e for e in Encoding}  # str -> member (a dict lookup: Encoding(x) is slow)
 
 ByteRange = tuple["str | bytes | None", int, int]
+_LOOKUP_PIECES = 32  # a tensor of this many pieces or more is planned through a PieceLookup
 
 
 class ReadSpan(NamedTuple):
@@ -137,6 +139,7 @@ class Planner:
         self.file_sizes = file_sizes
         self._runs: dict[int, tuple[TensorEntry, tuple]] = {}  # flat_plan's runs of referenced tensors
         self._source_runs: SourceRuns | None = None  # flat_table's, made when a table is first planned
+        self._lookups: dict[int, tuple[TensorEntry, int, PieceLookup | None]] = {}  # per entry of many pieces
 
     def __call__(self, entry: TensorEntry, box: Box | None = None) -> ReadPlan:
         self.tiling(entry)
@@ -147,24 +150,41 @@ class Planner:
         spans = []
         filled = 0
         want = box.numel
-        for i, piece in enumerate(entry.pieces):
-            region = piece.region
-            for sub, elem_offset in ((region, 0),) if type(region) is Box else geometry.flat_to_boxes(region, entry.shape):
-                if sub == box:  # the common case (a whole tensor in one piece): the box itself, no arithmetic
-                    if want:
-                        spans.append(self.span(entry, i, sub, elem_offset, box, want, True))
-                        filled += want
-                    continue
-                inter = geometry.intersect(sub, box)
-                if inter is not None:
-                    n = inter.numel
-                    spans.append(self.span(entry, i, sub, elem_offset, inter, n, inter == sub))
-                    filled += n
+        for i, sub, elem_offset in self._parts(entry, box):
+            if sub == box:  # the common case (a whole tensor in one piece): the box itself, no arithmetic
+                if want:
+                    spans.append(self.span(entry, i, sub, elem_offset, box, want, True))
+                    filled += want
+                continue
+            inter = geometry.intersect(sub, box)
+            if inter is not None:
+                n = inter.numel
+                spans.append(self.span(entry, i, sub, elem_offset, inter, n, inter == sub))
+                filled += n
         if filled != want:
             raise FormatError(
                 f"{self.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
                 f"is not covered by its pieces ({filled} of {want} elements found)")
         return ReadPlan(entry.key, entry.dtype, box, tuple(spans))
+
+    def _parts(self, entry: TensorEntry, box: Box) -> Iterator[tuple[int, Box, int]]:
+        """(piece index, a box of the piece, its element offset) for the pieces that may meet
+        `box`, in piece order: every piece of a tensor of few, the lookup's candidates otherwise."""
+        if len(entry.pieces) >= _LOOKUP_PIECES:
+            cached = self._lookups.get(id(entry))
+            if cached is None or cached[0] is not entry or cached[1] != len(entry.pieces):
+                cached = self._lookups[id(entry)] = (entry, len(entry.pieces), PieceLookup.of(entry))
+            if cached[2] is not None:
+                for i, _, sub, elem_offset in cached[2].meeting(box):
+                    yield i, sub, elem_offset
+                return
+        for i, piece in enumerate(entry.pieces):
+            region = piece.region
+            if type(region) is Box:
+                yield i, region, 0
+            else:
+                for sub, elem_offset in geometry.flat_to_boxes(region, entry.shape):
+                    yield i, sub, elem_offset
 
     def span(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box, n: int,
              whole: bool) -> ReadSpan:
