@@ -26,6 +26,7 @@ from .index.dtypes import torch_dtype
 from .index.flatten import Path, flatten, key_of
 from .index.types import Box, CheckpointIndex, TensorEntry
 from .runner.distributed import group_of
+from .framework_errors import framework_cause
 from .storage.output import open_output
 from .storage.source import is_url, path_text
 
@@ -88,7 +89,18 @@ def write_dcp(state_dict: Mapping[str, Any], folder: str, pg: Any = None) -> Non
 
     group = group_of(pg)
     writer = FileSystemWriter(folder, sync_files=True)
-    if group.distributed:
+    try:
+        _save_dcp(dcp, state_dict, writer, pg, group.distributed)
+    except BaseException as exc:  # torch's CheckpointException is no Exception
+        cause = framework_cause(exc)
+        if cause is exc:
+            raise
+        raise cause from None
+
+
+def _save_dcp(dcp: Any, state_dict: Mapping[str, Any], writer: Any, pg: Any, distributed: bool) -> None:
+    """dcp.save of the state dict with `writer`, in a job or in this process alone."""
+    if distributed:
         dcp.save(dict(state_dict), storage_writer=writer, process_group=pg)
         return
     # dcp.save warns "torch.distributed is disabled ..." on every one-process save, even when told

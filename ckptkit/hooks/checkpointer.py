@@ -35,7 +35,7 @@ from ..runner.distributed import Group, PeerError, group_of
 from ..storage.output import open_output
 from ..storage.source import is_url, path_text
 from ..storage.rename_output import recover
-from . import pointer, rng
+from . import engine_io, pointer, rng
 from . import steps as step_folders
 from .rng import RngNotRestoredWarning  # noqa: F401  (re-exported: restore warns with it)
 from .saved import STATES, check_restorable, has_prefix, rank_key, template
@@ -273,7 +273,7 @@ class Checkpointer:
         if states:  # DeepSpeed keeps client state as its saving rank gave it
             client[ENGINE_STATES] = states
         with open_output(os.path.join(self.directory, name), overwrite=overwrite, group=self._group) as out:
-            engine.save_checkpoint(out.tmp, tag=f"global_step{step}", client_state=client)
+            engine_io.save(engine, out.tmp, step, client)
             if rng_doc is not None:
                 rng.write(out.tmp, rng_doc)
             self._mark(out.tmp, step, "deepspeed", self._group)
@@ -464,8 +464,7 @@ class Checkpointer:
             reshard(path, scratch, world, ctx=RunContext(group=self._group, overwrite=True))
             load_from = scratch
         try:
-            loaded, client = engine.load_checkpoint(load_from, tag=f"global_step{step}",
-                                                    load_optimizer_states=True, load_lr_scheduler_states=True)
+            loaded, client = engine_io.load(engine, load_from, step)
             if loaded is None:
                 raise CkptkitError(f"{load_from}: DeepSpeed's load_checkpoint loaded nothing")
             from ..formats.deepspeed.reader import DS_KEYS, STRUCTURAL_KEYS
