@@ -25,7 +25,7 @@ import torch
 from hostile import Scene, check_refused, run_ckptkit
 
 PERIOD = 997          # distinct chunk archives (a prime: rows of a grid do not line up with it)
-GUARD_S = 240.0       # far above what a run takes (seconds), far below the minutes n squared took
+GUARD_S = 600.0       # far above what a run takes, far below the hours n squared took at 100k
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
