@@ -41,7 +41,7 @@ def timed(args: list[str], code: str | None, timeout: float) -> str:
     start = time.monotonic()
     try:
         res = subprocess.run([sys.executable, "-m", "ckptkit", *args], capture_output=True, text=True,
-                             env=env, timeout=timeout)
+                             env=env, timeout=timeout, cwd=tempfile.gettempdir())  # not the checkout's ckptkit
     except subprocess.TimeoutExpired:
         return f"> {timeout:.0f}"
     took = time.monotonic() - start

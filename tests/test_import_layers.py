@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # plain values and settings every layer uses; index.dtypes and index.strides are tables and
     # arithmetic on shapes that the stand-ins below the index need, with no index types
-    ("foundation", ("ckptkit.errors", "ckptkit.text", "ckptkit.knobs", "ckptkit.lazy_torch",
+    ("foundation", ("ckptkit.errors", "ckptkit.framework_errors", "ckptkit.text", "ckptkit.knobs", "ckptkit.lazy_torch",
                     "ckptkit.progress", "ckptkit.interrupts", "ckptkit.optim_state", "ckptkit.runner.limits",
                     "ckptkit.safe_json", "ckptkit.regex_guard", "ckptkit.index.dtypes", "ckptkit.index.strides",
                     # split rules read by the DeepSpeed reader: names and files only, no index types
