@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command from the README: set up the environment, then run the whole suite.
+# The test command from the README: set up the environment (what the demo needs, plus the test extras
+# and DeepSpeed's CPU ops on top, in the same folder; scripts/setup.sh --test), then run the whole suite.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -m "not slow"`).
 # The suite runs a test file per worker (pytest-xdist, one per core, at most 4): a file's module
 # fixtures (a DeepSpeed job, the docs' examples) then run once, and tests/conftest.py sends the
@@ -7,7 +8,7 @@
 # PYTEST_WORKERS=0 runs everything in one process (PYTEST_WORKERS=N: N workers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 VENV="${VENV:-.venv}"
 # byte-compile the checkout once: with PYTHONDONTWRITEBYTECODE set (as some sandboxes do), each of the
 # suite's hundreds of `python -m ckptkit` and training subprocesses would otherwise compile the same
