@@ -49,9 +49,19 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 : > "$log"
 rm -f "$VENV/.setup-runtime" "$VENV/.setup-test"
-pip_quiet install --upgrade pip
-pip_quiet install -c constraints.txt -e ".$extras"
-if [ "$level" = test ]; then
+# --no-compile: pip would byte-compile every module it installs, one at a time (torch's and sympy's
+# thousands: most of a first setup's time); what is used is compiled below instead
+pip_quiet install --no-compile -c constraints.txt --upgrade pip -e ".$extras"
+if [ "$level" = runtime ]; then
+  # compile what `ckptkit demo` imports, once (python does it on first import, but not where
+  # PYTHONDONTWRITEBYTECODE is set, and then each of the demo's processes would compile torch again)
+  env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c "
+import torch.distributed.checkpoint, torch.distributed.fsdp, torch.multiprocessing, safetensors.torch
+import ckptkit_cli.main" >> "$log" 2>&1 || { cat "$log" >&2; echo "setup failed: importing torch (see $log)" >&2; exit 1; }
+else
+  # the suite starts hundreds of python processes: compile everything installed, on every core
+  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+    >> "$log" 2>&1 || true  # a few packages ship files that are not meant to compile (pip ignores them too)
   # DeepSpeed builds its two CPU ops (fused Adam, shared-memory comm) on first use: a few minutes on
   # 2 cores, for every new environment. Build them here, once, so that no test waits on the build
   # inside its own timeout.
