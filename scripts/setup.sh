@@ -56,8 +56,8 @@ if [ "$level" = runtime ]; then
   # compile what `ckptkit demo` imports, once (python does it on first import, but not where
   # PYTHONDONTWRITEBYTECODE is set, and then each of the demo's processes would compile torch again)
   env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c "
-import torch.distributed.checkpoint, torch.distributed.fsdp, torch.multiprocessing, safetensors.torch
-import ckptkit_cli.main" >> "$log" 2>&1 || { cat "$log" >&2; echo "setup failed: importing torch (see $log)" >&2; exit 1; }
+import torch.distributed.checkpoint, torch.distributed.fsdp, torch.multiprocessing, torch.optim, torch._dynamo
+import safetensors.torch, fsspec, ckptkit_cli.main" >> "$log" 2>&1 || { cat "$log" >&2; echo "setup failed: importing torch (see $log)" >&2; exit 1; }
 else
   # the suite starts hundreds of python processes: compile everything installed, on every core
   "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
