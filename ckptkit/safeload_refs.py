@@ -82,10 +82,12 @@ def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
     _, storage_type, key, _location, numel = pid
     if not isinstance(storage_type, _StorageType):
         raise FormatError(f"{file}: persistent id names an unknown storage type {quote(repr(storage_type), 60)}")
-    if type(key) not in (str, bytes) or type(numel) is not int or numel < 0:
+    if type(key) is bytes:  # torch.load looks for the record data/b'...' (the bytes' repr), not data/...
+        raise FormatError(f"{file}: persistent id {quote(repr(pid)[:200], 80)} names its storage key as bytes; "
+                          f"torch.save writes text, and torch.load would look for another record")
+    if type(key) is not str or type(numel) is not int or numel < 0:
         raise FormatError(f"{file}: persistent id {quote(repr(pid)[:200], 80)} lacks a storage key and an "
                           f"element count")
-    key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
     return key, storage_type.dtype, numel
 
 

@@ -1,65 +1,120 @@
-"""The records torch's zip reader checks before it reads any tensor, checked the same way.
+"""The records of a torch.save archive that decide how torch.load reads it, read as torch reads
+them or refused.
 
-torch's PyTorchStreamReader refuses an archive with a member outside its one top folder, and one
-whose version record is missing, no number, or outside the zip format versions it reads (1 to 10);
-torch.load refuses a `.storage_alignment` record that is no number and a `.data/serialization_id`
-that is no UTF-8 text. ckptkit read such archives on
-as if the records were right: a future or damaged layout would be read as today's.
+torch.load does more with an archive than unpickle data.pkl over its storages: its zip reader
+takes the archive's folder from the first member the zip directory lists and refuses a member
+outside it, refuses a file whose `version` record (`.data/version` first) is no number it
+supports, byte-swaps every storage when the `byteorder` record says `big` (and refuses any other
+word but `little`), refuses a `.storage_alignment` that is no integer and a
+`.data/serialization_id` that is no UTF-8 text, and builds the first
+storage a key names, handing it to every later persistent id of that key whatever storage type
+or size they give. ckptkit reads storages as their little-endian bytes and gives each persistent
+id its own type, so each of these records is checked here: what torch would read differently
+is refused, never guessed.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol, TypeVar
+from typing import Any, Callable, Mapping
 
-from ..errors import FormatError, quote
+from ..errors import FormatError, name_of, quote
 
-
-class _Archive(Protocol):  # torch_archive.Archive, which imports this module
-    prefix: str
-    members: dict[str, Any]
-    label: str
-
-    def read(self, offset: int, length: int) -> bytes: ...
-
-
-A = TypeVar("A", bound=_Archive)
-
-MIN_FORMAT_VERSION, MAX_FORMAT_VERSION = 1, 10  # caffe2/serialize/versions.h, the versions torch reads
-_NUMBER = re.compile(rb"\s*\d{1,19}\s*")  # what torch parses as a number (surrounding whitespace allowed)
+# the file format versions torch 2.13's zip reader accepts (kMinSupportedFileFormatVersion to
+# kMaxSupportedFileFormatVersion, caffe2/serialize/versions.h)
+SUPPORTED_VERSIONS = range(1, 11)
+# the most bytes of a record read to check it (torch.save writes a few)
+_RECORD_BYTES = 4096
+# std::stoull's reading of a version: leading white space, an optional '+', digits (the rest ignored)
+_STOULL = re.compile(rb"[ \t\n\v\f\r]*\+?([0-9]+)")
 
 
-def check_records(archive: A) -> A:
-    """`archive`, once its members lie in its folder and its version and alignment records are
-    numbers torch reads; anything else is a FormatError naming the file and the record."""
-    folder = archive.prefix + "/"
-    for name in archive.members:
-        if not name.startswith(folder):
-            raise FormatError(f"{archive.label}: zip member {quote(name)} lies outside the archive's folder "
-                              f"{quote(folder)}; torch.load refuses such an archive")
-    version = archive.members.get(f"{folder}.data/version") or archive.members.get(f"{folder}version")
-    if version is None:
-        raise FormatError(f"{archive.label}: the archive has no version record ({folder}version); "
-                          f"torch.load refuses it")
-    raw = _content(archive, version)
-    if not _NUMBER.fullmatch(raw) or not MIN_FORMAT_VERSION <= int(raw) <= MAX_FORMAT_VERSION:
-        raise FormatError(f"{archive.label}: version record {quote(raw.decode('latin-1'))} is not a zip format "
-                          f"version torch reads ({MIN_FORMAT_VERSION} to {MAX_FORMAT_VERSION})")
-    alignment = archive.members.get(f"{folder}.storage_alignment")
-    if alignment is not None and not _NUMBER.fullmatch(_content(archive, alignment)):
-        raise FormatError(f"{archive.label}: record {alignment.name} is not a number; torch.load refuses it")
-    ident = archive.members.get(f"{folder}.data/serialization_id")
+def archive_folder(names: list[str], label: str) -> str:
+    """The folder every member must lie in: the first listed member's, as torch's zip reader takes it."""
+    if not names:
+        raise FormatError(f"{label}: the torch.save archive holds no members")
+    first = names[0]
+    if "/" not in first:
+        raise FormatError(f"{label}: zip member {quote(first)} is listed first but lies in no folder; "
+                          f"torch.load takes the archive's folder from the first member and refuses this file")
+    folder = first.split("/", 1)[0]
+    for name in names:
+        if not name.startswith(folder + "/"):
+            raise FormatError(f"{label}: zip member {quote(name)} lies outside the archive's folder "
+                              f"{quote(folder)} (the first member's); torch.load refuses such a file")
+    return folder
+
+
+def record_names(prefix: str) -> tuple[str, ...]:
+    """The members whose content check_records reads (a template that skips the checks must compare them)."""
+    return (f"{prefix}/byteorder", f"{prefix}/.data/version", f"{prefix}/version", f"{prefix}/.storage_alignment",
+            f"{prefix}/.data/serialization_id")
+
+
+def check_records(label: str, prefix: str, members: Mapping[str, Any], read: Callable[[Any], bytes]) -> None:
+    """Refuse an archive whose records make torch.load refuse it or read its bytes otherwise than
+    ckptkit does. `read(member)` gives a member's bytes."""
+    byteorder, data_version, version, alignment, ident = (members.get(n) for n in record_names(prefix))
+    if byteorder is not None:
+        word = _record(byteorder, label, read)
+        if word == b"big":
+            raise FormatError(f"{label}: its byteorder record says 'big': torch.load byte-swaps every storage of "
+                              f"such a file and ckptkit reads little-endian storages only; re-save it with "
+                              f"torch.save on a little-endian machine")
+        if word != b"little":
+            raise FormatError(f"{label}: its byteorder record says {quote(word, 40)}, neither "
+                              f"'little' nor 'big'; torch.load refuses such a file")
+    _check_version(label, data_version if data_version is not None else version, read)
+    if alignment is not None:
+        try:
+            int(_record(alignment, label, read))
+        except ValueError:
+            raise FormatError(f"{label}: its .storage_alignment record is no integer; torch.load refuses such "
+                              f"a file") from None
     if ident is not None:
         try:
-            _content(archive, ident, 4096).decode("utf-8")
+            _record(ident, label, read).decode("utf-8")
         except UnicodeDecodeError:
-            raise FormatError(f"{archive.label}: record {ident.name} is not UTF-8 text; torch.load refuses it") from None
-    return archive
+            raise FormatError(f"{label}: its .data/serialization_id record is no UTF-8 text; torch.load refuses "
+                              f"such a file") from None
 
 
-def _content(archive: _Archive, member: Any, limit: int = 64) -> bytes:
-    if member.compressed:
-        raise FormatError(f"{archive.label}: record {member.name} is compressed; torch.save never compresses")
-    if member.size > limit:
-        raise FormatError(f"{archive.label}: record {member.name} is {member.size} bytes, more than such a "
-                          f"record holds ({limit})")
-    return archive.read(member.data_offset, member.size)
+def _check_version(label: str, member: Any, read: Callable[[Any], bytes]) -> None:
+    if member is None:
+        raise FormatError(f"{label}: the torch.save archive has no version record; torch.load refuses such a file")
+    text = _record(member, label, read)
+    found = _STOULL.match(text)
+    number = int(found.group(1)) if found is not None and len(found.group(1)) <= 20 else None
+    if number not in SUPPORTED_VERSIONS:
+        shown = quote(text.strip(), 40)
+        raise FormatError(f"{label}: its version record says {shown}, not a file format version torch.load reads "
+                          f"({SUPPORTED_VERSIONS.start} to {SUPPORTED_VERSIONS.stop - 1})")
+
+
+def _record(member: Any, label: str, read: Callable[[Any], bytes]) -> bytes:
+    if getattr(member, "compressed", False):
+        raise FormatError(f"{label}: its record {member.name} is compressed; torch.save never compresses one")
+    if member.size > _RECORD_BYTES:
+        raise FormatError(f"{label}: its record {member.name} is {member.size} bytes, more than such a record "
+                          f"holds ({_RECORD_BYTES} at most)")
+    return read(member)
+
+
+class StorageKinds:
+    """The storage type and size the first persistent id of each key gave, as torch.load caches
+    the storage it built (an empty one is not cached): a later id of the key naming another type
+    or size would be read by torch as the first, so it is refused."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._first: dict[str, tuple[Any, int]] = {}
+
+    def check(self, key: str, dtype: Any, numel: int) -> None:
+        first = self._first.get(key)
+        if first is None:
+            if numel * dtype.itemsize > 0:
+                self._first[key] = (dtype, numel)
+            return
+        if first != (dtype, numel):
+            raise FormatError(f"{self.label}: storage {name_of(key, 40)} is named by two persistent ids, as "
+                              f"{first[1]} x {first[0].name} and as {numel} x {dtype.name}; torch.load builds the "
+                              f"first and reads every later one as it, so the file's values are ambiguous")

@@ -30,7 +30,7 @@ from ..safeload import (RawStorage, StorageRef, TensorRef, fenced_torch_save_loa
                         typed_storage)
 from ..storage.source import BytesSource, RangeFile, Source
 from . import limits
-from .archive_records import check_records
+from .archive_records import StorageKinds, archive_folder, check_records
 from ..torch_types import SmallTensor, view_problem
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -101,7 +101,7 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     if copy is not None and memo is not None:
         known = memo.layout_of(copy, offset)
         if known is not None:
-            return check_records(Archive(source, rel, known[1], known[0], copy=copy, base=offset))
+            return _with_records(Archive(source, rel, known[1], known[0], copy=copy, base=offset))
     label = source.label(rel)
     head = copy[:4] if copy is not None else source.read(rel, offset, min(4, length))
     if head != ZIP_MAGIC:
@@ -133,10 +133,17 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
         raise FormatError(f"{label}: torch.save archive must hold exactly one <root>/data.pkl, found {len(pkls)}")
-    prefix = pkls[0][: -len("/data.pkl")]
+    prefix = archive_folder(list(members), label)  # (torch.load's folder: the first member's, holding them all)
+    archive = _with_records(Archive(source, rel, prefix, members, copy=copy, base=offset))
     if memo is not None and plain is not None and copy is not None:
         memo.remember_layout(copy, offset, plain[1], members, prefix)
-    return check_records(Archive(source, rel, prefix, members, copy=copy, base=offset))
+    return archive
+
+
+def _with_records(archive: Archive) -> Archive:
+    """`archive`, once its byteorder, version and alignment records read as torch.load reads them."""
+    check_records(archive.label, archive.prefix, archive.members, lambda m: archive.read(m.data_offset, m.size))
+    return archive
 
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
@@ -572,10 +579,12 @@ def load_structure(archive: Archive, eager: bool = False, memo: StructureMemo | 
             return hit[0]
     loaded: dict[str, Any] = {}
     pids: list[Any] = []
+    kinds = StorageKinds(archive.label)
 
     def persistent_load(pid: Any) -> Any:
         pids.append(pid)
         key, dtype, numel, member, nbytes = _checked_storage(archive, pid)
+        kinds.check(key, dtype, numel)
         if not eager:
             return typed_storage(StorageRef(key, dtype, numel), dtype)
         if key not in loaded:

@@ -27,6 +27,7 @@ from ...runner.torch_archive import (SMALL_ARCHIVE, Archive, StructureMemo, load
                                      open_archive, tensor_location)
 # (the item template reuses the layout memo's skeleton and its way of making NamedTuples)
 from ...runner.torch_archive import _Layout, _new_tuple, _plain_directory
+from ...runner.archive_records import record_names
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -511,7 +512,9 @@ class _ItemTemplate:
             return None
         mask = bytearray(len(copy))
         at = pkl.data_offset - offset
-        for a, b in (*layout.segments, (at, at + pkl.size)):
+        records = [(m.data_offset - offset, m.data_offset - offset + m.size)  # (what check_records read)
+                   for m in map(archive.members.get, record_names(archive.prefix)) if m is not None]
+        for a, b in (*layout.segments, (at, at + pkl.size), *records):
             mask[a:b] = b"\xff" * (b - a)
         bits = int.from_bytes(mask, "little")
         members = tuple((m.data_offset - offset, m.size, f"zip member {m.name}") for m in archive.members.values())
