@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ...errors import CkptkitError, FormatError, quote
+from ...errors import CkptkitError, FormatError, name_of, quote
 from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
 from ...index.types import (Box, CheckpointIndex, CheckTable, Encoding, IntegrityCheck, Location, ObjectEntry, Piece,
@@ -174,8 +174,12 @@ class _Merged:
             setdefault(key, meta)
             if type(meta).__name__ == "TensorStorageMetadata":
                 self._add_chunks(key, meta, label)
-        keep = self.storage.setdefault  # (the first record of a key wins)
-        for mi, info in _mapping(_field(md, "storage_data", "Metadata", label, None), "storage_data", label).items():
+        # this file's records; a second file's (rank-local metadata) are merged after, the first record
+        # of a key kept: every rank's file lists the values it saved alike
+        mine: dict[_StorageKey, Any] = {} if self.storage else self.storage
+        keep = mine.setdefault
+        records = _mapping(_field(md, "storage_data", "Metadata", label, None), "storage_data", label)
+        for mi, info in records.items():
             fields = getattr(mi, "__dict__", None)
             off = fields.get("offset", _NO_FIELD) if fields is not None and "fqn" in fields else _NO_FIELD
             where = _sized(off) if off is not None else None
@@ -184,8 +188,15 @@ class _Merged:
             else:
                 fqn = _field(mi, "fqn", "MetadataIndex", label)
                 off = _field(mi, "offset", "MetadataIndex", label, None)
+                if type(off) is list:  # torch hashes a MetadataIndex: a list offset fails its dict
+                    raise FormatError(f"{label}: the storage record of {name_of(fqn)} has a list as its offset; "
+                                      f"torch.load cannot read such a .metadata")
                 where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
-            keep((fqn, where), info)
+            if keep((fqn, where), info) is not info:
+                _refuse_twin(label, fqn, where)
+        if mine is not self.storage:
+            for key, info in mine.items():
+                self.storage.setdefault(key, info)
         planner = self.planner
         for key, path in _mapping(_field(md, "planner_data", "Metadata", label, None), "planner_data", label).items():
             if isinstance(path, (tuple, list)) and (set(map(type, path)) <= _STR_OR_INT or  # (no generator a key)
@@ -215,6 +226,15 @@ class _Merged:
                 raise FormatError(f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
                                   f"(offsets {list(box[0])}), the tensor has rank {rank}")
             seen.setdefault(box, None)
+
+
+def _refuse_twin(label: str, fqn: Any, where: tuple[int, ...] | None) -> None:
+    """Two storage records of one chunk (they may differ in MetadataIndex.index, a hint torch
+    leaves out of its comparisons): torch's dict keeps one of them, so either reading is a guess."""
+    chunk = f"the chunk at offsets {list(where)} of tensor {name_of(fqn)}" if where is not None \
+        else f"value {name_of(fqn)}"
+    raise FormatError(f"{label}: storage_data holds two records for {chunk}; torch looks a record up by name and "
+                      f"offsets only (not the index hint) and keeps one of them, so ckptkit refuses to pick")
 
 
 _NO_FIELD = object()

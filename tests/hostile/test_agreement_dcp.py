@@ -1,0 +1,137 @@
+"""DCP storage records are read as dcp.load reads them, or refused.
+
+torch looks a storage record up by MetadataIndex's fqn and offset only (the index is a hint it
+leaves out of comparisons and hashing): two records for one chunk that differ only in the hint
+collapse to one when torch unpickles the .metadata, so dcp.load reads one of them. Crafted from
+fsdp2_w2: such twins (after, before, without a hint, of a value) are refused under
+tests/hostile.py's whole contract; wrong hints alone are read as dcp_to_torch_save reads them,
+bit for bit.
+"""
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from agreement import FSDP2, assert_same, consolidated, needs, refused_everywhere
+
+# ---- DCP: storage records torch looks up by name and offsets only ---------------------------
+
+def _dcp_with_storage(tmp: Path, build: Callable[[object, type], dict]) -> Path:
+    """A copy of fsdp2_w2 whose storage_data `build(md, MetadataIndex)` returns, pickled while
+    MetadataIndex compares by identity (so two keys equal to torch both reach the file)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    needs(FSDP2)
+    d = tmp / "ckpt"
+    shutil.copytree(FSDP2, d)
+    with open(d / ".metadata", "rb") as f:
+        md = pickle.load(f)  # trusted: our own copy of a fixture (test side only)
+    eq, hash_ = MetadataIndex.__eq__, MetadataIndex.__hash__
+    MetadataIndex.__eq__, MetadataIndex.__hash__ = object.__eq__, object.__hash__
+    try:
+        md.storage_data = build(md, MetadataIndex)
+        with open(d / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+    finally:
+        MetadataIndex.__eq__, MetadataIndex.__hash__ = eq, hash_
+    return d
+
+
+def _equal_chunks(md) -> tuple[object, object]:
+    """Two storage keys of one tensor whose chunks have the same size (a donor and a victim)."""
+    for key, meta in md.state_dict_metadata.items():
+        chunks = getattr(meta, "chunks", None)
+        if chunks and len(chunks) == 2 and chunks[0].sizes == chunks[1].sizes:
+            keys = sorted((k for k in md.storage_data if k.fqn == key), key=lambda k: tuple(k.offset))
+            return keys[0], keys[1]
+    pytest.skip("the fixture has no tensor of two equal chunks")
+
+
+def _twin(where: str, index_of_twin: int | None = 99):
+    def build(md, index_cls) -> dict:
+        victim, donor = _equal_chunks(md)
+        items = list(md.storage_data.items())  # (no lookups by key: the dict was hashed the usual way)
+        twin = (index_cls(victim.fqn, victim.offset, index_of_twin), next(v for k, v in items if k is donor))
+        at = {"after": len(items), "before": next(i for i, (k, _) in enumerate(items) if k is victim)}[where]
+        items.insert(at, twin)
+        return dict(items)
+    return build
+
+
+def _value_twin(md, index_cls) -> dict:
+    items = list(md.storage_data.items())
+    values = [(k, v) for k, v in items if k.offset is None]
+    (victim, _), (_, donor_info) = values[0], values[1]
+    return dict(items + [(index_cls(victim.fqn, None, 5), donor_info)])
+
+
+DCP_ATTACKS = {
+    "twin_listed_after_with_another_hint": _twin("after"),
+    "twin_listed_before_with_another_hint": _twin("before"),
+    "twin_without_a_hint": _twin("after", None),
+    "twin_of_a_value": _value_twin,
+}
+
+
+@pytest.mark.parametrize("case", sorted(DCP_ATTACKS))
+def test_two_storage_records_for_one_chunk_are_refused(tmp_path, case):
+    d = _dcp_with_storage(tmp_path, DCP_ATTACKS[case])
+    refused_everywhere(d, tmp_path, str(d / ".metadata"))
+
+
+def test_a_chunk_twin_makes_dcp_load_read_the_last_record(tmp_path):
+    """Why it is refused: dcp.load reads the donor's bytes into the victim's chunk."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    d = _dcp_with_storage(tmp_path, _twin("after"))
+    dcp_to_torch_save(d, tmp_path / "truth.pt")
+    dcp_to_torch_save(FSDP2, tmp_path / "honest.pt")
+    truth, honest = (torch.load(tmp_path / n, weights_only=True) for n in ("truth.pt", "honest.pt"))
+    with open(d / ".metadata", "rb") as f:
+        victim, _ = _equal_chunks(pickle.load(f))
+    assert not torch.equal(_flat(truth)[victim.fqn], _flat(honest)[victim.fqn])
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """dcp_to_torch_save's nested dicts as DCP's dotted names."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_wrong_index_hints_are_read_as_dcp_load_reads_them(tmp_path):
+    """The hint is only a hint: every record's index made wrong, each chunk is still its own."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def wrong_hints(md, index_cls) -> dict:
+        return {index_cls(k.fqn, k.offset, 7): v for k, v in md.storage_data.items()}
+
+    d = _dcp_with_storage(tmp_path, wrong_hints)
+    dcp_to_torch_save(d, tmp_path / "truth.pt")
+    flat = {k: v for k, v in _flat(torch.load(tmp_path / "truth.pt", weights_only=True)).items()
+            if k.startswith("model.")}
+    got = consolidated(d, tmp_path)
+    got = {k if k in flat else f"model.{k}": v for k, v in got.items()}
+    assert_same(flat, got)
+
+
+def test_a_storage_record_offset_torch_cannot_hash_is_refused(tmp_path):
+    def listed(md, index_cls) -> dict:
+        out = {}
+        for k, v in md.storage_data.items():
+            key = index_cls(k.fqn, None, k.index)
+            object.__setattr__(key, "offset", list(k.offset) if k.offset is not None else None)
+            out[key] = v
+        return out
+
+    d = _dcp_with_storage(tmp_path, listed)
+    refused_everywhere(d, tmp_path, str(d / ".metadata"))
