@@ -21,7 +21,7 @@ from itertools import accumulate
 from typing import Any
 
 from . import knobs
-from .errors import CkptkitError, FormatError
+from .errors import CkptkitError, FormatError, quote
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
@@ -61,10 +61,26 @@ def values(text: str) -> int:
     return _values(_bare(_utf8(text)))
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict:
+    """An object's pairs as a dict, refusing a key given twice (json's own dict keeps the last)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _DuplicateKey(twice)
+    return value
+
+
 def loads(raw: bytes | str, label: str, what: str = "JSON", error: type[CkptkitError] = FormatError,
-          max_bytes: int | None = None, bounded: bool = False) -> Any:
+          max_bytes: int | None = None, bounded: bool = False, unique_keys: bool = False) -> Any:
     """Parse `raw` (from `label`); any problem is `error` with one sentence naming `label`.
-    `bounded`: refuse a text whose values would take more memory than the budget allows."""
+    `bounded`: refuse a text whose values would take more memory than the budget allows.
+    `unique_keys`: refuse an object that gives a key twice (a reader that keeps the first and one
+    that keeps the last would read two different files)."""
     if max_bytes is not None and len(raw) > max_bytes:
         raise error(f"{label}: {what} is {len(raw):,} bytes, more than the {max_bytes:,} expected")
     if isinstance(raw, (bytes, bytearray, memoryview)):
@@ -84,7 +100,9 @@ def loads(raw: bytes | str, label: str, what: str = "JSON", error: type[CkptkitE
         _check_values(_values(bare), len(text), label, what, error)
     del bare
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique) if unique_keys else json.loads(text)
+    except _DuplicateKey as exc:
+        raise error(f"{label}: {what} gives the key {quote(str(exc), 60)} twice in one object") from None
     except RecursionError:
         raise error(f"{label}: {what} is nested too deeply to parse") from None
     except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits

@@ -29,7 +29,7 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
     (n,) = struct.unpack("<Q", source.read(rel, 0, 8))
     if n > MAX_HEADER or 8 + n > size:
         raise FormatError(f"{label}: header length {n} does not fit the file ({size} bytes)")
-    header = json_loads(source.read(rel, 8, n), label, "header")
+    header = json_loads(source.read(rel, 8, n), label, "header", unique_keys=True)
     if not isinstance(header, dict):
         raise FormatError(f"{label}: header is not a JSON object")
     buffer = size - 8 - n
@@ -68,15 +68,26 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
             raise FormatError(f"{label}: tensor {name_of(name)} is {dtype}{shape} ({expected} bytes) but its "
                               f"data_offsets span {end - begin} bytes")
         spans.append((begin, end, name))
+    _check_tiling(label, spans, buffer)
+    return header, 8 + n
+
+
+def _check_tiling(label: str, spans: list[tuple[int, int, str]], buffer: int) -> None:
+    """The tensors tile the data buffer exactly, in the order of their offsets, as the safetensors
+    library requires (its Metadata::validate): no overlap, no gap, no byte after the last."""
     spans.sort()
     reach, holder = 0, None  # the furthest end so far, and whose (an empty tensor between cannot hide it)
     for begin, end, name in spans:
-        if end == begin:
-            continue
         if begin < reach:
             raise FormatError(f"{label}: tensors {name_of(holder)} and {name_of(name)} overlap in the data buffer")
-        reach, holder = end, name
-    return header, 8 + n
+        if begin > reach:
+            raise FormatError(f"{label}: tensor {name_of(name)} starts at byte {begin} of the data buffer, after "
+                              f"{begin - reach} bytes no tensor holds; the safetensors library refuses such a file")
+        if end > begin:
+            reach, holder = end, name
+    if reach != buffer:
+        raise FormatError(f"{label}: the data buffer holds {buffer - reach} bytes after its last tensor; the "
+                          f"safetensors library refuses such a file")
 
 
 _U64 = 1 << 64
@@ -132,10 +143,14 @@ def read_index(source: Source, files: list[str]) -> CheckpointIndex:
         meta = header.get("__metadata__", {})
         file_meta[rel] = meta
         if ALIASES_KEY in meta:
-            aliases.update(_json_field(meta, ALIASES_KEY, source.label(rel)))
+            _merge_aliases(aliases, _json_field(meta, ALIASES_KEY, source.label(rel)), source.label(rel))
         if OBJECTS_KEY in meta:
             role = {"role": "optimizer"} if rel.startswith("optimizer") else {}
             for key, value in _json_field(meta, OBJECTS_KEY, source.label(rel)).items():
+                old = index.objects.get(key)
+                if old is not None and old.data != value:
+                    raise FormatError(f"{source.label(rel)}: __metadata__[{OBJECTS_KEY!r}] gives value "
+                                      f"{name_of(key)} otherwise than another shard does")
                 index.add_object(ObjectEntry(key, value, attrs=dict(role)))
         for name, info in header.items():
             if name == "__metadata__":
@@ -151,21 +166,49 @@ def read_index(source: Source, files: list[str]) -> CheckpointIndex:
                                          attrs=attrs))
     if weight_map is not None:
         for name, rel in weight_map.items():
-            if name not in index.tensors and name not in aliases:
-                raise FormatError(f"{source.label(INDEX_NAME)}: tensor {name} is mapped to {rel}, "
+            held = index.tensors.get(name)
+            if (held is None or held.pieces[0].location.file != rel) and name not in aliases:
+                raise FormatError(f"{source.label(INDEX_NAME)}: tensor {name_of(name)} is mapped to {name_of(rel)}, "
                                   f"which does not contain it")
-    for alias, target in aliases.items():
-        if target not in index.tensors:
-            raise FormatError(f"{source.label('')}: alias {alias} points at missing tensor {target}")
-        t = index.tensors[target]
-        index.add_tensor(TensorEntry(alias, t.dtype, t.shape, list(t.pieces), attrs={"alias_of": target}))
+    for key in index.objects:
+        if key in index.tensors:
+            raise FormatError(f"{source.label('')}: __metadata__[{OBJECTS_KEY!r}] gives a value named {name_of(key)}, "
+                              f"but the files hold a tensor of that name")
+    _add_aliases(index, aliases, source.label(''))
     index.metadata["safetensors_metadata"] = file_meta
     index.world_size = None
     return index
 
 
+def _merge_aliases(aliases: dict[str, str], found: dict, label: str) -> None:
+    """Add one shard's alias map (every shard ckptkit writes carries the whole map): an alias
+    given another target by another shard is a conflict, never resolved by picking one."""
+    for alias, target in found.items():
+        if type(target) is not str:
+            raise FormatError(f"{label}: __metadata__[{ALIASES_KEY!r}] gives alias {name_of(alias)} a target "
+                              f"that is no tensor name")
+        if aliases.setdefault(alias, target) != target:
+            raise FormatError(f"{label}: __metadata__[{ALIASES_KEY!r}] makes {name_of(alias)} an alias of "
+                              f"{name_of(target)}, another shard of {name_of(aliases[alias])}")
+
+
+def _add_aliases(index: CheckpointIndex, aliases: dict[str, str], label: str) -> None:
+    """The tied tensors ckptkit's writer stored once: each alias a name the files do not hold
+    (an alias never replaces a tensor or value the file really holds), sharing a stored tensor."""
+    for alias in aliases:
+        if alias in index.tensors or alias in index.objects:
+            kind = "tensor" if alias in index.tensors else "value"
+            raise FormatError(f"{label}: __metadata__[{ALIASES_KEY!r}] names {name_of(alias)} an alias, but "
+                              f"the files hold a {kind} of that name; an alias never replaces what a file holds")
+    for alias, target in aliases.items():
+        t = index.tensors.get(target)
+        if t is None or target in aliases:
+            raise FormatError(f"{label}: alias {name_of(alias)} points at missing tensor {name_of(target)}")
+        index.add_tensor(TensorEntry(alias, t.dtype, t.shape, list(t.pieces), attrs={"alias_of": target}))
+
+
 def _json_field(meta: dict, key: str, label: str) -> dict:
-    value = json_loads(meta[key], label, f"__metadata__[{key!r}]")
+    value = json_loads(meta[key], label, f"__metadata__[{key!r}]", unique_keys=True)
     if not isinstance(value, dict):
         raise FormatError(f"{label}: __metadata__[{key!r}] must be a JSON object")
     return value
