@@ -9,8 +9,12 @@ bit for bit.
 """
 from __future__ import annotations
 
+import io
 import pickle
 import shutil
+import struct
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -135,3 +139,57 @@ def test_a_storage_record_offset_torch_cannot_hash_is_refused(tmp_path):
 
     d = _dcp_with_storage(tmp_path, listed)
     refused_everywhere(d, tmp_path, str(d / ".metadata"))
+
+
+# ---- DCP items: torch.save archives, their records checked on every road ---------------------
+
+def _patched_member(item: bytes, suffix: str, data: bytes) -> bytes:
+    """`item` (a stored zip) with member `*suffix` holding `data` (same length), its CRC32 fixed
+    wherever the zip keeps it (local header, data descriptor, central directory)."""
+    buf = bytearray(item)
+    with zipfile.ZipFile(io.BytesIO(item)) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+        start_dir = z.start_dir
+    at = info.header_offset
+    flags, name_len, extra_len = struct.unpack_from("<H", buf, at + 6)[0], *struct.unpack_from("<HH", buf, at + 26)
+    begin = at + 30 + name_len + extra_len
+    assert len(data) == info.file_size
+    buf[begin:begin + len(data)] = data
+    crc = struct.pack("<I", zlib.crc32(data))
+    buf[at + 14:at + 18] = crc
+    if flags & 0x08:
+        end = begin + len(data)
+        at_crc = end + 4 if buf[end:end + 4] == b"PK\x07\x08" else end
+        buf[at_crc:at_crc + 4] = crc
+    pos = start_dir
+    while buf[pos:pos + 4] == b"PK\x01\x02":
+        n, e, c = struct.unpack_from("<HHH", buf, pos + 28)
+        if bytes(buf[pos + 46:pos + 46 + n]).decode() == info.filename:
+            buf[pos + 16:pos + 20] = crc
+        pos += 46 + n + e + c
+    return bytes(buf)
+
+
+def test_an_item_record_torch_refuses_is_refused_among_items_laid_out_alike(tmp_path):
+    """The last of 18 items laid out alike (so served by an item template, which compares the
+    records' bytes too) says its byte order is 'LITTLE': torch.load refuses that item."""
+    needs(FSDP2)
+    d = tmp_path / "ckpt"
+    shutil.copytree(FSDP2, d)
+    with open(d / ".metadata", "rb") as f:
+        md = pickle.load(f)  # trusted: our own copy of a fixture (test side only)
+    infos = sorted((v for k, v in md.storage_data.items() if k.offset is not None and v.length == 1577),
+                   key=lambda v: (v.relative_path, v.offset))
+    assert len(infos) >= 8, "the fixture's items of one kind moved"
+    last = infos[-1]
+    path = d / last.relative_path
+    raw = path.read_bytes()
+    item = raw[last.offset:last.offset + last.length]
+    path.write_bytes(raw[:last.offset] + _patched_member(item, "/byteorder", b"LITTLE") +
+                     raw[last.offset + last.length:])
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with pytest.raises(BaseException) as caught:  # (torch's CheckpointException is no Exception)
+        dcp_to_torch_save(d, tmp_path / "truth.pt")
+    assert "endianness" in f"{caught.value} {getattr(caught.value, 'failures', '')}"
+    refused_everywhere(d, tmp_path, str(path))
