@@ -9,6 +9,7 @@ bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import shutil
@@ -21,7 +22,7 @@ from typing import Callable
 import pytest
 import torch
 
-from agreement import FSDP2, assert_same, consolidated, needs, refused_everywhere
+from agreement import DATA, FSDP2, assert_same, consolidated, needs, refused_everywhere
 
 # ---- DCP: storage records torch looks up by name and offsets only ---------------------------
 
@@ -193,3 +194,41 @@ def test_an_item_record_torch_refuses_is_refused_among_items_laid_out_alike(tmp_
         dcp_to_torch_save(d, tmp_path / "truth.pt")
     assert "endianness" in f"{caught.value} {getattr(caught.value, 'failures', '')}"
     refused_everywhere(d, tmp_path, str(path))
+
+
+# ---- rank-local metadata: files that describe one key two ways -------------------------------
+
+RANK_LOCAL = DATA / "dcp_rank_local_w2"
+
+
+def _grown(meta) -> None:
+    meta.size = torch.Size([meta.size[0] + 1, *meta.size[1:]])
+
+
+def _halved(meta) -> None:
+    meta.properties = dataclasses.replace(meta.properties, dtype=torch.float16)
+
+
+RANK_CONFLICTS = {"another_shape": _grown, "another_dtype": _halved, "a_value": None}
+
+
+@pytest.mark.parametrize("case", sorted(RANK_CONFLICTS))
+def test_rank_local_files_describing_one_tensor_two_ways_are_refused(tmp_path, case):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    needs(RANK_LOCAL)
+    d = tmp_path / "ckpt"
+    shutil.copytree(RANK_LOCAL, d)
+    with open(d / "__1.metadata", "rb") as f:
+        md = pickle.load(f)  # trusted: our own copy of a fixture (test side only)
+    with open(d / "__0.metadata", "rb") as f:
+        shared = next(k for k, m in pickle.load(f).state_dict_metadata.items()
+                      if k in md.state_dict_metadata and getattr(m, "chunks", None))
+    change = RANK_CONFLICTS[case]
+    if change is None:
+        md.state_dict_metadata[shared] = BytesStorageMetadata()
+    else:
+        change(md.state_dict_metadata[shared])
+    with open(d / "__1.metadata", "wb") as f:
+        pickle.dump(md, f)
+    refused_everywhere(d, tmp_path, str(d / "__1.metadata"))

@@ -28,6 +28,7 @@ from ...runner.torch_archive import (SMALL_ARCHIVE, Archive, StructureMemo, load
 # (the item template reuses the layout memo's skeleton and its way of making NamedTuples)
 from ...runner.torch_archive import _Layout, _new_tuple, _plain_directory
 from ...runner.archive_records import record_names
+from .conflicts import refuse_twin, same_entry
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -171,7 +172,9 @@ class _Merged:
         for key, meta in _field(md, "state_dict_metadata", "Metadata", label).items():
             if type(key) is not str:
                 raise FormatError(f"{label}: state_dict_metadata has a non-string key {key!r:.60}")
-            setdefault(key, meta)
+            first = setdefault(key, meta)
+            if first is not meta:  # (rank-local metadata: every rank's file describes what it saved)
+                same_entry(_described(first, key, label), _described(meta, key, label), key, label)
             if type(meta).__name__ == "TensorStorageMetadata":
                 self._add_chunks(key, meta, label)
         # this file's records; a second file's (rank-local metadata) are merged after, the first record
@@ -193,7 +196,7 @@ class _Merged:
                                       f"torch.load cannot read such a .metadata")
                 where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
             if keep((fqn, where), info) is not info:
-                _refuse_twin(label, fqn, where)
+                refuse_twin(label, fqn, where)
         if mine is not self.storage:
             for key, info in mine.items():
                 self.storage.setdefault(key, info)
@@ -228,13 +231,12 @@ class _Merged:
             seen.setdefault(box, None)
 
 
-def _refuse_twin(label: str, fqn: Any, where: tuple[int, ...] | None) -> None:
-    """Two storage records of one chunk (they may differ in MetadataIndex.index, a hint torch
-    leaves out of its comparisons): torch's dict keeps one of them, so either reading is a guess."""
-    chunk = f"the chunk at offsets {list(where)} of tensor {name_of(fqn)}" if where is not None \
-        else f"value {name_of(fqn)}"
-    raise FormatError(f"{label}: storage_data holds two records for {chunk}; torch looks a record up by name and "
-                      f"offsets only (not the index hint) and keeps one of them, so ckptkit refuses to pick")
+def _described(meta: Any, key: str, label: str) -> tuple:
+    """What same_entry compares: a tensor's dtype and shape, or a value's kind."""
+    if type(meta).__name__ != "TensorStorageMetadata":
+        return (type(meta).__name__,)
+    size = _ints(_field(meta, "size", f"tensor {key}", label), f"tensor {key} size", label)
+    return "tensor", size, _props_dtype(_field(meta, "properties", f"tensor {key}", label), label, key)
 
 
 _NO_FIELD = object()
