@@ -68,3 +68,16 @@ def test_one_name_in_two_parameter_groups_is_refused(tmp_path):
 
     d = _mutated(tmp_path, twice)
     refused_everywhere(d, tmp_path, str(d))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ranks_saying_two_zero_stages_are_refused(tmp_path, stage):
+    """zero_to_fp32 takes rank 0's stage; ckptkit refuses a rank that says another."""
+    needs(ZERO2)
+    d = tmp_path / "ds"
+    shutil.copytree(ZERO2, d)
+    optim = d / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    states = torch.load(optim, weights_only=False)  # trusted: our own copy of a fixture
+    states["optimizer_state_dict"]["zero_stage"] = stage
+    torch.save(states, optim)
+    refused_everywhere(d, tmp_path, str(optim))

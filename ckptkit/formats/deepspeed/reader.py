@@ -187,6 +187,9 @@ def _check_partitions(ranks: RankFiles, stage: int, groups: int, *, plain: bool)
     for rank in sorted(ranks.optim):
         arch = ranks.archive(rank)
         osd = entry(ranks.optim[rank], "optimizer_state_dict", arch.label)
+        if isinstance(osd, dict) and _stage(osd, arch.label) != stage:  # (one checkpoint, one layout)
+            raise FormatError(f"{arch.label}: says ZeRO stage {_stage(osd, arch.label)}, the first rank's file "
+                              f"stage {stage}; refusing to pick one")
         masters = entry(osd, names.masters, arch.label)
         if isinstance(masters, list) and len(masters) != groups:
             raise FormatError(f"{arch.label}: {names.masters} holds {len(masters)} flat partitions, but the "
