@@ -201,8 +201,11 @@ def _add_aliases(index: CheckpointIndex, aliases: dict[str, str], label: str) ->
             raise FormatError(f"{label}: __metadata__[{ALIASES_KEY!r}] names {name_of(alias)} an alias, but "
                               f"the files hold a {kind} of that name; an alias never replaces what a file holds")
     for alias, target in aliases.items():
+        if target in aliases:
+            raise FormatError(f"{label}: alias {name_of(alias)} points at another alias, {name_of(target)}; "
+                              f"ckptkit writes aliases of stored tensors only")
         t = index.tensors.get(target)
-        if t is None or target in aliases:
+        if t is None:
             raise FormatError(f"{label}: alias {name_of(alias)} points at missing tensor {name_of(target)}")
         index.add_tensor(TensorEntry(alias, t.dtype, t.shape, list(t.pieces), attrs={"alias_of": target}))
 
