@@ -73,21 +73,4 @@ def alias_names_a_held_tensor(mutant: Mutant) -> bool:
     return isinstance(aliases, dict) and any(name in header for name in aliases)
 
 
-KNOWN = [
-    Known("torch_save", "byteorder 'big': torch.load byte-swaps the storages, ckptkit ignores the record",
-          byteorder_is(b"big"), r"bytes differ"),
-    Known("torch_save", "a byteorder record neither 'little' nor 'big': torch.load refuses, ckptkit ignores it",
-          byteorder_unknown, r"Unknown endianness"),
-    Known("torch_save", "one storage key under two storage types: torch builds the first and reuses it",
-          storage_key_with_two_types, r"."),
-    Known("dcp", "two storage records that differ only in MetadataIndex.index: dcp.load reads one, ckptkit the other",
-          lambda m: m.operator == "dcp-record-hint-duplicate", r"bytes differ"),
-    Known("safetensors", "ckptkit.aliases naming a tensor the file holds replaces the real tensor",
-          alias_names_a_held_tensor, r"."),
-    # open, a decision for the lead: ckptkit keeps a DCP bytes item that is no torch.save archive as
-    # raw bytes (reader.py: "a raw io.BytesIO value"), so a bytes record moved off its archive (or
-    # at another file) reads as garbage bytes, verify --deep ok; dcp.load torch.loads every bytes item
-    Known("dcp", "a bytes record pointing at bytes that are no torch.save archive: dcp.load refuses, "
-          "ckptkit keeps them as a raw value (open)",
-          lambda m: m.operator == "dcp-record-fields" and "@[]:" in m.description, r"the framework refuses"),
-]
+KNOWN: list[Known] = []
