@@ -46,14 +46,29 @@ def archive_folder(names: list[str], label: str) -> str:
 
 def record_names(prefix: str) -> tuple[str, ...]:
     """The members whose content check_records reads (a template that skips the checks must compare them)."""
-    return (f"{prefix}/byteorder", f"{prefix}/.data/version", f"{prefix}/version", f"{prefix}/.storage_alignment",
-            f"{prefix}/.data/serialization_id")
+    return (f"{prefix}/byteorder", f"{prefix}/.data/version", f"{prefix}/version", f"{prefix}/.storage_alignment")
+
+
+def ident_name(prefix: str) -> str:
+    """The serialization id's member: different in every file torch.save writes, so a template
+    cannot compare it; it checks it is text (check_ident) instead."""
+    return f"{prefix}/.data/serialization_id"
+
+
+def ident_is_text(raw: bytes) -> bool:
+    """Whether a serialization id record is what torch.load reads: UTF-8 text."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def check_records(label: str, prefix: str, members: Mapping[str, Any], read: Callable[[Any], bytes]) -> None:
     """Refuse an archive whose records make torch.load refuse it or read its bytes otherwise than
     ckptkit does. `read(member)` gives a member's bytes."""
-    byteorder, data_version, version, alignment, ident = (members.get(n) for n in record_names(prefix))
+    byteorder, data_version, version, alignment = (members.get(n) for n in record_names(prefix))
+    ident = members.get(ident_name(prefix))
     if byteorder is not None:
         word = _record(byteorder, label, read)
         if word == b"big":
@@ -70,12 +85,9 @@ def check_records(label: str, prefix: str, members: Mapping[str, Any], read: Cal
         except ValueError:
             raise FormatError(f"{label}: its .storage_alignment record is no integer; torch.load refuses such "
                               f"a file") from None
-    if ident is not None:
-        try:
-            _record(ident, label, read).decode("utf-8")
-        except UnicodeDecodeError:
-            raise FormatError(f"{label}: its .data/serialization_id record is no UTF-8 text; torch.load refuses "
-                              f"such a file") from None
+    if ident is not None and not ident_is_text(_record(ident, label, read)):
+        raise FormatError(f"{label}: its .data/serialization_id record is no UTF-8 text; torch.load refuses "
+                          f"such a file")
 
 
 def _check_version(label: str, member: Any, read: Callable[[Any], bytes]) -> None:

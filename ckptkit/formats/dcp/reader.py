@@ -27,7 +27,7 @@ from ...runner.torch_archive import (SMALL_ARCHIVE, Archive, StructureMemo, load
                                      open_archive, tensor_location)
 # (the item template reuses the layout memo's skeleton and its way of making NamedTuples)
 from ...runner.torch_archive import _Layout, _new_tuple, _plain_directory
-from ...runner.archive_records import record_names
+from ...runner.archive_records import ident_is_text, ident_name, record_names
 from .conflicts import refuse_twin, same_entry
 
 FORMAT = "dcp"
@@ -509,10 +509,12 @@ class _ItemTemplate:
     kind is looked up by them). Anything else goes through the full path, which refuses it with
     its own sentence or reads it."""
 
-    __slots__ = ("mask", "want", "central", "local", "compared", "ats", "sizes", "whats", "start", "length", "stride")
+    __slots__ = ("mask", "want", "central", "local", "compared", "ats", "sizes", "whats", "start", "length", "stride",
+                 "ident")
 
     def __init__(self, mask: int, want: int, layout: _Layout, members: tuple[tuple[int, int, str], ...],
-                 start: int, length: int, stride: tuple[int, ...] | None) -> None:
+                 start: int, length: int, stride: tuple[int, ...] | None, ident: tuple[int, int] | None) -> None:
+        self.ident = ident  # the serialization id's bytes (relative to the archive): each file's own, checked as text
         self.mask, self.want = mask, want  # the bytes compared (as bits of a little-endian int), their values
         self.central, self.local, self.compared = layout.central, layout.local, layout.compared
         # each member's data (relative to the archive), size and check's name, as columns (CheckTable.add_members)
@@ -540,8 +542,10 @@ class _ItemTemplate:
             mask[a:b] = b"\xff" * (b - a)
         bits = int.from_bytes(mask, "little")
         members = tuple((m.data_offset - offset, m.size, f"zip member {m.name}") for m in archive.members.values())
+        ident = archive.members.get(ident_name(archive.prefix))
+        at_ident = (ident.data_offset - offset, ident.size) if ident is not None else None
         template = _ItemTemplate(bits, int.from_bytes(copy, "little") & bits, layout, members, loc.offset - offset,
-                                 loc.length, loc.stride)
+                                 loc.length, loc.stride, at_ident)
         got = template.match(copy, offset, archive.file)  # (one CRC a member: add_members's columns stay aligned)
         if loc.encoding is not Encoding.RAW or loc.transforms or got is None or got[0] != loc or \
                 len(got[1].crcs) != len(template.ats) or list(got[1]) != checks:
@@ -553,6 +557,8 @@ class _ItemTemplate:
         out like this template's, else None."""
         if int.from_bytes(copy, "little") & self.mask != self.want:
             return None
+        if self.ident is not None and not ident_is_text(copy[self.ident[0]:self.ident[0] + self.ident[1]]):
+            return None  # the full path refuses it, with its message
         crcs = self.central.unpack_from(copy)
         if self.compared and self.local.unpack_from(copy) != tuple([crcs[i] for i in self.compared]):
             return None  # the full path refuses it, with its message
