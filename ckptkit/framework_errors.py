@@ -20,7 +20,7 @@ _CHAIN_LIMIT = 32   # links of __cause__/__context__ followed (a chain can be ma
 def framework_cause(exc: BaseException) -> BaseException:
     """The error `exc` wraps (itself when it wraps nothing): a CkptkitError or OSError found in a
     CheckpointException's failures or in an exception's chain, else the first failure itself."""
-    found = _failures(exc)
+    found = failures_of(exc)
     for candidate in found:
         named = _named_cause(candidate)
         if named is not None:
@@ -28,7 +28,7 @@ def framework_cause(exc: BaseException) -> BaseException:
     return found[0] if found else exc
 
 
-def _failures(exc: BaseException, depth: int = 0) -> list[BaseException]:
+def failures_of(exc: BaseException, depth: int = 0) -> list[BaseException]:
     """The exceptions a CheckpointException holds, by rank (nested ones opened too); [exc] else."""
     failures = getattr(exc, "failures", None) if _is_checkpoint_exception(exc) else None
     if not isinstance(failures, dict) or depth > _CHAIN_LIMIT:
@@ -38,7 +38,7 @@ def _failures(exc: BaseException, depth: int = 0) -> list[BaseException]:
         value: Any = failures[rank]
         inner = value[0] if isinstance(value, tuple) and value else value
         if isinstance(inner, BaseException):
-            out.extend(_failures(inner, depth + 1))
+            out.extend(failures_of(inner, depth + 1))
     return out or [exc]
 
 
