@@ -279,7 +279,12 @@ def test_consolidate_loads_in_from_pretrained_with_the_trained_logits(layout, tm
     model.eval()
     with torch.no_grad():
         logits = model(truth["input_ids"]).logits
-    assert torch.equal(logits, truth["logits"]), float((logits - truth["logits"]).abs().max())
+    # The truth logits were computed when the fixture was made, on that machine's CPU: matmul kernels
+    # differ by instruction set (AVX-512 or not) in the last bits, so the same weights give logits
+    # within ~1e-7 here (8.9e-8 seen on an AMD EPYC without AVX-512, with the fixtures' own commit).
+    # The weights themselves are compared bit for bit with the run's truth by the consolidate tests;
+    # one wrong weight moves these logits by orders of magnitude more than the tolerance.
+    torch.testing.assert_close(logits, truth["logits"], rtol=0, atol=1e-6)
 
 
 def _job_module():

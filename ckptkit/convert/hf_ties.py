@@ -20,7 +20,6 @@ The rule, without importing the model class (its `_tied_weights_keys` are not on
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -47,7 +46,9 @@ class ConfigTies:
 @lru_cache(maxsize=1)
 def table() -> dict:
     """The architectures' tie pairs and the model types' default flag (transformers' own)."""
-    return json.loads(resources.files(__package__).joinpath("hf_ties.json").read_text())
+    from ..safe_json import loads
+
+    return loads(resources.files(__package__).joinpath("hf_ties.json").read_text(), "ckptkit/convert/hf_ties.json")
 
 
 def source_config(path: str, fmt: str, follow_links: bool | None = None) -> dict | None:
