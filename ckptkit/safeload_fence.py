@@ -28,14 +28,21 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from . import knobs
-from .safeload_rules import Refused
+from .safeload_keys import (CHECKED, SENTINEL, Declined, Fetched, _item, _memo, call_edits, check_call, checked,
+                             loose_edits, patched, read_tuple)
+from .safeload_rules import Refused, pickle_account
+from .safeload_inert import FENCE
 from .torch_types import Size
 
 __all__ = ["Call", "Decline", "MAX_WIDE_VALUES", "SizeCall", "run", "scan"]
 
-# opcodes without an argument that pickles of data use (and harmless others: POP, DUP, LIST,
-# DICT, SETITEM ...); STOP ends the scan, in Python
-_NO_ARG = b"(012N)]}abelstu\x85\x86\x87\x88\x89\x81\x93\x94Rd"
+# opcodes without an argument that pickles of data use, none of them making a tuple or
+# memoizing: the values among them (empty list and dict, LIST, DICT, STACK_GLOBAL, REDUCE,
+# NEWOBJ) may be followed by a memo opcode, the others (MARK aside: see _MARK) not; STOP ends the
+# scan, in Python. POP, POP_MARK and DUP are not among them: pickles of data never use them,
+# and they would put a tuple back under a later memo opcode
+_VALUES = b"]}ld\x93R\x81"
+_OTHERS = b"abesu"
 _BINPERSID = b"Q"
 
 
@@ -45,27 +52,72 @@ _BINPERSID = b"Q"
 _SHORT = 128
 
 
+def _strings(short: int) -> bytes:
+    """BINUNICODE and SHORT_BINUNICODE of fewer than `short` bytes, their lengths spelled out
+    (in groups of 8 lengths, each behind a test of the length byte: one alternative per length
+    would be tried one after the other)."""
+    if not short:
+        return b"(?!)"
+
+    def spelled(op: bytes, pad: bytes) -> bytes:
+        groups = []
+        for low in range(0, short, 8):
+            high = min(short, low + 8) - 1
+            lengths = b"|".join(re.escape(bytes([k]) + pad) + b".{%d}" % k for k in range(low, high + 1))
+            groups.append(b"(?=[" + re.escape(bytes([low])) + b"-" + re.escape(bytes([high])) + b"])(?:" + lengths + b")")
+        return op + b"(?:" + b"|".join(groups) + b")"
+    return spelled(b"X", b"\0\0\0") + b"|" + spelled(b"\\x8c", b"")
+
+
 @lru_cache(maxsize=None)
-def _run(top: int, persistent: bool, short: int = 0) -> re.Pattern:
-    """Opcodes with no argument (BINPERSID where `persistent`) or one of fixed size: BINGET,
-    BINPUT, BININT1 (1 byte); BININT2 (2); LONG_BINGET, BININT (4); FRAME (8); LONG_BINPUT of
-    an index below (top + 1) * 2**16; and BINUNICODE and SHORT_BINUNICODE of fewer than `short`
-    bytes, all of them in the input (scan's loop takes any other string, and says what is wrong)."""
-    no_arg = b"".join(re.escape(bytes([c])) for c in _NO_ARG + (_BINPERSID if persistent else b""))
-    put = b"r..[\\x00-" + re.escape(bytes([top])) + b"]\\x00" if top < 256 else b"r...\\x00"
-    strings = b"|X(?:" + b"|".join(re.escape(bytes([k, 0, 0, 0])) + b".{%d}" % k for k in range(short)) + \
-        b")|\\x8c(?:" + b"|".join(re.escape(bytes([k])) + b".{%d}" % k for k in range(short)) + b")" if short else b""
-    return re.compile(b"(?:[" + no_arg + b"]|[hqK].|M..|[jJ]....|\\x95.{8}|" + put + strings + b")*+", re.DOTALL)
+def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
+    """The opcodes the regex takes (scan's loop takes the rest, or declines): every value
+    opcode with at most one memo opcode after it (BINPUT, MEMOIZE, LONG_BINPUT of an index below
+    (top + 1) * 2**16), and tuples only in the shapes safeload_keys describes:
+
+    - a tuple of at most 64 single-opcode items other than memo fetches (numbers, strings of
+      fewer than `short` bytes, None, booleans, empty tuples), optionally wrapped once and
+      passed straight to REDUCE;
+    - TUPLE after a MARK whose items are any values, passed straight to REDUCE, BUILD or
+      BINPERSID (where `persistent`), or wrapped once and passed to REDUCE;
+    - where a tuple of single-opcode items including a memo fetch begins (at a memo fetch or a
+      MARK), the regex stops: the loop reads it (safeload_keys.read_tuple).
+    """
+    memo = b"(?:\\x94|q.|" + (b"r..[\\x00-" + re.escape(bytes([top])) + b"]\\x00" if top < 256 else b"r...\\x00") + b")"
+    memo_opt = b"(?:" + memo + b")?+"
+    atom = b"(?:K.|M..|J....|[N\\x88\\x89)]|" + _strings(short) + b")" + memo_opt
+    get = b"(?:h.|j....)" + memo_opt
+    # (in lookaheads, which only choose where the regex stops: strings of fewer than 32 bytes)
+    item = b"(?:(?:K.|M..|J....|[N\\x88\\x89)]|h.|j....|" + _strings(min(short, 32)) + b")" + memo_opt + b")"
+    consumers = b"R" + memo_opt + b"|b|\\x85" + memo_opt + b"R" + memo_opt + (b"|Q" + memo_opt if persistent else b"")
+    wrapped = b"(?:\\x85" + memo_opt + b"R" + memo_opt + b")?"
+    # an item, or the first of a tuple of items (no memo fetch among them)
+    atoms = atom + b"(?:(?:\\x85|" + atom + b"(?:\\x86|" + atom + b"\\x87))" + memo_opt + wrapped + b")?"
+    flat = b"\\((?:" + atom + b"){0,64}+t" + memo_opt + wrapped
+    general = b"t" + memo_opt + b"(?:" + consumers + b")"
+    # a memo fetch where no tuple of single-opcode items begins
+    get_alone = get + b"(?!\\x85|" + item + b"(?:[\\x86\\x87]|" + item + b"\\x87))"
+    values = b"[" + re.escape(_VALUES + (_BINPERSID if persistent else b"")) + b"]" + memo_opt
+    others = b"[" + re.escape(_OTHERS) + b"]"  # (FRAME: the loop, which notes where it is)
+    # a MARK where no tuple of single-opcode items (one a memo fetch) begins that goes to no call
+    mark = b"\\((?!(?:" + item + b"){0,64}+t" + memo_opt + b"(?!" + consumers + b"))"
+    return re.compile(b"(?:" + b"|".join((others, get_alone, atoms, values, flat, mark, general)) + b")*+", re.DOTALL)
+
+
+def memo_cap(n: int) -> int:
+    """The largest memo index a pickle of `n` bytes may name: the C unpickler keeps 16 bytes per
+    index up to the largest named (a 9-byte LONG_BINPUT could ask for gigabytes), charged to the
+    pickle's memory account (half of it at most); a pickler numbers its entries from 0, and each
+    costs its pickle 2 bytes at least."""
+    return max(1 << 16, min(n // 2, pickle_account(n) // (2 * _MEMO_ENTRY)))
 
 
 def _run_for(n: int, persistent: bool) -> re.Pattern:
-    """LONG_BINPUT (protocol 2, ckptkit's own writer) makes the C unpickler size its memo for the
-    index named (a 9-byte pickle could ask for gigabytes): the scan lets an index pass at most
-    the pickle's length (one entry per input byte: a pickler numbers its entries from 0), inline
-    up to the largest multiple of 2**16 below it (2**16 at least, 2**24 at most), beyond that
-    one by one."""
+    """The regex for a pickle of `n` bytes: LONG_BINPUT inline up to the largest multiple of
+    2**16 below memo_cap(n) (2**24 at most; the loop declines the others)."""
     short = min(_SHORT, knobs.MAX_PICKLE_BLOB + 1)  # (a string past the blob limit is the loop's to decline)
-    return _run(min(256, max(1, n >> 16)) - 1 if n < 1 << 24 else 256, persistent, max(0, short))
+    cap = memo_cap(n)
+    return _run(min(256, max(1, cap >> 16)) - 1 if cap < 1 << 24 else 256, persistent, max(0, short))
 
 
 # opcodes that make a container or a rebuilt value: their bytes counted bound the objects made
@@ -77,69 +129,106 @@ _NOT_MAKERS = bytes(c for c in range(256) if c not in _MAKERS)
 MAX_WIDE_VALUES = 1 << 14
 # the longest module or name line of a GLOBAL (protocol 2)
 _MAX_NAME = 256
+# tuples of other values that go to no call (safeload_keys): one may hold the one before, so they
+# bound the depth of a dictionary key the C unpickler hashes (recursively, on the C stack)
+MAX_LOOSE_TUPLES = 10_000
+# bytes the C unpickler may spend on one object, and on one memo index (its memo doubles as it
+# grows: 8 bytes a pointer, twice)
+OBJECT_BYTES = 64
+_MEMO_ENTRY = 16
+_ITEM_OPS = frozenset(b"KMJN\x88\x89)hj\x8cX\x8aG(")
 
 
 class Decline(Exception):
     """The fast road does not take this pickle: the restricted machine reads it."""
 
 
-def scan(data: bytes, floats: bool = False, persistent: bool = False) -> None:
+def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[list[tuple[int, int, bytes]], list[int]]:
     """Raise Decline unless `data` is made only of the opcodes above (BINFLOAT where `floats`,
-    BINPERSID where `persistent`), within the limits."""
+    BINPERSID where `persistent`), within the limits; else the edits safeload_keys.patched makes
+    (the tuples holding memo fetches checked, the others' memo entries made unfetchable) and the
+    positions of the FRAMEs."""
     n = len(data)
     if n < 3 or data[0] != 0x80 or not 2 <= data[1] <= 5:
         raise Decline
     blob = knobs.MAX_PICKLE_BLOB
+    cap = memo_cap(n)
     match = _run_for(n, persistent).match
-    wide = 0
+    wide = [0]
+    edits: list[tuple[int, int, bytes]] = []
+    frames: list[int] = []
+    loose = 0
+
+    def count_wide() -> None:
+        wide[0] += 1
+        if wide[0] > MAX_WIDE_VALUES:
+            raise Declined
+
+    def memo_ok(op: int, at: int) -> bool:
+        return op != 0x72 or int.from_bytes(data[at + 1:at + 5], "little") <= cap
+
     pos = 2
-    while True:
-        pos = match(data, pos).end()
-        if pos >= n:
-            raise Decline  # no STOP
-        op = data[pos]
-        if op == 0x8C:  # SHORT_BINUNICODE
-            if pos + 1 >= n:
+    try:
+        while True:
+            pos = match(data, pos).end()
+            if pos >= n:
+                raise Decline  # no STOP
+            op = data[pos]
+            if op == 0x2E:  # STOP
+                break
+            if op == 0x95:  # FRAME
+                frames.append(pos)
+                pos += 9
+                continue
+            if op == 0x74:  # TUPLE of other values, going to no call (torch's _rebuild_from_type_v2 arguments)
+                loose += 1
+                if loose > MAX_LOOSE_TUPLES:
+                    raise Decline  # (each may hold the one before: they bound a key's depth)
+                pos, span = _memo(data, pos + 1, memo_ok)
+                if span is not None:
+                    edits += loose_edits(*span)
+                continue
+            if op in _ITEM_OPS:
+                got = read_tuple(data, pos, memo_ok, count_wide, floats, blob, frames)
+                if got is not None:
+                    made, end, fetch = got
+                    if fetch:
+                        edits += call_edits(pos, made)
+                    pos = end
+                    continue
+                if op == 0x28:
+                    raise Decline  # (a MARK the regex left: a tuple it cannot take)
+            pos = _value(data, pos, op, count_wide, floats, blob)
+            pos = _memo(data, pos, memo_ok)[0]
+            if pos > n:
                 raise Decline
-            pos += 2 + data[pos + 1]
-        elif op == 0x58 or op == 0x8D:  # BINUNICODE, BINUNICODE8
-            width = 4 if op == 0x58 else 8
-            size = int.from_bytes(data[pos + 1:pos + 1 + width], "little")
-            if size > blob:
-                raise Decline
-            pos += 1 + width + size
-        elif op == 0x8A:  # LONG1
-            if pos + 1 >= n or data[pos + 1] > 8:
-                raise Decline
-            if data[pos + 1] > 4:
-                wide += 1
-                if wide > MAX_WIDE_VALUES:
-                    raise Decline
-            pos += 2 + data[pos + 1]
-        elif op == 0x47 and floats:  # BINFLOAT
-            wide += 1
-            if wide > MAX_WIDE_VALUES:
-                raise Decline
-            pos += 9
-        elif op == 0x72:  # LONG_BINPUT past the inline bound
-            if int.from_bytes(data[pos + 1:pos + 5], "little") > max(n, 1 << 16):
-                raise Decline
-            pos += 5
-        elif op == 0x63:  # GLOBAL: two lines
-            end = data.find(b"\n", pos + 1, pos + 2 + _MAX_NAME)
-            end = data.find(b"\n", end + 1, end + 2 + _MAX_NAME) if end >= 0 else -1
-            if end < 0:
-                raise Decline
-            pos = end + 1
-        elif op == 0x2E:  # STOP
-            break
-        else:
-            raise Decline
-        if pos > n:
-            raise Decline
+    except (Declined, IndexError):
+        raise Decline from None
+    account = pickle_account(n)
     objects = len(data.translate(None, _NOT_MAKERS))  # (the makers kept: one pass, 8x less than a count each)
-    if objects > max(knobs.MAX_PICKLE_OBJECTS, n // 4):
+    if objects > max(knobs.MAX_PICKLE_OBJECTS, n // 4) or objects * OBJECT_BYTES > account or \
+            data.count(b"\x94") * _MEMO_ENTRY > account // 2:
         raise Decline
+    return edits, frames
+
+
+def _value(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: bool, blob: int) -> int:
+    """One value opcode the regex does not take: a string, a wide integer or float, a GLOBAL,
+    or a single-opcode item where the regex saw a tuple begin that read_tuple did not read."""
+    if op == 0x8D:  # BINUNICODE8
+        size = int.from_bytes(data[pos + 1:pos + 9], "little")
+        if size > blob:
+            raise Declined
+        return pos + 9 + size
+    if op == 0x63:  # GLOBAL: two lines
+        end = data.find(b"\n", pos + 1, pos + 2 + _MAX_NAME)
+        end = data.find(b"\n", end + 1, end + 2 + _MAX_NAME) if end >= 0 else -1
+        if end < 0:
+            raise Declined
+        return end + 1
+    if op in _ITEM_OPS:
+        return _item(data, pos, op, wide, floats, blob)
+    raise Declined
 
 
 class Call:
@@ -152,6 +241,7 @@ class Call:
         object.__setattr__(self, "_rule", rule)
 
     def __call__(self, *args: Any) -> Any:
+        check_call(args)
         try:
             return self._rule(args)
         except Refused:
@@ -213,13 +303,27 @@ def run(data: bytes, names: dict[tuple[str, str], Any], check: Callable[[Any], N
     collecting = gc.isenabled()
     if collecting:
         gc.disable()  # millions of new containers, none in a cycle
+    FENCE.check = check_call  # (the stand-ins check their arguments and tuple states)
+    FENCE.weights = {}
     try:
-        scan(data, floats, persistent_load is not None)
-        value = _Unpickler(data, names, persistent_load).load()
+        data = patched(data, *scan(data, floats, persistent_load is not None))
+        value = _Unpickler(data, {**names, SENTINEL: Fetched, CHECKED: checked}, _checked(persistent_load)).load()
         check(value)
         return value
     except Exception:  # noqa: BLE001 - declined (or malformed): the restricted machine reads it and words why
         return None
     finally:
+        FENCE.check = FENCE.weights = None
         if collecting:
             gc.enable()
+
+
+def _checked(persistent_load: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """A persistent id is a tuple of any items (BINPERSID takes it whole): checked first."""
+    if persistent_load is None:
+        return None
+
+    def load(pid: Any) -> Any:
+        check_call((pid,))
+        return persistent_load(pid)
+    return load

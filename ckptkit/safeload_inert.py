@@ -7,11 +7,17 @@ unpickler so that the stand-ins of torch's own types (torch_types), below it, ca
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from .errors import UnsafePickleError, quote
 
 _HASH_SALT = int.from_bytes(os.urandom(8), "little")
+
+
+# set by safeload_fence while Python's C unpickler runs: the check the stand-ins' arguments and
+# tuple states pass first (safeload_keys.check_call)
+FENCE = threading.local()
 
 
 class Inert:
@@ -20,6 +26,9 @@ class Inert:
     _qualname = "Inert"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check = getattr(FENCE, "check", None)
+        if check is not None:
+            check(args)
         self.__dict__["_args"] = args
         if kwargs:
             self.__dict__["_kwargs"] = kwargs
@@ -31,8 +40,14 @@ class Inert:
         if kind is dict and set(map(type, state)) <= _STR and state.keys().isdisjoint(_INERT_ATTRS):
             self.__dict__.update(state)
         elif kind is tuple and len(state) != 2:  # kept as `_state`, as apply_inert_state does (a
-            self.__dict__["_state"] = state     # TensorProperties: 100k in a .metadata)
+            check = getattr(FENCE, "check", None)  # TensorProperties: 100k in a .metadata)
+            if check is not None:
+                check(state)
+            self.__dict__["_state"] = state
         else:
+            check = getattr(FENCE, "check", None)
+            if check is not None and kind is not dict:
+                check((state,))
             apply_inert_state(self, state)
 
     def __reduce__(self):  # re-emitting a stand-in pickles it as the original class
@@ -58,19 +73,53 @@ class Inert:
         return type(other) is type(self) and other.__dict__ == self.__dict__
 
     def __hash__(self) -> int:
-        # by class and every hashable field: stand-ins are dict keys in DCP metadata (MetadataIndex),
+        # by class and every plain field: stand-ins are dict keys in DCP metadata (MetadataIndex),
         # and a hash by class alone makes a dict of thousands of them quadratic; salted per process
-        # so that a pickle cannot craft thousands of keys with one hash (quadratic again)
+        # so that a pickle cannot craft thousands of keys with one hash (quadratic again). Other
+        # fields count by the values inside them, never hashed recursively: a field nested a
+        # million deep or shared 2**40 times (a crafted key) costs at most HASH_VALUES steps, and
+        # keys that collide hold few enough values for == to be cheap; a bigger one is no key
         parts: list[Any] = [_HASH_SALT, self._qualname]
         for name, value in self.__dict__.items():
-            try:
-                parts.append((name, hash(value)))
-            except TypeError:
-                continue
+            t = type(value)
+            if t in _PLAIN:
+                parts.append((name, value))
+            elif not isinstance(value, _CONTAINERS):
+                try:
+                    parts.append((name, hash(value)))
+                except TypeError:
+                    continue
+            elif isinstance(value, tuple) and len(value) <= 64 and set(map(type, value)) <= _PLAIN:
+                parts.append((name, value))  # (a torch.Size, a flat tuple: hashed directly)
+            else:
+                parts.append((name, t.__name__, _values_inside(value)))
         return hash(tuple(parts))
 
 
 _INERT_ATTRS = frozenset(dir(Inert)) | {"_qualname"}
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes})
+_CONTAINERS = (tuple, list, dict, set, frozenset, Inert)
+HASH_VALUES = 4096  # the most values a stand-in used as a dictionary key may hold
+
+
+def _values_inside(value: Any) -> int:
+    """How many values a walk of `value` visits (shared parts each time), up to HASH_VALUES;
+    TypeError (unhashable, as for a list in a frozen dataclass) beyond."""
+    left = HASH_VALUES
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        left -= 1
+        if left < 0:
+            raise TypeError("a stand-in holding this many values is no dictionary key")
+        if isinstance(v, (tuple, list, set, frozenset)):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, Inert):
+            todo.extend(v.__dict__.values())
+    return HASH_VALUES - left
 _STR = {str}
 
 

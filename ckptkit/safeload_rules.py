@@ -24,3 +24,12 @@ def register_allowed(module: str, name: str, value: Any) -> None:
 
 def extra_allowed() -> dict[tuple[str, str], Any]:
     return dict(_EXTRA)
+
+
+def pickle_account(nbytes: int) -> int:
+    """The bytes unpickling `nbytes` of pickle may cause to be allocated, all charged to one
+    account: the memory budget of this process (--memory-budget, CKPTKIT_MEMORY_BUDGET), or twice
+    the pickle's size where that is more (the promise of docs/reliability.md)."""
+    from .runner import limits  # (foundation: the budget a CLI command set)
+
+    return max(limits.budget(), 2 * nbytes)
