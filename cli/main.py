@@ -285,13 +285,17 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def memory_budget_option(fn: Callable) -> Callable:
+    return click.option("--memory-budget", default=None, metavar="SIZE",
+                        help=f"Peak tensor bytes in flight, e.g. 256MB, 2GiB (default "
+                             f"{knobs.DEFAULT_MEMORY_BUDGET >> 20}MiB, or {knobs.MEMORY_BUDGET_ENV} in bytes).")(fn)
+
+
 def read_options(fn: Callable) -> Callable:
     fn = quiet_option(fn)
     fn = follow_links_option(fn)
     fn = tp_rules_option(fn)
-    fn = click.option("--memory-budget", default=None, metavar="SIZE",
-                      help=f"Peak tensor bytes in flight, e.g. 256MB, 2GiB (default "
-                           f"{knobs.DEFAULT_MEMORY_BUDGET >> 20}MiB, or {knobs.MEMORY_BUDGET_ENV} in bytes).")(fn)
+    fn = memory_budget_option(fn)
     fn = click.option("--workers", type=click.IntRange(1, 64), default=None,
                       help=f"IO threads (default {knobs.DEFAULT_WORKERS}, or {knobs.WORKERS_ENV}).")(fn)
     return fn
@@ -451,12 +455,17 @@ def step_option(fn: Callable) -> Callable:
 @quiet_option
 @follow_links_option
 @tp_rules_option
+@memory_budget_option
 @click.pass_obj
 @handle_errors
 @step_option
-def inspect(ctx: Context, src: str, as_json: bool, tag: str | None) -> None:
+def inspect(ctx: Context, src: str, as_json: bool, tag: str | None, memory_budget: str | None) -> None:
     """Show format, world size, step, tensors and objects of SRC."""
     from ckptkit.ops.inspect import inspect as run_inspect, render, report_json
+    from ckptkit.runner import limits
+
+    if memory_budget:  # (what unpickling and loading values whole may allocate: the same default)
+        limits.set_budget(knobs.parse_size(memory_budget, "--memory-budget"))
 
     opened, report = run_inspect(src, tag=tag, follow_links=follow_links())
     if as_json:
