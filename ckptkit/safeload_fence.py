@@ -87,8 +87,7 @@ def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
     memo_opt = b"(?:" + memo + b")?+"
     atom = b"(?:K.|M..|J....|[N\\x88\\x89)]|" + _strings(short) + b")" + memo_opt
     get = b"(?:h.|j....)" + memo_opt
-    # (in lookaheads, which only choose where the regex stops: strings of fewer than 32 bytes)
-    item = b"(?:(?:K.|M..|J....|[N\\x88\\x89)]|h.|j....|" + _strings(min(short, 32)) + b")" + memo_opt + b")"
+    item = b"(?:" + atom + b"|" + get + b")"
     consumers = b"R" + memo_opt + b"|b|\\x85" + memo_opt + b"R" + memo_opt + (b"|Q" + memo_opt if persistent else b"")
     wrapped = b"(?:\\x85" + memo_opt + b"R" + memo_opt + b")?"
     # an item, or the first of a tuple of items (no memo fetch among them)

@@ -248,10 +248,15 @@ def _defaultdict(args: tuple) -> dict:
     return {}
 
 
+PATH_CHARS = 4096  # a path's parts together (PATH_MAX): pathlib's work grows with each part's length
+
+
 def _path(cls: type) -> Rule:
     def rule(args: tuple) -> Any:
-        if len(args) > 4096 or not all(type(a) is str for a in args):
+        if len(args) > PATH_CHARS or not all(type(a) is str for a in args):
             raise Refused("takes strings")
+        if sum(map(len, args)) > PATH_CHARS:  # (one long string fetched thousands of times costs its pickle 2 bytes each)
+            raise Refused(f"takes parts of at most {PATH_CHARS:,} characters in all")
         return cls(*args)
     return rule
 

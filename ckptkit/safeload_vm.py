@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from . import knobs
 from .errors import FormatError, UnsafePickleError
+from .safeload_rules import pickle_account
 
 
 class Placeholder:
@@ -93,6 +94,7 @@ MAX_INT_BYTES = 128      # LONG1 / LONG4: Python ints of more than 1024 bits are
 MAX_TEXT_LINE = 512      # INT / LONG / FLOAT / GET / PUT arguments of protocol 0
 EXPANDED_PER_BYTE = 4    # the expanded-size limit of a large pickle: this many values per input byte
 MAX_SAME_HASH = 64       # keys of one set sharing one hash: more are crafted (each insert walks them all)
+OBJECT_BYTES = 64        # what one object costs the memory account at least (an empty dict: 64 bytes)
 
 # values with nothing inside them whose expanded size is 1 (text and bytes weigh by length)
 _ATOMS = frozenset({int, float, bool, type(None), complex, type, FunctionType, slice})
@@ -138,7 +140,10 @@ class Machine:
         self.limits = lim = limits or Limits.current()
         # a large pickle may hold more: objects never outnumber opcodes, so a quarter of its bytes
         # (a real .metadata creates one object per 4.5 bytes) costs no more than reading it
-        self.max_objects = max(lim.objects, len(self.data) // 4)
+        # ... and both, with the bytes rebuilt, within the one account of the memory budget
+        # (max(budget, 2 x the pickle): docs/reliability.md), OBJECT_BYTES an object at least
+        self.account = pickle_account(len(self.data))
+        self.max_objects = min(max(lim.objects, len(self.data) // 4), max(1, self.account // OBJECT_BYTES))
         # likewise the expanded size: a walk of the result costs at most a few steps per input byte,
         # so a 500k-tensor .metadata (which shares its dtypes and properties) is read, while a 1.5 KB
         # pickle of lists sharing their children (2**40 when walked) is refused
@@ -172,7 +177,22 @@ class Machine:
     def count(self, n: int = 1) -> None:
         self.objects += n
         if self.objects + self.memo_size() > self.max_objects:
-            raise _limit("creates more objects than allowed", self.max_objects, "MAX_PICKLE_OBJECTS")
+            raise self.too_many()
+
+    def too_many(self) -> FormatError:
+        if self.max_objects * OBJECT_BYTES >= self.account:
+            return FormatError(f"pickle creates more objects than the memory budget allows (limit "
+                               f"{self.max_objects:,}; raise --memory-budget or {knobs.MEMORY_BUDGET_ENV})")
+        return _limit("creates more objects than allowed", self.max_objects, "MAX_PICKLE_OBJECTS")
+
+    def spend(self, built: int) -> None:
+        """Bytes a rebuild call created: within MAX_PICKLE_BUILT and, with the objects, the account."""
+        self.built += built
+        if self.built > self.limits.built:
+            raise _limit("rebuilds more bytes than allowed", self.limits.built, "MAX_PICKLE_BUILT")
+        if self.built + (self.objects + self.memo_size()) * OBJECT_BYTES > self.account:
+            raise FormatError(f"pickle rebuilds more bytes than the memory budget allows ({self.built:,} bytes "
+                              f"besides its objects; raise --memory-budget or {knobs.MEMORY_BUDGET_ENV})")
 
     def memo_size(self) -> int:
         return len(self.memo) + len(self.memo_far)
@@ -276,7 +296,7 @@ class Machine:
         else:
             self.memo_far[key] = value
         if self.objects + self.memo_size() > self.max_objects:
-            raise _limit("creates more objects than allowed", self.max_objects, "MAX_PICKLE_OBJECTS")
+            raise self.too_many()
         if self.pending:
             p = self.pending.get(id(value))
             if p is not None:
@@ -311,9 +331,7 @@ class Machine:
         that only a BUILD completes (a placeholder)."""
         extra, built = self.grammar.cost(value)
         if built:
-            self.built += built
-            if self.built > self.limits.built:
-                raise _limit("rebuilds more bytes than allowed", self.limits.built, "MAX_PICKLE_BUILT")
+            self.spend(built)
             extra += built >> 6
         if extra:
             self.add_extra(extra)
@@ -346,9 +364,7 @@ class Machine:
         value = self.grammar.build(obj, state)
         extra, built = self.grammar.cost(value)
         if built:
-            self.built += built
-            if self.built > self.limits.built:
-                raise _limit("rebuilds more bytes than allowed", self.limits.built, "MAX_PICKLE_BUILT")
+            self.spend(built)
             extra += built >> 6
         if extra:
             self.add_extra(extra)
