@@ -26,7 +26,8 @@ from .safeload_vm import Placeholder, check_keys
 from .torch_types import DType, GlobalRef, Size, SmallTensor
 
 def _kinds(args: tuple) -> str:
-    return "(" + ", ".join(type(a).__name__ for a in args) + ")"
+    shown = ", ".join(type(a).__name__ for a in args[:8])  # (a sentence, however many arguments)
+    return "(" + shown + (f", ... {len(args) - 8:,} more" if len(args) > 8 else "") + ")"
 
 
 _INT = {int}

@@ -18,21 +18,37 @@ from .types import (Box, CheckpointIndex, Encoding, FlatRange, IntegrityCheck, L
 SCHEMA = "ckptkit.index/1"
 
 
-def safe_value(value: Any, depth: int = 0) -> Any:
+VALUE_CHARS = 1 << 24  # what one value may write to JSON: shared parts are written each time they are reached
+
+
+def safe_value(value: Any, depth: int = 0, left: list[int] | None = None) -> Any:
     """A JSON-friendly description of any value the restricted unpickler can produce (and of
-    torch's own objects, for values built in memory)."""
+    torch's own objects, for values built in memory). A value is cut where it would write more
+    than VALUE_CHARS (a pickle can reference one long string thousands of times): what was not
+    written is {"__cut__": <what it is>}, and text beyond the rest {"__text__": head, "__chars__": n}."""
+    if left is None:
+        left = [VALUE_CHARS]
+    left[0] -= 1
+    if left[0] < 0:
+        return {"__cut__": type(value).__name__}
     if depth > 32:
         return {"__repr__": "<nested too deeply>"}
-    if value is None or isinstance(value, (bool, int, str)):
+    if isinstance(value, str):
+        if len(value) > left[0]:
+            head, left[0] = value[:max(0, left[0])], 0
+            return {"__text__": head, "__chars__": len(value)}
+        left[0] -= len(value)
+        return value
+    if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, dict):
-        return {str(k): safe_value(v, depth + 1) for k, v in value.items()}
+        return {str(k): safe_value(v, depth + 1, left) for k, v in value.items()}
     if isinstance(value, Size) or is_instance(value, "Size"):
         return list(value)
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [safe_value(v, depth + 1) for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value)]
+        return [safe_value(v, depth + 1, left) for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value)]
     if isinstance(value, SmallTensor):
         out: dict[str, Any] = {"__tensor__": {"dtype": value.dtype, "shape": list(value.shape)}}
         values = value.tolist() if value.numel <= 16 else None
@@ -46,7 +62,7 @@ def safe_value(value: Any, depth: int = 0) -> Any:
                 if value.dtype.is_floating_point else value.reshape(-1).tolist()
         return out
     if isinstance(value, Inert):
-        return safe_value(value.to_data(), depth + 1)
+        return safe_value(value.to_data(), depth + 1, left)
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": len(value)}
     if isinstance(value, DType):

@@ -5,7 +5,7 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any
+from typing import Any, Iterator
 
 from ..formats import lightning
 from ..formats.registry import Opened, open_checkpoint
@@ -214,8 +214,41 @@ def _table(opened: Opened, report: Report, max_rows: int) -> list[str]:
         lines.append("")
         lines.append("objects")
         for k, v in list(report.objects.items())[:max_rows]:
-            text = repr(v) if not isinstance(v, str) else v
-            lines.append(f"  {k} = {text[:100]}")
+            lines.append(f"  {k} = {v[:100] if isinstance(v, str) else preview(v, 100)}")
         if len(report.objects) > max_rows:
             lines.append(f"  ... and {len(report.objects) - max_rows} more")
     return lines
+
+
+def preview(value: Any, width: int) -> str:
+    """repr(value)[:width] of a JSON-like value, without building the rest of it: a value may
+    reference one long string thousands of times (repr would spell it out each time)."""
+    out: list[str] = []
+    n = 0
+    for piece in _pieces(value):
+        out.append(piece)
+        n += len(piece)
+        if n >= width:
+            break
+    return "".join(out)[:width]
+
+
+def _pieces(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        yield "{"
+        for i, (k, v) in enumerate(value.items()):
+            yield ", " if i else ""
+            yield from _pieces(k)
+            yield ": "
+            yield from _pieces(v)
+        yield "}"
+    elif isinstance(value, (list, tuple)):
+        yield "[" if isinstance(value, list) else "("
+        for i, v in enumerate(value):
+            yield ", " if i else ""
+            yield from _pieces(v)
+        yield "]" if isinstance(value, list) else ",)" if len(value) == 1 else ")"
+    elif isinstance(value, str) and len(value) > 256:
+        yield repr(value[:256])[:-1]  # (no closing quote: the preview stops before it)
+    else:
+        yield repr(value)
