@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what unpickling builds (stand-ins of torch's and foreign types) and the unpickler itself
     ("values", ("ckptkit.safeload_inert", "ckptkit.torch_types", "ckptkit.safeload_refs",
                 "ckptkit.safeload_rules", "ckptkit.safeload_vm", "ckptkit.safeload_grammar",
-                "ckptkit.safeload_numpy", "ckptkit.safeload_fence", "ckptkit.safeload_dcp",
+                "ckptkit.safeload_numpy", "ckptkit.safeload_keys", "ckptkit.safeload_fence", "ckptkit.safeload_dcp",
                 "ckptkit.safeload_torchsave", "ckptkit.safeload", "ckptkit.repickle")),
     ("index", ("ckptkit.index",)),          # the canonical index and its geometry
     # the process group: an output folder of a distributed job takes part in its collectives
