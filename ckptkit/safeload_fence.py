@@ -28,8 +28,8 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from . import knobs
-from .safeload_keys import (CHECKED, SENTINEL, Declined, Fetched, _item, _memo, call_edits, check_call, checked,
-                             loose_edits, patched, read_tuple)
+from .safeload_keys import (CHECKED, SENTINEL, Declined, Edits, Fetched, _item, _memo, check_call, checked, patched,
+                             read_tuple)
 from .safeload_rules import Refused, pickle_account
 from .safeload_inert import FENCE
 from .torch_types import Size
@@ -142,7 +142,7 @@ class Decline(Exception):
     """The fast road does not take this pickle: the restricted machine reads it."""
 
 
-def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[list[tuple[int, int, bytes]], list[int]]:
+def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[Edits, list[int]]:
     """Raise Decline unless `data` is made only of the opcodes above (BINFLOAT where `floats`,
     BINPERSID where `persistent`), within the limits; else the edits safeload_keys.patched makes
     (the tuples holding memo fetches checked, the others' memo entries made unfetchable) and the
@@ -154,7 +154,7 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[l
     cap = memo_cap(n)
     match = _run_for(n, persistent).match
     wide = [0]
-    edits: list[tuple[int, int, bytes]] = []
+    edits = Edits()
     frames: list[int] = []
     loose = 0
 
@@ -185,14 +185,14 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[l
                     raise Decline  # (each may hold the one before: they bound a key's depth)
                 pos, span = _memo(data, pos + 1, memo_ok)
                 if span is not None:
-                    edits += loose_edits(*span)
+                    edits.loose(*span)
                 continue
             if op in _ITEM_OPS:
                 got = read_tuple(data, pos, memo_ok, count_wide, floats, blob, frames)
                 if got is not None:
                     made, end, fetch = got
                     if fetch:
-                        edits += call_edits(pos, made)
+                        edits.call(pos, made)
                     pos = end
                     continue
                 if op == 0x28:

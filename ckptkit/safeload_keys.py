@@ -25,12 +25,13 @@ at most MAX_LOOSE deep.
 from __future__ import annotations
 
 import bisect
+from array import array
 from typing import Any, Callable
 
 from .safeload_inert import FENCE, Inert
 
-__all__ = ["CHECKED", "FENCE", "Declined", "Fetched", "MAX_ITEMS", "MAX_WEIGHT", "SENTINEL", "bounded", "call_edits",
-           "check_call", "checked", "loose_edits", "patched", "read_tuple"]
+__all__ = ["CHECKED", "FENCE", "Declined", "Edits", "Fetched", "MAX_ITEMS", "MAX_WEIGHT", "SENTINEL", "bounded",
+           "check_call", "checked", "patched", "read_tuple"]
 
 MAX_ITEMS = 64      # items of a tuple read whole (torch.Size has at most 64 dims in practice)
 MAX_WEIGHT = 256    # values a hash of a checked tuple visits: a rebuild call's arguments visit ~20
@@ -138,41 +139,67 @@ _CHECKED_OP = b"c" + CHECKED[0].encode() + b"\n" + CHECKED[1].encode() + b"\n"
 _CALL_IT = b"\x85R"  # TUPLE1, REDUCE: checked(the tuple)
 
 
-def call_edits(start: int, made: int) -> list[tuple[int, int, bytes]]:
-    """The edits passing the tuple whose items begin at `start` and whose TUPLE opcode ends at
-    `made` through `checked`: its GLOBAL before the items, TUPLE1 and REDUCE after the tuple."""
-    return [(start, start, _CHECKED_OP), (made, made, _CALL_IT)]
+class Edits:
+    """Insertions into a pickle, in the order of their positions (the scan's), kept compactly:
+    a hostile pickle may ask for hundreds of thousands of them (9 bytes each here)."""
+
+    TEXTS = (_CHECKED_OP, _CALL_IT, _SENTINEL_OP, _POP)
+
+    def __init__(self) -> None:
+        self.at = array("q")
+        self.kind = bytearray()
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def call(self, start: int, made: int) -> None:
+        """Pass the tuple whose items begin at `start` and whose TUPLE opcode ends at `made`
+        through `checked`: its GLOBAL before the items, TUPLE1 and REDUCE after the tuple."""
+        self.at.extend((start, made))
+        self.kind.extend(b"\x00\x01")
+
+    def loose(self, start: int, end: int) -> None:
+        """Make the memo opcode at [start, end) memoize `Fetched` in the tuple's place: the GLOBAL
+        of `Fetched` before it, POP after it (the tuple is on the stack again)."""
+        self.at.extend((start, end))
+        self.kind.extend(b"\x02\x03")
 
 
-def loose_edits(start: int, end: int) -> list[tuple[int, int, bytes]]:
-    """The edits making the memo opcode at [start, end) memoize `Fetched` in the tuple's place:
-    the GLOBAL of `Fetched` before it, POP after it (the tuple is on the stack again)."""
-    return [(start, start, _SENTINEL_OP), (end, end, _POP)]
-
-
-def patched(data: bytes, edits: list[tuple[int, int, bytes]], frames: list[int]) -> bytes:
-    """`data` with each [start, end) of `edits` replaced by its text, and the FRAMEs at `frames`
-    lengthened by what the edits inside them added."""
+def patched(data: bytes, edits: Edits, frames: list[int]) -> bytes:
+    """`data` with `edits` inserted, and the FRAMEs at `frames` lengthened by what was inserted
+    into them."""
     if not edits:
         return data
-    ordered = sorted((start, k, end, text) for k, (start, end, text) in enumerate(edits))  # (scan order at a tie)
-    starts = [e[0] for e in ordered]
-    grown = [0]
-    for start, _, end, text in ordered:
-        grown.append(grown[-1] + len(text) - (end - start))
+    texts = Edits.TEXTS
+    grown = array("q", [0])
+    for k in edits.kind:
+        grown.append(grown[-1] + len(texts[k]))
+    lengths = {}
     for at in frames:
         length = int.from_bytes(data[at + 1:at + 9], "little")
-        first, past = bisect.bisect_left(starts, at + 9), bisect.bisect_left(starts, at + 9 + length)
+        first, past = bisect.bisect_left(edits.at, at + 9), bisect.bisect_left(edits.at, at + 9 + length)
         if past > first:
-            ordered.append((at + 1, -1, at + 9, (length + grown[past] - grown[first]).to_bytes(8, "little")))
-    ordered.sort()
-    parts: list[bytes] = []
+            lengths[at] = length + grown[past] - grown[first]
+    out = bytearray()
     last = 0
-    for start, _, end, text in ordered:
-        parts += (data[last:start], text)
-        last = end
-    parts.append(data[last:])
-    return b"".join(parts)
+    frames_grown = sorted(lengths)  # (few: one per 64 KB)
+    f = 0
+    for i, at in enumerate(edits.at):
+        while f < len(frames_grown) and frames_grown[f] < at:
+            frame = frames_grown[f]
+            out += data[last:frame + 1]
+            out += lengths[frame].to_bytes(8, "little")
+            last = frame + 9
+            f += 1
+        out += data[last:at]
+        out += texts[edits.kind[i]]
+        last = at
+    for frame in frames_grown[f:]:
+        out += data[last:frame + 1]
+        out += lengths[frame].to_bytes(8, "little")
+        last = frame + 9
+    out += data[last:]
+    return bytes(out)
 
 
 # item opcodes read_tuple takes: fixed widths (K, M, J, h, j, None, booleans, empty tuple)

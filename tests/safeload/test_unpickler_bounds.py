@@ -155,7 +155,7 @@ def _refused(cmd: str, place: str, pickle_bytes: bytes, tmp_path: Path, timeout:
     scene = hostile.Scene(src)
     args = ("inspect", src, "--memory-budget", BUDGET) if cmd == "inspect" else ("verify", "--deep", src, "--memory-budget", BUDGET)
     run = hostile.run_ckptkit(*args, timeout=timeout)
-    bound = hostile.rss_bound(BUDGET_BYTES, hostile_file.stat().st_size)
+    bound = hostile.rss_bound(BUDGET_BYTES, hostile_file.stat().st_size, with_torch=cmd != "inspect")
     hostile.check_refused(run, hostile_file.name, scene=scene, rss_limit=bound, code=1 if cmd == "verify" else 2)
 
 
