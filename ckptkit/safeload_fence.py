@@ -96,11 +96,21 @@ def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
     general = b"t" + memo_opt + b"(?:" + consumers + b")"
     # a memo fetch where no tuple of single-opcode items begins
     get_alone = get + b"(?!\\x85|" + item + b"(?:[\\x86\\x87]|" + item + b"\\x87))"
+    # the same, seen sooner where no string follows (the lookahead above tries every string
+    # length group at each item): fixed-width items only, then an opcode that cannot go on
+    fixed = b"(?:K.|M..|J....|[N\\x88\\x89)]|h.|j....)" + memo_opt
+    starts = b"KMJN\\x88\\x89)hjX\\x8c"
+    get_fast = get + b"(?=[^" + starts + b"\\x85]|" + fixed + b"(?:[^" + starts + b"\\x86\\x87]|" + fixed + b"[^\\x87]))"
     values = b"[" + re.escape(_VALUES + (_BINPERSID if persistent else b"")) + b"]" + memo_opt
     others = b"[" + re.escape(_OTHERS) + b"]"  # (FRAME: the loop, which notes where it is)
     # a MARK where no tuple of single-opcode items (one a memo fetch) begins that goes to no call
     mark = b"\\((?!(?:" + item + b"){0,64}+t" + memo_opt + b"(?!" + consumers + b"))"
-    return re.compile(b"(?:" + b"|".join((others, get_alone, atoms, values, flat, mark, general)) + b")*+", re.DOTALL)
+    # the same, seen sooner where the items are of fixed width
+    mark_fast = b"\\((?=(?:" + fixed + b"){0,64}+(?:[^" + starts + b"t]|t" + memo_opt + b"(?:" + consumers + b")))"
+    # (the most frequent first: the alternatives begin with distinct opcodes, flat and the marks
+    # aside, whose order is kept)
+    return re.compile(b"(?:" + b"|".join((get_fast, values, atoms, others, get_alone, flat, mark_fast, mark, general)) +
+                      b")*+", re.DOTALL)
 
 
 def memo_cap(n: int) -> int:
@@ -136,6 +146,9 @@ MAX_LOOSE_TUPLES = 10_000
 OBJECT_BYTES = 64
 _MEMO_ENTRY = 16
 _ITEM_OPS = frozenset(b"KMJN\x88\x89)hj\x8cX\x8aG(")
+# a tuple of one memo fetch (a DCP .metadata's planner_data holds one per tensor): what
+# read_tuple reads there, at regex speed
+_FETCH_TUPLE1 = re.compile(b"(?:h.|j....)\\x85", re.DOTALL)
 
 
 class Decline(Exception):
@@ -187,6 +200,13 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
                 if span is not None:
                     edits.loose(*span)
                 continue
+            if op == 0x68 or op == 0x6A:
+                one = _FETCH_TUPLE1.match(data, pos)
+                if one is not None:
+                    made = one.end()
+                    edits.call(pos, made)
+                    pos = _memo(data, made, memo_ok)[0]
+                    continue
             if op in _ITEM_OPS:
                 got = read_tuple(data, pos, memo_ok, count_wide, floats, blob, frames)
                 if got is not None:
