@@ -64,6 +64,29 @@ def ident_is_text(raw: bytes) -> bool:
     return True
 
 
+def record_reader(members: Mapping[str, Any], prefix: str, read_span: Callable[[int, int], bytes],
+                  gap: int = _RECORD_BYTES) -> Callable[[Any], bytes]:
+    """`read(member)` for check_records that reads the small records lying near each other in one
+    span (torch.save puts two of them before the storages and two after): a few reads of a big
+    archive, not one per record. A record too large to check is read (and refused) on its own."""
+    names = (*record_names(prefix), ident_name(prefix))
+    small = sorted((m for m in map(members.get, names) if m is not None and not getattr(m, "compressed", False)
+                    and 0 <= m.size <= _RECORD_BYTES), key=lambda m: m.data_offset)
+    spans: list[list[Any]] = []
+    for m in small:
+        if spans and m.data_offset - (spans[-1][-1].data_offset + spans[-1][-1].size) <= gap:
+            spans[-1].append(m)
+        else:
+            spans.append([m])
+    got: dict[str, bytes] = {}
+    for span in spans:
+        start, end = span[0].data_offset, max(m.data_offset + m.size for m in span)
+        raw = read_span(start, end - start)
+        for m in span:
+            got[m.name] = raw[m.data_offset - start:m.data_offset - start + m.size]
+    return lambda member: got[member.name] if member.name in got else read_span(member.data_offset, member.size)
+
+
 def check_records(label: str, prefix: str, members: Mapping[str, Any], read: Callable[[Any], bytes]) -> None:
     """Refuse an archive whose records make torch.load refuse it or read its bytes otherwise than
     ckptkit does. `read(member)` gives a member's bytes."""

@@ -30,7 +30,7 @@ from ..safeload import (RawStorage, StorageRef, TensorRef, fenced_torch_save_loa
                         typed_storage)
 from ..storage.source import BytesSource, RangeFile, Source
 from . import limits
-from .archive_records import StorageKinds, archive_folder, check_records
+from .archive_records import StorageKinds, archive_folder, check_records, record_reader
 from ..torch_types import SmallTensor, view_problem
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -142,7 +142,8 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
 
 def _with_records(archive: Archive) -> Archive:
     """`archive`, once its byteorder, version and alignment records read as torch.load reads them."""
-    check_records(archive.label, archive.prefix, archive.members, lambda m: archive.read(m.data_offset, m.size))
+    check_records(archive.label, archive.prefix, archive.members,
+                  record_reader(archive.members, archive.prefix, archive.read))
     return archive
 
 
