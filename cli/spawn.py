@@ -61,10 +61,12 @@ def relaunch(nproc: int, out: str | None = None) -> int:
             env[QUIET_ENV] = "1"  # this launcher reports an interrupt, once
             procs.append(subprocess.Popen([sys.executable, "-m", "ckptkit", *args], env=env))
         codes, killed = _wait(procs, interrupts.cancelled)
-    if killed and out and "://" not in out:
+    if (killed or interrupts.cancelled.is_set() or any(codes)) and out and "://" not in out:
         from ckptkit.storage.rename_output import recover
 
-        recover(out)  # a killed process could not remove its temporary folder and lock
+        # every process has ended: what one left next to OUT (killed, or stopped by Ctrl-C between
+        # taking the lock and arming its cleanup) is a dead run's, swept under OUT's lock
+        recover(out)
     if len(procs) == nproc and not any(codes):  # every process succeeded: the output is committed, and
         return 0                                 # a Ctrl-C that came after that changes nothing (exit 0)
     if interrupts.cancelled.is_set() or INTERRUPTED in codes:
