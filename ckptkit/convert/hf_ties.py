@@ -70,7 +70,6 @@ def _folder_of(path: str, follow_links: bool | None) -> str:
 
 def read_config(folder: str, follow_links: bool | None = None) -> dict | None:
     """config.json of `folder` as a JSON object, None when there is none; bounded and checked."""
-    from ..safe_json import loads
     from ..storage.source import open_source
 
     try:
@@ -79,13 +78,22 @@ def read_config(folder: str, follow_links: bool | None = None) -> dict | None:
             return None
     except (CkptkitError, OSError):
         return None
-    size = source.size(CONFIG)  # a FIFO, a link leading out: one sentence
+    return model_config(source)
+
+
+def model_config(source, name: str = CONFIG) -> dict:
+    """The model config `name` of `source` (a storage Source) as a JSON object: its size and
+    values bounded before parsing; a FIFO, a link leading out, an oversize file or no object is
+    one sentence."""
+    from ..safe_json import loads
+
+    size = source.size(name)
     if size > MAX_CONFIG_BYTES:
-        raise FormatError(f"{source.label(CONFIG)}: is {size:,} bytes, more than a model config "
+        raise FormatError(f"{source.label(name)}: is {size:,} bytes, more than a model config "
                           f"({MAX_CONFIG_BYTES:,} at most)")
-    doc = loads(source.read(CONFIG, 0, size), source.label(CONFIG), "the model config", bounded=True)
+    doc = loads(source.read(name, 0, size), source.label(name), "the model config", bounded=True)
     if not isinstance(doc, dict):
-        raise FormatError(f"{source.label(CONFIG)}: is not a JSON object (a model config is one)")
+        raise FormatError(f"{source.label(name)}: is not a JSON object (a model config is one)")
     return doc
 
 

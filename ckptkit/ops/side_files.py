@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..errors import CkptkitError, FormatError, UsageError
+from ..errors import CkptkitError, UsageError
 from ..storage.paths import kind_of
 from ..storage.source import Source, is_url, open_source
 
@@ -32,7 +32,6 @@ NAMES = (
 )
 PATTERNS = ("configuration_*.py", "modeling_*.py", "tokenization_*.py")  # trust_remote_code models (auto_map)
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers 4.5x+: extra templates as *.jinja
-MAX_CONFIG_BYTES = 16 << 20
 CHUNK = 4 << 20
 
 # A checkpoint that is a part of a trainer's folder: its parent is that folder (DeepSpeed tag,
@@ -167,19 +166,12 @@ def from_config_dir(config: str, follow_links: bool | None = None) -> SideFiles:
 def _check(found: SideFiles) -> None:
     """Every side file is a regular file that may be read (checked now, before any output is
     written), and config.json a JSON object, or from_pretrained fails later on the output."""
-    from ..safe_json import loads
+    from ..convert.hf_ties import model_config
 
     for f in found.files:
-        size = found._sources[f.folder].size(f.name)  # missing, a FIFO, a link leading out: one sentence
-        if f.name != CONFIG:
-            continue
-        source = found._sources[f.folder]
-        if size > MAX_CONFIG_BYTES:
-            raise FormatError(f"{source.label(CONFIG)}: is {size:,} bytes, more than a model config "
-                              f"({MAX_CONFIG_BYTES:,} at most)")
-        doc = loads(source.read(CONFIG, 0, size), source.label(CONFIG), "the model config", bounded=True)
-        if not isinstance(doc, dict):
-            raise FormatError(f"{source.label(CONFIG)}: is not a JSON object (a model config is one)")
+        found._sources[f.folder].size(f.name)  # missing, a FIFO, a link leading out: one sentence
+        if f.name == CONFIG:
+            model_config(found._sources[f.folder])
 
 
 def copy(found: SideFiles, target) -> list[str]:
