@@ -6,6 +6,7 @@ In-job API (imported lazily, so the command line starts fast):
     ckptkit.Checkpointer(directory, keep=3, async_save=False)
     ckptkit.StorageReader(path)          torch's dcp.load reading any checkpoint format
 """
+
 from __future__ import annotations
 
 TYPE_CHECKING = False  # typing is not imported: `python -m ckptkit` runs this before its Ctrl-C handler

@@ -13,6 +13,7 @@ ZeRO, torch.save, safetensors), whatever world size it was saved at: each rank r
 byte ranges of its own shards (a DTensor's local box) with ckptkit's reader, so nothing is
 unpickled outside the restricted loader and no rank holds more than its share.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, pg: Any = No
     """Write `state_dict` as a DCP checkpoint at `path` (a local or mounted path), atomically. Collective."""
     path = path_text(path, "ckptkit.save")
     if is_url(path):  # torch's writer fills a local folder: a URL would send the shards elsewhere
-        raise UnsupportedError(f"{path}: ckptkit.save writes to a local or mounted path, not a URL; save "
-                               f"locally, then copy the folder to the store")
+        raise UnsupportedError(
+            f"{path}: ckptkit.save writes to a local or mounted path, not a URL; save "
+            f"locally, then copy the folder to the store"
+        )
     group = group_of(pg)
     refusal = None
     try:
@@ -59,8 +62,10 @@ def flat_leaves(state_dict: Mapping[str, Any]) -> list[tuple[Path, Any]]:
     for path, _ in leaves:
         key = key_of(path)
         if key in seen:
-            raise UsageError(f"the state dict entries {spell(seen[key])} and {spell(path)} both flatten to the "
-                             f"name {key!r} (DCP joins nested keys with dots): rename one of them")
+            raise UsageError(
+                f"the state dict entries {spell(seen[key])} and {spell(path)} both flatten to the "
+                f"name {key!r} (DCP joins nested keys with dots): rename one of them"
+            )
         seen[key] = path
     return leaves
 
@@ -114,8 +119,9 @@ def _save_dcp(dcp: Any, state_dict: Mapping[str, Any], writer: Any, pg: Any, dis
         inner(state_dict=dict(state_dict), storage_writer=writer, no_dist=True)
 
 
-def load(state_dict: dict[str, Any], path: str | os.PathLike, *, tag: str | None = None,
-         follow_links: bool | None = None) -> dict[str, Any]:
+def load(
+    state_dict: dict[str, Any], path: str | os.PathLike, *, tag: str | None = None, follow_links: bool | None = None
+) -> dict[str, Any]:
     """Fill `state_dict` in place from the checkpoint at `path` (any format, any world size).
 
     Tensors are copied into (DTensors: into their local shards); other values are replaced by the
@@ -140,8 +146,10 @@ def load_opened(state_dict: dict[str, Any], opened: Any, path: str) -> dict[str,
     missing = [k for k in keys if k not in index.tensors and k not in index.objects]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise FormatError(f"{path}: has no {shown} (the checkpoint holds {len(index.tensors)} tensors, e.g. "
-                          f"{', '.join(list(index.tensors)[:3])})")
+        raise FormatError(
+            f"{path}: has no {shown} (the checkpoint holds {len(index.tensors)} tensors, e.g. "
+            f"{', '.join(list(index.tensors)[:3])})"
+        )
     # every refusal before the first byte is copied: a refused load leaves the state dict as it was
     targets = [(path_, value, _target(value, index, key, path)) for (path_, value), key in zip(leaves, keys)]
     for (path_, value, target), key in zip(targets, keys):
@@ -188,18 +196,23 @@ def _target(value: Any, index: CheckpointIndex, key: str, path: str) -> tuple[to
     entry = index.tensors.get(key)
     if not isinstance(value, torch.Tensor):
         if entry is not None:
-            raise FormatError(f"{path}: {key} is a tensor in the checkpoint, the state dict holds "
-                              f"{type(value).__name__} (put a tensor of shape {list(entry.shape)} there to load it)")
+            raise FormatError(
+                f"{path}: {key} is a tensor in the checkpoint, the state dict holds "
+                f"{type(value).__name__} (put a tensor of shape {list(entry.shape)} there to load it)"
+            )
         return None
     if entry is None:
         raise FormatError(f"{path}: {key} is not a tensor in the checkpoint")
     if tuple(value.shape) != tuple(entry.shape):
-        raise FormatError(f"{path}: {key} has shape {list(entry.shape)} in the checkpoint, the state dict "
-                          f"expects {list(value.shape)}")
+        raise FormatError(
+            f"{path}: {key} has shape {list(entry.shape)} in the checkpoint, the state dict expects {list(value.shape)}"
+        )
     local, box = _local_box(value)
     if local.is_meta:
-        raise UsageError(f"{key} is a tensor on the meta device, which holds no data to load into: "
-                               f"materialise the model first (model.to_empty(device=...)), then load")
+        raise UsageError(
+            f"{key} is a tensor on the meta device, which holds no data to load into: "
+            f"materialise the model first (model.to_empty(device=...)), then load"
+        )
     return local, box
 
 
@@ -227,8 +240,10 @@ def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()
         if tuple(local.shape) != tuple(shape):
-            raise UnsupportedError(f"DTensor with placements {t.placements} keeps a padded local shard "
-                                   f"{tuple(local.shape)}; ckptkit.load fills unpadded shards only")
+            raise UnsupportedError(
+                f"DTensor with placements {t.placements} keeps a padded local shard "
+                f"{tuple(local.shape)}; ckptkit.load fills unpadded shards only"
+            )
         return local, Box(tuple(offset), tuple(shape))
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise UnsupportedError(f"ckptkit.load fills plain tensors and DTensors, not {type(t).__name__}")

@@ -10,6 +10,7 @@ Every buffer comes out of the budget: a caller that holds `n` buffers at once in
 takes `slab_bytes_for(n)` bytes per buffer, so all workers together stay within `memory_budget`
 (torchsnapshot's budgeted scheduler, in its simplest form).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,6 +3,7 @@
 The CLI prints ``str(error)`` and exits non-zero; the sentence names the file, the key and what
 was expected versus what was found, so no traceback is ever needed to understand it.
 """
+
 from __future__ import annotations
 
 from .text import escape_char
@@ -18,12 +19,12 @@ def quote(value: "str | bytes", limit: int = QUOTE_LIMIT) -> str:
     undecodable bytes and invisible format characters written as escapes (\\n, \\x1b, \\u202e),
     so a hostile file can neither flood nor repaint the user's terminal through an error."""
     if isinstance(value, (bytes, bytearray, memoryview)):
-        data = bytes(value[:limit * 4])
+        data = bytes(value[: limit * 4])
         text = data.decode("utf-8", "surrogateescape")
         whole = len(value) <= len(data)
     else:
         text = str(value)
-        text, whole = text[:limit * 4], len(text) <= limit * 4
+        text, whole = text[: limit * 4], len(text) <= limit * 4
     out: list[str] = []
     used = 0
     for ch in text:

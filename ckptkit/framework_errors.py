@@ -8,13 +8,14 @@ inline_container.cc] ... unexpected pos') that keeps the OSError only as its __c
 save_checkpoint passes that RuntimeError on. `framework_cause` digs out what the user can act on:
 a ckptkit error or an OSError, first in rank order, else the first rank's own exception (no dump).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from .errors import CkptkitError
 
-_CHAIN_LIMIT = 32   # links of __cause__/__context__ followed (a chain can be made to loop)
+_CHAIN_LIMIT = 32  # links of __cause__/__context__ followed (a chain can be made to loop)
 
 
 def framework_cause(exc: BaseException) -> BaseException:

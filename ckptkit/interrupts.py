@@ -18,6 +18,7 @@ its own handler and this module gives it what it needs:
 The library alone installs no handler: in a training process Ctrl-C keeps Python's meaning, and
 `cancelled` is never set.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,11 +27,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, TypeVar
 
-cancelled = threading.Event()   # set by the command line's Ctrl-C handler
-committed = threading.Event()   # an output was committed: the command's work is done, Ctrl-C ignored
-_open = [0]                     # outputs (and launchers) that must clean up before the process ends
+cancelled = threading.Event()  # set by the command line's Ctrl-C handler
+committed = threading.Event()  # an output was committed: the command's work is done, Ctrl-C ignored
+_open = [0]  # outputs (and launchers) that must clean up before the process ends
 _open_lock = threading.Lock()
-_local = threading.local()      # .stop: the executor's per-run event, set when a sibling job failed
+_local = threading.local()  # .stop: the executor's per-run event, set when a sibling job failed
 
 T = TypeVar("T")
 
@@ -124,6 +125,7 @@ def guard_output(cls: type) -> type:
 def stoppable(stop: threading.Event, job: Callable[[], T]) -> Callable[[], T]:
     """`job` for a worker thread: its check() calls also honour `stop` (set by the executor
     when another job of the run failed or the run is unwinding)."""
+
     def run() -> T:
         _local.stop = stop
         try:
@@ -131,6 +133,7 @@ def stoppable(stop: threading.Event, job: Callable[[], T]) -> Callable[[], T]:
             return job()
         finally:
             _local.stop = None
+
     return run
 
 

@@ -7,6 +7,7 @@ knob is refused with a UsageError naming the variable, its value and what it tak
 line checks them all before it starts: knobs.check_environment). Each is read once; assigning the
 module attribute (a test, a caller) overrides it.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,20 @@ def slab_bytes(budget: int | None = None, workers: int | None = None) -> int:
     return max(1 << 20, budget // (2 * max(1, workers)))
 
 
-_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3, "M": 10**6, "G": 10**9, "B": 1}
+_UNITS = {
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "B": 1,
+}
 
 
 def parse_size(text: str | int, what: str | None = None) -> int:
@@ -126,6 +139,7 @@ DIST_TIMEOUT: float  # CKPTKIT_DIST_TIMEOUT, default 600
 
 # ---- knobs the environment overrides ---------------------------------------------------------------
 
+
 def _size(raw: str) -> int:
     """A size variable's bytes, by parse_size's rules (units, at least 1 byte)."""
     nbytes, problem = _size_bytes(raw)
@@ -136,21 +150,25 @@ def _size(raw: str) -> int:
 
 def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
     """A reader of whole numbers from `low` to `high` (None: no upper bound)."""
+
     def read(raw: str) -> int:
         value = int(raw.strip())
         if value < low or (high is not None and value > high):
             raise ValueError(raw)
         return value
+
     return read
 
 
 def _seconds(low_exclusive: bool) -> Callable[[str], float]:
     """A reader of finite seconds above 0 (`low_exclusive`) or from 0."""
+
     def read(raw: str) -> float:
         value = float(raw.strip())
         if not math.isfinite(value) or value < 0 or (low_exclusive and value == 0):
             raise ValueError(raw)
         return value
+
     return read
 
 
@@ -171,16 +189,22 @@ class Knob:
         try:
             return self.read(raw)
         except (ValueError, OverflowError):
-            raise UsageError(f"environment variable {self.env} is {quote(raw)}: expected {self.expected}"
-                             f"; unset it for the default ({self.default!r})") from None
+            raise UsageError(
+                f"environment variable {self.env} is {quote(raw)}: expected {self.expected}"
+                f"; unset it for the default ({self.default!r})"
+            ) from None
 
 
 _COUNT = "a whole number of at least 1"
 _BYTES = f"a size of at least 1 byte ({SIZE_EXAMPLES})"
 KNOBS: dict[str, Knob] = {
     "MEMORY_BUDGET": Knob(MEMORY_BUDGET_ENV, DEFAULT_MEMORY_BUDGET, _size, _BYTES),
-    "WORKERS": Knob(WORKERS_ENV, DEFAULT_WORKERS, _whole(MIN_WORKERS, MAX_WORKERS),
-                    f"a whole number from {MIN_WORKERS} to {MAX_WORKERS}, as --workers takes"),
+    "WORKERS": Knob(
+        WORKERS_ENV,
+        DEFAULT_WORKERS,
+        _whole(MIN_WORKERS, MAX_WORKERS),
+        f"a whole number from {MIN_WORKERS} to {MAX_WORKERS}, as --workers takes",
+    ),
     "MAX_PICKLE_OBJECTS": Knob("CKPTKIT_MAX_PICKLE_OBJECTS", 10_000_000, _whole(1), _COUNT),
     "MAX_PICKLE_DEPTH": Knob("CKPTKIT_MAX_PICKLE_DEPTH", 100, _whole(1, 500), "a whole number from 1 to 500"),
     "MAX_PICKLE_EXPANDED": Knob("CKPTKIT_MAX_PICKLE_EXPANDED", 20_000_000, _whole(1), _COUNT),

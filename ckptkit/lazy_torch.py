@@ -12,6 +12,7 @@ with a cold page cache): a third of a multi-GB reshard. Modules on those paths w
 and the name becomes the real module at the first attribute access. Code that only has to
 recognise a tensor asks `is_tensor(x)` first: no tensor exists before torch is imported.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,38 +7,41 @@ parameter's partitioning element for element; anything else (torch's 0-d `step`,
 scalar) belongs to the parameter as a whole and is kept whole. A few states have a layout of
 their own that no repartitioning can follow; those are refused by name, saying what would be needed.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
 from .errors import UnsupportedError, quote
 
-PARTITIONED = "partitioned"   # elementwise with the parameter: cut and joined like it
-WHOLE = "whole"               # one value per parameter (or per ZeRO group), copied as it is
+PARTITIONED = "partitioned"  # elementwise with the parameter: cut and joined like it
+WHOLE = "whole"  # one value per parameter (or per ZeRO group), copied as it is
 
 # names that are per-parameter scalars even when a parameter's shape happens to match (a 0-d param)
 WHOLE_NAMES = frozenset({"step"})
 
-_ADAFACTOR = ("Adafactor's factored second moment (row and column factors of a 2-D parameter), which is not "
-              "elementwise with the parameter: no shard or flat partition of the parameter says which part of "
-              "the factors goes with it")
+_ADAFACTOR = (
+    "Adafactor's factored second moment (row and column factors of a 2-D parameter), which is not "
+    "elementwise with the parameter: no shard or flat partition of the parameter says which part of "
+    "the factors goes with it"
+)
 
 # state a repartition cannot follow: key -> why, and what reading it would need
 UNMAPPABLE: dict[str, str] = {
     "exp_avg_sq_row": _ADAFACTOR,
     "exp_avg_sq_col": _ADAFACTOR,
     "state1": "bitsandbytes 8-bit optimizer state, quantized in blocks with per-block scales; repartitioning "
-              "it would need the blocks dequantized and requantized at the new boundaries",
+    "it would need the blocks dequantized and requantized at the new boundaries",
     "state2": "bitsandbytes 8-bit optimizer state, quantized in blocks with per-block scales; repartitioning "
-              "it would need the blocks dequantized and requantized at the new boundaries",
+    "it would need the blocks dequantized and requantized at the new boundaries",
     "absmax1": "bitsandbytes 8-bit optimizer block scales; repartitioning them would need the blocks "
-               "dequantized and requantized at the new boundaries",
+    "dequantized and requantized at the new boundaries",
     "absmax2": "bitsandbytes 8-bit optimizer block scales; repartitioning them would need the blocks "
-               "dequantized and requantized at the new boundaries",
+    "dequantized and requantized at the new boundaries",
     "qmap1": "bitsandbytes 8-bit optimizer quantization map; repartitioning would need the blocks "
-             "dequantized and requantized at the new boundaries",
+    "dequantized and requantized at the new boundaries",
     "qmap2": "bitsandbytes 8-bit optimizer quantization map; repartitioning would need the blocks "
-             "dequantized and requantized at the new boundaries",
+    "dequantized and requantized at the new boundaries",
 }
 
 

@@ -1,5 +1,6 @@
 """Progress reporting without a UI dependency: the library calls a Progress, the CLI backs it
 with tqdm. Thread-safe, since executors advance it from worker threads."""
+
 from __future__ import annotations
 
 from typing import Protocol

@@ -21,6 +21,7 @@ Possessive repeats and atomic groups (`a*+`, `(?>...)`) do not backtrack and are
 What real names need stays accepted: `.*\\.q_proj\\.weight`, `layers\\.\\d+\\.mlp\\.(gate|up)_proj`,
 `^model\\.embed_tokens\\.weight$`, `(.*)\\.weight`, and DeepSpeed's own patterns.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,13 +34,13 @@ except ImportError:  # pragma: no cover - older Pythons
     import sre_constants as _c  # type: ignore[no-redef]
     import sre_parse as _parser  # type: ignore[no-redef]
 
-MAX_PATTERN = 1000     # characters of one pattern
-MAX_UNBOUNDED = 3      # unbounded repeats of one pattern (each multiplies a failing match's time by the name's length)
-SMALL_REPEAT = 4       # the largest count a repeat of a variable-length part may have
-MAX_WAYS = 1024        # ways one pattern may try at a position: optional parts, alternatives, counts multiply
+MAX_PATTERN = 1000  # characters of one pattern
+MAX_UNBOUNDED = 3  # unbounded repeats of one pattern (each multiplies a failing match's time by the name's length)
+SMALL_REPEAT = 4  # the largest count a repeat of a variable-length part may have
+MAX_WAYS = 1024  # ways one pattern may try at a position: optional parts, alternatives, counts multiply
 _UNBOUNDED = _c.MAXREPEAT
 _REPEATS = (_c.MAX_REPEAT, _c.MIN_REPEAT)
-_POSSESSIVE = getattr(_c, "POSSESSIVE_REPEAT", None)   # Python 3.11+, as atomic groups
+_POSSESSIVE = getattr(_c, "POSSESSIVE_REPEAT", None)  # Python 3.11+, as atomic groups
 _ATOMIC = getattr(_c, "ATOMIC_GROUP", None)
 _QUANTIFIER = re.compile(r"[*+]|\{(\d*)(?:,(\d*))?\}")
 
@@ -59,9 +60,11 @@ def regex_refusal(pattern: str) -> str | None:
             raise HostileRegex("uses verbose mode ((?x)), which ckptkit does not accept in a name pattern")
         _Walk().items(tree, multiplier=1)
         if _ways(tree) > MAX_WAYS:
-            raise HostileRegex(f"has more than {MAX_WAYS} ways to match at one place (its optional parts, "
-                               f"alternatives and counted repeats multiply, as in a?a?a?...aaa), which can take "
-                               f"exponential time to match")
+            raise HostileRegex(
+                f"has more than {MAX_WAYS} ways to match at one place (its optional parts, "
+                f"alternatives and counted repeats multiply, as in a?a?a?...aaa), which can take "
+                f"exponential time to match"
+            )
         _check_alternation_text(pattern)
     except HostileRegex as why:
         return str(why)
@@ -84,7 +87,7 @@ class _Walk:
     def item(self, op: Any, av: Any, multiplier: int) -> None:
         if op in _REPEATS:
             self.repeat(av, multiplier)
-        elif op == _POSSESSIVE:   # never gives back what it took: linear on its own
+        elif op == _POSSESSIVE:  # never gives back what it took: linear on its own
             self.items(av[2], multiplier)
         elif op == _c.SUBPATTERN:
             if av[1] & _c.SRE_FLAG_VERBOSE:
@@ -96,32 +99,42 @@ class _Walk:
             self.items(av[1], multiplier)
         elif op == _c.BRANCH:
             if multiplier > 1:
-                raise HostileRegex("repeats an alternation (such as (a|aa)+), whose overlapping branches can take "
-                                   "exponential time to match; write the repeated part without |")
+                raise HostileRegex(
+                    "repeats an alternation (such as (a|aa)+), whose overlapping branches can take "
+                    "exponential time to match; write the repeated part without |"
+                )
             for branch in av[1]:
                 self.items(branch, multiplier)
         elif op in (_c.GROUPREF, _c.GROUPREF_EXISTS):
-            raise HostileRegex("refers back to a group (\\1, (?P=name), (?(1)...)), which can take exponential "
-                               "time to match; ckptkit accepts no backreference in a name pattern")
+            raise HostileRegex(
+                "refers back to a group (\\1, (?P=name), (?(1)...)), which can take exponential "
+                "time to match; ckptkit accepts no backreference in a name pattern"
+            )
 
     def repeat(self, av: Any, multiplier: int) -> None:
         low, high, body = av
-        if high <= 1:             # x? : present or not, no repetition
+        if high <= 1:  # x? : present or not, no repetition
             self.items(body, multiplier)
             return
         fixed = _is_fixed(body) and low == high
         if multiplier > 1 and not fixed and (multiplier > SMALL_REPEAT or high > SMALL_REPEAT):
-            raise HostileRegex("repeats a part that itself repeats (such as (a+)+ or (?:x+x+)+), which can take "
-                               "exponential time to match; write it without the nested repetition")
+            raise HostileRegex(
+                "repeats a part that itself repeats (such as (a+)+ or (?:x+x+)+), which can take "
+                "exponential time to match; write it without the nested repetition"
+            )
         if not _is_fixed(body) and high > SMALL_REPEAT:
-            raise HostileRegex(f"repeats {'without bound' if high == _UNBOUNDED else f'up to {high} times'} a part "
-                               f"that can match different lengths (such as (.+){{1,100}} or (\\w+\\s?)+), which "
-                               f"can take exponential time to match; write it without the nested repetition")
+            raise HostileRegex(
+                f"repeats {'without bound' if high == _UNBOUNDED else f'up to {high} times'} a part "
+                f"that can match different lengths (such as (.+){{1,100}} or (\\w+\\s?)+), which "
+                f"can take exponential time to match; write it without the nested repetition"
+            )
         if high == _UNBOUNDED:
             self.unbounded += 1
             if self.unbounded > MAX_UNBOUNDED:
-                raise HostileRegex(f"has more than {MAX_UNBOUNDED} unbounded repeats (*, +, {{n,}}), and each "
-                                   f"multiplies the time a failing match takes by the name's length")
+                raise HostileRegex(
+                    f"has more than {MAX_UNBOUNDED} unbounded repeats (*, +, {{n,}}), and each "
+                    f"multiplies the time a failing match takes by the name's length"
+                )
         self.items(body, min(multiplier * high, _UNBOUNDED))
 
 
@@ -156,7 +169,7 @@ def _check_alternation_text(pattern: str) -> None:
     """Python's parser folds `(\\w|\\d)` into one character class, so the tree alone misses an
     alternation inside a repeat that was written as one; this reads the text: a group holding `|`
     (at any depth) that a quantifier repeats more than once is refused."""
-    stack: list[bool] = [False]   # per open group: does it hold a | (itself or a group inside)
+    stack: list[bool] = [False]  # per open group: does it hold a | (itself or a group inside)
     i, n = 0, len(pattern)
     while i < n:
         ch = pattern[i]
@@ -176,9 +189,11 @@ def _check_alternation_text(pattern: str) -> None:
         elif ch == ")" and len(stack) > 1:
             holds_bar = stack.pop()
             if holds_bar and _repeats_more_than_once(pattern, i + 1):
-                raise HostileRegex("repeats an alternation (such as (a|aa)+ or (\\w|\\d)*), whose overlapping "
-                                   "branches can take exponential time to match; write the repeated part "
-                                   "without | (a character class such as [\\w\\d] instead)")
+                raise HostileRegex(
+                    "repeats an alternation (such as (a|aa)+ or (\\w|\\d)*), whose overlapping "
+                    "branches can take exponential time to match; write the repeated part "
+                    "without | (a character class such as [\\w\\d] instead)"
+                )
             stack[-1] = stack[-1] or holds_bar
         i += 1
 
@@ -203,6 +218,6 @@ def _repeats_more_than_once(pattern: str, at: int) -> bool:
     if found.group(0) in ("*", "+"):
         return True
     low, high = found.group(1), found.group(2)
-    if high is None:   # {n} or {n,} (the comma decides) or a literal brace
+    if high is None:  # {n} or {n,} (the comma decides) or a literal brace
         return "," in found.group(0) or (low.isdigit() and int(low) > 1)
     return high == "" or int(high) > 1

@@ -9,6 +9,7 @@ module. torch's small types stand-ins (torch.Size, dtypes, ckptkit.torch_types) 
 pickle writes the real ones, so writing needs no torch. Tensors go through `persistent_id` like
 torch.save's own pickler.
 """
+
 from __future__ import annotations
 
 import gc
@@ -26,9 +27,13 @@ _TORCH_SIZE = GlobalRef("torch", "Size")
 
 
 class FaithfulPickler(pickle._Pickler):  # the pure-Python pickler lets us write opcodes directly
-    def __init__(self, file: io.BytesIO, protocol: int = 2,
-                 persistent_id: Callable[[Any], Any] | None = None,
-                 reduce_hook: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        file: io.BytesIO,
+        protocol: int = 2,
+        persistent_id: Callable[[Any], Any] | None = None,
+        reduce_hook: Callable[[Any], Any] | None = None,
+    ) -> None:
         super().__init__(file, protocol=protocol)
         self._pid = persistent_id
         self._reduce_hook = reduce_hook
@@ -111,8 +116,12 @@ def stand_in_call(qualname: str, *args: Any) -> Inert:
     return obj
 
 
-def dumps(obj: Any, protocol: int = 2, persistent_id: Callable[[Any], Any] | None = None,
-          reduce_hook: Callable[[Any], Any] | None = None) -> bytes:
+def dumps(
+    obj: Any,
+    protocol: int = 2,
+    persistent_id: Callable[[Any], Any] | None = None,
+    reduce_hook: Callable[[Any], Any] | None = None,
+) -> bytes:
     if protocol == 2 and persistent_id is None and reduce_hook is None:
         fast = _fast_dumps(obj)  # DCP's .metadata: a million objects of a few plain types
         if fast is not None:
@@ -122,8 +131,9 @@ def dumps(obj: Any, protocol: int = 2, persistent_id: Callable[[Any], Any] | Non
     return buf.getvalue()
 
 
-def fast_dumps(obj: Any, persistent_id: Callable[[Any], Any], reduce_hook: Callable[[Any], Any],
-               hooked: tuple[type, ...]) -> bytes | None:
+def fast_dumps(
+    obj: Any, persistent_id: Callable[[Any], Any], reduce_hook: Callable[[Any], Any], hooked: tuple[type, ...]
+) -> bytes | None:
     """FaithfulPickler's protocol-2 bytes of obj with these hooks, written by the fast writer
     (a torch.save structure of 100k lazy tensors), or None where it declines. `hooked`: the only
     types (exactly) the hooks answer for; they are promised to decline every other object. The
@@ -140,8 +150,12 @@ _TUPLE_OPS = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 _BATCH = pickle._Pickler._BATCHSIZE  # type: ignore[attr-defined]
 
 
-def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
-                reduce_hook: Callable[[Any], Any] | None = None, hooked: tuple[type, ...] = ()) -> bytes | None:
+def _fast_dumps(
+    obj: Any,
+    persistent_id: Callable[[Any], Any] | None = None,
+    reduce_hook: Callable[[Any], Any] | None = None,
+    hooked: tuple[type, ...] = (),
+) -> bytes | None:
     """FaithfulPickler's protocol-2 bytes for values made only of None, bools, ints, floats, strs,
     tuples, lists, dicts and ckptkit's stand-ins (GlobalRef, DType, Size, Inert), written without
     pickle._Pickler's per-object machinery; None for any other value. It is pickle._Pickler's own
@@ -275,7 +289,11 @@ def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
             if x is not None:
                 write(get(x))
                 return
-            if len(rv) != 2 or type(rv[1]) is not tuple or getattr(rv[0], "__name__", "") in ("__newobj__", "__newobj_ex__"):
+            if (
+                len(rv) != 2
+                or type(rv[1]) is not tuple
+                or getattr(rv[0], "__name__", "") in ("__newobj__", "__newobj_ex__")
+            ):
                 raise _Unsupported(type(o))
             if not save_rebuild(rv[0], rv[1], o):
                 save_reduce(rv[0], rv[1], o)
@@ -315,7 +333,8 @@ def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
         torch.save structure repeats per tensor: args (storage, offset, size, stride, False, an
         empty OrderedDict[, dtype]), the storage a `hooked` object written by persistent_id as
         (str, GlobalRef, str, str, int), every global and repeated string already in the memo,
-        the args, the storage's tuple and the OrderedDict new (size and stride may repeat). Exactly the opcodes and memo entries of the general
+        the args, the storage's tuple and the OrderedDict new (size and stride may repeat). Exactly the opcodes and
+        memo entries of the general
         path; False, with nothing written, for anything else (the general path then writes it;
         the hooks may have been asked about the storage: they decline it both times)."""
         n = len(args)
@@ -324,10 +343,20 @@ def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
         storage, offset, size, stride, flag, state = args[:6]
         f = memo.get(id(func))
         od = memo.get(id(OrderedDict))
-        if (f is None or od is None or type(storage) not in hooked or isinstance(storage, (GlobalRef, DType, Size, Inert))
-                or id(storage) in memo or type(offset) is not int
-                or not 0 <= offset <= 0xFF or flag is not False or type(state) is not OrderedDict or state
-                or id(state) in memo or vars(state)):
+        if (
+            f is None
+            or od is None
+            or type(storage) not in hooked
+            or isinstance(storage, (GlobalRef, DType, Size, Inert))
+            or id(storage) in memo
+            or type(offset) is not int
+            or not 0 <= offset <= 0xFF
+            or flag is not False
+            or type(state) is not OrderedDict
+            or state
+            or id(state) in memo
+            or vars(state)
+        ):
             return False
         dtype_ref = None
         if n == 7:
@@ -347,9 +376,16 @@ def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
         tag, cls, key, device, numel = pid
         got = memo.get
         tag_at, cls_at, device_at = got(id(tag)), got(id(cls)), got(id(device))
-        if (type(tag) is not str or tag_at is None or type(cls) is not GlobalRef or cls_at is None
-                or type(key) is not str or type(device) is not str or device_at is None
-                or type(numel) is not int):
+        if (
+            type(tag) is not str
+            or tag_at is None
+            or type(cls) is not GlobalRef
+            or cls_at is None
+            or type(key) is not str
+            or type(device) is not str
+            or device_at is None
+            or type(numel) is not int
+        ):
             return False
         key_at = got(id(key))
         write(get(f) + pickle.MARK + pickle.MARK + get(tag_at) + get(cls_at))
@@ -398,7 +434,7 @@ def _fast_dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None,
     def batches(items: Any, pairs: bool) -> None:
         items = list(items)
         for start in range(0, len(items), _BATCH):
-            batch = items[start:start + _BATCH]
+            batch = items[start : start + _BATCH]
             if len(batch) > 1:
                 write(pickle.MARK)
                 for item in batch:

@@ -13,6 +13,7 @@ state, a model config) pass `bounded=True`: the values are counted on the text f
 opening brackets outside strings, a bound from above) and refused when, at VALUE_BYTES each, they
 would take more than the memory budget or twice the text, whichever is larger.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,15 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict:
     return value
 
 
-def loads(raw: bytes | str, label: str, what: str = "JSON", error: type[CkptkitError] = FormatError,
-          max_bytes: int | None = None, bounded: bool = False, unique_keys: bool = False) -> Any:
+def loads(
+    raw: bytes | str,
+    label: str,
+    what: str = "JSON",
+    error: type[CkptkitError] = FormatError,
+    max_bytes: int | None = None,
+    bounded: bool = False,
+    unique_keys: bool = False,
+) -> Any:
     """Parse `raw` (from `label`); any problem is `error` with one sentence naming `label`.
     `bounded`: refuse a text whose values would take more memory than the budget allows.
     `unique_keys`: refuse an object that gives a key twice (a reader that keeps the first and one
@@ -114,6 +122,8 @@ def _check_values(found: int, size: int, label: str, what: str, error: type[Ckpt
 
     allowed = max(limits.budget(), 2 * size) // VALUE_BYTES
     if found > allowed:
-        raise error(f"{label}: {what} holds up to {found:,} values, more than the {allowed:,} the memory budget "
-                    f"allows to parse ({VALUE_BYTES} bytes each; raise --memory-budget or CKPTKIT_MEMORY_BUDGET "
-                    f"if this is expected)")
+        raise error(
+            f"{label}: {what} holds up to {found:,} values, more than the {allowed:,} the memory budget "
+            f"allows to parse ({VALUE_BYTES} bytes each; raise --memory-budget or CKPTKIT_MEMORY_BUDGET "
+            f"if this is expected)"
+        )

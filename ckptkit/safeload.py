@@ -12,6 +12,7 @@ byte sizes are bounded while unpickling (ckptkit.knobs). Any other global raises
 UnsafePickleError naming the file and the global, any limit a FormatError naming the file and the
 limit: no checkpoint can run code, and reading needs neither deepspeed nor torch.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -25,9 +26,21 @@ from .safeload_rules import extra_allowed, register_allowed
 from .safeload_vm import run
 
 # the names readers and writers take from here (defined beside the unpickler, re-exported)
-__all__ = ["Inert", "RawStorage", "StorageRef", "TensorRef", "allowlist", "extra_allowed", "inert_class",
-           "fenced_torch_save_loads", "register_allowed", "restricted_loads", "restricted_loads_dcp_metadata",
-           "storage_pid", "typed_storage"]
+__all__ = [
+    "Inert",
+    "RawStorage",
+    "StorageRef",
+    "TensorRef",
+    "allowlist",
+    "extra_allowed",
+    "inert_class",
+    "fenced_torch_save_loads",
+    "register_allowed",
+    "restricted_loads",
+    "restricted_loads_dcp_metadata",
+    "storage_pid",
+    "typed_storage",
+]
 
 
 def allowlist() -> dict[tuple[str, str], Any]:
@@ -48,8 +61,7 @@ class _RestrictedUnpickler:
         return run(self._data, RestrictedGrammar(self._file, self._persistent))
 
 
-def restricted_loads(data: bytes, file: str,
-                     persistent_load: Callable[[Any], Any] | None = None) -> Any:
+def restricted_loads(data: bytes, file: str, persistent_load: Callable[[Any], Any] | None = None) -> Any:
     """Unpickle `data` as data only, within limits. A refusal or malformed input is a CkptkitError naming
     `file`; any other exception is ckptkit's own bug, raised as an InternalError (exit 3) with its cause
     kept, never disguised as bad input."""
@@ -64,8 +76,9 @@ def restricted_loads(data: bytes, file: str,
     except MemoryError:
         raise FormatError(f"{file}: pickle needs more memory than this machine has") from None
     except Exception as exc:  # refusals and malformed input are CkptkitErrors: anything else is a bug
-        raise InternalError(f"{file}: the restricted unpickler failed on its own ({type(exc).__name__}: "
-                            f"{quote(str(exc))})") from exc
+        raise InternalError(
+            f"{file}: the restricted unpickler failed on its own ({type(exc).__name__}: {quote(str(exc))})"
+        ) from exc
 
 
 def restricted_loads_dcp_metadata(data: bytes, file: str) -> Any:

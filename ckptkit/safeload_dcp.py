@@ -16,6 +16,7 @@ two more on the result, else `load` hands back None and the restricted machine r
 What it returns equals what the restricted machine builds from the same bytes (tested on every
 DCP fixture and on thousands of mutations of them).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -46,8 +47,9 @@ def _globals() -> dict[tuple[str, str], Any]:
                 found[(module, name)] = value  # stand-ins: NEWOBJ, REDUCE (Inert.__init__) and BUILD
             elif module == "torch" and (isinstance(value, (DType, GlobalRef)) or value is Size):
                 entry = calls.get(id(value))
-                found[(module, name)] = value if entry is None else \
-                    SizeCall(entry[1]) if value is Size else Call(entry[1])
+                found[(module, name)] = (
+                    value if entry is None else SizeCall(entry[1]) if value is Size else Call(entry[1])
+                )
             elif module == "pathlib" and id(value) in calls:  # StorageMeta.checkpoint_id (a Path)
                 found[(module, name)] = Call(calls[id(value)][1])
             elif (module, name) == ("torch.serialization", "_get_layout"):
@@ -63,10 +65,21 @@ _LEAF_ARGS = {_LAYOUT: str, f"{_META}._MEM_FORMAT_ENCODING": int}
 
 
 def _classes() -> dict[str, type]:
-    return {name: inert_class(name) for name in (
-        f"{_META}.Metadata", f"{_META}.TensorStorageMetadata", f"{_META}.BytesStorageMetadata",
-        f"{_META}.ChunkStorageMetadata", f"{_META}.TensorProperties", f"{_META}.MetadataIndex",
-        f"{_META}.StorageMeta", _STORAGE_INFO, _LAYOUT, f"{_META}._MEM_FORMAT_ENCODING")}
+    return {
+        name: inert_class(name)
+        for name in (
+            f"{_META}.Metadata",
+            f"{_META}.TensorStorageMetadata",
+            f"{_META}.BytesStorageMetadata",
+            f"{_META}.ChunkStorageMetadata",
+            f"{_META}.TensorProperties",
+            f"{_META}.MetadataIndex",
+            f"{_META}.StorageMeta",
+            _STORAGE_INFO,
+            _LAYOUT,
+            f"{_META}._MEM_FORMAT_ENCODING",
+        )
+    }
 
 
 class _Shape:
@@ -77,7 +90,7 @@ class _Shape:
         self.seen: set[int] = set()
         self.classes = _classes()
         self.leaves: set[int] = set()  # layouts and memory formats already checked
-        self.bulk: list[int] = []     # ids of the chunk lists met in the loop over tensors
+        self.bulk: list[int] = []  # ids of the chunk lists met in the loop over tensors
         self.met = self.bulk.append
 
     def all_once(self) -> None:
@@ -193,8 +206,11 @@ class _Shape:
                 raise Decline
             if offset is not None and type(offset) is not Size:
                 raise Decline
-            if type(got.get("relative_path")) is not str or type(got.get("offset")) is not int or \
-                    type(got.get("length")) is not int:
+            if (
+                type(got.get("relative_path")) is not str
+                or type(got.get("offset")) is not int
+                or type(got.get("length")) is not int
+            ):
                 raise Decline
             transforms = got.get("transform_descriptors")
             if transforms is not None:

@@ -18,6 +18,7 @@ nesting and any sharing; BUILD sets state on whatever it is given).
   is a `Decline` and gives None: the caller runs the restricted machine, which accepts or words
   the refusal.
 """
+
 from __future__ import annotations
 
 import gc
@@ -28,8 +29,19 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from . import knobs
-from .safeload_keys import (CHECKED, SENTINEL, Declined, Edits, Fetched, _item, _memo, check_call, checked, patched,
-                             read_tuple)
+from .safeload_keys import (
+    CHECKED,
+    SENTINEL,
+    Declined,
+    Edits,
+    Fetched,
+    _item,
+    _memo,
+    check_call,
+    checked,
+    patched,
+    read_tuple,
+)
 from .safeload_rules import Refused, pickle_account
 from .safeload_inert import FENCE
 from .torch_types import Size
@@ -64,8 +76,11 @@ def _strings(short: int) -> bytes:
         for low in range(0, short, 8):
             high = min(short, low + 8) - 1
             lengths = b"|".join(re.escape(bytes([k]) + pad) + b".{%d}" % k for k in range(low, high + 1))
-            groups.append(b"(?=[" + re.escape(bytes([low])) + b"-" + re.escape(bytes([high])) + b"])(?:" + lengths + b")")
+            groups.append(
+                b"(?=[" + re.escape(bytes([low])) + b"-" + re.escape(bytes([high])) + b"])(?:" + lengths + b")"
+            )
         return op + b"(?:" + b"|".join(groups) + b")"
+
     return spelled(b"X", b"\0\0\0") + b"|" + spelled(b"\\x8c", b"")
 
 
@@ -100,7 +115,9 @@ def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
     # length group at each item): fixed-width items only, then an opcode that cannot go on
     fixed = b"(?:K.|M..|J....|[N\\x88\\x89)]|h.|j....)" + memo_opt
     starts = b"KMJN\\x88\\x89)hjX\\x8c"
-    get_fast = get + b"(?=[^" + starts + b"\\x85]|" + fixed + b"(?:[^" + starts + b"\\x86\\x87]|" + fixed + b"[^\\x87]))"
+    get_fast = (
+        get + b"(?=[^" + starts + b"\\x85]|" + fixed + b"(?:[^" + starts + b"\\x86\\x87]|" + fixed + b"[^\\x87]))"
+    )
     values = b"[" + re.escape(_VALUES + (_BINPERSID if persistent else b"")) + b"]" + memo_opt
     others = b"[" + re.escape(_OTHERS) + b"]"  # (FRAME: the loop, which notes where it is)
     # a MARK where no tuple of single-opcode items (one a memo fetch) begins that goes to no call
@@ -109,8 +126,10 @@ def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
     mark_fast = b"\\((?=(?:" + fixed + b"){0,64}+(?:[^" + starts + b"t]|t" + memo_opt + b"(?:" + consumers + b")))"
     # (the most frequent first: the alternatives begin with distinct opcodes, flat and the marks
     # aside, whose order is kept)
-    return re.compile(b"(?:" + b"|".join((get_fast, values, atoms, others, get_alone, flat, mark_fast, mark, general)) +
-                      b")*+", re.DOTALL)
+    return re.compile(
+        b"(?:" + b"|".join((get_fast, values, atoms, others, get_alone, flat, mark_fast, mark, general)) + b")*+",
+        re.DOTALL,
+    )
 
 
 def memo_cap(n: int) -> int:
@@ -177,7 +196,7 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
             raise Declined
 
     def memo_ok(op: int, at: int) -> bool:
-        return op != 0x72 or int.from_bytes(data[at + 1:at + 5], "little") <= cap
+        return op != 0x72 or int.from_bytes(data[at + 1 : at + 5], "little") <= cap
 
     pos = 2
     try:
@@ -225,8 +244,11 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
         raise Decline from None
     account = pickle_account(n)
     objects = len(data.translate(None, _NOT_MAKERS))  # (the makers kept: one pass, 8x less than a count each)
-    if objects > max(knobs.MAX_PICKLE_OBJECTS, n // 4) or objects * OBJECT_BYTES > account or \
-            data.count(b"\x94") * _MEMO_ENTRY > account // 2:
+    if (
+        objects > max(knobs.MAX_PICKLE_OBJECTS, n // 4)
+        or objects * OBJECT_BYTES > account
+        or data.count(b"\x94") * _MEMO_ENTRY > account // 2
+    ):
         raise Decline
     return edits, frames
 
@@ -235,7 +257,7 @@ def _value(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: boo
     """One value opcode the regex does not take: a string, a wide integer or float, a GLOBAL,
     or a single-opcode item where the regex saw a tuple begin that read_tuple did not read."""
     if op == 0x8D:  # BINUNICODE8
-        size = int.from_bytes(data[pos + 1:pos + 9], "little")
+        size = int.from_bytes(data[pos + 1 : pos + 9], "little")
         if size > blob:
             raise Declined
         return pos + 9 + size
@@ -297,8 +319,9 @@ _INT = {int}
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, names: dict[tuple[str, str], Any],
-                 persistent_load: Callable[[Any], Any] | None) -> None:
+    def __init__(
+        self, data: bytes, names: dict[tuple[str, str], Any], persistent_load: Callable[[Any], Any] | None
+    ) -> None:
         super().__init__(io.BytesIO(data), fix_imports=False)
         self._names = names
         self._persistent = persistent_load
@@ -315,8 +338,13 @@ class _Unpickler(pickle.Unpickler):
         return self._persistent(pid)
 
 
-def run(data: bytes, names: dict[tuple[str, str], Any], check: Callable[[Any], None], floats: bool = False,
-        persistent_load: Callable[[Any], Any] | None = None) -> Any | None:
+def run(
+    data: bytes,
+    names: dict[tuple[str, str], Any],
+    check: Callable[[Any], None],
+    floats: bool = False,
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any | None:
     """The value `data` pickles, built by the C unpickler inside the fences (`names`: the road's
     globals; `check`: its test of the result, raising on anything else), or None: declined."""
     collecting = gc.isenabled()
@@ -345,4 +373,5 @@ def _checked(persistent_load: Callable[[Any], Any] | None) -> Callable[[Any], An
     def load(pid: Any) -> Any:
         check_call((pid,))
         return persistent_load(pid)
+
     return load

@@ -10,6 +10,7 @@ on an OrderedDict as plain attributes (torch's state_dict()._metadata); numpy's 
 are completed by safeload_numpy, never by numpy's __setstate__. Anything else is an
 UnsafePickleError naming the global.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,6 +26,7 @@ from .safeload_rules import Refused, Rule, extra_allowed
 from .safeload_vm import Placeholder, check_keys
 from .torch_types import DType, GlobalRef, Size, SmallTensor
 
+
 def _kinds(args: tuple) -> str:
     shown = ", ".join(type(a).__name__ for a in args[:8])  # (a sentence, however many arguments)
     return "(" + shown + (f", ... {len(args) - 8:,} more" if len(args) > 8 else "") + ")"
@@ -33,8 +35,8 @@ def _kinds(args: tuple) -> str:
 _INT = {int}
 _I64 = 1 << 63
 MAX_DIMS = 64
-BYTEARRAY_SIZE = 1 << 20        # bytearray(n): pickles write a bytearray's content, never its size
-_NOT_SEEN = object()           # a dict lookup's default that no unpickled value can be
+BYTEARRAY_SIZE = 1 << 20  # bytearray(n): pickles write a bytearray's content, never its size
+_NOT_SEEN = object()  # a dict lookup's default that no unpickled value can be
 
 
 def _ints(value: Any, what: str, low: int = 0) -> tuple:
@@ -42,8 +44,11 @@ def _ints(value: Any, what: str, low: int = 0) -> tuple:
     t = type(value)
     if t is tuple and len(value) == 1 and type(value[0]) is int and low <= value[0] < _I64:
         return value  # (a flat tensor's size or stride: the common case, checked without a set)
-    if (t is not tuple and t is not list and t is not Size) or len(value) > MAX_DIMS or (
-            value and (not set(map(type, value)) <= _INT or min(value) < low or max(value) >= _I64)):
+    if (
+        (t is not tuple and t is not list and t is not Size)
+        or len(value) > MAX_DIMS
+        or (value and (not set(map(type, value)) <= _INT or min(value) < low or max(value) >= _I64))
+    ):
         raise Refused(f"{what} must be a tuple of at most {MAX_DIMS} integers in [{low}, 2**63)")
     return value if t is tuple else tuple(value)
 
@@ -56,27 +61,29 @@ def _int(value: Any, what: str, low: int = 0) -> int:
 
 # ---- tensors (ours, never torch's) ------------------------------------------------------------
 
+
 def _storage(value: Any) -> Any:
     if not isinstance(value, (_TypedStorage, StorageRef, RawStorage)):
         raise Refused("the first argument must be a storage of the archive")
     return value
 
 
-def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: tuple,
-                 requires_grad: bool) -> Any:
+def _make_tensor(storage: Any, dtype: DType, offset: int, size: tuple, stride: tuple, requires_grad: bool) -> Any:
     if not isinstance(dtype, DType):
         raise FormatError(f"tensor rebuilt with {quote(repr(dtype), 60)} where a dtype was expected")
     if len(size) != len(stride):
-        raise FormatError(f"tensor rebuilt with size {list(size)[:8]} and stride {list(stride)[:8]} of different "
-                          f"lengths")
+        raise FormatError(
+            f"tensor rebuilt with size {list(size)[:8]} and stride {list(stride)[:8]} of different lengths"
+        )
     if isinstance(storage, StorageRef):
         return TensorRef(storage, dtype, offset, size, stride, requires_grad)
     if isinstance(storage, RawStorage):
         item = _itemsize(dtype)
         span = 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))
         if (offset + span) * item > len(storage.data):
-            raise FormatError(f"a tensor needs {(offset + span) * item} bytes of a storage that holds "
-                              f"{len(storage.data)}")
+            raise FormatError(
+                f"a tensor needs {(offset + span) * item} bytes of a storage that holds {len(storage.data)}"
+            )
         return SmallTensor.from_storage(dtype_name(dtype), storage.data, offset, size, stride)
     raise FormatError(f"tensor rebuilt from an unexpected storage object {type(storage).__name__}")
 
@@ -154,6 +161,7 @@ def rebuild_parameter(args: tuple) -> Any:
 
 
 # ---- builtins, collections, pathlib, torch's small types ---------------------------------------
+
 
 def _set(args: tuple) -> Any:
     if not args:
@@ -256,9 +264,12 @@ def _path(cls: type) -> Rule:
     def rule(args: tuple) -> Any:
         if len(args) > PATH_CHARS or not all(type(a) is str for a in args):
             raise Refused("takes strings")
-        if sum(map(len, args)) > PATH_CHARS:  # (one long string fetched thousands of times costs its pickle 2 bytes each)
+        if (
+            sum(map(len, args)) > PATH_CHARS
+        ):  # (one long string fetched thousands of times costs its pickle 2 bytes each)
             raise Refused(f"takes parts of at most {PATH_CHARS:,} characters in all")
         return cls(*args)
+
     return rule
 
 
@@ -271,8 +282,12 @@ def _size(args: tuple) -> Size:
 
 
 def _device(args: tuple) -> Any:
-    if not 1 <= len(args) <= 2 or type(args[0]) is not str or len(args[0]) > 64 or (
-            len(args) == 2 and args[1] is not None and type(args[1]) is not int):
+    if (
+        not 1 <= len(args) <= 2
+        or type(args[0]) is not str
+        or len(args[0]) > 64
+        or (len(args) == 2 and args[1] is not None and type(args[1]) is not int)
+    ):
         raise Refused("takes a device type and an index")
     return inert_class("torch.device")(*args)
 
@@ -305,6 +320,7 @@ def _inert(cls: type) -> Rule:
         if len(args) > 4096:
             raise Refused("takes at most 4096 arguments")
         return cls(*args)
+
     return rule
 
 
@@ -315,9 +331,15 @@ _ORDERED_DICT_ATTRS = frozenset(dir(collections.OrderedDict))
 
 # ---- the table ---------------------------------------------------------------------------------
 
+
 def _storage_types() -> dict[tuple[str, str], Any]:
-    quantized = {"QInt8Storage": "qint8", "QInt32Storage": "qint32", "QUInt8Storage": "quint8",
-                 "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4"}
+    quantized = {
+        "QInt8Storage": "qint8",
+        "QInt32Storage": "qint32",
+        "QUInt8Storage": "quint8",
+        "QUInt4x2Storage": "quint4x2",
+        "QUInt2x4Storage": "quint2x4",
+    }
     table: dict[tuple[str, str], Any] = {}
     for name, dtype in {**LEGACY_STORAGE, **quantized}.items():
         table[("torch", name)] = _StorageType(DType(dtype))
@@ -364,19 +386,34 @@ def build_table() -> tuple[dict[tuple[str, str], Any], dict[int, tuple[Any, Rule
         add(module, "bytes", bytes, _bytes)
         add(module, "range", range, _range)
     add("__builtin__", "xrange", range, _range)
-    for name, cls in (("PosixPath", pathlib.PurePosixPath), ("PurePosixPath", pathlib.PurePosixPath),
-                      ("WindowsPath", pathlib.PureWindowsPath), ("PureWindowsPath", pathlib.PureWindowsPath)):
+    for name, cls in (
+        ("PosixPath", pathlib.PurePosixPath),
+        ("PurePosixPath", pathlib.PurePosixPath),
+        ("WindowsPath", pathlib.PureWindowsPath),
+        ("PureWindowsPath", pathlib.PureWindowsPath),
+    ):
         add("pathlib", name, cls, _path(cls))
     for name in ("contiguous_format", "channels_last", "preserve_format", "strided", "sparse_coo"):
         add("torch", name, GlobalRef("torch", name))
     for name in TORCH_DTYPE_ATTRS:
         add("torch", name, DType(name))
     values.update(_storage_types())
-    for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-                "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+    for cls in (
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    ):
         add("torch.distributed.checkpoint.metadata", cls, inert_class(f"torch.distributed.checkpoint.metadata.{cls}"))
-    add("torch.distributed.checkpoint.filesystem", "_StorageInfo",
-        inert_class("torch.distributed.checkpoint.filesystem._StorageInfo"))
+    add(
+        "torch.distributed.checkpoint.filesystem",
+        "_StorageInfo",
+        inert_class("torch.distributed.checkpoint.filesystem._StorageInfo"),
+    )
     # a bag of attributes: training scripts save their parsed command line (Megatron-DeepSpeed's
     # `args` in every model-states file, Lightning's hyperparameters); kept as data, re-emitted as is
     add("argparse", "Namespace", inert_class("argparse.Namespace"))
@@ -390,8 +427,10 @@ REBUILDERS = (rebuild_tensor_v2, rebuild_tensor_v3, rebuild_parameter)
 TENSOR_TYPES = ("torch.Tensor", "torch.nn.parameter.Parameter")
 
 # what per-rank torch.save files of FSDP1 LOCAL_STATE_DICT / sharded state dicts reference first
-_SHARDED_TENSOR_GLOBALS = {("torch._utils", "_rebuild_wrapper_subclass"),
-                           ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")}
+_SHARDED_TENSOR_GLOBALS = {
+    ("torch._utils", "_rebuild_wrapper_subclass"),
+    ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"),
+}
 
 _TABLE: tuple[dict, dict] | None = None
 
@@ -430,9 +469,12 @@ class RestrictedGrammar:
                     f"LOCAL_STATE_DICT (flat parameters) or a per-rank sharded torch.save; flat parameters "
                     f"cannot be unflattened without the model's FSDP wrapping, so load it into the wrapped "
                     f"model and save again with StateDictType.SHARDED_STATE_DICT through "
-                    f"torch.distributed.checkpoint (or FULL_STATE_DICT); nothing was executed")
-            raise UnsafePickleError(f"refusing to unpickle global {quote(f'{module}.{name}')} (not on ckptkit's "
-                                    f"allowlist; nothing was executed)")
+                    f"torch.distributed.checkpoint (or FULL_STATE_DICT); nothing was executed"
+                )
+            raise UnsafePickleError(
+                f"refusing to unpickle global {quote(f'{module}.{name}')} (not on ckptkit's "
+                f"allowlist; nothing was executed)"
+            )
         self._names.setdefault(id(value), f"{module}.{name}")
         return value
 
@@ -452,8 +494,10 @@ class RestrictedGrammar:
         return f"a {type(value).__name__}"
 
     def _refuse(self, func: Any, args: tuple, why: str) -> UnsafePickleError:
-        return UnsafePickleError(f"refusing to call {quote(self._name(func))} with {_kinds(args)}: {why} (outside "
-                                 f"ckptkit's grammar for it; nothing was executed)")
+        return UnsafePickleError(
+            f"refusing to call {quote(self._name(func))} with {_kinds(args)}: {why} (outside "
+            f"ckptkit's grammar for it; nothing was executed)"
+        )
 
     # -- calls --
     def _rule(self, func: Any) -> Rule | None:
@@ -469,8 +513,10 @@ class RestrictedGrammar:
         entry = self._calls.get(id(func))
         rule = entry[1] if entry is not None and entry[0] is func else self._rule(func)
         if rule is None:
-            raise UnsafePickleError(f"refusing to call {quote(self._name(func))} (not a callable of ckptkit's "
-                                    f"grammar; nothing was executed)")
+            raise UnsafePickleError(
+                f"refusing to call {quote(self._name(func))} (not a callable of ckptkit's "
+                f"grammar; nothing was executed)"
+            )
         try:
             if rule is _rebuild_from_type_v2_marker:
                 return self._rebuild_from_type_v2(args)
@@ -483,10 +529,13 @@ class RestrictedGrammar:
         if len(args) != 4 or type(args[2]) is not tuple:
             raise Refused("takes a rebuild function, a tensor class, its arguments and a state")
         func, new_type, inner, _state = args
-        if func not in REBUILDERS or not (isinstance(new_type, type) and issubclass(new_type, Inert)
-                                          and new_type._qualname in TENSOR_TYPES):
-            raise UnsafePickleError("a tensor subclass was rebuilt through a function outside the allowlist "
-                                    f"({quote(self._name(func))} for {quote(self._name(new_type))})")
+        if func not in REBUILDERS or not (
+            isinstance(new_type, type) and issubclass(new_type, Inert) and new_type._qualname in TENSOR_TYPES
+        ):
+            raise UnsafePickleError(
+                "a tensor subclass was rebuilt through a function outside the allowlist "
+                f"({quote(self._name(func))} for {quote(self._name(new_type))})"
+            )
         try:
             return func(inner)
         except Refused as exc:
@@ -498,16 +547,19 @@ class RestrictedGrammar:
         if isinstance(cls, type) and issubclass(cls, Inert):
             self._stand_ins[id(cls)] = cls
             if kwargs and not all(type(k) is str for k in kwargs):
-                raise UnsafePickleError(f"refusing to create {quote(cls._qualname)} with keyword arguments "
-                                        f"that are not names")
+                raise UnsafePickleError(
+                    f"refusing to create {quote(cls._qualname)} with keyword arguments that are not names"
+                )
             return cls.__new__(cls)
         if cls is complex:
             try:
                 return _complex(args)
             except Refused as exc:
                 raise self._refuse(cls, args, str(exc)) from None
-        raise UnsafePickleError(f"refusing to create an object of {quote(self._name(cls))} (NEWOBJ is allowed on "
-                                f"ckptkit's stand-ins only; nothing was executed)")
+        raise UnsafePickleError(
+            f"refusing to create an object of {quote(self._name(cls))} (NEWOBJ is allowed on "
+            f"ckptkit's stand-ins only; nothing was executed)"
+        )
 
     def build(self, obj: Any, state: Any) -> Any:
         if isinstance(obj, Inert):
@@ -518,8 +570,10 @@ class RestrictedGrammar:
             return obj
         if isinstance(obj, Placeholder) and self._numpy is not None:
             return self._numpy.build(obj, state)
-        raise UnsafePickleError(f"refusing to set the state of {quote(self._name(obj))} (BUILD is allowed on "
-                                f"ckptkit's stand-ins only; nothing was executed)")
+        raise UnsafePickleError(
+            f"refusing to set the state of {quote(self._name(obj))} (BUILD is allowed on "
+            f"ckptkit's stand-ins only; nothing was executed)"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:

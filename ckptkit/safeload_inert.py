@@ -4,6 +4,7 @@ The restricted unpickler builds one for each class it allows as data (DCP metada
 small state classes); torch_types.realize and repickle read them back. Kept apart from the
 unpickler so that the stand-ins of torch's own types (torch_types), below it, can know them.
 """
+
 from __future__ import annotations
 
 import os
@@ -120,14 +121,17 @@ def _values_inside(value: Any) -> int:
         elif isinstance(v, Inert):
             todo.extend(v.__dict__.values())
     return HASH_VALUES - left
+
+
 _STR = {str}
 
 
 def _attrs(state: Any, reserved: frozenset, what: str) -> dict:
     if type(state) is not dict or state.keys() & reserved or not set(map(type, state)) <= _STR:
         bad = next((k for k in state if type(k) is not str or k in reserved), None) if isinstance(state, dict) else None
-        raise UnsafePickleError(f"refusing the state of {what}: attribute {quote(repr(bad), 60)} is not plain data "
-                                f"(nothing was executed)")
+        raise UnsafePickleError(
+            f"refusing the state of {what}: attribute {quote(repr(bad), 60)} is not plain data (nothing was executed)"
+        )
     return state
 
 
@@ -137,8 +141,12 @@ def apply_inert_state(obj: Inert, state: Any) -> None:
     what = f"a {obj._qualname} stand-in"
     if isinstance(state, dict):
         obj.__dict__.update(_attrs(state, _INERT_ATTRS, what))
-    elif (type(state) is tuple and len(state) == 2 and all(p is None or isinstance(p, dict) for p in state)
-          and any(isinstance(p, dict) for p in state)):
+    elif (
+        type(state) is tuple
+        and len(state) == 2
+        and all(p is None or isinstance(p, dict) for p in state)
+        and any(isinstance(p, dict) for p in state)
+    ):
         for part in state:
             if part:
                 obj.__dict__.update(_attrs(part, _INERT_ATTRS, what))

@@ -22,6 +22,7 @@ unpickler only in shapes whose hash is small:
 So every tuple a GET can fetch visits at most MAX_WEIGHT values when hashed, and a fresh one nests
 at most MAX_LOOSE deep.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -30,16 +31,30 @@ from typing import Any, Callable
 
 from .safeload_inert import FENCE, Inert
 
-__all__ = ["CHECKED", "FENCE", "Declined", "Edits", "Fetched", "MAX_ITEMS", "MAX_WEIGHT", "SENTINEL", "bounded",
-           "check_call", "checked", "patched", "read_tuple"]
+__all__ = [
+    "CHECKED",
+    "FENCE",
+    "Declined",
+    "Edits",
+    "Fetched",
+    "MAX_ITEMS",
+    "MAX_WEIGHT",
+    "SENTINEL",
+    "bounded",
+    "check_call",
+    "checked",
+    "patched",
+    "read_tuple",
+]
 
-MAX_ITEMS = 64      # items of a tuple read whole (torch.Size has at most 64 dims in practice)
-MAX_WEIGHT = 256    # values a hash of a checked tuple visits: a rebuild call's arguments visit ~20
+MAX_ITEMS = 64  # items of a tuple read whole (torch.Size has at most 64 dims in practice)
+MAX_WEIGHT = 256  # values a hash of a checked tuple visits: a rebuild call's arguments visit ~20
 
 # the global a patched memo entry names (find_class gives `Fetched` for it)
 SENTINEL = ("ckptkit.safeload_keys", "Fetched")
 _SENTINEL_OP = b"c" + SENTINEL[0].encode() + b"\n" + SENTINEL[1].encode() + b"\n"
 _POP = b"0"
+
 
 class Declined(Exception):
     """Raised where a fenced load must stop (safeload_fence turns it into a Decline)."""
@@ -178,7 +193,7 @@ def patched(data: bytes, edits: Edits, frames: list[int]) -> bytes:
         grown.append(grown[-1] + len(texts[k]))
     lengths = {}
     for at in frames:
-        length = int.from_bytes(data[at + 1:at + 9], "little")
+        length = int.from_bytes(data[at + 1 : at + 9], "little")
         first, past = bisect.bisect_left(edits.at, at + 9), bisect.bisect_left(edits.at, at + 9 + length)
         if past > first:
             lengths[at] = length + grown[past] - grown[first]
@@ -189,7 +204,7 @@ def patched(data: bytes, edits: Edits, frames: list[int]) -> bytes:
     for i, at in enumerate(edits.at):
         while f < len(frames_grown) and frames_grown[f] < at:
             frame = frames_grown[f]
-            out += data[last:frame + 1]
+            out += data[last : frame + 1]
             out += lengths[frame].to_bytes(8, "little")
             last = frame + 9
             f += 1
@@ -197,7 +212,7 @@ def patched(data: bytes, edits: Edits, frames: list[int]) -> bytes:
         out += texts[edits.kind[i]]
         last = at
     for frame in frames_grown[f:]:
-        out += data[last:frame + 1]
+        out += data[last : frame + 1]
         out += lengths[frame].to_bytes(8, "little")
         last = frame + 9
     out += data[last:]
@@ -210,8 +225,15 @@ _GETS = (0x68, 0x6A)
 _MAKERS = {0x85: 1, 0x86: 2, 0x87: 3}
 
 
-def read_tuple(data: bytes, pos: int, memo_ok: Callable[[int, int], bool], wide: Callable[[], None],
-               floats: bool, blob: int, frames: list[int]) -> tuple[int, int, bool] | None:
+def read_tuple(
+    data: bytes,
+    pos: int,
+    memo_ok: Callable[[int, int], bool],
+    wide: Callable[[], None],
+    floats: bool,
+    blob: int,
+    frames: list[int],
+) -> tuple[int, int, bool] | None:
     """The tuple whose first item (or MARK) is at `pos`, read opcode by opcode: (the position after
     its TUPLE opcode, the position after its memo opcode, whether an item is a memo fetch), or
     None where no such tuple begins there: MARK + at most MAX_ITEMS items + TUPLE, or 1-3 items +
@@ -256,7 +278,7 @@ def _item(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: bool
     if width is not None:
         return pos + 1 + width
     if op == 0x8C or op == 0x58:  # SHORT_BINUNICODE, BINUNICODE
-        size = data[pos + 1] if op == 0x8C else int.from_bytes(data[pos + 1:pos + 5], "little")
+        size = data[pos + 1] if op == 0x8C else int.from_bytes(data[pos + 1 : pos + 5], "little")
         if size > blob:
             raise Declined
         return pos + (2 if op == 0x8C else 5) + size

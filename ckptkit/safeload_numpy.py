@@ -9,6 +9,7 @@ structured, object, void, string, datetime dtypes); the calls return placeholder
 them completes, and arrays are made from their raw bytes (frombuffer, reshape, copy) after their
 size is checked against their shape.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,29 +43,46 @@ class PendingArray(Placeholder):
 
 
 def _plain(dtype: Any) -> numpy.dtype:
-    if (type(dtype) is not numpy.dtype and not isinstance(dtype, numpy.dtype)) or dtype.fields is not None \
-            or dtype.subdtype is not None or dtype.hasobject or dtype.str[1:] not in PLAIN:
+    if (
+        (type(dtype) is not numpy.dtype and not isinstance(dtype, numpy.dtype))
+        or dtype.fields is not None
+        or dtype.subdtype is not None
+        or dtype.hasobject
+        or dtype.str[1:] not in PLAIN
+    ):
         raise Refused("takes a plain numeric or bool numpy dtype")
     return dtype
 
 
 def _dtype(args: tuple) -> PendingDtype:
-    if not 1 <= len(args) <= 3 or type(args[0]) is not str or args[0] not in PLAIN \
-            or not all(type(a) is bool for a in args[1:]):
+    if (
+        not 1 <= len(args) <= 3
+        or type(args[0]) is not str
+        or args[0] not in PLAIN
+        or not all(type(a) is bool for a in args[1:])
+    ):
         raise Refused(f"takes one of {', '.join(sorted(PLAIN))} (plain numeric and bool dtypes only)")
     return PendingDtype(args[0])
 
 
 def _build_dtype(pending: PendingDtype, state: Any) -> numpy.dtype:
     """(3, byteorder, None, None, None, -1, -1, 0), as numpy writes a plain dtype's state."""
-    if type(state) is not tuple or len(state) not in (8, 9) or state[0] not in (3, 4) or state[2:5] != (None,) * 3 \
-            or state[1] not in ("<", ">", "|", "=") or (len(state) == 9 and state[8] is not None):
-        raise FormatError("a numpy dtype has a state other than a plain dtype's (structured, object and "
-                          "subarray dtypes are refused)")
+    if (
+        type(state) is not tuple
+        or len(state) not in (8, 9)
+        or state[0] not in (3, 4)
+        or state[2:5] != (None,) * 3
+        or state[1] not in ("<", ">", "|", "=")
+        or (len(state) == 9 and state[8] is not None)
+    ):
+        raise FormatError(
+            "a numpy dtype has a state other than a plain dtype's (structured, object and subarray dtypes are refused)"
+        )
     base = numpy.dtype(pending.spec)
     if state[5] not in (-1, base.itemsize) or state[6] not in (-1, base.alignment) or state[7] != 0:
-        raise FormatError("a numpy dtype has a state other than a plain dtype's (structured, object and "
-                          "subarray dtypes are refused)")
+        raise FormatError(
+            "a numpy dtype has a state other than a plain dtype's (structured, object and subarray dtypes are refused)"
+        )
     order = state[1]
     return base if order in ("|", "=") or base.itemsize == 1 else base.newbyteorder(order)
 
@@ -81,15 +99,20 @@ def _array(raw: Any, dtype: Any, shape: Any, fortran: bool) -> numpy.ndarray:
         dtype = _plain(dtype)
     except Refused:
         raise FormatError("a numpy array has a dtype other than a plain numeric or bool one") from None
-    if type(shape) is not tuple or len(shape) > MAX_DIMS or not all(type(n) is int and 0 <= n <= MAX_DIM
-                                                                     for n in shape):
+    if (
+        type(shape) is not tuple
+        or len(shape) > MAX_DIMS
+        or not all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)
+    ):
         raise FormatError(f"a numpy array has a malformed shape (at most {MAX_DIMS} sizes of 0..2^40)")
     if type(raw) not in (bytes, bytearray):
         raise FormatError("a numpy array's data is not a byte string")
     count = math.prod(shape)
     if count * dtype.itemsize != len(raw):
-        raise FormatError(f"a numpy array of shape {list(shape)} and dtype {dtype} needs "
-                          f"{count * dtype.itemsize:,} bytes; its data holds {len(raw):,}")
+        raise FormatError(
+            f"a numpy array of shape {list(shape)} and dtype {dtype} needs "
+            f"{count * dtype.itemsize:,} bytes; its data holds {len(raw):,}"
+        )
     if count == 0:
         flat = numpy.zeros(0, dtype=dtype)
     else:

@@ -2,6 +2,7 @@
 bytes (StorageRef, TensorRef) or bytes read whole (RawStorage), never tensors, and the decoding of
 torch's persistent ids that name those storages.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -83,11 +84,14 @@ def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
     if not isinstance(storage_type, _StorageType):
         raise FormatError(f"{file}: persistent id names an unknown storage type {quote(repr(storage_type), 60)}")
     if type(key) is bytes:  # torch.load looks for the record data/b'...' (the bytes' repr), not data/...
-        raise FormatError(f"{file}: persistent id {quote(repr(pid)[:200], 80)} names its storage key as bytes; "
-                          f"torch.save writes text, and torch.load would look for another record")
+        raise FormatError(
+            f"{file}: persistent id {quote(repr(pid)[:200], 80)} names its storage key as bytes; "
+            f"torch.save writes text, and torch.load would look for another record"
+        )
     if type(key) is not str or type(numel) is not int or numel < 0:
-        raise FormatError(f"{file}: persistent id {quote(repr(pid)[:200], 80)} lacks a storage key and an "
-                          f"element count")
+        raise FormatError(
+            f"{file}: persistent id {quote(repr(pid)[:200], 80)} lacks a storage key and an element count"
+        )
     return key, storage_type.dtype, numel
 
 

@@ -2,6 +2,7 @@
 checks a call's arguments, Refused says they are outside the grammar, and formats add their own
 stand-ins to the allowlist with register_allowed.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -18,6 +18,7 @@ one more on the result, else `load` hands back None and the restricted machine r
 Lazy loads only (tensors as TensorRefs): eager loads build bytes, which the machine counts.
 What it returns equals what the machine builds from the same bytes (tests/test_safeload_torchsave.py).
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,10 +35,19 @@ from .torch_types import DType, GlobalRef, Size
 __all__ = ["load"]
 
 # the modules whose globals the road serves (numpy, builtins, codecs, copyreg, pathlib: the machine)
-_MODULES = {"torch", "torch._utils", "torch._tensor", "torch.nn.parameter", "torch.serialization", "torch.storage",
-            "collections", "argparse"}
-_LEAVES = frozenset({str, int, float, bool, type(None), DType, GlobalRef, Size, TensorRef, StorageRef,
-                     _TypedStorage, _StorageType})
+_MODULES = {
+    "torch",
+    "torch._utils",
+    "torch._tensor",
+    "torch.nn.parameter",
+    "torch.serialization",
+    "torch.storage",
+    "collections",
+    "argparse",
+}
+_LEAVES = frozenset(
+    {str, int, float, bool, type(None), DType, GlobalRef, Size, TensorRef, StorageRef, _TypedStorage, _StorageType}
+)
 # the walk's depth limit: the machine counts the depth of a rebuilt value's arguments too
 _DEPTH_MARGIN = 16
 
@@ -127,7 +137,9 @@ def load(data: bytes, persistent_load: Callable[[Any], Any]) -> Any | None:
     if any(key in names for key in extra):
         return None  # a format re-mapped one of these globals: only the grammar knows what to build
     if extra:
-        names = {**names, **{key: value for key, value in extra.items()
-                             if isinstance(value, type) and issubclass(value, Inert)}}
+        names = {
+            **names,
+            **{key: value for key, value in extra.items() if isinstance(value, type) and issubclass(value, Inert)},
+        }
     budget = len(data) + _SHARED  # (every container costs its pickle a byte at least)
     return run(data, names, lambda value: _check(value, budget), floats=True, persistent_load=persistent_load)

@@ -20,6 +20,7 @@ bytes in memory, so that every step is checked before it allocates or calls:
 Any limit hit is a FormatError naming the limit; anything outside the grammar an UnsafePickleError.
 The caller (safeload.restricted_loads) prefixes the file's name.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -80,8 +81,14 @@ class Limits:
     @classmethod
     def current(cls) -> "Limits":
         """The knobs' values now (tests and callers may change them at run time)."""
-        return cls(knobs.MAX_PICKLE_OBJECTS, knobs.MAX_PICKLE_DEPTH, knobs.MAX_PICKLE_EXPANDED,
-                   knobs.MAX_PICKLE_BLOB, knobs.MAX_PICKLE_BUILT, knobs.MAX_PICKLE_SECONDS)
+        return cls(
+            knobs.MAX_PICKLE_OBJECTS,
+            knobs.MAX_PICKLE_DEPTH,
+            knobs.MAX_PICKLE_EXPANDED,
+            knobs.MAX_PICKLE_BLOB,
+            knobs.MAX_PICKLE_BUILT,
+            knobs.MAX_PICKLE_SECONDS,
+        )
 
 
 _I = struct.Struct("<I").unpack_from
@@ -90,22 +97,26 @@ _H = struct.Struct("<H").unpack_from
 _Q = struct.Struct("<Q").unpack_from
 _D = struct.Struct(">d").unpack_from
 
-MAX_INT_BYTES = 128      # LONG1 / LONG4: Python ints of more than 1024 bits are no checkpoint's data
-MAX_TEXT_LINE = 512      # INT / LONG / FLOAT / GET / PUT arguments of protocol 0
-EXPANDED_PER_BYTE = 4    # the expanded-size limit of a large pickle: this many values per input byte
-MAX_SAME_HASH = 64       # keys of one set sharing one hash: more are crafted (each insert walks them all)
-OBJECT_BYTES = 64        # what one object costs the memory account at least (an empty dict: 64 bytes)
+MAX_INT_BYTES = 128  # LONG1 / LONG4: Python ints of more than 1024 bits are no checkpoint's data
+MAX_TEXT_LINE = 512  # INT / LONG / FLOAT / GET / PUT arguments of protocol 0
+EXPANDED_PER_BYTE = 4  # the expanded-size limit of a large pickle: this many values per input byte
+MAX_SAME_HASH = 64  # keys of one set sharing one hash: more are crafted (each insert walks them all)
+OBJECT_BYTES = 64  # what one object costs the memory account at least (an empty dict: 64 bytes)
 
 # values with nothing inside them whose expanded size is 1 (text and bytes weigh by length)
 _ATOMS = frozenset({int, float, bool, type(None), complex, type, FunctionType, slice})
 
 _REFUSED_OPS = {
-    ord("i"): "INST", ord("o"): "OBJ", 0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4",
-    0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER",
+    ord("i"): "INST",
+    ord("o"): "OBJ",
+    0x82: "EXT1",
+    0x83: "EXT2",
+    0x84: "EXT4",
+    0x97: "NEXT_BUFFER",
+    0x98: "READONLY_BUFFER",
 }
 
-_EXPANDED = ("expands to more values than allowed when shared parts are counted each time they are "
-             "reached")
+_EXPANDED = "expands to more values than allowed when shared parts are counted each time they are reached"
 
 
 class _Stop(Exception):
@@ -127,8 +138,10 @@ def check_keys(keys: list) -> None:
     except TypeError:
         raise FormatError("pickle uses an unhashable value as a set item or dictionary key") from None
     if max(counts.values()) > MAX_SAME_HASH:
-        raise FormatError(f"pickle puts more than {MAX_SAME_HASH} keys with one hash value into one set or "
-                          f"dictionary (keys crafted to collide)")
+        raise FormatError(
+            f"pickle puts more than {MAX_SAME_HASH} keys with one hash value into one set or "
+            f"dictionary (keys crafted to collide)"
+        )
 
 
 class Machine:
@@ -149,16 +162,16 @@ class Machine:
         # pickle of lists sharing their children (2**40 when walked) is refused
         self.max_expanded = max(lim.expanded, EXPANDED_PER_BYTE * len(self.data))
         self.stack: list[Any] = []
-        self.depths: list[int] = []         # the nesting depth of each value on the stack
-        self.marks: list[int] = [0]         # stack heights at each MARK (0: the bottom)
-        self.memo: list[Any] = []           # memo entries 0, 1, 2 ... (what picklers write)
+        self.depths: list[int] = []  # the nesting depth of each value on the stack
+        self.marks: list[int] = [0]  # stack heights at each MARK (0: the bottom)
+        self.memo: list[Any] = []  # memo entries 0, 1, 2 ... (what picklers write)
         self.memo_far: dict[int, Any] = {}  # entries put past the end of `memo` (only crafted pickles)
-        self.objects = 0                    # containers and rebuilt values created (memo entries aside)
-        self.extra = 0                      # expanded size added by memo GETs and rebuilds
-        self.built = 0                      # bytes rebuild calls created
-        self.sealed: set[int] = set()       # ids of values fetched from the memo (never changed again)
+        self.objects = 0  # containers and rebuilt values created (memo entries aside)
+        self.extra = 0  # expanded size added by memo GETs and rebuilds
+        self.built = 0  # bytes rebuild calls created
+        self.sealed: set[int] = set()  # ids of values fetched from the memo (never changed again)
         self.sizes: dict[int, tuple[int, int]] = {}  # id -> (expanded size, depth), computed once
-        self.keep: list[Any] = []           # what `sealed` and `sizes` name, kept alive
+        self.keep: list[Any] = []  # what `sealed` and `sizes` name, kept alive
         self.pending: dict[int, list] = {}  # id(placeholder) -> [placeholder, memo keys]
         self.pos = 0
         self.costly: dict[type, bool] = {}  # per type: may a value of it cost more than its inputs
@@ -171,8 +184,10 @@ class Machine:
     def tick(self) -> None:
         """The last line against work that grows faster than the input (colliding dict keys)."""
         if time.monotonic() > self.deadline:
-            raise FormatError(f"pickle takes longer than {self.seconds:.0f} s to read (limit "
-                              f"ckptkit.knobs.MAX_PICKLE_SECONDS plus one second per MB)")
+            raise FormatError(
+                f"pickle takes longer than {self.seconds:.0f} s to read (limit "
+                f"ckptkit.knobs.MAX_PICKLE_SECONDS plus one second per MB)"
+            )
 
     def count(self, n: int = 1) -> None:
         self.objects += n
@@ -181,8 +196,10 @@ class Machine:
 
     def too_many(self) -> FormatError:
         if self.max_objects * OBJECT_BYTES >= self.account:
-            return FormatError(f"pickle creates more objects than the memory budget allows (limit "
-                               f"{self.max_objects:,}; raise --memory-budget or {knobs.MEMORY_BUDGET_ENV})")
+            return FormatError(
+                f"pickle creates more objects than the memory budget allows (limit "
+                f"{self.max_objects:,}; raise --memory-budget or {knobs.MEMORY_BUDGET_ENV})"
+            )
         return _limit("creates more objects than allowed", self.max_objects, "MAX_PICKLE_OBJECTS")
 
     def spend(self, built: int) -> None:
@@ -191,8 +208,10 @@ class Machine:
         if self.built > self.limits.built:
             raise _limit("rebuilds more bytes than allowed", self.limits.built, "MAX_PICKLE_BUILT")
         if self.built + (self.objects + self.memo_size()) * OBJECT_BYTES > self.account:
-            raise FormatError(f"pickle rebuilds more bytes than the memory budget allows ({self.built:,} bytes "
-                              f"besides its objects; raise --memory-budget or {knobs.MEMORY_BUDGET_ENV})")
+            raise FormatError(
+                f"pickle rebuilds more bytes than the memory budget allows ({self.built:,} bytes "
+                f"besides its objects; raise --memory-budget or {knobs.MEMORY_BUDGET_ENV})"
+            )
 
     def memo_size(self) -> int:
         return len(self.memo) + len(self.memo_far)
@@ -260,8 +279,9 @@ class Machine:
     def blob(self, pos: int, n: int, what: str) -> None:
         """A byte string or text of n bytes starts at `pos`: within the input and the cap."""
         if n > len(self.data) - pos:
-            raise FormatError(f"pickle declares a {what} of {n:,} bytes at byte {pos}, past the end of its "
-                              f"{len(self.data):,} bytes")
+            raise FormatError(
+                f"pickle declares a {what} of {n:,} bytes at byte {pos}, past the end of its {len(self.data):,} bytes"
+            )
         if n > self.limits.blob:
             raise _limit(f"holds a {what} of {n:,} bytes, more than allowed", self.limits.blob, "MAX_PICKLE_BLOB")
 
@@ -387,8 +407,9 @@ class Machine:
         if type(target) is not kind and not (type(kind) is tuple and type(target) in kind):
             raise FormatError(f"pickle stores items into a {type(target).__name__}")
         if id(target) in self.sealed:
-            raise FormatError(f"pickle changes a {type(target).__name__} after it was shared "
-                              f"(or makes it contain itself)")
+            raise FormatError(
+                f"pickle changes a {type(target).__name__} after it was shared (or makes it contain itself)"
+            )
         if depths:
             d = max(depths) + 1
             if d > self.depths[-1]:
@@ -465,7 +486,7 @@ class Machine:
         while True:
             op = data[pos]
             pos += 1
-            if op == 0x94:                                    # MEMOIZE
+            if op == 0x94:  # MEMOIZE
                 value = stack[-1]
                 k = len(memo)
                 memo.append(value)
@@ -474,7 +495,7 @@ class Machine:
                     self.count(0)
                 if pending and id(value) in pending:
                     pending[id(value)][1].append(k)
-            elif op == 0x68 or op == 0x6A:                    # BINGET, LONG_BINGET
+            elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
                 if op == 0x68:
                     key = data[pos]
                     pos += 1
@@ -494,18 +515,18 @@ class Machine:
                     dpush(0)
                 else:
                     self.push_shared(value)
-            elif op == 0x4B:                                  # BININT1
+            elif op == 0x4B:  # BININT1
                 push(data[pos])
                 dpush(0)
                 pos += 1
-            elif op == 0x28:                                  # MARK
+            elif op == 0x28:  # MARK
                 if len(marks) > max_depth:
                     raise self.too_deep()
                 marks.append(len(stack))
-            elif op == 0x29:                                  # EMPTY_TUPLE
+            elif op == 0x29:  # EMPTY_TUPLE
                 push(())
                 dpush(0)
-            elif op == 0x81:                                  # NEWOBJ
+            elif op == 0x81:  # NEWOBJ
                 args = stack.pop()
                 d = depths.pop()
                 cls = stack[-1]
@@ -527,13 +548,15 @@ class Machine:
                 if c:
                     self.pos = pos
                     self.charge(value)
-            elif op == 0x62:                                  # BUILD
+            elif op == 0x62:  # BUILD
                 state = stack.pop()
                 d = depths.pop() + 1
                 obj = stack[-1]
                 if id(obj) in sealed:
-                    raise FormatError(f"pickle sets the state of a {type(obj).__name__} after it was shared "
-                                      f"(or makes it contain itself)")
+                    raise FormatError(
+                        f"pickle sets the state of a {type(obj).__name__} after it was shared "
+                        f"(or makes it contain itself)"
+                    )
                 if pending and id(obj) in pending:
                     self.build_pending(obj, state)
                 elif build(obj, state) is not obj:
@@ -542,7 +565,7 @@ class Machine:
                     if d > max_depth:
                         raise self.too_deep()
                     depths[-1] = d
-            elif op == 0x86:                                  # TUPLE2
+            elif op == 0x86:  # TUPLE2
                 value = (stack[-2], stack[-1])
                 d = depths[-2]
                 if depths[-1] > d:
@@ -554,7 +577,7 @@ class Machine:
                 stack[-1] = value
                 depths[-1] = d + 1
                 nobj += 1
-            elif op == 0x75:                                  # SETITEMS
+            elif op == 0x75:  # SETITEMS
                 if len(marks) == 1:
                     raise FormatError("pickle uses a MARK it never set")
                 k = marks.pop()
@@ -564,8 +587,12 @@ class Machine:
                 del depths[k:]
                 target = stack[-1]
                 t = type(target)
-                if (t is not dict and t is not OrderedDict) or id(target) in sealed or len(items) % 2 \
-                        or len(items) > 4096:
+                if (
+                    (t is not dict and t is not OrderedDict)
+                    or id(target) in sealed
+                    or len(items) % 2
+                    or len(items) > 4096
+                ):
                     self.grow(target, ds, (dict, OrderedDict))  # refuses, or a long batch
                     if len(items) % 2:
                         raise FormatError("pickle sets dictionary items from an odd number of values")
@@ -582,14 +609,14 @@ class Machine:
                         raise FormatError("pickle uses an unhashable value as a dictionary key") from None
                     if time.monotonic() > self.deadline:
                         self.tick()
-            elif op == 0x7D or op == 0x5D:                    # EMPTY_DICT, EMPTY_LIST
+            elif op == 0x7D or op == 0x5D:  # EMPTY_DICT, EMPTY_LIST
                 push({} if op == 0x7D else [])
                 dpush(1)
                 nobj += 1
                 if nobj > max_objects:
                     self.objects += nobj
                     self.count(0)
-            elif op == 0x52:                                  # REDUCE
+            elif op == 0x52:  # REDUCE
                 args = stack.pop()
                 d = depths.pop()
                 if type(args) is not tuple:
@@ -610,7 +637,7 @@ class Machine:
                 if c:
                     self.pos = pos
                     self.charge(value)
-            elif op == 0x85:                                  # TUPLE1
+            elif op == 0x85:  # TUPLE1
                 stack[-1] = (stack[-1],)
                 d = depths[-1] + 1
                 if d > max_depth:
@@ -620,7 +647,7 @@ class Machine:
                 if nobj > max_objects:
                     self.objects += nobj
                     self.count(0)
-            elif op == 0x8C:                                  # SHORT_BINUNICODE
+            elif op == 0x8C:  # SHORT_BINUNICODE
                 k = data[pos]
                 pos += 1
                 end = pos + k
@@ -630,17 +657,17 @@ class Machine:
                 dpush(0)
                 pos = end
                 nobj += 1
-            elif op == 0x89:                                  # NEWFALSE
+            elif op == 0x89:  # NEWFALSE
                 push(False)
                 dpush(0)
-            elif op == 0x4D:                                  # BININT2
+            elif op == 0x4D:  # BININT2
                 push(_H(data, pos)[0])
                 dpush(0)
                 pos += 2
-            elif op == 0x74:                                  # TUPLE
+            elif op == 0x74:  # TUPLE
                 items, ds = self.pop_mark()
                 self.new_container(tuple(items), ds)
-            elif op == 0x61 or op == 0x65:                    # APPEND, APPENDS
+            elif op == 0x61 or op == 0x65:  # APPEND, APPENDS
                 if op == 0x61:
                     items = [stack.pop()]
                     ds = [depths.pop()]
@@ -656,11 +683,11 @@ class Machine:
                             raise self.too_deep()
                         depths[-1] = d
                 target.extend(items)
-            elif op == 0x4A:                                  # BININT
+            elif op == 0x4A:  # BININT
                 push(_i(data, pos)[0])
                 dpush(0)
                 pos += 4
-            elif op == 0x71 or op == 0x72:                    # BINPUT, LONG_BINPUT
+            elif op == 0x71 or op == 0x72:  # BINPUT, LONG_BINPUT
                 if op == 0x71:
                     key = data[pos]
                     pos += 1
@@ -679,18 +706,18 @@ class Machine:
                     self.objects += nobj
                     nobj = 0
                     self.memo_put(key, stack[-1])
-            elif op == 0x4E:                                  # NONE
+            elif op == 0x4E:  # NONE
                 push(None)
                 dpush(0)
-            elif op == 0x88:                                  # NEWTRUE
+            elif op == 0x88:  # NEWTRUE
                 push(True)
                 dpush(0)
-            elif op == 0x93:                                  # STACK_GLOBAL
+            elif op == 0x93:  # STACK_GLOBAL
                 name = stack.pop()
                 module = stack.pop()
                 del depths[-2:]
                 self.do_global(module, name)
-            elif op == 0x87:                                  # TUPLE3
+            elif op == 0x87:  # TUPLE3
                 items = stack[-3:]
                 ds = depths[-3:]
                 if len(items) < 3:
@@ -698,25 +725,26 @@ class Machine:
                 del stack[-3:]
                 del depths[-3:]
                 self.new_container(tuple(items), ds)
-            elif op == 0x58:                                  # BINUNICODE
+            elif op == 0x58:  # BINUNICODE
                 k = _I(data, pos)[0]
                 pos += 4
                 self.blob(pos, k, "text")
-                push(str(data[pos:pos + k], "utf-8", "surrogatepass"))
+                push(str(data[pos : pos + k], "utf-8", "surrogatepass"))
                 dpush(0)
                 pos += k
                 nobj += 1
-            elif op == 0x2E:                                  # STOP
+            elif op == 0x2E:  # STOP
                 self.objects += nobj
                 if not stack:
                     raise FormatError("pickle stops with nothing to return")
                 raise _Stop
-            elif op == 0x95:                                  # FRAME
+            elif op == 0x95:  # FRAME
                 k = _Q(data, pos)[0]
                 pos += 8
                 if k > n - pos:
-                    raise FormatError(f"pickle declares a frame of {k:,} bytes at byte {pos - 9}, past the end of "
-                                      f"its {n:,} bytes")
+                    raise FormatError(
+                        f"pickle declares a frame of {k:,} bytes at byte {pos - 9}, past the end of its {n:,} bytes"
+                    )
             else:
                 self.objects += nobj
                 nobj = 0
@@ -727,51 +755,52 @@ class Machine:
         data = self.data
         stack = self.stack
         self.pos = pos
-        if op == 0x80:                                        # PROTO
+        if op == 0x80:  # PROTO
             if data[pos] > 5:
                 raise FormatError(f"pickle protocol {data[pos]} is not supported")
             return pos + 1
-        if op == 0x47:                                        # BINFLOAT
+        if op == 0x47:  # BINFLOAT
             self.stack.append(_D(data, pos)[0])
             self.depths.append(0)
             return pos + 8
-        if op in (0x43, 0x42, 0x8E, 0x96):                    # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
+        if op in (0x43, 0x42, 0x8E, 0x96):  # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
             width = {0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8}[op]
             k = data[pos] if width == 1 else (_I(data, pos)[0] if width == 4 else _Q(data, pos)[0])
             pos += width
             self.blob(pos, k, "byte string")
-            value: Any = data[pos:pos + k]
+            value: Any = data[pos : pos + k]
             if op == 0x96:
                 value = bytearray(value)
                 self.count()
             stack.append(value)
             self.depths.append(0)
             return pos + k
-        if op == 0x8D:                                        # BINUNICODE8
+        if op == 0x8D:  # BINUNICODE8
             k = _Q(data, pos)[0]
             pos += 8
             self.blob(pos, k, "text")
-            stack.append(str(data[pos:pos + k], "utf-8", "surrogatepass"))
+            stack.append(str(data[pos : pos + k], "utf-8", "surrogatepass"))
             self.depths.append(0)
             return pos + k
-        if op in (0x8A, 0x8B):                                # LONG1, LONG4
+        if op in (0x8A, 0x8B):  # LONG1, LONG4
             k = data[pos] if op == 0x8A else _i(data, pos)[0]
             pos += 1 if op == 0x8A else 4
             if k < 0 or k > MAX_INT_BYTES:
-                raise FormatError(f"pickle holds an integer of {k} bytes at byte {pos}; at most {MAX_INT_BYTES} "
-                                  f"are expected")
+                raise FormatError(
+                    f"pickle holds an integer of {k} bytes at byte {pos}; at most {MAX_INT_BYTES} are expected"
+                )
             self.blob(pos, k, "integer")
-            stack.append(int.from_bytes(data[pos:pos + k], "little", signed=True))
+            stack.append(int.from_bytes(data[pos : pos + k], "little", signed=True))
             self.depths.append(0)
             return pos + k
-        if op == 0x51:                                        # BINPERSID
+        if op == 0x51:  # BINPERSID
             pid, depth = self.pop()
             self.do_persistent(pid, depth)
             return pos
-        if op == 0x92:                                        # NEWOBJ_EX
+        if op == 0x92:  # NEWOBJ_EX
             self.do_newobj(True)
             return pos
-        if op == 0x73:                                        # SETITEM
+        if op == 0x73:  # SETITEM
             value, d = self.pop()
             key, kd = self.pop()
             self.need(1)
@@ -779,10 +808,10 @@ class Machine:
             self.grow(target, [d, kd], (dict, OrderedDict))
             self.set_items(target, [key, value])
             return pos
-        if op == 0x8F:                                        # EMPTY_SET
+        if op == 0x8F:  # EMPTY_SET
             self.new_container(set(), [])
             return pos
-        if op == 0x90:                                        # ADDITEMS
+        if op == 0x90:  # ADDITEMS
             items, ds = self.pop_mark()
             self.need(1)
             target = stack[-1]
@@ -791,16 +820,16 @@ class Machine:
             self.tick()
             target.update(items)
             return pos
-        if op == 0x91:                                        # FROZENSET
+        if op == 0x91:  # FROZENSET
             items, ds = self.pop_mark()
             check_keys(items)
             self.new_container(frozenset(items), ds)
             return pos
-        if op == 0x6C:                                        # LIST
+        if op == 0x6C:  # LIST
             items, ds = self.pop_mark()
             self.new_container(items, ds)
             return pos
-        if op == 0x64:                                        # DICT
+        if op == 0x64:  # DICT
             items, ds = self.pop_mark()
             if len(items) % 2:
                 raise FormatError("pickle builds a dictionary from an odd number of values")
@@ -808,22 +837,22 @@ class Machine:
             self.new_container(value, ds)
             self.set_items(value, items)
             return pos
-        if op == 0x30:                                        # POP
+        if op == 0x30:  # POP
             if len(stack) > self.marks[-1]:
                 self.pop()
             else:
                 self.pop_mark()
             return pos
-        if op == 0x31:                                        # POP_MARK
+        if op == 0x31:  # POP_MARK
             self.pop_mark()
             return pos
-        if op == 0x32:                                        # DUP
+        if op == 0x32:  # DUP
             self.need(1)
             self.push_shared(stack[-1])
             return pos
-        if op == 0x68 or op == 0x6A:                          # (BINGET / LONG_BINGET of a missing entry)
+        if op == 0x68 or op == 0x6A:  # (BINGET / LONG_BINGET of a missing entry)
             raise FormatError("pickle refers to a memo entry it never stored")
-        if op in (0x67, 0x70, 0x49, 0x4C, 0x46):              # GET, PUT, INT, LONG, FLOAT (protocol 0)
+        if op in (0x67, 0x70, 0x49, 0x4C, 0x46):  # GET, PUT, INT, LONG, FLOAT (protocol 0)
             line = self.line(pos)
             pos = self.pos
             if len(line) > MAX_TEXT_LINE:
@@ -834,8 +863,10 @@ class Machine:
                 elif op == 0x49 and line in (b"00", b"01"):
                     value = line == b"01"
                 else:
-                    value = int(line[:-1] if op == 0x4C and line.endswith(b"L") else line, 0 if op != 0x67 and
-                                op != 0x70 else 10)
+                    value = int(
+                        line[:-1] if op == 0x4C and line.endswith(b"L") else line,
+                        0 if op != 0x67 and op != 0x70 else 10,
+                    )
             except ValueError:
                 raise FormatError(f"pickle has a malformed number near byte {pos}") from None
             if op == 0x67:
@@ -850,11 +881,11 @@ class Machine:
                 stack.append(value)
                 self.depths.append(0)
             return pos
-        if op in (0x53, 0x54, 0x55, 0x56):                    # STRING, BINSTRING, SHORT_BINSTRING, UNICODE
+        if op in (0x53, 0x54, 0x55, 0x56):  # STRING, BINSTRING, SHORT_BINSTRING, UNICODE
             stack.append(self.old_string(op, pos))
             self.depths.append(0)
             return self.pos
-        if op == 0x63:                                        # GLOBAL
+        if op == 0x63:  # GLOBAL
             module = self.line(pos)
             name = self.line(self.pos)
             try:
@@ -862,7 +893,7 @@ class Machine:
             except UnicodeDecodeError:
                 raise FormatError("pickle names a global that is not UTF-8") from None
             return self.pos
-        if op == 0x50:                                        # PERSID (protocol 0)
+        if op == 0x50:  # PERSID (protocol 0)
             line = self.line(pos)
             try:
                 pid = line.decode("ascii")
@@ -875,8 +906,9 @@ class Machine:
                 module = self.line(pos)
                 name = self.line(self.pos)
                 self.grammar.find_class(module.decode("utf-8", "replace"), name.decode("utf-8", "replace"))
-            raise UnsafePickleError(f"refusing pickle opcode {_REFUSED_OPS[op]} (not used by data; nothing was "
-                                    f"executed)")
+            raise UnsafePickleError(
+                f"refusing pickle opcode {_REFUSED_OPS[op]} (not used by data; nothing was executed)"
+            )
         raise FormatError(f"pickle has an unknown opcode 0x{op:02x} at byte {pos - 1}")
 
     def line(self, pos: int) -> bytes:
@@ -913,7 +945,7 @@ class Machine:
                 k = data[pos]
                 pos += 1
             self.blob(pos, k, "text")
-            raw = data[pos:pos + k]
+            raw = data[pos : pos + k]
             self.pos = pos + k
         try:
             return raw.decode("utf-8")

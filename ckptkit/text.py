@@ -7,6 +7,7 @@ writes every such character as a visible escape instead: \\n, \\r, \\t, \\x1b, \
 spelling, without quotes). Printable text, backslashes included, is left as it is, so escaping
 text that was already escaped (errors.quote) changes nothing.
 """
+
 from __future__ import annotations
 
 import unicodedata

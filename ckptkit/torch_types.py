@@ -6,6 +6,7 @@ writes them back as torch's own objects, with the opcodes pickle writes for the 
 `realize()` turns them into torch objects where values leave ckptkit for torch code or the user
 (ObjectEntry.value, diff and convert arithmetic, the Checkpointer's extras).
 """
+
 from __future__ import annotations
 
 import math
@@ -104,8 +105,20 @@ class GlobalRef(_Interned):
 # beyond this its elements outnumber the bytes it was stored in, i.e. a bomb, not a checkpoint value
 MAX_STRIDED_BYTES = 64 << 20
 # struct codes of the dtypes SmallTensor.tolist() decodes
-_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
-           "int8": "b", "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
+_STRUCT = {
+    "float64": "d",
+    "float32": "f",
+    "float16": "e",
+    "int64": "q",
+    "int32": "i",
+    "int16": "h",
+    "int8": "b",
+    "uint8": "B",
+    "bool": "?",
+    "uint16": "H",
+    "uint32": "I",
+    "uint64": "Q",
+}
 
 
 def view_problem(offset: object, size: tuple, stride: tuple, item: int, storage_bytes: int) -> str | None:
@@ -125,11 +138,15 @@ def view_problem(offset: object, size: tuple, stride: tuple, item: int, storage_
     span = strided_span(size, stride)
     end = (offset + span) * item if numel else 0
     if end > storage_bytes:
-        return (f"its view (offset {offset}, size {list(size)[:8]}, stride {list(stride)[:8]}) needs bytes up to "
-                f"{end} of a storage that holds {storage_bytes}")
+        return (
+            f"its view (offset {offset}, size {list(size)[:8]}, stride {list(stride)[:8]}) needs bytes up to "
+            f"{end} of a storage that holds {storage_bytes}"
+        )
     if numel > span and numel * item > max(MAX_STRIDED_BYTES, storage_bytes):
-        return (f"it is a strided view of {numel * item} bytes (size {list(size)[:8]}, stride {list(stride)[:8]}) "
-                f"over {span * item} stored bytes: overlapping elements expanding past {MAX_STRIDED_BYTES} bytes")
+        return (
+            f"it is a strided view of {numel * item} bytes (size {list(size)[:8]}, stride {list(stride)[:8]}) "
+            f"over {span * item} stored bytes: overlapping elements expanding past {MAX_STRIDED_BYTES} bytes"
+        )
     return None
 
 
@@ -148,8 +165,9 @@ class SmallTensor:
         self._view: tuple | None = None
 
     @classmethod
-    def from_storage(cls, dtype: str, storage: bytes, offset: int, shape: tuple[int, ...],
-                     stride: tuple[int, ...]) -> "SmallTensor":
+    def from_storage(
+        cls, dtype: str, storage: bytes, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]
+    ) -> "SmallTensor":
         """The view (offset, shape, stride in elements) of a storage's bytes, sharing them."""
         shape, stride = tuple(shape), tuple(stride)
         problem = view_problem(offset, shape, stride, itemsize(dtype), len(storage))
@@ -182,7 +200,7 @@ class SmallTensor:
         cannot decode (complex, float8)."""
         data = self.data
         if self.dtype == "bfloat16":  # the top half of a float32
-            data, code = b"".join(b"\0\0" + data[i:i + 2] for i in range(0, len(data), 2)), "f"
+            data, code = b"".join(b"\0\0" + data[i : i + 2] for i in range(0, len(data), 2)), "f"
         elif self.dtype in _STRUCT:
             code = _STRUCT[self.dtype]
         else:
@@ -205,8 +223,11 @@ class SmallTensor:
         return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape)
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, SmallTensor) and (self.dtype, self.shape) == (other.dtype, other.shape)
-                and self.data == other.data)
+        return (
+            isinstance(other, SmallTensor)
+            and (self.dtype, self.shape) == (other.dtype, other.shape)
+            and self.data == other.data
+        )
 
     def __hash__(self) -> int:
         return hash((self.dtype, self.shape, self.data))
@@ -216,8 +237,7 @@ class SmallTensor:
         return f"SmallTensor({self.dtype}, {list(self.shape)}, {head.hex()})"
 
 
-def _gather(storage: bytes, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
-            item: int) -> bytes:
+def _gather(storage: bytes, offset: int, shape: tuple[int, ...], stride: tuple[int, ...], item: int) -> bytes:
     """Row-major bytes of a strided view of `storage` (elements of `item` bytes)."""
     numel = math.prod(shape)
     dense = row_major_strides(shape)
@@ -226,13 +246,14 @@ def _gather(storage: bytes, offset: int, shape: tuple[int, ...], stride: tuple[i
     if all(n == 1 or st == want for n, st, want in zip(shape, stride, dense)):
         if offset == 0 and numel * item == len(storage) and type(storage) is bytes:
             return storage  # the whole storage: no copy
-        return bytes(memoryview(storage)[offset * item:(offset + numel) * item])
+        return bytes(memoryview(storage)[offset * item : (offset + numel) * item])
     import numpy  # a strided gather in one C loop (no torch needed)
     from numpy.lib.stride_tricks import as_strided
 
     raw = numpy.frombuffer(storage, dtype=numpy.uint8)
-    elements = as_strided(raw[offset * item:], shape=(*shape, item), strides=(*(st * item for st in stride), 1),
-                          writeable=False)
+    elements = as_strided(
+        raw[offset * item :], shape=(*shape, item), strides=(*(st * item for st in stride), 1), writeable=False
+    )
     return elements.tobytes()
 
 

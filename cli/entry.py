@@ -1,5 +1,6 @@
 """Where a `ckptkit` process starts (console script and `python -m ckptkit`): Ctrl-C is taken over
 first (cli/sigint.py), before click, torch or any command is imported, then the command line runs."""
+
 from __future__ import annotations
 
 import gc

@@ -6,6 +6,7 @@ goes through `echo`, which escapes control characters (ckptkit.text): names read
 checkpoint cannot forge lines or drive the terminal. --json output is JSON, escaped by json.
 Ctrl-C: see sigint.py; a command that was interrupted says "interrupted" and exits 130.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,9 @@ from ckptkit.text import escape
 from . import sigint
 from .progress import CliProgress, make_progress
 
-EXIT_PROBLEMS = 1   # verify found problems
+EXIT_PROBLEMS = 1  # verify found problems
 # exit 2: a CkptkitError (its exit_code): bad input, bad options, output not writable
-EXIT_INTERNAL = 3   # a bug in ckptkit
+EXIT_INTERNAL = 3  # a bug in ckptkit
 EXIT_INTERRUPTED = sigint.EXIT_INTERRUPTED  # Ctrl-C
 
 
@@ -84,6 +85,7 @@ def handle_errors(fn: Callable) -> Callable:
         if interrupts.cancelled.is_set():  # a Ctrl-C came too late to stop the work: still reported
             _interrupted()
         return result
+
     return wrapper
 
 
@@ -104,8 +106,10 @@ def _fail(exc: BaseException, debug: bool) -> NoReturn:
     if not isinstance(exc, Exception):
         raise exc
     if _report(exc):  # a bug: say so plainly, keep the traceback for --debug
-        echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback and "
-             f"please report it)", err=True)
+        echo(
+            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback and please report it)",
+            err=True,
+        )
     sys.exit(EXIT_INTERNAL)
 
 
@@ -132,28 +136,45 @@ FOLLOW_LINKS_KEY = "ckptkit.follow_links"
 
 def quiet_option(fn: Callable) -> Callable:
     """-q/--quiet after the command name too (`ckptkit verify -q SRC`), as before it."""
+
     def remember(click_ctx: click.Context, _param: Any, value: bool) -> None:
         if value:
             obj = click_ctx.find_object(Context)
             if obj is not None:
                 obj.quiet = True
-    return click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=remember, is_eager=True,
-                        help="Print nothing but errors (no progress either); same as before the command.")(fn)
+
+    return click.option(
+        "--quiet",
+        "-q",
+        is_flag=True,
+        expose_value=False,
+        callback=remember,
+        is_eager=True,
+        help="Print nothing but errors (no progress either); same as before the command.",
+    )(fn)
 
 
 def follow_links_option(fn: Callable) -> Callable:
     """--follow-links: links inside SRC that lead outside it are read (by default they are refused)."""
+
     def remember(click_ctx: click.Context, _param: Any, value: bool) -> None:
         if value:
             click_ctx.meta[FOLLOW_LINKS_KEY] = True
-    return click.option("--follow-links", is_flag=True, expose_value=False, callback=remember,
-                        help="Read files of SRC whose links lead outside it (refused by default; also "
-                             "CKPTKIT_FOLLOW_LINKS=1). FIFOs, devices and sockets are refused anyway.")(fn)
+
+    return click.option(
+        "--follow-links",
+        is_flag=True,
+        expose_value=False,
+        callback=remember,
+        help="Read files of SRC whose links lead outside it (refused by default; also "
+        "CKPTKIT_FOLLOW_LINKS=1). FIFOs, devices and sockets are refused anyway.",
+    )(fn)
 
 
 def tp_rules_option(fn: Callable) -> Callable:
     """--tp-rules FILE: split rules for tensor-parallel DeepSpeed checkpoints (docs/tp_rules.md),
     checked when given and applied by the DeepSpeed reader for the rest of this command."""
+
     def remember(_click_ctx: click.Context, param: Any, value: str | None) -> None:
         from ckptkit.convert.tp_rules import use_rules_file
 
@@ -163,15 +184,23 @@ def tp_rules_option(fn: Callable) -> Callable:
             echo(f"error: {exc}" if "--tp-rules" in str(exc) else f"error: --tp-rules: {exc}", err=True)
             _click_ctx.exit(exc.exit_code)
         _click_ctx.call_on_close(lambda: use_rules_file(None))  # this command's only: not the next call's
-    return click.option("--tp-rules", default=None, metavar="FILE", expose_value=False, callback=remember,
-                        help="Split rules (JSON or TOML) for tensor-parallel DeepSpeed checkpoints: which "
-                             "dimension each parameter's tp slices split, before the built-in Megatron "
-                             "and HF rules (see docs/tp_rules.md).")(fn)
+
+    return click.option(
+        "--tp-rules",
+        default=None,
+        metavar="FILE",
+        expose_value=False,
+        callback=remember,
+        help="Split rules (JSON or TOML) for tensor-parallel DeepSpeed checkpoints: which "
+        "dimension each parameter's tp slices split, before the built-in Megatron "
+        "and HF rules (see docs/tp_rules.md).",
+    )(fn)
 
 
 def partition_method_option(fn: Callable) -> Callable:
     """--partition-method (and --layer-types): how the target PipelineModule splits its layers into
     stages (a DeepSpeed pipeline checkpoint does not record it), for the rest of this command."""
+
     def remember(_click_ctx: click.Context, param: Any, value: str | None) -> None:
         from ckptkit.errors import UsageError
         from ckptkit.formats.deepspeed.pipeline_partition import use_partition_method
@@ -191,16 +220,27 @@ def partition_method_option(fn: Callable) -> Callable:
         except UsageError as exc:  # before the command's own error handling: click's one-line usage error
             raise click.UsageError(str(exc)) from None
         _click_ctx.call_on_close(lambda: use_layer_types(None))  # this command's only: not the next call's
-    fn = click.option("--layer-types", default=None, metavar="NAME,NAME*K,...", expose_value=False,
-                      callback=remember_types,
-                      help="DeepSpeed pipelines: the PipelineModule's layers' class (or function) names in order, "
-                           "as DeepSpeed logs them at start-up (NAME*K: K in a row); needed by "
-                           "--partition-method type:REGEX, and fixes the layer count for the others.")(fn)
-    return click.option("--partition-method", default=None, metavar="parameters|uniform|type:REGEX",
-                        expose_value=False, callback=remember,
-                        help="DeepSpeed pipelines (--to pp=P,dp=W): the PipelineModule's partition_method, "
-                             "which decides each new stage's layers (default: parameters, DeepSpeed's "
-                             "default; type:REGEX needs --layer-types).")(fn)
+
+    fn = click.option(
+        "--layer-types",
+        default=None,
+        metavar="NAME,NAME*K,...",
+        expose_value=False,
+        callback=remember_types,
+        help="DeepSpeed pipelines: the PipelineModule's layers' class (or function) names in order, "
+        "as DeepSpeed logs them at start-up (NAME*K: K in a row); needed by "
+        "--partition-method type:REGEX, and fixes the layer count for the others.",
+    )(fn)
+    return click.option(
+        "--partition-method",
+        default=None,
+        metavar="parameters|uniform|type:REGEX",
+        expose_value=False,
+        callback=remember,
+        help="DeepSpeed pipelines (--to pp=P,dp=W): the PipelineModule's partition_method, "
+        "which decides each new stage's layers (default: parameters, DeepSpeed's "
+        "default; type:REGEX needs --layer-types).",
+    )(fn)
 
 
 def follow_links() -> bool | None:
@@ -286,9 +326,13 @@ def _finite(value: Any) -> Any:
 
 
 def memory_budget_option(fn: Callable) -> Callable:
-    return click.option("--memory-budget", default=None, metavar="SIZE",
-                        help=f"Peak tensor bytes in flight, e.g. 256MB, 2GiB (default "
-                             f"{knobs.DEFAULT_MEMORY_BUDGET >> 20}MiB, or {knobs.MEMORY_BUDGET_ENV} in bytes).")(fn)
+    return click.option(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help=f"Peak tensor bytes in flight, e.g. 256MB, 2GiB (default "
+        f"{knobs.DEFAULT_MEMORY_BUDGET >> 20}MiB, or {knobs.MEMORY_BUDGET_ENV} in bytes).",
+    )(fn)
 
 
 def read_options(fn: Callable) -> Callable:
@@ -296,16 +340,25 @@ def read_options(fn: Callable) -> Callable:
     fn = follow_links_option(fn)
     fn = tp_rules_option(fn)
     fn = memory_budget_option(fn)
-    fn = click.option("--workers", type=click.IntRange(1, 64), default=None,
-                      help=f"IO threads (default {knobs.DEFAULT_WORKERS}, or {knobs.WORKERS_ENV}).")(fn)
+    fn = click.option(
+        "--workers",
+        type=click.IntRange(1, 64),
+        default=None,
+        help=f"IO threads (default {knobs.DEFAULT_WORKERS}, or {knobs.WORKERS_ENV}).",
+    )(fn)
     return fn
 
 
 def run_options(fn: Callable) -> Callable:
     fn = read_options(fn)
     fn = click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")(fn)
-    fn = click.option("--nproc", type=click.IntRange(1, 256), default=None, metavar="P",
-                      help="Split the work over P local processes (runs itself under torchrun).")(fn)
+    fn = click.option(
+        "--nproc",
+        type=click.IntRange(1, 256),
+        default=None,
+        metavar="P",
+        help="Split the work over P local processes (runs itself under torchrun).",
+    )(fn)
     return fn
 
 
@@ -330,6 +383,7 @@ class RunFlags:
 def grouped(**groups: type) -> Callable:
     """Gather click's keyword arguments into option dataclasses: `name=Cls` hands the command
     Cls(<its fields>) as `name` (the click options themselves stay as they are)."""
+
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -337,7 +391,9 @@ def grouped(**groups: type) -> Callable:
                 fields = [f.name for f in dataclasses.fields(cls) if f.name in kwargs]
                 kwargs[name] = cls(**{f: kwargs.pop(f) for f in fields})
             return fn(*args, **kwargs)
+
         return wrapper
+
     return decorate
 
 
@@ -386,8 +442,11 @@ def dtype_help() -> str:
     by_dtype: dict[str, list[str]] = {}
     for spelling, name in DTYPE_SPELLINGS.items():
         by_dtype.setdefault(name, []).append(spelling)
-    return ("Cast floating model tensors to one of: " + "; ".join(", ".join(s) for s in by_dtype.values())
-            + " (case-insensitive). Any other value, or an empty one, is refused.")
+    return (
+        "Cast floating model tensors to one of: "
+        + "; ".join(", ".join(s) for s in by_dtype.values())
+        + " (case-insensitive). Any other value, or an empty one, is refused."
+    )
 
 
 def examples(*lines: str) -> str:
@@ -397,13 +456,18 @@ def examples(*lines: str) -> str:
 
 
 # The names the help examples use for their inputs (tests/test_docs.py links fixtures under them).
-EXAMPLE_NAMES = ("Examples use dcp_ckpt and dcp_ckpt_w3 (DCP folders saved by FSDP2 at 2 and 3 ranks), "
-                 "ds_ckpt (a DeepSpeed save folder), state_dict.pt (a torch.save file) and ds_config.json "
-                 "(a DeepSpeed config).")
+EXAMPLE_NAMES = (
+    "Examples use dcp_ckpt and dcp_ckpt_w3 (DCP folders saved by FSDP2 at 2 and 3 ranks), "
+    "ds_ckpt (a DeepSpeed save folder), state_dict.pt (a torch.save file) and ds_config.json "
+    "(a DeepSpeed config)."
+)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog=EXAMPLE_NAMES + " Run `ckptkit COMMAND --help` for a command's options and examples.")
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=EXAMPLE_NAMES + " Run `ckptkit COMMAND --help` for a command's options and examples.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors (also after the command name).")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="ckptkit")
@@ -422,13 +486,16 @@ def cli(click_ctx: click.Context, quiet: bool, debug: bool) -> None:
     run_folder.set_listener(lambda note: None if obj.quiet else echo(note, err=True))
 
 
-TAG_HELP = ("DeepSpeed: read this tag instead of the one `latest` names. Run folders: read the checkpoint of "
-            "this name (e.g. checkpoint-2) instead of the newest complete one.")
+TAG_HELP = (
+    "DeepSpeed: read this tag instead of the one `latest` names. Run folders: read the checkpoint of "
+    "this name (e.g. checkpoint-2) instead of the newest complete one."
+)
 
 
 def step_option(fn: Callable) -> Callable:
     """--step N: in a run folder, the checkpoint of step N (checkpoint-N, step_N, global_stepN,
     epoch=..-step=N), passed on as --tag with that entry's name."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, step: int | None = None, **kwargs: Any) -> Any:
         if step is not None:
@@ -441,14 +508,23 @@ def step_option(fn: Callable) -> Callable:
             src = kwargs["src"]
             kwargs["tag"] = tag_for_step(src, open_source(src, follow_links()), step)
         return fn(*args, **kwargs)
-    return click.option("--step", type=click.IntRange(0), default=None, metavar="N",
-                        help="Run folders: read the checkpoint of step N instead of the newest complete one "
-                             "(DeepSpeed: tag global_stepN).")(wrapper)
+
+    return click.option(
+        "--step",
+        type=click.IntRange(0),
+        default=None,
+        metavar="N",
+        help="Run folders: read the checkpoint of step N instead of the newest complete one "
+        "(DeepSpeed: tag global_stepN).",
+    )(wrapper)
 
 
-@cli.command(short_help="Show format, world size, step, tensors and values.",
-             epilog=examples("ckptkit inspect dcp_ckpt", "ckptkit inspect --json state_dict.pt",
-                             "ckptkit inspect ds_ckpt --tag global_step2"))
+@cli.command(
+    short_help="Show format, world size, step, tensors and values.",
+    epilog=examples(
+        "ckptkit inspect dcp_ckpt", "ckptkit inspect --json state_dict.pt", "ckptkit inspect ds_ckpt --tag global_step2"
+    ),
+)
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print the full index as JSON (schema ckptkit.index/1).")
 @click.option("--tag", default=None, help=TAG_HELP)
@@ -474,12 +550,18 @@ def inspect(ctx: Context, src: str, as_json: bool, tag: str | None, memory_budge
         echo(*render(opened, report))
 
 
-@cli.command(short_help="Check every piece is present and in bounds (--deep: bytes).",
-             epilog=examples("ckptkit verify dcp_ckpt", "ckptkit verify --deep ds_ckpt", "ckptkit verify -q state_dict.pt"))
+@cli.command(
+    short_help="Check every piece is present and in bounds (--deep: bytes).",
+    epilog=examples("ckptkit verify dcp_ckpt", "ckptkit verify --deep ds_ckpt", "ckptkit verify -q state_dict.pt"),
+)
 @click.argument("src")
 @click.option("--deep", is_flag=True, help="Also read every byte and check the CRCs the files carry.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print {ok, summary, problems: [{file, key, kind, message}]} as JSON on stdout.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print {ok, summary, problems: [{file, key, kind, message}]} as JSON on stdout.",
+)
 @click.option("--tag", default=None, help=TAG_HELP)
 @read_options
 @click.pass_obj
@@ -500,8 +582,12 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, f
 
         trainer_lines = verify_lines(report.opened.trainer, list(report.opened.index.files))
     if report.problems:
-        echo(f"{src}: {len(report.problems)} problem(s) found",
-             *(f"  - {p.kind}: {p.message}" for p in report.problems), *trainer_lines, err=True)
+        echo(
+            f"{src}: {len(report.problems)} problem(s) found",
+            *(f"  - {p.kind}: {p.message}" for p in report.problems),
+            *trainer_lines,
+            err=True,
+        )
         sys.exit(EXIT_PROBLEMS)
     index = report.opened.index
     if deep:
@@ -509,41 +595,73 @@ def verify(ctx: Context, src: str, deep: bool, as_json: bool, tag: str | None, f
         what = f"every byte read, {crcs} CRC32s match" if crcs else "every byte read (the format carries no CRCs)"
     else:
         what = "structure sound"
-    ctx.say(f"ok: {src} ({index.format}, {len(index.tensors)} tensors, {len(index.objects)} objects; {what})",
-            *trainer_lines)
+    ctx.say(
+        f"ok: {src} ({index.format}, {len(index.tensors)} tensors, {len(index.objects)} objects; {what})",
+        *trainer_lines,
+    )
     if deep:
         ctx.say_done()
 
 
-@cli.command(short_help="Write the model as safetensors (a folder or one file).",
-             epilog=examples("ckptkit consolidate ds_ckpt hf_model", "ckptkit consolidate dcp_ckpt model.safetensors --dtype bf16",
-                             "ckptkit consolidate dcp_ckpt hf_opt --include-optimizer --dtype torch.float16"))
+@cli.command(
+    short_help="Write the model as safetensors (a folder or one file).",
+    epilog=examples(
+        "ckptkit consolidate ds_ckpt hf_model",
+        "ckptkit consolidate dcp_ckpt model.safetensors --dtype bf16",
+        "ckptkit consolidate dcp_ckpt hf_opt --include-optimizer --dtype torch.float16",
+    ),
+)
 @click.argument("src")
 @click.argument("out")
 @click.option("--dtype", default=None, metavar="[bf16|fp16|fp32]", help=dtype_help())
-@click.option("--max-shard-size", default=knobs.MAX_SHARD_SIZE, show_default=True,
-              help="Largest safetensors shard, e.g. 5GB, 500MB.")
+@click.option(
+    "--max-shard-size",
+    default=knobs.MAX_SHARD_SIZE,
+    show_default=True,
+    help="Largest safetensors shard, e.g. 5GB, 500MB.",
+)
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer state to optimizer*.safetensors.")
-@click.option("--config", "config", default=None, metavar="DIR",
-              help="Copy config.json (and generation config, tokenizer files) from DIR instead of those found "
-                   "beside SRC, its trainer folder or its run folder.")
-@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Drop PREFIX from names that start with it (repeatable).")
-@click.option("--rename", multiple=True, metavar="OLD=NEW",
-              help="Replace the name prefix OLD by NEW (repeatable, applied in order).")
+@click.option(
+    "--config",
+    "config",
+    default=None,
+    metavar="DIR",
+    help="Copy config.json (and generation config, tokenizer files) from DIR instead of those found "
+    "beside SRC, its trainer folder or its run folder.",
+)
+@click.option(
+    "--strip-prefix", multiple=True, metavar="PREFIX", help="Drop PREFIX from names that start with it (repeatable)."
+)
+@click.option(
+    "--rename",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="Replace the name prefix OLD by NEW (repeatable, applied in order).",
+)
 @click.option("--tag", default=None, help=TAG_HELP)
 @run_options
 @click.pass_obj
 @handle_errors
 @step_option
 @grouped(flags=RunFlags)
-def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_size: str,
-                include_optimizer: bool, config: str | None, strip_prefix: tuple[str, ...], rename: tuple[str, ...],
-                tag: str | None, flags: RunFlags) -> None:
+def consolidate(
+    ctx: Context,
+    src: str,
+    out: str,
+    dtype: str | None,
+    max_shard_size: str,
+    include_optimizer: bool,
+    config: str | None,
+    strip_prefix: tuple[str, ...],
+    rename: tuple[str, ...],
+    tag: str | None,
+    flags: RunFlags,
+) -> None:
     """Write SRC's model as Hugging Face style safetensors: into folder OUT, or into the file OUT
     when it ends in .safetensors and the model fits in one file."""
     from ckptkit.index.dtypes import parse_dtype_option
 
-    cast = parse_dtype_option(dtype) if dtype is not None else None   # refused before anything starts
+    cast = parse_dtype_option(dtype) if dtype is not None else None  # refused before anything starts
     relaunch_if_asked(flags.nproc, out)
     from ckptkit.convert.names import KeyRules
     from ckptkit.ops.consolidate import consolidate as run_consolidate
@@ -551,12 +669,22 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 
     run = make_run_context(ctx, flags)
     rules = KeyRules(strip=tuple(strip_prefix), renames=KeyRules.parse_renames(rename))
-    res = run_consolidate(src, out, dtype=cast,
-                          max_shard_size=max_shard_size, include_optimizer=include_optimizer,
-                          tag=tag, rules=rules, config=config, ctx=run)
+    res = run_consolidate(
+        src,
+        out,
+        dtype=cast,
+        max_shard_size=max_shard_size,
+        include_optimizer=include_optimizer,
+        tag=tag,
+        rules=rules,
+        config=config,
+        ctx=run,
+    )
     into = f"into {out}" if os.path.isfile(out) else f"into {out}: {', '.join(res.files)}"
-    ctx.say(f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
-            f"from {res.source_format} {into}")
+    ctx.say(
+        f"consolidated {res.model_tensors} model tensors ({human_bytes(res.model_bytes)}) "
+        f"from {res.source_format} {into}"
+    )
     if res.aliases:
         ctx.say("  tied tensors written once: " + ", ".join(f"{a} -> {t}" for a, t in res.aliases.items()))
     if res.optimizer_tensors:
@@ -569,18 +697,31 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
     ctx.say_done()
 
 
-@cli.command(short_help="Rewrite a DCP or DeepSpeed checkpoint for a new world size.",
-             epilog=examples("ckptkit reshard dcp_ckpt dcp_w4 --world-size 4",
-                             "ckptkit reshard ds_ckpt ds_w3 --to 3 --from 2",
-                             "ckptkit reshard dcp_ckpt dcp_hsdp --to mesh=dp_replicate:2,dp_shard:2"))
+@cli.command(
+    short_help="Rewrite a DCP or DeepSpeed checkpoint for a new world size.",
+    epilog=examples(
+        "ckptkit reshard dcp_ckpt dcp_w4 --world-size 4",
+        "ckptkit reshard ds_ckpt ds_w3 --to 3 --from 2",
+        "ckptkit reshard dcp_ckpt dcp_hsdp --to mesh=dp_replicate:2,dp_shard:2",
+    ),
+)
 @click.argument("src")
 @click.argument("out")
 @click.option("--world-size", "world_size", type=int, default=None, metavar="M", help="Target world size.")
-@click.option("--to", "to", default=None, metavar="M|mesh=DIM:N,...",
-              help="Target world size M, or a device mesh for DCP: mesh=dp_shard:4,tp:2 "
-                   "(dims dp_replicate, dp_shard, tp).")
-@click.option("--from", "from_", default=None, metavar="N|mesh=DIM:N,...",
-              help="Expected source world size (checked), or the source's device mesh (else inferred).")
+@click.option(
+    "--to",
+    "to",
+    default=None,
+    metavar="M|mesh=DIM:N,...",
+    help="Target world size M, or a device mesh for DCP: mesh=dp_shard:4,tp:2 (dims dp_replicate, dp_shard, tp).",
+)
+@click.option(
+    "--from",
+    "from_",
+    default=None,
+    metavar="N|mesh=DIM:N,...",
+    help="Expected source world size (checked), or the source's device mesh (else inferred).",
+)
 @click.option("--tag", default=None, help=TAG_HELP)
 @partition_method_option
 @run_options
@@ -588,8 +729,16 @@ def consolidate(ctx: Context, src: str, out: str, dtype: str | None, max_shard_s
 @handle_errors
 @step_option
 @grouped(flags=RunFlags)
-def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: str | None, from_: str | None,
-            tag: str | None, flags: RunFlags) -> None:
+def reshard(
+    ctx: Context,
+    src: str,
+    out: str,
+    world_size: int | None,
+    to: str | None,
+    from_: str | None,
+    tag: str | None,
+    flags: RunFlags,
+) -> None:
     """Rewrite SRC for world size M (--world-size M, or --to M) in folder OUT, in SRC's format;
     a DCP folder also for a device mesh (--to mesh=dp_shard:4,tp:2), chunk for chunk as dcp.save."""
     from ckptkit.errors import UsageError
@@ -607,8 +756,10 @@ def reshard(ctx: Context, src: str, out: str, world_size: int | None, to: str | 
     from ckptkit.ops.reshard import reshard as run_reshard
 
     res = run_reshard(src, out, target, expect_from=source, tag=tag, ctx=make_run_context(ctx, flags))
-    ctx.say(f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
-            f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)")
+    ctx.say(
+        f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
+        f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)"
+    )
     if res.notes:
         ctx.say(*res.notes)
     ctx.say_done()
@@ -642,42 +793,89 @@ class StateOptions:
     drop: tuple[str, ...] = ()
 
 
-@cli.command(short_help="Convert to another backend, optimizer state included.",
-             epilog=examples("ckptkit convert ds_ckpt fsdp_w2 --to fsdp2 --world-size 2",
-                             "ckptkit convert dcp_ckpt model.pt --to torch --from fsdp",
-                             "ckptkit convert dcp_ckpt zero2_w3 --to zero2 --world-size 3 --ds-config ds_config.json"))
+@cli.command(
+    short_help="Convert to another backend, optimizer state included.",
+    epilog=examples(
+        "ckptkit convert ds_ckpt fsdp_w2 --to fsdp2 --world-size 2",
+        "ckptkit convert dcp_ckpt model.pt --to torch --from fsdp",
+        "ckptkit convert dcp_ckpt zero2_w3 --to zero2 --world-size 3 --ds-config ds_config.json",
+    ),
+)
 @click.argument("src")
 @click.argument("out")
-@click.option("--to", "to", required=True, type=click.Choice(CONVERT_TARGETS),
-              help="Target backend (fsdp/fsdp2: DCP in FSDP2's layout; hf: a safetensors folder; deepspeed: "
-                   "the stage the config names).")
-@click.option("--world-size", default=None, metavar="N|mesh=DIM:N,...",
-              help="Ranks the target is laid out for (dcp, zero*; default: the source's), or for dcp a device "
-                   "mesh: mesh=dp_shard:2,tp:2 (dims dp_replicate, dp_shard, tp; tp splits as the source "
-                   "records them, else by --tp-rules and the built-in rules).")
-@click.option("--ds-config", default=None, metavar="CONFIG.json",
-              help="The DeepSpeed config the target job loads with (needed for --to zero* from a non-ZeRO source).")
-@click.option("--from", "from_", type=click.Choice(CONVERT_SOURCES), default=None,
-              help="Expected source format, the same names as --to (checked; it is always detected).")
-@click.option("--rename", multiple=True, metavar="OLD=NEW",
-              help="Replace the name prefix OLD by NEW (repeatable, applied in order).")
-@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Drop PREFIX from names that start with it (repeatable).")
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    type=click.Choice(CONVERT_TARGETS),
+    help="Target backend (fsdp/fsdp2: DCP in FSDP2's layout; hf: a safetensors folder; deepspeed: "
+    "the stage the config names).",
+)
+@click.option(
+    "--world-size",
+    default=None,
+    metavar="N|mesh=DIM:N,...",
+    help="Ranks the target is laid out for (dcp, zero*; default: the source's), or for dcp a device "
+    "mesh: mesh=dp_shard:2,tp:2 (dims dp_replicate, dp_shard, tp; tp splits as the source "
+    "records them, else by --tp-rules and the built-in rules).",
+)
+@click.option(
+    "--ds-config",
+    default=None,
+    metavar="CONFIG.json",
+    help="The DeepSpeed config the target job loads with (needed for --to zero* from a non-ZeRO source).",
+)
+@click.option(
+    "--from",
+    "from_",
+    type=click.Choice(CONVERT_SOURCES),
+    default=None,
+    help="Expected source format, the same names as --to (checked; it is always detected).",
+)
+@click.option(
+    "--rename",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="Replace the name prefix OLD by NEW (repeatable, applied in order).",
+)
+@click.option(
+    "--strip-prefix", multiple=True, metavar="PREFIX", help="Drop PREFIX from names that start with it (repeatable)."
+)
 @click.option("--add-prefix", default="", metavar="PREFIX", help="Prepend PREFIX to every name.")
-@click.option("--frozen", multiple=True, metavar="GLOB",
-              help="Model tensors outside the optimizer that are frozen parameters, not buffers (repeatable glob).")
-@click.option("--model-only", is_flag=True,
-              help="Write the model alone: the optimizer, extras and counters are dropped (and listed).")
-@click.option("--drop", multiple=True, metavar="GLOB",
-              help="Leave out the canonical keys GLOB matches, e.g. 'optim.state.*.momentum_buffer' or 'extra.*' "
-                   "(repeatable; listed in the summary). Anything else read is written or the command stops.")
+@click.option(
+    "--frozen",
+    multiple=True,
+    metavar="GLOB",
+    help="Model tensors outside the optimizer that are frozen parameters, not buffers (repeatable glob).",
+)
+@click.option(
+    "--model-only",
+    is_flag=True,
+    help="Write the model alone: the optimizer, extras and counters are dropped (and listed).",
+)
+@click.option(
+    "--drop",
+    multiple=True,
+    metavar="GLOB",
+    help="Leave out the canonical keys GLOB matches, e.g. 'optim.state.*.momentum_buffer' or 'extra.*' "
+    "(repeatable; listed in the summary). Anything else read is written or the command stops.",
+)
 @click.option("--tag", default=None, help=TAG_HELP)
 @run_options
 @click.pass_obj
 @handle_errors
 @step_option
 @grouped(target=ConvertTarget, names=NameOptions, keep=StateOptions, flags=RunFlags)
-def convert(ctx: Context, src: str, out: str, tag: str | None, target: ConvertTarget, names: NameOptions,
-            keep: StateOptions, flags: RunFlags) -> None:
+def convert(
+    ctx: Context,
+    src: str,
+    out: str,
+    tag: str | None,
+    target: ConvertTarget,
+    names: NameOptions,
+    keep: StateOptions,
+    flags: RunFlags,
+) -> None:
     """Convert training checkpoint SRC to another backend in OUT, optimizer state included: a folder,
     or the file OUT itself for --to torch with OUT ending in .pt or .bin, and for --to safetensors/hf
     with OUT ending in .safetensors."""
@@ -686,11 +884,23 @@ def convert(ctx: Context, src: str, out: str, tag: str | None, target: ConvertTa
     from ckptkit.ops.convert import convert as run_convert
 
     run = make_run_context(ctx, flags)
-    rules = KeyRules(strip=tuple(names.strip_prefix), renames=KeyRules.parse_renames(names.rename),
-                     add=names.add_prefix)
-    res = run_convert(src, out, target.to, world_size=target.world_size, ds_config=target.ds_config,
-                      expect_from=target.from_, rules=rules, frozen=keep.frozen, tag=tag,
-                      model_only=keep.model_only, drop=keep.drop, ctx=run)
+    rules = KeyRules(
+        strip=tuple(names.strip_prefix), renames=KeyRules.parse_renames(names.rename), add=names.add_prefix
+    )
+    res = run_convert(
+        src,
+        out,
+        target.to,
+        world_size=target.world_size,
+        ds_config=target.ds_config,
+        expect_from=target.from_,
+        rules=rules,
+        frozen=keep.frozen,
+        tag=tag,
+        model_only=keep.model_only,
+        drop=keep.drop,
+        ctx=run,
+    )
     where = f" for {res.world_size} rank(s)" if res.world_size else ""
     files = "" if os.path.isfile(out) else f" ({len(res.files)} file{'' if len(res.files) == 1 else 's'})"
     ctx.say(f"converted {res.source_format} -> {res.target}{where} into {out}{files}: {res.summary}")
@@ -710,24 +920,35 @@ def _tolerance(click_ctx: click.Context, _param: Any, atol: float) -> float:
     return atol
 
 
-@cli.command(short_help="Compare two checkpoints tensor by tensor (exit 1 if unequal).",
-             epilog=examples("ckptkit diff --model-only --atol 1e-6 dcp_ckpt dcp_ckpt_w3",
-                             "ckptkit diff --json dcp_ckpt dcp_ckpt_w3"))
+@cli.command(
+    short_help="Compare two checkpoints tensor by tensor (exit 1 if unequal).",
+    epilog=examples(
+        "ckptkit diff --model-only --atol 1e-6 dcp_ckpt dcp_ckpt_w3", "ckptkit diff --json dcp_ckpt dcp_ckpt_w3"
+    ),
+)
 @click.argument("a")
 @click.argument("b")
-@click.option("--atol", type=float, default=0.0, show_default=True, callback=_tolerance,
-              help="Largest absolute difference still counted as equal, 0 or more; inf counts every "
-                   "difference but a NaN on one side only (also allows dtype differences).")
+@click.option(
+    "--atol",
+    type=float,
+    default=0.0,
+    show_default=True,
+    callback=_tolerance,
+    help="Largest absolute difference still counted as equal, 0 or more; inf counts every "
+    "difference but a NaN on one side only (also allows dtype differences).",
+)
 @click.option("--model-only", is_flag=True, help="Compare model tensors only, not optimizer state.")
 @click.option("--json", "as_json", is_flag=True, help="Print every comparison as JSON.")
-@click.option("--stat", is_flag=True,
-              help="Print only the counts and the largest changes (by relative L2 change), largest first.")
+@click.option(
+    "--stat", is_flag=True, help="Print only the counts and the largest changes (by relative L2 change), largest first."
+)
 @read_options
 @click.pass_obj
 @handle_errors
 @grouped(flags=RunFlags)
-def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: bool, stat: bool,
-         flags: RunFlags) -> None:
+def diff(
+    ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: bool, stat: bool, flags: RunFlags
+) -> None:
     """Compare checkpoints A and B (any formats) tensor by tensor, with their extras and step;
     exit 0 only when equal."""
     from ckptkit.ops.diff import STAT_TOP, diff as run_diff, render
@@ -745,8 +966,10 @@ def diff(ctx: Context, a: str, b: str, atol: float, model_only: bool, as_json: b
         sys.exit(EXIT_PROBLEMS)
 
 
-@cli.command(short_help="Train a tiny FSDP2 model, then reshard and consolidate it.",
-             epilog=examples("ckptkit demo --out ckptkit-demo"))
+@cli.command(
+    short_help="Train a tiny FSDP2 model, then reshard and consolidate it.",
+    epilog=examples("ckptkit demo --out ckptkit-demo"),
+)
 @click.option("--out", default="ckptkit-demo", show_default=True, help="Folder for the demo's checkpoints.")
 @quiet_option
 @click.pass_obj
@@ -761,9 +984,12 @@ def demo(ctx: Context, out: str) -> None:
 from . import plan_cmd  # noqa: E402
 
 
-@cli.command(short_help="Print what consolidating SRC would read (no tensor data read).",
-             epilog=examples("ckptkit plan dcp_ckpt", "ckptkit plan --json --tensor 'model.*' ds_ckpt",
-                             "ckptkit plan --to 4 dcp_ckpt"))
+@cli.command(
+    short_help="Print what consolidating SRC would read (no tensor data read).",
+    epilog=examples(
+        "ckptkit plan dcp_ckpt", "ckptkit plan --json --tensor 'model.*' ds_ckpt", "ckptkit plan --to 4 dcp_ckpt"
+    ),
+)
 @plan_cmd.options(TAG_HELP)
 @quiet_option
 @follow_links_option
@@ -777,8 +1003,9 @@ def plan(ctx: Context, src: str, as_json: bool, globs: tuple[str, ...], to: int 
     plan_cmd.run(src, as_json=as_json, globs=globs, to=to, tag=tag, follow_links=follow_links())
 
 
-def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
-                  line: str | None = None) -> None:
+def _show_warning(
+    message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: str | None = None
+) -> None:
     """Python's warnings (they may quote a path or a name), escaped like everything else."""
     _Escaping(file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 

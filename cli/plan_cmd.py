@@ -5,6 +5,7 @@ per tensor its spans (file, offset, length, encoding, the box they fill), then t
 bytes read per file, spans per encoding). `--to N` plans the boxes each rank of FSDP2 at N ranks
 would read instead of whole tensors.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -23,22 +24,39 @@ from ckptkit.text import escape
 
 def options(tag_help: str) -> Callable[[Callable], Callable]:
     """The command's argument and options (cli/main.py adds the shared ones and the error handling)."""
+
     def decorate(fn: Callable) -> Callable:
-        for option in reversed([
+        for option in reversed(
+            [
                 click.argument("src"),
                 click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON."),
-                click.option("--tensor", "globs", multiple=True, metavar="GLOB",
-                             help="Plan only tensors whose name matches GLOB (repeatable)."),
-                click.option("--to", "to", type=click.IntRange(1, MAX_RANKS), default=None, metavar="N",
-                             help="Plan the boxes each rank of FSDP2 at N ranks reads, instead of whole tensors."),
-                click.option("--tag", default=None, help=tag_help)]):
+                click.option(
+                    "--tensor",
+                    "globs",
+                    multiple=True,
+                    metavar="GLOB",
+                    help="Plan only tensors whose name matches GLOB (repeatable).",
+                ),
+                click.option(
+                    "--to",
+                    "to",
+                    type=click.IntRange(1, MAX_RANKS),
+                    default=None,
+                    metavar="N",
+                    help="Plan the boxes each rank of FSDP2 at N ranks reads, instead of whole tensors.",
+                ),
+                click.option("--tag", default=None, help=tag_help),
+            ]
+        ):
             fn = option(fn)
         return fn
+
     return decorate
 
 
-def run(src: str, *, as_json: bool, globs: tuple[str, ...], to: int | None, tag: str | None,
-        follow_links: bool | None) -> None:
+def run(
+    src: str, *, as_json: bool, globs: tuple[str, ...], to: int | None, tag: str | None, follow_links: bool | None
+) -> None:
     """Plan every tensor of `src` (those matching `globs`; per rank of FSDP2 at `to` ranks) and print it."""
     from ckptkit.errors import UsageError
     from ckptkit.formats.registry import open_checkpoint
@@ -55,19 +73,33 @@ def run(src: str, *, as_json: bool, globs: tuple[str, ...], to: int | None, tag:
     plans: list[tuple[int | None, ReadPlan]] = []
     for key in keys:
         entry = index.tensors[key]
-        boxes = [(a.rank, a.box) for a in layout.tensors[key]] if layout is not None else [(None, Box.whole(entry.shape))]
+        boxes = (
+            [(a.rank, a.box) for a in layout.tensors[key]] if layout is not None else [(None, Box.whole(entry.shape))]
+        )
         plans += [(rank, planner(entry, box)) for rank, box in boxes]
     totals = _totals([p for _, p in plans])
     if as_json:  # only ints and strings: plain json is strict JSON
-        click.echo(json.dumps({"source": src, "format": index.format, "world_size": to,
-                               "plans": [dict(_plan_json(p), **({"rank": r} if r is not None else {})) for r, p in plans],
-                               "totals": totals}, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "source": src,
+                    "format": index.format,
+                    "world_size": to,
+                    "plans": [dict(_plan_json(p), **({"rank": r} if r is not None else {})) for r, p in plans],
+                    "totals": totals,
+                },
+                indent=1,
+            )
+        )
         return
     what = f"the reads of FSDP2 at {to} ranks" if to is not None else "the reads of consolidating"
     lines = [f"{what} {len(keys)} tensor(s) of {index.format} checkpoint {src}"]
     for rank, p in plans:
-        lines.append(f"{p.key} {p.dtype} {list(index.tensors[p.key].shape)}" + (f" rank {rank}" if rank is not None else "")
-                     + f" box {_box(p.box)}: {len(p.spans)} span(s)")
+        lines.append(
+            f"{p.key} {p.dtype} {list(index.tensors[p.key].shape)}"
+            + (f" rank {rank}" if rank is not None else "")
+            + f" box {_box(p.box)}: {len(p.spans)} span(s)"
+        )
         lines += _span_lines(p, "  ")
     lines.append(f"totals: {totals['spans']} span(s); " + ", ".join(f"{e} {n}" for e, n in totals["encodings"].items()))
     lines += [f"  {f}: {n} bytes" for f, n in totals["bytes_per_file"].items()]
@@ -90,16 +122,25 @@ def _span_lines(p: ReadPlan, indent: str) -> list[str]:
 
 
 def _span_json(s: ReadSpan) -> dict[str, Any]:
-    out: dict[str, Any] = {"file": s.file, "offset": s.offset, "length": s.length, "encoding": str(s.encoding),
-                           "box": {"offsets": list(s.box.offsets), "sizes": list(s.box.sizes)}}
+    out: dict[str, Any] = {
+        "file": s.file,
+        "offset": s.offset,
+        "length": s.length,
+        "encoding": str(s.encoding),
+        "box": {"offsets": list(s.box.offsets), "sizes": list(s.box.sizes)},
+    }
     if s.refs:
         out["refs"] = [_plan_json(r) for r in s.refs]
     return out
 
 
 def _plan_json(p: ReadPlan) -> dict[str, Any]:
-    return {"key": p.key, "dtype": p.dtype, "box": {"offsets": list(p.box.offsets), "sizes": list(p.box.sizes)},
-            "spans": [_span_json(s) for s in p.spans]}
+    return {
+        "key": p.key,
+        "dtype": p.dtype,
+        "box": {"offsets": list(p.box.offsets), "sizes": list(p.box.sizes)},
+        "spans": [_span_json(s) for s in p.spans],
+    }
 
 
 def _totals(plans: list[ReadPlan]) -> dict[str, Any]:

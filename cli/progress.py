@@ -4,6 +4,7 @@ nothing with --quiet; and the closing line of a command, with its elapsed time a
 ckptkit's library calls a Progress (ckptkit.progress); `CliProgress` backs it and keeps the count
 the summary line needs. Every line goes through ckptkit.text.escape (the description may hold a
 format name or a path)."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,17 @@ class _Bar:
 
         self.close()
         sized = _columns() > 0  # a terminal that reports no width (a bare pty) gets 80 columns
-        self._bar = tqdm(total=total, desc=escape(desc), unit="B", unit_scale=True, unit_divisor=1000,
-                         file=sys.stderr, leave=False, dynamic_ncols=sized, ncols=None if sized else 80)
+        self._bar = tqdm(
+            total=total,
+            desc=escape(desc),
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1000,
+            file=sys.stderr,
+            leave=False,
+            dynamic_ncols=sized,
+            ncols=None if sized else 80,
+        )
 
     def advance(self, n: int) -> None:
         if self._bar is not None:
@@ -78,8 +88,10 @@ class _Lines:
         if now - self._last >= self.interval:
             self._last = now
             pct = f" ({100 * self._done / self._total:.0f}%)" if self._total else ""
-            self._write(f"{self._desc}: {human_bytes(self._done)} of {human_bytes(self._total)}{pct}, "
-                        f"{rate_text(self._done, now - self._t0)}")
+            self._write(
+                f"{self._desc}: {human_bytes(self._done)} of {human_bytes(self._total)}{pct}, "
+                f"{rate_text(self._done, now - self._t0)}"
+            )
 
     def retotal(self, total: int) -> None:
         self._total = total
@@ -117,7 +129,7 @@ class CliProgress:
         self._shown = inner
         self._lock = threading.Lock()  # executors advance from worker threads
         self.t0 = time.monotonic()
-        self.total = 0   # bytes declared by every start() (as retotal corrected them)
+        self.total = 0  # bytes declared by every start() (as retotal corrected them)
         self.done = 0
         self._phase = 0  # the total of the phase begun by the last start()
 

@@ -13,6 +13,7 @@ stderr) and the exit status is 130, with nothing left behind.
 - A second Ctrl-C during that cleanup is ignored, so the cleanup completes; a third ends the
   process at once (the next run's sweep removes what is left, and nothing left looks complete).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 EXIT_INTERRUPTED = 130
 QUIET_ENV = "CKPTKIT_QUIET_INTERRUPT"  # set by the --nproc launcher in its children: it reports for them
-FORCE_AFTER = 3                         # the Ctrl-C that ends the process even while cleaning up
+FORCE_AFTER = 3  # the Ctrl-C that ends the process even while cleaning up
 
 _presses = [0]
 _announced = [False]

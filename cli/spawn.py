@@ -8,6 +8,7 @@ Ctrl-C (to this launcher alone, or to the whole terminal group) is passed on to 
 they remove what they wrote, and the launcher reports the interrupt once. Processes that do not
 finish within INTERRUPT_GRACE_S are killed and what they left next to OUT is swept.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,15 @@ def relaunch(nproc: int, out: str | None = None) -> int:
         for rank in range(nproc):
             if interrupts.cancelled.is_set():
                 break  # Ctrl-C while starting: start no more
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
-                       RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(nproc),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(nproc),
+            )
             env.setdefault("OMP_NUM_THREADS", "1")
             env[QUIET_ENV] = "1"  # this launcher reports an interrupt, once
             procs.append(subprocess.Popen([sys.executable, "-m", "ckptkit", *args], env=env))
@@ -68,7 +76,7 @@ def relaunch(nproc: int, out: str | None = None) -> int:
         # taking the lock and arming its cleanup) is a dead run's, swept under OUT's lock
         recover(out)
     if len(procs) == nproc and not any(codes):  # every process succeeded: the output is committed, and
-        return 0                                 # a Ctrl-C that came after that changes nothing (exit 0)
+        return 0  # a Ctrl-C that came after that changes nothing (exit 0)
     if interrupts.cancelled.is_set() or INTERRUPTED in codes:
         raise interrupts.Cancelled()
     return next((c for c in codes if c), 0)

@@ -8,6 +8,7 @@ the command alone, and the launcher applies the address-space limit.
 
 usage: python _measured.py REPORT ADDRESS_LIMIT COMMAND...
 """
+
 import os
 import resource
 import signal

@@ -1,6 +1,7 @@
 """What the hostile/test_agreement_* files share: the fixtures they craft files from, the
 whole-contract refusal of such a file by consolidate and verify --deep, and the bit-for-bit
 comparison of what ckptkit writes from an accepted one with what the framework's loader gives."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Shared fixtures: paths to the real checkpoints in fixtures/data and their ground truth."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ DCP_FIXTURES = ["fsdp2_w2", "fsdp2_w3", "fsdp1_sharded_w2", "dcp_rank_local_w2",
 def has_zstd() -> bool:
     try:
         import zstandard  # noqa: F401  (availability check)
+
         return True
     except ImportError:
         return False
@@ -45,7 +47,9 @@ def dataclass_fields(value: object) -> list[tuple[str, object]]:
 
 def assert_tensor_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     assert torch.equal(actual, expected), f"{what}: values differ"
 
 
@@ -73,12 +77,20 @@ def read_all(path) -> tuple:
 
 
 def torchrun_cmd(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+    ]
 
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -93,8 +105,12 @@ def subprocess_env() -> dict:
 
 def pytest_addoption(parser) -> None:
     """The differential oracle's run length and seed (tests/hostile/test_differential_oracle.py)."""
-    parser.addoption("--examples", type=int, default=None,
-                     help="mutants per operator for the differential oracle (default: the CI run's)")
+    parser.addoption(
+        "--examples",
+        type=int,
+        default=None,
+        help="mutants per operator for the differential oracle (default: the CI run's)",
+    )
     parser.addoption("--oracle-seed", type=int, default=0, help="the differential oracle's seed (default 0)")
 
 

@@ -7,6 +7,7 @@ torch_truth (generate_convert.py: get_state_dict(full_state_dict=True))
   -> the keys ds_load_check.py gathers through DeepSpeed's APIs after loading dcp -> zero.
 The mapping is the documented contract of `ckptkit convert` (docs/cli.md#convert).
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,11 +19,21 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "fixtures"))
 import deepspeed_models as dm  # noqa: E402
 
-TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                  "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+TORCH_DEFAULTS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
 # DeepSpeed truth key -> torch recipe key, for the values that map one to one
-SAME_VALUES = {"fp32.{n}": "model.{n}", "exp_avg.{n}": "optim.state.{n}.exp_avg",
-               "exp_avg_sq.{n}": "optim.state.{n}.exp_avg_sq"}
+SAME_VALUES = {
+    "fp32.{n}": "model.{n}",
+    "exp_avg.{n}": "optim.state.{n}.exp_avg",
+    "exp_avg_sq.{n}": "optim.state.{n}.exp_avg_sq",
+}
 
 
 def model_roles() -> tuple[list[list[str]], list[str], list[str], dict[str, str]]:
@@ -48,8 +59,14 @@ def torch_truth_from_ds(ds: dict, cfg: dict) -> dict:
                 out[torch_key.format(n=n)] = ds[ds_key.format(n=n)]
             out[f"optim.state.{n}.step"] = torch.tensor(float(ds[f"step.{n}"]), dtype=torch.float32)
         params = cfg["optimizer"]["params"]
-        hyper = {"lr": ds[f"lr.{g}"], "betas": list(params["betas"]), "eps": params["eps"],
-                 "weight_decay": dm.WEIGHT_DECAY if g == 0 else 0.0, **TORCH_DEFAULTS, "params": names}
+        hyper = {
+            "lr": ds[f"lr.{g}"],
+            "betas": list(params["betas"]),
+            "eps": params["eps"],
+            "weight_decay": dm.WEIGHT_DECAY if g == 0 else 0.0,
+            **TORCH_DEFAULTS,
+            "params": names,
+        }
         for k, v in hyper.items():
             out[f"optim.param_groups.{g}.{k}"] = v
     for n in frozen:

@@ -1,4 +1,5 @@
 """Shared helpers for the DeepSpeed tests: fixture discovery and truth-key mapping."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,12 +24,18 @@ def has_deepspeed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-needs_deepspeed = pytest.mark.skipif(not has_deepspeed(),
-                                     reason="needs the deepspeed package (pip install -e '.[deepspeed]')")
+needs_deepspeed = pytest.mark.skipif(
+    not has_deepspeed(), reason="needs the deepspeed package (pip install -e '.[deepspeed]')"
+)
 
 
 def truth_key(kind: str, name: str) -> str | None:
     """The ckptkit index key holding what DeepSpeed's API returned for (kind, param name)."""
-    return {"fp32": f"model.{name}", "exp_avg": f"optim.state.{name}.exp_avg",
-            "exp_avg_sq": f"optim.state.{name}.exp_avg_sq", "frozen": f"model.{name}",
-            "buffer": f"model.{name}", "module": f"ds_module.{name}"}.get(kind)
+    return {
+        "fp32": f"model.{name}",
+        "exp_avg": f"optim.state.{name}.exp_avg",
+        "exp_avg_sq": f"optim.state.{name}.exp_avg_sq",
+        "frozen": f"model.{name}",
+        "buffer": f"model.{name}",
+        "module": f"ds_module.{name}",
+    }.get(kind)

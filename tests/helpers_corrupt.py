@@ -6,6 +6,7 @@ stderr, a known exit code, no traceback, and no output / temp folder / lock left
 
 The test side may use torch's own pickle on the fixtures: they are trusted files we generated.
 """
+
 from __future__ import annotations
 
 import io
@@ -31,6 +32,7 @@ EXIT_ERROR = 2
 
 
 # ---- running the CLI ------------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -59,8 +61,14 @@ def run_subprocess(*args: str, cwd: str | None = None) -> Result:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "ckptkit", *[str(a) for a in args]],
-                          capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", *[str(a) for a in args]],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -74,8 +82,9 @@ def leftovers(out: Path) -> list[str]:
     return sorted(n for n in os.listdir(parent) if n.startswith(prefix) or n.startswith(old))
 
 
-def assert_error(res: Result, *names: str, code: int = EXIT_ERROR, out: Path | None = None,
-                 out_should_exist: bool = False) -> None:
+def assert_error(
+    res: Result, *names: str, code: int = EXIT_ERROR, out: Path | None = None, out_should_exist: bool = False
+) -> None:
     """The error contract: exit code, one 'error: ' sentence naming `names`, no traceback, no output."""
     detail = f"exit {res.code}\n--- stdout ---\n{res.stdout}\n--- stderr ---\n{res.stderr}"
     assert res.exception is None, f"uncaught exception {res.exception!r}\n{detail}"
@@ -99,6 +108,7 @@ def assert_error(res: Result, *names: str, code: int = EXIT_ERROR, out: Path | N
 
 
 # ---- crafting DCP folders --------------------------------------------------------------------
+
 
 def copy_fixture(name: str, tmp_path: Path, as_name: str | None = None) -> Path:
     src = DATA / name
@@ -199,6 +209,7 @@ def truncate_half(path: Path) -> None:
 
 # ---- crafting safetensors --------------------------------------------------------------------
 
+
 def write_safetensors_raw(path: Path, header: dict | bytes, data: bytes, header_len: int | None = None) -> None:
     """A safetensors file from an explicit header (dict or raw bytes) and data buffer."""
     hb = header if isinstance(header, bytes) else json.dumps(header).encode()
@@ -224,7 +235,12 @@ def sharded_safetensors(tmp: Path) -> Path:
     d.mkdir()
     save_file({"a": torch.ones(2, 3)}, str(d / "model-00001-of-00002.safetensors"))
     save_file({"b": torch.zeros(4)}, str(d / "model-00002-of-00002.safetensors"))
-    (d / "model.safetensors.index.json").write_text(json.dumps({
-        "metadata": {"total_size": 40},
-        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": 40},
+                "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+            }
+        )
+    )
     return d

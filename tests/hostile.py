@@ -12,6 +12,7 @@ trust contract of docs/reliability.md at once:
 - every file of the source byte-identical afterwards (content, links, modes);
 - nothing new left in OUT's parent.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1 << 20
-ADDRESS_LIMIT = 8 << 30      # hard stop for a runaway child: the machine has 24 GiB and 2 cores
+ADDRESS_LIMIT = 8 << 30  # hard stop for a runaway child: the machine has 24 GiB and 2 cores
 DEFAULT_TIMEOUT = 60.0
 SLACK = 100 * MB
 
@@ -39,7 +40,7 @@ class Run:
     code: int
     stdout: str
     stderr: str
-    peak_rss: int            # bytes
+    peak_rss: int  # bytes
     seconds: float
     timed_out: bool = False
 
@@ -48,9 +49,11 @@ class Run:
         return self.stdout + self.stderr
 
     def detail(self) -> str:
-        return (f"ckptkit {' '.join(self.args)}\nexit {self.code}, {self.seconds:.1f} s, peak RSS "
-                f"{self.peak_rss / MB:.0f} MB\n--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n"
-                f"{self.stderr[-3000:]}")
+        return (
+            f"ckptkit {' '.join(self.args)}\nexit {self.code}, {self.seconds:.1f} s, peak RSS "
+            f"{self.peak_rss / MB:.0f} MB\n--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n"
+            f"{self.stderr[-3000:]}"
+        )
 
 
 def _env() -> dict:
@@ -64,8 +67,9 @@ def _env() -> dict:
 LAUNCHER = Path(__file__).resolve().parent / "_measured.py"
 
 
-def run_python(code: list[str], timeout: float = DEFAULT_TIMEOUT, cwd: str | None = None,
-               interrupt_after: float | None = None) -> Run:
+def run_python(
+    code: list[str], timeout: float = DEFAULT_TIMEOUT, cwd: str | None = None, interrupt_after: float | None = None
+) -> Run:
     """Run `python CODE...` limited and measured; `interrupt_after` sends SIGINT to the
     command after that many seconds.
 
@@ -73,16 +77,24 @@ def run_python(code: list[str], timeout: float = DEFAULT_TIMEOUT, cwd: str | Non
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report")
-        proc = subprocess.Popen([sys.executable, str(LAUNCHER), report, str(ADDRESS_LIMIT), sys.executable, *code],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env=_env(), cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(LAUNCHER), report, str(ADDRESS_LIMIT), sys.executable, *code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=_env(),
+            cwd=cwd,
+            start_new_session=True,
+        )
         chunks: dict[str, bytes] = {}
 
         def drain(name: str, stream) -> None:
             chunks[name] = stream.read()
 
-        readers = [threading.Thread(target=drain, args=(n, s), daemon=True)
-                   for n, s in (("out", proc.stdout), ("err", proc.stderr))]
+        readers = [
+            threading.Thread(target=drain, args=(n, s), daemon=True)
+            for n, s in (("out", proc.stdout), ("err", proc.stderr))
+        ]
         for r in readers:
             r.start()
         timed_out, interrupted = False, False
@@ -102,14 +114,23 @@ def run_python(code: list[str], timeout: float = DEFAULT_TIMEOUT, cwd: str | Non
             status, peak_text = open(report).read().split()
             code_, peak = os.waitstatus_to_exitcode(int(status)), int(peak_text)
     seconds = time.monotonic() - start
-    return Run(tuple(code), code_, chunks.get("out", b"").decode(errors="replace"),
-               chunks.get("err", b"").decode(errors="replace"), peak, seconds, timed_out)
+    return Run(
+        tuple(code),
+        code_,
+        chunks.get("out", b"").decode(errors="replace"),
+        chunks.get("err", b"").decode(errors="replace"),
+        peak,
+        seconds,
+        timed_out,
+    )
 
 
-def run_ckptkit(*args: str, timeout: float = DEFAULT_TIMEOUT, cwd: str | None = None,
-                interrupt_after: float | None = None) -> Run:
-    run = run_python(["-m", "ckptkit", *[str(a) for a in args]], timeout=timeout, cwd=cwd,
-                     interrupt_after=interrupt_after)
+def run_ckptkit(
+    *args: str, timeout: float = DEFAULT_TIMEOUT, cwd: str | None = None, interrupt_after: float | None = None
+) -> Run:
+    run = run_python(
+        ["-m", "ckptkit", *[str(a) for a in args]], timeout=timeout, cwd=cwd, interrupt_after=interrupt_after
+    )
     run.args = tuple(str(a) for a in args)
     return run
 
@@ -127,6 +148,7 @@ def rss_bound(budget: int, hostile_file_size: int, with_torch: bool = True) -> i
 
 
 # ---- what must not change ----------------------------------------------------------------------
+
 
 def snapshot(path: Path) -> dict[str, tuple]:
     """Every entry under `path` (not following links): kind, mode, content digest or link target."""
@@ -183,8 +205,14 @@ class Scene:
         return listing(self.out.parent) - self.parent_before
 
 
-def check_refused(run: Run, *names: str, scene: Scene | None = None, code: int = 2,
-                  rss_limit: int | None = None, out_may_exist: bool = False) -> None:
+def check_refused(
+    run: Run,
+    *names: str,
+    scene: Scene | None = None,
+    code: int = 2,
+    rss_limit: int | None = None,
+    out_may_exist: bool = False,
+) -> None:
     """The whole contract for input ckptkit must refuse."""
     detail = run.detail()
     assert not run.timed_out, f"did not finish within the timeout\n{detail}"
@@ -199,8 +227,9 @@ def check_refused(run: Run, *names: str, scene: Scene | None = None, code: int =
     for name in names:
         assert name in run.stderr, f"message does not name {name!r}\n{detail}"
     if rss_limit is not None:
-        assert run.peak_rss <= rss_limit, (f"peak RSS {run.peak_rss / MB:.0f} MB over the bound "
-                                           f"{rss_limit / MB:.0f} MB\n{detail}")
+        assert run.peak_rss <= rss_limit, (
+            f"peak RSS {run.peak_rss / MB:.0f} MB over the bound {rss_limit / MB:.0f} MB\n{detail}"
+        )
     if scene is not None:
         assert scene.source_unchanged(), f"the source changed\n{detail}"
         if scene.out is not None:

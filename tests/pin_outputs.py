@@ -1,6 +1,7 @@
 """Pin the bytes that consolidate, reshard and convert write for the committed fixtures.
 
-Refactors of the readers, writers and planner promise outputs that stay byte-identical. This script runs a representative set of commands (each fixture family, a few
+Refactors of the readers, writers and planner promise outputs that stay byte-identical. This script runs a
+representative set of commands (each fixture family, a few
 targets each) in-process and records a SHA-256 per output file. `tests/test_output_digests.py`
 recomputes them and names the output that changed. The bytes depend on neither the worker count
 nor the memory budget (checked with CKPTKIT_WORKERS=1/16, CKPTKIT_MEMORY_BUDGET=2MiB), nor on the
@@ -8,6 +9,7 @@ output's path. Regenerate only on purpose:
 
     .venv/bin/python tests/pin_outputs.py          # rewrites tests/data/output_digests.json
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,18 +32,35 @@ CASES: list[tuple[str, str, list[str]]] = [
     # DCP / FSDP2
     ("fsdp2_w2.consolidate", "fsdp2_w2", ["consolidate", "--include-optimizer"]),
     ("fsdp2_w2.reshard3", "fsdp2_w2", ["reshard", "--to", "3"]),
-    ("fsdp2_w2.to_zero3", "fsdp2_w2", ["convert", "--to", "zero3", "--world-size", "2",
-                                       "--ds-config", "deepspeed/z3_bf16_w2/ds_config.json"]),
+    (
+        "fsdp2_w2.to_zero3",
+        "fsdp2_w2",
+        ["convert", "--to", "zero3", "--world-size", "2", "--ds-config", "deepspeed/z3_bf16_w2/ds_config.json"],
+    ),
     ("fsdp2_w3.to_torch", "fsdp2_w3", ["convert", "--to", "torch"]),
-    ("fsdp2_sgd_w2.to_zero2", "fsdp2_sgd_w2", ["convert", "--to", "zero2", "--world-size", "2", "--ds-config",
-                                               "deepspeed_optimizers/z2_sgd_fp32_w2/ds_config.json"]),
+    (
+        "fsdp2_sgd_w2.to_zero2",
+        "fsdp2_sgd_w2",
+        [
+            "convert",
+            "--to",
+            "zero2",
+            "--world-size",
+            "2",
+            "--ds-config",
+            "deepspeed_optimizers/z2_sgd_fp32_w2/ds_config.json",
+        ],
+    ),
     ("fsdp2_w3.consolidate_bf16_shards", "fsdp2_w3", ["consolidate", "--dtype", "bf16", "--max-shard-size", "400B"]),
     ("dcp_zstd_w2.consolidate", "dcp_zstd_w2", ["consolidate"]),
     ("dcp_rank_local_w2.consolidate", "dcp_rank_local_w2", ["consolidate"]),
     # FSDP1 sharded state dict
     ("fsdp1_sharded_w2.reshard1", "fsdp1_sharded_w2", ["reshard", "--to", "1"]),
-    ("fsdp1_sharded_w2.to_zero2", "fsdp1_sharded_w2", ["convert", "--to", "zero2", "--world-size", "2",
-                                                       "--ds-config", "deepspeed/z2_fp32_w2/ds_config.json"]),
+    (
+        "fsdp1_sharded_w2.to_zero2",
+        "fsdp1_sharded_w2",
+        ["convert", "--to", "zero2", "--world-size", "2", "--ds-config", "deepspeed/z2_fp32_w2/ds_config.json"],
+    ),
     # torch.save files
     ("plain_state_dict.consolidate", "plain_state_dict.pt", ["consolidate"]),
     ("plain_state_dict.to_one_safetensors", "plain_state_dict.pt", ["convert", "--to", "safetensors"]),
@@ -59,12 +78,14 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("z3_rmsprop_bf16_w2.to_zero1", "deepspeed_optimizers/z3_rmsprop_bf16_w2", ["convert", "--to", "zero1"]),
     ("z3_torchadamw_fp32_w2.to_hf", "deepspeed_optimizers/z3_torchadamw_fp32_w2", ["convert", "--to", "hf"]),
     # FSDP runs of the convert fixtures (accelerate, FSDP2 trained beside DeepSpeed)
-    ("accelerate_fsdp1_w2.to_zero2", "convert/accelerate_fsdp1_w2",
-     ["convert", "--to", "zero2", "--world-size", "3", "--ds-config", "deepspeed/z2_fp32_w2/ds_config.json"]),
+    (
+        "accelerate_fsdp1_w2.to_zero2",
+        "convert/accelerate_fsdp1_w2",
+        ["convert", "--to", "zero2", "--world-size", "3", "--ds-config", "deepspeed/z2_fp32_w2/ds_config.json"],
+    ),
     ("fsdp2ds_w3.reshard2", "convert/fsdp2ds_w3", ["reshard", "--to", "2"]),
     # Trainer folders
-    ("trainer_accel_fsdp2.to_safetensors", "trainer/accel_fsdp2/checkpoint-2",
-     ["convert", "--to", "safetensors"]),
+    ("trainer_accel_fsdp2.to_safetensors", "trainer/accel_fsdp2/checkpoint-2", ["convert", "--to", "safetensors"]),
     ("trainer_fsdp2.consolidate", "trainer/fsdp2", ["consolidate"]),
     ("trainer_fsdp1.to_dcp", "trainer/fsdp1", ["convert", "--to", "dcp"]),
     ("trainer_ds_z2.reshard3", "trainer/ds_z2", ["reshard", "--to", "3"]),
@@ -72,8 +93,11 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("trainer_ddp.consolidate", "trainer/ddp", ["consolidate"]),
     # Lightning
     ("lightning_single.consolidate", "lightning/single_w1.ckpt", ["consolidate"]),
-    ("lightning_groups.to_dcp", "lightning/groups_w1.ckpt",
-     ["convert", "--to", "dcp", "--world-size", "2", "--model-only"]),
+    (
+        "lightning_groups.to_dcp",
+        "lightning/groups_w1.ckpt",
+        ["convert", "--to", "dcp", "--world-size", "2", "--model-only"],
+    ),
     ("lightning_fsdp.reshard3", "lightning/fsdp_sharded_w2", ["reshard", "--to", "3"]),
     ("lightning_ds_z2.to_torch", "lightning/deepspeed_z2_w2", ["convert", "--to", "torch"]),
     # DeepSpeed model parallelism: each family resharded along each dimension that can change,
@@ -88,10 +112,16 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("ds_pp.tiedhead.reshard_pp1_dp2", "ds_pp/pp2_dp1_z1_fp32_tiedhead", ["reshard", "--to", "pp=1,dp=2"]),
     ("ds_pp.pp2_dp2_z1_bf16.consolidate", "ds_pp/pp2_dp2_z1_bf16", ["consolidate"]),
     ("ds_pp.pp2_dp2_z1_fp32.inspect", "ds_pp/pp2_dp2_z1_fp32", ["inspect"]),
-    ("ds_3d.bf16.reshard_tp1_dp2", "ds_3d/pp2_tp2_dp1_z1_bf16",
-     ["reshard", "--to", "tp=1,pp=2,dp=2", "--partition-method", "uniform"]),
-    ("ds_3d.dp2.reshard_pp1", "ds_3d/pp2_tp2_dp2_z1_fp32",
-     ["reshard", "--to", "tp=2,pp=1,dp=2", "--partition-method", "uniform"]),
+    (
+        "ds_3d.bf16.reshard_tp1_dp2",
+        "ds_3d/pp2_tp2_dp1_z1_bf16",
+        ["reshard", "--to", "tp=1,pp=2,dp=2", "--partition-method", "uniform"],
+    ),
+    (
+        "ds_3d.dp2.reshard_pp1",
+        "ds_3d/pp2_tp2_dp2_z1_fp32",
+        ["reshard", "--to", "tp=2,pp=1,dp=2", "--partition-method", "uniform"],
+    ),
     ("ds_3d.fp32.consolidate", "ds_3d/pp2_tp2_dp1_z1_fp32", ["consolidate"]),
     ("ds_3d.dp2.inspect", "ds_3d/pp2_tp2_dp2_z1_fp32", ["inspect"]),
     ("ds_moe.z2_w4.reshard_ep2_dp4", "ds_moe/moe_z2_fp32_w4_k1", ["reshard", "--to", "ep=2,dp=4"]),
@@ -99,8 +129,11 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("ds_moe.moe2.consolidate", "ds_moe/moe2_z2_fp32_w2_k1", ["consolidate", "--include-optimizer"]),
     ("ds_moe.z1_bf16_w4.inspect", "ds_moe/moe_z1_bf16_w4_k2", ["inspect"]),
     ("ds_moe_tp.z2.reshard_tp1", "ds_moe_tp/moetp_z2_fp32_tp2_ep2_w4", ["reshard", "--to", "tp=1,ep=2,dp=2"]),
-    ("ds_moe_tp.noexptp.reshard_ep4", "ds_moe_tp/moetp_noexptp_z2_fp32_tp2_ep2_w4",
-     ["reshard", "--to", "tp=2,ep=4,dp=2"]),
+    (
+        "ds_moe_tp.noexptp.reshard_ep4",
+        "ds_moe_tp/moetp_noexptp_z2_fp32_tp2_ep2_w4",
+        ["reshard", "--to", "tp=2,ep=4,dp=2"],
+    ),
     ("ds_moe_tp.z1_bf16.consolidate", "ds_moe_tp/moetp_z1_bf16_tp2_ep2_w4", ["consolidate"]),
     ("ds_moe_tp.z2.inspect", "ds_moe_tp/moetp_z2_fp32_tp2_ep2_w4", ["inspect"]),
     ("ds_pp_moe.reshard_pp1", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["reshard", "--to", "pp=1,ep=2,dp=2"]),
@@ -151,8 +184,13 @@ def run_case(case_id: str, src: str, args: list[str], work: Path) -> dict[str, s
     command, rest = args[0], _args(args[1:])
     if command == "inspect":
         return _inspect_digest(CliRunner().invoke(cli, ["inspect", "--json", str(DATA / src), *rest]))
-    suffix = ".pt" if command == "convert" and rest[:2] == ["--to", "torch"] else \
-        ".safetensors" if case_id.endswith("to_one_safetensors") else ""
+    suffix = (
+        ".pt"
+        if command == "convert" and rest[:2] == ["--to", "torch"]
+        else ".safetensors"
+        if case_id.endswith("to_one_safetensors")
+        else ""
+    )
     out = work / f"{case_id}{suffix}"
     result = CliRunner().invoke(cli, ["-q", command, str(DATA / src), str(out), *rest])
     if result.exit_code != 0:
@@ -175,8 +213,7 @@ def main() -> int:
         return 1
     DIGESTS.parent.mkdir(parents=True, exist_ok=True)
     DIGESTS.write_text(json.dumps({"cases": digests}, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {DIGESTS.relative_to(ROOT)}: {len(digests)} cases, "
-          f"{sum(len(v) for v in digests.values())} files")
+    print(f"wrote {DIGESTS.relative_to(ROOT)}: {len(digests)} cases, {sum(len(v) for v in digests.values())} files")
     return 0
 
 

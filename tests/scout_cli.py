@@ -6,6 +6,7 @@ an attacker broke: bad input gets one `error: ...` sentence and exit 2 (docs/cli
 status"); exit 3 ("internal error") and a Python traceback are bugs; an API call refuses with a
 CkptkitError naming what is wrong.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ PLAIN = DATA / "plain_state_dict.pt"
 DCP = DATA / "fsdp2_w2"
 
 
-def run_ckptkit(*args: str, env: dict | None = None, cwd: str | None = None, fsize: int | None = None,
-                timeout: float = 60) -> subprocess.CompletedProcess:
+def run_ckptkit(
+    *args: str, env: dict | None = None, cwd: str | None = None, fsize: int | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
     """`python -m ckptkit ARGS` in a fresh interpreter; `env` adds variables, `fsize` caps the size
     of any file it writes (RLIMIT_FSIZE: Python ignores SIGXFSZ, so a write past it fails EFBIG)."""
     full_env = dict(os.environ)
@@ -33,9 +35,16 @@ def run_ckptkit(*args: str, env: dict | None = None, cwd: str | None = None, fsi
         if fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
-    return subprocess.run([sys.executable, "-m", "ckptkit", *map(str, args)], capture_output=True,
-                          text=True, env=full_env, cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL,
-                          preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=limit,
+    )
 
 
 def one_sentence(res: subprocess.CompletedProcess, code: int = 2) -> None:

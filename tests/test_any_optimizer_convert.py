@@ -7,7 +7,12 @@ get_state_dict(full_state_dict=True). Outputs are read back with torch's own loa
 (torch.load, DCP's dcp_to_torch_save) and compared bit for bit; the slow tests load them into
 FSDP2 at another world size and train a step (tests/dist/fsdp2_load_check.py).
 """
+
 from __future__ import annotations
+
+from pathlib import Path
+
+import click
 
 import json
 import subprocess
@@ -22,12 +27,21 @@ from ckptkit_cli.main import cli
 from conftest import DATA, ROOT, read_all, subprocess_env, torchrun_cmd
 
 KINDS = ("sgd", "adagrad", "rmsprop")
-STATE_KEYS = {"sgd": {"momentum_buffer"}, "adagrad": {"sum", "step"},
-              "rmsprop": {"square_avg", "momentum_buffer", "grad_avg", "step"}}
-CLIENT_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-                 "zero_optimization": {"stage": 2}}  # no "optimizer" section: the client's torch.optim.SGD
-pytestmark = pytest.mark.skipif(not all((DATA / f"fsdp2_{k}_w2").exists() for k in KINDS),
-                                reason="fixtures missing: run python fixtures/generate.py --only optimizers")
+STATE_KEYS = {
+    "sgd": {"momentum_buffer"},
+    "adagrad": {"sum", "step"},
+    "rmsprop": {"square_avg", "momentum_buffer", "grad_avg", "step"},
+}
+CLIENT_CONFIG = {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2},
+}  # no "optimizer" section: the client's torch.optim.SGD
+pytestmark = pytest.mark.skipif(
+    not all((DATA / f"fsdp2_{k}_w2").exists() for k in KINDS),
+    reason="fixtures missing: run python fixtures/generate.py --only optimizers",
+)
 
 
 def _fixture(kind: str):
@@ -44,7 +58,9 @@ def _cli(*args) -> "click.testing.Result":
 
 def _same(got: dict, truth: dict) -> list[str]:
     """Every key of both, tensors by dtype, shape and bytes, values by type and ==."""
-    bad = sorted(f"missing {k}" for k in set(truth) - set(got)) + sorted(f"unexpected {k}" for k in set(got) - set(truth))
+    bad = sorted(f"missing {k}" for k in set(truth) - set(got)) + sorted(
+        f"unexpected {k}" for k in set(got) - set(truth)
+    )
     for k in set(got) & set(truth):
         a, b = got[k], truth[k]
         if isinstance(b, torch.Tensor):
@@ -108,8 +124,13 @@ def test_dcp_sgd_to_zero2_with_a_client_optimizer_and_back(tmp_path):
     res = _cli("convert", zero, back, "--to", "dcp", "--world-size", "2")
     assert res.exit_code == 0, res.output
     got = _dcp_as_torch(back, tmp_path)
-    assert _same({k: v for k, v in got.items() if k.startswith(("model.", "optim."))},
-                 {k: v for k, v in truth.items() if k.startswith(("model.", "optim."))}) == []
+    assert (
+        _same(
+            {k: v for k, v in got.items() if k.startswith(("model.", "optim."))},
+            {k: v for k, v in truth.items() if k.startswith(("model.", "optim."))},
+        )
+        == []
+    )
 
 
 def test_a_deepspeed_optimizer_that_cannot_hold_the_state_is_refused(tmp_path):
@@ -137,8 +158,17 @@ def test_model_only_writes_the_model_and_lists_what_it_dropped(tmp_path):
 
 def test_drop_leaves_out_what_it_matches_and_nothing_else(tmp_path):
     out = tmp_path / "d.pt"
-    res = _cli("convert", _fixture("rmsprop"), out, "--to", "torch", "--drop", "optim.state.*.grad_avg",
-               "--drop", "extra.lr_history")
+    res = _cli(
+        "convert",
+        _fixture("rmsprop"),
+        out,
+        "--to",
+        "torch",
+        "--drop",
+        "optim.state.*.grad_avg",
+        "--drop",
+        "extra.lr_history",
+    )
     assert res.exit_code == 0, res.output
     assert "9 by --drop optim.state.*.grad_avg" in res.output and "1 by --drop extra.lr_history" in res.output
     got = dict(flatten_state_dict(torch.load(out, weights_only=True))[0])
@@ -156,10 +186,10 @@ def _sgd_as_torch_save(tmp_path, **top) -> "Path":
         if head == "model":
             nested["model"][rest] = v
         elif rest.startswith("state."):
-            name, key = rest[len("state."):].rsplit(".", 1)
+            name, key = rest[len("state.") :].rsplit(".", 1)
             nested["optim"]["state"].setdefault(name, {})[key] = v
         elif rest.startswith("param_groups."):
-            g, hyper = rest[len("param_groups."):].split(".", 1)
+            g, hyper = rest[len("param_groups.") :].split(".", 1)
             while len(nested["optim"]["param_groups"]) <= int(g):
                 nested["optim"]["param_groups"].append({})
             nested["optim"]["param_groups"][int(g)][hyper] = v
@@ -197,7 +227,7 @@ def test_consolidate_include_optimizer_writes_every_state_key(tmp_path):
     for f in sorted(out.glob("optimizer*.safetensors")):
         optim.update(load_file(str(f)))
     truth = _truth("rmsprop")
-    want = {k[len("optim."):]: v for k, v in truth.items() if k.startswith("optim.state.")}
+    want = {k[len("optim.") :]: v for k, v in truth.items() if k.startswith("optim.state.")}
     assert set(optim) == set(want)
     for k, v in want.items():
         assert optim[k].dtype == v.dtype and torch.equal(optim[k], v.reshape(optim[k].shape)), k
@@ -205,11 +235,20 @@ def test_consolidate_include_optimizer_writes_every_state_key(tmp_path):
 
 # ---- closed by torch: FSDP2 loads the outputs at another world size and trains a step ------------
 
+
 def _fsdp2_load(tmp_path, ckpt, kind: str, world: int) -> dict:
     result = tmp_path / f"result_{kind}_{world}.json"
-    cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"), "--optim", kind,
-                                 "--ckpt", str(ckpt), "--truth", str(DATA / f"fsdp2_{kind}_w2.truth.pt"),
-                                 "--result", str(result)]
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"),
+        "--optim",
+        kind,
+        "--ckpt",
+        str(ckpt),
+        "--truth",
+        str(DATA / f"fsdp2_{kind}_w2.truth.pt"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(result.read_text())
@@ -229,25 +268,33 @@ def test_fsdp2_loads_the_reshard_at_3(tmp_path, kind):  # reshard is read back b
 def test_fsdp2_loads_sgd_back_from_zero2_at_3(tmp_path):
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps(CLIENT_CONFIG))
-    assert _cli("convert", _fixture("sgd"), tmp_path / "z2", "--to", "zero2", "--world-size", "2",
-                "--ds-config", cfg).exit_code == 0
+    assert (
+        _cli(
+            "convert", _fixture("sgd"), tmp_path / "z2", "--to", "zero2", "--world-size", "2", "--ds-config", cfg
+        ).exit_code
+        == 0
+    )
     assert _cli("convert", tmp_path / "z2", tmp_path / "back", "--to", "dcp", "--world-size", "3").exit_code == 0
     doc = _fsdp2_load(tmp_path, tmp_path / "back", "sgd", 3)
     assert doc["ok"], doc
     assert doc["world_size"] == 3 and doc["compared"] >= 30 and doc["trained_step"]
 
 
-@pytest.mark.parametrize("optimizer,step_type", [
-    ({"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, torch.Tensor),  # torch.optim.AdamW
-    (None, torch.Tensor),                                                          # the client's AdamW
-    ({"type": "AdamW", "params": {"lr": 0.01}}, int),                               # DeepSpeed's FusedAdam
-])
+@pytest.mark.parametrize(
+    "optimizer,step_type",
+    [
+        ({"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, torch.Tensor),  # torch.optim.AdamW
+        (None, torch.Tensor),  # the client's AdamW
+        ({"type": "AdamW", "params": {"lr": 0.01}}, int),  # DeepSpeed's FusedAdam
+    ],
+)
 def test_adamw_step_follows_the_target_optimizer(tmp_path, optimizer, step_type):
     cfg = dict(CLIENT_CONFIG, **({"optimizer": optimizer} if optimizer else {}))
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     out = tmp_path / "z2"
-    res = _cli("convert", DATA / "fsdp2_w2", out, "--to", "zero2", "--world-size", "3", "--ds-config",
-               tmp_path / "c.json")
+    res = _cli(
+        "convert", DATA / "fsdp2_w2", out, "--to", "zero2", "--world-size", "3", "--ds-config", tmp_path / "c.json"
+    )
     assert res.exit_code == 0, res.output
     _, _, objects = read_all(out)
     truth = torch.load(DATA / "fsdp2_w2.truth.pt", weights_only=True)
@@ -264,13 +311,20 @@ def test_adamw_step_follows_the_target_optimizer(tmp_path, optimizer, step_type)
 # ---- closed by DeepSpeed: its own optimizers' fixtures through DCP and back load at a new size ---
 
 DS_OPT = DATA / "deepspeed_optimizers"
-DS_OPT_FIXTURES = ("z2_sgd_fp32_w2", "z3_rmsprop_bf16_w2", "z1_adagrad_fp32_w2", "z2_clientadamw_bf16_w2",
-                   "z3_torchadamw_fp32_w2")
+DS_OPT_FIXTURES = (
+    "z2_sgd_fp32_w2",
+    "z3_rmsprop_bf16_w2",
+    "z1_adagrad_fp32_w2",
+    "z2_clientadamw_bf16_w2",
+    "z3_torchadamw_fp32_w2",
+)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not all((DS_OPT / f).exists() for f in DS_OPT_FIXTURES),
-                    reason="DeepSpeed optimizer fixtures missing (fixtures/generate_deepspeed.py)")
+@pytest.mark.skipif(
+    not all((DS_OPT / f).exists() for f in DS_OPT_FIXTURES),
+    reason="DeepSpeed optimizer fixtures missing (fixtures/generate_deepspeed.py)",
+)
 def test_deepspeed_loads_its_optimizers_state_converted_through_dcp_at_3(tmp_path):
     """ZeRO (SGD, RMSprop, Adagrad, client AdamW, torch_adam AdamW) -> DCP at 2 -> ZeRO at 3 by
     convert, loaded by DeepSpeed at 3 ranks with the fixture's own optimizer: every state key equal
@@ -283,14 +337,21 @@ def test_deepspeed_loads_its_optimizers_state_converted_through_dcp_at_3(tmp_pat
         assert res.exit_code == 0, res.output
         res = _cli("convert", dcp, zero, "--to", f"zero{name[1]}", "--world-size", "3", "--ds-config", cfg)
         assert res.exit_code == 0, res.output
-        items.append({"ckpt": str(zero), "fixture": name, "truth": str(DS_OPT / f"{name}.truth.pt"),
-                      "ds_config": str(cfg)})
+        items.append(
+            {"ckpt": str(zero), "fixture": name, "truth": str(DS_OPT / f"{name}.truth.pt"), "ds_config": str(cfg)}
+        )
     batch, result = tmp_path / "batch.json", tmp_path / "result.json"
     batch.write_text(json.dumps(items))
-    cmd = torchrun_cmd(3) + [str(ROOT / "tests" / "dist" / "ds_load_check.py"), "--batch", str(batch),
-                             "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(3) + [
+        str(ROOT / "tests" / "dist" / "ds_load_check.py"),
+        "--batch",
+        str(batch),
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(result.read_text())["results"]
     assert [r["fixture"] for r in results] == list(DS_OPT_FIXTURES)
@@ -336,8 +397,9 @@ def _torch_truth_from_ds_any(ds: dict, kind: str) -> dict:
     from convert_truth import dm, model_roles
 
     groups, frozen, buffers, ties = model_roles()
-    ref = dm.client_optimizer(kind, [{"params": [torch.zeros(1, requires_grad=True)], "weight_decay": wd}
-                                     for wd in (dm.WEIGHT_DECAY, 0.0)])
+    ref = dm.client_optimizer(
+        kind, [{"params": [torch.zeros(1, requires_grad=True)], "weight_decay": wd} for wd in (dm.WEIGHT_DECAY, 0.0)]
+    )
     out: dict = {}
     for g, names in enumerate(groups):
         for n in names:
@@ -368,9 +430,19 @@ def test_fsdp2_loads_deepspeed_rmsprop_converted_to_dcp_at_3(tmp_path):
     truth = _torch_truth_from_ds_any(torch.load(DS_OPT / "z3_rmsprop_bf16_w2.truth.pt", weights_only=True), "RMSprop")
     torch.save(truth, tmp_path / "truth.pt")
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(3) + [str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"), "--model", "ds", "--optim",
-                             "rmsprop", "--ckpt", str(out), "--truth", str(tmp_path / "truth.pt"),
-                             "--result", str(result)]
+    cmd = torchrun_cmd(3) + [
+        str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"),
+        "--model",
+        "ds",
+        "--optim",
+        "rmsprop",
+        "--ckpt",
+        str(out),
+        "--truth",
+        str(tmp_path / "truth.pt"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(result.read_text())

@@ -10,6 +10,7 @@ Fast tests read, inspect, consolidate --include-optimizer, reshard and diff them
 has DeepSpeed load each 2 -> 3 reshard at 3 ranks with the same optimizer and compare every
 state bit for bit.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,12 +32,17 @@ from ds_helpers import needs_deepspeed
 
 OPT_DATA = DATA / "deepspeed_optimizers"
 FIXTURES = sorted(p.name for p in OPT_DATA.iterdir() if p.is_dir()) if OPT_DATA.exists() else []
-pytestmark = pytest.mark.skipif(not FIXTURES, reason="no optimizer fixtures (run fixtures/generate_deepspeed.py "
-                                                     "--only z2_sgd_fp32_w2 ...)")
+pytestmark = pytest.mark.skipif(
+    not FIXTURES, reason="no optimizer fixtures (run fixtures/generate_deepspeed.py --only z2_sgd_fp32_w2 ...)"
+)
 # each optimizer's state keys, as torch names them (checked against the truth DeepSpeed gave)
-EXPECTED_KEYS = {"torch_adam": {"step", "exp_avg", "exp_avg_sq"}, "AdamW": {"step", "exp_avg", "exp_avg_sq"},
-                 "SGD": {"momentum_buffer"}, "Adagrad": {"step", "sum"},
-                 "RMSprop": {"step", "square_avg", "momentum_buffer", "grad_avg"}}
+EXPECTED_KEYS = {
+    "torch_adam": {"step", "exp_avg", "exp_avg_sq"},
+    "AdamW": {"step", "exp_avg", "exp_avg_sq"},
+    "SGD": {"momentum_buffer"},
+    "Adagrad": {"step", "sum"},
+    "RMSprop": {"step", "square_avg", "momentum_buffer", "grad_avg"},
+}
 
 
 def _info(name: str) -> dict:
@@ -52,7 +58,7 @@ def _states(truth: dict) -> dict[tuple[str, str], object]:
     out = {}
     for k, v in truth.items():
         if k.startswith("state."):
-            key, _, param = k[len("state."):].partition(".")
+            key, _, param = k[len("state.") :].partition(".")
             out[(param, key)] = v
     return out
 
@@ -239,8 +245,13 @@ def test_deepspeed_loads_every_reshard_with_its_optimizer(resharded, tmp_path):
     batch = [{"ckpt": str(resharded[n]), "fixture": n, "truth": str(OPT_DATA / f"{n}.truth.pt")} for n in FIXTURES]
     (tmp_path / "batch.json").write_text(json.dumps(batch))
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(3) + [str(ROOT / "tests" / "dist" / "ds_load_check.py"),
-                             "--batch", str(tmp_path / "batch.json"), "--result", str(result)]
+    cmd = torchrun_cmd(3) + [
+        str(ROOT / "tests" / "dist" / "ds_load_check.py"),
+        "--batch",
+        str(tmp_path / "batch.json"),
+        "--result",
+        str(result),
+    ]
     env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,7 @@
 """ckptkit.save / ckptkit.load / Checkpointer in one process (no torch.distributed): atomic saves
 readable by torch's dcp.load, loading from every format ckptkit reads (a ZeRO checkpoint straight
 into a torch model), retention, async saves, and the refusals."""
+
 from __future__ import annotations
 
 import os
@@ -146,8 +147,12 @@ def test_checkpointer_in_one_process(tmp_path):
     (tmp_path / "run" / ".step_000000060.ckptkit-lock").write_text(str(os.getpid()))  # held: kept
     again = ckptkit.Checkpointer(str(tmp_path / "run"))
     assert again.restore(fresh, fresh_optim) == 30 and again.extra == {"epoch": 30, "tags": ["a", "b"]}
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".step_000000060.ckptkit-lock", "latest",
-                                                                   "step_000000020", "step_000000030"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        ".step_000000060.ckptkit-lock",
+        "latest",
+        "step_000000020",
+        "step_000000030",
+    ]
 
 
 def test_async_checkpointer_in_one_process(tmp_path):
@@ -268,9 +273,13 @@ def test_save_and_checkpointer_refuse_a_url_and_write_nothing(url, tmp_path, mon
     from ckptkit.errors import UnsupportedError
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnsupportedError, match=r"^" + url + ": ckptkit.save writes to a local or mounted path, not a URL"):
+    with pytest.raises(
+        UnsupportedError, match=r"^" + url + ": ckptkit.save writes to a local or mounted path, not a URL"
+    ):
         ckptkit.save({"w": torch.ones(2)}, url)
-    with pytest.raises(UsageError, match=r"^" + url + ": the Checkpointer saves to a local or mounted folder, not a URL"):
+    with pytest.raises(
+        UsageError, match=r"^" + url + ": the Checkpointer saves to a local or mounted folder, not a URL"
+    ):
         ckptkit.Checkpointer(url)
     assert os.listdir(tmp_path) == []
     if url.startswith("memory://"):

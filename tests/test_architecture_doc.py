@@ -1,5 +1,6 @@
 """docs/architecture.md stays true to the code: every module is in its module map, and every
 module path the page names exists."""
+
 from __future__ import annotations
 
 import re
@@ -10,8 +11,12 @@ PAGE = (ROOT / "docs" / "architecture.md").read_text()
 
 
 def _modules() -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for d in ("ckptkit", "cli") for p in (ROOT / d).rglob("*.py")
-                  if p.name != "__init__.py")
+    return sorted(
+        str(p.relative_to(ROOT))
+        for d in ("ckptkit", "cli")
+        for p in (ROOT / d).rglob("*.py")
+        if p.name != "__init__.py"
+    )
 
 
 def _named(module: str) -> bool:

@@ -6,6 +6,7 @@ model-states file lists a storage record per parameter, 20k of them):
   unusual, entries with extra fields included;
 - the local headers `_members` checks are read a window at a time (`_HeaderReads`), and a
   damaged one is refused with the very sentence of a read of its own."""
+
 from __future__ import annotations
 
 import io
@@ -20,7 +21,16 @@ from ckptkit.runner import torch_archive as ta
 from ckptkit.storage.source import BytesSource
 from test_small_archives import _central_damaged, _cut, _prefixed, _two_disks, _with_comment  # the same damages
 
-FIELDS = ("filename", "orig_filename", "flag_bits", "compress_type", "compress_size", "file_size", "header_offset", "CRC")
+FIELDS = (
+    "filename",
+    "orig_filename",
+    "flag_bits",
+    "compress_type",
+    "compress_size",
+    "file_size",
+    "header_offset",
+    "CRC",
+)
 
 
 def _big() -> bytes:
@@ -84,11 +94,11 @@ def _corrupt_extra(data: bytes) -> bytes:
     struct.pack_into("<H", entry, 30, 4)
     out = bytearray(data[:last] + bytes(entry) + struct.pack("<HH", 0xCAFE, 9) + data[end_at:])
     z64 = out.rindex(b"PK\x06\x06")
-    size, = struct.unpack_from("<Q", out, z64 + 40)
+    (size,) = struct.unpack_from("<Q", out, z64 + 40)
     struct.pack_into("<Q", out, z64 + 40, size + 4)
     struct.pack_into("<Q", out, out.rindex(b"PK\x06\x07") + 8, z64)
     end = out.rindex(b"PK\x05\x06")
-    small, = struct.unpack_from("<I", out, end + 12)
+    (small,) = struct.unpack_from("<I", out, end + 12)
     if small != 0xFFFFFFFF:
         struct.pack_into("<I", out, end + 12, small + 4)
     return bytes(out)
@@ -117,7 +127,7 @@ def _local_damage(data: bytes, kind: str) -> bytes:
     out = bytearray(data)
     at = info.header_offset
     if kind == "magic":
-        out[at:at + 4] = b"PK\x09\x09"
+        out[at : at + 4] = b"PK\x09\x09"
     elif kind == "name":
         out[at + 30 + len(info.filename) - 1] ^= 1
     elif kind == "size":

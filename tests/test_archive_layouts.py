@@ -6,6 +6,7 @@ archive of the same length whose bytes outside member data and CRC fields are eq
 members (with its own offset and CRCs). These tests hold the memo to what it promises: for every
 single-byte change of a remembered archive, open_archive with the memo gives exactly what it
 gives without one (the same refusal, or the same members)."""
+
 from __future__ import annotations
 
 import io
@@ -119,7 +120,7 @@ def test_a_structurally_different_item_of_a_dcp_folder_is_refused(tmp_path):
     data[central + 10] = 8  # the first member's method in the directory: deflate
     with open(tmp_path / info.relative_path, "r+b") as f:
         f.seek(info.offset + central)
-        f.write(data[central:central + 12])
+        f.write(data[central : central + 12])
     with pytest.raises(FormatError, match=r"is compressed \(zip method 8\)"):
         reader.read_index(LocalSource(str(tmp_path)), parallel=1)
 
@@ -131,7 +132,7 @@ class _CountingSource(BytesSource):
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         self.reads += 1
-        return bytes(self.data[offset:offset + length])
+        return bytes(self.data[offset : offset + length])
 
 
 def test_the_read_ahead_window_serves_the_bytes_asked_for():
@@ -139,9 +140,9 @@ def test_the_read_ahead_window_serves_the_bytes_asked_for():
     source = _CountingSource(data)
     window = reader._Window(source)
     spans = [(i * 100, 100) for i in range(300)]  # in file order, back to back
-    assert all(window.read("", o, n, len(data)) == data[o:o + n] for o, n in spans)
+    assert all(window.read("", o, n, len(data)) == data[o : o + n] for o, n in spans)
     assert source.reads < 20
     source.reads = 0
     shuffled = [(o, n) for o, n in spans[::7]] + [(50, 3000), (len(data) - 10, 10), (0, 0)]
-    assert all(window.read("", o, n, len(data)) == data[o:o + n] for o, n in shuffled)
+    assert all(window.read("", o, n, len(data)) == data[o : o + n] for o, n in shuffled)
     assert source.reads <= len(shuffled)  # out of order: never more than one read per item

@@ -1,6 +1,7 @@
 """ckptkit.Checkpointer in real jobs (torchrun, gloo): resume after a crash at another world size,
 async saves that keep the values of their step, retention; and a DeepSpeed ZeRO-3 run saved at
 4 ranks resumed at 3. The single-process behaviour is in tests/test_api.py."""
+
 from __future__ import annotations
 
 import json
@@ -57,4 +58,3 @@ def test_deepspeed_zero3_saved_at_4_resumes_at_3(tmp_path):
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["ok"], doc
     assert doc["step"] == 2 and doc["compared"] >= 50 and doc["extra"] == {"epoch": 3, "note": "hello"}
-

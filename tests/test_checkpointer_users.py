@@ -2,6 +2,7 @@
 per-rank RNG state, tensors in `extra`, the pointer file `latest`, no warning in one process, and
 `ckptkit inspect DIR`. One process with a real model + AdamW + StepLR, each promise bit for bit;
 then one short 2-rank job (tests/dist/checkpointer_users_job.py) checking the same per rank."""
+
 from __future__ import annotations
 
 import json
@@ -104,8 +105,13 @@ def test_states_rng_and_extra_tensors_round_trip_bit_for_bit(tmp_path):
     model, optim, sched, counter = _job()
     _train(model, optim, sched, counter, 3, models.DATA_SEED)
     _seed(5)
-    extra = {"epoch": 2, "ema": torch.randn(3, 2, dtype=torch.bfloat16), "nested": {"ids": torch.arange(5)},
-             "pair": [torch.ones(2), torch.zeros(1, dtype=torch.float64)], "name": "run-a"}
+    extra = {
+        "epoch": 2,
+        "ema": torch.randn(3, 2, dtype=torch.bfloat16),
+        "nested": {"ids": torch.arange(5)},
+        "pair": [torch.ones(2), torch.zeros(1, dtype=torch.float64)],
+        "name": "run-a",
+    }
     ck = ckptkit.Checkpointer(d)
     _no_warnings(lambda: ck.save(3, model, optim, extra=extra, states={"sched": sched, "data": counter}))
     want = (_flat(model, optim), sched.state_dict(), counter.state_dict(), optim.param_groups[0]["lr"])
@@ -115,8 +121,7 @@ def test_states_rng_and_extra_tensors_round_trip_bit_for_bit(tmp_path):
     _seed(99)
     fresh, fresh_optim, fresh_sched, fresh_counter = _job(models.MODEL_SEED + 5)
     again = ckptkit.Checkpointer(d)
-    step = _no_warnings(lambda: again.restore(fresh, fresh_optim, states={"sched": fresh_sched,
-                                                                          "data": fresh_counter}))
+    step = _no_warnings(lambda: again.restore(fresh, fresh_optim, states={"sched": fresh_sched, "data": fresh_counter}))
     assert step == 3
     assert _same_draws(_draws(), after_save), "the next random draws are not those after the save"
     _assert_same(_flat(fresh, fresh_optim), want[0])
@@ -202,7 +207,7 @@ def test_a_damaged_rng_file_is_an_error_naming_it(tmp_path):
     doc = json.loads(path.read_text())
     doc["python"]["state"] = ["x"]
     path.write_text(json.dumps(doc))
-    (d / "step_000000001" / ".ckptkit-complete").unlink()   # else the marker's sizes catch it first
+    (d / "step_000000001" / ".ckptkit-complete").unlink()  # else the marker's sizes catch it first
     with pytest.raises(FormatError, match=r"rank_00000\.json: is not a ckptkit RNG state"):
         ck.restore(model, optim)
     doc = json.loads(path.read_text())
@@ -220,7 +225,7 @@ def test_pointer_file_names_the_newest_complete_step_and_restore_falls_back(tmp_
     for step in (1, 2, 3):
         ck.save(step, model, optim)
         assert (d / "latest").read_text() == f"step_{step:09d}\n"
-    ck.save(1, model, optim)                       # an older step: the pointer still names the newest
+    ck.save(1, model, optim)  # an older step: the pointer still names the newest
     assert (d / "latest").read_text() == "step_000000003\n" and ck.steps() == [1, 2, 3]
     assert not [n for n in os.listdir(d) if n.startswith(".")], "the pointer's temporary was left"
     assert pointer.read(str(d)) == "step_000000003"
@@ -328,8 +333,9 @@ def test_inspect_lists_the_steps_of_a_checkpointer_directory(tmp_path):
     (d / "step_9").mkdir()
     (d / "step_10").write_text("a note")
     env = subprocess_env()
-    proc = subprocess.run([sys.executable, "-m", "ckptkit", "inspect", str(d)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", str(d)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.splitlines()
     assert out[0] == f"checkpointer  {d}"
@@ -341,8 +347,13 @@ def test_inspect_lists_the_steps_of_a_checkpointer_directory(tmp_path):
     assert rows["step_000000002"].split()[2:4] == ["dcp", "1"] and rows["step_000000002"].endswith("complete")
     assert "skipped: is an empty folder without .ckptkit-complete" in rows["step_9"]
     assert "skipped: is not a folder" in rows["step_10"]
-    proc = subprocess.run([sys.executable, "-m", "ckptkit", "inspect", str(d), "--json"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", str(d), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     doc = json.loads(proc.stdout)
     assert doc["newest_complete"] == 2 and doc["latest"] == "step_000000002"
     by_folder = {r["folder"]: r for r in doc["steps"]}
@@ -350,8 +361,13 @@ def test_inspect_lists_the_steps_of_a_checkpointer_directory(tmp_path):
     assert by_folder["step_000000002"]["bytes"] == size and by_folder["step_000000002"]["complete"]
     assert by_folder["step_9"]["complete"] is False and by_folder["step_9"]["format"] == "-"
     # a single step folder is still inspected as the checkpoint it is
-    proc = subprocess.run([sys.executable, "-m", "ckptkit", "inspect", str(d / "step_000000001")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", str(d / "step_000000001")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "format      dcp" in proc.stdout
 
 
@@ -373,8 +389,15 @@ def test_two_ranks_states_rng_extra_tensors_and_pointer(tmp_path):
     optim = models.make_optimizer(model)
     models.train_steps(model, optim, 1, models.DATA_SEED)
     ckptkit.Checkpointer(str(tmp_path / "one")).save(1, model, optim, states={"pos": _Position42()})
-    cmd = torchrun_cmd(2) + [str(job), "--dir", str(tmp_path / "run"), "--one", str(tmp_path / "one"),
-                             "--result", str(result)]
+    cmd = torchrun_cmd(2) + [
+        str(job),
+        "--dir",
+        str(tmp_path / "run"),
+        "--one",
+        str(tmp_path / "one"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(result.read_text())

@@ -4,6 +4,7 @@ Contract (product brief): bad input gets ONE sentence on stderr starting "error:
 file and what is wrong, exit 2 (verify: every problem listed, exit 1), "Traceback" never appears,
 and consolidate / reshard never leave OUT, a hidden `.OUT.ckptkit-tmp-*` or a `.OUT.ckptkit-lock`.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,14 @@ from helpers_corrupt import (
     write_safetensors_raw,
 )
 
-COMMANDS = ["inspect", "verify", "consolidate", "reshard", "convert", "plan"]  # plan: the structural checks, before any read
+COMMANDS = [
+    "inspect",
+    "verify",
+    "consolidate",
+    "reshard",
+    "convert",
+    "plan",
+]  # plan: the structural checks, before any read
 
 
 def run_cmd(cmd: str, src: Path, tmp_path: Path, *extra: str):
@@ -59,6 +67,7 @@ def check(cmd: str, src: Path, tmp_path: Path, *names: str, extra: tuple = ()):
 
 
 # ---- paths that are not checkpoints -----------------------------------------------------------
+
 
 def make_generic(kind: str, tmp_path: Path) -> tuple[Path, list[str]]:
     """(path, strings the message must contain)."""
@@ -108,6 +117,7 @@ def test_not_a_checkpoint_end_to_end(tmp_path):
 
 
 # ---- damaged DCP folders ----------------------------------------------------------------------
+
 
 def dcp_missing_metadata(d: Path):
     (d / ".metadata").unlink()
@@ -286,6 +296,7 @@ def test_relpath_outside_is_never_opened(tmp_path, monkeypatch):
 
 # ---- verify: integrity and coverage ------------------------------------------------------------
 
+
 def _payload_offset(d: Path, key: str) -> tuple[str, int]:
     from ckptkit.formats.registry import open_checkpoint
 
@@ -366,10 +377,13 @@ def test_gap_is_refused_by_writers(cmd, tmp_path):
     check(cmd, d, tmp_path, "model.pos")
 
 
-@pytest.mark.parametrize("cmd", [
-    "consolidate",
-    "reshard",
-])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        "consolidate",
+        "reshard",
+    ],
+)
 def test_overlap_plus_gap_is_refused_by_writers(cmd, tmp_path):
     d = copy_fixture("fsdp2_w2", tmp_path, "ckpt")
     md = load_md(d)
@@ -397,6 +411,7 @@ def test_damaged_compressed_item_leaves_nothing(tmp_path):
 
 
 # ---- damaged safetensors ------------------------------------------------------------------------
+
 
 def st_header_too_long(p: Path):
     header, data = good_header()
@@ -471,9 +486,13 @@ ST_CASES = {
 ST_BUGS: dict[str, str] = {}  # known bugs, as strict xfails (none open)
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[pytest.mark.xfail(reason=ST_BUGS[c], strict=True)] if c in ST_BUGS else [])
-    for c in ST_CASES])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=[pytest.mark.xfail(reason=ST_BUGS[c], strict=True)] if c in ST_BUGS else [])
+        for c in ST_CASES
+    ],
+)
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_damaged_safetensors_file(cmd, case, tmp_path):
     p = tmp_path / "model.safetensors"
@@ -505,8 +524,9 @@ def test_sharded_safetensors_index_names_absent_tensor(cmd, tmp_path):
     check(cmd, d, tmp_path, "model.safetensors.index.json", "c")
 
 
-@pytest.mark.parametrize("bad", ["{not json", json.dumps({"weight_map": ["x"]}),
-                                 json.dumps({"weight_map": {"a": "../outside.safetensors"}})])
+@pytest.mark.parametrize(
+    "bad", ["{not json", json.dumps({"weight_map": ["x"]}), json.dumps({"weight_map": {"a": "../outside.safetensors"}})]
+)
 @pytest.mark.parametrize("cmd", ["inspect", "verify", "consolidate"])
 def test_sharded_safetensors_bad_index(cmd, bad, tmp_path):
     d = sharded_safetensors(tmp_path)
@@ -515,6 +535,7 @@ def test_sharded_safetensors_bad_index(cmd, bad, tmp_path):
 
 
 # ---- damaged torch.save files -------------------------------------------------------------------
+
 
 def test_sanity_plain_fixture_consolidates(tmp_path):
     """Control: the undamaged fixture goes through (so the damaged cases fail for the damage)."""
@@ -569,6 +590,7 @@ def test_pt_storage_missing_from_archive(cmd, tmp_path):
 
 # ---- options that contradict the checkpoint ------------------------------------------------------
 
+
 def test_reshard_wrong_from(tmp_path):
     src = copy_fixture("fsdp2_w2", tmp_path)
     out = tmp_path / "OUT"
@@ -590,6 +612,7 @@ def test_reshard_safetensors(kind, tmp_path):
         src = sharded_safetensors(tmp_path)
     else:
         from safetensors.torch import save_file
+
         src = tmp_path / "model.safetensors"
         save_file({"a": torch.ones(2)}, str(src))
     out = tmp_path / "OUT"
@@ -687,11 +710,13 @@ def test_damaged_dcp_end_to_end(tmp_path):
 
 # ---- DCP metadata whose fields have the wrong types (crafted / hostile metadata) -----------------
 
+
 def _md_edit(fn):
     def craft(d: Path):
         md = load_md(d)
         fn(md)
         save_md(d, md)
+
     return craft
 
 
@@ -699,7 +724,8 @@ def _chunk_rank_mismatch(md):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
     md.state_dict_metadata["model.pos"].chunks[1] = ChunkStorageMetadata(
-        offsets=torch.Size([3]), sizes=torch.Size([2, 10]))
+        offsets=torch.Size([3]), sizes=torch.Size([2, 10])
+    )
     info = md.storage_data.pop(storage_key(md, "model.pos", (3, 0)))
     md.storage_data[MetadataIndex("model.pos", torch.Size([3]), 0)] = info
 
@@ -716,22 +742,33 @@ def _distcp_is_a_folder(d: Path):
 
 MALFORMED_MD = {
     # case: (craft, strings the message must name)
-    "chunks_not_a_list": (_md_edit(lambda md: setattr(md.state_dict_metadata["model.pos"], "chunks", 5)),
-                          ["model.pos"]),
+    "chunks_not_a_list": (
+        _md_edit(lambda md: setattr(md.state_dict_metadata["model.pos"], "chunks", 5)),
+        ["model.pos"],
+    ),
     "chunk_rank_mismatch": (_md_edit(_chunk_rank_mismatch), ["model.pos"]),
-    "size_not_ints": (_md_edit(lambda md: setattr(md.state_dict_metadata["model.pos"], "size", ("a", "b"))),
-                      ["model.pos"]),
+    "size_not_ints": (
+        _md_edit(lambda md: setattr(md.state_dict_metadata["model.pos"], "size", ("a", "b"))),
+        ["model.pos"],
+    ),
     "negative_tensor_size": (_md_edit(lambda md: set_tensor_size(md, "model.pos", (-5, 10))), ["model.pos"]),
-    "storage_data_not_a_dict": (_md_edit(lambda md: setattr(md, "storage_data", list(md.storage_data.items()))),
-                                [".metadata"]),
+    "storage_data_not_a_dict": (
+        _md_edit(lambda md: setattr(md, "storage_data", list(md.storage_data.items()))),
+        [".metadata"],
+    ),
     "planner_data_not_a_dict": (_md_edit(lambda md: setattr(md, "planner_data", 5)), [".metadata"]),
-    "storage_offset_not_int": (_md_edit(lambda md: replace_storage(md, storage_key(md, "model.pos", (0, 0)),
-                                                                   offset="abc")), ["model.pos"]),
-    "relpath_is_the_folder": (_md_edit(lambda md: replace_storage(md, storage_key(md, "model.pos", (0, 0)),
-                                                                  relative_path=".")), ["model.pos"]),
-    "unknown_transform": (_md_edit(lambda md: replace_storage(md, storage_key(md, "model.pos", (0, 0)),
-                                                              transform_descriptors=["bogus"])),
-                          ["model.pos", "bogus"]),
+    "storage_offset_not_int": (
+        _md_edit(lambda md: replace_storage(md, storage_key(md, "model.pos", (0, 0)), offset="abc")),
+        ["model.pos"],
+    ),
+    "relpath_is_the_folder": (
+        _md_edit(lambda md: replace_storage(md, storage_key(md, "model.pos", (0, 0)), relative_path=".")),
+        ["model.pos"],
+    ),
+    "unknown_transform": (
+        _md_edit(lambda md: replace_storage(md, storage_key(md, "model.pos", (0, 0)), transform_descriptors=["bogus"])),
+        ["model.pos", "bogus"],
+    ),
     "metadata_is_a_folder": (_metadata_is_a_folder, [".metadata"]),
     "distcp_is_a_folder": (_distcp_is_a_folder, ["__1_0.distcp"]),
 }
@@ -761,6 +798,7 @@ def test_malformed_metadata_fields(cmd, case, tmp_path):
 
 
 # ---- --overwrite never destroys the old output when the new one fails ----------------------------
+
 
 @pytest.mark.parametrize("cmd", ["consolidate", "reshard"])
 @pytest.mark.parametrize("when", ["reading", "writing"])

@@ -1,4 +1,5 @@
 """Global CLI flags: --quiet prints nothing but errors, --debug shows the traceback."""
+
 from __future__ import annotations
 
 from click.testing import CliRunner
@@ -64,9 +65,22 @@ def test_command_scoped_options_end_with_their_command(tmp_path):
 
     rules = ROOT / "docs" / "tp_rules.partial.json"
     for to in ("3", "pp=0"):  # a reshard that runs, and one refused after the options were taken
-        res = CliRunner().invoke(cli, ["reshard", str(DATA / "fsdp2_w2"), str(tmp_path / f"r{to}"), "--to", to,
-                                       "--tp-rules", str(rules), "--partition-method", "type:layer",
-                                       "--layer-types", "Embed,Layer*2,Head"])
+        res = CliRunner().invoke(
+            cli,
+            [
+                "reshard",
+                str(DATA / "fsdp2_w2"),
+                str(tmp_path / f"r{to}"),
+                "--to",
+                to,
+                "--tp-rules",
+                str(rules),
+                "--partition-method",
+                "type:layer",
+                "--layer-types",
+                "Embed,Layer*2,Head",
+            ],
+        )
         assert (res.exit_code == 0) == (to == "3"), res.output
         assert chosen_rules_file() is None
         assert chosen_layer_types() is None

@@ -2,6 +2,7 @@
 
 Every test runs `python -m ckptkit` in a subprocess whose stderr is not a terminal (a pipe), as
 in a CI log, except the pty test, which gives it a terminal to check the tqdm bar."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,14 @@ def run(*args: str, interval: float | None = None, **env: str) -> subprocess.Com
     environ = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
     if interval is not None:
         environ["CKPTKIT_PROGRESS_INTERVAL"] = str(interval)
-    return subprocess.run([sys.executable, "-m", "ckptkit", *map(str, args)], cwd=ROOT, env=environ,
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit", *map(str, args)],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def one_error_line(res: subprocess.CompletedProcess) -> str:
@@ -116,9 +123,14 @@ def test_a_terminal_gets_a_tqdm_bar(tmp_path):
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # a terminal has a size
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", COLUMNS="100")
-    proc = subprocess.Popen([sys.executable, "-m", "ckptkit", "consolidate", str(DCP), str(tmp_path / "hf"),
-                             "--memory-budget", "1MiB"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=follower)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptkit", "consolidate", str(DCP), str(tmp_path / "hf"), "--memory-budget", "1MiB"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+    )
     os.close(follower)
     seen = b""
     deadline = time.monotonic() + 120
@@ -140,6 +152,7 @@ def test_a_terminal_gets_a_tqdm_bar(tmp_path):
 
 
 # ---- --from and --to: one table of names --------------------------------------------------------
+
 
 def test_from_and_to_take_the_same_names():
     from ckptkit.convert import SOURCES, TARGETS
@@ -193,6 +206,7 @@ def test_to_deepspeed_keeps_the_stage_of_the_source_config(tmp_path):
 
 # ---- reshard --world-size -----------------------------------------------------------------------
 
+
 def test_reshard_world_size_and_its_short_form(tmp_path):
     a = run("reshard", DCP, tmp_path / "a", "--world-size", "3")
     b = run("reshard", DCP, tmp_path / "b", "--to", "3")
@@ -212,11 +226,23 @@ def test_reshard_world_size_disagreeing_or_missing_is_one_sentence(tmp_path):
 
 # ---- --dtype takes torch's spellings ------------------------------------------------------------
 
-@pytest.mark.parametrize("spelling,dtype", [
-    ("torch.bfloat16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16),
-    ("torch.float16", torch.float16), ("float16", torch.float16), ("fp16", torch.float16), ("half", torch.float16),
-    ("torch.float32", torch.float32), ("float32", torch.float32), ("fp32", torch.float32), ("float", torch.float32),
-])
+
+@pytest.mark.parametrize(
+    "spelling,dtype",
+    [
+        ("torch.bfloat16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("torch.float16", torch.float16),
+        ("float16", torch.float16),
+        ("fp16", torch.float16),
+        ("half", torch.float16),
+        ("torch.float32", torch.float32),
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("float", torch.float32),
+    ],
+)
 def test_dtype_spellings(spelling, dtype, tmp_path):
     res = run("consolidate", ZERO3, tmp_path / "m.safetensors", "--dtype", spelling)
     assert res.returncode == 0, res.stderr
@@ -234,6 +260,7 @@ def test_dtype_that_is_not_floating_is_refused(tmp_path):
 
 # ---- outputs go where the user named them -------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["model.pt", "model.bin"])
 def test_to_torch_with_a_file_name_writes_that_file(name, tmp_path):
     res = run("convert", DCP, tmp_path / name, "--to", "torch")
@@ -244,7 +271,7 @@ def test_to_torch_with_a_file_name_writes_that_file(name, tmp_path):
     truth = load_truth("fsdp2_w2")
     for key, value in truth.items():
         if key.startswith("model."):
-            assert_tensor_equal(state["model"][key[len("model."):]], value, key)
+            assert_tensor_equal(state["model"][key[len("model.") :]], value, key)
     # the folder form is unchanged: OUT/checkpoint.pt, the same content
     assert run("convert", DCP, tmp_path / "folder", "--to", "torch").returncode == 0
     folder = torch.load(tmp_path / "folder" / "checkpoint.pt", weights_only=True)
@@ -294,12 +321,16 @@ def test_safetensors_summary_names_what_was_not_written(tmp_path):
 
 # ---- an option that does not apply to the target is refused ------------------------------------
 
-@pytest.mark.parametrize("args,says", [
-    (["--to", "torch", "--world-size", "8"], "--world-size does not apply to --to torch"),
-    (["--to", "safetensors", "--world-size", "2"], "--world-size does not apply to --to safetensors"),
-    (["--to", "dcp", "--ds-config", str(DS_CONFIG)], "--ds-config applies only to DeepSpeed targets"),
-    (["--to", "hf", "--frozen", "pos"], "--frozen does not apply to --to hf"),
-])
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--to", "torch", "--world-size", "8"], "--world-size does not apply to --to torch"),
+        (["--to", "safetensors", "--world-size", "2"], "--world-size does not apply to --to safetensors"),
+        (["--to", "dcp", "--ds-config", str(DS_CONFIG)], "--ds-config applies only to DeepSpeed targets"),
+        (["--to", "hf", "--frozen", "pos"], "--frozen does not apply to --to hf"),
+    ],
+)
 def test_inapplicable_options_are_refused_in_one_sentence(args, says, tmp_path):
     line = one_error_line(run("convert", DCP, tmp_path / "out", *args))
     assert says in line
@@ -307,6 +338,7 @@ def test_inapplicable_options_are_refused_in_one_sentence(args, says, tmp_path):
 
 
 # ---- a single-file output keeps the guarantees of a folder -------------------------------------
+
 
 def test_a_file_output_never_replaces_its_own_source(tmp_path):
     src = tmp_path / "state.pt"

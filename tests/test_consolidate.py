@@ -1,4 +1,5 @@
 """consolidate: safetensors that the safetensors library loads and that equal the truth."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ def test_consolidate_dcp_equals_truth(tmp_path, name):
     truth = load_truth(name)
     res = consolidate(str(DATA / name), str(tmp_path / "out"))
     loaded = _load_dir(tmp_path / "out")
-    model_truth = {k[len("model."):]: v for k, v in truth.items() if k.startswith("model.")}
+    model_truth = {k[len("model.") :]: v for k, v in truth.items() if k.startswith("model.")}
     assert set(loaded) == set(model_truth)
     for key, expected in model_truth.items():
         assert_tensor_equal(loaded[key], expected, key)
@@ -46,6 +47,7 @@ def test_consolidate_torch_save_writes_tied_weights_once(tmp_path):
         assert json.loads(f.metadata()["ckptkit.aliases"]) == {"lm_head.weight": "embed.weight"}
     # reading our own output restores the alias
     from conftest import read_all
+
     _, tensors, _ = read_all(tmp_path / "out")
     assert_tensor_equal(tensors["lm_head.weight"], truth["lm_head.weight"], "lm_head.weight")
 
@@ -65,9 +67,10 @@ def test_consolidate_shards_and_index(tmp_path):
     res = consolidate(str(DATA / "fsdp2_w3"), str(tmp_path / "out"), max_shard_size="1KB")
     assert len(res.files) > 2 and res.files[0] == f"model-00001-of-{len(res.files):05d}.safetensors"
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == {k[len("model."):] for k in truth if k.startswith("model.")}
-    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size()
-                                                  for k, v in truth.items() if k.startswith("model."))
+    assert set(index["weight_map"]) == {k[len("model.") :] for k in truth if k.startswith("model.")}
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * v.element_size() for k, v in truth.items() if k.startswith("model.")
+    )
     loaded = _load_dir(tmp_path / "out")
     for name, file in index["weight_map"].items():
         assert name in load_file(str(tmp_path / "out" / file))
@@ -79,8 +82,9 @@ def test_consolidate_include_optimizer(tmp_path):
     res = consolidate(str(DATA / "fsdp2_w2"), str(tmp_path / "out"), include_optimizer=True)
     assert "optimizer.safetensors" in res.files
     opt = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
-    optim_truth = {k[len("optim."):]: v for k, v in truth.items()
-                   if k.startswith("optim.") and isinstance(v, torch.Tensor)}
+    optim_truth = {
+        k[len("optim.") :]: v for k, v in truth.items() if k.startswith("optim.") and isinstance(v, torch.Tensor)
+    }
     assert set(opt) == set(optim_truth)
     for key, expected in optim_truth.items():
         assert_tensor_equal(opt[key], expected, key)
@@ -99,7 +103,7 @@ def test_consolidate_resharded_output_still_equals_truth(tmp_path):
     loaded = _load_dir(tmp_path / "out")
     for key, value in truth.items():
         if key.startswith("model."):
-            assert_tensor_equal(loaded[key[len("model."):]], value, key)
+            assert_tensor_equal(loaded[key[len("model.") :]], value, key)
 
 
 def test_consolidated_folder_with_optimizer_keeps_roles(tmp_path):
@@ -124,4 +128,4 @@ def test_consolidate_from_fsspec_url(tmp_path):
     loaded = _load_dir(tmp_path / "out")
     for key, value in truth.items():
         if key.startswith("model."):
-            assert_tensor_equal(loaded[key[len("model."):]], value, key)
+            assert_tensor_equal(loaded[key[len("model.") :]], value, key)

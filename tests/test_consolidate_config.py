@@ -1,6 +1,7 @@
 """consolidate writes what from_pretrained needs: config.json, generation config and tokenizer files
 found beside the checkpoint, in its trainer folder or in its run folder (or from --config DIR),
 copied byte for byte; without a config the summary says so. --strip-prefix/--rename as convert's."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,8 @@ def test_side_files_from_checkpoint_trainer_and_run_folder(tmp_path):
     assert code == 0, output
     expected = {
         "generation_config.json": ckpt / "global_step2" / "generation_config.json",  # the folder itself
-        "config.json": ckpt / "config.json",                                       # trainer folder, nearest wins
-        "tokenizer.json": run_dir / "tokenizer.json",                              # the run folder
+        "config.json": ckpt / "config.json",  # trainer folder, nearest wins
+        "tokenizer.json": run_dir / "tokenizer.json",  # the run folder
         "tokenizer.model": run_dir / "tokenizer.model",
         "additional_chat_templates/tool.jinja": run_dir / "additional_chat_templates" / "tool.jinja",
     }
@@ -86,8 +87,10 @@ def test_config_dir_without_config_json_is_one_sentence(tmp_path):
     (config / "tokenizer.json").write_text("{}")
     code, output = run("consolidate", DATA / "fsdp2_w2", tmp_path / "out", "--config", config)
     assert code == 2
-    assert output.strip() == (f"error: --config {config}: has no config.json (found tokenizer.json); pass the "
-                              f"folder of the model's Hugging Face config")
+    assert output.strip() == (
+        f"error: --config {config}: has no config.json (found tokenizer.json); pass the "
+        f"folder of the model's Hugging Face config"
+    )
     assert not (tmp_path / "out").exists()
     code, output = run("consolidate", DATA / "fsdp2_w2", tmp_path / "m.safetensors", "--config", config)
     assert code == 2 and "OUT must be a folder" in output and len(output.strip().splitlines()) == 1
@@ -106,8 +109,10 @@ def test_without_config_the_summary_says_from_pretrained_needs_one(tmp_path):
     code, output = run("consolidate", DATA / "fsdp2_w2", tmp_path / "out")
     assert code == 0, output
     assert os.listdir(tmp_path / "out") == ["model.safetensors"]
-    assert ("no config.json written (none in " in output and "from_pretrained(OUT) will need one; pass --config DIR"
-            in output)
+    assert (
+        "no config.json written (none in " in output
+        and "from_pretrained(OUT) will need one; pass --config DIR" in output
+    )
     code, output = run("consolidate", DATA / "fsdp2_w2", tmp_path / "m.safetensors")
     assert code == 0 and "from_pretrained needs a folder" in output
 
@@ -127,17 +132,27 @@ def test_a_side_file_linked_outside_is_refused(tmp_path):
 
 def test_strip_prefix_and_rename_as_convert(tmp_path):
     truth = load_truth("fsdp2_w2")
-    model = {k[len("model."):]: v for k, v in truth.items() if k.startswith("model.")}
+    model = {k[len("model.") :]: v for k, v in truth.items() if k.startswith("model.")}
     out = tmp_path / "out"
-    code, output = run("consolidate", DATA / "fsdp2_w2", out, "--strip-prefix", "block.",
-                       "--rename", "embed.=tok_embed.", "--rename", "norm.=final_norm.", "--include-optimizer")
+    code, output = run(
+        "consolidate",
+        DATA / "fsdp2_w2",
+        out,
+        "--strip-prefix",
+        "block.",
+        "--rename",
+        "embed.=tok_embed.",
+        "--rename",
+        "norm.=final_norm.",
+        "--include-optimizer",
+    )
     assert code == 0, output
 
     def new(name):
-        name = name[len("block."):] if name.startswith("block.") else name
+        name = name[len("block.") :] if name.startswith("block.") else name
         for old, repl in (("embed.", "tok_embed."), ("norm.", "final_norm.")):
             if name.startswith(old):
-                name = repl + name[len(old):]
+                name = repl + name[len(old) :]
         return name
 
     loaded = load_file(str(out / "model.safetensors"))
@@ -146,8 +161,8 @@ def test_strip_prefix_and_rename_as_convert(tmp_path):
     for key, value in model.items():
         assert_tensor_equal(loaded[new(key)], value, key)
     optim = load_file(str(out / "optimizer.safetensors"))
-    truth_params = {k[len("optim.state."):].rsplit(".", 1)[0] for k in truth if k.startswith("optim.state.")}
-    assert {k[len("state."):].rsplit(".", 1)[0] for k in optim} == {new(p) for p in truth_params}
+    truth_params = {k[len("optim.state.") :].rsplit(".", 1)[0] for k in truth if k.startswith("optim.state.")}
+    assert {k[len("state.") :].rsplit(".", 1)[0] for k in optim} == {new(p) for p in truth_params}
     with safe_open(str(out / "optimizer.safetensors"), framework="pt") as f:
         objects = json.loads(f.metadata()["ckptkit.objects"])
     listed = [n for k, v in objects.items() if k.endswith(".params") for n in v]
@@ -190,8 +205,15 @@ def test_from_pretrained_loads_the_consolidated_model(tmp_path):
     import torch.distributed.checkpoint as dcp
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     run_dir = tmp_path / "run"

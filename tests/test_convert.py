@@ -1,6 +1,7 @@
 """ckptkit convert without launching a framework: every direction read back and compared with the
 truth the frameworks wrote, names mapped, bad input refused in one sentence.
 (tests/test_convert_frameworks.py closes the loop with real FSDP2 and DeepSpeed jobs.)"""
+
 from __future__ import annotations
 
 import json
@@ -44,6 +45,7 @@ def _equal_values(got: dict, want: dict, what: str) -> int:
 
 # ---- names -------------------------------------------------------------------------------------
 
+
 def test_key_rules():
     rules = KeyRules(strip=("model.",), renames=KeyRules.parse_renames(["layers.=blocks."]), add="net.")
     assert rules.apply("model._orig_mod.layers.0._fsdp_wrapped_module.w") == "net.blocks.0.w"
@@ -55,6 +57,7 @@ def test_key_rules():
 
 
 # ---- ZeRO -> DCP / torch / safetensors ---------------------------------------------------------
+
 
 @needs_ds_fixtures
 @pytest.mark.parametrize("name", DS)
@@ -82,20 +85,25 @@ def test_zero_to_torch_file(tmp_path):
     assert set(state) >= {"model", "optim", "ds", "epoch", "note"}
     assert_tensor_equal(state["model"]["pos"], truth["fp32.pos"], "pos")
     assert_tensor_equal(state["model"]["frozen.weight"], truth["frozen.frozen.weight"].float(), "frozen")
-    assert state["model"]["lm_head.weight"].untyped_storage().data_ptr() == \
-        state["model"]["embed.weight"].untyped_storage().data_ptr()  # tied: one storage
+    assert (
+        state["model"]["lm_head.weight"].untyped_storage().data_ptr()
+        == state["model"]["embed.weight"].untyped_storage().data_ptr()
+    )  # tied: one storage
     assert_tensor_equal(state["optim"]["state"]["gate"]["exp_avg_sq"], truth["exp_avg_sq.gate"], "moment")
     assert state["optim"]["state"]["gate"]["step"] == torch.tensor(2.0)
     groups, _, _, _ = model_roles()
     assert [g["params"] for g in state["optim"]["param_groups"]] == groups
     # torch's own AdamW accepts the optimizer state as is
-    model = torch.nn.ParameterDict({n.replace(".", "_"): torch.nn.Parameter(state["model"][n].clone())
-                                    for ps in groups for n in ps})
+    model = torch.nn.ParameterDict(
+        {n.replace(".", "_"): torch.nn.Parameter(state["model"][n].clone()) for ps in groups for n in ps}
+    )
     params = list(model.values())
-    opt = torch.optim.AdamW([{"params": params[:len(groups[0])]}, {"params": params[len(groups[0]):]}])
+    opt = torch.optim.AdamW([{"params": params[: len(groups[0])]}, {"params": params[len(groups[0]) :]}])
     named = {n: i for i, n in enumerate(x for ps in groups for x in ps)}
-    sd = {"state": {named[n]: s for n, s in state["optim"]["state"].items()},
-          "param_groups": [dict(g, params=[named[n] for n in g["params"]]) for g in state["optim"]["param_groups"]]}
+    sd = {
+        "state": {named[n]: s for n, s in state["optim"]["state"].items()},
+        "param_groups": [dict(g, params=[named[n] for n in g["params"]]) for g in state["optim"]["param_groups"]],
+    }
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["lr"] == truth["lr.0"]
 
@@ -111,15 +119,22 @@ def test_zero_to_safetensors(tmp_path):
 
 # ---- DCP -> ZeRO ---------------------------------------------------------------------------------
 
+
 @needs_ds_fixtures
-@pytest.mark.parametrize("stage,precision,world", [(1, "fp16", 3), (2, "bf16", 4), (3, "bf16", 2), (3, "fp32", 3),
-                                                   (2, "fp32", 1)])
+@pytest.mark.parametrize(
+    "stage,precision,world", [(1, "fp16", 3), (2, "bf16", 4), (3, "bf16", 2), (3, "fp32", 3), (2, "fp32", 1)]
+)
 def test_dcp_to_zero_reads_back_as_the_source(tmp_path, stage, precision, world):
     ref = f"z{stage}_{precision}_w2"
     cfg = json.loads((DS_DATA / ref / "ds_config.json").read_text())
     out = tmp_path / "zero"
-    convert(str(CV / "fsdp2ds_w3"), str(out), f"zero{stage}", world_size=world,
-            ds_config=str(DS_DATA / ref / "ds_config.json"))
+    convert(
+        str(CV / "fsdp2ds_w3"),
+        str(out),
+        f"zero{stage}",
+        world_size=world,
+        ds_config=str(DS_DATA / ref / "ds_config.json"),
+    )
     opened, tensors, objects = read_all(out)
     assert opened.index.format == "deepspeed" and opened.index.world_size == world
     start = torch.load(CV / "fsdp2ds_w3.truth.pt", weights_only=True)
@@ -139,12 +154,14 @@ def test_dcp_to_zero_reads_back_as_the_source(tmp_path, stage, precision, world)
     assert objects["ds.global_steps"] == 2 and objects["ds.global_samples"] == 2 * cfg["train_batch_size"]
     assert objects["client.extra"] == {"epoch": 3, "note": "hello"}
     assert objects["optim.param_groups.1.weight_decay"] == 0.0
+
     # the same files and the same entries DeepSpeed itself writes for this stage and precision
     def pattern(name: str) -> str:
         return re.sub(r"pp_rank_\d+_", "pp_rank_N_", name)
 
-    assert {pattern(p.name) for p in (out / "global_step2").iterdir()} == \
-        {pattern(p.name) for p in (DS_DATA / ref / "global_step2").iterdir()}
+    assert {pattern(p.name) for p in (out / "global_step2").iterdir()} == {
+        pattern(p.name) for p in (DS_DATA / ref / "global_step2").iterdir()
+    }
     assert len(list((out / "global_step2").glob("*optim_states.pt"))) == world
     firsts = [p for p in (out / "global_step2").iterdir() if "pp_rank_0_" in p.name or p.name.startswith("mp_rank")]
     assert firsts
@@ -183,6 +200,7 @@ def test_accelerate_folder_reads_as_one_checkpoint(tmp_path):
 
 
 # ---- torch <-> DCP, safetensors -> DCP ---------------------------------------------------------
+
 
 def test_dcp_to_torch_and_back(tmp_path):
     convert(str(DATA / "fsdp2_w2"), str(tmp_path / "t"), "torch")
@@ -230,15 +248,21 @@ def test_wrapper_prefixes_and_renames(tmp_path):
 def test_optimizer_names_without_a_parameter_are_listed(tmp_path):
     truth = load_truth("fsdp2_w2")
     model = {k[6:]: v for k, v in truth.items() if k.startswith("model.")}
-    optim = {"state": {"nope.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2),
-                                       "exp_avg_sq": torch.zeros(2)}},
-             "param_groups": [{"lr": 0.1, "params": ["nope.weight", "gate"]}]}
+    optim = {
+        "state": {"nope.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}},
+        "param_groups": [{"lr": 0.1, "params": ["nope.weight", "gate"]}],
+    }
     torch.save({"model": model, "optim": optim}, tmp_path / "c.pt")
     with pytest.raises(UsageError, match=r"nope\.weight.*--rename"):
         convert(str(tmp_path / "c.pt"), str(tmp_path / "o"), "dcp")
     assert not (tmp_path / "o").exists()
-    torch.save({"model": model, "optim": {"state": {0: {"exp_avg": torch.zeros(2)}},
-                                          "param_groups": [{"lr": 0.1, "params": [0]}]}}, tmp_path / "ids.pt")
+    torch.save(
+        {
+            "model": model,
+            "optim": {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        },
+        tmp_path / "ids.pt",
+    )
     with pytest.raises(UnsupportedError, match="get_optimizer_state_dict"):
         convert(str(tmp_path / "ids.pt"), str(tmp_path / "o"), "dcp")
 
@@ -253,11 +277,24 @@ def test_local_state_dict_is_refused_with_advice(tmp_path, where):
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
+
 @needs_ds_fixtures
 def test_cli_convert_and_its_errors(tmp_path):
     runner = CliRunner()
-    ok = runner.invoke(cli, ["convert", str(DS_DATA / "z3_bf16_w4"), str(tmp_path / "d"), "--to", "dcp",
-                             "--world-size", "2", "--from", "deepspeed"])
+    ok = runner.invoke(
+        cli,
+        [
+            "convert",
+            str(DS_DATA / "z3_bf16_w4"),
+            str(tmp_path / "d"),
+            "--to",
+            "dcp",
+            "--world-size",
+            "2",
+            "--from",
+            "deepspeed",
+        ],
+    )
     assert ok.exit_code == 0, ok.output
     assert "converted deepspeed -> dcp for 2 rank(s)" in ok.output and "2 frozen" in ok.output
     cases = [
@@ -313,7 +350,8 @@ def test_dcp_to_zero3_with_small_sub_groups(tmp_path):
     convert(str(CV / "fsdp2ds_w2"), str(tmp_path / "z"), "zero3", world_size=3, ds_config=str(cfg))
     opened = open_checkpoint(str(tmp_path / "z"))
     theirs = open_checkpoint(str(DS_DATA / "z3_fp32_w3_subgroups"))
-    assert [[n for n, _ in g.params] for g in opened.index.native.groups] == \
-        [[n for n, _ in g.params] for g in theirs.index.native.groups]  # same sub-groups at the same size
+    assert [[n for n, _ in g.params] for g in opened.index.native.groups] == [
+        [n for n, _ in g.params] for g in theirs.index.native.groups
+    ]  # same sub-groups at the same size
     assert len(opened.index.native.groups) > 2
     assert diff(str(CV / "fsdp2ds_w2"), str(tmp_path / "z")).equal

@@ -7,6 +7,7 @@ the source's values bit for bit (through its own APIs) and trains a further step
   FSDP2 (tied) @2 -> ZeRO-2 fp32 @3 -> DeepSpeed @3, then -> DCP @2 == the start (ckptkit diff
   exits 0) -> FSDP2 @2
 """
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,27 @@ from convert_truth import dm, ds_truth_from_torch, torch_truth_from_ds
 from ds_helpers import DS_DATA, ds_fixtures, needs_deepspeed
 
 CV = DATA / "convert"
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif("z3_bf16_w4" not in ds_fixtures() or not CV.exists(), reason="fixtures missing")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif("z3_bf16_w4" not in ds_fixtures() or not CV.exists(), reason="fixtures missing"),
+]
 
 
 def _fsdp2_load(tmp_path, ckpt, truth: dict, world: int) -> dict:
     truth_file = tmp_path / f"truth_{world}.pt"
     torch.save(truth, truth_file)
     result = tmp_path / f"result_{world}.json"
-    cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"), "--model", "ds",
-                                 "--ckpt", str(ckpt), "--truth", str(truth_file), "--result", str(result)]
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"),
+        "--model",
+        "ds",
+        "--ckpt",
+        str(ckpt),
+        "--truth",
+        str(truth_file),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(result.read_text())
@@ -49,10 +61,16 @@ def _ds_load(tmp_path, items: list[dict], world: int) -> list[dict]:
     batch = tmp_path / f"batch_{world}.json"
     batch.write_text(json.dumps(items))
     result = tmp_path / f"ds_result_{world}.json"
-    cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "ds_load_check.py"), "--batch", str(batch),
-                                 "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=900)
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "ds_load_check.py"),
+        "--batch",
+        str(batch),
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=900
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(result.read_text())["results"]
 
@@ -73,11 +91,15 @@ def test_deepspeed_loads_fsdp2_converted_to_zero3_bf16(tmp_path):
     cfg, cfg_path = _ds_config("z3_bf16_w2", 2, tmp_path)
     out = tmp_path / "z3"
     convert(str(CV / "fsdp2ds_w3"), str(out), "zero3", world_size=2, ds_config=cfg_path)
-    truth = ds_truth_from_torch(torch.load(CV / "fsdp2ds_w3.truth.pt", weights_only=True), cfg,
-                                {"extra": {"epoch": 3, "note": "hello"}})
+    truth = ds_truth_from_torch(
+        torch.load(CV / "fsdp2ds_w3.truth.pt", weights_only=True), cfg, {"extra": {"epoch": 3, "note": "hello"}}
+    )
     torch.save(truth, tmp_path / "z3_truth.pt")
-    [r] = _ds_load(tmp_path, [{"ckpt": str(out), "fixture": "z3_bf16_w2", "truth": str(tmp_path / "z3_truth.pt"),
-                               "ds_config": cfg_path}], 2)
+    [r] = _ds_load(
+        tmp_path,
+        [{"ckpt": str(out), "fixture": "z3_bf16_w2", "truth": str(tmp_path / "z3_truth.pt"), "ds_config": cfg_path}],
+        2,
+    )
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
     assert r["compared"] >= 50 and r["trained_step"]
 
@@ -89,8 +111,11 @@ def test_fsdp2_to_zero2_to_dcp_round_trip(tmp_path):
     convert(str(CV / "fsdp2ds_w2"), str(zero), "zero2", world_size=3, ds_config=cfg_path)
     start = torch.load(CV / "fsdp2ds_w2.truth.pt", weights_only=True)
     torch.save(ds_truth_from_torch(start, cfg, {"extra": {"epoch": 3, "note": "hello"}}), tmp_path / "z2_truth.pt")
-    [r] = _ds_load(tmp_path, [{"ckpt": str(zero), "fixture": "z2_fp32_w2", "truth": str(tmp_path / "z2_truth.pt"),
-                               "ds_config": cfg_path}], 3)
+    [r] = _ds_load(
+        tmp_path,
+        [{"ckpt": str(zero), "fixture": "z2_fp32_w2", "truth": str(tmp_path / "z2_truth.pt"), "ds_config": cfg_path}],
+        3,
+    )
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
     back = tmp_path / "back"
     convert(str(zero), str(back), "dcp", world_size=2)

@@ -1,5 +1,6 @@
 """SIGKILL at many points of consolidate, reshard and convert never leaves an OUT that looks complete;
 a rerun succeeds (the dead run's lock is recognised as stale) and the source is untouched."""
+
 from __future__ import annotations
 
 import hashlib
@@ -43,9 +44,12 @@ def test_sigkill_never_leaves_a_complete_looking_output(tmp_path, source, op):
     extra = {"reshard": ["--to", "3"], "convert": ["--to", "torch"]}.get(op, [])
 
     def start(out):
-        return subprocess.Popen([sys.executable, "-m", "ckptkit", "--quiet", op, str(source), str(out), *extra,
-                                 "--memory-budget", "16MB"],
-                                env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, "-m", "ckptkit", "--quiet", op, str(source), str(out), *extra, "--memory-budget", "16MB"],
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     t0 = time.perf_counter()
     assert start(tmp_path / "timed").wait() == 0
@@ -68,8 +72,13 @@ def test_sigkill_never_leaves_a_complete_looking_output(tmp_path, source, op):
         leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}.")]
         assert all(".ckptkit-" in n for n in leftovers)  # only hidden temp/lock siblings, never OUT
         # a rerun into the same OUT succeeds: the dead run's lock is stale, its temp folder ignored
-        rerun = subprocess.run([sys.executable, "-m", "ckptkit", "--quiet", op, *args, "--overwrite"],
-                               env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        rerun = subprocess.run(
+            [sys.executable, "-m", "ckptkit", "--quiet", op, *args, "--overwrite"],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert rerun.returncode == 0, rerun.stderr[-2000:]
         _, problems = verify(str(out), deep=True)
         assert not problems

@@ -7,6 +7,7 @@ CRC32s. These tests hold it to what it promises: for a genuine dcp.save folder, 
 single-byte change of a templated item and for damaged storage records, the reader gives exactly
 what the full path gives with no memo at all (the same pieces, locations and integrity checks, or
 the same refusal)."""
+
 from __future__ import annotations
 
 import types
@@ -53,8 +54,10 @@ def _folder(tmp_path, count: int, repack: bool = False) -> tuple[_Patched, list]
     (tmp_path / "repacked").mkdir()
     (tmp_path / "repacked" / DATA_FILE).write_bytes(b"".join(items))
     starts = [sum(len(i) for i in items[:k]) for k in range(len(items))]
-    jobs = [(target, box, types.SimpleNamespace(relative_path=DATA_FILE, offset=at, length=len(item)))
-            for (target, box, _), at, item in zip(jobs, starts, items)]
+    jobs = [
+        (target, box, types.SimpleNamespace(relative_path=DATA_FILE, offset=at, length=len(item)))
+        for (target, box, _), at, item in zip(jobs, starts, items)
+    ]
     return _Patched(str(tmp_path / "repacked")), jobs
 
 
@@ -127,8 +130,9 @@ def test_mixed_kinds_read_the_same_with_and_without_templates(tmp_path, monkeypa
     monkeypatch.setattr(reader._Templates, "item", lambda self, *a: None)
     full = reader.read_index(LocalSource(str(tmp_path)), parallel=1)
     assert fast.checks == full.checks and len(full.checks) > 100
-    assert {k: (t.dtype, t.shape, t.pieces) for k, t in fast.tensors.items()} == \
-        {k: (t.dtype, t.shape, t.pieces) for k, t in full.tensors.items()}
+    assert {k: (t.dtype, t.shape, t.pieces) for k, t in fast.tensors.items()} == {
+        k: (t.dtype, t.shape, t.pieces) for k, t in full.tensors.items()
+    }
     assert fast.objects.keys() == full.objects.keys()
 
 
@@ -150,10 +154,16 @@ def test_every_single_byte_change_of_a_templated_item_gets_the_full_paths_answer
 
 
 CHANGES = {
-    "negative offset": {"offset": -1}, "bool offset": {"offset": True}, "offset past the end": {"offset": 10 ** 9},
-    "short length": {"length": 3}, "float length": {"length": "float"}, "a transform": {"transform_descriptors": ["zstd"]},
-    "transforms not a list": {"transform_descriptors": "zstd"}, "path outside": {"relative_path": "../x"},
-    "bytes path": {"relative_path": b"__0_0.distcp"}, "missing file": {"relative_path": "__1_0.distcp"},
+    "negative offset": {"offset": -1},
+    "bool offset": {"offset": True},
+    "offset past the end": {"offset": 10**9},
+    "short length": {"length": 3},
+    "float length": {"length": "float"},
+    "a transform": {"transform_descriptors": ["zstd"]},
+    "transforms not a list": {"transform_descriptors": "zstd"},
+    "path outside": {"relative_path": "../x"},
+    "bytes path": {"relative_path": b"__0_0.distcp"},
+    "missing file": {"relative_path": "__1_0.distcp"},
     "the folder": {"relative_path": "."},
 }
 

@@ -1,6 +1,7 @@
 """The DCP reader reads torch's own kind of metadata (torch.Size of non-negative ints in chunk
 objects) without a check per field (issue 17), and everything else through the checked path:
 the same boxes and storage keys either way, and the checked path's sentence for what is wrong."""
+
 from __future__ import annotations
 
 import copy
@@ -59,15 +60,26 @@ def _damaged(change):
     return md
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda k, m, md: m.__dict__["chunks"][0].__dict__.__setitem__("offsets", Size([-1] * len(m.__dict__["size"]))),
-     "chunk offsets must be a list of non-negative integers"),
-    (lambda k, m, md: m.__dict__["chunks"][0].__dict__.__setitem__("sizes", Size([1] * (len(m.__dict__["size"]) + 1))),
-     "has a chunk of rank"),
-    (lambda k, m, md: m.__dict__.__setitem__("chunks", 7), "chunks must be a list"),
-    (lambda k, m, md: m.__dict__.__setitem__("size", Size([-2])), "size must be a list of non-negative integers"),
-    (lambda k, m, md: m.__dict__["chunks"].__setitem__(0, "chunk"), "has no field 'offsets'"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            lambda k, m, md: m.__dict__["chunks"][0].__dict__.__setitem__(
+                "offsets", Size([-1] * len(m.__dict__["size"]))
+            ),
+            "chunk offsets must be a list of non-negative integers",
+        ),
+        (
+            lambda k, m, md: m.__dict__["chunks"][0].__dict__.__setitem__(
+                "sizes", Size([1] * (len(m.__dict__["size"]) + 1))
+            ),
+            "has a chunk of rank",
+        ),
+        (lambda k, m, md: m.__dict__.__setitem__("chunks", 7), "chunks must be a list"),
+        (lambda k, m, md: m.__dict__.__setitem__("size", Size([-2])), "size must be a list of non-negative integers"),
+        (lambda k, m, md: m.__dict__["chunks"].__setitem__(0, "chunk"), "has no field 'offsets'"),
+    ],
+)
 def test_what_is_not_torchs_kind_gets_the_checked_paths_sentence(change, words):
     md = _damaged(change)
     with pytest.raises(FormatError, match=words):
@@ -78,6 +90,7 @@ def test_lists_instead_of_sizes_take_the_checked_path_with_the_same_result():
     def as_lists(key, meta, md):
         for chunk in meta.__dict__["chunks"]:
             chunk.__dict__["offsets"] = list(chunk.__dict__["offsets"])
+
     md = _damaged(as_lists)
     key, meta = _first_tensor(md)
     assert reader._plain_boxes(meta) is None

@@ -1,6 +1,7 @@
 """DCP `.metadata` written as opcodes (formats/dcp/metadata_pickle) equals, byte for byte, the
 stand-ins pickled by repickle (FaithfulPickler and its fast path), which equal torch's own
 pickling of its Metadata classes (test_torch_free); it declines where it does not know the bytes."""
+
 from __future__ import annotations
 
 import io
@@ -81,12 +82,14 @@ def test_values_transforms_key_order_and_large_ints():
     index.add_tensor(TensorEntry("nopath", "int64", (3,), []))
     index.add_object(ObjectEntry("optim.param_groups.0.lr", 0.1, path=("optim", "param_groups", 0, "lr")))
     index.add_object(ObjectEntry("extra", {"a": 1}))
-    written = [_Written("model.w", Box((0, 0), (2, 3)), "__0_0.distcp", 0, 100),
-               _Written("optim.param_groups.0.lr", None, "__0_0.distcp", 150, 30, ("zstd", "x")),
-               _Written("model.w", Box((2, 0), (2, 3)), "__1_0.distcp", 1 << 40, 70000),
-               _Written("optim.state.w.step", Box((), ()), "__0_0.distcp", 100, 50),
-               _Written("nopath", Box((0,), (3,)), "__0_0.distcp", 3 << 31, 1 << 31),
-               _Written("extra", None, "__0_0.distcp", 250, 30)]
+    written = [
+        _Written("model.w", Box((0, 0), (2, 3)), "__0_0.distcp", 0, 100),
+        _Written("optim.param_groups.0.lr", None, "__0_0.distcp", 150, 30, ("zstd", "x")),
+        _Written("model.w", Box((2, 0), (2, 3)), "__1_0.distcp", 1 << 40, 70000),
+        _Written("optim.state.w.step", Box((), ()), "__0_0.distcp", 100, 50),
+        _Written("nopath", Box((0,), (3,)), "__0_0.distcp", 3 << 31, 1 << 31),
+        _Written("extra", None, "__0_0.distcp", 250, 30),
+    ]
     _check(index, written)
     _check(index, written, key_order=["extra", "nopath", "optim.param_groups.0.lr", "model.w"])
 
@@ -97,8 +100,10 @@ def test_shared_strings_follow_identity():
     index = CheckpointIndex(format="dcp", root="x")
     index.add_tensor(TensorEntry("offset", "float32", (2,), []))
     index.add_tensor(TensorEntry("".join(["si", "ze"]), "float32", (2,), []))
-    written = [_Written("offset", Box((0,), (2,)), "__0_0.distcp", 0, 10),
-               _Written("size", Box((0,), (2,)), "".join(["__0_0", ".distcp"]), 10, 10)]
+    written = [
+        _Written("offset", Box((0,), (2,)), "__0_0.distcp", 0, 10),
+        _Written("size", Box((0,), (2,)), "".join(["__0_0", ".distcp"]), 10, 10),
+    ]
     _check(index, written)
 
 
@@ -120,5 +125,6 @@ def test_declines_what_it_does_not_know():
 def _save_id(written) -> str:
     import uuid
 
-    return uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
-                                                                 for w in written])).hex
+    return uuid.uuid5(
+        uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length) for w in written])
+    ).hex

@@ -2,6 +2,7 @@
 written from its archive template straight from the tensor's byte ranges, gathered into one
 write per run of items; the files are byte for byte those written item by item through
 write_archive_to, and torch loads them."""
+
 from __future__ import annotations
 
 import pathlib
@@ -18,8 +19,9 @@ def _files(root: pathlib.Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
 
 
-@pytest.mark.parametrize("name,m,fast", [("fsdp2_w2", 3, True), ("fsdp1_sharded_w2", 1, True),
-                                         ("dcp_zstd_w2", 2, False)])  # (compressed: no plain byte ranges)
+@pytest.mark.parametrize(
+    "name,m,fast", [("fsdp2_w2", 3, True), ("fsdp1_sharded_w2", 1, True), ("dcp_zstd_w2", 2, False)]
+)  # (compressed: no plain byte ranges)
 def test_small_items_are_the_item_by_item_bytes(tmp_path, monkeypatch, name, m, fast):
     real = writer._small_item
     used = []
@@ -46,12 +48,18 @@ def test_small_items_load_in_torch(tmp_path):
     out = tmp_path / "out"
     reshard(str(DATA / "fsdp2_w2"), str(out), 3)
     md = dcp.FileSystemReader(str(out)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
     dcp.load(state, checkpoint_id=str(out), no_dist=True)
     source_md = dcp.FileSystemReader(str(DATA / "fsdp2_w2")).read_metadata()
-    truth = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in source_md.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
+    truth = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in source_md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
     dcp.load(truth, checkpoint_id=str(DATA / "fsdp2_w2"), no_dist=True)
     assert state.keys() == truth.keys()
     for k in truth:
@@ -68,7 +76,7 @@ def _flat_start_reference(shape, box):
     first = next((d for d, n in enumerate(box.sizes) if n != 1), len(box.sizes))
     if any(box.sizes[d] != shape[d] for d in range(first + 1, len(shape))):
         return None
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     return sum(o * st for o, st in zip(box.offsets, strides))
 
 

@@ -7,6 +7,7 @@ each other rank's archive is still checked storage by storage. What must hold: t
 one a load of every file gives, fewer unpickles run, and a rank whose pickle is the same but
 whose archive lacks a storage record is refused with the sentence a full load gives.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -48,7 +49,9 @@ def test_alike_ranks_give_the_index_a_full_load_gives(monkeypatch):
     assert pickles[1] == pickles[2] != pickles[0]  # what the test relies on (DeepSpeed's own files)
     loads = []
     real = torch_archive.fenced_torch_save_loads
-    monkeypatch.setattr(torch_archive, "fenced_torch_save_loads", lambda data, *a: (loads.append(data), real(data, *a))[1])
+    monkeypatch.setattr(
+        torch_archive, "fenced_torch_save_loads", lambda data, *a: (loads.append(data), real(data, *a))[1]
+    )
     remembered = to_json(open_checkpoint(str(DS_DATA / NAME)).index)
     assert sum(data in pickles for data in loads) == 2  # rank 0's and rank 1's; rank 2 served by rank 1's
     loads.clear()

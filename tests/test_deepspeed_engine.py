@@ -6,6 +6,7 @@ masters, Adam moments, steps, frozen params, buffers, low-precision weights, lr,
 client state it then holds equal the original run's bit for bit (through DeepSpeed's own
 safe_get_full_* APIs), and it trains a further step.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,11 @@ PLAN = {
     4: ["z3_fp16_w2", "z1_bf16_w2"],
 }
 
-pytestmark = [pytest.mark.slow, needs_deepspeed,
-              pytest.mark.skipif(not FIXTURES, reason="no DeepSpeed fixtures (run fixtures/generate_deepspeed.py)")]
+pytestmark = [
+    pytest.mark.slow,
+    needs_deepspeed,
+    pytest.mark.skipif(not FIXTURES, reason="no DeepSpeed fixtures (run fixtures/generate_deepspeed.py)"),
+]
 
 
 @pytest.mark.parametrize("world", sorted(PLAN))
@@ -38,8 +42,13 @@ def test_deepspeed_loads_resharded_checkpoints(tmp_path, world):
         batch.append({"ckpt": str(out), "fixture": name, "truth": str(DS_DATA / f"{name}.truth.pt")})
     (tmp_path / "batch.json").write_text(json.dumps(batch))
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "ds_load_check.py"),
-                                 "--batch", str(tmp_path / "batch.json"), "--result", str(result)]
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "ds_load_check.py"),
+        "--batch",
+        str(tmp_path / "batch.json"),
+        "--result",
+        str(result),
+    ]
     env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,5 @@
 """Hostile DeepSpeed files: a pickle that would run code is refused, nothing executes."""
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,13 @@ def test_code_in_deepspeed_files_is_refused(tmp_path, name, which):
     original["ds_version"] = Evil(str(marker))
     torch.save(original, victim)
     runner = CliRunner()
-    for args in (["inspect", str(ckpt)], ["verify", "--deep", str(ckpt)],
-                 ["consolidate", str(ckpt), str(tmp_path / "st")], ["reshard", str(ckpt), str(tmp_path / "r"), "--to", "3"],
-                 ["convert", str(ckpt), str(tmp_path / "c"), "--to", "dcp"]):
+    for args in (
+        ["inspect", str(ckpt)],
+        ["verify", "--deep", str(ckpt)],
+        ["consolidate", str(ckpt), str(tmp_path / "st")],
+        ["reshard", str(ckpt), str(tmp_path / "r"), "--to", "3"],
+        ["convert", str(ckpt), str(tmp_path / "c"), "--to", "dcp"],
+    ):
         res = runner.invoke(cli, args)
         assert res.exit_code != 0, args
         assert victim.name in res.output and ("posix.system" in res.output or "os.system" in res.output), res.output

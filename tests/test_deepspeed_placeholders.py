@@ -1,6 +1,7 @@
 """ZeRO-3 placeholders (the empty tensors `module` holds for partitioned parameters) are skipped
 without being located (issue 17), yet one whose view tensor_location would refuse is still
 refused with tensor_location's sentence."""
+
 from __future__ import annotations
 
 import shutil
@@ -30,8 +31,10 @@ def test_placeholders_are_not_located(tmp_path, monkeypatch):
     ckpt, _, state, name = _victim(tmp_path)
     located = []
     real = torch_archive.tensor_location
-    monkeypatch.setattr("ckptkit.formats.deepspeed.entries.tensor_location",
-                        lambda a, ref, what, *rest: (located.append(what), real(a, ref, what, *rest))[1])
+    monkeypatch.setattr(
+        "ckptkit.formats.deepspeed.entries.tensor_location",
+        lambda a, ref, what, *rest: (located.append(what), real(a, ref, what, *rest))[1],
+    )
     index = open_checkpoint(str(ckpt)).index
     assert f"module[{name}]" not in located and f"model.{name}" in index.tensors
     assert not any(k.startswith("ds_module.") for k in index.tensors)

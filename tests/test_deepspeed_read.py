@@ -3,6 +3,7 @@
 Truth was taken at save time through DeepSpeed's own APIs (safe_get_full_fp32_param,
 safe_get_full_optimizer_state, GatheredParameters) by fixtures/generate_deepspeed.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,8 +84,13 @@ def test_consolidate_equals_zero_to_fp32(tmp_path):
     """Bit for bit what DeepSpeed's zero_to_fp32 returns, on every key it returns."""
     paths = {n: str(DS_DATA / n) for n in FIXTURES}
     env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", ZERO_TO_FP32, json.dumps(paths), str(tmp_path / "z.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", ZERO_TO_FP32, json.dumps(paths), str(tmp_path / "z.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs_all = torch.load(tmp_path / "z.pt", weights_only=True)
     for name in FIXTURES:
@@ -103,12 +109,14 @@ def test_consolidate_equals_zero_to_fp32(tmp_path):
 
 def test_reading_needs_no_deepspeed(tmp_path):
     """Reader, consolidate and reshard run with deepspeed made unimportable: no pickled code runs."""
-    code = ("import sys; sys.modules['deepspeed'] = None\n"
-            "from ckptkit.ops.consolidate import consolidate\n"
-            "from ckptkit.ops.reshard import reshard\n"
-            f"consolidate({str(DS_DATA / FIXTURES[0])!r}, {str(tmp_path / 'o')!r})\n"
-            f"reshard({str(DS_DATA / FIXTURES[-1])!r}, {str(tmp_path / 'r')!r}, 2)\n"
-            "assert 'deepspeed' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n")
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "from ckptkit.ops.consolidate import consolidate\n"
+        "from ckptkit.ops.reshard import reshard\n"
+        f"consolidate({str(DS_DATA / FIXTURES[0])!r}, {str(tmp_path / 'o')!r})\n"
+        f"reshard({str(DS_DATA / FIXTURES[-1])!r}, {str(tmp_path / 'r')!r}, 2)\n"
+        "assert 'deepspeed' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -121,15 +129,18 @@ def _copy(name, tmp_path):
     return dst
 
 
-@pytest.mark.parametrize("case,message", [
-    # a model-parallel rank's model file without its optim files (tensor parallelism is read:
-    # tests/test_ds_tp*.py)
-    ("mp_rank_01", r"no \*_optim_states.pt files of model-parallel rank 1"),
-    ("expert", "mixture-of-experts"),
-    ("offloaded", "NVMe-offloaded"),
-    ("missing_rank", r"optim-states files for rank\(s\) \[0\] are missing"),
-    ("bad_latest", "tag folder is missing"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        # a model-parallel rank's model file without its optim files (tensor parallelism is read:
+        # tests/test_ds_tp*.py)
+        ("mp_rank_01", r"no \*_optim_states.pt files of model-parallel rank 1"),
+        ("expert", "mixture-of-experts"),
+        ("offloaded", "NVMe-offloaded"),
+        ("missing_rank", r"optim-states files for rank\(s\) \[0\] are missing"),
+        ("bad_latest", "tag folder is missing"),
+    ],
+)
 def test_unsupported_and_broken_layouts_are_named(tmp_path, case, message):
     from ckptkit.errors import CkptkitError
     from ckptkit.formats.registry import open_checkpoint
@@ -157,8 +168,10 @@ def test_tag_option_and_tag_folder(tmp_path):
 
     name = FIXTURES[0]
     runner = CliRunner()
-    for args in (["inspect", str(DS_DATA / name / "global_step2")],
-                 ["inspect", "--tag", "global_step2", str(DS_DATA / name)]):
+    for args in (
+        ["inspect", str(DS_DATA / name / "global_step2")],
+        ["inspect", "--tag", "global_step2", str(DS_DATA / name)],
+    ):
         res = runner.invoke(cli, args)
         assert res.exit_code == 0, res.output
         assert "format      deepspeed" in res.output and "step        2" in res.output
@@ -203,8 +216,11 @@ def test_flat_pieces_refuse_a_parameter_whose_ranks_disagree_on_its_dtype():
     add(flats, ["a"], 0, "exp_avg", "float32")
     add(flats, ["x", "y"], 0, "exp_avg", "float16")  # other parameters: no disagreement
     add(flats, ["a"], 1, "exp_avg", "float32")
-    with pytest.raises(FormatError, match=r"^rank1\.pt: optim\.state\.y\.exp_avg is 'float32' here, "
-                                          r"'float16' on another rank$"):
+    with pytest.raises(
+        FormatError,
+        match=r"^rank1\.pt: optim\.state\.y\.exp_avg is 'float32' here, "
+        r"'float16' on another rank$",
+    ):
         add(flats, ["a", "y", "x"], 1, "exp_avg", "float32")
 
     flats = _FlatPieces()

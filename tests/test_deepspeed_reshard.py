@@ -1,6 +1,7 @@
 """ZeRO reshard: every fixture rewritten for other world sizes reads back equal to DeepSpeed's
 truth, carries DeepSpeed's bookkeeping for the new size, and DeepSpeed's own zero_to_fp32 reads
 it. Real DeepSpeed engines loading the output are in test_deepspeed_engine.py."""
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,8 @@ def test_resharded_reads_back_equal_to_truth(outputs, name, m):
     tag = outputs[(name, m)] / "global_step2"
     prefix = "bf16_" if info["dtype"] == "bf16" else ""
     assert sorted(p.name for p in tag.glob("*optim_states.pt")) == sorted(
-        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(m))
+        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(m)
+    )
     assert (outputs[(name, m)] / "latest").read_text() == "global_step2"
 
 
@@ -87,8 +89,13 @@ torch.save(out, sys.argv[2])
 def test_zero_to_fp32_reads_resharded_output(outputs, tmp_path):
     chosen = {f"{n}->{m}": str(outputs[(n, m)]) for n, m in CASES if m in (3, 4)}
     env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", ZERO_TO_FP32, json.dumps(chosen), str(tmp_path / "z.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", ZERO_TO_FP32, json.dumps(chosen), str(tmp_path / "z.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = torch.load(tmp_path / "z.pt", weights_only=True)
     for case, sd in results.items():

@@ -1,6 +1,7 @@
 """The DeepSpeed reader's and writer's shared pieces: the one "same value" rule for optimizer
 values kept whole, the per-rank placement of both stage families, and masters of a dtype other
 than fp32 read as what they are (or refused when they are not floating point)."""
+
 from __future__ import annotations
 
 import math
@@ -47,10 +48,18 @@ SAME_VALUE_TABLE = [
     ([1, 2], (1, 2), False, "list and tuple"),
     ({"a": 1, "b": NAN}, {"a": 1, "b": NAN}, True, "dicts, NaN inside"),
     ({"a": 1, "b": 2}, {"b": 2, "a": 1}, False, "dicts in another key order"),
-    (stand_in(SCALER, cur_scale=1.0, dynamic=False), stand_in(SCALER, cur_scale=1.0, dynamic=False), True,
-     "stand-ins holding the same state"),
-    (stand_in(SCALER, cur_scale=1.0, dynamic=False), stand_in(SCALER, cur_scale=2.0, dynamic=False), False,
-     "stand-ins holding different state"),
+    (
+        stand_in(SCALER, cur_scale=1.0, dynamic=False),
+        stand_in(SCALER, cur_scale=1.0, dynamic=False),
+        True,
+        "stand-ins holding the same state",
+    ),
+    (
+        stand_in(SCALER, cur_scale=1.0, dynamic=False),
+        stand_in(SCALER, cur_scale=2.0, dynamic=False),
+        False,
+        "stand-ins holding different state",
+    ),
     (_small(7.0), _small(7.0), True, "SmallTensors with the same bytes"),
     (_small(7.0), _small(8.0), False, "SmallTensors with different bytes"),
     (torch.tensor(5.0), torch.tensor(5.0), True, "0-d torch tensors"),
@@ -58,8 +67,12 @@ SAME_VALUE_TABLE = [
     (torch.tensor([1.0, 2.0]), torch.tensor([[1.0, 2.0]]), False, "torch tensors of different shapes"),
     (torch.tensor([NAN, 1.0]), torch.tensor([NAN, 1.0]), True, "torch tensors with NaN: the same bytes"),
     (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), False, "torch tensors with different values"),
-    (torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([1.0, 2.0], dtype=torch.bfloat16), True,
-     "bf16 tensors (no numpy dtype)"),
+    (
+        torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+        torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+        True,
+        "bf16 tensors (no numpy dtype)",
+    ),
     (torch.tensor([0.0]), torch.tensor([-0.0]), False, "0.0 and -0.0 differ in their bytes"),
     (_Uncomparable(), _Uncomparable(), False, "values that cannot be compared are different"),
 ]
@@ -140,6 +153,9 @@ def test_masters_that_are_not_floating_point_are_refused(tmp_path, monkeypatch):
     name = "z2_fp32_w2" if "z2_fp32_w2" in FIXTURES else FIXTURES[0]
     monkeypatch.setattr(group_plan, "master_dtype", lambda index, names: "int32")
     reshard(str(DS_DATA / name), str(tmp_path / "out"), 2)
-    with pytest.raises(FormatError, match=r"optim_states\.pt: fp32 partition of (sub-)?group 0 is 'int32', "
-                                          r"expected a floating-point tensor \(the optimizer's master weights\)"):
+    with pytest.raises(
+        FormatError,
+        match=r"optim_states\.pt: fp32 partition of (sub-)?group 0 is 'int32', "
+        r"expected a floating-point tensor \(the optimizer's master weights\)",
+    ):
         open_checkpoint(str(tmp_path / "out"))

@@ -8,6 +8,7 @@ per-parameter entries, which it counts; consolidate says the same "not written" 
 full index; tensor-parallel, expert and pipeline checkpoints are indexed whole regardless; and
 damage in the optimizer state is still refused in the same one sentence.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,10 +20,20 @@ from ckptkit.formats.registry import open_checkpoint
 from ckptkit.ops.consolidate import consolidate
 from conftest import DATA
 
-PLAIN = [p for base in ("deepspeed", "deepspeed_optimizers") if (DATA / base).exists()
-         for p in sorted((DATA / base).iterdir()) if p.is_dir()]
-OTHER = [p for base in ("ds_tp", "ds_moe", "ds_pp", "ds_pp_moe") if (DATA / base).exists()
-         for p in sorted((DATA / base).iterdir()) if p.is_dir()][::3]  # a few of each kind
+PLAIN = [
+    p
+    for base in ("deepspeed", "deepspeed_optimizers")
+    if (DATA / base).exists()
+    for p in sorted((DATA / base).iterdir())
+    if p.is_dir()
+]
+OTHER = [
+    p
+    for base in ("ds_tp", "ds_moe", "ds_pp", "ds_pp_moe")
+    if (DATA / base).exists()
+    for p in sorted((DATA / base).iterdir())
+    if p.is_dir()
+][::3]  # a few of each kind
 pytestmark = pytest.mark.skipif(not PLAIN, reason="no DeepSpeed fixtures (run fixtures/generate_deepspeed.py)")
 
 
@@ -33,8 +44,12 @@ def _per_param_optimizer(key: str) -> bool:
 def _same_objects(a: dict, b: dict) -> None:
     assert list(a) == list(b)
     for key, o in a.items():
-        assert (o.path, repr(o.data), o.location, o.attrs) == (b[key].path, repr(b[key].data), b[key].location,
-                                                               b[key].attrs), key
+        assert (o.path, repr(o.data), o.location, o.attrs) == (
+            b[key].path,
+            repr(b[key].data),
+            b[key].location,
+            b[key].attrs,
+        ), key
 
 
 @pytest.mark.parametrize("path", PLAIN, ids=lambda p: p.name)
@@ -49,8 +64,12 @@ def test_index_without_optimizer_is_the_full_one_less_what_it_counts(path):
     _same_objects(lean.objects, {k: o for k, o in full.objects.items() if not _per_param_optimizer(k)})
     assert lean.metadata.pop(UNINDEXED_OPTIMIZER) == {"tensors": len(left_tensors), "values": len(left_values)}
     assert lean.metadata == full.metadata and UNINDEXED_OPTIMIZER not in full.metadata
-    assert (lean.files, lean.checks, lean.step, lean.world_size) == (full.files, full.checks, full.step,
-                                                                     full.world_size)
+    assert (lean.files, lean.checks, lean.step, lean.world_size) == (
+        full.files,
+        full.checks,
+        full.step,
+        full.world_size,
+    )
 
 
 @pytest.mark.parametrize("path", OTHER, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -66,8 +85,10 @@ def test_tp_expert_and_pipeline_checkpoints_are_indexed_whole_regardless(path):
 def test_consolidate_says_what_the_full_index_holds_and_is_not_written(tmp_path, path):
     split = split_roles(open_checkpoint(str(path)).index)
     result = consolidate(str(path), str(tmp_path / "out"))
-    assert (f"not written: {len(split.optim)} optimizer tensors and {len(split.optim_objects)} optimizer values "
-            f"(add --include-optimizer)") in result.not_written
+    assert (
+        f"not written: {len(split.optim)} optimizer tensors and {len(split.optim_objects)} optimizer values "
+        f"(add --include-optimizer)"
+    ) in result.not_written
     assert result.optimizer_tensors == 0 and result.model_tensors == len(split.model)
 
 

@@ -1,4 +1,5 @@
 """ckptkit diff: any two checkpoints, any formats, after key normalisation."""
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ def test_differences_are_measured_and_tolerance_applies():
 
 def test_missing_dtype_and_shape_are_reported(tmp_path):
     truth = load_truth("fsdp2_w2")
-    model = {k[len("model."):]: v for k, v in truth.items() if k.startswith("model.")}
+    model = {k[len("model.") :]: v for k, v in truth.items() if k.startswith("model.")}
     changed = dict(model)
     del changed["gate"]
     changed["extra"] = torch.zeros(2)

@@ -16,6 +16,7 @@ with lines starting with `$ ckptkit `. Each such command runs as
 
 All blocks run in parallel, once per session, so the whole file stays fast.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,9 @@ def doc_files() -> list[Path]:
 
 @dataclass
 class Command:
-    line: str                      # the text after "$ "
+    line: str  # the text after "$ "
     expected: list[str] = field(default_factory=list)
-    runs: bool = True              # a `ckptkit` command (others are shown, not run)
+    runs: bool = True  # a `ckptkit` command (others are shown, not run)
 
 
 @dataclass
@@ -144,14 +145,16 @@ def test_example_runs(block: Block, block_results):
     for n, (cmd, res) in enumerate(zip(commands, results)):
         want = block.exit_code if n == len(commands) - 1 else 0
         assert res.returncode == want, (
-            f"{block.id}: `{cmd.line}` exited {res.returncode}, docs expect {want}\n{res.output}")
+            f"{block.id}: `{cmd.line}` exited {res.returncode}, docs expect {want}\n{res.output}"
+        )
         got = _norm(res.output)
         for line in cmd.expected:
             shown = _norm(line.replace(DOCS_TMP, str(tmp)))
             if not shown or shown.startswith("..."):
                 continue
-            assert shown in got, (f"{block.id}: `{cmd.line}` did not print the line the docs show:\n"
-                                  f"  {line}\nit printed:\n{res.output}")
+            assert shown in got, (
+                f"{block.id}: `{cmd.line}` did not print the line the docs show:\n  {line}\nit printed:\n{res.output}"
+            )
 
 
 # ---- docs/cli.md names only options that exist ------------------------------------------------
@@ -184,8 +187,14 @@ def cli_sections() -> dict[str, str]:
 
 
 def help_options(*args: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-m", "ckptkit", *args, "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptkit", *args, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr
     options_part = out.stdout.split("Options:", 1)[1].split("Commands:", 1)[0]
     return set(OPTION.findall(options_part))
@@ -231,7 +240,7 @@ def test_example_options_exist(block: Block, helps):
         for a in args[:pos]:
             if a.startswith("--"):
                 assert a in helps[""], f"{block.id}: global option {a} does not exist"
-        for a in args[pos + 1:]:
+        for a in args[pos + 1 :]:
             if a.startswith("--"):
                 assert a.split("=")[0] in helps.get(name, set()), f"{block.id}: `ckptkit {name}` has no option {a}"
 
@@ -253,8 +262,14 @@ EXAMPLE_EXIT = {"diff": (0, 1)}  # diff's 1 means "not equal", which an example 
 
 
 def help_text(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "ckptkit", *args, "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80"))
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptkit", *args, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80"),
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -293,8 +308,15 @@ def test_help_examples_run(cmd, help_texts, tmp_path):
         os.symlink(ROOT / target, tmp_path / name)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for line in examples:
-        proc = subprocess.run([sys.executable, "-m", "ckptkit", *shlex.split(line)[1:]], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptkit", *shlex.split(line)[1:]],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode in EXAMPLE_EXIT.get(cmd, (0,)), (
-            f"`{line}` (from `ckptkit {cmd} --help`) exited {proc.returncode}\n{proc.stdout}{proc.stderr}")
+            f"`{line}` (from `ckptkit {cmd} --help`) exited {proc.returncode}\n{proc.stdout}{proc.stderr}"
+        )
         assert "error" not in proc.stderr.lower(), f"`{line}`: {proc.stderr}"

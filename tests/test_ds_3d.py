@@ -6,6 +6,7 @@ column/row-parallel (fixtures/ds_tp_models.py), ZeRO 1, AdamW, 2 steps. The trut
 every rank through DeepSpeed's API (safe_get_full_fp32_param, safe_get_full_optimizer_state, the
 stage module's weights) and joined along the split dims the layers define.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +25,12 @@ from helpers_corrupt import run_cli
 D3 = DATA / "ds_3d"
 FIXTURES = sorted(p.name for p in D3.iterdir() if p.is_dir()) if D3.exists() else []
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no 3-D fixtures (run fixtures/generate_ds_3d.py)")
-INDEX_KEY = {"fp32": "model.{}", "exp_avg": "optim.state.{}.exp_avg", "exp_avg_sq": "optim.state.{}.exp_avg_sq",
-             "module": "ds_module.{}"}
+INDEX_KEY = {
+    "fp32": "model.{}",
+    "exp_avg": "optim.state.{}.exp_avg",
+    "exp_avg_sq": "optim.state.{}.exp_avg_sq",
+    "module": "ds_module.{}",
+}
 
 
 def _truth(name: str) -> dict:
@@ -62,8 +67,9 @@ def test_index_equals_deepspeed_truth(name):
                 assert ("fused" in par["tp"]) == (expected[0] == "fused"), (key, par)
     n_params = sum(1 for k in truth if k.startswith("split."))
     assert n_params == 28 and compared == 4 * n_params
-    assert {k[len("model."):] for k in index.tensors if k.startswith("model.")} == \
-        {k.partition(".")[2] for k in truth if k.startswith("split.")}
+    assert {k[len("model.") :] for k in index.tensors if k.startswith("model.")} == {
+        k.partition(".")[2] for k in truth if k.startswith("split.")
+    }
     assert objects["ds.global_steps"] == truth["global_steps"] == index.step == 2
     # the exact files DeepSpeed wrote (recorded by the generator) are what the index read
     assert sorted(index.files) == sorted(f for f in truth["files"] if f.startswith("global_step2/"))
@@ -88,8 +94,9 @@ def test_inspect_verify_diff_and_plan_read_it(tmp_path):
     a = D3 / "pp2_tp2_dp2_z1_fp32"
     res = run_cli("inspect", a)
     assert res.code == 0 and "tp 2 x pp 2 x dp 2" in res.output, res.output
-    assert re.search(r"model\.1\.attention\.query_key_value\.weight .* tp fused\(3\) dim 0/2, pp stage 0/2",
-                     res.output), res.output
+    assert re.search(
+        r"model\.1\.attention\.query_key_value\.weight .* tp fused\(3\) dim 0/2, pp stage 0/2", res.output
+    ), res.output
     res = run_cli("inspect", "--json", a)
     assert res.code == 0, res.output
     res = run_cli("verify", "--deep", a)
@@ -112,8 +119,9 @@ def test_verify_deep_names_a_tp_replica_that_differs(tmp_path):
     state["final_layernorm.weight"][2] += 1
     torch.save(state, path)
     res = run_cli("verify", "--deep", d)
-    assert res.code == 1 and "ds_module.3.final_layernorm.weight: tensor-parallel rank 1's copy" in res.output, \
+    assert res.code == 1 and "ds_module.3.final_layernorm.weight: tensor-parallel rank 1's copy" in res.output, (
         res.output
+    )
 
 
 def _same(a, b, where: str) -> None:
@@ -140,23 +148,41 @@ def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
     """tp, pp and dp unchanged: every file equals what DeepSpeed saved, object for object (layer
     files re-sliced from the joined tensors, param_shapes, flat partitions, world sizes)."""
     info = _info(name)
-    res = run_cli("reshard", D3 / name, tmp_path / "out", "--to", f"tp={info['tp']},pp={info['pp']},dp={info['dp']}",
-                  "--partition-method", "uniform")
+    res = run_cli(
+        "reshard",
+        D3 / name,
+        tmp_path / "out",
+        "--to",
+        f"tp={info['tp']},pp={info['pp']},dp={info['dp']}",
+        "--partition-method",
+        "uniform",
+    )
     assert res.code == 0, res.output
     src = D3 / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--to", "3"), "--to 3: the source's tp x pp = 2 x 2 does not divide 3 ranks; give the new sizes, "
-                    "e.g. --to tp=1,pp=1,dp=3"),  # an example of 3 ranks
-    (("--to", "6"), "e.g. --to tp=2,pp=1,dp=3"),
-    (("--to", "tp=3,pp=2,dp=1", "--partition-method", "uniform"), "--to tp=3: "),
-    (("--to", "tp=2,pp=2,dp=1"), "do not split into its 2 stages with --partition-method parameters"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ("--to", "3"),
+            "--to 3: the source's tp x pp = 2 x 2 does not divide 3 ranks; give the new sizes, "
+            "e.g. --to tp=1,pp=1,dp=3",
+        ),  # an example of 3 ranks
+        (("--to", "6"), "e.g. --to tp=2,pp=1,dp=3"),
+        (("--to", "tp=3,pp=2,dp=1", "--partition-method", "uniform"), "--to tp=3: "),
+        (("--to", "tp=2,pp=2,dp=1"), "do not split into its 2 stages with --partition-method parameters"),
+    ],
+)
 def test_reshard_refusals_are_one_sentence(tmp_path, args, message):
     res = run_cli("reshard", D3 / "pp2_tp2_dp1_z1_fp32", tmp_path / "out", *args)
     assert res.code == 2 and message in res.output and "Traceback" not in res.output, res.output
@@ -169,8 +195,12 @@ def test_a_missing_tp_layer_file_is_named(tmp_path):
     shutil.copytree(D3 / "pp2_tp2_dp1_z1_fp32", d)
     (d / "global_step2" / "layer_04-model_01-model_states.pt").unlink()
     res = run_cli("consolidate", d, tmp_path / "out")
-    assert res.code == 2 and "layer_04-model_01-model_states.pt: file is missing (tensor-parallel rank 0 has " \
-        "layer 4's file" in res.output and "Traceback" not in res.output, res.output
+    assert (
+        res.code == 2
+        and "layer_04-model_01-model_states.pt: file is missing (tensor-parallel rank 0 has layer 4's file"
+        in res.output
+        and "Traceback" not in res.output
+    ), res.output
 
 
 @pytest.mark.parametrize("world", ["2", "mesh=dp_shard:2,tp:2"])
@@ -199,16 +229,25 @@ def test_tp_rules_file_decides_before_the_built_in_rules(tmp_path):
     rules.write_text(json.dumps({"rules": [{"pattern": "*output_layer.weight", "split": 1}]}))
     src = D3 / "pp2_tp2_dp1_z1_fp32"
     res = run_cli("inspect", "--tp-rules", rules, src)
-    assert res.code == 0 and re.search(r"model\.4\.output_layer\.weight +float32 +\[8, 16\] .* tp dim 1/2", res.output), \
-        res.output
+    assert res.code == 0 and re.search(
+        r"model\.4\.output_layer\.weight +float32 +\[8, 16\] .* tp dim 1/2", res.output
+    ), res.output
     res = run_cli("inspect", src)
-    assert res.code == 0 and re.search(r"model\.4\.output_layer\.weight +float32 +\[16, 8\] .* tp dim 0/2", res.output), \
-        res.output
+    assert res.code == 0 and re.search(
+        r"model\.4\.output_layer\.weight +float32 +\[16, 8\] .* tp dim 0/2", res.output
+    ), res.output
     assert tuple(_truth("pp2_tp2_dp1_z1_fp32")["fp32.4.output_layer.weight"].shape) == (16, 8)
 
 
-RESHARD_TARGETS = ["tp=2,pp=2,dp=1", "tp=2,pp=2,dp=2", "tp=1,pp=2,dp=2", "tp=4,pp=1,dp=2", "tp=1,pp=1,dp=1",
-                   "tp=2,pp=1,dp=3", "tp=2,pp=3,dp=1"]
+RESHARD_TARGETS = [
+    "tp=2,pp=2,dp=1",
+    "tp=2,pp=2,dp=2",
+    "tp=1,pp=2,dp=2",
+    "tp=4,pp=1,dp=2",
+    "tp=1,pp=1,dp=1",
+    "tp=2,pp=1,dp=3",
+    "tp=2,pp=3,dp=1",
+]
 
 
 @pytest.mark.parametrize("to", RESHARD_TARGETS)
@@ -224,10 +263,11 @@ def test_reshard_reads_back_as_the_truth(tmp_path, name, to):
     tag = tmp_path / "out" / "global_step2"
     names = sorted(p.name for p in tag.iterdir())
     prefix = "bf16_" if name.endswith("bf16") else ""
-    expect = sorted([f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(5) for t in range(tp)]
-                    + [f"mp_rank_{m:02d}_model_states.pt" for m in range(pp * tp)]
-                    + [f"{prefix}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(dp)
-                       for m in range(pp * tp)])
+    expect = sorted(
+        [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(5) for t in range(tp)]
+        + [f"mp_rank_{m:02d}_model_states.pt" for m in range(pp * tp)]
+        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(dp) for m in range(pp * tp)]
+    )
     assert names == expect
     back, tensors, objects = read_all(tmp_path / "out")
     assert back.index.metadata["parallel"] == ({"pp": pp, "tp": tp, "dp": dp} if tp > 1 else {"pp": pp, "dp": dp})
@@ -246,8 +286,17 @@ def test_reshard_with_a_type_partition_method(tmp_path):
     fixtures/generate_ds_3d.py builds them): "layertp|norm" gives the source's [0, 3, 5] at pp 2 and
     [0, 2, 3, 5] at pp 3 (DeepSpeed's partition_balanced over [0, 1, 1, 1, 0]); read back equal."""
     name = "pp2_tp2_dp1_z1_fp32"
-    res = run_cli("reshard", D3 / name, tmp_path / "out", "--to", "tp=2,pp=3,dp=1", "--partition-method",
-                  "type:layertp|norm", "--layer-types", "EmbedTP,LayerTP*2,FinalNorm,HeadTP")
+    res = run_cli(
+        "reshard",
+        D3 / name,
+        tmp_path / "out",
+        "--to",
+        "tp=2,pp=3,dp=1",
+        "--partition-method",
+        "type:layertp|norm",
+        "--layer-types",
+        "EmbedTP,LayerTP*2,FinalNorm,HeadTP",
+    )
     assert res.code == 0, res.output
     back, tensors, _ = read_all(tmp_path / "out")
     assert back.index.metadata["deepspeed"]["pipeline"]["layers"] == {"0": 0, "1": 0, "2": 1, "3": 2, "4": 2}
@@ -272,10 +321,22 @@ def test_deepspeed_loads_the_3d_reshard_and_trains(tmp_path):
     res = run_cli("reshard", D3 / name, tmp_path / "out", "--to", to, "--partition-method", "uniform")
     assert res.code == 0, res.output
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "ds_3d_load_check.py"), "--ckpt", str(tmp_path / "out"),
-                             "--fixture", name, "--tp", str(tp), "--pp", str(pp), "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "ds_3d_load_check.py"),
+        "--ckpt",
+        str(tmp_path / "out"),
+        "--fixture",
+        name,
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = json.loads(result.read_text())["ranks"]
     assert not [p.get("error") for p in ranks if p.get("error")], ranks

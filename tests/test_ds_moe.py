@@ -2,6 +2,7 @@
 read, consolidated and converted bit for bit against the truth DeepSpeed's own API gave at save time
 (safe_get_full_fp32_param / safe_get_full_optimizer_state on every rank, local experts renamed to
 their global ids): fixtures/generate_ds_moe.py."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ def _info(name):
 
 
 def _params(truth) -> list[str]:
-    return [k[len("fp32."):] for k in truth if k.startswith("fp32.")]
+    return [k[len("fp32.") :] for k in truth if k.startswith("fp32.")]
 
 
 def test_fixtures_cover_both_expert_dp_sizes():
@@ -148,8 +149,12 @@ def _one_sentence_exit_2(res, *needles):
 def test_missing_expert_file(tmp_path):
     src, tag = _copy(tmp_path)
     (tag / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()
-    _one_sentence_exit_2(_cli("consolidate", src, tmp_path / "o"), "layer_0_expert_3_mp_rank_00_model_states.pt",
-                         "expert file is missing", "4 experts")
+    _one_sentence_exit_2(
+        _cli("consolidate", src, tmp_path / "o"),
+        "layer_0_expert_3_mp_rank_00_model_states.pt",
+        "expert file is missing",
+        "4 experts",
+    )
 
 
 def test_expert_file_with_the_wrong_shape(tmp_path):
@@ -158,12 +163,15 @@ def test_expert_file_with_the_wrong_shape(tmp_path):
     state = torch.load(path, weights_only=True)
     state[f"{EXPERT}1.fc1.weight"] = torch.zeros(12, 7)
     torch.save(state, path)
-    _one_sentence_exit_2(_cli("consolidate", src, tmp_path / "o"), "layer_0_expert_1", f"{EXPERT}1.fc1.weight",
-                         "[12, 7]", "[12, 8]")
+    _one_sentence_exit_2(
+        _cli("consolidate", src, tmp_path / "o"), "layer_0_expert_1", f"{EXPERT}1.fc1.weight", "[12, 7]", "[12, 8]"
+    )
 
 
-@pytest.mark.parametrize("rank,needle", [(1, "optim-states files for rank(s) [1] are missing"),
-                                         (3, "zero_pp_rank_3_mp_rank_00_optim_states.pt")])
+@pytest.mark.parametrize(
+    "rank,needle",
+    [(1, "optim-states files for rank(s) [1] are missing"), (3, "zero_pp_rank_3_mp_rank_00_optim_states.pt")],
+)
 def test_missing_rank_optim_file(tmp_path, rank, needle):
     src, tag = _copy(tmp_path)
     (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
@@ -210,9 +218,21 @@ def test_consolidated_experts_load_strictly_into_the_model_with_all_experts(tmp_
 
     consolidate(str(MOE_DATA / name), str(tmp_path / "out"))
     env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", LOAD_STRICT, str(tmp_path / "out" / "model.safetensors"),
-                           str(_info(name)["k"]), str(_info(name).get("second_moe_experts") or 0)], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=str(DATA.parent.parent))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LOAD_STRICT,
+            str(tmp_path / "out" / "model.safetensors"),
+            str(_info(name)["k"]),
+            str(_info(name).get("second_moe_experts") or 0),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(DATA.parent.parent),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     count = len(_params(_truth(name)))
     assert f"loaded {count} of {count}" in proc.stdout, proc.stdout

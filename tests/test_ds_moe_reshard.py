@@ -7,6 +7,7 @@ sizes, and a rewrite at the same sizes is DeepSpeed's own files object for objec
 launches (tests/dist/ds_moe_load_check.py) load outputs with the model built at the new ep_size and
 world size, compare everything with the truth of fixtures/generate_ds_moe.py, and train a step.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,10 @@ def _cli(*args):
 
 def _expert_counts(name) -> dict[str, int]:
     info = _info(name)
-    return {"moe": info["num_experts"], **({"moe2": info["second_moe_experts"]} if info.get("second_moe_experts")
-                                          else {})}
+    return {
+        "moe": info["num_experts"],
+        **({"moe2": info["second_moe_experts"]} if info.get("second_moe_experts") else {}),
+    }
 
 
 @pytest.mark.parametrize("name,to,sizes", [c for c in COMBOS if c[0] in FIXTURES])
@@ -65,8 +68,11 @@ def test_output_reads_back_equal_to_the_source(tmp_path, name, to, sizes):
     out, o_tensors, o_objects = read_all(tmp_path / "out")
     assert out.index.world_size == dp
     assert out.index.metadata["parallel"] == {"ep": ep, "dp": dp}
-    assert out.index.metadata["deepspeed_moe"] == {"ep_size": ep, "expert_dp_size": dp // ep,
-                                                   "num_experts": _expert_counts(name)}
+    assert out.index.metadata["deepspeed_moe"] == {
+        "ep_size": ep,
+        "expert_dp_size": dp // ep,
+        "num_experts": _expert_counts(name),
+    }
     assert set(o_tensors) == set(s_tensors)
     for key, value in s_tensors.items():
         assert_tensor_equal(o_tensors[key], value, key)
@@ -95,8 +101,9 @@ def test_output_reads_back_equal_to_the_source(tmp_path, name, to, sizes):
     for f in (MOE_DATA / name / "global_step2").glob("layer_*_expert_*"):  # copied byte for byte
         assert (tag / f.name).read_bytes() == f.read_bytes(), f.name
     prefix = "bf16_" if _info(name)["dtype"] == "bf16" else ""
-    assert sorted(p.name for p in tag.glob("*optim_states.pt")) == \
-        sorted(f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp))
+    assert sorted(p.name for p in tag.glob("*optim_states.pt")) == sorted(
+        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)
+    )
 
 
 def _same(a, b, where: str) -> None:
@@ -127,12 +134,16 @@ def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
     res = _cli("reshard", MOE_DATA / name, tmp_path / "out", "--to", f"ep={info['ep_size']},dp={info['world_size']}")
     assert res.exit_code == 0, res.output
     src = MOE_DATA / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
-        sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
         # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): our fixtures and our output
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
 
 
 def _one_sentence_exit_2(res, *needles):
@@ -143,13 +154,22 @@ def _one_sentence_exit_2(res, *needles):
         assert needle in line, line
 
 
-@pytest.mark.parametrize("name,to,needles", [
-    ("moe_z1_fp32_w2_k1", "ep=3,dp=4", ("ep=3,dp=4", "must divide the data-parallel world size")),
-    ("moe2_z2_fp32_w2_k1", "ep=4,dp=4", ("'moe2' has 2 experts", "ep must divide every layer's expert count")),
-    ("moe_z1_fp32_w2_k1", "3", ("expert-parallel size 2 does not divide 3 ranks", "--to ep=1,dp=3")),
-    ("moe_z1_fp32_w2_k1", "tp=2,dp=4", ("adding tensor parallelism to the mixture-of-experts checkpoint",
-                                        "not supported yet (give ep=...,dp=... with tp=1,pp=1)")),
-])
+@pytest.mark.parametrize(
+    "name,to,needles",
+    [
+        ("moe_z1_fp32_w2_k1", "ep=3,dp=4", ("ep=3,dp=4", "must divide the data-parallel world size")),
+        ("moe2_z2_fp32_w2_k1", "ep=4,dp=4", ("'moe2' has 2 experts", "ep must divide every layer's expert count")),
+        ("moe_z1_fp32_w2_k1", "3", ("expert-parallel size 2 does not divide 3 ranks", "--to ep=1,dp=3")),
+        (
+            "moe_z1_fp32_w2_k1",
+            "tp=2,dp=4",
+            (
+                "adding tensor parallelism to the mixture-of-experts checkpoint",
+                "not supported yet (give ep=...,dp=... with tp=1,pp=1)",
+            ),
+        ),
+    ],
+)
 def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, to, needles):
     if name not in FIXTURES:
         pytest.skip(f"fixture {name} not generated")
@@ -160,8 +180,9 @@ def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, to, needles):
 @pytest.mark.skipif(not (DS_DATA / "z2_fp32_w2").is_dir(), reason="no dense DeepSpeed fixture z2_fp32_w2")
 def test_dense_source_ep_refused_and_dp_alone_is_a_world_size(tmp_path):
     src = DS_DATA / "z2_fp32_w2"
-    _one_sentence_exit_2(_cli("reshard", src, tmp_path / "o", "--to", "ep=2,dp=4"), "not supported yet",
-                         "mixture-of-experts")
+    _one_sentence_exit_2(
+        _cli("reshard", src, tmp_path / "o", "--to", "ep=2,dp=4"), "not supported yet", "mixture-of-experts"
+    )
     assert _cli("reshard", src, tmp_path / "a", "--to", "dp=3").exit_code == 0
     assert _cli("reshard", src, tmp_path / "b", "--to", "3").exit_code == 0
     a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
@@ -192,10 +213,16 @@ def test_deepspeed_loads_the_resharded_experts_and_trains(tmp_path, world):
         batch.append({"ckpt": str(out), "fixture": name, "ep": ep})
     (tmp_path / "batch.json").write_text(json.dumps(batch))
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "ds_moe_load_check.py"),
-                                 "--batch", str(tmp_path / "batch.json"), "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=900)
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "ds_moe_load_check.py"),
+        "--batch",
+        str(tmp_path / "batch.json"),
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=900
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(result.read_text())["results"]
     assert [(r["fixture"], r["ep"]) for r in results] == [(n, ep) for n, _, ep in ENGINE_PLAN[world]]

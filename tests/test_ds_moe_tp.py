@@ -14,6 +14,7 @@ Whole experts (enable_expert_tensor_parallelism=False, fixture moetp_noexptp_*: 
 moe_whole_writer.py): read and consolidated bit for bit, resharded to new tp/ep/dp (read back equal,
 same sizes = DeepSpeed's files), one DeepSpeed launch loading tp=4,ep=4,dp=1.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,11 @@ from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, 
 from ds_helpers import needs_deepspeed
 
 MT_DATA = DATA / "ds_moe_tp"
-FIXTURES = sorted(p.name for p in MT_DATA.iterdir() if p.is_dir() and "noexptp" not in p.name) \
-    if MT_DATA.is_dir() else []
-NO_EXPERT_TP = "moetp_noexptp_z2_fp32_tp2_ep2_w4"   # MoE(enable_expert_tensor_parallelism=False): whole experts
-WHOLE = [NO_EXPERT_TP, "moetp_noexptp_z1_bf16_tp2_ep2_w4"]   # the same at ZeRO 1 bf16
+FIXTURES = (
+    sorted(p.name for p in MT_DATA.iterdir() if p.is_dir() and "noexptp" not in p.name) if MT_DATA.is_dir() else []
+)
+NO_EXPERT_TP = "moetp_noexptp_z2_fp32_tp2_ep2_w4"  # MoE(enable_expert_tensor_parallelism=False): whole experts
+WHOLE = [NO_EXPERT_TP, "moetp_noexptp_z1_bf16_tp2_ep2_w4"]  # the same at ZeRO 1 bf16
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no MoE + TP fixtures (run fixtures/generate_ds_moe_tp.py)")
 EXPERTS = "layers.0.mlp.deepspeed_moe.experts.deepspeed_experts."
 
@@ -47,7 +49,7 @@ def _info(name):
 
 
 def _params(truth) -> list[str]:
-    return [k[len("fp32."):] for k in truth if k.startswith("fp32.")]
+    return [k[len("fp32.") :] for k in truth if k.startswith("fp32.")]
 
 
 def _cli(*args):
@@ -87,15 +89,18 @@ def test_reader_equals_deepspeed_truth_with_tp_and_ep_marked(name):
     opened, tensors, objects = read_all(MT_DATA / name)
     index = opened.index
     assert _equal_to_truth(tensors, truth) == 28 == len([k for k in index.tensors if k.startswith("model.")])
-    assert sum(1 for p in _params(truth) if EXPERTS in p) == 4 * 4   # 4 experts, 4 params each, global ids
+    assert sum(1 for p in _params(truth) if EXPERTS in p) == 4 * 4  # 4 experts, 4 params each, global ids
     assert index.metadata["parallel"] == {"tp": 2, "ep": 2, "dp": _info(name)["dp"]}
-    assert index.metadata["deepspeed_moe"] == {"ep_size": 2, "expert_dp_size": _info(name)["expert_dp"],
-                                               "num_experts": {"layers.0.mlp": 4}}
+    assert index.metadata["deepspeed_moe"] == {
+        "ep_size": 2,
+        "expert_dp_size": _info(name)["expert_dp"],
+        "num_experts": {"layers.0.mlp": 4},
+    }
     for e in range(4):
         entry = index.tensors[f"model.{EXPERTS}{e}.dense_4h_to_h.weight"]
         assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}, "tp": {"dim": 1, "size": 2}}
     gate = index.tensors["model.layers.0.mlp.deepspeed_moe.gate.wg.weight"]
-    assert gate.attrs["parallel"] == {"tp": {"dim": None, "size": 2}}   # the router: replicated
+    assert gate.attrs["parallel"] == {"tp": {"dim": None, "size": 2}}  # the router: replicated
     assert objects["ds.global_steps"] == truth["global_steps"] == 2
 
 
@@ -145,7 +150,8 @@ def test_reshard_reads_back_equal_to_the_truth(tmp_path, name, to, sizes):
     assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
         [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
         + [f"layer_0_expert_{e}_mp_rank_{t:02d}_model_states.pt" for t in range(tp) for e in range(4)]
-        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
+        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)]
+    )
 
 
 def _same(a, b, where: str) -> None:
@@ -174,12 +180,16 @@ def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
     res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", f"tp=2,ep=2,dp={_info(name)['dp']}")
     assert res.exit_code == 0, res.output
     src = MT_DATA / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
-        sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
         # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): our fixtures and our output
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
 
 
 def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
@@ -189,19 +199,25 @@ def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
     reshard(str(MT_DATA / name), str(tmp_path / "b"), "tp=4,ep=1,dp=1")
     reshard(str(tmp_path / "b"), str(tmp_path / "c"), "tp=2,ep=2,dp=2")
     for f in sorted((tmp_path / "a" / "global_step2").iterdir()):
-        if "expert" in f.name:   # copied from the source in a, written from slices in c: same tensors
-            _same(torch.load(f, weights_only=True), torch.load(tmp_path / "c" / "global_step2" / f.name,
-                                                               weights_only=True), f.name)
+        if "expert" in f.name:  # copied from the source in a, written from slices in c: same tensors
+            _same(
+                torch.load(f, weights_only=True),
+                torch.load(tmp_path / "c" / "global_step2" / f.name, weights_only=True),
+                f.name,
+            )
             continue
         assert (tmp_path / "c" / "global_step2" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
-@pytest.mark.parametrize("to,needles", [
-    ("tp=2,ep=3,dp=3", ("has 4 experts", "3 expert-parallel")),
-    ("tp=2,ep=4,dp=2", ("must divide the data-parallel size",)),
-    ("tp=2,pp=2,ep=2,dp=2", ("pipeline parallelism",)),
-    ("6", ("does not divide 6 ranks",)),
-])
+@pytest.mark.parametrize(
+    "to,needles",
+    [
+        ("tp=2,ep=3,dp=3", ("has 4 experts", "3 expert-parallel")),
+        ("tp=2,ep=4,dp=2", ("must divide the data-parallel size",)),
+        ("tp=2,pp=2,ep=2,dp=2", ("pipeline parallelism",)),
+        ("6", ("does not divide 6 ranks",)),
+    ],
+)
 def test_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, to, needles):
     res = _cli("reshard", MT_DATA / "moetp_z2_fp32_tp2_ep2_w4", tmp_path / "out", "--to", to)
     assert res.exit_code == 2, res.output
@@ -220,10 +236,22 @@ def test_deepspeed_loads_the_resharded_moe_tp_checkpoint_and_trains(tmp_path):
     out = tmp_path / "out"
     reshard(str(MT_DATA / name), str(out), "tp=4,ep=1,dp=1")
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "ds_moe_tp_load_check.py"), "--ckpt", str(out),
-                             "--fixture", name, "--tp", "4", "--ep", "1", "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "ds_moe_tp_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        name,
+        "--tp",
+        "4",
+        "--ep",
+        "1",
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(result.read_text())
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
@@ -240,9 +268,10 @@ def test_whole_experts_layout_as_deepspeed_grouped_it():
     for rank, seen in info["ranks"].items():
         r = int(rank)
         assert seen == {"tp": r % 2, "dp": r // 2, "ep": r % 2, "expert_dp": r // 2}
-    assert info["expert_dp"] == 2   # the expert groups span both tp lanes: 4 ranks / ep 2
+    assert info["expert_dp"] == 2  # the expert groups span both tp lanes: 4 ranks / ep 2
     assert sorted(f for f in info["files"] if "expert" in f) == [
-        f"layer_0_expert_{g}_mp_rank_{(g // 2) % 2:02d}_model_states.pt" for g in range(4)]
+        f"layer_0_expert_{g}_mp_rank_{(g // 2) % 2:02d}_model_states.pt" for g in range(4)
+    ]
 
 
 @pytest.mark.parametrize("name", WHOLE)
@@ -254,14 +283,19 @@ def test_whole_experts_read_and_consolidated_bit_exact(tmp_path, name):
     index = opened.index
     assert _equal_to_truth(tensors, truth) == 28 == len([k for k in index.tensors if k.startswith("model.")])
     assert index.metadata["parallel"] == {"tp": 2, "ep": 2, "dp": 2}
-    assert index.metadata["deepspeed_moe"] == {"ep_size": 2, "expert_dp_size": 2, "num_experts": {"layers.0.mlp": 4},
-                                               "experts": "whole"}
+    assert index.metadata["deepspeed_moe"] == {
+        "ep_size": 2,
+        "expert_dp_size": 2,
+        "num_experts": {"layers.0.mlp": 4},
+        "experts": "whole",
+    }
     for e in range(4):
         for kind in ("model", "ds_module"):
             entry = index.tensors[f"{kind}.{EXPERTS}{e}.dense_4h_to_h.weight"]
             assert entry.attrs["parallel"] == {"ep": {"rank": e // 2, "size": 2}}, kind
-    assert objects["optim.param_groups.2.params"] == [f"{EXPERTS}{e}.{p}.weight" for e in range(4)
-                                                      for p in ("dense_h_to_4h", "dense_4h_to_h")]
+    assert objects["optim.param_groups.2.params"] == [
+        f"{EXPERTS}{e}.{p}.weight" for e in range(4) for p in ("dense_h_to_4h", "dense_4h_to_h")
+    ]
     consolidate(str(MT_DATA / name), str(tmp_path / "out"), include_optimizer=True)
     model = load_file(str(tmp_path / "out" / "model.safetensors"))
     optim = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
@@ -310,7 +344,8 @@ def test_whole_experts_reshard_reads_back_equal_to_the_truth(tmp_path, name, to,
     assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
         [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
         + [f"layer_0_expert_{g}_mp_rank_{(g // local) % tp:02d}_model_states.pt" for g in range(4)]
-        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
+        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)]
+    )
 
 
 @needs_deepspeed
@@ -319,20 +354,27 @@ def test_whole_experts_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name
     res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", "tp=2,ep=2,dp=2")
     assert res.exit_code == 0, res.output
     src = MT_DATA / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
-        sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
 
 
-@pytest.mark.parametrize("to,needles", [
-    ("tp=4,ep=2,dp=1", ("tensor-parallel size must divide the expert-parallel size", "mp_rank_02")),
-    ("tp=2,ep=1,dp=2", ("tensor-parallel size must divide the expert-parallel size",)),
-    ("tp=2,ep=3,dp=3", ("has 4 experts", "3 expert-parallel")),
-    ("tp=2,ep=4,dp=1", ("must divide the 2 ranks",)),
-    ("3", ("must both divide 3 ranks",)),
-])
+@pytest.mark.parametrize(
+    "to,needles",
+    [
+        ("tp=4,ep=2,dp=1", ("tensor-parallel size must divide the expert-parallel size", "mp_rank_02")),
+        ("tp=2,ep=1,dp=2", ("tensor-parallel size must divide the expert-parallel size",)),
+        ("tp=2,ep=3,dp=3", ("has 4 experts", "3 expert-parallel")),
+        ("tp=2,ep=4,dp=1", ("must divide the 2 ranks",)),
+        ("3", ("must both divide 3 ranks",)),
+    ],
+)
 def test_whole_experts_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, to, needles):
     """tp 4 with ep 2: DeepSpeed 0.19.8 itself could not load it (by hand: rank 2 of such an output
     looks for layer_0_expert_0_mp_rank_02_model_states.pt, which no rank saves)."""
@@ -354,11 +396,23 @@ def test_deepspeed_loads_whole_experts_resharded_to_new_tp_and_ep_and_trains(tmp
     out = tmp_path / "out"
     reshard(str(MT_DATA / NO_EXPERT_TP), str(out), "tp=4,ep=4,dp=1")
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "ds_moe_tp_load_check.py"), "--ckpt", str(out),
-                             "--fixture", NO_EXPERT_TP, "--tp", "4", "--ep", "4", "--whole-experts",
-                             "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "ds_moe_tp_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        NO_EXPERT_TP,
+        "--tp",
+        "4",
+        "--ep",
+        "4",
+        "--whole-experts",
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(result.read_text())
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
@@ -374,12 +428,16 @@ def test_whole_experts_at_ep_1_with_tp_2_deepspeed_loses_a_model_file_and_we_say
     info = _info(name)
     assert "mp_rank_01_model_states.pt" not in info["files"] and "mp_rank_00_model_states.pt" in info["files"]
     assert sorted(f for f in info["files"] if "expert" in f) == [
-        f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(4)]
+        f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(4)
+    ]
     for args in (["inspect"], ["consolidate", tmp_path / "out"]):
         res = _cli(args[0], MT_DATA / name, *args[1:])
         assert res.exit_code == 2, res.output
         assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output, res.output
-        for needle in ("no *_model_states.pt file of model-parallel rank 1", "enable_expert_tensor_parallelism=False",
-                       "mp ranks >= ep"):
+        for needle in (
+            "no *_model_states.pt file of model-parallel rank 1",
+            "enable_expert_tensor_parallelism=False",
+            "mp ranks >= ep",
+        ):
             assert needle in res.output, res.output
         assert not (tmp_path / "out").exists()

@@ -9,6 +9,7 @@ train_batch). At a new pp (2 -> 1) the layers move, the per-stage MoE layer ids 
 are renumbered: DeepSpeed loads pp=1,ep=2,dp=2 bit for bit, trains, and what it saves from it is
 our output object for object (one launch). A new pp that leaves a stage without MoE, and other
 sizes that cannot be written, are refused in one sentence."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ def _truth():
 
 
 def _params(truth) -> list[str]:
-    return [k[len("fp32."):] for k in truth if k.startswith("fp32.")]
+    return [k[len("fp32.") :] for k in truth if k.startswith("fp32.")]
 
 
 def _cli(*args):
@@ -107,7 +108,8 @@ def test_reshard_reads_back_equal_to_the_truth(tmp_path, to, sizes):
     assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
         [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]
         + [f"layer_0_expert_{e}_mp_rank_{s:02d}_model_states.pt" for s in range(2) for e in range(4)]
-        + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(2) for d in range(dp)])
+        + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(2) for d in range(dp)]
+    )
 
 
 @needs_deepspeed
@@ -115,23 +117,40 @@ def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path):
     res = _cli("reshard", PM_DATA / NAME, tmp_path / "out", "--to", "pp=2,ep=2,dp=2")
     assert res.exit_code == 0, res.output
     src = PM_DATA / NAME / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
-        sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["reshard", "--to", "pp=3,ep=2,dp=2"], "new pipeline stage 2 (layers 3..3) would hold no MoE layer"),
-    (["reshard", "--to", "pp=4,ep=2,dp=2", "--partition-method", "uniform"], "would hold no MoE layer"),
-    (["reshard", "--to", "pp=5,ep=2,dp=2"], "has 4 layers, fewer than the 5 pipeline stages"),
-    (["reshard", "--to", "pp=1,ep=2,dp=2", "--partition-method", "type:Head", "--layer-types",
-      "Embed,MoEBlock*2,Head"], "do not split into its 2 stages"),
-    (["reshard", "--to", "pp=2,ep=3,dp=3"], "has 4 experts"),
-    (["reshard", "--to", "tp=2,pp=2,ep=2,dp=2"], "tensor parallelism"),
-    (["convert", "--to", "zero2"], "mixture-of-experts"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["reshard", "--to", "pp=3,ep=2,dp=2"], "new pipeline stage 2 (layers 3..3) would hold no MoE layer"),
+        (["reshard", "--to", "pp=4,ep=2,dp=2", "--partition-method", "uniform"], "would hold no MoE layer"),
+        (["reshard", "--to", "pp=5,ep=2,dp=2"], "has 4 layers, fewer than the 5 pipeline stages"),
+        (
+            [
+                "reshard",
+                "--to",
+                "pp=1,ep=2,dp=2",
+                "--partition-method",
+                "type:Head",
+                "--layer-types",
+                "Embed,MoEBlock*2,Head",
+            ],
+            "do not split into its 2 stages",
+        ),
+        (["reshard", "--to", "pp=2,ep=3,dp=3"], "has 4 experts"),
+        (["reshard", "--to", "tp=2,pp=2,ep=2,dp=2"], "tensor parallelism"),
+        (["convert", "--to", "zero2"], "mixture-of-experts"),
+    ],
+)
 def test_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, args, needle):
     res = _cli(args[0], PM_DATA / NAME, tmp_path / "out", *args[1:])
     assert res.exit_code == 2, res.output
@@ -157,15 +176,22 @@ def test_new_pp_reads_back_equal_with_expert_files_renumbered(tmp_path, to, ep, 
     assert opened.index.metadata["deepspeed_moe"]["num_experts"] == {"1.moe": 4, "2.moe": 4}
     tag = tmp_path / "out" / "global_step2"
     assert sorted(p.name for p in tag.iterdir()) == sorted(
-        ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp)]
-        + [f"layer_{L}_expert_{e}_mp_rank_00_model_states.pt" for L in range(2) for e in range(4)])
+        ["mp_rank_00_model_states.pt"]
+        + [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp)]
+        + [f"layer_{L}_expert_{e}_mp_rank_00_model_states.pt" for L in range(2) for e in range(4)]
+    )
     for L, moe in enumerate(("1.moe", "2.moe")):
         keys = torch.load(tag / f"layer_{L}_expert_3_mp_rank_00_model_states.pt", weights_only=True)
         assert all(k.startswith(f"{moe}.deepspeed_moe.experts.deepspeed_experts.3.") for k in keys), keys
     model = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)  # trusted: our output
     assert model["num_experts"] == [4, 4] and model["checkpoint_parallel_dimensions"]["pp_degree"] == 1
-    assert list(model["module"]) == ["0.e.weight", "1.moe.deepspeed_moe.gate.wg.weight",
-                                     "2.moe.deepspeed_moe.gate.wg.weight", "3.h.weight", "3.h.bias"]
+    assert list(model["module"]) == [
+        "0.e.weight",
+        "1.moe.deepspeed_moe.gate.wg.weight",
+        "2.moe.deepspeed_moe.gate.wg.weight",
+        "3.h.weight",
+        "3.h.bias",
+    ]
 
 
 @pytest.mark.slow
@@ -176,11 +202,24 @@ def test_deepspeed_loads_the_moe_pipeline_at_a_new_pp_and_saves_our_files(tmp_pa
     out, saved = tmp_path / "out", tmp_path / "saved"
     reshard(str(PM_DATA / NAME), str(out), "pp=1,ep=2,dp=2")
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(2) + [str(ROOT / "tests" / "dist" / "ds_pp_moe_load_check.py"), "--ckpt", str(out),
-                             "--fixture", NAME, "--pp", "1", "--ep", "2", "--result", str(result),
-                             "--save", str(saved)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(2) + [
+        str(ROOT / "tests" / "dist" / "ds_pp_moe_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        NAME,
+        "--pp",
+        "1",
+        "--ep",
+        "2",
+        "--result",
+        str(result),
+        "--save",
+        str(saved),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(result.read_text())
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
@@ -198,10 +237,20 @@ def test_deepspeed_loads_the_resharded_moe_pipeline_and_trains(tmp_path):
     out = tmp_path / "out"
     reshard(str(PM_DATA / NAME), str(out), "pp=2,ep=1,dp=2")
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "ds_pp_moe_load_check.py"), "--ckpt", str(out),
-                             "--fixture", NAME, "--ep", "1", "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "ds_pp_moe_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        NAME,
+        "--ep",
+        "1",
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(result.read_text())
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
@@ -222,16 +271,19 @@ def test_pp_degree_that_lies_is_one_sentence(tmp_path):
     assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-MOE4 = "ppmoe_z1_fp32_pp2_ep2_w4_moe4"   # Embed, MoEBlock*2 | MoEBlock*2, Head: MoE layer ids 0, 1 per stage
+MOE4 = "ppmoe_z1_fp32_pp2_ep2_w4_moe4"  # Embed, MoEBlock*2 | MoEBlock*2, Head: MoE layer ids 0, 1 per stage
 
 
 @pytest.mark.skipif(not (PM_DATA / MOE4).is_dir(), reason="run fixtures/generate_ds_pp_moe.py")
-@pytest.mark.parametrize("to,method,stages", [
-    ("pp=3,ep=2,dp=2", "uniform", [["1.moe"], ["2.moe", "3.moe"], ["4.moe"]]),   # uniform: [0, 2, 4, 6]
-    ("pp=4,ep=2,dp=4", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
-    ("pp=4,ep=1,dp=1", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
-    ("pp=1,ep=4,dp=4", "parameters", [["1.moe", "2.moe", "3.moe", "4.moe"]]),
-])
+@pytest.mark.parametrize(
+    "to,method,stages",
+    [
+        ("pp=3,ep=2,dp=2", "uniform", [["1.moe"], ["2.moe", "3.moe"], ["4.moe"]]),  # uniform: [0, 2, 4, 6]
+        ("pp=4,ep=2,dp=4", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
+        ("pp=4,ep=1,dp=1", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
+        ("pp=1,ep=4,dp=4", "parameters", [["1.moe", "2.moe", "3.moe", "4.moe"]]),
+    ],
+)
 def test_new_pp_moves_moe_layers_and_renumbers_their_expert_files(tmp_path, to, method, stages):
     """Each new stage's expert files count its own MoE layers from 0 (layer_<L>_..._mp_rank_<stage>),
     holding the global names they held before; reads back equal to the truth."""
@@ -245,8 +297,12 @@ def test_new_pp_moves_moe_layers_and_renumbers_their_expert_files(tmp_path, to, 
             assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
     tag = tmp_path / "out" / "global_step2"
     experts = sorted(p.name for p in tag.iterdir() if p.name.startswith("layer_"))
-    assert experts == sorted(f"layer_{L}_expert_{e}_mp_rank_{s:02d}_model_states.pt"
-                             for s, moes in enumerate(stages) for L in range(len(moes)) for e in range(4))
+    assert experts == sorted(
+        f"layer_{L}_expert_{e}_mp_rank_{s:02d}_model_states.pt"
+        for s, moes in enumerate(stages)
+        for L in range(len(moes))
+        for e in range(4)
+    )
     for s, moes in enumerate(stages):
         for L, moe in enumerate(moes):
             keys = torch.load(tag / f"layer_{L}_expert_2_mp_rank_{s:02d}_model_states.pt", weights_only=True)
@@ -261,8 +317,12 @@ def test_same_sizes_rewrite_of_two_moe_layers_per_stage_is_deepspeeds_own_files(
     res = _cli("reshard", PM_DATA / MOE4, tmp_path / "out", "--to", "pp=2,ep=2,dp=2")
     assert res.exit_code == 0, res.output
     src = PM_DATA / MOE4 / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
-        sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )

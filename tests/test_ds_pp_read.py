@@ -5,6 +5,7 @@ bf16) and pp=2 x dp=1; the truth was taken on every rank through DeepSpeed's API
 (safe_get_full_fp32_param, safe_get_full_optimizer_state, the stage module's parameters and
 buffers) and gathered. Names are PipelineModule's: `<layer>.<param>`, `tied_modules.embed.weight`.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,12 +23,19 @@ from helpers_corrupt import run_cli
 PP_DATA = DATA / "ds_pp"
 ALL = sorted(p.name for p in PP_DATA.iterdir() if p.is_dir()) if PP_DATA.exists() else []
 # ZeRO stage 1, and stage 0 with bf16 (DeepSpeed's BF16_Optimizer); stage 0 in fp32 is refused
-REFUSED = [n for n in ALL if json.loads((PP_DATA / n / "fixture.json").read_text())["zero_optimizer"]
-           .endswith(".FusedAdam")]
+REFUSED = [
+    n for n in ALL if json.loads((PP_DATA / n / "fixture.json").read_text())["zero_optimizer"].endswith(".FusedAdam")
+]
 FIXTURES = [n for n in ALL if n not in REFUSED]
 pytestmark = pytest.mark.skipif(not FIXTURES, reason="no pipeline fixtures (run fixtures/generate_ds_pp.py)")
-INDEX_KEY = {"fp32": "model.{}", "exp_avg": "optim.state.{}.exp_avg", "exp_avg_sq": "optim.state.{}.exp_avg_sq",
-             "frozen": "model.{}", "buffer": "model.{}", "module": "ds_module.{}"}
+INDEX_KEY = {
+    "fp32": "model.{}",
+    "exp_avg": "optim.state.{}.exp_avg",
+    "exp_avg_sq": "optim.state.{}.exp_avg_sq",
+    "frozen": "model.{}",
+    "buffer": "model.{}",
+    "module": "ds_module.{}",
+}
 
 
 def _truth(name: str) -> dict:
@@ -55,12 +63,15 @@ def test_index_equals_deepspeed_truth(name):
             assert objects[f"optim.state.{pname}.step"] == expected, key
         elif kind == "stage":  # every entry of a parameter names the stage holding it
             for pattern in ("model.{}", "ds_module.{}"):
-                assert tensors and index.tensors[pattern.format(pname)].attrs["parallel"] == \
-                    {"pp": {"stage": expected, "size": info["pp"]}}, key
-    assert compared == sum(1 for k in truth if k.partition(".")[0] in INDEX_KEY) == 56  # 13 trainable x 4, the frozen one x 2, 2 buffers
+                assert tensors and index.tensors[pattern.format(pname)].attrs["parallel"] == {
+                    "pp": {"stage": expected, "size": info["pp"]}
+                }, key
+    assert (
+        compared == sum(1 for k in truth if k.partition(".")[0] in INDEX_KEY) == 56
+    )  # 13 trainable x 4, the frozen one x 2, 2 buffers
     # nothing beyond what DeepSpeed has: the tied embedding once, every parameter and buffer
     names = {k.partition(".")[2] for k in truth if k.startswith(("module.", "buffer."))}
-    assert {k[len("model."):] for k in index.tensors if k.startswith("model.")} == names
+    assert {k[len("model.") :] for k in index.tensors if k.startswith("model.")} == names
     assert objects["ds.global_steps"] == truth["global_steps"] == index.step == 2
     assert objects["client.epoch"] == 3
     assert {objects["optim.param_groups.0.lr"]} == {truth[f"lr.{s}.0"] for s in range(info["pp"])}
@@ -70,8 +81,11 @@ def test_index_equals_deepspeed_truth(name):
     # has a file only when it is the module itself: variant "tiedhead")
     parts, tag = info["parts"], PP_DATA / name / "global_step2"
     assert index.metadata["deepspeed"]["pipeline"]["layers"] == {
-        str(layer): s for s in range(info["pp"]) for layer in range(parts[s], parts[s + 1])
-        if any(tag.glob(f"layer_{layer:02d}-*model_states.pt"))}
+        str(layer): s
+        for s in range(info["pp"])
+        for layer in range(parts[s], parts[s + 1])
+        if any(tag.glob(f"layer_{layer:02d}-*model_states.pt"))
+    }
     assert any(tag.glob("layer_05-*model_states.pt")) == (info.get("variant") == "tiedhead")
 
 
@@ -132,8 +146,12 @@ def test_convert_to_zero_is_refused_pointing_to_reshard(tmp_path):
     src, out = PP_DATA / "pp2_dp2_z1_fp32", tmp_path / "out"
     res = run_cli("convert", src, out, "--to", "zero1", "--world-size", "2")
     assert res.code == 2, res.output
-    assert "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it with " \
-           "--to pp=...,dp=..." in res.output and "Traceback" not in res.output
+    assert (
+        "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it with "
+        "--to pp=...,dp=..."
+        in res.output
+        and "Traceback" not in res.output
+    )
     assert not out.exists()
 
 
@@ -151,21 +169,39 @@ def _wrong_shape(tag):
     torch.save(state, path)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing_layer", r"layer_03-model_states.pt: file is missing \(pipeline stage 1 holds layer 3's"),
-    ("missing_stage_optim_rank", r"says dp_world_size 2, but the optim-states file of rank 1 is missing "
-                                 r"\(zero_pp_rank_1_mp_rank_01_optim_states.pt\)"),
-    ("missing_stage_optim", r"no \*_optim_states.pt files of model-parallel rank 1"),
-    ("missing_stage", r"mp_rank_00_model_states.pt: says the pipeline has 2 stages, but the model- and optim-states "
-                      r"files of stage\(s\) \[1\] \(mp_rank_01_...\) are missing"),
-    ("wrong_shape", r"layer_01-model_states.pt: fc_in.weight has shape \[7, 8\], but pipeline stage 0's "
-                    r"param_shapes says 1.fc_in.weight is \[6, 8\]"),
-    # Megatron-DeepSpeed's topology names layer files `-model_00`
-    ("mptopo_missing_layer", r"layer_04-model_00-model_states.pt: file is missing \(pipeline stage 1 holds layer 4's"),
-    # a `-model_01` file says tp 2: every layer then needs one (tests/test_ds_3d.py reads real ones)
-    ("mptopo_tp_layer_file", r"layer_00-model_01-model_states.pt: file is missing \(tensor-parallel rank 0 has layer "
-                             r"0's file; a pipeline with 2 tensor-parallel ranks writes one per rank\)"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing_layer", r"layer_03-model_states.pt: file is missing \(pipeline stage 1 holds layer 3's"),
+        (
+            "missing_stage_optim_rank",
+            r"says dp_world_size 2, but the optim-states file of rank 1 is missing "
+            r"\(zero_pp_rank_1_mp_rank_01_optim_states.pt\)",
+        ),
+        ("missing_stage_optim", r"no \*_optim_states.pt files of model-parallel rank 1"),
+        (
+            "missing_stage",
+            r"mp_rank_00_model_states.pt: says the pipeline has 2 stages, but the model- and optim-states "
+            r"files of stage\(s\) \[1\] \(mp_rank_01_...\) are missing",
+        ),
+        (
+            "wrong_shape",
+            r"layer_01-model_states.pt: fc_in.weight has shape \[7, 8\], but pipeline stage 0's "
+            r"param_shapes says 1.fc_in.weight is \[6, 8\]",
+        ),
+        # Megatron-DeepSpeed's topology names layer files `-model_00`
+        (
+            "mptopo_missing_layer",
+            r"layer_04-model_00-model_states.pt: file is missing \(pipeline stage 1 holds layer 4's",
+        ),
+        # a `-model_01` file says tp 2: every layer then needs one (tests/test_ds_3d.py reads real ones)
+        (
+            "mptopo_tp_layer_file",
+            r"layer_00-model_01-model_states.pt: file is missing \(tensor-parallel rank 0 has layer "
+            r"0's file; a pipeline with 2 tensor-parallel ranks writes one per rank\)",
+        ),
+    ],
+)
 def test_broken_pipeline_checkpoints_are_named(tmp_path, case, message):
     import re
 
@@ -189,8 +225,11 @@ def test_broken_pipeline_checkpoints_are_named(tmp_path, case, message):
     for command in (("consolidate", d, tmp_path / "out"), ("inspect", d)):
         res = run_cli(*command)
         assert res.code == 2, (case, command[0], res.output)
-        lines = [line for line in res.output.splitlines() if line.strip() and "UserWarning" not in line
-                 and "parse_args" not in line and "make_parser" not in line]
+        lines = [
+            line
+            for line in res.output.splitlines()
+            if line.strip() and "UserWarning" not in line and "parse_args" not in line and "make_parser" not in line
+        ]
         assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), res.output
 
 
@@ -198,7 +237,11 @@ def test_broken_pipeline_checkpoints_are_named(tmp_path, case, message):
 def test_zero0_fp32_pipeline_is_refused(name):
     """ZeRO 0 in fp32: DeepSpeed keeps the torch optimizer's state in the model-states files."""
     res = run_cli("inspect", PP_DATA / name)
-    assert res.code == 2 and "a pipeline checkpoint without ZeRO optim-states files" in res.output and "Traceback" not in res.output
+    assert (
+        res.code == 2
+        and "a pipeline checkpoint without ZeRO optim-states files" in res.output
+        and "Traceback" not in res.output
+    )
 
 
 def test_bf16_optimizer_is_read_as_its_flat_partitions():
@@ -223,11 +266,19 @@ def test_consolidated_weights_load_strictly_into_pipeline_module_and_train(tmp_p
     name = "pp2_dp2_z1_fp32"
     consolidate(str(PP_DATA / name), str(tmp_path / "out"))
     result = tmp_path / "result.json"
-    cmd = [sys.executable, str(ROOT / "tests" / "dist" / "ds_pp_load_check.py"), "--weights",
-           str(tmp_path / "out" / "model.safetensors"), "--truth", str(PP_DATA / f"{name}.truth.pt"),
-           "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=300)
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "dist" / "ds_pp_load_check.py"),
+        "--weights",
+        str(tmp_path / "out" / "model.safetensors"),
+        "--truth",
+        str(PP_DATA / f"{name}.truth.pt"),
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=300
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(result.read_text())
     assert r["compared"] == 16 and not r["mismatches"] and not r["missing"] and not r["unexpected"], r

@@ -9,6 +9,7 @@ object. The partition functions equal DeepSpeed's. Two DeepSpeed launches
 every master, moment, step and module weight with the truth of fixtures/generate_ds_pp.py, and
 train a step.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ from ds_helpers import needs_deepspeed
 from helpers_corrupt import run_cli
 
 PP_DATA = DATA / "ds_pp"
-pytestmark = pytest.mark.skipif(not (PP_DATA / "pp2_dp2_z1_fp32").is_dir(),
-                                reason="no pipeline fixtures (run fixtures/generate_ds_pp.py)")
+pytestmark = pytest.mark.skipif(
+    not (PP_DATA / "pp2_dp2_z1_fp32").is_dir(), reason="no pipeline fixtures (run fixtures/generate_ds_pp.py)"
+)
 
 # the "type" fixture's partition_method and its layers' class names (fixtures/generate_ds_pp.py
 # TYPE_METHOD, LAYER_TYPES): FrozenBlock and LayerNorm weigh 1, stages [0, 4, 6] at pp 2
@@ -62,8 +64,11 @@ def _files(name: str, pp: int, dp: int) -> list[str]:
     src = PP_DATA / name / "global_step2"
     layers = sorted(p.name for p in src.glob("layer_*"))
     prefix = "bf16_" if any(src.glob("bf16_*")) else ""
-    return sorted(layers + [f"mp_rank_{s:02d}_model_states.pt" for s in range(pp)]
-                  + [f"{prefix}zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(pp) for d in range(dp)])
+    return sorted(
+        layers
+        + [f"mp_rank_{s:02d}_model_states.pt" for s in range(pp)]
+        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(pp) for d in range(dp)]
+    )
 
 
 @pytest.mark.parametrize("name,to,method,sizes,parts", COMBOS)
@@ -108,21 +113,35 @@ def _same(a, b, where: str) -> None:
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("name", ["pp2_dp2_z1_fp32", "pp2_dp2_z1_bf16", "pp2_dp2_z0_bf16", "pp2_dp1_z1_fp32_tiedhead",
-                                  "pp2_dp2_z1_fp32_mptopo"])
+@pytest.mark.parametrize(
+    "name",
+    ["pp2_dp2_z1_fp32", "pp2_dp2_z1_bf16", "pp2_dp2_z0_bf16", "pp2_dp1_z1_fp32_tiedhead", "pp2_dp2_z1_fp32_mptopo"],
+)
 def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
     """pp and dp unchanged: every file equals what DeepSpeed saved (param_shapes and buffer_names of
     each stage, flat partitions, slice mappings, world sizes)."""
     info = json.loads((PP_DATA / name / "fixture.json").read_text())
-    res = run_cli("reshard", PP_DATA / name, tmp_path / "out", "--to", f"pp={info['pp']},dp={info['dp']}",
-                  "--partition-method", "uniform")
+    res = run_cli(
+        "reshard",
+        PP_DATA / name,
+        tmp_path / "out",
+        "--to",
+        f"pp={info['pp']},dp={info['dp']}",
+        "--partition-method",
+        "uniform",
+    )
     assert res.code == 0, res.output
     src = PP_DATA / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
         # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): our fixtures and our output
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
 
 
 def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
@@ -144,30 +163,75 @@ def test_world_size_keeps_pp_and_equals_the_explicit_sizes(tmp_path):
         assert (tmp_path / "n" / "global_step2" / n).read_bytes() == (tmp_path / "s" / "global_step2" / n).read_bytes()
 
 
-@pytest.mark.parametrize("name,args,code,needles", [
-    ("pp2_dp2_z1_fp32", ["--to", "tp=2,pp=2,dp=1"], 2, ["adding tensor parallelism", "give pp=...,dp=... with tp=1"]),
-    ("pp2_dp2_z1_fp32", ["--to", "ep=2,pp=2"], 2, ["no mixture-of-experts layers, so ep must be 1"]),
-    ("pp2_dp2_z1_fp32", ["--to", "3"], 2, ["pipeline size 2 does not divide 3 ranks", "--to pp=1,dp=3"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=7,dp=1"], 2, ["has 6 layers, fewer than the 7 pipeline stages"]),
-    ("pp1_dp2_z1_fp32", ["--to", "pp=2,dp=1"], 2, ["single-stage pipeline checkpoint with tied modules (embed)"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=2,dp=1", "--partition-method", "type:Block"], 2,
-     ["does not record its layers' class names, which type: matches; give them with --layer-types"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--partition-method", "type:zzz", "--layer-types", LAYER_TYPES], 2,
-     ["no name in --layer-types matches 'zzz'"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--partition-method", "type:(", "--layer-types", LAYER_TYPES], 2,
-     ["'(' is not a regular expression"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--partition-method", "blocks"], 2,
-     ["'blocks': expected one of parameters, uniform, type:REGEX"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*"], 2, ["'Block*' is not a layer's class"]),
-    ("pp2_dp2_z1_fp32", ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*4"], 2,
-     ["--layer-types names 5 layers, but", "holds state of layer 5"]),
-    ("pp2_dp1_z1_fp32_type", ["--to", "pp=3,dp=1", "--partition-method", "uniform"], 2,  # 8 layers would fit
-     ["depends on how many state-less layers follow layer 5", "without --layer-types"]),
-    ("pp2_dp1_z1_fp32_type", ["--to", "pp=3,dp=1", "--partition-method", "uniform", "--layer-types", LAYER_TYPES], 2,
-     ["do not split into its 2 stages with --partition-method uniform (layer 3 is on stage 0"]),
-    ("pp2_dp1_z1_fp32_type", ["--to", "pp=3,dp=1", "--partition-method", "type:block", "--layer-types", LAYER_TYPES],
-     2, ["(as inferred from the checkpoint and --layer-types (6 layers)) do not split into its 2 stages"]),
-])
+@pytest.mark.parametrize(
+    "name,args,code,needles",
+    [
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "tp=2,pp=2,dp=1"],
+            2,
+            ["adding tensor parallelism", "give pp=...,dp=... with tp=1"],
+        ),
+        ("pp2_dp2_z1_fp32", ["--to", "ep=2,pp=2"], 2, ["no mixture-of-experts layers, so ep must be 1"]),
+        ("pp2_dp2_z1_fp32", ["--to", "3"], 2, ["pipeline size 2 does not divide 3 ranks", "--to pp=1,dp=3"]),
+        ("pp2_dp2_z1_fp32", ["--to", "pp=7,dp=1"], 2, ["has 6 layers, fewer than the 7 pipeline stages"]),
+        ("pp1_dp2_z1_fp32", ["--to", "pp=2,dp=1"], 2, ["single-stage pipeline checkpoint with tied modules (embed)"]),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=2,dp=1", "--partition-method", "type:Block"],
+            2,
+            ["does not record its layers' class names, which type: matches; give them with --layer-types"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--partition-method", "type:zzz", "--layer-types", LAYER_TYPES],
+            2,
+            ["no name in --layer-types matches 'zzz'"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--partition-method", "type:(", "--layer-types", LAYER_TYPES],
+            2,
+            ["'(' is not a regular expression"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--partition-method", "blocks"],
+            2,
+            ["'blocks': expected one of parameters, uniform, type:REGEX"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*"],
+            2,
+            ["'Block*' is not a layer's class"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*4"],
+            2,
+            ["--layer-types names 5 layers, but", "holds state of layer 5"],
+        ),
+        (
+            "pp2_dp1_z1_fp32_type",
+            ["--to", "pp=3,dp=1", "--partition-method", "uniform"],
+            2,  # 8 layers would fit
+            ["depends on how many state-less layers follow layer 5", "without --layer-types"],
+        ),
+        (
+            "pp2_dp1_z1_fp32_type",
+            ["--to", "pp=3,dp=1", "--partition-method", "uniform", "--layer-types", LAYER_TYPES],
+            2,
+            ["do not split into its 2 stages with --partition-method uniform (layer 3 is on stage 0"],
+        ),
+        (
+            "pp2_dp1_z1_fp32_type",
+            ["--to", "pp=3,dp=1", "--partition-method", "type:block", "--layer-types", LAYER_TYPES],
+            2,
+            ["(as inferred from the checkpoint and --layer-types (6 layers)) do not split into its 2 stages"],
+        ),
+    ],
+)
 def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, args, code, needles):
     res = run_cli("reshard", PP_DATA / name, tmp_path / "out", *args)
     assert res.code == code, res.output
@@ -229,16 +293,30 @@ def test_type_weights_equal_deepspeeds_find_layer_type():
     def float16_to_fp32(x):
         return x
 
-    specs = [TiedLayerSpec("embed", EmbeddingPipe, 2, 2), lambda x: x,
-             *[LayerSpec(ParallelTransformerLayerPipe, 2, 2) for _ in range(5)], lambda x: x,
-             LayerSpec(nn.LayerNorm, 2), TiedLayerSpec("embed", EmbeddingPipe, 2, 2, forward_fn=lambda m, x: x),
-             float16_to_fp32, nn.ReLU()]
+    specs = [
+        TiedLayerSpec("embed", EmbeddingPipe, 2, 2),
+        lambda x: x,
+        *[LayerSpec(ParallelTransformerLayerPipe, 2, 2) for _ in range(5)],
+        lambda x: x,
+        LayerSpec(nn.LayerNorm, 2),
+        TiedLayerSpec("embed", EmbeddingPipe, 2, 2, forward_fn=lambda m, x: x),
+        float16_to_fp32,
+        nn.ReLU(),
+    ]
     types = pipeline_partition.parse_layer_types(
-        "EmbeddingPipe,<lambda>,ParallelTransformerLayerPipe*5,<lambda>,LayerNorm,EmbeddingPipe,float16_to_fp32,ReLU")
+        "EmbeddingPipe,<lambda>,ParallelTransformerLayerPipe*5,<lambda>,LayerNorm,EmbeddingPipe,float16_to_fp32,ReLU"
+    )
     assert len(types) == len(specs)
     stub = SimpleNamespace(_layer_specs=specs)
-    for method in ["type:transformer", "type:Transformer|embedding", "type:^layernorm$", "type:fp32|lambda",
-                   "type:relu", "type:pipe:ignored after the second colon", "type:[A-Z]mbed"]:
+    for method in [
+        "type:transformer",
+        "type:Transformer|embedding",
+        "type:^layernorm$",
+        "type:fp32|lambda",
+        "type:relu",
+        "type:pipe:ignored after the second colon",
+        "type:[A-Z]mbed",
+    ]:
         want = [0] * len(specs)
         for i in PipelineModule._find_layer_type(stub, method.lower().split(":")[1]):  # as _partition_layers
             want[i] = 1
@@ -291,11 +369,22 @@ def test_deepspeed_loads_the_resharded_pipeline_and_trains(tmp_path, world):
         pipeline_partition.use_partition_method(None)
         pipeline_partition.use_layer_types(None)
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "ds_pp_reshard_check.py"), "--ckpt", str(out),
-                                 "--fixture", name, "--pp", str(pp), "--partition-method", method,
-                                 "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "ds_pp_reshard_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        name,
+        "--pp",
+        str(pp),
+        "--partition-method",
+        method,
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(result.read_text())
     assert r["ok"], [{k: p.get(k) for k in ("error", "mismatches")} for p in r["ranks"]]

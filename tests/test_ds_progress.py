@@ -6,6 +6,7 @@ dp rank, copied layer and expert files), so at dp=64 the count used to pass 100%
 (formats/deepspeed/tag_writer.py) corrects the total to what it will write (progress.retotal):
 the bytes declared must equal the bytes advanced.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -43,14 +44,17 @@ class Counting:
         pass
 
 
-@pytest.mark.parametrize("name,to", [
-    ("ds_tp/mpu_z2_bf16", "tp=2,dp=64"),
-    ("ds_tp/autotp_z3_bf16", "tp=1,dp=8"),
-    ("ds_moe/moe_z1_bf16_w4_k2", "ep=2,dp=64"),
-    ("ds_pp/pp2_dp2_z1_fp32", "pp=2,dp=16"),
-    ("deepspeed/z1_bf16_w2", "16"),     # a tensor twice in one file is stored (and counted) once
-    ("deepspeed/z3_fp32_w3_subgroups", "5"),
-])
+@pytest.mark.parametrize(
+    "name,to",
+    [
+        ("ds_tp/mpu_z2_bf16", "tp=2,dp=64"),
+        ("ds_tp/autotp_z3_bf16", "tp=1,dp=8"),
+        ("ds_moe/moe_z1_bf16_w4_k2", "ep=2,dp=64"),
+        ("ds_pp/pp2_dp2_z1_fp32", "pp=2,dp=16"),
+        ("deepspeed/z1_bf16_w2", "16"),  # a tensor twice in one file is stored (and counted) once
+        ("deepspeed/z3_fp32_w3_subgroups", "5"),
+    ],
+)
 def test_reshard_progress_ends_at_its_total(tmp_path, name, to):
     if not (DATA / name).is_dir():
         pytest.skip(f"no fixture {name}")
@@ -65,9 +69,14 @@ def test_the_progress_line_ends_at_100_percent(tmp_path):
     src = DATA / "ds_tp" / "mpu_z2_bf16"
     if not src.is_dir():
         pytest.skip("no fixture ds_tp/mpu_z2_bf16")
-    proc = subprocess.run([sys.executable, "-m", "ckptkit", "reshard", str(src), str(tmp_path / "out"),
-                           "--to", "tp=2,dp=64"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**subprocess_env(), "CKPTKIT_PROGRESS_INTERVAL": "0"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "reshard", str(src), str(tmp_path / "out"), "--to", "tp=2,dp=64"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**subprocess_env(), "CKPTKIT_PROGRESS_INTERVAL": "0"},
+    )
     assert proc.returncode == 0, proc.stderr
     percents = [line for line in proc.stderr.splitlines() if line.startswith("reshard ") and "%)" in line]
     assert percents and percents[-1].split("(")[1].startswith("100%)"), percents[-3:]

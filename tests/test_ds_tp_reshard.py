@@ -9,6 +9,7 @@ the new sizes, and a rewrite at the same sizes is DeepSpeed's own files object f
 master, moment and module weight with the truth of fixtures/generate_ds_tp.py cut for each rank,
 and train a step.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,10 +71,14 @@ def test_output_reads_back_equal_to_the_source(tmp_path, name, to, sizes):
     assert objects["ds.checkpoint_parallel_dimensions"]["tp_degree"] == tp
     tag = tmp_path / "out" / "global_step2"
     prefix = "bf16_" if any((TP_DATA / name / "global_step2").glob("bf16_*")) else ""
-    models = ([f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for t in range(tp) for d in range(dp)]
-              if "_z3_" in name else [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)])
+    models = (
+        [f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for t in range(tp) for d in range(dp)]
+        if "_z3_" in name
+        else [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
+    )
     assert sorted(p.name for p in tag.iterdir()) == sorted(
-        models + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)])
+        models + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)]
+    )
 
 
 def _same(a, b, where: str) -> None:
@@ -104,12 +109,16 @@ def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
     res = _cli("reshard", TP_DATA / name, tmp_path / "out", "--to", f"tp={info['tp']},dp={info['dp']}")
     assert res.exit_code == 0, res.output
     src = TP_DATA / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == \
-        sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
     for f in sorted(src.iterdir()):
         # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): our fixtures and our output
-        _same(torch.load(f, weights_only=False), torch.load(tmp_path / "out" / "global_step2" / f.name,
-                                                            weights_only=False), f.name)
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
 
 
 def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
@@ -142,13 +151,16 @@ def _one_sentence_exit_2(res, *needles):
         assert needle in line, line
 
 
-@pytest.mark.parametrize("name,to,needles", [
-    ("mpu_z2_fp32", "tp=3,dp=1", ("--to tp=3", "word_embeddings.weight", "size 16", "cannot share equally")),
-    ("mpu_z2_fp32", "tp=16,dp=1", ("query_key_value", "fused parts [8, 8, 8]")),
-    ("mpu_z2_fp32", "3", ("tensor-parallel size 2 does not divide 3 ranks", "--to tp=1,dp=3")),
-    ("mpu_z2_fp32", "tp=2,pp=2,dp=1", ("pipeline parallelism", "pp=1")),
-    ("mpu_z2_fp32", "ep=2,dp=2", ("mixture-of-experts", "ep must be 1")),
-])
+@pytest.mark.parametrize(
+    "name,to,needles",
+    [
+        ("mpu_z2_fp32", "tp=3,dp=1", ("--to tp=3", "word_embeddings.weight", "size 16", "cannot share equally")),
+        ("mpu_z2_fp32", "tp=16,dp=1", ("query_key_value", "fused parts [8, 8, 8]")),
+        ("mpu_z2_fp32", "3", ("tensor-parallel size 2 does not divide 3 ranks", "--to tp=1,dp=3")),
+        ("mpu_z2_fp32", "tp=2,pp=2,dp=1", ("pipeline parallelism", "pp=1")),
+        ("mpu_z2_fp32", "ep=2,dp=2", ("mixture-of-experts", "ep must be 1")),
+    ],
+)
 def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, to, needles):
     if not (TP_DATA / name).is_dir():
         pytest.skip(f"fixture {name} not generated")
@@ -173,10 +185,20 @@ def test_deepspeed_loads_the_resharded_tp_checkpoint_and_trains(tmp_path, world)
     out = tmp_path / "out"
     reshard(str(TP_DATA / name), str(out), to)
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(world) + [str(ROOT / "tests" / "dist" / "ds_tp_load_check.py"), "--ckpt", str(out),
-                                 "--fixture", name, "--tp", str(tp), "--result", str(result)]
-    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "ds_tp_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        name,
+        "--tp",
+        str(tp),
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(result.read_text())
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}

@@ -3,6 +3,7 @@
 
 Every value _fast_dumps accepts must pickle to the same bytes as FaithfulPickler (which is
 itself pinned against torch's own pickling elsewhere); anything else must be left to it."""
+
 from __future__ import annotations
 
 import collections
@@ -48,8 +49,10 @@ def _plain_paths(obj, seen=None):
             _plain_paths(v, seen)
 
 
-METADATA = sorted(glob.glob(str(FIXTURES / "**" / "*.metadata"), recursive=True)
-                  + glob.glob(str(FIXTURES / "**" / ".metadata"), recursive=True))
+METADATA = sorted(
+    glob.glob(str(FIXTURES / "**" / "*.metadata"), recursive=True)
+    + glob.glob(str(FIXTURES / "**" / ".metadata"), recursive=True)
+)
 
 
 @pytest.mark.parametrize("path", METADATA, ids=lambda p: str(pathlib.Path(p).relative_to(FIXTURES)))
@@ -68,8 +71,9 @@ def _value(rnd: random.Random, depth: int = 0):
     if kind == 1:
         return rnd.choice([True, False])
     if kind == 2:
-        return rnd.choice([0, 1, 255, 256, 65535, 65536, -1, -2**31, 2**31 - 1, 2**31, -2**31 - 1, 2**70, -2**70,
-                           2**3000])
+        return rnd.choice(
+            [0, 1, 255, 256, 65535, 65536, -1, -(2**31), 2**31 - 1, 2**31, -(2**31) - 1, 2**70, -(2**70), 2**3000]
+        )
     if kind == 3:
         return rnd.random() * 1e10
     if kind == 4:
@@ -96,8 +100,16 @@ def test_generated_values_pickle_the_same(seed):
     rnd = random.Random(seed)
     for _ in range(4):
         shared = [_value(rnd) for _ in range(3)]  # shared objects: memo references, as in real metadata
-        obj = [_value(rnd), shared, shared[0], (shared[1], shared), {"s": shared}, GlobalRef("torch", "Size"), (),
-               repickle.stand_in("a.B", _state=(DType("float32"), shared))]
+        obj = [
+            _value(rnd),
+            shared,
+            shared[0],
+            (shared[1], shared),
+            {"s": shared},
+            GlobalRef("torch", "Size"),
+            (),
+            repickle.stand_in("a.B", _state=(DType("float32"), shared)),
+        ]
         rnd.shuffle(obj)
         fast = repickle._fast_dumps(obj)
         assert fast is not None

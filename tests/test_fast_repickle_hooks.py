@@ -6,6 +6,7 @@ Random structures of what the writers pickle (plain containers, OrderedDicts, st
 small types, lazy and small tensors, repeated objects) must give the same data.pkl and the same
 slots either way; a structure the fast writer declines (a torch tensor, an OrderedDict with
 attributes) must give them too, its hooks' slots from the declined try forgotten."""
+
 from __future__ import annotations
 
 import collections
@@ -44,8 +45,9 @@ def _value(rng: random.Random, pool: list, depth: int):
         if kind == 0:
             shape = tuple(rng.randint(0, 4) for _ in range(rng.randint(0, 3)))
             dtype = rng.choice(_DTYPES)
-            obj = LazyTensor(TensorEntry(f"t{rng.random()}", dtype, shape,
-                                         [Piece(Box.whole(shape), Location("f", 0, 0))]))
+            obj = LazyTensor(
+                TensorEntry(f"t{rng.random()}", dtype, shape, [Piece(Box.whole(shape), Location("f", 0, 0))])
+            )
         elif kind == 1:
             shape = tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 2)))
             n = 1
@@ -53,7 +55,7 @@ def _value(rng: random.Random, pool: list, depth: int):
                 n *= s
             obj = SmallTensor("float32", shape, bytes(4 * n))
         elif kind == 2:
-            obj = rng.choice([0, 7, 300, 70000, -5, 2 ** 40, -2 ** 70, 1.5, None, True, False])
+            obj = rng.choice([0, 7, 300, 70000, -5, 2**40, -(2**70), 1.5, None, True, False])
         elif kind == 3:
             obj = rng.choice(["w", "exp_avg", "module.layer.0.weight", "é", ""]) + str(rng.randrange(3))
         elif kind == 4:
@@ -106,18 +108,27 @@ def test_a_declined_structure_is_pickled_faithfully_with_fresh_slots() -> None:
         assert _ours(obj) == _faithful(obj)  # ...that the writer forgets
 
 
-@pytest.mark.parametrize("shape", [(), (0,), (5,), (300,), (70000,), (2, 3), (0, 4), (2, 3, 4, 5), (1 << 31,), (3, 1 << 20)])
+@pytest.mark.parametrize(
+    "shape", [(), (0,), (5,), (300,), (70000,), (2, 3), (0, 4), (2, 3, 4, 5), (1 << 31,), (3, 1 << 20)]
+)
 def test_tensor_rebuild_in_one_pass_is_faithful(shape) -> None:
     """The one-pass tensor rebuild (repickle's save_rebuild): sizes and strides of every int
     encoding and length (a size past int32 falls back to the general path), storage keys that
     are strings the structure memoized before ("0", "1"), the same entry twice (one slot), a
     dtype with and without a legacy storage class, past 256 memo entries."""
-    entries = [TensorEntry(f"e{i}", dtype, shape, [Piece(Box.whole(shape), Location("f", 0, 0))])
-               for i, dtype in enumerate(["bfloat16", "float8_e4m3fn", "float32"])]
+    entries = [
+        TensorEntry(f"e{i}", dtype, shape, [Piece(Box.whole(shape), Location("f", 0, 0))])
+        for i, dtype in enumerate(["bfloat16", "float8_e4m3fn", "float32"])
+    ]
     lazies = [LazyTensor(e) for e in entries]
-    obj = {"0": str(0), "1": [str(1), "cpu", "storage"], "t": lazies, "again": LazyTensor(entries[0]),
-           "many": [LazyTensor(TensorEntry(f"m{i}", "float16", shape, [])) for i in range(150)],
-           "tail": lazies[1]}
+    obj = {
+        "0": str(0),
+        "1": [str(1), "cpu", "storage"],
+        "t": lazies,
+        "again": LazyTensor(entries[0]),
+        "many": [LazyTensor(TensorEntry(f"m{i}", "float16", shape, [])) for i in range(150)],
+        "tail": lazies[1],
+    }
     builder = _Builder()
     assert repickle.fast_dumps(obj, builder.persistent_id, builder.reduce, archive_writer._HOOKED) is not None
     assert _ours(obj) == _faithful(obj)

@@ -1,6 +1,7 @@
 """safeload_fence.scan matches short strings (BINUNICODE, SHORT_BINUNICODE) in its regex rather
 than one loop iteration each (issue 17: a ZeRO-3 model-states data.pkl holds 60k of them), and
 takes or declines exactly what it did with the loop alone."""
+
 from __future__ import annotations
 
 import pickle
@@ -31,7 +32,7 @@ def test_short_strings_are_the_regexs():
     data = pickle.dumps(["name%d" % i for i in range(1000)] + ["x" * 127, "y" * 128], protocol=2)
     run = fence._run_for(len(data), False)
     stop = run.match(data, 2).end()
-    assert data[stop:stop + 1] == b"X" and data[stop + 1:stop + 5] == (128).to_bytes(4, "little")
+    assert data[stop : stop + 1] == b"X" and data[stop + 1 : stop + 5] == (128).to_bytes(4, "little")
     data4 = pickle.dumps(["n%d" % i for i in range(1000)], protocol=4)
     assert data4[2] == 0x95  # (a FRAME: the scan's loop notes where each is)
     assert fence._run_for(len(data4), False).match(data4, 11).end() >= len(data4) - 3
@@ -48,7 +49,7 @@ def test_mutated_pickles_are_taken_or_declined_as_by_the_loop_alone(monkeypatch)
             if r < 0.5:
                 d[k] = rng.randrange(256)
             elif r < 0.75:
-                del d[k:k + rng.randint(1, 8)]
+                del d[k : k + rng.randint(1, 8)]
             else:
                 d[k:k] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 6)))
         data = bytes(d)

@@ -6,6 +6,7 @@ around them: box pieces either contiguous or stored with a permuted, padded elem
 (``Location.stride``), flat pieces as their row-major flat range. ``Fetcher.fetch`` of any box
 must equal the truth slice bit for bit, and must only read inside the pieces' byte spans.
 """
+
 from __future__ import annotations
 
 import math
@@ -120,10 +121,12 @@ def guillotine(draw, shape, max_splits=8):
             continue
         d = draw(st.sampled_from(dims))
         c = draw(st.integers(1, b.sizes[d] - 1))
-        boxes[i:i + 1] = [
-            Box(b.offsets, b.sizes[:d] + (c,) + b.sizes[d + 1:]),
-            Box(b.offsets[:d] + (b.offsets[d] + c,) + b.offsets[d + 1:],
-                b.sizes[:d] + (b.sizes[d] - c,) + b.sizes[d + 1:]),
+        boxes[i : i + 1] = [
+            Box(b.offsets, b.sizes[:d] + (c,) + b.sizes[d + 1 :]),
+            Box(
+                b.offsets[:d] + (b.offsets[d] + c,) + b.offsets[d + 1 :],
+                b.sizes[:d] + (b.sizes[d] - c,) + b.sizes[d + 1 :],
+            ),
         ]
     return boxes
 
@@ -161,7 +164,7 @@ def build_entry(draw, root, dtype, shape, truth, regions, rng) -> TensorEntry:
         rel = draw(st.sampled_from(["rank0.bin", "sub/rank1.distcp"]))
         if isinstance(region, FlatRange):
             event("flat piece")
-            payload = to_bytes(truth.reshape(-1)[region.start:region.end])
+            payload = to_bytes(truth.reshape(-1)[region.start : region.end])
             located[i] = Location(rel, files.add(rel, payload), len(payload))
             continue
         part = truth[idx(region)]
@@ -193,17 +196,19 @@ class RecordingSource(LocalSource):
 
 def assert_reads_inside_pieces(src: RecordingSource, entry: TensorEntry) -> None:
     for rel, off, n in src.reads:
-        assert any(p.location.file == rel and p.location.offset <= off
-                   and off + n <= p.location.offset + p.location.length for p in entry.pieces), \
-            f"read {rel}@{off}+{n} outside every piece"
+        assert any(
+            p.location.file == rel and p.location.offset <= off and off + n <= p.location.offset + p.location.length
+            for p in entry.pieces
+        ), f"read {rel}@{off}+{n} outside every piece"
 
 
 # ---------------------------------------------------------------------------------------------
 # properties
 
 
-@settings(max_examples=250, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(st.sampled_from(DTYPES), shapes, st.integers(0, 2**32 - 1), st.data())
 def test_fetch_matches_truth(tmp_path, dtype, shape, seed, data):
     rng = np.random.default_rng(seed)
@@ -232,10 +237,15 @@ def test_fetch_matches_truth(tmp_path, dtype, shape, seed, data):
             src.close()
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(st.sampled_from(DTYPES), st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
-       st.integers(0, 2**32 - 1), st.data())
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    st.sampled_from(DTYPES),
+    st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
+    st.integers(0, 2**32 - 1),
+    st.data(),
+)
 def test_fetch_missing_piece_raises(tmp_path, dtype, shape, seed, data):
     rng = np.random.default_rng(seed)
     truth = random_tensor(dtype, shape, rng)
@@ -270,8 +280,7 @@ def _single_piece_file(tmp_path, dtype="float32", shape=(3, 4)):
 
 def test_fetch_simple_roundtrip(tmp_path):
     truth, payload, off = _single_piece_file(tmp_path)
-    entry = TensorEntry(KEY, "float32", (3, 4),
-                        [Piece(Box((0, 0), (3, 4)), Location("data.bin", off, len(payload)))])
+    entry = TensorEntry(KEY, "float32", (3, 4), [Piece(Box((0, 0), (3, 4)), Location("data.bin", off, len(payload)))])
     src = LocalSource(str(tmp_path))
     try:
         assert torch.equal(bits(Fetcher(src).fetch(entry)), bits(truth))
@@ -286,8 +295,10 @@ def test_fetch_location_past_end_of_file_raises(tmp_path):
     size = (tmp_path / "data.bin").stat().st_size
     src = LocalSource(str(tmp_path))
     try:
-        for loc in [Location("data.bin", size + 10, len(payload)),   # starts past the end
-                    Location("data.bin", size - 8, len(payload))]:   # runs past the end
+        for loc in [
+            Location("data.bin", size + 10, len(payload)),  # starts past the end
+            Location("data.bin", size - 8, len(payload)),
+        ]:  # runs past the end
             entry = TensorEntry(KEY, "float32", (3, 4), [Piece(Box((0, 0), (3, 4)), loc)])
             with pytest.raises(FormatError, match="truncated"):
                 Fetcher(src).fetch(entry)
@@ -301,8 +312,7 @@ def test_fetch_location_past_end_of_file_raises(tmp_path):
 def test_fetch_truncated_file_raises(tmp_path):
     truth, payload, off = _single_piece_file(tmp_path)
     (tmp_path / "data.bin").write_bytes(b"\0" * off + payload[: len(payload) // 2])
-    entry = TensorEntry(KEY, "float32", (3, 4),
-                        [Piece(Box((0, 0), (3, 4)), Location("data.bin", off, len(payload)))])
+    entry = TensorEntry(KEY, "float32", (3, 4), [Piece(Box((0, 0), (3, 4)), Location("data.bin", off, len(payload)))])
     src = LocalSource(str(tmp_path))
     try:
         with pytest.raises(FormatError, match="truncated"):
@@ -316,8 +326,9 @@ def test_fetch_truncated_file_raises(tmp_path):
 
 def test_fetch_read_past_recorded_length_raises(tmp_path):
     truth, payload, off = _single_piece_file(tmp_path)
-    entry = TensorEntry(KEY, "float32", (3, 4),
-                        [Piece(Box((0, 0), (3, 4)), Location("data.bin", off, len(payload) - 4))])
+    entry = TensorEntry(
+        KEY, "float32", (3, 4), [Piece(Box((0, 0), (3, 4)), Location("data.bin", off, len(payload) - 4))]
+    )
     src = LocalSource(str(tmp_path))
     try:
         with pytest.raises(FormatError, match=KEY.replace(".", r"\.")):
@@ -327,8 +338,7 @@ def test_fetch_read_past_recorded_length_raises(tmp_path):
 
 
 def test_fetch_missing_file_raises(tmp_path):
-    entry = TensorEntry(KEY, "float32", (2,),
-                        [Piece(Box((0,), (2,)), Location("nope.bin", 0, 8))])
+    entry = TensorEntry(KEY, "float32", (2,), [Piece(Box((0,), (2,)), Location("nope.bin", 0, 8))])
     src = LocalSource(str(tmp_path))
     with pytest.raises(FormatError):
         Fetcher(src).fetch(entry)

@@ -1,5 +1,6 @@
 """runner.stream.find_aliases (tied weights, written once): the same answer as comparing every
 entry's full signature, including entries that share dtype, shape and first piece but differ later."""
+
 from __future__ import annotations
 
 import random
@@ -29,8 +30,10 @@ def _entry(key: str, rng: random.Random) -> TensorEntry:
     file = rng.choice(["a", "b"])
     first = rng.choice([0, 64])
     if halves:
-        pieces = [Piece(FlatRange(0, n // 2), Location(file, first, n * 2)),
-                  Piece(FlatRange(n // 2, n // 2), Location(file, rng.choice([128, 256]), n * 2))]
+        pieces = [
+            Piece(FlatRange(0, n // 2), Location(file, first, n * 2)),
+            Piece(FlatRange(n // 2, n // 2), Location(file, rng.choice([128, 256]), n * 2)),
+        ]
     else:
         pieces = [Piece(Box((0,), (n,)), Location(file, first, n * 4))]
     return TensorEntry(key, dtype, (n,), pieces)

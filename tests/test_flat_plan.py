@@ -6,6 +6,7 @@ partitions referring to all of them, dtype mismatches, reads past a piece's byte
 byte_ranges (the sweep where it applies) must name the same bytes as the box planner: the same
 ranges once adjacent ones are merged, the same None, the same refusal sentence.
 """
+
 from __future__ import annotations
 
 import random
@@ -91,8 +92,12 @@ def _stored(rng: random.Random, key: str, dtype: str, broken: bool) -> TensorEnt
             if length or (len(shape) == 1 and rng.random() < 0.3):
                 sizes = (length,) + shape[1:]
                 n = length * (numel // shape[0])
-                pieces.append(Piece(Box((start,) + (0,) * (len(shape) - 1), sizes),
-                                    Location(rng.choice("ab"), rng.randint(0, 99) * 8, n * item)))
+                pieces.append(
+                    Piece(
+                        Box((start,) + (0,) * (len(shape) - 1), sizes),
+                        Location(rng.choice("ab"), rng.randint(0, 99) * 8, n * item),
+                    )
+                )
     elif kind == "inline":
         value = SmallTensor(dtype, shape, bytes(rng.randrange(256) for _ in range(numel * item)))
         entry = inline_tensor(key, value)
@@ -156,12 +161,17 @@ def test_sweep_names_the_bytes_the_box_planner_names(seed: int) -> None:
 def test_the_sweep_serves_zero_partitions() -> None:
     """The shortcut is taken (not only the box planner's answer repeated): a partition of
     parameters stored as flat runs is planned by the sweep, adjacent rows merged."""
-    param = TensorEntry("w", "float32", (4, 4), [Piece(FlatRange(8, 8), Location("b", 0, 32)),
-                                                 Piece(FlatRange(0, 8), Location("a", 64, 32))])
+    param = TensorEntry(
+        "w",
+        "float32",
+        (4, 4),
+        [Piece(FlatRange(8, 8), Location("b", 0, 32)), Piece(FlatRange(0, 8), Location("a", 64, 32))],
+    )
     index = CheckpointIndex("test", "/nowhere", tensors={"w": param})
     part = flat_concat("p", "float32", [Part("w", 2, 12), Part(None, 0, 2)])
     calls = []
-    got = flat_plan.flat_byte_ranges(part, 0, part.numel, tensors=index.tensors, tiling=lambda e: None,
-                                     boxed=lambda *a: calls.append(a))
+    got = flat_plan.flat_byte_ranges(
+        part, 0, part.numel, tensors=index.tensors, tiling=lambda e: None, boxed=lambda *a: calls.append(a)
+    )
     assert got == [("a", 72, 24), ("b", 0, 24), (None, 0, 8)] and not calls
     assert Planner(index).byte_ranges(part) == got

@@ -11,6 +11,7 @@ partition described as arrays must plan and copy exactly the bytes its pieces na
 - The gathered copy (range_table) writes the bytes and CRC32 kernel_copy writes, across windows,
   with zeros, with ranges too large or too far apart for a block (kernel_copy's path).
 """
+
 from __future__ import annotations
 
 import os
@@ -86,8 +87,12 @@ def _random_copy(entry: TableEntry) -> TableEntry:
 def test_the_table_path_is_taken_for_flat_runs() -> None:
     """Flat runs of raw bytes (a ZeRO-3 parameter: a run per source rank) are planned from the
     arrays, adjacent ranges merged, zeros between; the table's pieces are never made."""
-    w = TensorEntry("w", "float32", (4, 4), [Piece(FlatRange(8, 8), Location("b", 0, 32)),
-                                             Piece(FlatRange(0, 8), Location("a", 64, 32))])
+    w = TensorEntry(
+        "w",
+        "float32",
+        (4, 4),
+        [Piece(FlatRange(8, 8), Location("b", 0, 32)), Piece(FlatRange(0, 8), Location("a", 64, 32))],
+    )
     v = TensorEntry("v", "float32", (3,), [Piece(FlatRange(0, 3), Location("a", 96, 12))])
     index = CheckpointIndex("test", "/nowhere", tensors={"w": w, "v": v})
     entry = flat_table("p", "float32", FlatTable(["w", "v"], [2, 0], [6, 3], [0, 6], 11))
@@ -97,7 +102,9 @@ def test_the_table_path_is_taken_for_flat_runs() -> None:
     assert Planner(index).byte_ranges(entry) == table.as_list() and entry._pieces is None
     # another dtype, a virtual or unknown tensor, a run past its piece's bytes: not from the table
     for refs in (["w", "nope"],):
-        assert Planner(index).range_table(flat_table("q", "float32", FlatTable(refs, [0, 0], [1, 1], [0, 1], 2))) is None
+        assert (
+            Planner(index).range_table(flat_table("q", "float32", FlatTable(refs, [0, 0], [1, 1], [0, 1], 2))) is None
+        )
     assert Planner(index).range_table(flat_table("q", "bfloat16", FlatTable(["w"], [0], [1], [0], 1))) is None
     short = TensorEntry("s", "float32", (2,), [Piece(FlatRange(0, 2), Location("a", 0, 4))])
     encoded = TensorEntry("e", "float32", (2,), [Piece(FlatRange(0, 2), Location("a", 0, 999, Encoding.TORCH_SAVE))])
@@ -107,33 +114,48 @@ def test_the_table_path_is_taken_for_flat_runs() -> None:
 
 
 def test_a_table_refuses_parts_out_of_order() -> None:
-    for starts, lengths, positions, numel in (([0], [0], [0], 1), ([0, 0], [2, 2], [0, 1], 4),
-                                              ([0], [2], [0], 1), ([-1], [1], [0], 1)):
+    for starts, lengths, positions, numel in (
+        ([0], [0], [0], 1),
+        ([0, 0], [2, 2], [0, 1], 4),
+        ([0], [2], [0], 1),
+        ([-1], [1], [0], 1),
+    ):
         with pytest.raises(ValueError):
             FlatTable(["a"] * len(starts), starts, lengths, positions, numel)
 
 
-@pytest.mark.parametrize("stage,world,numels,paddings", [
-    (3, 3, [64, 64, 1, 5, 0, 2, 64], None),      # 2 -> 3 ranks: parameters straddle, some smaller than W
-    (3, 5, [7, 64, 3], None),
-    (3, 1, [4, 6], None),
-    (2, 3, [10, 3, 7, 0, 5], [2, 1, 0, 0, 0]),   # alignment padding, the end padded to 2W
-    (1, 4, [3], None),                           # ranks past the end: empty partitions
-])
-def test_the_writers_tables_stand_for_its_parts(stage: int, world: int, numels: list[int],
-                                                paddings: list[int] | None) -> None:
+@pytest.mark.parametrize(
+    "stage,world,numels,paddings",
+    [
+        (3, 3, [64, 64, 1, 5, 0, 2, 64], None),  # 2 -> 3 ranks: parameters straddle, some smaller than W
+        (3, 5, [7, 64, 3], None),
+        (3, 1, [4, 6], None),
+        (2, 3, [10, 3, 7, 0, 5], [2, 1, 0, 0, 0]),  # alignment padding, the end padded to 2W
+        (1, 4, [3], None),  # ranks past the end: empty partitions
+    ],
+)
+def test_the_writers_tables_stand_for_its_parts(
+    stage: int, world: int, numels: list[int], paddings: list[int] | None
+) -> None:
     params = tuple((f"layer.{i}.weight", (n,)) for i, n in enumerate(numels))
     group = ZeroGroup(index=0, param_group=0, params=params, paddings=tuple(paddings) if paddings else None)
     shares = partition.rank_shares(stage, [(n, s[0]) for n, s in params], group.paddings, world)
-    plan = GroupPlan(group=group, keys={"exp_avg": "float32", "step": None}, whole={"step": 1},
-                     master_dtype="float32", has_state=True, shares=shares)
+    plan = GroupPlan(
+        group=group,
+        keys={"exp_avg": "float32", "step": None},
+        whole={"step": 1},
+        master_dtype="float32",
+        has_state=True,
+        shares=shares,
+    )
     for rank, share in enumerate(shares):
         masters = plan.masters(rank).entry
         old = virtual(masters.key, "float32", _parts(share, model_key), 0, share.own).entry
         assert type(masters) is TableEntry and masters.pieces == old.pieces and masters.shape == old.shape
         state = plan.state(rank)
-        old = virtual(state["exp_avg"].entry.key, "float32",
-                      _parts(share, lambda n: state_key(n, "exp_avg")), 0, share.size).entry
+        old = virtual(
+            state["exp_avg"].entry.key, "float32", _parts(share, lambda n: state_key(n, "exp_avg")), 0, share.size
+        ).entry
         assert state["exp_avg"].entry.pieces == old.pieces and state["step"] == 1
 
 
@@ -163,9 +185,12 @@ def test_the_gathered_copy_writes_kernel_copys_bytes(tmp_path, monkeypatch, seed
         else:
             ranges.append((rng.choice("ab"), unit * rng.randint(0, 2000), n))
     files = ["a", "b"]
-    table = RangeTable(files, np.array([files.index(r) if r else -1 for r, _, _ in ranges], dtype=np.int64),
-                       np.array([o for _, o, _ in ranges], dtype=np.int64),
-                       np.array([n for _, _, n in ranges], dtype=np.int64))
+    table = RangeTable(
+        files,
+        np.array([files.index(r) if r else -1 for r, _, _ in ranges], dtype=np.int64),
+        np.array([o for _, o, _ in ranges], dtype=np.int64),
+        np.array([n for _, _, n in ranges], dtype=np.int64),
+    )
     assert table.as_list() == ranges
     want = kernel_copy.read(source, ranges)
     assert range_table.read(source, table) == want
@@ -192,8 +217,14 @@ def test_ranges_far_apart_are_not_read_as_one_block(tmp_path, monkeypatch) -> No
     assert (tmp_path / "out").read_bytes() == kernel_copy.read(source, table.as_list()) and max(blocks) <= 64
 
 
-@pytest.mark.parametrize("name", [n for n in ("z3_bf16_w2", "z3_fp16_w2", "z3_fp32_w2")
-                                  if (Path(__file__).parent.parent / "fixtures/data/deepspeed" / n).is_dir()])
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in ("z3_bf16_w2", "z3_fp16_w2", "z3_fp32_w2")
+        if (Path(__file__).parent.parent / "fixtures/data/deepspeed" / n).is_dir()
+    ],
+)
 def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) -> None:
     """The ZeRO-3 module's empty placeholders are located without the view checks (tensor_location's
     empty_view road): the same dtype and Location as the checks (_located) give, for every one."""
@@ -216,6 +247,7 @@ def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) ->
         elif isinstance(v, (list, tuple)):
             for x in v:
                 walk(x)
+
     walk(model)
     assert any(empty_view(r) for r in refs)
     for ref in refs:
@@ -223,7 +255,9 @@ def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) ->
         member = archive.storage_member(ref.storage.key)
         dtype, start, length, stride = _located(archive, ref, "tensor", member)
         assert (entry.dtype, entry.pieces[0].location) == (
-            dtype, Location(archive.file, member.data_offset + start, length, stride=stride))
+            dtype,
+            Location(archive.file, member.data_offset + start, length, stride=stride),
+        )
 
 
 def _zero_param(rng: random.Random, key: str, dtype: str) -> TensorEntry:
@@ -237,8 +271,12 @@ def _zero_param(rng: random.Random, key: str, dtype: str) -> TensorEntry:
     for rank in range(world):
         length = max(0, min(per, numel - pos))
         if length:
-            pieces.append(Piece(FlatRange(pos, length), Location(f"r{rank}", rng.randint(0, 99) * 8,
-                                                                length * item + rng.choice([0, 0, 4]))))
+            pieces.append(
+                Piece(
+                    FlatRange(pos, length),
+                    Location(f"r{rank}", rng.randint(0, 99) * 8, length * item + rng.choice([0, 0, 4])),
+                )
+            )
         pos += length
     return TensorEntry(key, dtype, shape, pieces)
 
@@ -276,8 +314,19 @@ def _spoiled(rng: random.Random, entry: TensorEntry) -> TensorEntry:
 
 
 def _runs_state(runs) -> tuple:
-    return (runs._row_of, runs._first, runs._count, runs._numel, runs._dtype, runs._dtypes, runs._start,
-            runs._length, runs._file, runs._offset, runs.files)
+    return (
+        runs._row_of,
+        runs._first,
+        runs._count,
+        runs._numel,
+        runs._dtype,
+        runs._dtypes,
+        runs._start,
+        runs._length,
+        runs._file,
+        runs._offset,
+        runs.files,
+    )
 
 
 @pytest.mark.parametrize("seed", range(100))

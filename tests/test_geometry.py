@@ -4,6 +4,7 @@ Every property is checked against a brute-force ground truth: the tensor's eleme
 numbered 0..numel-1 in row-major order (``np.arange(numel).reshape(shape)``), a box selects
 ``arr[slices]`` and a flat range selects ``arange(start, end)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -114,10 +115,11 @@ def guillotine(draw, shape, max_splits=10):
             continue
         d = draw(st.sampled_from(dims))
         c = draw(st.integers(1, b.sizes[d] - 1))
-        lo = Box(b.offsets, b.sizes[:d] + (c,) + b.sizes[d + 1:])
-        hi = Box(b.offsets[:d] + (b.offsets[d] + c,) + b.offsets[d + 1:],
-                 b.sizes[:d] + (b.sizes[d] - c,) + b.sizes[d + 1:])
-        boxes[i:i + 1] = [lo, hi]
+        lo = Box(b.offsets, b.sizes[:d] + (c,) + b.sizes[d + 1 :])
+        hi = Box(
+            b.offsets[:d] + (b.offsets[d] + c,) + b.offsets[d + 1 :], b.sizes[:d] + (b.sizes[d] - c,) + b.sizes[d + 1 :]
+        )
+        boxes[i : i + 1] = [lo, hi]
     return boxes
 
 
@@ -245,7 +247,7 @@ def _check_flat_decomposition(shape, fr, pairs):
     # disjoint and union exactly the range
     c = counts_of(shape, [b for b, _ in pairs]).reshape(-1)
     want = np.zeros(math.prod(shape), dtype=np.int64)
-    want[fr.start:fr.end] = 1
+    want[fr.start : fr.end] = 1
     assert np.array_equal(c, want)
     assert len(pairs) <= 2 * len(shape) + 1
 
@@ -322,7 +324,7 @@ def test_coverage_reports_dropped_piece(args, data):
     kind, shape, regions = args
     i = data.draw(st.integers(0, len(regions) - 1))
     dropped = regions[i]
-    rest = regions[:i] + regions[i + 1:]
+    rest = regions[:i] + regions[i + 1 :]
     cov = coverage(shape, rest, max_report=10_000)
     assert cov.missing_elements == dropped.numel
     assert cov.doubled == [] and cov.out_of_bounds == []
@@ -361,8 +363,12 @@ def test_coverage_reports_duplicated_piece(args, data):
 def test_coverage_reports_out_of_bounds(args, data):
     kind, shape, regions = args
     numel = math.prod(shape)
-    candidates = [FlatRange(numel, 1), FlatRange(0, numel + 1), FlatRange(-1, 1),
-                  Box((0,) * (len(shape) + 1), (1,) * (len(shape) + 1))]
+    candidates = [
+        FlatRange(numel, 1),
+        FlatRange(0, numel + 1),
+        FlatRange(-1, 1),
+        Box((0,) * (len(shape) + 1), (1,) * (len(shape) + 1)),
+    ]
     if shape:
         candidates += [
             Box((shape[0],) + (0,) * (len(shape) - 1), (1,) + tuple(shape[1:])),
@@ -423,9 +429,14 @@ def test_split_rowmajor_examples():
     b = Box((1, 2), (3, 4))
     assert list(split_rowmajor(b, 100)) == [b]
     assert list(split_rowmajor(b, 8)) == [Box((1, 2), (2, 4)), Box((3, 2), (1, 4))]
-    assert list(split_rowmajor(b, 3)) == [Box((1, 2), (1, 3)), Box((1, 5), (1, 1)),
-                                          Box((2, 2), (1, 3)), Box((2, 5), (1, 1)),
-                                          Box((3, 2), (1, 3)), Box((3, 5), (1, 1))]
+    assert list(split_rowmajor(b, 3)) == [
+        Box((1, 2), (1, 3)),
+        Box((1, 5), (1, 1)),
+        Box((2, 2), (1, 3)),
+        Box((2, 5), (1, 1)),
+        Box((3, 2), (1, 3)),
+        Box((3, 5), (1, 1)),
+    ]
     assert list(split_rowmajor(Box((), ()), 1)) == [Box((), ())]
 
 

@@ -1,5 +1,6 @@
 """runner.heap.frozen_heap: what is alive when a write starts is out of the collector's sight
 inside the block and given back after it, also on an error; a caller's own freeze is kept."""
+
 from __future__ import annotations
 
 import gc

@@ -7,6 +7,7 @@ file and a non-zero exit (a CkptkitError from the API), never a traceback, never
 value, nothing left that looks complete. Most tests here were bugs when this pass found them
 (they were strict xfails in f4078db, saying what happened then), fixed in e86e653 and bf84c20.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ def _trainer(tmp_path: Path, name: str = "checkpoint-2") -> Path:
 
 # ---- Trainer folders: RNG files -------------------------------------------------------------------
 
+
 def test_a_second_rng_file_for_one_rank_is_named_not_dropped(tmp_path: Path) -> None:
     src = _trainer(tmp_path)
     (src / "rng_state_01.pth").write_bytes(b"a different generator state")
@@ -63,6 +65,7 @@ def test_a_rank_spelled_in_other_digits_does_not_replace_the_real_one(tmp_path: 
 
 # ---- Trainer folders: what held ------------------------------------------------------------------
 
+
 def test_escape_sequences_in_an_entry_name_are_not_printed_raw(tmp_path: Path) -> None:
     src = _trainer(tmp_path)
     (src / "evil\x1b]0;pwn\x07\nok: forged").write_bytes(b"x")
@@ -73,7 +76,7 @@ def test_escape_sequences_in_an_entry_name_are_not_printed_raw(tmp_path: Path) -
         assert not any(line.startswith("ok: forged") for line in run.output.splitlines()), run.detail()
 
 
-@pytest.mark.parametrize("step", ["1" + "0" * 5000, "-3", "NaN", "\"2\"", "2.0", "true"])
+@pytest.mark.parametrize("step", ["1" + "0" * 5000, "-3", "NaN", '"2"', "2.0", "true"])
 def test_a_global_step_that_is_not_a_count_stops_reshard_in_one_sentence(tmp_path: Path, step: str) -> None:
     src = _trainer(tmp_path)
     (src / "trainer_state.json").write_text('{"global_step": %s}' % step)
@@ -104,6 +107,7 @@ def test_a_link_inside_a_trainer_folder_stops_reshard_and_writes_nothing(tmp_pat
 
 # ---- Checkpointer: RNG files that are JSON of the right shape but not a generator state ----------
 
+
 def _damage_rng(step_dir: Path, mutate) -> Path:
     path = step_dir / rng_files.file_name(0)
     doc = json.loads(path.read_text())
@@ -117,7 +121,7 @@ RNG_DAMAGE = {
     "python state of one word": lambda d: d["python"].__setitem__("state", [1]),
     "python state version 99": lambda d: d["python"].__setitem__("version", 99),
     "python gauss missing": lambda d: d["python"].pop("gauss"),
-    "python words over 32 bits": lambda d: d["python"].__setitem__("state", [2 ** 70] * 625),
+    "python words over 32 bits": lambda d: d["python"].__setitem__("state", [2**70] * 625),
     "torch state of one byte": lambda d: d.__setitem__("torch", "00"),
     "numpy key of one word": lambda d: d["numpy"].__setitem__("key", [1]),
     "numpy another generator": lambda d: d["numpy"].__setitem__("bit_generator", "PCG64"),
@@ -137,6 +141,7 @@ def test_an_rng_file_that_is_no_generator_state_is_an_error_naming_it(tmp_path: 
 
 
 # ---- Checkpointer: a marker listing a path no file system accepts ---------------------------------
+
 
 def _nul_marker(step_dir: Path) -> None:
     marker = step_dir / MARKER
@@ -173,6 +178,7 @@ def test_inspect_of_a_checkpointer_directory_with_a_nul_in_a_marker(tmp_path: Pa
 
 # ---- Checkpointer: keep that is not a count ------------------------------------------------------
 
+
 @pytest.mark.parametrize("keep", [1.5, float("nan"), "3", None])
 def test_keep_that_is_not_a_positive_int_is_refused(tmp_path: Path, keep) -> None:
     with pytest.raises(ckptkit.errors.UsageError, match="keep"):
@@ -180,6 +186,7 @@ def test_keep_that_is_not_a_positive_int_is_refused(tmp_path: Path, keep) -> Non
 
 
 # ---- ckptkit.load: values left as they were ------------------------------------------------------
+
 
 def test_load_never_leaves_a_stale_value_where_the_checkpoint_has_a_tensor(tmp_path: Path) -> None:
     path = str(tmp_path / "ck")
@@ -201,6 +208,7 @@ def test_load_into_a_meta_tensor_is_refused(tmp_path: Path) -> None:
 
 
 # ---- ckptkit.load / Checkpointer: what held -------------------------------------------------------
+
 
 def test_restore_into_other_shapes_or_keys_names_the_key(tmp_path: Path) -> None:
     ck, _model, _optim, _ = saved_checkpointer_step(tmp_path)

@@ -2,6 +2,7 @@
 the same bugs' other spellings (accelerate's RNG files, a name with a trailing line break, a
 marker path no file system can name) and verify's promise that a folder reshard refuses is not "ok".
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.errors import CkptkitError
 from hostile import run_ckptkit
 
 ROOT = Path(__file__).resolve().parent.parent

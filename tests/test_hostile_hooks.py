@@ -1,6 +1,7 @@
 """Hostile inputs to the Checkpointer's RNG files and arguments and to ckptkit.load, beyond
 test_hostile_folders: each refusal is one CkptkitError naming the culprit, raised before anything
 was changed (the model, the state dict, every random generator)."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,12 @@ def _generators() -> tuple:
 
 
 def _same_generators(a: tuple, b: tuple) -> bool:
-    return (a[0] == b[0] and torch.equal(a[1], b[1]) and a[2]["state"]["pos"] == b[2]["state"]["pos"]
-            and np.array_equal(a[2]["state"]["key"], b[2]["state"]["key"]))
+    return (
+        a[0] == b[0]
+        and torch.equal(a[1], b[1])
+        and a[2]["state"]["pos"] == b[2]["state"]["pos"]
+        and np.array_equal(a[2]["state"]["key"], b[2]["state"]["key"])
+    )
 
 
 DAMAGE = {
@@ -44,9 +49,9 @@ DAMAGE = {
     "numpy pos past the key": lambda d: d["numpy"].__setitem__("pos", 700),
     "numpy has_gauss 2": lambda d: d["numpy"].__setitem__("has_gauss", 2),
     "numpy gauss text": lambda d: d["numpy"].__setitem__("gauss", "x"),
-    "numpy key word over 32 bits": lambda d: d["numpy"]["key"].__setitem__(0, 2 ** 40),
+    "numpy key word over 32 bits": lambda d: d["numpy"]["key"].__setitem__(0, 2**40),
     "python gauss text": lambda d: d["python"].__setitem__("gauss", "x"),
-    "python index past the state": lambda d: d["python"]["state"].__setitem__(-1, 10 ** 6),
+    "python index past the state": lambda d: d["python"]["state"].__setitem__(-1, 10**6),
     "python not a dict": lambda d: d.__setitem__("python", [3]),
     "torch state a number": lambda d: d.__setitem__("torch", 5),
     "torch state empty": lambda d: d.__setitem__("torch", ""),
@@ -76,8 +81,13 @@ def test_two_ranks_refuse_one_ranks_bad_rng_file_together_and_stay_usable(tmp_pa
     """Rank 1's file is refused on both ranks at the same call, nothing changed, then save and
     restore go on (tests/dist/hostile_rng_job.py)."""
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(2) + [str(ROOT / "tests" / "dist" / "hostile_rng_job.py"), "--dir", str(tmp_path / "run"),
-                             "--result", str(result)]
+    cmd = torchrun_cmd(2) + [
+        str(ROOT / "tests" / "dist" / "hostile_rng_job.py"),
+        "--dir",
+        str(tmp_path / "run"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(result.read_text())

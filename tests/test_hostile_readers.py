@@ -13,6 +13,7 @@ internal error), now kept:
   dimension (bool is an int), and dimensions whose product exceeds 64 bits pass when another is 0;
   consolidate copies such a header into an output safetensors itself refuses to load.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +50,7 @@ def _refused(res, *names: str) -> None:
 
 # ---- compressed DCP items: two storage records over the same bytes ------------------------------
 
+
 def _zstd_with_shared_item(tmp_path: Path, donor: tuple[str, int], victim: tuple[str, int]) -> Path:
     """A copy of dcp_zstd_w2 whose `victim` chunk's storage record points at the `donor` chunk's
     compressed item (chunks numbered in offset order)."""
@@ -65,9 +67,13 @@ def _zstd_with_shared_item(tmp_path: Path, donor: tuple[str, int], victim: tuple
     src = md.storage_data[key(*donor)]
     assert src.transform_descriptors, "the fixture's items are expected compressed"
     vk = key(*victim)
-    md.storage_data[vk] = dataclasses.replace(md.storage_data[vk], relative_path=src.relative_path,
-                                              offset=src.offset, length=src.length,
-                                              transform_descriptors=src.transform_descriptors)
+    md.storage_data[vk] = dataclasses.replace(
+        md.storage_data[vk],
+        relative_path=src.relative_path,
+        offset=src.offset,
+        length=src.length,
+        transform_descriptors=src.transform_descriptors,
+    )
     with open(d / ".metadata", "wb") as f:
         pickle.dump(md, f)
     return d
@@ -120,9 +126,13 @@ def _loadable(path: Path) -> bool:
 
 def test_overlap_between_neighbours_is_refused(tmp_path):
     """The check that holds: two tensors sharing bytes, side by side in offset order."""
-    f = _safetensors(tmp_path / "x.safetensors", {
-        "A": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
-        "C": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}})
+    f = _safetensors(
+        tmp_path / "x.safetensors",
+        {
+            "A": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
+            "C": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]},
+        },
+    )
     _refused(_invoke("inspect", f), "x.safetensors", "overlap")
 
 
@@ -130,14 +140,20 @@ HEADERS = {
     "zero-length tensor hides an overlap": {  # A and C share bytes 16..32; Z (empty) sorts between them
         "A": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
         "Z": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
-        "C": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}},
+        "C": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]},
+    },
     "a boolean dimension": {"A": {"dtype": "F32", "shape": [True, 16], "data_offsets": [0, 64]}},
-    "a dimension past 64 bits": {"A": {"dtype": "F32", "shape": [0, 2 ** 70], "data_offsets": [0, 0]},
-                                 "B": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}},
-    "dimensions whose product overflows": {"A": {"dtype": "F32", "shape": [2 ** 40, 2 ** 40, 0], "data_offsets": [0, 0]},
-                                           "B": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}},
-    "a name that is no UTF-8 text (a lone surrogate)": {"A\ud800": {"dtype": "F32", "shape": [16],
-                                                                    "data_offsets": [0, 64]}},
+    "a dimension past 64 bits": {
+        "A": {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]},
+        "B": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
+    },
+    "dimensions whose product overflows": {
+        "A": {"dtype": "F32", "shape": [2**40, 2**40, 0], "data_offsets": [0, 0]},
+        "B": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
+    },
+    "a name that is no UTF-8 text (a lone surrogate)": {
+        "A\ud800": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}
+    },
 }
 
 

@@ -3,6 +3,7 @@ batch path): a flat partition (fp32 masters or a partitioned optimizer state) st
 is not contiguous is refused in one sentence naming the rank file, by every command, and nothing is
 written; before, it was read as contiguous bytes (the wrong elements, or bytes past its storage) into
 an output that looked valid."""
+
 from __future__ import annotations
 
 import shutil
@@ -16,7 +17,9 @@ from ckptkit_cli.main import cli
 from ds_helpers import DS_DATA, ds_fixtures
 
 NAME = "z2_fp32_w2"
-pytestmark = pytest.mark.skipif(NAME not in ds_fixtures(), reason="no DeepSpeed fixtures (run fixtures/generate_deepspeed.py)")
+pytestmark = pytest.mark.skipif(
+    NAME not in ds_fixtures(), reason="no DeepSpeed fixtures (run fixtures/generate_deepspeed.py)"
+)
 RANK1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 GROUPS = "single_partition_of_fp32_groups"
 
@@ -53,10 +56,18 @@ def _consolidated(tmp_path, ckpt, view: torch.Tensor) -> None:
     assert torch.equal(got[-142:], view[:142].contiguous()), (got[-142:][:6], view[:6])
 
 
-VIEWS = {"stride 2": lambda: (torch.arange(564, dtype=torch.float32) + 1000)[::2],   # every other element
-         "expanded": lambda: torch.full((1,), 7.0).expand(282)}                        # one float seen 282 times
-COMMANDS = {"consolidate": [], "consolidate --include-optimizer": ["--include-optimizer"], "reshard": ["--to", "3"],
-            "convert": ["--to", "dcp"], "inspect": None, "verify": None}
+VIEWS = {
+    "stride 2": lambda: (torch.arange(564, dtype=torch.float32) + 1000)[::2],  # every other element
+    "expanded": lambda: torch.full((1,), 7.0).expand(282),
+}  # one float seen 282 times
+COMMANDS = {
+    "consolidate": [],
+    "consolidate --include-optimizer": ["--include-optimizer"],
+    "reshard": ["--to", "3"],
+    "convert": ["--to", "dcp"],
+    "inspect": None,
+    "verify": None,
+}
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -89,8 +100,9 @@ def test_a_strided_partitioned_exp_avg_is_refused(tmp_path, include_optimizer):
     state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"] = torch.arange(564.0)[::2]
     torch.save(state, victim)
     out = tmp_path / "o"
-    _refused(tmp_path, ["consolidate", *(["--include-optimizer"] if include_optimizer else []), str(ckpt), str(out)],
-             out)
+    _refused(
+        tmp_path, ["consolidate", *(["--include-optimizer"] if include_optimizer else []), str(ckpt), str(out)], out
+    )
 
 
 def _with_rank1(tmp_path, name: str, change) -> tuple:
@@ -118,9 +130,20 @@ def test_a_flat_partition_of_no_described_group_is_refused(tmp_path, name, maste
         assert not out.exists()
 
 
-@pytest.mark.parametrize("name,count", [(NAME, [0, 2]), (NAME, [2, 10 ** 30]), (NAME, [3, 3]), (NAME, [2]),
-                                        (NAME, [True, 2]), (NAME, [2.0, 2]), ("z3_fp32_w2", 3), ("z3_fp32_w2", 0),
-                                        ("z3_fp32_w2", "2")])
+@pytest.mark.parametrize(
+    "name,count",
+    [
+        (NAME, [0, 2]),
+        (NAME, [2, 10**30]),
+        (NAME, [3, 3]),
+        (NAME, [2]),
+        (NAME, [True, 2]),
+        (NAME, [2.0, 2]),
+        ("z3_fp32_w2", 3),
+        ("z3_fp32_w2", 0),
+        ("z3_fp32_w2", "2"),
+    ],
+)
 def test_a_partition_count_other_than_the_ranks_is_refused(tmp_path, name, count):
     """partition_count says how many ranks each group is partitioned over; one that is not the
     number of optim-states files describes another layout (or a lie): refused, nothing written."""

@@ -7,6 +7,7 @@ Each hostile pattern here got past the textual check this replaced (tp_rules._NE
 command-line runs are subprocesses with a timeout, so a pattern that slips through again fails
 its test instead of hanging the suite.
 """
+
 from __future__ import annotations
 
 import ast
@@ -81,32 +82,58 @@ USERS = [
 # Megatron-DeepSpeed's universal_checkpoint_info (megatron/model/gpt_model.py and its
 # ds_to_universal users), written as re.match patterns
 MEGATRON_DEEPSPEED = [
-    r"tied_modules.embed.word_embeddings.weight", r"\d+.word_embeddings.weight",
-    r"tied_modules.embed.position_embeddings.weight", r"tied_modules.embed.word_embeddings.norm.weight",
-    r"tied_modules.embed.word_embeddings.norm.bias", r"\d+.input_layernorm.weight", r"\d+.input_layernorm.bias",
-    r"\d+.post_attention_layernorm.weight", r"\d+.post_attention_layernorm.bias",
-    r"\d+.self_attention.dense.bias", r"\d+.mlp.dense_4h_to_h.bias", r"\d+.weight", r"\d+.bias",
-    r"\d+.mlp.dense_4h_to_h.weight", r"\d+.self_attention.dense.weight",
-    r"\d+.mlp.dense_h_to_4h.weight", r"\d+.mlp.dense_h_to_4h.bias",
-    r"\d+.mlp.deepspeed_moe.gate.wg.weight", r"\d+.mlp.moe.deepspeed_moe.gate.wg.weight",
+    r"tied_modules.embed.word_embeddings.weight",
+    r"\d+.word_embeddings.weight",
+    r"tied_modules.embed.position_embeddings.weight",
+    r"tied_modules.embed.word_embeddings.norm.weight",
+    r"tied_modules.embed.word_embeddings.norm.bias",
+    r"\d+.input_layernorm.weight",
+    r"\d+.input_layernorm.bias",
+    r"\d+.post_attention_layernorm.weight",
+    r"\d+.post_attention_layernorm.bias",
+    r"\d+.self_attention.dense.bias",
+    r"\d+.mlp.dense_4h_to_h.bias",
+    r"\d+.weight",
+    r"\d+.bias",
+    r"\d+.mlp.dense_4h_to_h.weight",
+    r"\d+.self_attention.dense.weight",
+    r"\d+.mlp.dense_h_to_4h.weight",
+    r"\d+.mlp.dense_h_to_4h.bias",
+    r"\d+.mlp.deepspeed_moe.gate.wg.weight",
+    r"\d+.mlp.moe.deepspeed_moe.gate.wg.weight",
 ]
 # DeepSpeed's own (deepspeed/module_inject/autotp_config.py presets, runtime/engine.py,
 # checkpoint/ds_to_universal.py), as of the installed version; more are read from the source below
 DEEPSPEED = [
-    r".*\.experts\.w[123]$", r"\.experts\.w[123]$", r".*\.self_attn\.o_proj\.weight$",
-    r".*\.self_attn\.[qkv]_proj\.weight$", r".*\.mlp\.down_proj\.weight$", r".*\.mlp\.(up|gate)_proj\.weight$",
-    r".*\.self_attention\.query_key_value\.weight$", r".*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight$",
-    r".*\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$", r".*\.mlp\.experts\.\d+\.(up|gate)_proj\.weight$",
-    r".*\.mlp\.shared_experts\.(up|gate)_proj\.weight$", r".*\.mlp\.gate_up_proj\.weight$",
-    r"(\w+)DecoderLayer", r"(\w+)Block", r"(\w+)Layer", r"model\.layers\.\d+\.mlp",
+    r".*\.experts\.w[123]$",
+    r"\.experts\.w[123]$",
+    r".*\.self_attn\.o_proj\.weight$",
+    r".*\.self_attn\.[qkv]_proj\.weight$",
+    r".*\.mlp\.down_proj\.weight$",
+    r".*\.mlp\.(up|gate)_proj\.weight$",
+    r".*\.self_attention\.query_key_value\.weight$",
+    r".*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight$",
+    r".*\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$",
+    r".*\.mlp\.experts\.\d+\.(up|gate)_proj\.weight$",
+    r".*\.mlp\.shared_experts\.(up|gate)_proj\.weight$",
+    r".*\.mlp\.gate_up_proj\.weight$",
+    r"(\w+)DecoderLayer",
+    r"(\w+)Block",
+    r"(\w+)Layer",
+    r"model\.layers\.\d+\.mlp",
 ]
 # AutoTP records each parameter as rf"^{re.escape(name)}$" (collect_autotp_universal_checkpoint_info)
-AUTOTP_NAMES = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                "model.layers.31.mlp.experts.63.gate_up_proj", "transformer.h.0.attn.c_attn.weight",
-                "model.language_model.layers.47.self_attn.qkv_proj.weight" * 3]
+AUTOTP_NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.31.mlp.experts.63.gate_up_proj",
+    "transformer.h.0.attn.c_attn.weight",
+    "model.language_model.layers.47.self_attn.qkv_proj.weight" * 3,
+]
 
 
 # ---- the check itself ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("pattern,word", HOSTILE, ids=IDS)
 def test_a_hostile_pattern_is_refused_quickly_in_one_sentence(pattern: str, word: str) -> None:
@@ -135,8 +162,12 @@ def _deepspeed_source_patterns() -> list[str]:
         return []
     root = Path(sys.modules["deepspeed"].__file__).parent
     found: set[str] = set()
-    for name in ("module_inject/autotp_config.py", "runtime/engine.py", "checkpoint/ds_to_universal.py",
-                 "module_inject/auto_tp.py"):
+    for name in (
+        "module_inject/autotp_config.py",
+        "runtime/engine.py",
+        "checkpoint/ds_to_universal.py",
+        "module_inject/auto_tp.py",
+    ):
         path = root / name
         if not path.is_file():
             continue
@@ -189,15 +220,27 @@ def test_every_stock_pattern_is_accepted() -> None:
 def test_a_recorded_hostile_pattern_is_refused_under_every_key() -> None:
     """universal_checkpoint_info's lists (and the sub-params' and AutoTP's refusal patterns)
     are each held to the same check, naming the key."""
-    lists = ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
-             "vocabulary_parameter_patterns", "parameter_with_2_sub_params_cat_dim_0",
-             "parameter_to_average_patterns")
+    lists = (
+        "tp_replicated_parameter_patterns",
+        "parameter_with_row_parallelism_patterns",
+        "vocabulary_parameter_patterns",
+        "parameter_with_2_sub_params_cat_dim_0",
+        "parameter_to_average_patterns",
+    )
     for pattern, word in HOSTILE:
         infos = [(key, {key: ["^ok$", pattern]}) for key in lists]
-        infos.append(("parameter_with_sub_params[0]: patterns[0]",
-                      {"parameter_with_sub_params": [{"partition_dim": 0, "shape": [[8, 8], 16], "patterns": [pattern]}]}))
-        infos.append(("autotp_unsupported_parameter_patterns",
-                      {"tp_replicated_parameter_patterns": [], "autotp_unsupported_parameter_patterns": {pattern: "no"}}))
+        infos.append(
+            (
+                "parameter_with_sub_params[0]: patterns[0]",
+                {"parameter_with_sub_params": [{"partition_dim": 0, "shape": [[8, 8], 16], "patterns": [pattern]}]},
+            )
+        )
+        infos.append(
+            (
+                "autotp_unsupported_parameter_patterns",
+                {"tp_replicated_parameter_patterns": [], "autotp_unsupported_parameter_patterns": {pattern: "no"}},
+            )
+        )
         for key, info in infos:
             with pytest.raises(FormatError) as caught:
                 recorded_rules(info, "mp_rank_00_model_states.pt")
@@ -218,7 +261,7 @@ def test_a_name_longer_than_the_cap_is_refused_and_the_cap_bounds_a_match() -> N
         rules.find("a" * (MAX_NAME + 1))
 
 
-NO_COLON = [(p, w) for p, w in HOSTILE if ":" not in p and "(?P" not in p]   # type:REGEX: lower-cased, up to a colon
+NO_COLON = [(p, w) for p, w in HOSTILE if ":" not in p and "(?P" not in p]  # type:REGEX: lower-cased, up to a colon
 
 
 @pytest.mark.parametrize("pattern,word", NO_COLON, ids=[p[:24] for p, _ in NO_COLON])
@@ -231,8 +274,8 @@ def test_partition_method_type_regex_is_held_to_the_same_check(pattern: str, wor
 
 # ---- end to end, in a subprocess that a hang cannot outlive -------------------------------
 
-PIPELINE = "ds_pp/pp2_dp2_z1_fp32"   # resharded to tp 2: every parameter goes through the rules
-AUTOTP = "ds_tp/autotp_z2_fp32"      # records universal_checkpoint_info
+PIPELINE = "ds_pp/pp2_dp2_z1_fp32"  # resharded to tp 2: every parameter goes through the rules
+AUTOTP = "ds_tp/autotp_z2_fp32"  # records universal_checkpoint_info
 UC = "universal_checkpoint_info"
 
 
@@ -241,8 +284,9 @@ def _ckptkit(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     try:
-        return subprocess.run([sys.executable, "-m", "ckptkit", *args], capture_output=True, text=True,
-                              env=env, timeout=TIMEOUT_S)
+        return subprocess.run(
+            [sys.executable, "-m", "ckptkit", *args], capture_output=True, text=True, env=env, timeout=TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"ckptkit {' '.join(args)[:200]} ran past {TIMEOUT_S} s (a pattern backtracking?)")
 
@@ -264,22 +308,35 @@ def test_cli_tp_rules_refuses_a_hostile_pattern(tmp_path: Path, pattern: str, wo
     if not (DATA / PIPELINE).is_dir():
         pytest.skip(f"fixture {PIPELINE} not generated")
     rules = tmp_path / "rules.json"
-    rules.write_text(json.dumps({"rules": [{"pattern": "*.weight", "split": 0}, {"pattern": "re:" + pattern, "split": 0}]}))
+    rules.write_text(
+        json.dumps({"rules": [{"pattern": "*.weight", "split": 0}, {"pattern": "re:" + pattern, "split": 0}]})
+    )
     out = tmp_path / "out"
-    proc = _ckptkit("convert", str(DATA / PIPELINE), str(out), "--to", "dcp", "--world-size", "mesh=dp_shard:2,tp:2",
-                    "--tp-rules", str(rules))
+    proc = _ckptkit(
+        "convert",
+        str(DATA / PIPELINE),
+        str(out),
+        "--to",
+        "dcp",
+        "--world-size",
+        "mesh=dp_shard:2,tp:2",
+        "--tp-rules",
+        str(rules),
+    )
     _assert_one_sentence(proc, "--tp-rules", "rules.json", "rule 1", word)
     assert not out.exists()
 
 
 def _recorded(key: str, value) -> Callable[[Path], None]:
     """Both mp ranks' universal_checkpoint_info[key] = value."""
+
     def craft(folder: Path) -> None:
         for name in ("mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"):
             path = folder / "global_step2" / name
             obj = torch.load(path, weights_only=False)  # trusted: a copy of our own fixture
             obj[UC][key] = value
             torch.save(obj, path)
+
     return craft
 
 

@@ -1,6 +1,7 @@
 """A careless user and an attacker, third pass: the in-job API, ckptkit.save and the
 Checkpointer (what they share and the contract: tests/scout_cli.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,6 +28,7 @@ def test_checkpointer_path_refuses_a_step_save_refuses(tmp_path):
 
 
 # ---- the Checkpointer ----------------------------------------------------------------------------
+
 
 def test_a_step_the_checkpointer_commits_can_be_restored(tmp_path):
     import fractions
@@ -82,9 +84,16 @@ def test_extra_that_is_no_dict_is_refused_before_anything_is_written(tmp_path, e
     assert ckpt.steps() == [] and sorted(p.name for p in run.iterdir()) == []
 
 
-@pytest.mark.parametrize("extra,states_dict", [
-    ({1: torch.ones(1)}, None), ({"n": {2: 3}}, None), ({"l": [{None: 1}]}, None), (None, {5: 1, "a": 2}),
-], ids=["int key", "nested int key", "None key in a list", "int key in a state"])
+@pytest.mark.parametrize(
+    "extra,states_dict",
+    [
+        ({1: torch.ones(1)}, None),
+        ({"n": {2: 3}}, None),
+        ({"l": [{None: 1}]}, None),
+        (None, {5: 1, "a": 2}),
+    ],
+    ids=["int key", "nested int key", "None key in a list", "int key in a state"],
+)
 def test_a_key_restore_would_give_back_as_text_is_refused_before_writing(tmp_path, extra, states_dict):
     """DCP joins nested dict keys into dotted names: {1: x} came back from restore as {'1': x}."""
 

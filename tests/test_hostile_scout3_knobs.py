@@ -1,6 +1,7 @@
 """A careless user and an attacker, third pass: environment knobs set to garbage, size and
 tolerance options (what they share and the contract: tests/scout_cli.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,15 @@ from scout_cli import DATA, DCP, PLAIN, ROOT, one_sentence as _one_sentence, run
 # ---- environment knobs set to garbage ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,value", [
-    ("CKPTKIT_MEMORY_BUDGET", "lots"),
-    ("CKPTKIT_WORKERS", "four"),
-    ("CKPTKIT_MAX_PICKLE_DEPTH", "deep"),
-    ("CKPTKIT_PROGRESS_INTERVAL", "often"),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("CKPTKIT_MEMORY_BUDGET", "lots"),
+        ("CKPTKIT_WORKERS", "four"),
+        ("CKPTKIT_MAX_PICKLE_DEPTH", "deep"),
+        ("CKPTKIT_PROGRESS_INTERVAL", "often"),
+    ],
+)
 def test_a_garbage_knob_is_one_sentence_naming_it(name, value):
     res = _ckptkit("inspect", PLAIN, env={name: value})
     _one_sentence(res)
@@ -37,25 +41,28 @@ def test_memory_budget_knob_with_the_units_the_option_takes():
 
 # Out of range: what the matching option (--workers: 1 to 64; --memory-budget: a size of at least 1
 # byte) refuses, the variable refuses the same way instead of being ignored or clamped.
-@pytest.mark.parametrize("name,value", [
-    ("CKPTKIT_WORKERS", "0"),
-    ("CKPTKIT_WORKERS", "-3"),
-    ("CKPTKIT_WORKERS", "1000"),
-    ("CKPTKIT_WORKERS", "2.5"),
-    ("CKPTKIT_MEMORY_BUDGET", "0"),
-    ("CKPTKIT_MEMORY_BUDGET", "-5"),
-    ("CKPTKIT_MEMORY_BUDGET", "nanGB"),
-    ("CKPTKIT_MEMORY_BUDGET", "1e-9KB"),
-    ("CKPTKIT_MAX_PICKLE_OBJECTS", "0"),
-    ("CKPTKIT_MAX_PICKLE_DEPTH", "5000"),
-    ("CKPTKIT_MAX_PICKLE_EXPANDED", "many"),
-    ("CKPTKIT_MAX_PICKLE_BLOB", "huge"),
-    ("CKPTKIT_MAX_PICKLE_BUILT", "-1"),
-    ("CKPTKIT_MAX_PICKLE_SECONDS", "nan"),
-    ("CKPTKIT_MAX_JSON_DEPTH", "-1"),
-    ("CKPTKIT_PROGRESS_INTERVAL", "-1"),
-    ("CKPTKIT_DIST_TIMEOUT", "inf"),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("CKPTKIT_WORKERS", "0"),
+        ("CKPTKIT_WORKERS", "-3"),
+        ("CKPTKIT_WORKERS", "1000"),
+        ("CKPTKIT_WORKERS", "2.5"),
+        ("CKPTKIT_MEMORY_BUDGET", "0"),
+        ("CKPTKIT_MEMORY_BUDGET", "-5"),
+        ("CKPTKIT_MEMORY_BUDGET", "nanGB"),
+        ("CKPTKIT_MEMORY_BUDGET", "1e-9KB"),
+        ("CKPTKIT_MAX_PICKLE_OBJECTS", "0"),
+        ("CKPTKIT_MAX_PICKLE_DEPTH", "5000"),
+        ("CKPTKIT_MAX_PICKLE_EXPANDED", "many"),
+        ("CKPTKIT_MAX_PICKLE_BLOB", "huge"),
+        ("CKPTKIT_MAX_PICKLE_BUILT", "-1"),
+        ("CKPTKIT_MAX_PICKLE_SECONDS", "nan"),
+        ("CKPTKIT_MAX_JSON_DEPTH", "-1"),
+        ("CKPTKIT_PROGRESS_INTERVAL", "-1"),
+        ("CKPTKIT_DIST_TIMEOUT", "inf"),
+    ],
+)
 def test_a_knob_out_of_range_is_refused_like_its_option(name, value):
     res = _ckptkit("inspect", PLAIN, env={name: value})
     _one_sentence(res)
@@ -72,13 +79,16 @@ def test_every_knob_of_the_table_is_checked_by_the_command_line():
         assert knob.env in res.stderr
 
 
-@pytest.mark.parametrize("name,value,expected", [
-    ("CKPTKIT_MEMORY_BUDGET", "2GiB", 2 << 30),
-    ("CKPTKIT_MEMORY_BUDGET", "1048576", 1 << 20),
-    ("CKPTKIT_WORKERS", "64", 64),
-    ("CKPTKIT_MAX_PICKLE_BLOB", "1MB", 10**6),
-    ("CKPTKIT_PROGRESS_INTERVAL", "0", 0.0),
-])
+@pytest.mark.parametrize(
+    "name,value,expected",
+    [
+        ("CKPTKIT_MEMORY_BUDGET", "2GiB", 2 << 30),
+        ("CKPTKIT_MEMORY_BUDGET", "1048576", 1 << 20),
+        ("CKPTKIT_WORKERS", "64", 64),
+        ("CKPTKIT_MAX_PICKLE_BLOB", "1MB", 10**6),
+        ("CKPTKIT_PROGRESS_INTERVAL", "0", 0.0),
+    ],
+)
 def test_a_good_knob_is_taken(name, value, expected):
     from ckptkit import knobs
 
@@ -106,16 +116,20 @@ except UsageError as exc:
 """
 
 
-@pytest.mark.parametrize("name,value,attr", [
-    ("CKPTKIT_WORKERS", "four", "WORKERS"),
-    ("CKPTKIT_MEMORY_BUDGET", "0", "MEMORY_BUDGET"),
-    ("CKPTKIT_MAX_PICKLE_DEPTH", "deep", "MAX_PICKLE_DEPTH"),
-    ("CKPTKIT_DIST_TIMEOUT", "soon", "DIST_TIMEOUT"),
-])
+@pytest.mark.parametrize(
+    "name,value,attr",
+    [
+        ("CKPTKIT_WORKERS", "four", "WORKERS"),
+        ("CKPTKIT_MEMORY_BUDGET", "0", "MEMORY_BUDGET"),
+        ("CKPTKIT_MAX_PICKLE_DEPTH", "deep", "MAX_PICKLE_DEPTH"),
+        ("CKPTKIT_DIST_TIMEOUT", "soon", "DIST_TIMEOUT"),
+    ],
+)
 def test_the_library_imports_and_refuses_the_knob_when_used(name, value, attr):
     env = dict(os.environ, PYTHONPATH=str(ROOT), **{name: value})
-    res = subprocess.run([sys.executable, "-c", _LIBRARY.format(attr=attr)], capture_output=True, text=True,
-                         env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", _LIBRARY.format(attr=attr)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     refused = [ln for ln in res.stdout.splitlines() if ln.startswith("refused:")]
     assert len(refused) == 1 and name in refused[0] and repr(value) in refused[0], res.stdout
@@ -125,11 +139,15 @@ def test_the_library_imports_and_refuses_the_knob_when_used(name, value, attr):
 
 # ---- size and tolerance options ------------------------------------------------------------------
 
-@pytest.mark.parametrize("option,size", [
-    ("--max-shard-size", "nanGB"),
-    ("--max-shard-size", "1e400KB"),
-    ("--memory-budget", "infGB"),
-])
+
+@pytest.mark.parametrize(
+    "option,size",
+    [
+        ("--max-shard-size", "nanGB"),
+        ("--max-shard-size", "1e400KB"),
+        ("--memory-budget", "infGB"),
+    ],
+)
 def test_a_size_that_is_no_number_of_bytes_is_refused(tmp_path, option, size):
     out = tmp_path / "out"
     res = _ckptkit("consolidate", option, size, PLAIN, out)
@@ -146,12 +164,15 @@ def test_a_size_that_rounds_to_zero_bytes_is_refused_like_zero(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("option,size", [
-    ("--max-shard-size", "1e-9KB"),
-    ("--memory-budget", "1e-9KB"),
-    ("--memory-budget", "0.5B"),
-    ("--memory-budget", "1e300KB"),
-])
+@pytest.mark.parametrize(
+    "option,size",
+    [
+        ("--max-shard-size", "1e-9KB"),
+        ("--memory-budget", "1e-9KB"),
+        ("--memory-budget", "0.5B"),
+        ("--memory-budget", "1e300KB"),
+    ],
+)
 def test_a_size_option_refuses_what_is_less_than_a_byte_or_more_than_any_file(tmp_path, option, size):
     out = tmp_path / "out"
     res = _ckptkit("consolidate", option, size, PLAIN, out)
@@ -160,18 +181,48 @@ def test_a_size_option_refuses_what_is_less_than_a_byte_or_more_than_any_file(tm
     assert not out.exists()
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("5GB", 5 * 10**9), ("2GiB", 2 << 30), ("1.5KB", 1500), ("123", 123), (" 2 mb ", 2 * 10**6), ("1B", 1),
-    (7, 7),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("5GB", 5 * 10**9),
+        ("2GiB", 2 << 30),
+        ("1.5KB", 1500),
+        ("123", 123),
+        (" 2 mb ", 2 * 10**6),
+        ("1B", 1),
+        (7, 7),
+    ],
+)
 def test_parse_size_takes_sizes(text, expected):
     from ckptkit import knobs
 
     assert knobs.parse_size(text, "--x") == expected
 
 
-@pytest.mark.parametrize("text", ["nanGB", "NaN", "infGB", "-infKB", "1e400KB", "1e300GB", str(1 << 64), "1e-9KB",
-                                  "0", "0B", "-5", "0.4B", "", "GB", "lots", 0, -1, True, 1.5])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "nanGB",
+        "NaN",
+        "infGB",
+        "-infKB",
+        "1e400KB",
+        "1e300GB",
+        str(1 << 64),
+        "1e-9KB",
+        "0",
+        "0B",
+        "-5",
+        "0.4B",
+        "",
+        "GB",
+        "lots",
+        0,
+        -1,
+        True,
+        1.5,
+    ],
+)
 def test_parse_size_refuses_what_is_no_number_of_bytes(text):
     from ckptkit import knobs
     from ckptkit.errors import UsageError

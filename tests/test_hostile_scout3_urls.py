@@ -1,6 +1,7 @@
 """A careless user and an attacker, third pass: fsspec URLs as SRC and OUT, file:// URLs, and
 loading a bare model state dict (what they share and the contract: tests/scout_cli.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,6 @@ def test_load_from_a_file_url_naming_a_file(tmp_path):
     assert torch.equal(state["w"], torch.arange(3.0))
 
 
-
 def test_load_from_a_file_url_naming_a_file_equals_load_from_its_path(tmp_path):
     path = tmp_path / "w.pt"
     torch.save({"w": torch.arange(3.0)}, path)
@@ -58,6 +58,7 @@ def test_load_from_a_file_url_naming_a_file_equals_load_from_its_path(tmp_path):
     by_url = ckptkit.load({"model": {"w": torch.zeros(3)}}, f"file://{path}")
     assert torch.equal(by_url["model"]["w"], torch.arange(3.0))
     assert torch.equal(by_url["model"]["w"], by_path["model"]["w"])
+
 
 def test_an_unknown_protocol_is_the_same_sentence_as_src_and_as_out(tmp_path):
     """SRC and OUT go through one helper (storage/url_fs.filesystem): the same words both ways."""
@@ -75,8 +76,11 @@ def test_a_known_protocol_whose_package_is_missing_names_the_package(monkeypatch
 
     from ckptkit.storage.source import open_source
 
-    monkeypatch.setitem(known_implementations, "ckptkitnopkg",
-                        {"class": "ckptkit_no_such_package.FS", "err": "install ckptkit_no_such_package"})
+    monkeypatch.setitem(
+        known_implementations,
+        "ckptkitnopkg",
+        {"class": "ckptkit_no_such_package.FS", "err": "install ckptkit_no_such_package"},
+    )
     with pytest.raises(CkptkitError, match=r"^ckptkitnopkg://b/c: .*ckptkit_no_such_package") as err:
         open_source("ckptkitnopkg://b/c")
     assert "pip install ckptkit_no_such_package" in str(err.value)
@@ -99,11 +103,23 @@ def test_a_refused_connection_says_the_connection_failed():
 def test_an_s3_src_without_credentials_is_one_sentence(command, tmp_path):
     pytest.importorskip("s3fs", reason="needs s3fs (pip install -e '.[dev]')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # no credentials anywhere
-    env.update({"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
-                "AWS_EC2_METADATA_DISABLED": "true", "FSSPEC_S3_ENDPOINT_URL": "http://127.0.0.1:1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
-    res = subprocess.run([sys.executable, "-m", "ckptkit", *command, "s3://ckptkit-none/ckpt"], capture_output=True,
-                         text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    env.update(
+        {
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+            "AWS_CONFIG_FILE": str(tmp_path / "none"),
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "FSSPEC_S3_ENDPOINT_URL": "http://127.0.0.1:1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", *command, "s3://ckptkit-none/ckpt"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     _one_sentence(res)
     assert "s3://ckptkit-none/ckpt" in res.stderr and "credentials" in res.stderr.lower()
 
@@ -124,10 +140,13 @@ def test_a_backend_error_while_reading_names_the_file_and_the_backend_message():
         def refuse(*args, **kwargs):
             raise PermissionError("AccessDenied by the bucket policy")
 
-        src.fs = type("Refusing", (), {"cat_file": staticmethod(refuse), "ls": staticmethod(refuse),
-                                       "size": staticmethod(refuse)})()
+        src.fs = type(
+            "Refusing", (), {"cat_file": staticmethod(refuse), "ls": staticmethod(refuse), "size": staticmethod(refuse)}
+        )()
         for call in (lambda: src.read("a.bin", 0, 4), lambda: src.listdir(""), lambda: src.size("a.bin")):
-            with pytest.raises(FormatError, match=r"^memory://ckptkit-backend-error.*AccessDenied by the bucket policy"):
+            with pytest.raises(
+                FormatError, match=r"^memory://ckptkit-backend-error.*AccessDenied by the bucket policy"
+            ):
                 call()
     finally:
         fs.rm("/ckptkit-backend-error", recursive=True)
@@ -144,6 +163,7 @@ def test_a_file_url_naming_a_file_verifies_and_consolidates_like_its_path(tmp_pa
     for p in by_path.iterdir():
         assert (by_url / p.name).read_bytes() == p.read_bytes(), p.name
 
+
 # ---- write errors other than a full disk ----------------------------------------------------------
 
 
@@ -155,10 +175,16 @@ def test_a_bare_model_state_dict_loads_what_model_keys_load(source):
     from ckptkit.formats.registry import open_checkpoint
 
     index, _ = _loadable(open_checkpoint(str(source)))
-    shapes = {k[len("model."):]: e for k, e in index.tensors.items() if k.startswith("model.")}
+    shapes = {k[len("model.") :]: e for k, e in index.tensors.items() if k.startswith("model.")}
     assert shapes
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-             "int32": torch.int32, "bool": torch.bool}
+    dtype = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "int64": torch.int64,
+        "int32": torch.int32,
+        "bool": torch.bool,
+    }
 
     def zeros() -> dict:
         return {k: torch.zeros(e.shape, dtype=dtype[e.dtype]) for k, e in shapes.items()}
@@ -168,4 +194,3 @@ def test_a_bare_model_state_dict_loads_what_model_keys_load(source):
     assert set(bare) == set(nested)
     assert all(torch.equal(bare[k], nested[k]) for k in bare)
     assert any(bool(v.any()) for v in bare.values())  # (filled, not left at zero)
-

@@ -1,6 +1,7 @@
 """A careless user and an attacker, third pass: write errors other than a full disk, and
 --overwrite of what no conversion means to replace (the contract: tests/scout_cli.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -13,12 +14,15 @@ from scout_cli import DCP, one_sentence as _one_sentence, run_ckptkit as _ckptki
 # ---- write errors other than a full disk ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [
-    ["consolidate", DCP, "out"],
-    ["convert", "--to", "torch", DCP, "out.pt"],
-    ["reshard", "--to", "3", DCP, "out"],
-    ["reshard", "--to", "3", "--nproc", "2", DCP, "out"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["consolidate", DCP, "out"],
+        ["convert", "--to", "torch", DCP, "out.pt"],
+        ["reshard", "--to", "3", DCP, "out"],
+        ["reshard", "--to", "3", "--nproc", "2", DCP, "out"],
+    ],
+)
 def test_an_output_that_cannot_be_written_is_one_sentence_and_leaves_nothing(tmp_path, command):
     work = tmp_path / "work"
     work.mkdir()
@@ -39,15 +43,24 @@ def test_overwrite_refuses_a_folder_holding_the_current_or_home_folder(tmp_path,
     work.mkdir(parents=True)
     (work / "notes.txt").write_text("mine")
     target = str(home) if out == "home" else out
-    res = _ckptkit("consolidate", "--overwrite", DCP, target, cwd=str(work) if out != "home" else str(tmp_path),
-                   env={"HOME": str(home)})
+    res = _ckptkit(
+        "consolidate",
+        "--overwrite",
+        DCP,
+        target,
+        cwd=str(work) if out != "home" else str(tmp_path),
+        env={"HOME": str(home)},
+    )
     _one_sentence(res)
     assert "--overwrite would delete it" in res.stderr
     assert (work / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("command,name", [(["consolidate"], "out"), (["convert", "--to", "torch"], "out.pt")],
-                         ids=["folder output", "file output"])
+@pytest.mark.parametrize(
+    "command,name",
+    [(["consolidate"], "out"), (["convert", "--to", "torch"], "out.pt")],
+    ids=["folder output", "file output"],
+)
 def test_overwrite_refuses_a_fifo(tmp_path, command, name):
     fifo = tmp_path / name
     os.mkfifo(fifo)

@@ -11,6 +11,7 @@ only inside `__getattr__`).
 LAYERS is the documented table (docs/architecture.md cites it), bottom to top. A module belongs to
 the layer of its longest matching prefix; a module may import its own layer or any layer below.
 """
+
 from __future__ import annotations
 
 import ast
@@ -22,29 +23,58 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # plain values and settings every layer uses; index.dtypes and index.strides are tables and
     # arithmetic on shapes that the stand-ins below the index need, with no index types
-    ("foundation", ("ckptkit.errors", "ckptkit.framework_errors", "ckptkit.text", "ckptkit.knobs", "ckptkit.lazy_torch",
-                    "ckptkit.progress", "ckptkit.interrupts", "ckptkit.optim_state", "ckptkit.runner.limits",
-                    "ckptkit.safe_json", "ckptkit.regex_guard", "ckptkit.index.dtypes", "ckptkit.index.strides",
-                    # split rules read by the DeepSpeed reader: names and files only, no index types
-                    "ckptkit.convert.tp_rules")),
+    (
+        "foundation",
+        (
+            "ckptkit.errors",
+            "ckptkit.framework_errors",
+            "ckptkit.text",
+            "ckptkit.knobs",
+            "ckptkit.lazy_torch",
+            "ckptkit.progress",
+            "ckptkit.interrupts",
+            "ckptkit.optim_state",
+            "ckptkit.runner.limits",
+            "ckptkit.safe_json",
+            "ckptkit.regex_guard",
+            "ckptkit.index.dtypes",
+            "ckptkit.index.strides",
+            # split rules read by the DeepSpeed reader: names and files only, no index types
+            "ckptkit.convert.tp_rules",
+        ),
+    ),
     # what unpickling builds (stand-ins of torch's and foreign types) and the unpickler itself
-    ("values", ("ckptkit.safeload_inert", "ckptkit.torch_types", "ckptkit.safeload_refs",
-                "ckptkit.safeload_rules", "ckptkit.safeload_vm", "ckptkit.safeload_grammar",
-                "ckptkit.safeload_numpy", "ckptkit.safeload_keys", "ckptkit.safeload_fence", "ckptkit.safeload_dcp",
-                "ckptkit.safeload_torchsave", "ckptkit.safeload", "ckptkit.repickle")),
-    ("index", ("ckptkit.index",)),          # the canonical index and its geometry
+    (
+        "values",
+        (
+            "ckptkit.safeload_inert",
+            "ckptkit.torch_types",
+            "ckptkit.safeload_refs",
+            "ckptkit.safeload_rules",
+            "ckptkit.safeload_vm",
+            "ckptkit.safeload_grammar",
+            "ckptkit.safeload_numpy",
+            "ckptkit.safeload_keys",
+            "ckptkit.safeload_fence",
+            "ckptkit.safeload_dcp",
+            "ckptkit.safeload_torchsave",
+            "ckptkit.safeload",
+            "ckptkit.repickle",
+        ),
+    ),
+    ("index", ("ckptkit.index",)),  # the canonical index and its geometry
     # the process group: an output folder of a distributed job takes part in its collectives
     ("process group", ("ckptkit.runner.distributed",)),
-    ("storage", ("ckptkit.storage",)),      # sources and outputs
+    ("storage", ("ckptkit.storage",)),  # sources and outputs
     ("runner", ("ckptkit.runner", "ckptkit.context")),  # fetcher, executor, process group, RunContext
-    ("formats", ("ckptkit.formats",)),      # readers and writers, the registry
-    ("convert", ("ckptkit.convert",)),      # the canonical training state and backend conversion
-    ("ops", ("ckptkit.ops",)),              # inspect, verify, consolidate, reshard, convert, diff
-    ("api", ("ckptkit.api",)),              # ckptkit.save / ckptkit.load
-    ("hooks", ("ckptkit.hooks",)),          # the training-loop Checkpointer
-    ("package", ("ckptkit",)),              # the package's public face (lazy)
+    ("formats", ("ckptkit.formats",)),  # readers and writers, the registry
+    ("convert", ("ckptkit.convert",)),  # the canonical training state and backend conversion
+    ("ops", ("ckptkit.ops",)),  # inspect, verify, consolidate, reshard, convert, diff
+    ("api", ("ckptkit.api",)),  # ckptkit.save / ckptkit.load
+    ("hooks", ("ckptkit.hooks",)),  # the training-loop Checkpointer
+    ("package", ("ckptkit",)),  # the package's public face (lazy)
     ("demo", ("ckptkit.demo",)),
-    ("cli", ("cli", "ckptkit.__main__")),   # the click application (installed as ckptkit_cli)
+    ("cli", ("cli", "ckptkit.__main__")),  # the click application (installed as ckptkit_cli)
 ]
 
 # Imports known to go against the layers or to close a cycle, each with who fixes it. An entry
@@ -68,7 +98,7 @@ MODULES = _modules()
 def _resolve(name: str) -> str | None:
     """The module of ours that `name` (a module or a name inside one) is, or None (third party)."""
     if name == "ckptkit_cli" or name.startswith("ckptkit_cli."):
-        name = "cli" + name[len("ckptkit_cli"):]
+        name = "cli" + name[len("ckptkit_cli") :]
     while name and name not in MODULES:
         name = name.rpartition(".")[0]
     return name or None
@@ -85,11 +115,12 @@ def imports_of(module: str) -> dict[str, int]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod
-            names = [f"{base}.{a.name}" if _resolve(f"{base}.{a.name}") == f"{base}.{a.name}" else base
-                     for a in node.names]
+            names = [
+                f"{base}.{a.name}" if _resolve(f"{base}.{a.name}") == f"{base}.{a.name}" else base for a in node.names
+            ]
         else:
             continue
         for name in names:
@@ -136,7 +167,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -163,8 +194,10 @@ def test_no_module_imports_a_higher_layer():
     for module in MODULES:
         for target, line in imports_of(module).items():
             if layer_of(target) > layer_of(module) and (module, target) not in EXPECTED:
-                wrong.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} "
-                             f"({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})")
+                wrong.append(
+                    f"{MODULES[module].relative_to(ROOT)}:{line}: {module} "
+                    f"({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
 
@@ -183,8 +216,7 @@ def test_the_checker_sees_deferred_and_type_checking_imports(tmp_path, monkeypat
     src = tmp_path / "ckptkit" / "index"
     src.mkdir(parents=True)
     (src / "__init__.py").write_text("")
-    (src / "types.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                  "    from ..ops import verify\n")
+    (src / "types.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..ops import verify\n")
     (src / "geometry.py").write_text("def f():\n    from .types import Box\n")
     (tmp_path / "ckptkit" / "ops").mkdir()
     (tmp_path / "ckptkit" / "ops" / "__init__.py").write_text("")
@@ -200,5 +232,9 @@ def test_the_checker_sees_deferred_and_type_checking_imports(tmp_path, monkeypat
     monkeypatch.setattr(sys.modules[__name__], "MODULES", modules)
     assert imports_of("ckptkit.index.types") == {"ckptkit.ops.verify": 3}
     assert imports_of("ckptkit.index.geometry") == {"ckptkit.index.types": 2}
-    assert find_cycle(_graph()) == ["ckptkit.index.geometry", "ckptkit.index.types", "ckptkit.ops.verify",
-                                    "ckptkit.index.geometry"]
+    assert find_cycle(_graph()) == [
+        "ckptkit.index.geometry",
+        "ckptkit.index.types",
+        "ckptkit.ops.verify",
+        "ckptkit.index.geometry",
+    ]

@@ -1,4 +1,5 @@
 """The index's JSON form: schema-versioned, and JSON -> index -> JSON is stable."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """The unchecked constructors of index/types.py (used by the DCP and ZeRO readers, one piece per
 tensor and rank): what they make must be the very value the dataclasses' constructors make."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,17 @@ import pickle
 
 import pytest
 
-from ckptkit.index.types import (Box, Encoding, FlatRange, Location, Piece, unchecked_box, unchecked_flat_range,
-                                 unchecked_location, unchecked_piece)
+from ckptkit.index.types import (
+    Box,
+    Encoding,
+    FlatRange,
+    Location,
+    Piece,
+    unchecked_box,
+    unchecked_flat_range,
+    unchecked_location,
+    unchecked_piece,
+)
 
 LOCATIONS = [
     ("a/b.pt", 0, 0),
@@ -39,8 +49,11 @@ def test_unchecked_location_is_the_location_its_constructor_makes(args):
 @pytest.mark.parametrize("region", [FlatRange(3, 4), Box((0, 2), (4, 2)), Box((), ())], ids=repr)
 def test_unchecked_piece_box_and_flat_range_are_what_their_constructors_make(region):
     loc = Location("f", 16, 64)
-    fast_region = unchecked_flat_range(region.start, region.length) if type(region) is FlatRange else \
-        unchecked_box(region.offsets, region.sizes)
+    fast_region = (
+        unchecked_flat_range(region.start, region.length)
+        if type(region) is FlatRange
+        else unchecked_box(region.offsets, region.sizes)
+    )
     _same(fast_region, region)
     fast = unchecked_piece(fast_region, unchecked_location("f", 16, 64))
     _same(fast, Piece(region, loc))
@@ -49,8 +62,12 @@ def test_unchecked_piece_box_and_flat_range_are_what_their_constructors_make(reg
 
 
 def test_unchecked_values_stay_frozen():
-    for value, name in ((unchecked_location("f", 0, 1), "offset"), (unchecked_flat_range(0, 1), "start"), (unchecked_box((0,), (1,)), "sizes"),
-                        (unchecked_piece(FlatRange(0, 1), Location("f", 0, 4)), "region")):
+    for value, name in (
+        (unchecked_location("f", 0, 1), "offset"),
+        (unchecked_flat_range(0, 1), "start"),
+        (unchecked_box((0,), (1,)), "sizes"),
+        (unchecked_piece(FlatRange(0, 1), Location("f", 0, 4)), "region"),
+    ):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(value, name, 2)
 
@@ -59,8 +76,12 @@ def test_check_table_gives_back_the_checks_put_in():
     """CheckTable (issue 17: an index's checks as columns) iterates, indexes, compares and pickles
     as the list of IntegrityChecks it stands for; a list given to the index is made one."""
     from ckptkit.index.types import CheckpointIndex, CheckTable, IntegrityCheck
-    rows = [IntegrityCheck("a/b.distcp", 1 << 40, 7, 0xFFFFFFFF, "zip member x/data.pkl"),
-            IntegrityCheck("c", 0, 0, 0, "zip member x/data/0"), IntegrityCheck("a/b.distcp", 9, 3, 5, "w")]
+
+    rows = [
+        IntegrityCheck("a/b.distcp", 1 << 40, 7, 0xFFFFFFFF, "zip member x/data.pkl"),
+        IntegrityCheck("c", 0, 0, 0, "zip member x/data/0"),
+        IntegrityCheck("a/b.distcp", 9, 3, 5, "w"),
+    ]
     table = CheckTable(rows[:1])
     table.extend(iter(rows[1:]))
     assert list(table) == rows and table == rows and rows == table and len(table) == 3

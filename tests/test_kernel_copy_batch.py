@@ -1,6 +1,7 @@
 """storage/kernel_copy with many small ranges (a ZeRO partition's slices): small ranges are read
 with one pread each and written together, large ones copied in the kernel; the bytes written and
 the CRC32 must be those of the ranges concatenated, in order, whatever the mix."""
+
 from __future__ import annotations
 
 import random
@@ -39,14 +40,14 @@ def test_copy_and_crc_are_the_ranges_concatenated(tmp_path, seed: int) -> None:
             start = rng.randrange(len(memory))
             n = rng.randint(0, len(memory) - start)
             ranges.append((memory, start, n))
-            want += memory[start:start + n]
+            want += memory[start : start + n]
         else:
             name = rng.choice("ab")
             data = files[name]
             start = rng.randrange(len(data))
             n = rng.randint(0, len(data) - start if big else min(300, len(data) - start))
             ranges.append((name, start, n))
-            want += data[start:start + n]
+            want += data[start : start + n]
     source = LocalSource(str(tmp_path))
     try:
         assert _crc(source, ranges) == zlib.crc32(want)
@@ -91,7 +92,7 @@ def _neighbour_ranges(rng: random.Random, files: dict[str, bytes], count: int) -
         start = min(start, len(data))
         n = min(rng.choice([0, 1, 88, 256, 3000]), len(data) - start)
         ranges.append((name, start, n))
-        want += data[start:start + n]
+        want += data[start : start + n]
         at[name] = start + n
     return ranges, bytes(want)
 
@@ -123,7 +124,7 @@ def test_a_partitions_slices_are_read_a_block_at_a_time(tmp_path, monkeypatch) -
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     ranges = [(f"r{i % 2}", (i // 2) * 128, 88) for i in range(10_000)]
-    want = b"".join(files[rel][at:at + n] for rel, at, n in ranges)
+    want = b"".join(files[rel][at : at + n] for rel, at, n in ranges)
     reads: list[int] = []
     real = kernel_copy._pread_block
     monkeypatch.setattr(kernel_copy, "_pread_block", lambda *a: reads.append(a[3]) or real(*a))

@@ -7,6 +7,7 @@ checkpoint (`_load_distributed_checkpoint` + `_format_checkpoint`, what
 the parameter order each run recorded (the optimizer's params matched by identity to the
 LightningModule's named_parameters, in <name>.fixture.json).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+    assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), (
+        f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+    )
     assert torch.equal(bits(a), bits(b)), f"{what}: bits differ"
 
 
@@ -56,7 +59,7 @@ def fsdp_truth() -> dict:
 
 def strip(name: str) -> str:
     assert name.startswith(PREFIX), name
-    return name[len(PREFIX):]
+    return name[len(PREFIX) :]
 
 
 def read_optimizer(folder) -> tuple[dict, dict]:
@@ -111,9 +114,16 @@ def test_fsdp_consolidated_names_are_the_networks_own(tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "out"
     consolidate(str(FSDP), str(out))
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     net = transformers.LlamaForCausalLM(cfg)
     missing, unexpected = net.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
     assert not missing and not unexpected
@@ -141,7 +151,7 @@ def test_single_file_numbers_named_by_the_proven_rule(tmp_path):
     assert len(order) == 1
     split = split_roles(open_checkpoint(str(SINGLE)).index)
     assert split.named_by_order == ["optimizer_0"] and not split.numbered
-    assert split.optim_values["param_groups.0.params"] == order[0]   # what the run's optimizer held
+    assert split.optim_values["param_groups.0.params"] == order[0]  # what the run's optimizer held
     out = tmp_path / "out"
     res = consolidate(str(SINGLE), str(out), include_optimizer=True)
     assert any("named from the model's order" in n for n in res.notes)
@@ -202,8 +212,9 @@ def test_deepspeed_layout_matches_lightnings_own_conversion(tmp_path, capsys):
     for k, v in truth["state_dict"].items():
         same(model[strip(k)], v, k)
     tensors, _ = read_optimizer(out)
-    assert sorted(k for k in tensors if k.endswith(".exp_avg")) == sorted(f"state.{strip(k)}.exp_avg"
-                                                                         for k in truth["state_dict"])
+    assert sorted(k for k in tensors if k.endswith(".exp_avg")) == sorted(
+        f"state.{strip(k)}.exp_avg" for k in truth["state_dict"]
+    )
     _, report = inspect(str(DS))
     assert report.step == truth["global_step"] == 2  # Lightning's, from the client state
 
@@ -353,7 +364,9 @@ def test_convert_to_hf_strips_the_lightningmodule_attribute(tmp_path, fsdp_truth
     res = run_cli("convert", str(FSDP), str(mine), "--to", "safetensors", "--rename", "model.=net.")
     assert res.code == 0, res.output
     assert "stripped" not in res.stdout  # an explicit rule replaces the default
-    assert sorted(load_file(str(mine / "model.safetensors"))) == sorted("net." + strip(k) for k in fsdp_truth["state_dict"])
+    assert sorted(load_file(str(mine / "model.safetensors"))) == sorted(
+        "net." + strip(k) for k in fsdp_truth["state_dict"]
+    )
 
 
 def test_lightnings_consolidated_ckpt_is_read_by_name(tmp_path, fsdp_truth):
@@ -377,7 +390,10 @@ def test_optimizer_parts_names_both_lightning_layouts_alike():
     from ckptkit.convert.keys import OPTIM_CONTAINERS, optimizer_parts
 
     assert optimizer_parts(("optimizer_0", "state", "w", "exp_avg")) == ("optimizer_0", ("state", "w", "exp_avg"))
-    assert optimizer_parts(("optimizer_states", 1, "state", "3", "exp_avg")) == ("optimizer_1", ("state", "3", "exp_avg"))
+    assert optimizer_parts(("optimizer_states", 1, "state", "3", "exp_avg")) == (
+        "optimizer_1",
+        ("state", "3", "exp_avg"),
+    )
     assert optimizer_parts(("optim", "param_groups", 0, "lr")) == ("optim", ("param_groups", 0, "lr"))
     assert optimizer_parts(("model", "w")) is None and optimizer_parts(("optimizer_x", "w")) is None
     assert "optimizer_12" in OPTIM_CONTAINERS and "optimizer_states" in OPTIM_CONTAINERS
@@ -401,14 +417,22 @@ def test_deepspeed_layout_reshard_keeps_lightnings_client_state(tmp_path):
     assert sorted(got) == sorted(truth)
     for k, v in truth["state_dict"].items():
         same(got["state_dict"][k], v, k)
-    for key in ("epoch", "global_step", "loops", "callbacks", "lr_schedulers", "hyper_parameters",
-                "pytorch-lightning_version"):
+    for key in (
+        "epoch",
+        "global_step",
+        "loops",
+        "callbacks",
+        "lr_schedulers",
+        "hyper_parameters",
+        "pytorch-lightning_version",
+    ):
         assert key in truth and got[key] == truth[key], key
     _, report = inspect(str(out))
     assert report.step == 2 and report.world_size == 3
 
 
 # --- Lightning resumes the rewritten checkpoint at 3 processes (slow) ------------------------------
+
 
 def _resume_truth(strategy: str, tmp_path) -> dict:
     """What the resumed run must hold before its first step, from Lightning's reading of the source
@@ -424,9 +448,16 @@ def _resume_truth(strategy: str, tmp_path) -> dict:
         out = tmp_path / "moments"
         consolidate(str(DS), str(out), include_optimizer=True)
         tensors, _ = read_optimizer(out)
-        optim = {k: {s: tensors[f"state.{strip(k)}.{s}"] for s in ("exp_avg", "exp_avg_sq")} for k in full["state_dict"]}
-    return {"state_dict": full["state_dict"], "optim": optim, "lr_scheduler": full["lr_schedulers"][0],
-            "global_step": full["global_step"], "epoch": full["epoch"]}
+        optim = {
+            k: {s: tensors[f"state.{strip(k)}.{s}"] for s in ("exp_avg", "exp_avg_sq")} for k in full["state_dict"]
+        }
+    return {
+        "state_dict": full["state_dict"],
+        "optim": optim,
+        "lr_scheduler": full["lr_schedulers"][0],
+        "global_step": full["global_step"],
+        "epoch": full["epoch"],
+    }
 
 
 def _died_in_teardown(output: str) -> bool:
@@ -454,8 +485,17 @@ def test_lightning_resumes_the_reshard_at_three_processes(strategy, tmp_path):
     assert res.code == 0, res.output
     truth, result = tmp_path / "truth.pt", tmp_path / "result.json"
     torch.save(_resume_truth(strategy, tmp_path), truth)
-    cmd = torchrun_cmd(3) + [str(ROOT / "tests" / "dist" / "lightning_resume.py"), "--strategy", strategy,
-                             "--ckpt", str(out), "--truth", str(truth), "--result", str(result)]
+    cmd = torchrun_cmd(3) + [
+        str(ROOT / "tests" / "dist" / "lightning_resume.py"),
+        "--strategy",
+        strategy,
+        "--ckpt",
+        str(out),
+        "--truth",
+        str(truth),
+        "--result",
+        str(result),
+    ]
     env = subprocess_env()
     env["DS_ACCELERATOR"] = "cpu"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)

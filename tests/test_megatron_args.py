@@ -8,6 +8,7 @@ DeepSpeed tensor-parallel fixture gets those values added exactly as Megatron-De
 leaves them; every command reads it as before, and a reshard carries `args` back to DeepSpeed as
 the same Namespace with the same enums.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,13 @@ def megatron_enums():
         setattr(module, cls.__name__, cls)
     names = ("megatron", "megatron.model", "megatron.model.enums")
     saved = {n: sys.modules.get(n) for n in names}
-    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.model": types.ModuleType("megatron.model"),
-                        "megatron.model.enums": module})
+    sys.modules.update(
+        {
+            "megatron": types.ModuleType("megatron"),
+            "megatron.model": types.ModuleType("megatron.model"),
+            "megatron.model.enums": module,
+        }
+    )
     yield module
     for n, m in saved.items():
         if m is None:
@@ -58,11 +64,21 @@ def megatron_enums():
 
 
 def _args(enums) -> argparse.Namespace:
-    return argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, num_layers=2,
-                              hidden_size=16, params_dtype=torch.float32, lr=3e-4, seq_length=8,
-                              position_embedding_type=enums.PositionEmbeddingType.rotary,
-                              attn_mask_type=enums.AttnMaskType.causal, data_path=["/data/a", "/data/b"],
-                              fp16=False, bf16=False, seed=1234)
+    return argparse.Namespace(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1,
+        num_layers=2,
+        hidden_size=16,
+        params_dtype=torch.float32,
+        lr=3e-4,
+        seq_length=8,
+        position_embedding_type=enums.PositionEmbeddingType.rotary,
+        attn_mask_type=enums.AttnMaskType.causal,
+        data_path=["/data/a", "/data/b"],
+        fp16=False,
+        bf16=False,
+        seed=1234,
+    )
 
 
 @pytest.fixture()

@@ -1,5 +1,6 @@
 """Peak memory stays flat when the checkpoint grows 4x: consolidate and reshard stream in slabs
 bounded by the memory budget instead of materialising tensors or files."""
+
 from __future__ import annotations
 
 import subprocess
@@ -38,10 +39,15 @@ finally:
 
 
 def _peak_rss_mb(args: list[str]) -> float:
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, "--quiet", *args], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, "--quiet", *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = [l for l in proc.stderr.splitlines() if l.startswith("VMHWM_KB=")][-1]
+    line = [s for s in proc.stderr.splitlines() if s.startswith("VMHWM_KB=")][-1]
     return int(line.split("=")[1]) / 1024
 
 
@@ -49,8 +55,8 @@ def _peak_rss_mb(args: list[str]) -> float:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_peak_rss_flat_when_checkpoint_grows_4x(tmp_path):
     small, big = tmp_path / "small", tmp_path / "big"
-    _write_dcp(small, 16)   # 64 MB
-    _write_dcp(big, 64)     # 256 MB, each tensor 4x larger too
+    _write_dcp(small, 16)  # 64 MB
+    _write_dcp(big, 64)  # 256 MB, each tensor 4x larger too
     budget = ["--memory-budget", "32MB", "--workers", "2"]
     rss = {}
     for name, src in (("small", small), ("big", big)):

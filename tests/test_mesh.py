@@ -5,6 +5,7 @@ Fixtures (fixtures/generate_mesh.py, real torch runs under torchrun): `fsdp_tp_d
 on ("dp_shard", "tp") = (2, 2)) and `hsdp_r2s2` (HSDP on ("dp_replicate", "dp_shard") = (2, 2)),
 and REFERENCES `ref_*`: the same state loaded by torch at a target mesh and saved by dcp.save.
 """
+
 from __future__ import annotations
 
 import io
@@ -90,8 +91,12 @@ def test_reshard_to_mesh_is_what_torch_writes(resharded, name):
     # the fixtures exercise what this must get right: several ranks, replicated items placed by
     # torch's dedup on ranks other than 0, split chunks on a dim other than 0 where tp is there
     files = {f for cs in ref_chunks.values() for _, _, f in cs}
-    assert len(files) == MeshSpec(tuple((d, int(s)) for d, s in
-                                        (p.split(":") for p in REFERENCES[name]["mesh"].split(",")))).world_size
+    assert (
+        len(files)
+        == MeshSpec(
+            tuple((d, int(s)) for d, s in (p.split(":") for p in REFERENCES[name]["mesh"].split(",")))
+        ).world_size
+    )
     assert len(ref_values) >= 68
 
 
@@ -133,8 +138,12 @@ def test_local_box_is_dtensors_own(tmp_path):
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    meshes_ = [MeshSpec((("dp_shard", 4), ("tp", 2))), MeshSpec((("dp_replicate", 2), ("dp_shard", 3), ("tp", 2))),
-               MeshSpec((("dp_shard", 3), ("tp", 4))), MeshSpec((("dp_replicate", 2), ("dp_shard", 5)))]
+    meshes_ = [
+        MeshSpec((("dp_shard", 4), ("tp", 2))),
+        MeshSpec((("dp_replicate", 2), ("dp_shard", 3), ("tp", 2))),
+        MeshSpec((("dp_shard", 3), ("tp", 4))),
+        MeshSpec((("dp_replicate", 2), ("dp_shard", 5))),
+    ]
     checked = 0
     for mesh in meshes_:
         for shape in [(30, 16), (7, 5), (3,), (1, 6), (24,), (13, 2)]:
@@ -142,8 +151,13 @@ def test_local_box_is_dtensors_own(tmp_path):
                 p = meshes.Placement(True, tp_dim)
                 torch_p = []
                 for kind, dim, split in meshes.mesh_placements(mesh, p):
-                    torch_p.append(Replicate() if kind == "R" else Shard(dim) if kind == "S"
-                                   else _StridedShard(dim, split_factor=split))
+                    torch_p.append(
+                        Replicate()
+                        if kind == "R"
+                        else Shard(dim)
+                        if kind == "S"
+                        else _StridedShard(dim, split_factor=split)
+                    )
                 sizes = [s for _, s in mesh.dims]
                 for rank in range(mesh.world_size):
                     coord = [mesh.coordinates(rank)[n] for n in mesh.names]
@@ -164,9 +178,10 @@ def test_consolidate_2d_mesh_checkpoint_equals_truth(tmp_path, name):
     consolidate(str(MESH / name), str(tmp_path / "out"), include_optimizer=True)
     model = load_file(str(tmp_path / "out" / "model.safetensors"))
     optim = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
-    expected_model = {k[len("model."):]: v for k, v in truth.items() if k.startswith("model.")}
-    expected_optim = {k[len("optim."):]: v for k, v in truth.items()
-                      if k.startswith("optim.") and isinstance(v, torch.Tensor)}
+    expected_model = {k[len("model.") :]: v for k, v in truth.items() if k.startswith("model.")}
+    expected_optim = {
+        k[len("optim.") :]: v for k, v in truth.items() if k.startswith("optim.") and isinstance(v, torch.Tensor)
+    }
     assert set(model) == set(expected_model) and set(optim) == set(expected_optim)
     for key, value in expected_model.items():
         assert_tensor_equal(model[key], value, key)
@@ -184,11 +199,13 @@ def test_to_world_size_stays_fsdp2_dp_only(tmp_path):
     chunks = _dcp_items(tmp_path / "o")[1]["model.layers.0.attn.wo.weight"]
     assert [c[:2] for c in chunks] == [((0, 0), (6, 16)), ((6, 0), (6, 16)), ((12, 0), (4, 16))]
     consolidate(str(tmp_path / "o"), str(tmp_path / "full"), include_optimizer=True)
-    full = {**load_file(str(tmp_path / "full" / "model.safetensors")),
-            **{"optim." + k: v for k, v in load_file(str(tmp_path / "full" / "optimizer.safetensors")).items()}}
+    full = {
+        **load_file(str(tmp_path / "full" / "model.safetensors")),
+        **{"optim." + k: v for k, v in load_file(str(tmp_path / "full" / "optimizer.safetensors")).items()},
+    }
     for key, value in _truth("fsdp_tp_d2t2").items():
         if isinstance(value, torch.Tensor):
-            assert_tensor_equal(full[key[len("model."):] if key.startswith("model.") else key], value, key)
+            assert_tensor_equal(full[key[len("model.") :] if key.startswith("model.") else key], value, key)
 
 
 def test_parallel_spec_parses_meshes_and_deepspeed_sizes():
@@ -197,23 +214,38 @@ def test_parallel_spec_parses_meshes_and_deepspeed_sizes():
     assert spec.coordinates(5) == {"dp_replicate": 1, "dp_shard": 0, "tp": 1}
     assert parse_parallel("tp=2,pp=2,dp=4") == ParallelSizes(tp=2, pp=2, dp=4)
     assert parse_parallel("ep=4,dp=8") == ParallelSizes(ep=4, dp=8)
-    for bad, why in [("0", "at least 1"), ("mesh=dp_shard:4,xx:2", "not one of"), ("mesh=tp:2", "needs dp_shard"),
-                     ("mesh=dp_shard:2,dp_shard:2", "given twice"), ("tp=2,qq=3", "not one of"),
-                     ("mesh=dp_shard:x", "is not name:size"), ("mesh=dp_shard:0", "at least 1")]:
+    for bad, why in [
+        ("0", "at least 1"),
+        ("mesh=dp_shard:4,xx:2", "not one of"),
+        ("mesh=tp:2", "needs dp_shard"),
+        ("mesh=dp_shard:2,dp_shard:2", "given twice"),
+        ("tp=2,qq=3", "not one of"),
+        ("mesh=dp_shard:x", "is not name:size"),
+        ("mesh=dp_shard:0", "at least 1"),
+    ]:
         with pytest.raises(UsageError, match=why):
             parse_parallel(bad)
 
 
-@pytest.mark.parametrize("to,message", [
-    ("tp=2,pp=2,dp=4", "not supported yet for dcp"),
-    ("ep=4,dp=8", "not supported yet for dcp"),
-    ("mesh=tp:2,dp_shard:2", "in the order dp_replicate, dp_shard, tp"),
-    ("mesh=dp_shard:2,pp:2", "not one of"),
-    ("four", "is not name=size"),
-])
+@pytest.mark.parametrize(
+    "to,message",
+    [
+        ("tp=2,pp=2,dp=4", "not supported yet for dcp"),
+        ("ep=4,dp=8", "not supported yet for dcp"),
+        ("mesh=tp:2,dp_shard:2", "in the order dp_replicate, dp_shard, tp"),
+        ("mesh=dp_shard:2,pp:2", "not one of"),
+        ("four", "is not name=size"),
+    ],
+)
 def test_bad_or_unsupported_to_is_one_sentence_exit_2(tmp_path, to, message):
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "reshard", str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"),
-                           "--to", to], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "reshard", str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "--to", to],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -224,10 +256,17 @@ def test_mesh_with_tp_over_a_source_without_tp_needs_a_rule(tmp_path):
     with pytest.raises(UnsupportedError, match="no tensor-parallel split rule matches"):
         reshard(str(MESH / "hsdp_r2s2"), str(tmp_path / "o"), "mesh=dp_shard:2,tp:2")
     rules = tmp_path / "rules.json"
-    rules.write_text(json.dumps({"rules": [
-        {"pattern": "re:.*(wq|wk|wv|up|lm_head|embed)\\.(weight|bias)$", "split": 0},
-        {"pattern": "re:.*(wo|down)\\.weight$", "split": 1},
-        {"pattern": "re:.*(norm.*|down\\.bias)$", "split": "replicated"}]}))
+    rules.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {"pattern": "re:.*(wq|wk|wv|up|lm_head|embed)\\.(weight|bias)$", "split": 0},
+                    {"pattern": "re:.*(wo|down)\\.weight$", "split": 1},
+                    {"pattern": "re:.*(norm.*|down\\.bias)$", "split": "replicated"},
+                ]
+            }
+        )
+    )
     reshard(str(MESH / "hsdp_r2s2"), str(tmp_path / "o2"), "mesh=dp_shard:2,tp:2", tp_rules=str(rules))
     # the layout is torch's FSDP2+TP layout at (2, 2): the same chunks as the fsdp_tp_d2t2 fixture
     got = _dcp_items(tmp_path / "o2")[1]
@@ -236,15 +275,26 @@ def test_mesh_with_tp_over_a_source_without_tp_needs_a_rule(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source,target", [("fsdp_tp_d2t2", "dp_shard:1,tp:4"), ("hsdp_r2s2", "dp_replicate:1,dp_shard:4")])
+@pytest.mark.parametrize(
+    "source,target", [("fsdp_tp_d2t2", "dp_shard:1,tp:4"), ("hsdp_r2s2", "dp_replicate:1,dp_shard:4")]
+)
 def test_torch_job_loads_mesh_reshard_and_trains(tmp_path, source, target):
     """torch itself, at the new mesh, loads the resharded folder (dcp.load + set_state_dict), finds
     every weight and optimizer moment equal to the truth bit for bit, and trains one step."""
     out = tmp_path / "out"
     reshard(str(MESH / source), str(out), "mesh=" + target)
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "mesh_load_check.py"), "--ckpt", str(out),
-                             "--mesh", target, "--truth", str(MESH / f"{source}.truth.pt"), "--result", str(result)]
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "mesh_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--mesh",
+        target,
+        "--truth",
+        str(MESH / f"{source}.truth.pt"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(result.read_text())
@@ -265,8 +315,14 @@ def test_inspect_shows_the_mesh_and_each_tensors_tp_split():
     assert hsdp.metadata["mesh"] == "dp_replicate:2,dp_shard:2" and "parallel" not in hsdp.metadata
     plain = open_checkpoint(str(DATA / "fsdp2_w3")).index
     assert "mesh" not in plain.metadata and not any("parallel" in e.attrs for e in plain.tensors.values())
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "inspect", str(MESH / "fsdp_tp_d2t2")], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "inspect", str(MESH / "fsdp_tp_d2t2")],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "parallel    tp 2 x dp 2" in proc.stdout and "tp dim 1/2" in proc.stdout and "tp replicated/2" in proc.stdout
 
 
@@ -287,8 +343,10 @@ def test_source_whose_chunks_fit_no_mesh_is_laid_out_by_role(tmp_path):
     for key, entry in index.tensors.items():
         if len(entry.shape) and entry.shape[0] > 3:  # rows [0, 3) on rank 0, the rest on rank 1
             rest = (entry.shape[0] - 3,) + tuple(entry.shape[1:])
-            layout.tensors[key] = [Assignment(0, Box((0,) * len(entry.shape), (3,) + tuple(entry.shape[1:]))),
-                                   Assignment(1, Box((3,) + (0,) * (len(entry.shape) - 1), rest))]
+            layout.tensors[key] = [
+                Assignment(0, Box((0,) * len(entry.shape), (3,) + tuple(entry.shape[1:]))),
+                Assignment(1, Box((3,) + (0,) * (len(entry.shape) - 1), rest)),
+            ]
         else:
             layout.tensors[key] = [Assignment(0, Box.whole(entry.shape))]
     with open_output(str(tmp_path / "odd"), overwrite=False) as out:
@@ -313,6 +371,7 @@ def test_mesh_reshard_needs_no_torch(tmp_path):
     of rows) import no torch, as the other light commands."""
     from test_torch_free import _torch_imported
 
-    assert not _torch_imported(["reshard", str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"),
-                                "--to", "mesh=dp_replicate:2,dp_shard:2,tp:2"])
+    assert not _torch_imported(
+        ["reshard", str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "--to", "mesh=dp_replicate:2,dp_shard:2,tp:2"]
+    )
     assert (tmp_path / "o" / ".metadata").exists()

@@ -5,6 +5,7 @@ Fixtures: fixtures/data/ds_tp (DeepSpeed AutoTP Llama and a Megatron-style mpu m
 tp=2 x dp=2, written by fixtures/generate_ds_tp.py) and fixtures/data/ds_pp (PipelineModule,
 fixtures/generate_ds_pp.py); their truth files hold DeepSpeed's own full fp32 masters and moments.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,7 +59,7 @@ def test_tp_checkpoint_on_a_mesh_holds_deepspeeds_truth_split_as_recorded(tmp_pa
     truth = _truth(TP / f"{name}.truth.pt")
     full, _, chunks = _full_tensors(tmp_path / "o")
     splits = json.loads((TP / name / "fixture.json").read_text())["splits"]
-    names = [k[len("fp32."):] for k in truth if k.startswith("fp32.")]
+    names = [k[len("fp32.") :] for k in truth if k.startswith("fp32.")]
     assert names and set(splits) == set(names)
     mesh = parse_parallel(MESH)
     fused = 0
@@ -70,8 +71,9 @@ def test_tp_checkpoint_on_a_mesh_holds_deepspeeds_truth_split_as_recorded(tmp_pa
         kind, *rest = splits[p]
         fused += kind == "fused"
         placement = meshes.Placement(True, None if kind == "replicated" else rest[0])
-        want = {(b.offsets, b.sizes) for b in meshes.rank_boxes(tuple(truth[f"fp32.{p}"].shape), mesh, placement)
-                if b.numel}
+        want = {
+            (b.offsets, b.sizes) for b in meshes.rank_boxes(tuple(truth[f"fp32.{p}"].shape), mesh, placement) if b.numel
+        }
         for key in (f"model.{p}", f"optim.state.{p}.exp_avg"):
             assert {(o, s) for o, s, _ in chunks[key] if o is not None and all(s)} == want, key
     assert fused == (2 if name.startswith("mpu") else 0)
@@ -87,9 +89,17 @@ def test_pipeline_onto_a_tp_mesh_needs_split_rules_then_follows_them(tmp_path):
         convert(src, str(tmp_path / "no"), "fsdp2", world_size=MESH)
     assert not (tmp_path / "no").exists()
     rules = tmp_path / "rules.json"
-    rules.write_text(json.dumps({"rules": [
-        {"pattern": "*.fc_in.*", "split": 0}, {"pattern": "*.fc_out.weight", "split": 1},
-        {"pattern": "*", "split": "replicated"}]}))
+    rules.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {"pattern": "*.fc_in.*", "split": 0},
+                    {"pattern": "*.fc_out.weight", "split": 1},
+                    {"pattern": "*", "split": "replicated"},
+                ]
+            }
+        )
+    )
     from ckptkit.convert.tp_rules import use_rules_file
 
     use_rules_file(str(rules))
@@ -129,14 +139,17 @@ def test_dcp_saved_with_tp_converts_onto_a_mesh_as_torch_saves_it(tmp_path):
             assert got_values[item] == expected, item
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--world-size", "tp=2,dp=2"], "reshard --to"),
-    (["--world-size", "abc"], "expected a number of ranks"),
-    (["--world-size", "mesh=dp_shard:2,xx:2"], "not one of"),
-    (["--world-size", "mesh=tp:2"], "needs dp_shard"),
-    (["--world-size", "mesh=tp:2,dp_shard:2"], "in the order"),
-    (["--world-size", "0"], "at least 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--world-size", "tp=2,dp=2"], "reshard --to"),
+        (["--world-size", "abc"], "expected a number of ranks"),
+        (["--world-size", "mesh=dp_shard:2,xx:2"], "not one of"),
+        (["--world-size", "mesh=tp:2"], "needs dp_shard"),
+        (["--world-size", "mesh=tp:2,dp_shard:2"], "in the order"),
+        (["--world-size", "0"], "at least 1"),
+    ],
+)
 def test_bad_world_size_is_one_sentence_exit_2(tmp_path, args, message):
     from cli.main import cli
 
@@ -149,11 +162,13 @@ def test_bad_world_size_is_one_sentence_exit_2(tmp_path, args, message):
 def test_mesh_applies_to_dcp_targets_only(tmp_path):
     from cli.main import cli
 
-    res = CliRunner().invoke(cli, ["convert", str(TP / "autotp_z2_fp32"), str(tmp_path / "z"), "--to", "zero2",
-                                   "--world-size", MESH])
+    res = CliRunner().invoke(
+        cli, ["convert", str(TP / "autotp_z2_fp32"), str(tmp_path / "z"), "--to", "zero2", "--world-size", MESH]
+    )
     assert res.exit_code == 2 and "applies only to --to dcp, fsdp or fsdp2" in res.output
-    ok = CliRunner().invoke(cli, ["convert", str(TP / "autotp_z2_fp32"), str(tmp_path / "d"), "--to", "dcp",
-                                  "--world-size", MESH])
+    ok = CliRunner().invoke(
+        cli, ["convert", str(TP / "autotp_z2_fp32"), str(tmp_path / "d"), "--to", "dcp", "--world-size", MESH]
+    )
     assert ok.exit_code == 0 and "for 4 rank(s)" in ok.output and f"laid out on {MESH}" in ok.output
 
 
@@ -171,15 +186,28 @@ def test_torch_jobs_load_the_converted_checkpoints_and_save_the_same_layout(tmp_
     convert(str(pp_src), str(tmp_path / "pp"), "fsdp2", world_size=4)
     convert(str(pp_src), str(tmp_path / "pp_mesh"), "fsdp2", world_size="mesh=dp_shard:4")
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "mesh_convert_check.py"),
-                             "--tp-ckpt", str(tmp_path / "tp"), "--tp-truth", str(TP / "autotp_z1_bf16.truth.pt"),
-                             "--pp-ckpt", str(tmp_path / "pp"), "--pp-truth", str(PP / "pp2_dp2_z1_fp32.truth.pt"),
-                             "--resave", str(tmp_path / "resaved"), "--result", str(result)]
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "mesh_convert_check.py"),
+        "--tp-ckpt",
+        str(tmp_path / "tp"),
+        "--tp-truth",
+        str(TP / "autotp_z1_bf16.truth.pt"),
+        "--pp-ckpt",
+        str(tmp_path / "pp"),
+        "--pp-truth",
+        str(PP / "pp2_dp2_z1_fp32.truth.pt"),
+        "--resave",
+        str(tmp_path / "resaved"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(result.read_text())
     assert doc["ok"] and doc["world_size"] == 4, doc
-    assert doc["tp"]["compared"] == 48 and doc["pp"]["compared"] == 55  # 12 params x (w, 2 moments, step); 13 x 4 + frozen + 2 buffers
+    assert (
+        doc["tp"]["compared"] == 48 and doc["pp"]["compared"] == 55
+    )  # 12 params x (w, 2 moments, step); 13 x 4 + frozen + 2 buffers
     for ours, theirs in (("tp", "tp"), ("pp_mesh", "pp")):
         got_order, got_chunks, got_values = _dcp_items(tmp_path / ours)
         ref_order, ref_chunks, ref_values = _dcp_items(tmp_path / "resaved" / theirs)

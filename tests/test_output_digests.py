@@ -4,6 +4,7 @@ The digests in tests/data/output_digests.json were written by tests/pin_outputs.
 refactor. A change here means a command now writes different bytes for the same fixture: either
 a bug, or an intended format change, which is then re-pinned on purpose (and said so in the commit).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from conftest import has_zstd
 
 def test_outputs_match_pinned_digests():
     pinned = json.loads(pin_outputs.DIGESTS.read_text())["cases"]
-    assert sorted(pinned) == sorted(cid for cid, _, _ in pin_outputs.CASES), \
+    assert sorted(pinned) == sorted(cid for cid, _, _ in pin_outputs.CASES), (
         "tests/pin_outputs.py CASES and tests/data/output_digests.json disagree: re-run tests/pin_outputs.py"
+    )
     skipped = set() if has_zstd() else {cid for cid, src, _ in pin_outputs.CASES if "zstd" in src}
     got = pin_outputs.compute_all(skip=skipped)
     changes = []

@@ -11,6 +11,7 @@ Every mutated pickle must either load or raise a CkptkitError (never anything el
 most ALLOC_BOUND (tracemalloc) and finish within TIME_BOUND of CPU. Hypothesis runs derandomized with a
 bounded number of examples and no database, so CI runs the same cases every time (about 30 s).
 """
+
 from __future__ import annotations
 
 import io
@@ -36,11 +37,17 @@ from conftest import DATA
 EXAMPLES = int(os.environ.get("CKPTKIT_FUZZ_EXAMPLES", 150))
 ALLOC_BOUND = 64 << 20
 TIME_BOUND = 1.0
-FUZZ = settings(derandomize=True, max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    derandomize=True,
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # ---- seeds ------------------------------------------------------------------------------------
+
 
 def _archive(path: Path) -> tuple[bytes, dict[str, bytes]]:
     """A torch.save file's data.pkl and its storages (key -> bytes)."""
@@ -48,7 +55,7 @@ def _archive(path: Path) -> tuple[bytes, dict[str, bytes]]:
         names = zf.namelist()
         pkl = next(n for n in names if n.endswith("/data.pkl"))
         prefix = pkl[: -len("data.pkl")]
-        storages = {n[len(prefix) + 5:]: zf.read(n) for n in names if n.startswith(prefix + "data/")}
+        storages = {n[len(prefix) + 5 :]: zf.read(n) for n in names if n.startswith(prefix + "data/")}
         return zf.read(pkl), storages
 
 
@@ -58,9 +65,17 @@ def _rng_states() -> io.BytesIO:
     import numpy as np
 
     buf = io.BytesIO()
-    torch.save({"np": np.random.RandomState(1).get_state(), "torch": torch.get_rng_state()[:64],
-                "py": random.Random(2).getstate(), "gen": np.random.default_rng(3).bit_generator.state,
-                "step": np.int64(5), "arr": np.arange(6, dtype=np.float32).reshape(2, 3)}, buf)
+    torch.save(
+        {
+            "np": np.random.RandomState(1).get_state(),
+            "torch": torch.get_rng_state()[:64],
+            "py": random.Random(2).getstate(),
+            "gen": np.random.default_rng(3).bit_generator.state,
+            "step": np.int64(5),
+            "arr": np.arange(6, dtype=np.float32).reshape(2, 3),
+        },
+        buf,
+    )
     return buf
 
 
@@ -102,6 +117,7 @@ def persistent_loader(storages: dict[str, bytes] | None, eager: bool):
 
 # ---- opcodes ----------------------------------------------------------------------------------
 
+
 def split(data: bytes) -> list[tuple[pickletools.OpcodeInfo, object, bytes]]:
     """The pickle as (opcode, argument, raw bytes of the whole instruction)."""
     ops = list(pickletools.genops(data))
@@ -113,9 +129,19 @@ def split(data: bytes) -> list[tuple[pickletools.OpcodeInfo, object, bytes]]:
 
 
 _WIDTH = {"uint1": "<B", "uint2": "<H", "int4": "<i", "uint4": "<I", "uint8": "<Q"}
-_LENGTH = {"unicodestring1": "<B", "unicodestring4": "<I", "unicodestring8": "<Q", "bytes1": "<B",
-           "bytes4": "<I", "bytes8": "<Q", "bytearray8": "<Q", "string1": "<B", "string4": "<i",
-           "long1": "<B", "long4": "<i"}
+_LENGTH = {
+    "unicodestring1": "<B",
+    "unicodestring4": "<I",
+    "unicodestring8": "<Q",
+    "bytes1": "<B",
+    "bytes4": "<I",
+    "bytes8": "<Q",
+    "bytearray8": "<Q",
+    "string1": "<B",
+    "string4": "<i",
+    "long1": "<B",
+    "long4": "<i",
+}
 
 
 def encode(op: pickletools.OpcodeInfo, arg: object) -> bytes:
@@ -149,8 +175,12 @@ def new_argument(op: pickletools.OpcodeInfo, draw) -> object:
         low = -(1 << 31) if kind == "int4" else 0
         return draw(st.one_of(st.integers(low, min(1 << bits, 1 << 63) - 1), st.sampled_from([0, 1, 2, 255])))
     if kind.startswith("unicodestring") or kind.startswith("string"):
-        return draw(st.one_of(st.text(max_size=40), st.sampled_from(["os", "system", "numpy", "dtype", "V8", "O8",
-                                                                    "torch.strided", "latin1", "utf-8"])))
+        return draw(
+            st.one_of(
+                st.text(max_size=40),
+                st.sampled_from(["os", "system", "numpy", "dtype", "V8", "O8", "torch.strided", "latin1", "utf-8"]),
+            )
+        )
     if kind.startswith("bytes") or kind == "bytearray8":
         return draw(st.binary(max_size=64))
     if kind in ("long1", "long4"):
@@ -162,16 +192,75 @@ def new_argument(op: pickletools.OpcodeInfo, draw) -> object:
     return draw(st.sampled_from(["0", "1", "-1", "99999999999", "1e999", "abc", "0x10"]))
 
 
-DANGEROUS = ["os system", "posix system", "builtins eval", "builtins exec", "builtins getattr",
-             "builtins __import__", "subprocess Popen", "torch load", "torch.storage _load_from_bytes",
-             "pickle loads", "builtins open", "shutil rmtree", "numpy load", "numpy.lib.npyio load"]
-ALLOWED = ["numpy.core.multiarray _reconstruct", "numpy._core.multiarray scalar", "numpy dtype", "numpy ndarray",
-           "__builtin__ bytearray", "builtins range", "__builtin__ set", "builtins frozenset", "builtins complex",
-           "collections OrderedDict", "collections defaultdict", "copyreg _reconstructor", "_codecs encode",
-           "torch._utils _rebuild_tensor_v2", "torch._tensor _rebuild_from_type_v2", "torch Size",
-           "torch.distributed.checkpoint.metadata Metadata", "torch float32", "pathlib PosixPath", "__builtin__ bytes"]
-BARE = [b"b", b"R", b"\x81", b"\x92", b"2", b"0", b"1", b"(", b"a", b"e", b"s", b"u", b"t", b"\x85", b"\x86", b"\x87",
-        b"]", b"}", b"\x8f", b"\x90", b"\x91", b".", b"\x94", b"\x93", b"Q", b"N", b"l", b"d", b"o"]
+DANGEROUS = [
+    "os system",
+    "posix system",
+    "builtins eval",
+    "builtins exec",
+    "builtins getattr",
+    "builtins __import__",
+    "subprocess Popen",
+    "torch load",
+    "torch.storage _load_from_bytes",
+    "pickle loads",
+    "builtins open",
+    "shutil rmtree",
+    "numpy load",
+    "numpy.lib.npyio load",
+]
+ALLOWED = [
+    "numpy.core.multiarray _reconstruct",
+    "numpy._core.multiarray scalar",
+    "numpy dtype",
+    "numpy ndarray",
+    "__builtin__ bytearray",
+    "builtins range",
+    "__builtin__ set",
+    "builtins frozenset",
+    "builtins complex",
+    "collections OrderedDict",
+    "collections defaultdict",
+    "copyreg _reconstructor",
+    "_codecs encode",
+    "torch._utils _rebuild_tensor_v2",
+    "torch._tensor _rebuild_from_type_v2",
+    "torch Size",
+    "torch.distributed.checkpoint.metadata Metadata",
+    "torch float32",
+    "pathlib PosixPath",
+    "__builtin__ bytes",
+]
+BARE = [
+    b"b",
+    b"R",
+    b"\x81",
+    b"\x92",
+    b"2",
+    b"0",
+    b"1",
+    b"(",
+    b"a",
+    b"e",
+    b"s",
+    b"u",
+    b"t",
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"]",
+    b"}",
+    b"\x8f",
+    b"\x90",
+    b"\x91",
+    b".",
+    b"\x94",
+    b"\x93",
+    b"Q",
+    b"N",
+    b"l",
+    b"d",
+    b"o",
+]
 
 
 @st.composite
@@ -201,8 +290,11 @@ def mutated(draw, seed: bytes) -> bytes:
                 pass
         elif kind == "global":
             name = draw(st.sampled_from(DANGEROUS + ALLOWED))
-            call = draw(st.sampled_from([b"", b")R", b"N\x85R", b"K\x05\x85R", b"J\x00/YY\x85R", b"(K\x01K\x02tR",
-                                         b")\x81", b"}b", b"Nb"]))
+            call = draw(
+                st.sampled_from(
+                    [b"", b")R", b"N\x85R", b"K\x05\x85R", b"J\x00/YY\x85R", b"(K\x01K\x02tR", b")\x81", b"}b", b"Nb"]
+                )
+            )
             ops.insert(i, b"c" + name.replace(" ", "\n").encode() + b"\n" + call)
             infos.insert(i, infos[i])
         elif kind == "length":
@@ -212,18 +304,23 @@ def mutated(draw, seed: bytes) -> bytes:
                 width = struct.calcsize(fmt)
                 limit = (1 << (8 * width - (1 if fmt.endswith("i") else 0))) - 1
                 value = draw(st.one_of(st.integers(0, limit), st.sampled_from([limit, limit // 2, 0, 1 << 31])))
-                ops[i] = ops[i][:1] + struct.pack(fmt, min(value, limit)) + ops[i][1 + width:]
+                ops[i] = ops[i][:1] + struct.pack(fmt, min(value, limit)) + ops[i][1 + width :]
         elif kind == "bare":
             ops.insert(i, draw(st.sampled_from(BARE)))
             infos.insert(i, infos[i])
         elif kind == "get":
-            ops.insert(i, b"h" + bytes([draw(st.integers(0, 255))]) if draw(st.booleans())
-                       else b"j" + struct.pack("<I", draw(st.integers(0, 1 << 20))))
+            ops.insert(
+                i,
+                b"h" + bytes([draw(st.integers(0, 255))])
+                if draw(st.booleans())
+                else b"j" + struct.pack("<I", draw(st.integers(0, 1 << 20))),
+            )
             infos.insert(i, infos[i])
     return b"".join(ops)
 
 
 # ---- the property -----------------------------------------------------------------------------
+
 
 def check(data: bytes, storages, eager: bool) -> None:
     """Only CkptkitErrors escape; allocation and time stay bounded."""
@@ -273,8 +370,13 @@ def test_the_mutator_reaches_the_dangerous_paths():
     data, storages, eager = SEEDS["torch_save"]
     seen: set[str] = set()
 
-    @settings(derandomize=True, max_examples=300, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        derandomize=True,
+        max_examples=300,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(mutated(data))
     def run(mutant: bytes) -> None:
         try:

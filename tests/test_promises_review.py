@@ -6,6 +6,7 @@
 4. diff reports NaN mismatches explicitly;
 5. an HF Trainer folder whose name and trainer_state.json disagree on the step is flagged.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ needs_tp = pytest.mark.skipif(not MPU, reason="fixtures/data/ds_tp/ not generate
 
 # ---- 1. replicated by a user rule -----------------------------------------------------------
 
+
 def _rules_file(tmp_path: Path, rules: list[dict]) -> Path:
     path = tmp_path / "rules.json"
     path.write_text(json.dumps({"rules": rules}))
@@ -34,8 +36,10 @@ def _rules_file(tmp_path: Path, rules: list[dict]) -> Path:
 def _user_replicated(pattern: str):
     from ckptkit.convert.tp_rules import TpRule, TpRules, TpSplit
 
-    return TpRules((TpRule(pattern, TpSplit("replicated", None, rule=pattern), "rules file 'r.json': rule 0"),),
-                   "rules file 'r.json'")
+    return TpRules(
+        (TpRule(pattern, TpSplit("replicated", None, rule=pattern), "rules file 'r.json': rule 0"),),
+        "rules file 'r.json'",
+    )
 
 
 def test_replicated_slices_of_different_shapes_are_refused_by_name():
@@ -45,8 +49,14 @@ def test_replicated_slices_of_different_shapes_are_refused_by_name():
     from ckptkit.index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
 
     def entry(n: int) -> TensorEntry:
-        return TensorEntry("model.ln.weight", "float32", (n,), [Piece(FlatRange(0, n), Location("f", 0, 4 * n))],
-                           path=("model", "ln.weight"))
+        return TensorEntry(
+            "model.ln.weight",
+            "float32",
+            (n,),
+            [Piece(FlatRange(0, n), Location("f", 0, 4 * n))],
+            path=("model", "ln.weight"),
+        )
+
     first = CheckpointIndex(format="deepspeed", root="r")
     first.add_tensor(entry(8))
     with pytest.raises(CkptkitError) as exc:
@@ -105,8 +115,11 @@ def test_a_user_rule_replicating_a_differing_copy_is_refused(tmp_path):
     from ckptkit.formats.deepspeed.reader import read_index
     from ckptkit.storage.source import open_source
 
-    name = next(n for n in MPU if DS_TP_VERSIONS["fixtures"][n]["dtype"] == "fp32"
-                and DS_TP_VERSIONS["fixtures"][n]["stage"] < 3)
+    name = next(
+        n
+        for n in MPU
+        if DS_TP_VERSIONS["fixtures"][n]["dtype"] == "fp32" and DS_TP_VERSIONS["fixtures"][n]["stage"] < 3
+    )
     d = tmp_path / name
     shutil.copytree(DS_TP / name, d)
     index = read_index(open_source(str(d)), tp_rules=load_rules(None))
@@ -115,7 +128,7 @@ def test_a_user_rule_replicating_a_differing_copy_is_refused(tmp_path):
     data = bytearray((d / piece.location.file).read_bytes())
     data[piece.location.offset] ^= 0x01
     (d / piece.location.file).write_bytes(bytes(data))
-    read_index(open_source(str(d)), tp_rules=load_rules(None))   # built-in rule: read, verify --deep's job
+    read_index(open_source(str(d)), tp_rules=load_rules(None))  # built-in rule: read, verify --deep's job
     rules = load_rules(str(_rules_file(tmp_path, [{"pattern": "final_layernorm.weight", "split": "replicated"}])))
     with pytest.raises(CkptkitError) as exc:
         read_index(open_source(str(d)), tp_rules=rules)
@@ -124,7 +137,7 @@ def test_a_user_rule_replicating_a_differing_copy_is_refused(tmp_path):
 
 # ---- 2. --dtype is a strict choice ----------------------------------------------------------
 
-DTYPE_COMMANDS = ["consolidate"]   # every command with --dtype (test_every_dtype_option_is_listed checks)
+DTYPE_COMMANDS = ["consolidate"]  # every command with --dtype (test_every_dtype_option_is_listed checks)
 
 
 def test_every_dtype_option_is_listed():
@@ -135,9 +148,18 @@ def test_every_dtype_option_is_listed():
 
 
 @pytest.mark.parametrize("command", DTYPE_COMMANDS)
-@pytest.mark.parametrize("value,named", [("", "empty"), ("   ", "empty"), ("float64", "'float64'"),
-                                         ("fp64", "'fp64'"), ("double", "'double'"),
-                                         ("float8_e4m3fn", "'float8_e4m3fn'"), ("torch.fp16", "'torch.fp16'")])
+@pytest.mark.parametrize(
+    "value,named",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("float64", "'float64'"),
+        ("fp64", "'fp64'"),
+        ("double", "'double'"),
+        ("float8_e4m3fn", "'float8_e4m3fn'"),
+        ("torch.fp16", "'torch.fp16'"),
+    ],
+)
 def test_dtype_outside_the_listed_choices_is_refused(command, value, named, tmp_path):
     out = tmp_path / "OUT"
     res = run_cli(command, ROOT / "fixtures" / "data" / "fsdp2_w2", out, "--dtype", value)
@@ -159,6 +181,7 @@ def test_dtype_help_lists_exactly_the_accepted_spellings():
 
 # ---- 3. a nested state dict must be a mapping of names to tensors ----------------------------
 
+
 def _save(path: Path, obj) -> Path:
     import torch
 
@@ -174,12 +197,15 @@ def _as_list(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["list", "tuple"])
-@pytest.mark.parametrize("key,name,extra", [
-    ("state_dict", "lightning.ckpt", {"pytorch-lightning_version": "2.4.0", "global_step": 3}),  # Lightning
-    ("module", "mp_rank_00_model_states.bin", {}),      # DeepSpeed's module key in a plain torch.save
-    ("model", "pytorch_model.bin", {}),                 # accelerate / FSDP full state dict {"model": ...}
-    ("model_state_dict", "checkpoint.pt", {"epoch": 1}),
-])
+@pytest.mark.parametrize(
+    "key,name,extra",
+    [
+        ("state_dict", "lightning.ckpt", {"pytorch-lightning_version": "2.4.0", "global_step": 3}),  # Lightning
+        ("module", "mp_rank_00_model_states.bin", {}),  # DeepSpeed's module key in a plain torch.save
+        ("model", "pytorch_model.bin", {}),  # accelerate / FSDP full state dict {"model": ...}
+        ("model_state_dict", "checkpoint.pt", {"epoch": 1}),
+    ],
+)
 @pytest.mark.parametrize("command", ["inspect", "consolidate", "convert"])
 def test_a_listed_state_dict_is_refused(command, key, name, extra, kind, tmp_path):
     src = _save(tmp_path / name, {key: _as_list(kind), **extra})
@@ -215,22 +241,30 @@ def test_other_lists_and_mapped_state_dicts_still_read(tmp_path):
     import torch
     from ckptkit.formats.registry import open_checkpoint
 
-    src = _save(tmp_path / "ok.ckpt", {"state_dict": {"model.w": torch.ones(2)}, "optimizer_states": [{"state": {},
-               "param_groups": [{"lr": 0.1, "params": [0]}]}], "pytorch-lightning_version": "2.4.0"})
+    src = _save(
+        tmp_path / "ok.ckpt",
+        {
+            "state_dict": {"model.w": torch.ones(2)},
+            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}],
+            "pytorch-lightning_version": "2.4.0",
+        },
+    )
     index = open_checkpoint(str(src)).index
     assert "state_dict.model.w" in index.tensors
 
 
 # ---- 4. diff reports NaN mismatches explicitly ------------------------------------------------
 
-def _two(tmp_path: Path, a: list[float], b: list[float], dtype: str = "float32",
-         bits_b: list[int] | None = None) -> tuple[str, str]:
+
+def _two(
+    tmp_path: Path, a: list[float], b: list[float], dtype: str = "float32", bits_b: list[int] | None = None
+) -> tuple[str, str]:
     import torch
     from safetensors.torch import save_file
 
     ta = torch.tensor(a, dtype=getattr(torch, dtype))
     tb = torch.tensor(b, dtype=getattr(torch, dtype))
-    if bits_b is not None:   # raw bit patterns (NaN payloads)
+    if bits_b is not None:  # raw bit patterns (NaN payloads)
         tb = torch.tensor(bits_b, dtype=torch.int32).view(torch.float32)
     save_file({"w": ta}, str(tmp_path / "a.safetensors"))
     save_file({"w": tb}, str(tmp_path / "b.safetensors"))
@@ -248,7 +282,7 @@ def test_nan_against_a_number_is_counted_not_called_inf(tmp_path):
     row = _row(*_two(tmp_path, [1.0, nan, 3.0, nan], [1.5, 2.0, 3.0, nan]))
     assert row.status == "different"
     assert row.nan_mismatches == 1
-    assert row.max_abs_diff == pytest.approx(0.5)          # over the positions both sides can compare
+    assert row.max_abs_diff == pytest.approx(0.5)  # over the positions both sides can compare
     assert "1 position NaN on one side only" in row.detail, row.detail
 
 
@@ -298,7 +332,7 @@ def test_cli_shows_and_json_carries_nan_mismatches(tmp_path):
 
 # ---- 5. checkpoint-N whose trainer_state.json records another step ----------------------------
 
-TRAINER_DDP = ROOT / "fixtures" / "data" / "trainer" / "ddp" / "checkpoint-2"   # global_step 2
+TRAINER_DDP = ROOT / "fixtures" / "data" / "trainer" / "ddp" / "checkpoint-2"  # global_step 2
 
 
 def _trainer_copy(dst: Path, step: int | None = None) -> Path:
@@ -317,7 +351,7 @@ def test_inspect_warns_when_the_folder_name_and_the_recorded_step_disagree(tmp_p
     src = _trainer_copy(tmp_path / "checkpoint-5")
     res = run_cli("inspect", src)
     assert res.code == 0, res.output
-    assert "step        2" in res.stdout                      # the step the Trainer recorded
+    assert "step        2" in res.stdout  # the step the Trainer recorded
     assert f"warning     {MISMATCH}" in res.stdout, res.stdout
     doc = json.loads(run_cli("inspect", "--json", src).stdout)
     assert doc["metadata"]["hf_trainer"]["warnings"] == [MISMATCH]
@@ -371,7 +405,7 @@ def test_the_checkpointer_never_resumes_from_a_trainer_folder(tmp_path):
     ck, model, optim, _ = saved_checkpointer_step(tmp_path)
     _trainer_copy(tmp_path / "run" / "checkpoint-5")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")      # no SkippedStepsWarning for checkpoint-5
+        warnings.simplefilter("error")  # no SkippedStepsWarning for checkpoint-5
         assert ck.restore(model, optim) == 1
 
 

@@ -6,6 +6,7 @@ spans (bytes at (file, offset, length), viewed with the span's strides) equals F
 for bit, and so do the bytes byte_ranges (a view of the plan) names. test_output_digests pins
 that fetch itself reads what it read before the plan existed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,14 @@ from conftest import DATA, has_zstd
 
 
 def _fixtures() -> list:
-    out = [pytest.param(DATA / "fsdp2_w2", id="dcp"), pytest.param(DATA / "fsdp1_sharded_w2", id="dcp-fsdp1"),
-           pytest.param(DATA / "plain_state_dict.pt", id="torch_save-strided"),
-           pytest.param(DATA / "deepspeed" / "z1_bf16_w2", id="zero1"),
-           pytest.param(DATA / "deepspeed" / "z2_fp32_w2", id="zero2"),
-           pytest.param(DATA / "deepspeed" / "z3_fp16_w2", id="zero3")]
+    out = [
+        pytest.param(DATA / "fsdp2_w2", id="dcp"),
+        pytest.param(DATA / "fsdp1_sharded_w2", id="dcp-fsdp1"),
+        pytest.param(DATA / "plain_state_dict.pt", id="torch_save-strided"),
+        pytest.param(DATA / "deepspeed" / "z1_bf16_w2", id="zero1"),
+        pytest.param(DATA / "deepspeed" / "z2_fp32_w2", id="zero2"),
+        pytest.param(DATA / "deepspeed" / "z3_fp16_w2", id="zero3"),
+    ]
     marks = [] if has_zstd() else [pytest.mark.skip(reason="zstd-compressed DCP items need the zstandard package")]
     out.append(pytest.param(DATA / "dcp_zstd_w2", id="dcp-zstd", marks=marks))
     return out
@@ -44,8 +48,13 @@ def _fixtures() -> list:
 def safetensors_file(tmp_path):
     from safetensors.torch import save_file
 
-    values = {"a": torch.randn(3, 4), "b": torch.arange(7, dtype=torch.int32), "c": torch.tensor(True),
-              "d": torch.randn(2, 2).to(torch.bfloat16), "e": torch.zeros(0, 3)}
+    values = {
+        "a": torch.randn(3, 4),
+        "b": torch.arange(7, dtype=torch.int32),
+        "c": torch.tensor(True),
+        "d": torch.randn(2, 2).to(torch.bfloat16),
+        "e": torch.zeros(0, 3),
+    }
     save_file(values, str(tmp_path / "model.safetensors"))
     return tmp_path / "model.safetensors"
 
@@ -86,8 +95,10 @@ def _assert_plan_rebuilds(opened, fetcher: Fetcher) -> set[str]:
             assert _bits(rebuilt) == _bits(got), key
         ranges = fetcher.byte_ranges(entry)
         if ranges is not None:
-            data = b"".join(bytes(f[o:o + n]) if isinstance(f, bytes) else b"\0" * n if f is None
-                            else opened.source.read(f, o, n) for f, o, n in ranges)
+            data = b"".join(
+                bytes(f[o : o + n]) if isinstance(f, bytes) else b"\0" * n if f is None else opened.source.read(f, o, n)
+                for f, o, n in ranges
+            )
             assert data == _bits(got), key
         seen.update(str(s.encoding) for s in plan.walk())
     return seen
@@ -127,8 +138,20 @@ def test_plan_values_are_frozen_and_typed(safetensors_file):
         span.offset = 0  # type: ignore[misc]
     with pytest.raises(AttributeError):
         plan.spans = ()  # type: ignore[misc]
-    assert set(ReadSpan.__annotations__) == {"key", "piece", "encoding", "file", "offset", "length", "box",
-                                             "region", "base", "strides", "dense", "refs"}
+    assert set(ReadSpan.__annotations__) == {
+        "key",
+        "piece",
+        "encoding",
+        "file",
+        "offset",
+        "length",
+        "box",
+        "region",
+        "base",
+        "strides",
+        "dense",
+        "refs",
+    }
     assert plan.bytes_per_file() == {"model.safetensors": 48} and plan.encodings() == {"raw": 1}
     assert dataclasses.is_dataclass(Location) and Location("f", 0, 1).encoding is Encoding.RAW
 
@@ -171,15 +194,25 @@ def test_crafted_bad_pieces_give_the_exact_sentences(tmp_path):
     missing = _entry(Piece(Box((0,), (2,)), Location("d.bin", 0, 8)))
     past = _entry(Piece(Box((0,), (4,)), Location("d.bin", 0, 12)))
     cases = [
-        (doubled, f"{root}: tensor model.w [4] is not tiled exactly by its pieces: elements are stored twice "
-                  f"(e.g. offsets [2] sizes [1]); run `ckptkit verify` for all problems"),
-        (missing, f"{root}: tensor model.w [4] is not tiled exactly by its pieces: 2 element(s) are in no piece "
-                  f"(e.g. offsets [2] sizes [2]); run `ckptkit verify` for all problems"),
+        (
+            doubled,
+            f"{root}: tensor model.w [4] is not tiled exactly by its pieces: elements are stored twice "
+            f"(e.g. offsets [2] sizes [1]); run `ckptkit verify` for all problems",
+        ),
+        (
+            missing,
+            f"{root}: tensor model.w [4] is not tiled exactly by its pieces: 2 element(s) are in no piece "
+            f"(e.g. offsets [2] sizes [2]); run `ckptkit verify` for all problems",
+        ),
         (past, f"{src.label('d.bin')}: tensor model.w reads past its recorded byte range"),
-        (_entry(Piece(FlatRange(0, 4), Location("nope", 0, 4, Encoding.REF))),
-         "virtual tensor model.w refers to unknown tensor 'nope'"),
-        (_entry(Piece(Box((0,), (4,)), Location("d.bin", 0, 16, "bytes"))),
-         f"{src.label('d.bin')}: unknown piece encoding 'bytes'"),
+        (
+            _entry(Piece(FlatRange(0, 4), Location("nope", 0, 4, Encoding.REF))),
+            "virtual tensor model.w refers to unknown tensor 'nope'",
+        ),
+        (
+            _entry(Piece(Box((0,), (4,)), Location("d.bin", 0, 16, "bytes"))),
+            f"{src.label('d.bin')}: unknown piece encoding 'bytes'",
+        ),
     ]
     for entry, sentence in cases:
         with pytest.raises(FormatError) as planned:
@@ -189,8 +222,9 @@ def test_crafted_bad_pieces_give_the_exact_sentences(tmp_path):
             Fetcher(src).fetch(entry)
         assert str(fetched.value) == sentence  # fetch plans first: the same sentence, nothing read
     with pytest.raises(FormatError, match=r"d\.bin: file ends before byte 80 \(truncated\?\)"):
-        plan_reads(None, _entry(Piece(Box((0,), (4,)), Location("d.bin", 64, 16))), label=src.label,
-                   file_sizes={"d.bin": 64})
+        plan_reads(
+            None, _entry(Piece(Box((0,), (4,)), Location("d.bin", 64, 16))), label=src.label, file_sizes={"d.bin": 64}
+        )
     src.close()
 
 
@@ -223,23 +257,25 @@ def test_plan_command_errors_are_one_sentence(tmp_path):
     assert res.exit_code == 2 and res.output.strip() == f"error: {DATA / 'fsdp2_w2'}: no tensor matches --tensor nope*"
 
 
-@pytest.mark.parametrize("runs,why", [
-    ([(0, 4), (4, 4)], None),                          # ZeRO partitions meeting end to end
-    ([(4, 4), (0, 4)], None),                          # in any order
-    ([(0, 4), (4, 0), (4, 4)], None),                  # an empty partition (padding rank)
-    ([(0, 4), (5, 3)], "in no piece"),                 # a gap
-    ([(0, 5), (4, 4)], "stored twice"),                # an overlap
-    ([(0, 4), (4, 4), (8, 2)], "outside the tensor"),  # past the end
-    ([(0, 4)], "in no piece"),                         # short
-])
+@pytest.mark.parametrize(
+    "runs,why",
+    [
+        ([(0, 4), (4, 4)], None),  # ZeRO partitions meeting end to end
+        ([(4, 4), (0, 4)], None),  # in any order
+        ([(0, 4), (4, 0), (4, 4)], None),  # an empty partition (padding rank)
+        ([(0, 4), (5, 3)], "in no piece"),  # a gap
+        ([(0, 5), (4, 4)], "stored twice"),  # an overlap
+        ([(0, 4), (4, 4), (8, 2)], "outside the tensor"),  # past the end
+        ([(0, 4)], "in no piece"),  # short
+    ],
+)
 def test_flat_pieces_tiling_fast_path_agrees_with_coverage(runs, why):
     """check_tiling's shortcut for flat pieces accepts exactly what coverage accepts, and a
     refusal still carries coverage's reason."""
     from ckptkit.index.types import FlatRange, Location, Piece, TensorEntry
     from ckptkit.runner.plan import check_tiling
 
-    entry = TensorEntry("w", "float32", (2, 4),
-                        [Piece(FlatRange(s, n), Location("f", 0, 4 * n)) for s, n in runs])
+    entry = TensorEntry("w", "float32", (2, 4), [Piece(FlatRange(s, n), Location("f", 0, 4 * n)) for s, n in runs])
     if why is None:
         check_tiling(entry)
         return
@@ -247,9 +283,14 @@ def test_flat_pieces_tiling_fast_path_agrees_with_coverage(runs, why):
         check_tiling(entry)
 
 
-@pytest.mark.parametrize("runs,why", [
-    ([(0, 4), (5, 3)], "in no piece"), ([(0, 5), (4, 4)], "stored twice"), ([(0, 4), (4, 4), (8, 2)], "outside the tensor"),
-])
+@pytest.mark.parametrize(
+    "runs,why",
+    [
+        ([(0, 4), (5, 3)], "in no piece"),
+        ([(0, 5), (4, 4)], "stored twice"),
+        ([(0, 4), (4, 4), (8, 2)], "outside the tensor"),
+    ],
+)
 def test_byte_ranges_of_flat_pieces_not_tiling_the_tensor_are_refused(tmp_path, runs, why):
     """byte_ranges takes flat runs meeting end to end as the tiling check (flat_plan.runs); any
     other flat pieces still get check_tiling's sentence, never byte ranges."""
@@ -260,6 +301,10 @@ def test_byte_ranges_of_flat_pieces_not_tiling_the_tensor_are_refused(tmp_path, 
     entry = TensorEntry("w", "float32", (2, 4), [Piece(FlatRange(s, n), Location("f", 4 * s, 4 * n)) for s, n in runs])
     with pytest.raises(FormatError, match=f"tensor w \\[2, 4\\] is not tiled exactly by its pieces: .*{why}"):
         Planner(None).byte_ranges(entry)
-    good = TensorEntry("w", "float32", (2, 4), [Piece(FlatRange(4, 4), Location("f", 16, 16)),
-                                                  Piece(FlatRange(0, 4), Location("f", 0, 16))])
+    good = TensorEntry(
+        "w",
+        "float32",
+        (2, 4),
+        [Piece(FlatRange(4, 4), Location("f", 16, 16)), Piece(FlatRange(0, 4), Location("f", 0, 16))],
+    )
     assert Planner(None).byte_ranges(good) == [("f", 0, 32)]

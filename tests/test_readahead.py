@@ -2,6 +2,7 @@
 asked for at most a window ahead of the bytes written, all of it by the end; the output's open
 files (never a closed one) are written back early; what is written and when it is committed do
 not change, and a failed run leaves no output and no thread behind."""
+
 from __future__ import annotations
 
 import errno
@@ -141,8 +142,11 @@ def test_reshard_paced_writes_the_same_bytes(tmp_path, monkeypatch, hints):
     flushed: list[int] = []
     monkeypatch.setattr(readahead, "FLUSH", 1)  # the writeback starts as soon as the copy moves
     real_flush = rename_output.RenameOutput.start_writeback
-    monkeypatch.setattr(rename_output.RenameOutput, "start_writeback",
-                        lambda self: (flushed.append(len(self._open_files)), real_flush(self)))
+    monkeypatch.setattr(
+        rename_output.RenameOutput,
+        "start_writeback",
+        lambda self: (flushed.append(len(self._open_files)), real_flush(self)),
+    )
     real_advance, advances = readahead._Counting.advance, []
 
     def advance(self, n: int) -> None:  # a worker advancing for the second time waits for a writeback

@@ -1,4 +1,5 @@
 """Each reader equals the ground truth bit for bit on checkpoints the frameworks wrote."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,12 @@ def test_dcp_reader_keeps_zero_size_chunks_and_nesting():
     gate = opened.index.tensors["model.gate"]
     sizes = sorted(p.region.sizes for p in gate.pieces)
     assert sizes == [(0, 6), (1, 6)]  # FSDP2 on a dim smaller than the world size
-    assert opened.index.tensors["optim.state.embed.weight.exp_avg"].path == ("optim", "state", "embed.weight", "exp_avg")
+    assert opened.index.tensors["optim.state.embed.weight.exp_avg"].path == (
+        "optim",
+        "state",
+        "embed.weight",
+        "exp_avg",
+    )
     assert opened.index.objects["optim.param_groups.1.lr"].path == ("optim", "param_groups", 1, "lr")
 
 
@@ -66,8 +72,13 @@ def test_torch_save_reader_honours_strides_and_shared_storage():
 def test_safetensors_reader_equals_library(tmp_path):
     from safetensors.torch import save_file
 
-    values = {"a": torch.randn(3, 4), "b": torch.arange(7, dtype=torch.int32), "c": torch.tensor(True),
-              "d": torch.randn(2, 2).to(torch.bfloat16), "e": torch.zeros(0, 3)}
+    values = {
+        "a": torch.randn(3, 4),
+        "b": torch.arange(7, dtype=torch.int32),
+        "c": torch.tensor(True),
+        "d": torch.randn(2, 2).to(torch.bfloat16),
+        "e": torch.zeros(0, 3),
+    }
     save_file(values, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     opened, tensors, _ = read_all(tmp_path / "model.safetensors")
     assert opened.index.format == "safetensors"
@@ -86,9 +97,13 @@ def test_dcp_torch23_flattening_convention(tmp_path):
 
     from ckptkit.ops.reshard import reshard
 
-    state = {"model": {"w": torch.randn(5, 3)},
-             "optim": {"state": {"w": {"exp_avg": torch.randn(5, 3), "step": torch.tensor(2.0)}},
-                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
+    state = {
+        "model": {"w": torch.randn(5, 3)},
+        "optim": {
+            "state": {"w": {"exp_avg": torch.randn(5, 3), "step": torch.tensor(2.0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}],
+        },
+    }
     _version._derived_version = "2_3"
     try:
         dcp.save(state, checkpoint_id=str(tmp_path / "old"), no_dist=True)
@@ -114,8 +129,11 @@ def test_compressed_items_without_codec_give_a_clear_error(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "zstandard", None)
     monkeypatch.setitem(sys.modules, "compression", None)
-    with pytest.raises(MissingDependencyError, match=r"__\d_0\.distcp \(value .*\) is zstd-compressed; "
-                                                     r"install the 'zstandard' package"):
+    with pytest.raises(
+        MissingDependencyError,
+        match=r"__\d_0\.distcp \(value .*\) is zstd-compressed; "
+        r"install the 'zstandard' package",
+    ):
         open_checkpoint(str(DATA / "dcp_zstd_w2"))
 
 
@@ -132,7 +150,12 @@ def test_a_bare_optimizer_state_dict_is_counted_as_optimizer(tmp_path):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
-    res = subprocess.run([sys.executable, "-m", "ckptkit", "inspect", str(tmp_path / "optimizer.pt")],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", str(tmp_path / "optimizer.pt")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "0 model, 6 optimizer" in res.stdout, res.stdout

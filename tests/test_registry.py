@@ -1,5 +1,6 @@
 """The one registry of formats: each checkpoint is recognised by exactly one reader, each format
 declares what its writer can produce, and operations ask those capabilities, never a format's name."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,7 @@ from safetensors.torch import save_file
 
 from ckptkit.errors import NotACheckpointError, UnsupportedError
 from ckptkit.formats import registry
-from ckptkit.formats.protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Reader,
-                                       Writer)
+from ckptkit.formats.protocols import ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Reader, Writer
 from ckptkit.formats.registry import capabilities_of, detect, format_named, open_checkpoint
 from ckptkit.storage.source import open_source
 from conftest import DATA
@@ -92,8 +92,9 @@ def test_capabilities_of_an_index_follow_its_reader():
 def test_an_unknown_format_is_refused_in_one_sentence(tmp_path):
     with pytest.raises(UnsupportedError) as exc:
         format_named("orbax")
-    assert str(exc.value) == ("no reader or writer for the format 'orbax' (ckptkit has deepspeed, dcp, "
-                              "safetensors, torch_save)")
+    assert str(exc.value) == (
+        "no reader or writer for the format 'orbax' (ckptkit has deepspeed, dcp, safetensors, torch_save)"
+    )
     (tmp_path / "notes.txt").write_text("hello")
     assert _detected(tmp_path) == []
     unrecognised = r"not a checkpoint ckptkit recognises; found 1 entries \(notes.txt\)"
@@ -114,11 +115,17 @@ NAME_COMPARISON = re.compile(r"\bformat\s*(==|!=|not\s+in\s*[(\[]|in\s*[(\[])")
 
 
 def test_no_operation_compares_format_names():
-    files = sorted((ROOT / "ckptkit" / "ops").glob("*.py")) + [ROOT / "ckptkit" / "api.py",
-                                                               ROOT / "ckptkit" / "convert" / "state.py",
-                                                               ROOT / "ckptkit" / "formats" / "dcp" / "writer.py"]
-    found = [f"{os.path.relpath(f, ROOT)}:{n}: {line.strip()}" for f in files
-             for n, line in enumerate(f.read_text().splitlines(), 1) if NAME_COMPARISON.search(line)]
+    files = sorted((ROOT / "ckptkit" / "ops").glob("*.py")) + [
+        ROOT / "ckptkit" / "api.py",
+        ROOT / "ckptkit" / "convert" / "state.py",
+        ROOT / "ckptkit" / "formats" / "dcp" / "writer.py",
+    ]
+    found = [
+        f"{os.path.relpath(f, ROOT)}:{n}: {line.strip()}"
+        for f in files
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if NAME_COMPARISON.search(line)
+    ]
     assert not found, "ask formats.registry.capabilities_of(index) instead:\n" + "\n".join(found)
 
 
@@ -145,9 +152,15 @@ def test_operations_write_through_the_registry_not_writer_modules():
     assert not found, "write with formats.registry.format_named(...).write(target, out, ctx):\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("to,fmt,target", [("dcp", "dcp", "DcpTarget"), ("zero2", "deepspeed", "ZeroTemplatesTarget"),
-                                           ("torch", "torch_save", "TorchSaveTarget"),
-                                           ("hf", "safetensors", "SafetensorsTarget")])
+@pytest.mark.parametrize(
+    "to,fmt,target",
+    [
+        ("dcp", "dcp", "DcpTarget"),
+        ("zero2", "deepspeed", "ZeroTemplatesTarget"),
+        ("torch", "torch_save", "TorchSaveTarget"),
+        ("hf", "safetensors", "SafetensorsTarget"),
+    ],
+)
 def test_convert_writes_a_typed_target_through_the_registry_writer(tmp_path, monkeypatch, to, fmt, target):
     from ckptkit.ops.convert import convert
 

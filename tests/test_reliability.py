@@ -1,6 +1,7 @@
 """Faults: damage inside compressed items, a full disk, and fuzzed inputs for every parser.
 (Crafted pickles: test_safeload.py, test_cli_bad_input.py, test_deepspeed_hostile.py; kills:
 test_crash.py.)"""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,14 @@ from ds_helpers import ds_fixtures
 
 
 def _ckptkit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptkit", *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.skipif(not has_zstd(), reason="reading zstd-compressed DCP items needs the zstandard package")
@@ -34,8 +41,11 @@ def test_damage_inside_a_compressed_item_is_caught(tmp_path):
     archive inside carries CRC32s, which ckptkit checks after decoding."""
     src = tmp_path / "src"
     shutil.copytree(DATA / "dcp_zstd_w2", src)
-    item = next(p for p in open_checkpoint(str(src)).index.tensors["model.embed.weight"].pieces
-                if p.location.file == "__1_0.distcp").location
+    item = next(
+        p
+        for p in open_checkpoint(str(src)).index.tensors["model.embed.weight"].pieces
+        if p.location.file == "__1_0.distcp"
+    ).location
     with open(src / item.file, "r+b") as f:
         f.seek(item.offset + item.length // 2)
         b = f.read(8)
@@ -65,11 +75,13 @@ def test_a_second_writer_of_the_same_output_is_refused(tmp_path):
 
 # ---- a full disk -----------------------------------------------------------------------------
 
+
 def _tmpfs(size: str):
     """A tmpfs of `size` (root only); the test is skipped where mounting is not allowed."""
     where = tempfile.mkdtemp(prefix="ckptkit-tmpfs-")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         os.rmdir(where)
         pytest.skip(f"cannot mount a tmpfs ({proc.stderr.strip() or 'mount failed'}; needs root)")
@@ -98,8 +110,11 @@ def four_mb_dcp(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("cmd", [["consolidate"], ["reshard", "--to", "3"], ["convert", "--to", "torch"]],
-                         ids=["consolidate", "reshard", "convert"])
+@pytest.mark.parametrize(
+    "cmd",
+    [["consolidate"], ["reshard", "--to", "3"], ["convert", "--to", "torch"]],
+    ids=["consolidate", "reshard", "convert"],
+)
 def test_a_full_disk_is_one_sentence_and_leaves_nothing(tiny_disk, four_mb_dcp, cmd):
     out = os.path.join(tiny_disk, "out")
     res = _ckptkit(cmd[0], str(four_mb_dcp), out, *cmd[1:])
@@ -123,15 +138,22 @@ def test_output_on_another_filesystem(other_disk, four_mb_dcp):
 
 # ---- fuzzing ---------------------------------------------------------------------------------
 
+
 def _targets() -> list[tuple[str, str]]:
     """(checkpoint to copy, file inside it to damage): every parser ckptkit has."""
-    out = [("fsdp2_w2", ".metadata"), ("fsdp2_w2", "__0_0.distcp"), ("plain_state_dict.pt", ""),
-           ("dcp_rank_local_w2", "__1.metadata")]
+    out = [
+        ("fsdp2_w2", ".metadata"),
+        ("fsdp2_w2", "__0_0.distcp"),
+        ("plain_state_dict.pt", ""),
+        ("dcp_rank_local_w2", "__1.metadata"),
+    ]
     if has_zstd():
         out.append(("dcp_zstd_w2", "__1_0.distcp"))
     if "z2_bf16_w2" in ds_fixtures():
-        out += [("deepspeed/z2_bf16_w2", "global_step2/mp_rank_00_model_states.pt"),
-                ("deepspeed/z3_bf16_w2", "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")]
+        out += [
+            ("deepspeed/z2_bf16_w2", "global_step2/mp_rank_00_model_states.pt"),
+            ("deepspeed/z3_bf16_w2", "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ]
     return out
 
 
@@ -140,8 +162,11 @@ def _safetensors_target(tmp: str) -> tuple[str, str]:
 
     path = os.path.join(tmp, "st_seed.safetensors")
     if not os.path.exists(path):
-        save_file({"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
-                  path, metadata={"format": "pt"})
+        save_file(
+            {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
+            path,
+            metadata={"format": "pt"},
+        )
     return path, ""
 
 
@@ -164,7 +189,7 @@ def _damage(path: str, kind: str, where: float, n: int, rnd: bytes) -> None:
     elif kind == "insert":
         data[pos:pos] = (rnd * (n // len(rnd) + 1))[:n]
     else:
-        data[pos:pos + n] = bytes(min(n, len(data) - pos))
+        data[pos : pos + n] = bytes(min(n, len(data) - pos))
     open(path, "wb").write(bytes(data))
 
 

@@ -1,6 +1,7 @@
 """Remote storage through fsspec against a real S3-protocol server on loopback (moto in server
 mode) with s3fs: inspect, verify, consolidate, reshard and convert from and to a bucket; reads
 are byte ranges; outputs commit with a marker written last and readers honour it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -24,8 +25,12 @@ def s3(tmp_path_factory):
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
     fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"])
     fs.mkdir(BUCKET)
     fs.put(str(DATA / "fsdp2_w2"), f"{BUCKET}/fsdp2_w2", recursive=True)
@@ -34,8 +39,14 @@ def s3(tmp_path_factory):
 
 
 def _ckptkit(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptkit", *args], cwd=ROOT, env={**subprocess_env(), **env},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit", *args],
+        cwd=ROOT,
+        env={**subprocess_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_commands_read_from_and_write_to_a_bucket(s3, tmp_path):
@@ -44,8 +55,11 @@ def test_commands_read_from_and_write_to_a_bucket(s3, tmp_path):
     res = _ckptkit(env, "inspect", src)
     assert res.returncode == 0 and "world size  2" in res.stdout, res.stderr
     assert _ckptkit(env, "verify", "--deep", src).returncode == 0
-    for cmd, out, extra in (("reshard", "w3", ["--to", "3"]), ("consolidate", "hf", []),
-                            ("convert", "t", ["--to", "torch"])):
+    for cmd, out, extra in (
+        ("reshard", "w3", ["--to", "3"]),
+        ("consolidate", "hf", []),
+        ("convert", "t", ["--to", "torch"]),
+    ):
         res = _ckptkit(env, cmd, src, f"s3://{BUCKET}/{out}", *extra)
         assert res.returncode == 0, res.stderr
         names = fs.ls(f"{BUCKET}/{out}", detail=False)
@@ -76,8 +90,9 @@ def test_an_unfinished_remote_output_is_refused(s3):
 
 def test_a_failed_remote_write_leaves_nothing_that_loads(s3, tmp_path):
     fs, env = s3
-    res = _ckptkit(env, "reshard", str(DATA / "fsdp2_w2"), f"s3://{BUCKET}/fail", "--to", "3",
-                   "--memory-budget", "not-a-size")
+    res = _ckptkit(
+        env, "reshard", str(DATA / "fsdp2_w2"), f"s3://{BUCKET}/fail", "--to", "3", "--memory-budget", "not-a-size"
+    )
     assert res.returncode == 2
     res = _ckptkit(env, "convert", str(DATA / "fsdp2_w2"), f"s3://{BUCKET}/fail2", "--to", "zero2")
     assert res.returncode == 2 and "--ds-config" in res.stderr
@@ -97,8 +112,9 @@ def test_reads_are_byte_ranges(s3, monkeypatch, tmp_path):
     fs, env = s3
     state = save_random_dcp(tmp_path / "big", 4, (256, 1024), seed=0)  # 4 x 1 MiB, one file
     fs.put(str(tmp_path / "big"), f"{BUCKET}/big", recursive=True)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": env["FSSPEC_S3_ENDPOINT_URL"],
-                                                    "key": "testing", "secret": "testing"})
+    monkeypatch.setitem(
+        fsspec.config.conf, "s3", {"endpoint_url": env["FSSPEC_S3_ENDPOINT_URL"], "key": "testing", "secret": "testing"}
+    )
     calls: list[tuple[str, int, int]] = []
     original = source_mod.FsspecSource.read
 
@@ -107,8 +123,11 @@ def test_reads_are_byte_ranges(s3, monkeypatch, tmp_path):
         return original(self, rel, offset, length)
 
     monkeypatch.setattr(source_mod.FsspecSource, "read", counting)
-    monkeypatch.setattr(source_mod.FsspecSource, "readinto",
-                        lambda self, rel, offset, buf: buf.__setitem__(slice(None), counting(self, rel, offset, len(buf))))
+    monkeypatch.setattr(
+        source_mod.FsspecSource,
+        "readinto",
+        lambda self, rel, offset, buf: buf.__setitem__(slice(None), counting(self, rel, offset, len(buf))),
+    )
     opened = open_checkpoint(f"s3://{BUCKET}/big")
     total = sum(opened.index.files.values())
     assert sum(n for _, _, n in calls) < total / 20  # the index: metadata and zip directories

@@ -1,5 +1,6 @@
 """DCP reshard: the output equals the truth, is laid out one file per rank, and a real FSDP2 job
 at the new world size loads it with dcp.load and holds exactly the original state."""
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,15 @@ def test_reshard_from_mismatch_is_an_error(tmp_path):
 def test_fsdp2_job_loads_resharded_checkpoint(resharded, tmp_path, name, m):
     """A real FSDP2 job at M ranks dcp.loads the output; full state equals the truth bit for bit."""
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(m) + [str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"),
-                             "--ckpt", str(resharded[(name, m)]),
-                             "--truth", str(DATA / f"{name}.truth.pt"), "--result", str(result)]
+    cmd = torchrun_cmd(m) + [
+        str(ROOT / "tests" / "dist" / "fsdp2_load_check.py"),
+        "--ckpt",
+        str(resharded[(name, m)]),
+        "--truth",
+        str(DATA / f"{name}.truth.pt"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(result.read_text())

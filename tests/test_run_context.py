@@ -1,6 +1,7 @@
 """One RunContext per command: the CLI builds it once, and the very same object reaches the writers
 (a reshard's read-ahead wraps only its progress), with the budget and workers the flags (or the
 environment) chose; every buffer is a share of it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,23 +53,44 @@ def test_reshard_builds_one_context_and_hands_it_to_the_writer(tmp_path, made, m
     from ckptkit.formats import adapters
 
     seen = _writer_spy(monkeypatch, adapters, "write_dcp")
-    res = CliRunner().invoke(cli_main.cli, ["--quiet", "reshard", str(DATA / "fsdp2_w2"), str(tmp_path / "o"),
-                                            "--to", "3", "--memory-budget", "64MiB", "--workers", "3", "--overwrite"])
+    res = CliRunner().invoke(
+        cli_main.cli,
+        [
+            "--quiet",
+            "reshard",
+            str(DATA / "fsdp2_w2"),
+            str(tmp_path / "o"),
+            "--to",
+            "3",
+            "--memory-budget",
+            "64MiB",
+            "--workers",
+            "3",
+            "--overwrite",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert len(made) == 1 and len(seen) == 1
     # a local one-process reshard reads ahead (runner/readahead): the writer gets the context
     # built for the command with only its progress wrapped (to count the bytes copied), no
     # setting rebuilt
-    assert seen[0] is made[0] or (dataclasses.replace(seen[0], progress=made[0].progress) == made[0]
-                                  and seen[0].progress._inner is made[0].progress)
+    assert seen[0] is made[0] or (
+        dataclasses.replace(seen[0], progress=made[0].progress) == made[0]
+        and seen[0].progress._inner is made[0].progress
+    )
     ctx = made[0]
     assert (ctx.memory_budget, ctx.workers, ctx.overwrite) == (64 << 20, 3, True)
     assert ctx.slab_bytes == (64 << 20) // (2 * 3)
 
 
-@pytest.mark.parametrize("to,module,name", [("torch", "ckptkit.formats.adapters", "write_torch_save"),
-                                            ("zero2", "ckptkit.formats.adapters", "write_zero_files"),
-                                            ("hf", "ckptkit.formats.adapters", "write_safetensors")])
+@pytest.mark.parametrize(
+    "to,module,name",
+    [
+        ("torch", "ckptkit.formats.adapters", "write_torch_save"),
+        ("zero2", "ckptkit.formats.adapters", "write_zero_files"),
+        ("hf", "ckptkit.formats.adapters", "write_safetensors"),
+    ],
+)
 def test_convert_hands_its_one_context_to_the_writer(tmp_path, made, monkeypatch, to, module, name):
     seen = _writer_spy(monkeypatch, importlib.import_module(module), name)
     args = ["--quiet", "convert", str(DATA / "fsdp2_w2"), str(tmp_path / "o"), "--to", to, "--workers", "2"]
@@ -86,17 +108,28 @@ def test_flags_win_over_the_environment_defaults(tmp_path, made, monkeypatch):
     res = CliRunner().invoke(cli_main.cli, ["--quiet", "verify", "--deep", str(DATA / "fsdp2_w2")])
     assert res.exit_code == 0, res.output
     assert (made[-1].memory_budget, made[-1].workers) == (32 << 20, 7)  # the environment's values
-    res = CliRunner().invoke(cli_main.cli, ["--quiet", "verify", "--deep", str(DATA / "fsdp2_w2"),
-                                            "--memory-budget", "8MiB", "--workers", "2"])
+    res = CliRunner().invoke(
+        cli_main.cli,
+        ["--quiet", "verify", "--deep", str(DATA / "fsdp2_w2"), "--memory-budget", "8MiB", "--workers", "2"],
+    )
     assert res.exit_code == 0, res.output
     assert (made[-1].memory_budget, made[-1].workers) == (8 << 20, 2)
 
 
 def test_environment_variables_reach_a_fresh_context():
     env = dict(os.environ, CKPTKIT_MEMORY_BUDGET=str(96 << 20), CKPTKIT_WORKERS="5", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", "from ckptkit.context import RunContext as R; c = R(); "
-                          "print(c.memory_budget, c.workers, c.slab_bytes)"],
-                         env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from ckptkit.context import RunContext as R; c = R(); print(c.memory_budget, c.workers, c.slab_bytes)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.stdout.split() == [str(96 << 20), "5", str((96 << 20) // 10)], out.stderr
 
 

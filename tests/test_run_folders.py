@@ -5,6 +5,7 @@ it found and what would be recognised.
 The folders are composed from real checkpoints (the HF Trainer fixtures, DeepSpeed and DCP
 fixtures, a Checkpointer run) copied into the layouts the trainers write, then one is damaged the
 way a killed save leaves it (a rank file missing, trainer_state.json not yet written)."""
+
 from __future__ import annotations
 
 import json
@@ -47,10 +48,14 @@ def test_output_dir_reads_the_newest_complete_checkpoint_and_says_so(tmp_path):
     (out / "checkpoint-3" / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     code, stdout, stderr = run("inspect", out)
     assert code == 0, stderr
-    assert stderr.startswith(f"{out}: using checkpoint-2 (newest complete of 3 in this HF Trainer output folder; "
-                             f"checkpoint-3 is incomplete: ")
-    assert ("global_step2/mp_rank_00_model_states.pt: says dp_world_size 2, but the optim-states file of rank 1 "
-            "is missing (bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt)") in stderr
+    assert stderr.startswith(
+        f"{out}: using checkpoint-2 (newest complete of 3 in this HF Trainer output folder; "
+        f"checkpoint-3 is incomplete: "
+    )
+    assert (
+        "global_step2/mp_rank_00_model_states.pt: says dp_world_size 2, but the optim-states file of rank 1 "
+        "is missing (bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt)"
+    ) in stderr
     assert len(stderr.strip().splitlines()) == 1
     lines = stdout.splitlines()
     assert lines[1].startswith("chosen      checkpoint-2 (newest complete of 3")
@@ -73,8 +78,10 @@ def test_a_checkpoint_without_trainer_state_is_incomplete(tmp_path):
     (out / "checkpoint-3" / "trainer_state.json").unlink()
     code, stdout, stderr = run("inspect", out)
     assert code == 0
-    assert ("using checkpoint-2 (newest complete of 3 in this HF Trainer output folder; checkpoint-3 is "
-            "incomplete: no trainer_state.json (the Trainer writes it last))") in stderr
+    assert (
+        "using checkpoint-2 (newest complete of 3 in this HF Trainer output folder; checkpoint-3 is "
+        "incomplete: no trainer_state.json (the Trainer writes it last))"
+    ) in stderr
     # a rank file missing in accelerate's optimizer_0/ DCP folder
     shutil.rmtree(out / "checkpoint-3")
     (out / "checkpoint-2" / "optimizer_0" / "__1_0.distcp").unlink()
@@ -128,8 +135,10 @@ def test_deepspeed_save_folder_without_latest(tmp_path):
     (folder / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     code, stdout, stderr = run("inspect", folder)
     assert code == 0, stderr
-    assert stderr.startswith(f"{folder}: using global_step4 (newest complete of 3 in this DeepSpeed save folder; "
-                             f"global_step6 is incomplete: ")
+    assert stderr.startswith(
+        f"{folder}: using global_step4 (newest complete of 3 in this DeepSpeed save folder; "
+        f"global_step6 is incomplete: "
+    )
     target = tmp_path / "model"
     code, stdout, stderr = run("consolidate", folder, target)
     assert code == 0, stdout + stderr
@@ -160,8 +169,10 @@ def test_checkpointer_directory(tmp_path):
     (tmp_path / "run" / "step_000000003" / ".metadata").unlink()  # its marker lists it
     code, stdout, stderr = run("consolidate", tmp_path / "run", tmp_path / "out")
     assert code == 0, stdout + stderr
-    assert ("using step_000000002 (newest complete of 3 in this Checkpointer directory; step_000000003 is "
-            "incomplete: lacks .metadata, which its .ckptkit-complete lists)") in stderr
+    assert (
+        "using step_000000002 (newest complete of 3 in this Checkpointer directory; step_000000003 is "
+        "incomplete: lacks .metadata, which its .ckptkit-complete lists)"
+    ) in stderr
     loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
     for name, value in weights[2].items():
         assert_tensor_equal(loaded[name], value, name)
@@ -183,16 +194,19 @@ def test_lightning_checkpoints_folder(tmp_path):
     (folder / "epoch=2-step=15.ckpt" / "__1_0.distcp").unlink()
     code, stdout, stderr = run("inspect", folder)
     assert code == 0, stderr
-    assert stderr.startswith(f"{folder}: using epoch=1-step=10.ckpt (newest complete of 3 in this Lightning "
-                             f"checkpoints folder; epoch=2-step=15.ckpt is incomplete: ")
+    assert stderr.startswith(
+        f"{folder}: using epoch=1-step=10.ckpt (newest complete of 3 in this Lightning "
+        f"checkpoints folder; epoch=2-step=15.ckpt is incomplete: "
+    )
     code, stdout, stderr = run("inspect", folder, "--step", "5")
     assert code == 0 and "using epoch=0-step=5.ckpt (as asked" in stderr
     shutil.copy(DATA / "plain_state_dict.pt", folder / "last.ckpt")
     for i, name in enumerate(("epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt", "last.ckpt")):
         os.utime(folder / name, (1_000_000 + i, 1_000_000 + i))
     code, stdout, stderr = run("inspect", folder)
-    assert code == 0 and stderr.startswith(f"{folder}: using last.ckpt (newest complete of 4 in this Lightning "
-                                           f"checkpoints folder by modification time")
+    assert code == 0 and stderr.startswith(
+        f"{folder}: using last.ckpt (newest complete of 4 in this Lightning checkpoints folder by modification time"
+    )
 
 
 def test_none_complete_and_unrecognised_folders_are_one_sentence(tmp_path):
@@ -201,15 +215,19 @@ def test_none_complete_and_unrecognised_folders_are_one_sentence(tmp_path):
         (out / f"checkpoint-{n}" / "trainer_state.json").unlink()
     code, stdout, stderr = run("verify", out)
     assert code == 2 or code == 1
-    assert (f"{out}: a HF Trainer output folder with 2 checkpoint(s), none complete (checkpoint-2: no "
-            f"trainer_state.json (the Trainer writes it last); checkpoint-1: no trainer_state.json") in stdout + stderr
+    assert (
+        f"{out}: a HF Trainer output folder with 2 checkpoint(s), none complete (checkpoint-2: no "
+        f"trainer_state.json (the Trainer writes it last); checkpoint-1: no trainer_state.json"
+    ) in stdout + stderr
     junk = tmp_path / "junk"
     (junk / "logs").mkdir(parents=True)
     (junk / "notes.txt").write_text("x")
     code, stdout, stderr = run("inspect", junk)
     assert code == 2
-    assert stderr.strip().startswith(f"error: {junk}: not a checkpoint ckptkit recognises; found 2 entries "
-                                     f"(logs/, notes.txt). Recognised: a DCP checkpoint (.metadata)")
+    assert stderr.strip().startswith(
+        f"error: {junk}: not a checkpoint ckptkit recognises; found 2 entries "
+        f"(logs/, notes.txt). Recognised: a DCP checkpoint (.metadata)"
+    )
     assert "checkpoint-N/ (HF Trainer output_dir), step_N/ (ckptkit Checkpointer)" in stderr
     assert len(stderr.strip().splitlines()) == 1
     for name in ("a.pt", "b.pt"):

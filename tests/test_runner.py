@@ -1,6 +1,7 @@
 """The distributed runner: a command run as a P-process torch.distributed job (`--nproc P` or
 torchrun -m ckptkit) writes exactly the bytes the one-process run writes; a failing rank fails
 the job with its message and leaves nothing behind; work is dealt out by bytes."""
+
 from __future__ import annotations
 
 import filecmp
@@ -18,8 +19,14 @@ from ds_helpers import DS_DATA, ds_fixtures
 
 
 def _ckptkit(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptkit", *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _same_tree(a, b) -> None:
@@ -47,13 +54,17 @@ CASES = [
     ("convert", str(DATA / "fsdp2_w3"), ["--to", "torch"]),
 ]
 if "z2_bf16_w4" in ds_fixtures():
-    CASES += [("reshard", str(DS_DATA / "z2_bf16_w4"), ["--to", "3"]),
-              ("convert", str(DS_DATA / "z3_bf16_w4"), ["--to", "dcp", "--world-size", "3"])]
+    CASES += [
+        ("reshard", str(DS_DATA / "z2_bf16_w4"), ["--to", "3"]),
+        ("convert", str(DS_DATA / "z3_bf16_w4"), ["--to", "dcp", "--world-size", "3"]),
+    ]
 # model-parallel sources: each writer's files dealt out to the ranks give the same bytes
-for _cmd, _src, _args in [("reshard", "ds_tp/mpu_z2_fp32", ["--to", "tp=1,dp=3"]),
-                          ("reshard", "ds_pp/pp2_dp2_z1_fp32", ["--to", "pp=1,dp=3"]),
-                          ("consolidate", "ds_tp/autotp_z2_fp32", ["--include-optimizer"]),
-                          ("convert", "ds_tp/autotp_z1_bf16", ["--to", "fsdp2", "--world-size", "mesh=dp_shard:2,tp:2"])]:
+for _cmd, _src, _args in [
+    ("reshard", "ds_tp/mpu_z2_fp32", ["--to", "tp=1,dp=3"]),
+    ("reshard", "ds_pp/pp2_dp2_z1_fp32", ["--to", "pp=1,dp=3"]),
+    ("consolidate", "ds_tp/autotp_z2_fp32", ["--include-optimizer"]),
+    ("convert", "ds_tp/autotp_z1_bf16", ["--to", "fsdp2", "--world-size", "mesh=dp_shard:2,tp:2"]),
+]:
     if (DATA / _src).is_dir():
         CASES.append((_cmd, str(DATA / _src), _args))
 

@@ -6,6 +6,7 @@ torch Metadata object, (c) inside a DCP bytes item's torch.save archive, (d) as 
 torch.save .pt file (and a few more places). Every command must exit non-zero with one sentence
 naming the file and the refused global, print no traceback, and never create the MARKER.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -41,6 +42,7 @@ from helpers_corrupt import (
 
 
 # ---- payloads ---------------------------------------------------------------------------------
+
 
 class EvilSystem:
     def __init__(self, marker: str) -> None:
@@ -98,6 +100,7 @@ def test_payloads_are_live(kind, tmp_path):
 
 
 # ---- where the payload hides -------------------------------------------------------------------
+
 
 def plant_whole_metadata(tmp_path: Path, kind: str, marker: Path) -> tuple[Path, str]:
     d = copy_fixture("fsdp2_w2", tmp_path, "ckpt")
@@ -231,8 +234,9 @@ def test_hostile_pickle_refused(place, kind, cmd, tmp_path):
     assert_refused(res, file, kind, marker, cmd, out)
 
 
-@pytest.mark.parametrize("place,cmd", [("whole_metadata", "reshard"), ("dcp_bytes_item", "verify --deep"),
-                                       ("pt_data_pkl", "consolidate")])
+@pytest.mark.parametrize(
+    "place,cmd", [("whole_metadata", "reshard"), ("dcp_bytes_item", "verify --deep"), ("pt_data_pkl", "consolidate")]
+)
 def test_hostile_pickle_refused_end_to_end(place, cmd, tmp_path):
     """Through a real interpreter (python -m ckptkit), with the payload that shells out."""
     marker = tmp_path / "MARKER"
@@ -281,8 +285,6 @@ def test_allowed_values_round_trip():
         assert realize(restricted_loads(pickle.dumps(value, protocol=protocol), "mem")) == value
 
 
-
-
 def _p2_value(name):
     import numpy as np
 
@@ -314,8 +316,9 @@ def test_torch_save_values_round_trip(name):
         assert loaded["v"] == value
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
-                                   torch.uint8, torch.float64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8, torch.float64]
+)
 def test_tensors_round_trip_through_torch_save_archive(dtype):
     base = (torch.arange(24) % 7).to(dtype).reshape(4, 6)
     state = {
@@ -356,12 +359,25 @@ def test_evil_refused(kind, protocol, tmp_path):
     assert isinstance(info.value, CkptkitError)
 
 
-@pytest.mark.parametrize("module,name", [
-    ("os", "system"), ("posix", "system"), ("subprocess", "Popen"), ("builtins", "getattr"),
-    ("builtins", "__import__"), ("builtins", "open"), ("torch", "load"), ("torch.storage", "_load_from_bytes"),
-    ("torch._utils", "_rebuild_device_tensor_from_numpy"), ("numpy", "load"), ("pickle", "loads"),
-    ("copyreg", "_reconstructor_evil"), ("shutil", "rmtree"), ("torch.distributed.checkpoint.metadata", "os"),
-])
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("os", "system"),
+        ("posix", "system"),
+        ("subprocess", "Popen"),
+        ("builtins", "getattr"),
+        ("builtins", "__import__"),
+        ("builtins", "open"),
+        ("torch", "load"),
+        ("torch.storage", "_load_from_bytes"),
+        ("torch._utils", "_rebuild_device_tensor_from_numpy"),
+        ("numpy", "load"),
+        ("pickle", "loads"),
+        ("copyreg", "_reconstructor_evil"),
+        ("shutil", "rmtree"),
+        ("torch.distributed.checkpoint.metadata", "os"),
+    ],
+)
 def test_arbitrary_globals_refused(module, name):
     """GLOBAL opcode for anything off the allowlist, called or not, is refused."""
     data = b"c" + module.encode() + b"\n" + name.encode() + b"\n."
@@ -377,11 +393,14 @@ def _short(text: str) -> bytes:
     return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
 
 
-
-
-@pytest.mark.parametrize("cls,base", [("collections\nOrderedDict", "__builtin__\nset"),
-                                      ("builtins\nset", "builtins\nfrozenset"),
-                                      ("torch\nSize", "__builtin__\nset")])
+@pytest.mark.parametrize(
+    "cls,base",
+    [
+        ("collections\nOrderedDict", "__builtin__\nset"),
+        ("builtins\nset", "builtins\nfrozenset"),
+        ("torch\nSize", "__builtin__\nset"),
+    ],
+)
 def test_reconstructor_cannot_build_arbitrary_class(cls, base):
     """copyreg._reconstructor is allowed only for inert stand-ins over object: pointing it at
     another allowed class (OrderedDict, set, torch.Size) is refused, naming the file."""
@@ -391,8 +410,9 @@ def test_reconstructor_cannot_build_arbitrary_class(cls, base):
     assert "f.pkl" in str(info.value)
 
 
-@pytest.mark.parametrize("cls,base", [("collections\nOrderedDict", "__builtin__\nset"),
-                                      ("torch\nSize", "__builtin__\nset")])
+@pytest.mark.parametrize(
+    "cls,base", [("collections\nOrderedDict", "__builtin__\nset"), ("torch\nSize", "__builtin__\nset")]
+)
 def test_reconstructor_refusal_runs_nothing(cls, base):
     data = f"ccopyreg\n_reconstructor\n(c{cls}\nc{base}\nNtR.".encode()
     with pytest.raises(UnsafePickleError):
@@ -413,6 +433,7 @@ def test_rebuild_from_type_v2_refuses_foreign_function(tmp_path):
     class Sneaky:
         def __reduce__(self):
             import torch._tensor as tt
+
             return (tt._rebuild_from_type_v2, (os.system, torch.Tensor, (f"touch {marker}",), {}))
 
     with pytest.raises(UnsafePickleError):

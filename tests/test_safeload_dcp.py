@@ -9,6 +9,7 @@ BUILD on an interned dtype or on a grammar callable (state left behind for the n
 tuple keys crafted from wide integers, shared containers that expand, foreign globals, deep
 nesting, and fields torch never writes.
 """
+
 from __future__ import annotations
 
 import random
@@ -115,6 +116,7 @@ def test_byte_mutations_are_declined_or_equal():
 
 
 # ---- the attacks the C unpickler alone falls for ---------------------------------------------
+
 
 def declined_quickly(road, data: bytes, max_bytes: int, seconds: float = 5.0) -> None:
     """The road declines `data` within `seconds`, allocating less than `max_bytes` (tracemalloc).
@@ -237,12 +239,15 @@ def test_a_tensor_shared_by_two_keys_is_declined():
     assert machine(data) == md
 
 
-@pytest.mark.parametrize("field,value", [
-    ("version", [[["deep"]]]),
-    ("version", 3.5),
-    ("unexpected", "x"),
-    ("planner_data", {"k": [{"nested": 1}]}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("version", [[["deep"]]]),
+        ("version", 3.5),
+        ("unexpected", "x"),
+        ("planner_data", {"k": [{"nested": 1}]}),
+    ],
+)
 def test_fields_torch_never_writes_are_declined(field, value):
     md = _stand_ins(SEED.read_bytes())
     md.__dict__[field] = value
@@ -260,7 +265,13 @@ def test_a_path_whose_slots_a_build_set_is_declined():
     assert fast == machine(data)
     path_call = data.index(b"pathlib\nPurePosixPath\n")
     reduce_at = data.index(b"R", path_call)
-    forged = data[:reduce_at + 1] + b"N}" + b"X\x04\x00\x00\x00_str" + b"X\x04\x00\x00\x00evils\x86b" + data[reduce_at + 1:]
+    forged = (
+        data[: reduce_at + 1]
+        + b"N}"
+        + b"X\x04\x00\x00\x00_str"
+        + b"X\x04\x00\x00\x00evils\x86b"
+        + data[reduce_at + 1 :]
+    )
     assert safeload_dcp.load(forged) is None
 
 
@@ -269,8 +280,10 @@ def test_deep_nesting_is_declined():
     _declined_quickly(data, max_bytes=64 << 20)
 
 
-@pytest.mark.parametrize("module,name", [("os", "system"), ("builtins", "eval"), ("torch", "load"),
-                                         ("numpy", "dtype"), ("collections", "OrderedDict")])
+@pytest.mark.parametrize(
+    "module,name",
+    [("os", "system"), ("builtins", "eval"), ("torch", "load"), ("numpy", "dtype"), ("collections", "OrderedDict")],
+)
 def test_globals_outside_dcp_metadata_are_declined(module, name):
     data = b"\x80\x04" + _global(module, name) + _text("x") + b"\x85R."
     assert safeload_dcp.load(data) is None
@@ -295,4 +308,3 @@ def test_the_fast_road_is_what_the_dcp_reader_uses(monkeypatch):
     md = reader._load_metadata(LocalSource(str(SEED.parent)), ".metadata")
     assert calls == [SEED.stat().st_size]
     assert md == machine(SEED.read_bytes())
-

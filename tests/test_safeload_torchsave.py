@@ -9,6 +9,7 @@ TensorRef, on a storage type or on an OrderedDict's own attributes, values that 
 themselves or expand when walked, deep nesting, a memo index that allocates gigabytes, and
 globals outside the road.
 """
+
 from __future__ import annotations
 
 import collections
@@ -45,8 +46,11 @@ def _data_pkl(path: Path) -> bytes | None:
         return None
 
 
-ARCHIVES = sorted(p for p in (ROOT / "fixtures").rglob("*")
-                  if p.suffix in (".pt", ".bin", ".pth", ".ckpt") and p.is_file() and _data_pkl(p) is not None)
+ARCHIVES = sorted(
+    p
+    for p in (ROOT / "fixtures").rglob("*")
+    if p.suffix in (".pt", ".bin", ".pth", ".ckpt") and p.is_file() and _data_pkl(p) is not None
+)
 
 
 def machine(data: bytes):
@@ -95,6 +99,7 @@ def test_opcode_mutations_of_a_deepspeed_optimizer_are_declined_or_equal(data):
 
 # ---- attacks -------------------------------------------------------------------------------------
 
+
 def _global(module: str, name: str) -> bytes:
     return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
 
@@ -106,10 +111,28 @@ def _text(s: str) -> bytes:
 
 def _tensor(size: int = 4) -> bytes:
     """_rebuild_tensor_v2(storage '0' of `size` floats, 0, (size,), (1,), False, OrderedDict())."""
-    pid = b"(" + _text("storage") + _global("torch", "FloatStorage") + _text("0") + _text("cpu") + \
-        b"K" + bytes([size]) + b"tQ"
-    return _global("torch._utils", "_rebuild_tensor_v2") + b"(" + pid + b"K\x00K" + bytes([size]) + b"\x85K\x01\x85" \
-        + b"\x89" + _global("collections", "OrderedDict") + b")Rt" + b"R"
+    pid = (
+        b"("
+        + _text("storage")
+        + _global("torch", "FloatStorage")
+        + _text("0")
+        + _text("cpu")
+        + b"K"
+        + bytes([size])
+        + b"tQ"
+    )
+    return (
+        _global("torch._utils", "_rebuild_tensor_v2")
+        + b"("
+        + pid
+        + b"K\x00K"
+        + bytes([size])
+        + b"\x85K\x01\x85"
+        + b"\x89"
+        + _global("collections", "OrderedDict")
+        + b")Rt"
+        + b"R"
+    )
 
 
 def test_a_plain_tensor_pickle_is_taken():
@@ -129,10 +152,12 @@ def test_build_cannot_change_a_tensor_ref():
 
 def test_build_cannot_change_a_storage_type():
     """torch.FloatStorage is one object for the whole process: a slots state would change its dtype."""
-    data = b"\x80\x02" + _global("torch", "FloatStorage") + b"N}" + _text("dtype") + \
-        _global("torch", "int8") + b"s\x86b."
+    data = (
+        b"\x80\x02" + _global("torch", "FloatStorage") + b"N}" + _text("dtype") + _global("torch", "int8") + b"s\x86b."
+    )
     assert safeload_torchsave.load(data, _lazy) is None
     from ckptkit.safeload_grammar import table
+
     assert table()[0][("torch", "FloatStorage")].dtype == DType("float32")
 
 
@@ -172,9 +197,17 @@ def test_a_memo_index_past_the_input_is_declined_before_unpickling():
     _declined_quickly(b"\x80\x02Nr" + struct.pack("<I", 0x7FFFFFFF) + b".", max_bytes=16 << 20)
 
 
-@pytest.mark.parametrize("module,name", [("os", "system"), ("numpy", "dtype"), ("builtins", "set"),
-                                         ("copyreg", "_reconstructor"), ("_codecs", "encode"),
-                                         ("pathlib", "PosixPath")])
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("os", "system"),
+        ("numpy", "dtype"),
+        ("builtins", "set"),
+        ("copyreg", "_reconstructor"),
+        ("_codecs", "encode"),
+        ("pathlib", "PosixPath"),
+    ],
+)
 def test_globals_outside_the_road_are_declined(module, name):
     data = b"\x80\x02" + _global(module, name) + _text("x") + b"\x85R."
     assert safeload_torchsave.load(data, _lazy) is None

@@ -5,6 +5,7 @@ is 100k archives to open while indexing).
   does, and declines (None: zipfile reads it) anything it does not handle;
 - `StructureMemo` unpickles a data.pkl once per distinct bytes, and a hit still checks the
   archive's own storage records."""
+
 from __future__ import annotations
 
 import io
@@ -19,7 +20,16 @@ from ckptkit.errors import FormatError
 from ckptkit.runner import torch_archive as ta
 from ckptkit.storage.source import BytesSource
 
-FIELDS = ("filename", "orig_filename", "flag_bits", "compress_type", "compress_size", "file_size", "header_offset", "CRC")
+FIELDS = (
+    "filename",
+    "orig_filename",
+    "flag_bits",
+    "compress_type",
+    "compress_size",
+    "file_size",
+    "header_offset",
+    "CRC",
+)
 
 
 def saved(value) -> bytes:
@@ -56,7 +66,7 @@ def _end(data: bytes) -> int:
 
 def _with_comment(data: bytes) -> bytes:
     end = _end(data)
-    return data[:end + 20] + struct.pack("<H", 3) + b"abc"
+    return data[: end + 20] + struct.pack("<H", 3) + b"abc"
 
 
 def _prefixed(data: bytes) -> bytes:
@@ -65,7 +75,7 @@ def _prefixed(data: bytes) -> bytes:
 
 def _two_disks(data: bytes) -> bytes:
     locator = data.rindex(b"PK\x06\x07")
-    return data[:locator + 16] + struct.pack("<I", 2) + data[locator + 20:]
+    return data[: locator + 16] + struct.pack("<I", 2) + data[locator + 20 :]
 
 
 def _cut(data: bytes) -> bytes:
@@ -74,7 +84,7 @@ def _cut(data: bytes) -> bytes:
 
 def _central_damaged(data: bytes) -> bytes:
     at = data.index(b"PK\x01\x02")
-    return data[:at] + b"XX\x01\x02" + data[at + 4:]
+    return data[:at] + b"XX\x01\x02" + data[at + 4 :]
 
 
 @pytest.mark.parametrize("damage", [_with_comment, _prefixed, _two_disks, _cut, _central_damaged])

@@ -16,6 +16,7 @@ subclass that says where its files live; the tests themselves are written once:
 Scenarios that belong to one implementation stay with it: locks, sweeps, symlinks and swaps in
 test_trust_outputs.py, SIGKILL in test_crash.py, whole commands against S3 in test_remote.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,6 +52,7 @@ def looks_finished(path: str) -> bool:
 
 
 # ---- sources -------------------------------------------------------------------------------------
+
 
 class SourceConformance:
     """Every Source reads what `make` stored, by exact byte range, and says what is wrong in one
@@ -88,9 +90,11 @@ class SourceConformance:
 
     @pytest.mark.parametrize("how", ["size", "read", "readinto"])
     def test_a_missing_file_is_one_sentence(self, source: Source, how: str) -> None:
-        calls = {"size": lambda: source.size("sub/none.bin"),
-                 "read": lambda: source.read("sub/none.bin", 0, 4),
-                 "readinto": lambda: source.readinto("sub/none.bin", 0, memoryview(bytearray(4)))}
+        calls = {
+            "size": lambda: source.size("sub/none.bin"),
+            "read": lambda: source.read("sub/none.bin", 0, 4),
+            "readinto": lambda: source.readinto("sub/none.bin", 0, memoryview(bytearray(4))),
+        }
         with pytest.raises(FormatError) as err:
             calls[how]()
         assert str(err.value).startswith(source.label("sub/none.bin") + ": ")
@@ -161,13 +165,14 @@ class TestMemorySource(SourceConformance):
 
 # ---- outputs -------------------------------------------------------------------------------------
 
+
 class OutputConformance:
     """Every output commits all of its files at once or none of them. A subclass says where OUT
     is and how to look at what is there; `kind` is the implementation open_output must choose."""
 
     kind: type
     single_file = False
-    empty_folder_is_free = True    # an empty folder at OUT is taken without --overwrite
+    empty_folder_is_free = True  # an empty folder at OUT is taken without --overwrite
     failed_overwrite_keeps_old = True  # a rename never touches OUT before the commit
 
     out: str
@@ -374,7 +379,7 @@ class RemoteOutput(OutputConformance):
         self.fs.invalidate_cache()  # look at the store, not at what this client listed before
         if not self.fs.exists(self.base):
             return []
-        return sorted(p[len(self.base) + 1:] for p in self.fs.find(self.base))
+        return sorted(p[len(self.base) + 1 :] for p in self.fs.find(self.base))
 
     def leftovers(self) -> list[str]:
         return []  # a marker output writes inside OUT only
@@ -421,8 +426,7 @@ class TestMarkerOutputOnS3(RemoteOutput):
         import fsspec
 
         self.fs, endpoint = s3_store
-        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint, "key": "testing",
-                                                        "secret": "testing"})
+        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
         name = f"out-{uuid.uuid4().hex[:8]}"
         self.base = f"{S3_BUCKET}/{name}"
         self.out = f"s3://{S3_BUCKET}/{name}"

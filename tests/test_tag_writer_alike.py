@@ -7,6 +7,7 @@ builds their small archive once and writes it under each name. What must hold: e
 byte for byte what write_archive writes for it alone, structures that merely look equal are not
 grouped, and the progress still counts every file's tensor bytes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,13 +55,22 @@ def _model_states():
 
 def test_only_dicts_of_the_very_same_objects_are_grouped() -> None:
     base, fetcher, _ = _model_states()
-    twin = copy.copy(base)                      # the same objects: alike
-    lookalike = copy.deepcopy(base)             # equal, but other objects: not grouped
+    twin = copy.copy(base)  # the same objects: alike
+    lookalike = copy.deepcopy(base)  # equal, but other objects: not grouped
     other_value = copy.copy(base)
     other_value["dp_world_size"] = 99
     other_fetcher = Fetcher(fetcher.source)
-    groups = _alike({"a": (base, fetcher), "b": (lookalike, fetcher), "c": (twin, fetcher),
-                     "d": (other_value, fetcher), "e": (twin, other_fetcher), "f": ([1], fetcher), "g": ([1], fetcher)})
+    groups = _alike(
+        {
+            "a": (base, fetcher),
+            "b": (lookalike, fetcher),
+            "c": (twin, fetcher),
+            "d": (other_value, fetcher),
+            "e": (twin, other_fetcher),
+            "f": ([1], fetcher),
+            "g": ([1], fetcher),
+        }
+    )
     assert groups == [["a", "c"], ["b"], ["d"], ["e"], ["f"], ["g"]]
 
 

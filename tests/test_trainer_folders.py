@@ -10,6 +10,7 @@ reshard keeps every side file byte for byte and maps the RNG files by the stated
 consolidate loads in from_pretrained with the trained logits. Slow tests: reshard 2 -> 3, then the
 Trainer resumes from OUT at 3 processes with no manual step, and logs the 2-process resume's loss.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,26 +26,57 @@ from ckptkit_cli.main import cli
 from conftest import DATA, ROOT, subprocess_env, torchrun_cmd
 
 TRAINER = DATA / "trainer"
-SHARDED = ["ds_z2", "ds_z3", "fsdp1", "fsdp2", "accel_fsdp2"]  # the layouts the Trainer resumes from at 3 processes (slow tests)
+SHARDED = [
+    "ds_z2",
+    "ds_z3",
+    "fsdp1",
+    "fsdp2",
+    "accel_fsdp2",
+]  # the layouts the Trainer resumes from at 3 processes (slow tests)
 FLAT = ["ddp", "fsdp2_full"]  # parts not laid out per rank (model.safetensors + optimizer.pt; FULL_STATE_DICT)
 LAYOUTS = SHARDED + FLAT
 STEP = 2
-PARTS = {"ds_z2": [("global_step2", "deepspeed")], "ds_z3": [("global_step2", "deepspeed")],
-         "fsdp1": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
-         "fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
-         "accel_fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
-         "ddp": [("model.safetensors", "weights"), ("optimizer.pt", "optimizer")],
-         "fsdp2_full": [("pytorch_model_fsdp.bin", "full-state-dict"), ("optimizer.bin", "full-state-dict")]}
-SIDE = {"ds_z2": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
-                  "trainer_state.json", "training_args.bin", "zero_to_fp32.py", "zero_to_torch.py"],
-        "ds_z3": ["config.json", "generation_config.json", "trainer_state.json", "training_args.bin",
-                  "zero_to_fp32.py", "zero_to_torch.py"],
-        "fsdp1": ["scheduler.pt", "trainer_state.json"],
-        "fsdp2": ["scheduler.pt", "trainer_state.json"],
-        "accel_fsdp2": ["scheduler.bin"],
-        "ddp": ["config.json", "generation_config.json", "scheduler.pt", "trainer_state.json", "training_args.bin"],
-        "fsdp2_full": ["config.json", "generation_config.json", "model.safetensors", "scheduler.pt",
-                       "trainer_state.json", "training_args.bin"]}
+PARTS = {
+    "ds_z2": [("global_step2", "deepspeed")],
+    "ds_z3": [("global_step2", "deepspeed")],
+    "fsdp1": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
+    "fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
+    "accel_fsdp2": [("pytorch_model_fsdp_0", "dcp-model"), ("optimizer_0", "dcp-optimizer")],
+    "ddp": [("model.safetensors", "weights"), ("optimizer.pt", "optimizer")],
+    "fsdp2_full": [("pytorch_model_fsdp.bin", "full-state-dict"), ("optimizer.bin", "full-state-dict")],
+}
+SIDE = {
+    "ds_z2": [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "scheduler.pt",
+        "trainer_state.json",
+        "training_args.bin",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+    ],
+    "ds_z3": [
+        "config.json",
+        "generation_config.json",
+        "trainer_state.json",
+        "training_args.bin",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+    ],
+    "fsdp1": ["scheduler.pt", "trainer_state.json"],
+    "fsdp2": ["scheduler.pt", "trainer_state.json"],
+    "accel_fsdp2": ["scheduler.bin"],
+    "ddp": ["config.json", "generation_config.json", "scheduler.pt", "trainer_state.json", "training_args.bin"],
+    "fsdp2_full": [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "scheduler.pt",
+        "trainer_state.json",
+        "training_args.bin",
+    ],
+}
 RNG = ["rng_state_0.pth", "rng_state_1.pth"]
 ACCEL = "accel_fsdp2"  # accelerate's save_state() folder: no trainer_state.json, so no step
 
@@ -77,6 +109,7 @@ def copy_with_extra(layout: str, tmp_path):
 
 
 # --- inspect / verify -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_inspect_lists_parts_side_files_and_the_trainer_step(layout, tmp_path):
@@ -116,8 +149,10 @@ def test_verify_reports_every_part_read_and_every_file_not_understood(layout, tm
     if layout == "ddp":  # ckptkit reads the weights; optimizer.pt is named as not read
         assert "read model.safetensors; not read (copied by reshard/convert): optimizer.pt" in out, out
     elif layout == "fsdp2_full":  # the weights are read from save_model's copy
-        assert ("read model.safetensors (save_model's copy of the weights); not read (copied by reshard/convert): "
-                "pytorch_model_fsdp.bin, optimizer.bin") in out, out
+        assert (
+            "read model.safetensors (save_model's copy of the weights); not read (copied by reshard/convert): "
+            "pytorch_model_fsdp.bin, optimizer.bin"
+        ) in out, out
     else:
         assert "read " + ", ".join(read) in out, out
     assert "not understood" in out and "notes.txt" in out and "extra/" in out, out
@@ -151,6 +186,7 @@ def test_an_unreadable_trainer_state_is_said_by_inspect_and_refused_by_reshard(t
 
 # --- reshard ----------------------------------------------------------------------------------
 
+
 def _files(root):
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
@@ -172,8 +208,12 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
     assert "not understood, copied as they are: extra/, notes.txt" in text, text
     if layout in ("fsdp1", "fsdp2", ACCEL):  # the DCP parts stay subfolders, each laid out for 3 ranks
         for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
-            assert {p.name for p in (out / sub).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                "__2_0.distcp"}
+            assert {p.name for p in (out / sub).iterdir()} == {
+                ".metadata",
+                "__0_0.distcp",
+                "__1_0.distcp",
+                "__2_0.distcp",
+            }
     elif layout in FLAT:  # nothing laid out per rank: the parts are copied
         for name, _ in PARTS[layout]:
             assert (out / name).read_bytes() == (src / name).read_bytes(), name
@@ -181,7 +221,8 @@ def test_reshard_keeps_the_folder_and_every_side_file(layout, tmp_path):
     else:
         assert (out / "latest").read_text() == "global_step2"
         assert sorted(p.name for p in (out / "global_step2").iterdir() if "optim_states" in p.name) == [
-            f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
+            f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)
+        ]
     code, text = run("inspect", "--json", out)
     doc = json.loads(text)
     assert doc["summary"]["world_size"] == (None if layout in FLAT else 3) and doc["summary"]["step"] == step_of(layout)
@@ -200,11 +241,19 @@ def test_reshard_to_one_process_maps_rank_zero_and_lists_what_is_left_out(tmp_pa
 
 def test_map_rng_policy():
     two = {0: "rng_state_0.pth", 1: "rng_state_1.pth"}
-    assert map_rng(two, 3) == ({"rng_state_0.pth": "rng_state_0.pth", "rng_state_1.pth": "rng_state_1.pth",
-                                "rng_state_2.pth": "rng_state_0.pth"}, [])
+    assert map_rng(two, 3) == (
+        {
+            "rng_state_0.pth": "rng_state_0.pth",
+            "rng_state_1.pth": "rng_state_1.pth",
+            "rng_state_2.pth": "rng_state_0.pth",
+        },
+        [],
+    )
     four = {r: f"rng_state_{r}.pth" for r in range(4)}
-    assert map_rng(four, 2) == ({"rng_state_0.pth": "rng_state_0.pth", "rng_state_1.pth": "rng_state_1.pth"},
-                                ["rng_state_2.pth", "rng_state_3.pth"])
+    assert map_rng(four, 2) == (
+        {"rng_state_0.pth": "rng_state_0.pth", "rng_state_1.pth": "rng_state_1.pth"},
+        ["rng_state_2.pth", "rng_state_3.pth"],
+    )
     assert map_rng({None: RNG_SINGLE}, 2) == ({"rng_state_0.pth": RNG_SINGLE, "rng_state_1.pth": RNG_SINGLE}, [])
     assert map_rng(two, 1) == ({RNG_SINGLE: "rng_state_0.pth"}, ["rng_state_1.pth"])
     assert map_rng({}, 3) == ({}, [])
@@ -220,6 +269,7 @@ def test_reshard_from_checks_the_folder_world_size(tmp_path):
 
 
 # --- convert ----------------------------------------------------------------------------------
+
 
 def test_convert_deepspeed_folder_to_zero3_at_three_ranks_is_a_trainer_folder(tmp_path):
     src, out = ckpt("ds_z2"), tmp_path / "out"
@@ -240,8 +290,13 @@ def test_convert_fsdp_folder_to_fsdp2_keeps_the_subfolders(tmp_path):
     src, out = ckpt("fsdp2"), tmp_path / "out"
     code, text = run("convert", src, out, "--to", "fsdp2", "--world-size", "3")
     assert code == 0, text
-    assert {p.name for p in out.iterdir()} == {"pytorch_model_fsdp_0", "optimizer_0", "scheduler.pt",
-                                              "trainer_state.json", *(f"rng_state_{r}.pth" for r in range(3))}
+    assert {p.name for p in out.iterdir()} == {
+        "pytorch_model_fsdp_0",
+        "optimizer_0",
+        "scheduler.pt",
+        "trainer_state.json",
+        *(f"rng_state_{r}.pth" for r in range(3)),
+    }
     code, text = run("diff", src, out)
     assert code == 0, text
     code, text = run("convert", src, tmp_path / "renamed", "--to", "fsdp2", "--rename", "model.=m.")
@@ -256,6 +311,7 @@ def test_convert_to_another_kind_names_the_trainer_files_it_leaves_behind(tmp_pa
 
 
 # --- consolidate ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_consolidate_loads_in_from_pretrained_with_the_trained_logits(layout, tmp_path):
@@ -298,6 +354,7 @@ def _job_module():
 
 # --- the Trainer resumes from a resharded folder (slow) ---------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", SHARDED)
 def test_trainer_resumes_from_the_resharded_folder_at_three_processes(layout, tmp_path):
@@ -306,9 +363,19 @@ def test_trainer_resumes_from_the_resharded_folder_at_three_processes(layout, tm
     assert code == 0, text
     truth = json.loads((TRAINER / f"{layout}.resume.json").read_text())
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(3) + [str(ROOT / "tests" / "dist" / "trainer_job.py"), "--layout", layout,
-                             "--output-dir", str(tmp_path / "run"), "--max-steps", str(truth["global_step"]),
-                             "--resume", str(out), "--result", str(result)]
+    cmd = torchrun_cmd(3) + [
+        str(ROOT / "tests" / "dist" / "trainer_job.py"),
+        "--layout",
+        layout,
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        str(truth["global_step"]),
+        "--resume",
+        str(out),
+        "--result",
+        str(result),
+    ]
     env = subprocess_env()
     env["DS_ACCELERATOR"] = "cpu"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

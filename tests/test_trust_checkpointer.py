@@ -5,6 +5,7 @@ checkpoint (empty, garbage, a half-written DCP, a file, a FIFO, a symbolic link,
 step, a forged or truncated marker) is skipped by restore with a warning naming it, and is never
 deleted; keep=1 keeps the step just written; `step_11` and `step_000000011` are the same step, and
 two complete folders for one step are an error naming both."""
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ TIMEOUT_S = 60
 @contextmanager
 def deadline(seconds: int = TIMEOUT_S):
     """A hang (a FIFO opened for reading) fails the test instead of stopping the suite."""
+
     def fire(*_):
         raise TimeoutError(f"did not finish within {seconds} s")
 
@@ -98,6 +100,7 @@ def _data_file(folder: Path) -> Path:
 
 
 # ---- the strays an attacker or a careless user leaves, each newer than the real steps ----------
+
 
 def _empty(d: Path, real: Path) -> None:
     (d / "step_99").mkdir()
@@ -188,9 +191,23 @@ def _retag(folder: Path, step: int) -> dict:
     return doc
 
 
-STRAYS = [_empty, _garbage, _half_written_dcp, _a_file, _a_fifo, _symlink_to_a_real_checkpoint,
-          _copy_of_another_step, _copy_without_marker, _truncated_under_a_marker, _marker_listing_outside,
-          _marker_not_json, _marker_huge, _marker_is_a_fifo, _metadata_is_a_fifo, _link_inside]
+STRAYS = [
+    _empty,
+    _garbage,
+    _half_written_dcp,
+    _a_file,
+    _a_fifo,
+    _symlink_to_a_real_checkpoint,
+    _copy_of_another_step,
+    _copy_without_marker,
+    _truncated_under_a_marker,
+    _marker_listing_outside,
+    _marker_not_json,
+    _marker_huge,
+    _marker_is_a_fifo,
+    _metadata_is_a_fifo,
+    _link_inside,
+]
 
 
 @pytest.mark.parametrize("make_stray", STRAYS, ids=[f.__name__.strip("_") for f in STRAYS])
@@ -224,8 +241,8 @@ def test_restore_skips_a_newer_stray_names_it_and_loads_the_newest_complete_step
 def test_keep_1_with_a_stray_newer_folder_keeps_the_step_just_written(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
-    (d / "step_000000099").mkdir()                  # a newer stray folder
-    (d / "step_98").write_text("a user's note")     # a newer stray file
+    (d / "step_000000099").mkdir()  # a newer stray folder
+    (d / "step_98").write_text("a user's note")  # a newer stray file
     (d / "notes.txt").write_text("keep me")
     others = {n: snapshot(d / n) for n in os.listdir(d)}
     ck, model, optim, truth = _run(d, steps=(1, 2, 3), keep=1)
@@ -242,7 +259,7 @@ def test_retention_keeps_the_step_just_written_even_when_older_than_the_kept_one
     d = tmp_path / "run"
     ck, model, optim, truth = _run(d, steps=(5, 6), keep=1)
     assert ck.steps() == [6]
-    ck.save(2, model, optim)   # an older step, written after a restore(step=...) for instance
+    ck.save(2, model, optim)  # an older step, written after a restore(step=...) for instance
     assert ck.steps() == [2, 6]
 
 
@@ -269,12 +286,12 @@ def test_unpadded_step_names_are_the_same_step(tmp_path):
     _assert_same(got, truth[11])
     fresh, fresh_optim = _fresh()
     state = {"model": fresh.state_dict()}
-    ckptkit.load(state, ck.path(11))                  # open works with either spelling
+    ckptkit.load(state, ck.path(11))  # open works with either spelling
     assert_tensor_equal(state["model"]["pos"], truth[11]["model.pos"], "model.pos")
     with pytest.raises(OutputError, match=r"step_11: step 11 is already saved"):
         ck.save(11, model, optim)
     models.train_steps(model, optim, 1, models.DATA_SEED + 5)
-    ck.save(11, model, optim, overwrite=True)         # replaces step_11, adds no second spelling
+    ck.save(11, model, optim, overwrite=True)  # replaces step_11, adds no second spelling
     assert sorted(os.listdir(d)) == ["latest", "step_11"] and ck.steps() == [11]
     step, got, _ = _restore(d)
     _assert_same(got, _flat(model, optim))
@@ -287,8 +304,7 @@ def test_two_complete_folders_for_one_step_are_an_error_naming_both(tmp_path):
     d = tmp_path / "run"
     ck, model, optim, truth = _run(d, steps=(10, 11))
     shutil.copytree(d / "step_000000011", d / "step_11")
-    for call in (lambda: _restore(d), ck.steps, lambda: ck.path(11),
-                 lambda: ck.save(11, model, optim, overwrite=True)):
+    for call in (lambda: _restore(d), ck.steps, lambda: ck.path(11), lambda: ck.save(11, model, optim, overwrite=True)):
         with pytest.raises(DuplicateStepError) as info:
             call()
         assert isinstance(info.value, CkptkitError)
@@ -339,8 +355,9 @@ def test_the_marker_is_written_last_and_describes_the_folder(tmp_path, monkeypat
     folder = Path(ck.path(3))
     doc = json.loads((folder / MARKER).read_text())
     assert doc["step"] == 3 and doc["format"] == "dcp" and doc["world_size"] == 1 and doc["ckptkit"]
-    listed = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*")
-              if p.is_file() and p.name != MARKER}
+    listed = {
+        str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != MARKER
+    }
     assert doc["files"] == listed and ".metadata" in listed
     # a save that fails before or while the marker is written leaves no step folder at all
     import ckptkit.hooks.steps as mod
@@ -367,7 +384,7 @@ def test_restore_puts_back_a_step_a_kill_left_aside_while_replacing_it(tmp_path)
     # a kill after both renames: the aside copy (also as older versions named it) is removed
     shutil.copytree(d / "step_000000001", d / ".step_000000001.ckptkit-old-0badc0de")
     shutil.copytree(d / "step_000000001", d / "step_000000002.ckptkit-old-0badc0de")
-    (d / ".step_000000001.ckptkit-lock").write_text("999999999")   # its dead owner's lock
+    (d / ".step_000000001.ckptkit-lock").write_text("999999999")  # its dead owner's lock
     assert _restore(d)[0] == 2 and sorted(os.listdir(d)) == ["latest", "step_000000001", "step_000000002"]
     _assert_same(_restore(d, step=1)[1], truth[1])
 
@@ -408,15 +425,15 @@ def test_deepspeed_engine_steps_get_a_marker_and_strays_are_skipped(tmp_path):
     assert ck.steps() == [5]
     doc = json.loads((d / "step_000000005" / MARKER).read_text())
     assert doc["format"] == "deepspeed" and doc["step"] == 5 and "latest" in doc["files"]
-    shutil.copytree(d / "step_000000005", d / "step_6")       # a copy: its marker says step 5
+    shutil.copytree(d / "step_000000005", d / "step_6")  # a copy: its marker says step 5
     (d / "step_7").mkdir()
-    (d / "step_7" / "latest").write_text("global_step7")       # DeepSpeed's save died before its files
+    (d / "step_7" / "latest").write_text("global_step7")  # DeepSpeed's save died before its files
     fresh = FakeEngine()
     with pytest.warns(SkippedStepsWarning, match="step_7.*step_6"):
         with deadline():
             assert ckptkit.Checkpointer(str(d)).restore(fresh) == 5
     assert fresh.loaded == [(str(d / "step_000000005"), "global_step5")]
-    os.unlink(d / "step_000000005" / MARKER)                    # as the previous ckptkit wrote it
+    os.unlink(d / "step_000000005" / MARKER)  # as the previous ckptkit wrote it
     fresh = FakeEngine()
     with pytest.warns(SkippedStepsWarning):
         assert ckptkit.Checkpointer(str(d)).restore(fresh) == 5

@@ -9,6 +9,7 @@ Ctrl-C: SIGINT at many points of real convert / reshard / consolidate runs (thre
 kernel copies, commit), twice in a row, and to the --nproc launcher: always "interrupted" on the
 last stderr line, exit 130, no traceback, no "internal error", nothing left next to OUT.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,9 @@ from conftest import save_random_dcp
 # the terminal, a CSI sequence that clears it, a bidi override that reverses what follows
 NASTY = {"nl": "a\nb", "cr": "c\rd", "osc": "t\x1b]0;x\x07itle", "csi": "clear\x1b[2J", "bidi": "bi\u202eevil"}
 ESCAPED = {"nl": "a\\nb", "cr": "c\\rd", "osc": "t\\x1b]0;x\\x07itle", "csi": "clear\\x1b[2J", "bidi": "bi\\u202eevil"}
-FORGED = "/forged/path: ok"     # what a newline inside a value tries to print as a line of its own
+FORGED = "/forged/path: ok"  # what a newline inside a value tries to print as a line of its own
 NOTE = f"hello\n{FORGED}\x1b[31mred\u202e\rX"
-SKIPPED = f"extra\n{FORGED}\x1b]0;pwned\x07"   # a top-level tensor consolidate lists as not written
+SKIPPED = f"extra\n{FORGED}\x1b]0;pwned\x07"  # a top-level tensor consolidate lists as not written
 
 
 def _save(path: Path, bump: bool = False) -> None:
@@ -45,8 +46,7 @@ def _save(path: Path, bump: bool = False) -> None:
     model[f"w\nok: {path} (dcp, 1 tensors"] = torch.zeros(3)  # tries to forge verify's ok line
     if bump:
         model[f"layer.{NASTY['nl']}.weight"] += 1
-    dcp.save({"model": model, SKIPPED: torch.ones(2), "note": NOTE, "step": 7}, checkpoint_id=str(path),
-             no_dist=True)
+    dcp.save({"model": model, SKIPPED: torch.ones(2), "note": NOTE, "step": 7}, checkpoint_id=str(path), no_dist=True)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,9 @@ def nasty(tmp_path_factory):
 def _unsafe(text: str) -> list[str]:
     """Characters a terminal would act on or hide: every control and format character but the
     newline that ends a line."""
-    return sorted({repr(ch) for ch in text if ch != "\n" and unicodedata.category(ch) in
-                   ("Cc", "Cf", "Cs", "Co", "Zl", "Zp")})
+    return sorted(
+        {repr(ch) for ch in text if ch != "\n" and unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp")}
+    )
 
 
 def _assert_safe(run: hostile.Run, forbidden_lines: tuple[str, ...] = (FORGED,)) -> None:
@@ -170,9 +171,11 @@ CTRL_C_RUNS = {
 # where to interrupt, as fractions of an uninterrupted run: start-up and imports, indexing,
 # planning, copying, the last files and the commit (8 + 8 + 4 = 20 runs; consolidate's bf16 cast
 # imports torch while the output is open, and is the slowest)
-FRACTIONS = {"convert": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75],
-             "reshard": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75],
-             "consolidate": [0.15, 0.35, 0.55, 0.75]}
+FRACTIONS = {
+    "convert": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75],
+    "reshard": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75],
+    "consolidate": [0.15, 0.35, 0.55, 0.75],
+}
 EARLIEST_S = 0.25  # never earlier than this (and than twice the interpreter's start-up, measured)
 
 
@@ -202,8 +205,12 @@ def earliest() -> float:
 
 def _before_ckptkit_started(run: hostile.Run) -> bool:
     """The signal reached the interpreter before any ckptkit code ran (see `earliest`)."""
-    return (run.code in (-signal.SIGINT, 1) and run.stderr.rstrip().endswith("KeyboardInterrupt")
-            and "/cli/" not in run.stderr and "/ckptkit/" not in run.stderr.replace("/ckptkit/__init__.py", ""))
+    return (
+        run.code in (-signal.SIGINT, 1)
+        and run.stderr.rstrip().endswith("KeyboardInterrupt")
+        and "/cli/" not in run.stderr
+        and "/ckptkit/" not in run.stderr.replace("/ckptkit/__init__.py", "")
+    )
 
 
 def _uninterrupted_seconds(op: str, src: Path, tmp_path: Path) -> float:
@@ -243,8 +250,13 @@ def test_ctrl_c_at_any_point_ends_clean(big_source, tmp_path, op, earliest):
 
 def _run_with_interrupts(args: list[str], at: list[float], timeout: float = 60) -> hostile.Run:
     """hostile.run_ckptkit, but SIGINT at each of several times (a user pressing Ctrl-C again)."""
-    proc = subprocess.Popen([sys.executable, "-m", "ckptkit", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=hostile._env(), preexec_fn=os.setsid)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptkit", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=hostile._env(),
+        preexec_fn=os.setsid,
+    )
     start = time.monotonic()
 
     def press() -> None:
@@ -257,8 +269,14 @@ def _run_with_interrupts(args: list[str], at: list[float], timeout: float = 60) 
     presser.start()
     out, err = proc.communicate(timeout=timeout)
     presser.join()
-    return hostile.Run(tuple(map(str, args)), proc.returncode, out.decode(errors="replace"),
-                       err.decode(errors="replace"), 0, time.monotonic() - start)
+    return hostile.Run(
+        tuple(map(str, args)),
+        proc.returncode,
+        out.decode(errors="replace"),
+        err.decode(errors="replace"),
+        0,
+        time.monotonic() - start,
+    )
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -300,13 +318,23 @@ def test_ctrl_c_while_a_rank_waits_for_its_peers_ends_it_at_once(tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = dict(hostile._env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK="1",
-                   LOCAL_RANK="1", CKPTKIT_DIST_TIMEOUT="120")
-        code = ("import sys; from ckptkit_cli import entry; entry.install(); "
-                "from ckptkit.runner import distributed; print('joining', flush=True); "
-                "distributed.from_environment(); print('joined')")
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, text=True)
+        env = dict(
+            hostile._env(),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            RANK="1",
+            LOCAL_RANK="1",
+            CKPTKIT_DIST_TIMEOUT="120",
+        )
+        code = (
+            "import sys; from ckptkit_cli import entry; entry.install(); "
+            "from ckptkit.runner import distributed; print('joining', flush=True); "
+            "distributed.from_environment(); print('joined')"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+        )
         try:
             assert proc.stdout.readline().strip() == "joining"
             time.sleep(delay)  # inside init_process_group now, waiting for rank 0's store
@@ -346,15 +374,16 @@ def test_ctrl_c_to_the_nproc_launcher_stops_every_process(big_source, tmp_path):
 
 # ---- the pieces, in one process ----------------------------------------------------------------
 
+
 def test_escape_shows_every_control_and_format_character():
     from ckptkit.text import escape
 
     assert escape("plain name.weight") == "plain name.weight"
     assert escape("a\nb\rc\td\x1b[2Je\x07f\x00g\x7fh\x9bi") == "a\\nb\\rc\\td\\x1b[2Je\\x07f\\x00g\\x7fh\\x9bi"
     assert escape("x\u202ey\u200bz\u2028w\ufeff") == "x\\u202ey\\u200bz\\u2028w\\ufeff"
-    assert escape("caf\u00e9 \u4e2d\u6587") == "caf\u00e9 \u4e2d\u6587"          # printable text stays
-    assert escape("bad\udcff byte") == "bad\\xff byte"                          # surrogateescape'd byte
-    assert escape(escape("a\\nb\n")) == "a\\nb\\n"                              # escaping twice is harmless
+    assert escape("caf\u00e9 \u4e2d\u6587") == "caf\u00e9 \u4e2d\u6587"  # printable text stays
+    assert escape("bad\udcff byte") == "bad\\xff byte"  # surrogateescape'd byte
+    assert escape(escape("a\\nb\n")) == "a\\nb\\n"  # escaping twice is harmless
     unsafe = [chr(c) for c in range(0x30000) if unicodedata.category(chr(c)) in ("Cc", "Cf", "Cs", "Zl", "Zp")]
     unsafe += ["\ue000", "\uf8ff", "\U000f0000", "\U0010fffd", "\U000e0001", "\U000e007f"]  # private use, tags
     assert len(unsafe) > 2000 and not _unsafe(escape("".join(unsafe)))
@@ -483,8 +512,9 @@ def _indented_two_levels(value, depth: int = 0) -> str:
         return _json.dumps(value, allow_nan=False, separators=(", ", ": "))
     pad, end = "\n" + " " * (depth + 1), "\n" + " " * depth
     if isinstance(value, dict):
-        body = ",".join(pad + _json.dumps({k: 0})[1:-4] + ": " + _indented_two_levels(v, depth + 1)
-                        for k, v in value.items())
+        body = ",".join(
+            pad + _json.dumps({k: 0})[1:-4] + ": " + _indented_two_levels(v, depth + 1) for k, v in value.items()
+        )
         return "{" + body + end + "}"
     return "[" + ",".join(pad + _indented_two_levels(v, depth + 1) for v in value) + end + "]"
 

@@ -7,6 +7,7 @@ through the CLI under tests/hostile.py: exit 2 (verify: 1, its problems listed) 
 naming the file, no traceback, peak RSS <= max(budget, 2 x the hostile file's size) + 100 MB over
 the interpreter's own, within the timeout, source unchanged, nothing left beside OUT.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,11 +56,13 @@ def run_cmd(cmd: str, src: Path, tmp_path: Path, budget: str = BUDGET) -> tuple[
     out = tmp_path / "parent" / "OUT"
     out.parent.mkdir(exist_ok=True)
     limit = ("--memory-budget", budget)
-    args = {"inspect": ("inspect", src),
-            "verify": ("verify", "--deep", src, *limit),
-            "consolidate": ("consolidate", src, out, *limit),
-            "convert": ("convert", src, out, "--to", "dcp", *limit),
-            "reshard": ("reshard", src, out, "--to", "2", *limit)}[cmd]
+    args = {
+        "inspect": ("inspect", src),
+        "verify": ("verify", "--deep", src, *limit),
+        "consolidate": ("consolidate", src, out, *limit),
+        "convert": ("convert", src, out, "--to", "dcp", *limit),
+        "reshard": ("reshard", src, out, "--to", "2", *limit),
+    }[cmd]
     scene = hostile.Scene(src, out if cmd not in ("inspect", "verify") else None)
     run = hostile.run_ckptkit(*args, timeout=TIMEOUT)
     return run, scene, knobs.MEMORY_BUDGET if cmd == "inspect" else knobs.parse_size(budget)
@@ -74,6 +77,7 @@ def check(cmd: str, src: Path, hostile_file: Path, tmp_path: Path, *names: str) 
 
 
 # ---- 1. compressed DCP items: bounded by what the metadata declares, streamed past the budget ---------
+
 
 def _bombed_dcp(folder: Path, shape: tuple[int, ...], inflate: int) -> str:
     """A zstd DCP checkpoint whose item of model.w (declared `shape`) inflates to `inflate` bytes."""
@@ -143,8 +147,11 @@ def test_a_legitimate_large_zstd_item_is_streamed_within_the_budget(tmp_path):
     src, truth, out = tmp_path / "ckpt", tmp_path / "truth.pt", tmp_path / "parent" / "OUT"
     out.parent.mkdir()
     # written by a child process: a 200 MB tensor held here would count in the CLI's peak RSS
-    subprocess.run([sys.executable, "-c", _LEGIT.format(tests=str(Path(__file__).parent), path=str(src),
-                                                        truth=str(truth))], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", _LEGIT.format(tests=str(Path(__file__).parent), path=str(src), truth=str(truth))],
+        check=True,
+        capture_output=True,
+    )
     size = sum(p.stat().st_size for p in src.iterdir())
     scene = hostile.Scene(src, out)
     run = hostile.run_ckptkit("consolidate", src, out, "--memory-budget", "32MB", timeout=240)
@@ -156,6 +163,7 @@ def test_a_legitimate_large_zstd_item_is_streamed_within_the_budget(tmp_path):
 
 
 # ---- 2. views of one storage share it; what they would copy is counted ---------------------------
+
 
 def _views(base: torch.Tensor, n: int = 2500) -> tuple:
     return tuple(base[1:] for _ in range(n))  # each its own tensor object over one 1 MB storage
@@ -226,21 +234,24 @@ N = 3_500_000_000  # declared bytes of storage 0
 
 def _lying_archive(lie: str) -> bytes:
     """An 8 KB torch.save file whose nested tensor (a value) declares a 3.5 GB storage."""
-    obj = {"w": FakeTensor(FakeStorage("1", 4), 0, (4,), (1,)),
-           "x": (FakeTensor(FakeStorage("0", N // 4), 0, (N // 4,), (1,)),), "pad": "p" * 6000}
+    obj = {
+        "w": FakeTensor(FakeStorage("1", 4), 0, (4,), (1,)),
+        "x": (FakeTensor(FakeStorage("0", N // 4), 0, (N // 4,), (1,)),),
+        "pad": "p" * 6000,
+    }
     data = torch_save_archive(obj, {"0": bytes(16), "1": bytes(16)})
     m = "archive/data/0"
-    if lie == "uncompressed_size":         # stored, 16 bytes, "3.5 GB once uncompressed"
+    if lie == "uncompressed_size":  # stored, 16 bytes, "3.5 GB once uncompressed"
         return patch_member(data, m, usize=N)
-    if lie == "deflated":                  # a compressed member inflating to 3.5 GB
+    if lie == "deflated":  # a compressed member inflating to 3.5 GB
         return patch_member(patch_member(data, m, method=8, usize=N), m, central=False, method=8)
-    if lie == "stored_size":               # both sizes 3.5 GB in 8 KB
+    if lie == "stored_size":  # both sizes 3.5 GB in 8 KB
         return patch_member(patch_member(data, m, csize=N, usize=N), m, central=False, csize=N, usize=N)
-    if lie == "local_header":              # the local header disagrees with the directory
+    if lie == "local_header":  # the local header disagrees with the directory
         return patch_member(data, m, central=False, csize=N, usize=N)
-    if lie == "overlap":                   # a member running into the next one's header
+    if lie == "overlap":  # a member running into the next one's header
         return patch_member(patch_member(data, m, csize=64, usize=64), m, central=False, csize=64, usize=64)
-    if lie == "header_offset":             # a member placed inside another's data
+    if lie == "header_offset":  # a member placed inside another's data
         return patch_member(data, m, header_offset=local_header_offset(data, "archive/data.pkl") + 40)
     raise AssertionError(lie)
 
@@ -274,10 +285,15 @@ def test_a_lying_zip_inside_a_dcp_item_is_refused(cmd, tmp_path):
 
 # ---- 4. views whose extent exceeds their storage; slab lists are lazy ---------------------------------
 
+
 def _stride0_file(path: Path, nested: bool = False) -> None:
     t = FakeTensor(FakeStorage("0", 4), 0, (2**62, 4), (0, 1))
-    path.write_bytes(torch_save_archive({"w": (t,) if nested else t, "b": FakeTensor(FakeStorage("1", 4), 0, (4,), (1,))},
-                                        {"0": bytes(16), "1": bytes(16)}))
+    path.write_bytes(
+        torch_save_archive(
+            {"w": (t,) if nested else t, "b": FakeTensor(FakeStorage("1", 4), 0, (4,), (1,))},
+            {"0": bytes(16), "1": bytes(16)},
+        )
+    )
 
 
 @pytest.mark.parametrize("cmd", EVERY)
@@ -290,9 +306,14 @@ def test_a_huge_stride_0_view_of_a_tiny_storage_is_refused(cmd, nested, tmp_path
     assert "strided view of" in run.stderr
 
 
-@pytest.mark.parametrize("view", [dict(offset=0, size=(1000, 1000), stride=(1000, 1)),   # past the storage
-                                  dict(offset=3, size=(4,), stride=(1,)),                # one past
-                                  dict(offset=0, size=(2**40, 2**40), stride=(1, 1))])   # overflowing span
+@pytest.mark.parametrize(
+    "view",
+    [
+        dict(offset=0, size=(1000, 1000), stride=(1000, 1)),  # past the storage
+        dict(offset=3, size=(4,), stride=(1,)),  # one past
+        dict(offset=0, size=(2**40, 2**40), stride=(1, 1)),
+    ],
+)  # overflowing span
 @pytest.mark.parametrize("cmd", ["inspect", "verify"])
 def test_a_view_reaching_past_its_storage_is_refused(cmd, view, tmp_path):
     src = tmp_path / "past.pt"
@@ -346,6 +367,7 @@ def test_split_by_span_covers_the_box_in_order_within_the_span(sizes, data):
 
 # ---- 5. negative offsets and pieces outside their zip member: verify --deep is never "ok" -------------
 
+
 @pytest.mark.parametrize("cmd", EVERY)
 def test_a_negative_storage_offset_is_refused(cmd, tmp_path):
     """The bytes before a storage are its zip local header: never read as tensor values."""
@@ -381,8 +403,14 @@ def test_a_tensor_reference_is_checked_against_its_storage_member_by_the_reader(
     _, loc = tensor_location(archive, ok, "w")
     member = archive.storage_member("0")
     assert member.data_offset + 8 == loc.offset and loc.length == 24
-    for offset, size, stride in [(-1, (4,), (1,)), (0, (9,), (1,)), (7, (2,), (1,)), (0, (4,), (-1,)),
-                                 (0, (2**62, 4), (0, 1)), (True, (4,), (1,))]:
+    for offset, size, stride in [
+        (-1, (4,), (1,)),
+        (0, (9,), (1,)),
+        (7, (2,), (1,)),
+        (0, (4,), (-1,)),
+        (0, (2**62, 4), (0, 1)),
+        (True, (4,), (1,)),
+    ]:
         with pytest.raises(FormatError, match="mem.pt: tensor w"):
             tensor_location(archive, TensorRef(StorageRef("0", f32, 8), f32, offset, size, stride), "w")
 
@@ -397,6 +425,7 @@ def test_a_negative_offset_inside_a_dcp_item_is_refused(cmd, tmp_path):
 
 
 # ---- the decoding and reading machinery, in process ---------------------------------------------------
+
 
 @needs_zstd
 def test_a_streamed_item_reads_any_range_like_the_bytes_themselves(tmp_path):
@@ -416,7 +445,7 @@ def test_a_streamed_item_reads_any_range_like_the_bytes_themselves(tmp_path):
     for _ in range(60):
         a = rng.randrange(len(data))
         n = rng.randrange(min(3 << 20, len(data) - a) + 1)
-        assert item.read("", a, n) == data[a:a + n]
+        assert item.read("", a, n) == data[a : a + n]
     with pytest.raises(FormatError, match="z item: decompresses to more than the 1000 bytes"):
         open_decoded(src, "z", 4, size, ("stream.zstd/1",), "z item", limit=1000, keep=1 << 20)
     assert open_decoded(src, "z", 4, size, ("stream.zstd/1",), "z item", limit=len(data), keep=len(data)).data == data
@@ -452,7 +481,7 @@ def test_strided_pieces_are_read_in_windows_in_storage_order(tmp_path):
     readinto = opened.source.readinto
     opened.source.readinto = lambda rel, off, buf: (reads.append(len(buf)), readinto(rel, off, buf))[1]
     for slab in split_rowmajor(Box.whole((2048, 2048)), 300 * 2048):
-        assert torch.equal(fetcher.fetch(entry, slab), t[slab.offsets[0]:slab.offsets[0] + slab.sizes[0]])
+        assert torch.equal(fetcher.fetch(entry, slab), t[slab.offsets[0] : slab.offsets[0] + slab.sizes[0]])
     assert max(reads) <= 1 * MB
 
 
@@ -460,14 +489,14 @@ def test_view_problem_names_each_kind_of_bad_view():
     from ckptkit.torch_types import MAX_STRIDED_BYTES, view_problem
 
     assert view_problem(0, (4, 4), (4, 1), 4, 64) is None
-    assert view_problem(0, (2, 2), (0, 1), 4, 8) is None                        # a small expansion
+    assert view_problem(0, (2, 2), (0, 1), 4, 8) is None  # a small expansion
     assert "non-negative" in view_problem(-1, (4,), (1,), 4, 64)
     assert "non-negative" in view_problem(0, (4,), (-1,), 4, 64)
     assert "non-negative" in view_problem(1.0, (4,), (1,), 4, 64)
     assert "needs bytes up to 68" in view_problem(1, (4, 4), (4, 1), 4, 64)
     assert "strided view of" in view_problem(0, (MAX_STRIDED_BYTES, 2), (0, 1), 4, 64)
     assert "different lengths" in view_problem(0, (4,), (1, 1), 4, 64)
-    assert view_problem(0, (0, 2**62), (1, 1), 4, 0) is None                     # empty
+    assert view_problem(0, (0, 2**62), (1, 1), 4, 0) is None  # empty
     assert math.prod((2**62, 4)) * 4 > MAX_STRIDED_BYTES
 
 

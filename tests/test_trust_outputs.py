@@ -7,6 +7,7 @@ without --overwrite; odd things at OUT and at the lock path. In one process: the
 under threads and processes racing for one stale lock, and sweeps that never remove a live run's
 temporary folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,6 +71,7 @@ def _refused_overlap(cmd: str, source: Path, out: Path, overwrite: bool, watch: 
 
 # ---- OUT overlapping SRC, every command, with and without --overwrite --------------------------
 
+
 @pytest.mark.parametrize("overwrite", [True, False], ids=["overwrite", "plain"])
 @pytest.mark.parametrize("cmd", list(COMMANDS))
 def test_out_is_the_source(src, cmd, overwrite):
@@ -101,6 +103,7 @@ def test_out_two_levels_up_and_a_deeper_new_folder(src):
 
 
 # ---- the same overlaps hidden behind symlinks, hard links and bind mounts ------------------------
+
 
 def test_out_through_a_symlink_to_the_source(src):
     link = src.parent / "alias"
@@ -168,6 +171,7 @@ def test_out_a_bind_mount_of_the_source_or_of_its_parent(src, bind_of):
 
 # ---- a file source (torch.save) ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("overwrite", [True, False], ids=["overwrite", "plain"])
 @pytest.mark.parametrize("cmd", FILE_COMMANDS)
 def test_out_is_the_source_file(pt, cmd, overwrite):
@@ -194,6 +198,7 @@ def test_convert_never_overwrites_its_ds_config(src, tmp_path):
 
 
 # ---- odd things at OUT and at the lock path ----------------------------------------------------
+
 
 def test_a_dangling_symlink_out(src, tmp_path):
     link = tmp_path / "work" / "OUT"
@@ -320,8 +325,9 @@ def read_only_folder(tmp_path):
         yield where
         os.chmod(where, 0o755)
         return
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(where)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs ({proc.stderr.strip() or 'mount failed'})")
     yield where
@@ -337,8 +343,11 @@ def test_out_in_a_read_only_folder(src, read_only_folder, cmd):
     assert "cannot write" in res.stderr
 
 
-@pytest.mark.parametrize("name", [".OUT.ckptkit-tmp-0123456789abcdef", ".OUT.ckptkit-old-0123456789abcdef",
-                                  "OUT.ckptkit-old-deadbeef"], ids=["tmp", "old", "legacy-old"])
+@pytest.mark.parametrize(
+    "name",
+    [".OUT.ckptkit-tmp-0123456789abcdef", ".OUT.ckptkit-old-0123456789abcdef", "OUT.ckptkit-old-deadbeef"],
+    ids=["tmp", "old", "legacy-old"],
+)
 def test_a_source_named_like_a_leftover_is_never_swept(tmp_path, name):
     """Reading from what looks like a dead run's temporary or aside copy: the sweep keeps it."""
     work = tmp_path / "work"
@@ -352,6 +361,7 @@ def test_a_source_named_like_a_leftover_is_never_swept(tmp_path, name):
 
 
 # ---- locks: what counts as stale -----------------------------------------------------------------
+
 
 def _dead_pid() -> int:
     with open("/proc/sys/kernel/pid_max") as f:
@@ -373,20 +383,20 @@ def test_what_counts_as_stale(tmp_path):
     lock = tmp_path / ".OUT.ckptkit-lock"
     me = _lock_doc(os.getpid())
     cases = {
-        b"": False,                                         # created, pid not yet written
+        b"": False,  # created, pid not yet written
         b"   \n": False,
         b"\x00\xff garbage": False,
-        b'{"pid": 1}': False,                               # not ours
+        b'{"pid": 1}': False,  # not ours
         b"x" * 5000: False,
-        str(_dead_pid()).encode(): True,                    # an older ckptkit's bare pid, process gone
+        str(_dead_pid()).encode(): True,  # an older ckptkit's bare pid, process gone
         str(os.getpid()).encode(): False,
         me: False,
         _dead_lock(): True,
         _lock_doc(_dead_pid(), host="another-host"): False,  # never judged from here
         _lock_doc(_dead_pid(), host="evil\nerror: forged"): False,  # not a host name ckptkit writes
-        _lock_doc(os.getpid(), start=1): True,               # the pid was reused by a later process
-        _lock_doc(os.getpid(), boot="another-boot"): True,   # this machine rebooted since
-        _lock_doc(os.getpid(), pidns="pid:[1]"): False,      # another container: not ours to judge
+        _lock_doc(os.getpid(), start=1): True,  # the pid was reused by a later process
+        _lock_doc(os.getpid(), boot="another-boot"): True,  # this machine rebooted since
+        _lock_doc(os.getpid(), pidns="pid:[1]"): False,  # another container: not ours to judge
     }
     for data, stale in cases.items():
         lock.write_bytes(data)
@@ -398,12 +408,16 @@ def test_what_counts_as_stale(tmp_path):
     assert lock_is_stale(str(lock)) is False and remove_stale_lock(str(lock)) is False
 
 
-@pytest.mark.parametrize("data,words", [
-    (b"", ["empty", "remove it"]),
-    (b"\x00garbage", ["cannot be judged", "remove it"]),
-    (None, ["another-host", "another machine", "remove"]),
-    (b"forged", ["cannot be judged", "remove it"]),
-], ids=["empty", "garbled", "other-host", "line-break-in-host"])
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        (b"", ["empty", "remove it"]),
+        (b"\x00garbage", ["cannot be judged", "remove it"]),
+        (None, ["another-host", "another machine", "remove"]),
+        (b"forged", ["cannot be judged", "remove it"]),
+    ],
+    ids=["empty", "garbled", "other-host", "line-break-in-host"],
+)
 def test_a_lock_that_cannot_be_judged_is_refused_and_kept(src, tmp_path, data, words):
     out = tmp_path / "work" / "OUT"
     lock = out.parent / ".OUT.ckptkit-lock"
@@ -428,6 +442,7 @@ def test_a_dead_runs_lock_and_temporary_are_taken_over(src, tmp_path):
 
 
 # ---- locks: races ------------------------------------------------------------------------------
+
 
 def _race(lock: str, racers: int) -> list[str]:
     """`racers` threads take the lock at once; each returns 'won' or the refusal."""
@@ -586,13 +601,17 @@ def test_entering_the_same_out_at_once_one_wins_and_keeps_its_temporary(tmp_path
 
 # ---- remote outputs ----------------------------------------------------------------------------
 
+
 def test_remote_out_overlapping_a_remote_source_is_refused_before_anything_is_removed():
     fsspec = pytest.importorskip("fsspec")
     fs = fsspec.filesystem("memory")
     fs.pipe_file("/trust-bucket/src/.metadata", b"m")
     before = sorted(fs.find("/trust-bucket"))
-    for out, words in [("memory://trust-bucket/src", "is the source"), ("memory://trust-bucket", "contains"),
-                       ("memory://trust-bucket/src/x", "is inside")]:
+    for out, words in [
+        ("memory://trust-bucket/src", "is the source"),
+        ("memory://trust-bucket", "contains"),
+        ("memory://trust-bucket/src/x", "is inside"),
+    ]:
         with pytest.raises(OutputError, match=words):
             with open_output(out, overwrite=True, sources=("memory://trust-bucket/src",)):
                 pass

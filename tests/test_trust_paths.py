@@ -9,6 +9,7 @@ the file, nothing read from outside, source unchanged, nothing left next to OUT.
 working does: links inside SRC, SRC itself a link, the Hugging Face cache layout (snapshot files
 linked into blobs/), and --follow-links for links that leave.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -95,6 +96,7 @@ def pristine(tmp_path_factory) -> dict[str, dict[str, bytes]]:
 
 # ---- 1. a data file linked out of SRC ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_data_file_linked_to_another_checkpoint_is_refused(tmp_path, cmd):
     """The dangerous case: the linked file is valid (another user's checkpoint), so without the
@@ -161,6 +163,7 @@ def test_a_local_url_gets_the_same_checks(tmp_path):
 
 # ---- 2. DeepSpeed `latest` linked out, or hostile text in it ------------------------------------
 
+
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_latest_linked_out_is_refused_and_not_printed(tmp_path, cmd):
     src = copy(DS, tmp_path / "ckpt")
@@ -194,9 +197,9 @@ def assert_quoted_briefly(run, src: Path) -> None:
     """At most ~100 escaped characters of the file's content, no raw control character at all."""
     line = run.stderr.strip()
     assert not any(ch in line for ch in "\x1b\x07\r\x00\u202e"), repr(line)
-    path_text = len(str(src)) * 2 + 20      # the path may appear twice (file and folder)
+    path_text = len(str(src)) * 2 + 20  # the path may appear twice (file and folder)
     assert len(line) <= path_text + 220, f"{len(line)} characters: {line!r}"
-    assert "\\x1b" in line, line             # shown, escaped
+    assert "\\x1b" in line, line  # shown, escaped
     assert line.count("PAYLOAD") <= 2, line
 
 
@@ -225,6 +228,7 @@ def test_short_hostile_tag_names_are_escaped(tmp_path, text):
 
 
 # ---- 3. FIFOs, devices and sockets: refused at once, never opened for a blocking read -----------
+
 
 def fifo_at(path: Path) -> Path:
     if path.exists() or path.is_symlink():
@@ -276,8 +280,9 @@ def test_follow_links_still_refuses_a_fifo(tmp_path, cmd):
     refused(cmd, src, tmp_path, str(src / "__0_0.distcp"), "is a FIFO", extra=("--follow-links",))
 
 
-@pytest.mark.parametrize("device,cmd", [("/dev/zero", "inspect"), ("/dev/zero", "consolidate"),
-                                        ("/dev/urandom", "verify")])
+@pytest.mark.parametrize(
+    "device,cmd", [("/dev/zero", "inspect"), ("/dev/zero", "consolidate"), ("/dev/urandom", "verify")]
+)
 def test_character_device_linked_in_is_refused_even_with_follow_links(tmp_path, device, cmd):
     if not os.path.exists(device):
         pytest.skip(f"{device} is not on this machine")
@@ -320,6 +325,7 @@ def test_unix_socket_as_data_file(tmp_path, cmd):
 
 # ---- folders: listings do not leave SRC or loop -------------------------------------------------
 
+
 def test_links_to_root_and_loops_in_src_are_harmless(tmp_path, pristine):
     src = copy(DCP, tmp_path / "ckpt")
     (src / "root").symlink_to("/", target_is_directory=True)
@@ -346,12 +352,14 @@ def test_metadata_path_leaving_the_folder_is_refused_even_with_follow_links(tmp_
     src.mkdir()
     save_file({"a": torch.ones(2)}, str(src / "model-1.safetensors"))
     save_file({"b": torch.ones(2)}, str(tmp_path / "stolen.safetensors"))
-    (src / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a": "model-1.safetensors", "b": "../stolen.safetensors"}}))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-1.safetensors", "b": "../stolen.safetensors"}})
+    )
     refused("consolidate", src, tmp_path, str(src / "model.safetensors.index.json"), extra=("--follow-links",))
 
 
 # ---- what keeps working ----------------------------------------------------------------------
+
 
 def test_relative_link_inside_src_works(tmp_path, pristine):
     src = copy(DCP, tmp_path / "ckpt")
@@ -383,6 +391,7 @@ def test_src_itself_a_link_works(tmp_path, pristine):
 
 # ---- the Hugging Face cache layout ---------------------------------------------------------------
 
+
 def hf_cache(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """models--org--tiny/{blobs/<sha256>, refs/main, snapshots/<rev>/* -> ../../blobs/<sha256>},
     as huggingface_hub lays it out: a sharded safetensors model, its index and a config."""
@@ -398,9 +407,13 @@ def hf_cache(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(rev)
     gen = torch.Generator().manual_seed(0)
-    shards = {"model-00001-of-00002.safetensors": {"embed.weight": torch.randn(8, 4, generator=gen)},
-              "model-00002-of-00002.safetensors": {"head.weight": torch.randn(3, 4, generator=gen),
-                                                   "head.bias": torch.randn(3, generator=gen)}}
+    shards = {
+        "model-00001-of-00002.safetensors": {"embed.weight": torch.randn(8, 4, generator=gen)},
+        "model-00002-of-00002.safetensors": {
+            "head.weight": torch.randn(3, 4, generator=gen),
+            "head.bias": torch.randn(3, generator=gen),
+        },
+    }
     staging = tmp_path / "staging"
     staging.mkdir()
     files = {}
@@ -408,7 +421,8 @@ def hf_cache(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         save_file(tensors, str(staging / name))
         files[name] = (staging / name).read_bytes()
     files["model.safetensors.index.json"] = json.dumps(
-        {"metadata": {}, "weight_map": {k: n for n, t in shards.items() for k in t}}).encode()
+        {"metadata": {}, "weight_map": {k: n for n, t in shards.items() for k in t}}
+    ).encode()
     files["config.json"] = b'{"model_type": "tiny"}'
     for name, data in files.items():
         sha = hashlib.sha256(data).hexdigest()
@@ -433,7 +447,7 @@ def test_hf_cache_snapshot_works_without_follow_links(tmp_path):
     assert set(got) == set(tensors)
     for k, v in tensors.items():
         assert torch.equal(got[k], v), k
-    ok("inspect", snap / "model-00002-of-00002.safetensors")   # one file of the snapshot
+    ok("inspect", snap / "model-00002-of-00002.safetensors")  # one file of the snapshot
     assert scene.source_unchanged()
 
 
@@ -460,6 +474,7 @@ def test_hf_cache_whose_blobs_folder_is_a_link_out_is_refused(tmp_path):
 
 
 # ---- the pieces, directly -----------------------------------------------------------------------
+
 
 def test_descriptor_swapped_after_the_check_is_refused(tmp_path):
     """The check that counts is on the descriptor actually opened (its real path), not the name."""

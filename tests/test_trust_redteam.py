@@ -4,6 +4,7 @@ Each case is a hole found by attacking the finished defences with new variants (
 path a checkpoint names, a FIFO given to an option, ...), crafted here as an attacker would,
 run through the CLI in a subprocess (tests/hostile.py) and held to the whole contract.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,7 @@ def test_ds_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_pa
         config.mkdir()
     out = tmp_path / "out"
     scene = Scene(src, out)
-    run = run_ckptkit("convert", src, out, "--to", "zero2", "--world-size", "2", "--ds-config", config,
-                      timeout=TIMEOUT)
+    run = run_ckptkit("convert", src, out, "--to", "zero2", "--world-size", "2", "--ds-config", config, timeout=TIMEOUT)
     check_refused(run, str(config), scene=scene)
 
 
@@ -80,8 +80,9 @@ def test_ds_config_that_is_a_regular_file_still_works(tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(DCP, src)
     out = tmp_path / "out"
-    run = run_ckptkit("convert", src, out, "--to", "deepspeed", "--world-size", "2", "--ds-config", DS_CONFIG,
-                      timeout=120)
+    run = run_ckptkit(
+        "convert", src, out, "--to", "deepspeed", "--world-size", "2", "--ds-config", DS_CONFIG, timeout=120
+    )
     assert run.code == 0, run.detail()
     assert (out / "latest").is_file()
 
@@ -114,6 +115,7 @@ def _nested(depth: int = 600) -> list:
 
 def _structured_array():
     import numpy as np
+
     return np.zeros(4, dtype=[("a", "<i8"), ("b", "<f4")])
 
 
@@ -174,8 +176,9 @@ def test_a_file_name_from_the_metadata_is_shortened_in_the_message(tmp_path: Pat
         src.mkdir()
         header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
         (src / "model-1.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
-        (src / "model.safetensors.index.json").write_text(json.dumps(
-            {"weight_map": {"w": "model-1.safetensors", "v": LONG + ".safetensors"}}))
+        (src / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"w": "model-1.safetensors", "v": LONG + ".safetensors"}})
+        )
     else:
         src = _dcp_pointing_at(tmp_path, "sub/" + LONG)
     out = tmp_path / "out"
@@ -197,6 +200,7 @@ def test_a_bad_tag_option_is_blamed_on_the_option_not_on_latest(tmp_path: Path) 
 
 
 # ---- a source's files that live elsewhere through links are the source too ------------------------
+
 
 def _hf_snapshot(tmp_path: Path) -> tuple[Path, Path]:
     """A Hugging Face cache repo: snapshots/<rev>/model.safetensors -> ../../blobs/<hash>."""

@@ -8,6 +8,7 @@ optimizer state keys that collide, a value copied to every parameter...), run th
 a subprocess (tests/hostile.py) and held to the contract of docs/reliability.md. Each test says
 what it found on the code before its fix.
 """
+
 from __future__ import annotations
 
 import glob
@@ -52,6 +53,7 @@ def _run_folder(tmp_path: Path, steps=(1, 2)) -> Path:
 
 # ---- run folders ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("pick", [("--step", "9"), ("--tag", "epoch=0-step=9.ckpt")])
 def test_an_entry_linked_outside_is_not_read_when_asked_for(tmp_path: Path, pick) -> None:
     # Found: --step/--tag opened an entry whose link leads out of the run folder (the newest-complete
@@ -63,8 +65,12 @@ def test_an_entry_linked_outside_is_not_read_when_asked_for(tmp_path: Path, pick
     shutil.copy(LIGHTNING, outside / "secret.ckpt")
     os.symlink(outside / "secret.ckpt", run / "epoch=0-step=9.ckpt")
     scene = Scene(run)
-    check_refused(run_ckptkit("inspect", run, *pick, timeout=TIMEOUT), str(run / "epoch=0-step=9.ckpt"),
-                  "--follow-links", scene=scene)
+    check_refused(
+        run_ckptkit("inspect", run, *pick, timeout=TIMEOUT),
+        str(run / "epoch=0-step=9.ckpt"),
+        "--follow-links",
+        scene=scene,
+    )
     newest = run_ckptkit("inspect", run, timeout=TIMEOUT)  # passed over, and said
     assert newest.code == 0 and "using epoch=0-step=1.ckpt" in newest.stderr, newest.detail()
     assert "epoch=0-step=9.ckpt is incomplete" in newest.stderr, newest.detail()
@@ -83,8 +89,12 @@ def test_an_entry_linked_to_the_run_folder_itself_does_not_recurse(tmp_path: Pat
     assert newest.code == 0, newest.detail()
     assert "using checkpoint-2" in newest.stderr, newest.detail()
     assert "checkpoint-7 is incomplete: is itself a run folder" in newest.stderr, newest.detail()
-    check_refused(run_ckptkit("inspect", run, "--step", "7", timeout=TIMEOUT), "checkpoint-7", "is itself a run folder",
-                  scene=scene)
+    check_refused(
+        run_ckptkit("inspect", run, "--step", "7", timeout=TIMEOUT),
+        "checkpoint-7",
+        "is itself a run folder",
+        scene=scene,
+    )
 
 
 def test_thousands_of_links_to_the_run_folder_cost_a_bounded_number_of_listings(tmp_path: Path) -> None:
@@ -114,8 +124,9 @@ def test_entry_names_count_only_ascii_digits_and_are_escaped(tmp_path: Path) -> 
     shutil.copy(LIGHTNING, ckpts / "epoch=0-step=1.ckpt")
     (ckpts / "epoch=0-step=5\x1b[2J.ckpt").write_bytes(b"not a checkpoint")
     run2 = run_ckptkit("inspect", ckpts, timeout=TIMEOUT)
-    assert run2.code == 0 and "\x1b" not in run2.output and "step=5\\x1b[2J.ckpt is incomplete" in run2.stderr, \
+    assert run2.code == 0 and "\x1b" not in run2.output and "step=5\\x1b[2J.ckpt is incomplete" in run2.stderr, (
         run2.detail()
+    )
 
 
 def test_fifos_files_and_a_save_in_progress_are_not_checkpoints(tmp_path: Path) -> None:
@@ -166,8 +177,9 @@ def test_a_global_step_that_is_not_a_count_is_not_shown_as_one(tmp_path: Path, v
     assert opened.index.step == 2  # DeepSpeed's own global_steps, not the trainer state's value
 
 
-def test_a_trainer_state_that_parses_into_gigabytes_is_refused_within_the_memory_bound(tmp_path: Path,
-                                                                                      monkeypatch) -> None:
+def test_a_trainer_state_that_parses_into_gigabytes_is_refused_within_the_memory_bound(
+    tmp_path: Path, monkeypatch
+) -> None:
     # Found: a 24 MB trainer_state.json of `{},{},...` parsed into about 600 MB (8M dicts) in every
     # command reading the run folder; 60 MB into 1.8 GB. Values are now counted on the text first.
     run = _run_folder(tmp_path)
@@ -176,14 +188,16 @@ def test_a_trainer_state_that_parses_into_gigabytes_is_refused_within_the_memory
     monkeypatch.setenv("CKPTKIT_MEMORY_BUDGET", str(BUDGET))
     scene = Scene(run)
     bound = rss_bound(BUDGET, state.stat().st_size, with_torch=False)
-    check_refused(run_ckptkit("inspect", run, "--step", "2", timeout=TIMEOUT), str(state), "values",
-                  scene=scene, rss_limit=bound)
+    check_refused(
+        run_ckptkit("inspect", run, "--step", "2", timeout=TIMEOUT), str(state), "values", scene=scene, rss_limit=bound
+    )
     newest = run_ckptkit("inspect", run, timeout=TIMEOUT)  # the newest complete one is an older one
     assert newest.code == 0 and "using checkpoint-1" in newest.stderr and "values" in newest.stderr, newest.detail()
     assert newest.peak_rss <= bound, newest.detail()
 
 
 # ---- consolidate's side files ---------------------------------------------------------------------
+
 
 def test_a_config_that_parses_into_gigabytes_is_refused_within_the_memory_bound(tmp_path: Path) -> None:
     run = _run_folder(tmp_path, steps=(2,))
@@ -207,8 +221,12 @@ def test_a_bad_entry_in_the_run_folder_is_said_not_passed_over(tmp_path: Path) -
     os.symlink(outside, run / "additional_chat_templates")
     out = tmp_path / "out"
     scene = Scene(run, out)
-    check_refused(run_ckptkit("consolidate", run / "checkpoint-2", out, timeout=TIMEOUT),
-                  str(run / "additional_chat_templates"), "--follow-links", scene=scene)
+    check_refused(
+        run_ckptkit("consolidate", run / "checkpoint-2", out, timeout=TIMEOUT),
+        str(run / "additional_chat_templates"),
+        "--follow-links",
+        scene=scene,
+    )
 
 
 @pytest.mark.parametrize("kind", ["device", "fifo"])
@@ -220,8 +238,12 @@ def test_config_option_that_is_not_a_folder_or_file_says_what_it_is(tmp_path: Pa
         os.mkfifo(config)
     out = tmp_path / "out"
     scene = Scene(run, out)
-    check_refused(run_ckptkit("consolidate", run / "checkpoint-2", out, "--config", config, timeout=TIMEOUT),
-                  str(config), "character device" if kind == "device" else "FIFO", scene=scene)
+    check_refused(
+        run_ckptkit("consolidate", run / "checkpoint-2", out, "--config", config, timeout=TIMEOUT),
+        str(config),
+        "character device" if kind == "device" else "FIFO",
+        scene=scene,
+    )
 
 
 @pytest.mark.parametrize("where", ["config_dir", "run_folder_config"])
@@ -240,11 +262,13 @@ def test_out_that_is_or_holds_a_side_file_is_refused(tmp_path: Path, where: str)
         watched, out, extra = run, run / "config.json", ()
     scene = Scene(watched, out)
     run_ = run_ckptkit("consolidate", run / "checkpoint-2", out, *extra, "--overwrite", timeout=TIMEOUT)
-    check_refused(run_, str(out), "config.json", "never writes over or into its source", scene=scene,
-                  out_may_exist=True)
+    check_refused(
+        run_, str(out), "config.json", "never writes over or into its source", scene=scene, out_may_exist=True
+    )
 
 
 # ---- DeepSpeed: any optimizer's state ---------------------------------------------------------------
+
 
 def _ds_with_state(tmp_path: Path, change) -> Path:
     """The real ZeRO-2 (client AdamW) fixture with each rank's group-0 state changed by `change`."""
@@ -299,13 +323,19 @@ def test_non_string_keys_and_integer_partitioned_state_survive_a_reshard(tmp_pat
         state["counts"] = torch.arange(len(state["exp_avg"]), dtype=torch.int64) + 1000 * rank
 
     ckpt = _ds_with_state(tmp_path, change)
-    before = torch.cat([torch.load(p, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
-                        ["counts"] for p in sorted(glob.glob(str(ckpt / "global_step2" / "*optim_states.pt")))])
+    before = torch.cat(
+        [
+            torch.load(p, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["counts"]
+            for p in sorted(glob.glob(str(ckpt / "global_step2" / "*optim_states.pt")))
+        ]
+    )
     out = tmp_path / "out"
     run = run_ckptkit("reshard", ckpt, out, "--to", "3", timeout=TIMEOUT)
     assert run.code == 0, run.detail()
-    states = [torch.load(p, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
-              for p in sorted(glob.glob(str(out / "global_step2" / "*optim_states.pt")))]
+    states = [
+        torch.load(p, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+        for p in sorted(glob.glob(str(out / "global_step2" / "*optim_states.pt")))
+    ]
     assert len(states) == 3 and all(7 in s and float(s[7]) == 7.0 for s in states)
     model_states = torch.load(ckpt / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
     total = sum(shape.numel() for shape in model_states["param_shapes"][0].values())  # without the padding

@@ -6,6 +6,7 @@ unpickler's refusals and malformed input are CkptkitErrors; the bug here is inje
 the grammar's call with one that raises, and the fenced C road's call too (safeload_fence: a bug
 there makes the road decline, and the machine, meeting the same bug, reports it).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,12 @@ class _Evil:
 def buggy_grammar(monkeypatch):
     def call(self, func, args):
         raise TypeError("injected bug")
+
     monkeypatch.setattr(RestrictedGrammar, "call", call)
 
     def fenced_call(self, *args):
         raise TypeError("injected bug")
+
     monkeypatch.setattr(Call, "__call__", fenced_call)
 
 
@@ -79,11 +82,15 @@ def test_hostile_and_malformed_input_are_still_exit_2(tmp_path):
         restricted_loads(b"\x80\x04\x8c\x02\xff\xfe\x94.", "x.pkl")
 
 
-@pytest.mark.parametrize("payload", [
-    b"\x80\x02N)\x81.",          # NEWOBJ of None: looked like a known stand-in (the lookup's default was None)
-    b"\x80\x04N)}\x92.",         # NEWOBJ_EX of None
-    b"\x80\x02K\x01)\x81.",      # NEWOBJ of an int
-], ids=["newobj-none", "newobj_ex-none", "newobj-int"])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x80\x02N)\x81.",  # NEWOBJ of None: looked like a known stand-in (the lookup's default was None)
+        b"\x80\x04N)}\x92.",  # NEWOBJ_EX of None
+        b"\x80\x02K\x01)\x81.",  # NEWOBJ of an int
+    ],
+    ids=["newobj-none", "newobj_ex-none", "newobj-int"],
+)
 def test_newobj_of_a_value_that_is_not_a_class_is_refused(payload):
     """Found by test_reliability's fuzzer once bugs stopped being disguised as bad input: NEWOBJ
     with None as the class passed the stand-in check and reached None.__new__ (exit 3)."""

@@ -5,6 +5,7 @@ kind, as text and as strict JSON. diff compares extras and the step besides tens
 tensor's max |a-b| and relative L2 change (checked against torch here), and `--stat` puts the
 largest relative changes first. Exit codes: verify 0/1, diff 0 equal / 1 different.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,15 @@ from helpers_corrupt import DATA, run_subprocess, truncate_half
 
 def strict_json(text: str):
     """json.loads that refuses NaN / Infinity (RFC 8259)."""
+
     def refuse(name):
         raise AssertionError(f"non-standard JSON constant {name}")
+
     return json.loads(text, parse_constant=refuse)
 
 
 # ---- verify: every problem, with its file, key and kind ----------------------------------------
+
 
 @pytest.fixture
 def dcp_two_damages(tmp_path):
@@ -82,8 +86,10 @@ def test_verify_json_lists_a_truncated_and_a_missing_deepspeed_rank_file(ds_two_
         doc = strict_json(res.stdout)
         tag = ds_two_damages / "global_step2"
         found = {(p["kind"], p["file"], p["key"]) for p in doc["problems"]}
-        assert found == {("missing_file", str(tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"), None),
-                         ("truncated", str(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"), None)}, doc
+        assert found == {
+            ("missing_file", str(tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"), None),
+            ("truncated", str(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"), None),
+        }, doc
         assert doc["summary"]["format"] == "deepspeed" and doc["summary"]["deep"] is bool(deep)
 
 
@@ -115,6 +121,7 @@ def test_verify_json_on_a_sound_checkpoint_and_quiet_after_the_command():
 
 # ---- diff: tensors with norms, extras, step, --stat --------------------------------------------
 
+
 def _save(path, state: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -135,8 +142,10 @@ def two_runs(tmp_path_factory):
     b = {"model": {"w": wb, "b": bb, "c": c.clone()}, "extra": {"scheduler": {"last_epoch": 5}}, "step": 5}
     _save(root / "a", a)
     _save(root / "b", b)
-    _save(root / "a_again", {"model": {k: v.clone() for k, v in a["model"].items()},
-                             "extra": {"scheduler": {"last_epoch": 4}}, "step": 4})
+    _save(
+        root / "a_again",
+        {"model": {k: v.clone() for k, v in a["model"].items()}, "extra": {"scheduler": {"last_epoch": 4}}, "step": 4},
+    )
     return root, a["model"], b["model"]
 
 
@@ -181,7 +190,7 @@ def test_diff_stat_puts_the_largest_relative_change_first(two_runs):
     lines = res.stdout.splitlines()
     assert lines[2] == "compared 4 different, 1 equal"
     start = next(i for i, line in enumerate(lines) if line.startswith("largest changes"))
-    table = [line.split() for line in lines[start + 2:] if line.startswith("  ")]
+    table = [line.split() for line in lines[start + 2 :] if line.startswith("  ")]
     names = [row[3] for row in table]  # rel L2, max |a-b|, status, name[, (detail)]
     assert names == ["w", "extra:extra.scheduler.last_epoch", "step", "b"], lines  # ties by name
     rels = [float(row[0]) for row in table]

@@ -1,4 +1,5 @@
 """Virtual tensors (ranges of other tensors plus zero padding) and faithful re-pickling."""
+
 from __future__ import annotations
 
 import enum
@@ -30,12 +31,13 @@ def _flat(fetcher, index, key):
 def test_flat_concat_and_slices_equal_torch_cat(opened):
     o, f = opened
     parts = [Part("model.pos", 0, 50), Part(None, 0, 3), Part("model.embed.weight", 7, 300), Part(None, 0, 5)]
-    expected = torch.cat([_flat(f, o.index, "model.pos"), torch.zeros(3),
-                          _flat(f, o.index, "model.embed.weight")[7:307], torch.zeros(5)])
+    expected = torch.cat(
+        [_flat(f, o.index, "model.pos"), torch.zeros(3), _flat(f, o.index, "model.embed.weight")[7:307], torch.zeros(5)]
+    )
     assert torch.equal(f.fetch(flat_concat("v", "float32", parts)), expected)
     for start, length in [(0, 1), (45, 100), (52, 4), (350, 8), (300, 100)]:
         got = f.fetch(flat_slice("s", "float32", parts, start, length))
-        want = torch.cat([expected[start:start + length], torch.zeros(max(0, start + length - len(expected)))])
+        want = torch.cat([expected[start : start + length], torch.zeros(max(0, start + length - len(expected)))])
         assert torch.equal(got, want), (start, length)
 
 
@@ -74,10 +76,14 @@ def test_flat_slice_builds_the_same_pieces(seed):
     parts = [Part(None if rng.random() < 0.3 else f"p{i}", rng.randrange(5), rng.randrange(0, 6)) for i in range(30)]
     total = sum(p.length for p in parts)
     for start, length in [(0, total), (0, total + 7), (rng.randrange(total + 1), rng.randrange(total + 3))]:
-        got, want = flat_slice("s", "float32", parts, start, length), _reference_slice("s", "float32", parts, start, length)
+        got, want = (
+            flat_slice("s", "float32", parts, start, length),
+            _reference_slice("s", "float32", parts, start, length),
+        )
         assert got == want
-        assert [(_fields(p), _fields(p.region), _fields(p.location)) for p in got.pieces] == \
-               [(_fields(p), _fields(p.region), _fields(p.location)) for p in want.pieces]
+        assert [(_fields(p), _fields(p.region), _fields(p.location)) for p in got.pieces] == [
+            (_fields(p), _fields(p.region), _fields(p.location)) for p in want.pieces
+        ]
         assert [hash(p) for p in got.pieces] == [hash(p) for p in want.pieces]
 
 

@@ -1,4 +1,5 @@
 """Writers produce files the frameworks themselves read back exactly."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,8 +49,14 @@ def test_dcp_writer_is_read_by_torch_dcp(tmp_path, slab):
     truth = load_truth("fsdp2_w3")
     opened = open_checkpoint(str(DATA / "fsdp2_w3"))
     with open_output(str(tmp_path / "out")) as out:
-        write_dcp(out, opened.index, Fetcher(opened.source), fsdp2_layout(opened.index, 2),
-                  ctx=RunContext(fixed_slab=slab), source=opened.source)
+        write_dcp(
+            out,
+            opened.index,
+            Fetcher(opened.source),
+            fsdp2_layout(opened.index, 2),
+            ctx=RunContext(fixed_slab=slab),
+            source=opened.source,
+        )
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "full.pt"))
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -71,11 +78,22 @@ def test_dcp_writer_stores_replicated_tensors_once(tmp_path):
 
     truth = load_truth("fsdp2_w2")
     opened = open_checkpoint(str(DATA / "fsdp2_w2"))
-    replicated = Layout(3, {k: [Assignment(r, Box.whole(t.shape)) for r in range(3)]  # DDP: every rank, whole
-                            for k, t in opened.index.tensors.items()})
+    replicated = Layout(
+        3,
+        {
+            k: [Assignment(r, Box.whole(t.shape)) for r in range(3)]  # DDP: every rank, whole
+            for k, t in opened.index.tensors.items()
+        },
+    )
     with open_output(str(tmp_path / "out")) as out:
-        write_dcp(out, opened.index, Fetcher(opened.source), replicated,
-                  ctx=RunContext(fixed_slab=1 << 20), source=opened.source)
+        write_dcp(
+            out,
+            opened.index,
+            Fetcher(opened.source),
+            replicated,
+            ctx=RunContext(fixed_slab=1 << 20),
+            source=opened.source,
+        )
     again = open_checkpoint(str(tmp_path / "out")).index
     assert all(len(t.pieces) == 1 for t in again.tensors.values())
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "full.pt"))

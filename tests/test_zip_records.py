@@ -2,6 +2,7 @@
 placeholder tensors, each a zipfile member). Its bytes must be zipfile's own: checked here on
 random archives (plain and aligned members, empty and not, past 255 and 65535 members), and at
 run time by matches_zipfile, which the archive writer asks before using it."""
+
 from __future__ import annotations
 
 import io
@@ -53,11 +54,16 @@ def test_small_archive_same_as_zipfile(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def lazy(key: str, shape: tuple[int, ...], offset: int) -> aw.LazyTensor:
         nbytes = 4 * (shape[0] if shape else 1)
-        return aw.LazyTensor(TensorEntry(key, "float32", shape,
-                                         [Piece(Box.whole(shape), Location("f", offset, nbytes, Encoding.RAW))]))
+        return aw.LazyTensor(
+            TensorEntry(key, "float32", shape, [Piece(Box.whole(shape), Location("f", offset, nbytes, Encoding.RAW))])
+        )
 
-    structure = {"a": lazy("a", (4,), 0), "empty": [lazy(f"e{i}", (0,), 0) for i in range(300)],
-                 "b": lazy("b", (3,), 16), "s": SmallTensor("int64", (2,), bytes(16))}
+    structure = {
+        "a": lazy("a", (4,), 0),
+        "empty": [lazy(f"e{i}", (0,), 0) for i in range(300)],
+        "b": lazy("b", (3,), 16),
+        "s": SmallTensor("int64", (2,), bytes(16)),
+    }
 
     def written() -> bytes:
         buf = io.BytesIO()

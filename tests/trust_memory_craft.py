@@ -6,6 +6,7 @@ pickle says what we want; zip directories are then edited with struct; DCP items
 by appending new bytes and pointing the metadata at them; zstd streams are compressed from
 zeros without holding them in memory.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,6 +27,7 @@ LOCAL = b"PK\x03\x04"
 
 # ---- torch.save archives with any view ----------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class FakeStorage:
     key: str
@@ -40,8 +42,10 @@ class FakeTensor:
         self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
 
     def __reduce__(self):
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, self.offset, self.size, self.stride, False, collections.OrderedDict()))
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (self.storage, self.offset, self.size, self.stride, False, collections.OrderedDict()),
+        )
 
 
 class RawView:
@@ -52,10 +56,13 @@ class RawView:
         self.base, self.offset, self.size, self.stride = base, offset, tuple(size), tuple(stride)
 
     def __reduce__(self):
-        storage = torch.storage.TypedStorage(wrap_storage=self.base.untyped_storage(), dtype=self.base.dtype,
-                                             _internal=True)
-        return (torch._utils._rebuild_tensor_v2,
-                (storage, self.offset, torch.Size(self.size), self.stride, False, collections.OrderedDict()))
+        storage = torch.storage.TypedStorage(
+            wrap_storage=self.base.untyped_storage(), dtype=self.base.dtype, _internal=True
+        )
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (storage, self.offset, torch.Size(self.size), self.stride, False, collections.OrderedDict()),
+        )
 
 
 def torch_save_archive(obj, storages: dict[str, bytes], root: str = "archive") -> bytes:
@@ -87,6 +94,7 @@ def torch_save_bytes(obj) -> bytes:
 
 # ---- zip directory edits ---------------------------------------------------------------------
 
+
 def _entries(data: bytes, sig: bytes, name: str) -> list[int]:
     out, pos = [], 0
     raw = name.encode()
@@ -97,14 +105,22 @@ def _entries(data: bytes, sig: bytes, name: str) -> list[int]:
         name_at = pos + (46 if sig == CENTRAL else 30)
         len_at = pos + (28 if sig == CENTRAL else 26)
         (n,) = struct.unpack_from("<H", data, len_at)
-        if data[name_at:name_at + n] == raw:
+        if data[name_at : name_at + n] == raw:
             out.append(pos)
         pos += 4
 
 
-def patch_member(data: bytes, name: str, *, central: bool = True, method: int | None = None,
-                 csize: int | None = None, usize: int | None = None, header_offset: int | None = None,
-                 flags: int | None = None) -> bytes:
+def patch_member(
+    data: bytes,
+    name: str,
+    *,
+    central: bool = True,
+    method: int | None = None,
+    csize: int | None = None,
+    usize: int | None = None,
+    header_offset: int | None = None,
+    flags: int | None = None,
+) -> bytes:
     """Rewrite fields of member `name`'s central directory entry (or its local header)."""
     buf = bytearray(data)
     sig = CENTRAL if central else LOCAL
@@ -130,6 +146,7 @@ def local_header_offset(data: bytes, name: str) -> int:
 
 
 # ---- DCP items -------------------------------------------------------------------------------
+
 
 def save_dcp(path: Path, state: dict, zstd: bool = False) -> None:
     import torch.distributed.checkpoint as dcp

@@ -12,6 +12,7 @@ tensors: a trainable parameter goes only with the whole optimizer), `optim.state
 an extra's dotted path (`extra.epoch`), DeepSpeed's values (`ds.lr_scheduler`), the source
 key of an unmapped value, and the name of a file the reader could not read (`meta.pt`).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -37,6 +38,7 @@ def _matcher(globs: tuple[str, ...], used: set[str]):
                 used.add(g)
                 return g
         return None
+
     return match
 
 
@@ -50,8 +52,9 @@ def apply_drops(state: TrainingState, model_only: bool = False, drop: tuple[str,
     _drop_unread_files(state, request)
     unused = [g for g in drop if g not in request.used]
     if unused:
-        raise UsageError(f"--drop {unused[0]} matches nothing convert would write (keys look like "
-                         f"{', '.join(_examples(state))})")
+        raise UsageError(
+            f"--drop {unused[0]} matches nothing convert would write (keys look like {', '.join(_examples(state))})"
+        )
     _refuse_unmapped(state)
 
 
@@ -96,8 +99,10 @@ def _drop_optimizer(state: TrainingState, request: _Request) -> None:
     elif not whole_optimizer:
         hit = [k for k in group_keys if match(k) is not None]
         if hit:
-            raise UsageError(f"--drop matches param-group entries ({', '.join(hit[:3])}) but not all of them: a "
-                             f"param group goes only with the whole optimizer (drop optim.* or use --model-only)")
+            raise UsageError(
+                f"--drop matches param-group entries ({', '.join(hit[:3])}) but not all of them: a "
+                f"param group goes only with the whole optimizer (drop optim.* or use --model-only)"
+            )
 
 
 def _drop_model_tensors(state: TrainingState, request: _Request) -> None:
@@ -108,11 +113,15 @@ def _drop_model_tensors(state: TrainingState, request: _Request) -> None:
         if request.model_only or request.match(key) is None:
             continue
         if name in trainable and not state.optimizer_dropped:
-            raise UsageError(f"--drop {key}: {name} is trained by the optimizer (param group); drop the "
-                             f"optimizer with it (--drop 'optim.*') or keep it")
+            raise UsageError(
+                f"--drop {key}: {name} is trained by the optimizer (param group); drop the "
+                f"optimizer with it (--drop 'optim.*') or keep it"
+            )
         if name in state.ties.values():
-            raise UsageError(f"--drop {key}: {name} is the weight its tied names "
-                             f"({', '.join(a for a, o in state.ties.items() if o == name)}) share; drop those, not it")
+            raise UsageError(
+                f"--drop {key}: {name} is the weight its tied names "
+                f"({', '.join(a for a, o in state.ties.items() if o == name)}) share; drop those, not it"
+            )
         del state.model[name]
         for lst in (state.frozen, state.buffers):
             if name in lst:
@@ -150,9 +159,11 @@ def _drop_unread_files(state: TrainingState, request: _Request) -> None:
     for name, unread in (state.source.index.metadata.get("unread") or {}).items():
         reason = request.why(name)
         if reason is None:
-            raise UsageError(f"{state.source.path}: convert cannot carry {name}, which it could not read "
-                             f"({unread.rstrip('.')}); to convert without it, drop it explicitly with "
-                             f"--drop '{name}' or --model-only")
+            raise UsageError(
+                f"{state.source.path}: convert cannot carry {name}, which it could not read "
+                f"({unread.rstrip('.')}); to convert without it, drop it explicitly with "
+                f"--drop '{name}' or --model-only"
+            )
         state.dropped[name] = f"{reason} (a file that could not be read)"
 
 
@@ -165,11 +176,15 @@ def _refuse_unmapped(state: TrainingState) -> None:
         by_why: dict[str, list[str]] = {}
         for k in keys:
             by_why.setdefault(state.unmapped[k], []).append(k)
-        shown = "; ".join(", ".join(ks[:4]) + (f" and {len(ks) - 4} more" if len(ks) > 4 else "") + f" ({why})"
-                          for why, ks in by_why.items())
-        raise UsageError(f"{state.source.path}: convert would lose {len(keys)} value(s) it read and cannot carry "
-                         f"to any target: {shown}; to go on without them, drop them explicitly with "
-                         f"--drop '{_glob_for(keys)}' (a glob over these keys, repeatable) or --model-only")
+        shown = "; ".join(
+            ", ".join(ks[:4]) + (f" and {len(ks) - 4} more" if len(ks) > 4 else "") + f" ({why})"
+            for why, ks in by_why.items()
+        )
+        raise UsageError(
+            f"{state.source.path}: convert would lose {len(keys)} value(s) it read and cannot carry "
+            f"to any target: {shown}; to go on without them, drop them explicitly with "
+            f"--drop '{_glob_for(keys)}' (a glob over these keys, repeatable) or --model-only"
+        )
 
 
 def _glob_for(keys: list[str]) -> str:

@@ -18,6 +18,7 @@ The rule, without importing the model class (its `_tied_weights_keys` are not on
   the same shape. An architecture outside the table, a flag that cannot be known, or transformers
   4's `tie_encoder_decoder` are said in a note, never guessed.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ class ConfigTies:
     """The ties taken from config.json (alias -> owner, the source's names), and what was not taken."""
 
     ties: dict[str, str] = field(default_factory=dict)
-    why: str = ""                                   # e.g. "config.json's tie_word_embeddings"
+    why: str = ""  # e.g. "config.json's tie_word_embeddings"
     notes: list[str] = field(default_factory=list)
 
 
@@ -89,8 +90,9 @@ def model_config(source, name: str = CONFIG) -> dict:
 
     size = source.size(name)
     if size > MAX_CONFIG_BYTES:
-        raise FormatError(f"{source.label(name)}: is {size:,} bytes, more than a model config "
-                          f"({MAX_CONFIG_BYTES:,} at most)")
+        raise FormatError(
+            f"{source.label(name)}: is {size:,} bytes, more than a model config ({MAX_CONFIG_BYTES:,} at most)"
+        )
     doc = loads(source.read(name, 0, size), source.label(name), "the model config", bounded=True)
     if not isinstance(doc, dict):
         raise FormatError(f"{source.label(name)}: is not a JSON object (a model config is one)")
@@ -117,22 +119,28 @@ def config_ties(config: dict | None, model: dict[str, TensorEntry]) -> ConfigTie
     if config is None:
         return found
     if config.get("tie_encoder_decoder") is True:
-        found.notes.append("config.json sets tie_encoder_decoder (transformers 4); those ties are not added: "
-                           "the encoder's names depend on the model class")
+        found.notes.append(
+            "config.json sets tie_encoder_decoder (transformers 4); those ties are not added: "
+            "the encoder's names depend on the model class"
+        )
     archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     pairs = next((table()["pairs"][a] for a in archs if a in table()["pairs"]), None)
     flag, why = tie_flag(config)
     if pairs is None:
         if flag and archs:
-            found.notes.append(f"{why} ties the word embeddings, but ckptkit does not know which tensors "
-                               f"{archs[0]} ties (not in ckptkit/convert/hf_ties.json): no tied name added")
+            found.notes.append(
+                f"{why} ties the word embeddings, but ckptkit does not know which tensors "
+                f"{archs[0]} ties (not in ckptkit/convert/hf_ties.json): no tied name added"
+            )
         return found
     wanted = {alias: owner for alias, owner in pairs.items() if alias not in model and owner in model}
     if not wanted:
         return found
     if flag is None:
-        found.notes.append(f"config.json does not say whether {archs[0]} ties its word embeddings "
-                           f"({FLAG}) and its model_type is unknown: {', '.join(sorted(wanted))} not added")
+        found.notes.append(
+            f"config.json does not say whether {archs[0]} ties its word embeddings "
+            f"({FLAG}) and its model_type is unknown: {', '.join(sorted(wanted))} not added"
+        )
     elif flag:
         found.ties, found.why = wanted, why
     return found

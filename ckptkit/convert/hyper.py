@@ -12,6 +12,7 @@ anything a round trip needs: torch's keys pass through DeepSpeed untouched, Deep
 are dropped on the way back (`decoupled_weight_decay` carries adam_w_mode). A target that cannot
 hold the source's state (DeepSpeed's Adam for SGD's momentum_buffer) is refused, naming both.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,14 @@ if TYPE_CHECKING:
     import torch
 
 # torch.optim.AdamW defaults for keys a DeepSpeed group lacks (torch >= 2.4 adds all of them)
-TORCH_ADAMW_DEFAULTS: dict[str, Any] = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                                        "differentiable": False, "fused": None}
+TORCH_ADAMW_DEFAULTS: dict[str, Any] = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
 DEEPSPEED_ONLY = ("bias_correction", "step", "adam_w_mode", "torch_adam")
 ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
 # DeepSpeed's own optimizers: lower-case config type -> (what runs, the tensors it keeps per parameter)
@@ -62,7 +69,7 @@ class DsOptimizer:
 
     kind: str | None
     params: dict = field(default_factory=dict)
-    type_name: str | None = None   # as the config spells it
+    type_name: str | None = None  # as the config spells it
 
     @property
     def own(self) -> bool:
@@ -85,9 +92,12 @@ class DsOptimizer:
 
     def describe(self) -> str:
         if self.kind is None:
-            return "the client optimizer (the DeepSpeed config has no \"optimizer\" section)"
-        what = DS_OWN[self.kind][0] if self.own else (
-            "torch.optim.AdamW (torch_adam)" if self.kind in ADAM_TYPES else f"torch.optim.{self.type_name}")
+            return 'the client optimizer (the DeepSpeed config has no "optimizer" section)'
+        what = (
+            DS_OWN[self.kind][0]
+            if self.own
+            else ("torch.optim.AdamW (torch_adam)" if self.kind in ADAM_TYPES else f"torch.optim.{self.type_name}")
+        )
         return f"the DeepSpeed config's optimizer {quote(str(self.type_name))} ({what})"
 
 
@@ -99,9 +109,11 @@ def ds_optimizer(ds_config: dict | None) -> DsOptimizer:
     name = str(opt.get("type"))
     kind = name.lower()
     if kind in DS_UNKNOWN:
-        raise UnsupportedError(f"the DeepSpeed config's optimizer {quote(name)} keeps state ckptkit does not know "
-                               f"how to map; convert to a config with an Adam, Lamb, "
-                               f"Lion or torch.optim optimizer, or none (a client optimizer)")
+        raise UnsupportedError(
+            f"the DeepSpeed config's optimizer {quote(name)} keeps state ckptkit does not know "
+            f"how to map; convert to a config with an Adam, Lamb, "
+            f"Lion or torch.optim optimizer, or none (a client optimizer)"
+        )
     return DsOptimizer(kind, dict(opt.get("params") or {}), name)
 
 
@@ -138,7 +150,8 @@ def check_target_holds(target: DsOptimizer, keys: Iterable[str]) -> None:
         raise UnsupportedError(
             f"{target.describe()} keeps {kept} per parameter; it cannot "
             f"hold the state of {guess_torch_name(keys)} ({', '.join(extra)}): use that optimizer in the DeepSpeed "
-            f"config (its torch.optim type), or no \"optimizer\" section to pass it to deepspeed.initialize")
+            f'config (its torch.optim type), or no "optimizer" section to pass it to deepspeed.initialize'
+        )
 
 
 def torch_groups(groups: list[dict], source_own: bool, adam_w_mode_: bool = True) -> list[dict]:
@@ -162,12 +175,16 @@ def deepspeed_groups(groups: list[dict], target: DsOptimizer) -> list[dict]:
     out = []
     for g in groups:
         g = copy.deepcopy(g)
-        if target.kind in ADAM_TYPES and "decoupled_weight_decay" in g and \
-                bool(g["decoupled_weight_decay"]) != target.adam_w_mode:
+        if (
+            target.kind in ADAM_TYPES
+            and "decoupled_weight_decay" in g
+            and bool(g["decoupled_weight_decay"]) != target.adam_w_mode
+        ):
             raise UnsupportedError(
                 f"the source optimizer {'decouples' if g['decoupled_weight_decay'] else 'does not decouple'} "
                 f"weight decay but the DeepSpeed config's optimizer "
-                f"{'does not' if g['decoupled_weight_decay'] else 'does'}; use type AdamW (or Adam) accordingly")
+                f"{'does not' if g['decoupled_weight_decay'] else 'does'}; use type AdamW (or Adam) accordingly"
+            )
         if target.own and target.kind in ADAM_TYPES:
             g.setdefault("bias_correction", True)
         out.append(g)

@@ -12,6 +12,7 @@ slot in front (`optimizer_1.state...`). State keyed by parameter NUMBER (torch's
 optimizer.state_dict(), Lightning's .ckpt) gets names only where formats/lightning.py's rule
 proves them; otherwise it stays numbered and `Split.numbered` says why.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,7 +25,6 @@ from ..index.types import CheckpointIndex
 from ..lazy_torch import is_tensor
 from ..runner.stream import find_aliases
 from ..torch_types import SmallTensor
-
 
 
 class ContainerNames(tuple):
@@ -43,14 +43,31 @@ class ContainerNames(tuple):
 
 
 MODEL_CONTAINERS = ("model", "module", "state_dict", "model_state_dict")
-OPTIM_LISTS = ("optimizer_states",)                # Lightning's single file: a list of optimizer state dicts
+OPTIM_LISTS = ("optimizer_states",)  # Lightning's single file: a list of optimizer state dicts
 # Lightning's FSDP/DCP layout has one container per optimizer: optimizer_0, optimizer_1, ...
-OPTIM_CONTAINERS = ContainerNames(("optim", "optimizer", "optimizers", "optim_state", "optimizer_state",
-                                   "optimizer_state_dict", "opt") + OPTIM_LISTS, r"^optimizer_\d+$")
-OTHER_CONTAINERS = ("extra", "lr_scheduler", "scheduler", "dataloader", "train_state", "rng",
-                    "rng_state", "client_state", "trainer", "args", "config",
-                    # Lightning's checkpoint dict
-                    "lr_schedulers", "loops", "callbacks", "hyper_parameters", "datamodule_hyper_parameters")
+OPTIM_CONTAINERS = ContainerNames(
+    ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_state_dict", "opt") + OPTIM_LISTS,
+    r"^optimizer_\d+$",
+)
+OTHER_CONTAINERS = (
+    "extra",
+    "lr_scheduler",
+    "scheduler",
+    "dataloader",
+    "train_state",
+    "rng",
+    "rng_state",
+    "client_state",
+    "trainer",
+    "args",
+    "config",
+    # Lightning's checkpoint dict
+    "lr_schedulers",
+    "loops",
+    "callbacks",
+    "hyper_parameters",
+    "datamodule_hyper_parameters",
+)
 LOW_PRECISION_CONTAINERS = ("ds_module",)  # DeepSpeed's low-precision copies of the fp32 masters
 BARE_OPTIMIZER_KEYS = frozenset({"state", "param_groups"})  # what torch.optim's state_dict() holds
 STEP_NAMES = ("step", "global_step", "global_steps", "train_step", "iteration", "iter")
@@ -120,18 +137,19 @@ def _head_role(head: Any, container: str | None) -> str:
 
 def split_roles(index: CheckpointIndex) -> Split:
     split = Split()
-    heads = {e.path[0] for entries in (index.tensors, index.objects) for e in entries.values()
-             if e.path and len(e.path) > 1}
+    heads = {
+        e.path[0] for entries in (index.tensors, index.objects) for e in entries.values() if e.path and len(e.path) > 1
+    }
     container = next((c for c in MODEL_CONTAINERS if c in heads), None)
     split.container = container
     # a bare optimizer.state_dict() saved on its own (torch.save(opt.state_dict(), "optimizer.pt"))
     bare_optimizer = container is None and "param_groups" in heads and heads <= BARE_OPTIMIZER_KEYS
-    optim_tensors: list[tuple[str, str, tuple]] = []   # (index key, slot, path below the slot)
+    optim_tensors: list[tuple[str, str, tuple]] = []  # (index key, slot, path below the slot)
     optim_objects: list[tuple[str, str, tuple]] = []
     model, optim, other, low = split.model, split.optim, split.other, split.low_precision
-    single = "model" if container is None else "other"   # a path of one part
-    roles: dict[str, str] = {}   # head (a str) -> _head_role: a few heads for every tensor
-    for key, e in index.tensors.items():   # per tensor: kept lean
+    single = "model" if container is None else "other"  # a path of one part
+    roles: dict[str, str] = {}  # head (a str) -> _head_role: a few heads for every tensor
+    for key, e in index.tensors.items():  # per tensor: kept lean
         if bare_optimizer or e.attrs.get("role") == "optimizer":  # e.g. optimizer*.safetensors by consolidate
             optim[key] = key
             continue
@@ -159,7 +177,7 @@ def split_roles(index: CheckpointIndex) -> Split:
             if parts is not None:
                 optim_tensors.append((key, *parts))
             else:
-                other.append(key)   # a name in OPTIM_CONTAINERS: never a model tensor
+                other.append(key)  # a name in OPTIM_CONTAINERS: never a model tensor
         elif role == "low_precision":
             low.append(key)
         elif role == "model":
@@ -177,16 +195,17 @@ def split_roles(index: CheckpointIndex) -> Split:
     return split
 
 
-def _name_optimizer(index: CheckpointIndex, split: Split, tensors: list[tuple[str, str, tuple]],
-                    objects: list[tuple[str, str, tuple]]) -> None:
+def _name_optimizer(
+    index: CheckpointIndex, split: Split, tensors: list[tuple[str, str, tuple]], objects: list[tuple[str, str, tuple]]
+) -> None:
     """Canonical names below each optimizer slot; numbers become names where that is proven."""
     slots = list(dict.fromkeys([slot for _, slot, _ in tensors] + [slot for _, slot, _ in objects]))
     names = {slot: _slot_names(index, split, slot, tensors, objects) for slot in slots}
-    prefix = "" if len(slots) <= 1 else None   # None: each slot's own `<slot>.`
+    prefix = "" if len(slots) <= 1 else None  # None: each slot's own `<slot>.`
     optim_params = split.optim_params
     for entries, target in ((tensors, split.optim), (objects, split.optim_objects)):
         is_objects = target is split.optim_objects
-        for key, slot, rest in entries:   # per tensor: kept lean
+        for key, slot, rest in entries:  # per tensor: kept lean
             pre = f"{slot}." if prefix is None else prefix
             mapping = names[slot]
             if len(rest) >= 3 and rest[0] == "state":
@@ -200,8 +219,13 @@ def _name_optimizer(index: CheckpointIndex, split: Split, tensors: list[tuple[st
             else:
                 name = pre + key_of(rest)
                 value = index.objects[key].data if is_objects else None
-                if (mapping and len(rest) == 3 and rest[0] == "param_groups" and rest[2] == "params"
-                        and isinstance(value, list)):
+                if (
+                    mapping
+                    and len(rest) == 3
+                    and rest[0] == "param_groups"
+                    and rest[2] == "params"
+                    and isinstance(value, list)
+                ):
                     split.optim_values[name] = [mapping.get(v, v) if isinstance(v, int) else v for v in value]
             target[name] = key
 
@@ -213,7 +237,7 @@ def _slot_names(index: CheckpointIndex, split: Split, slot: str, tensors: list, 
         for key, s, rest in entries:
             if s == slot and len(rest) >= 3 and rest[0] == "state":
                 if not _is_number(rest[1]):
-                    return {}   # keyed by name
+                    return {}  # keyed by name
                 state.append((key, rest))
     if not state:
         return {}
@@ -223,16 +247,17 @@ def _slot_names(index: CheckpointIndex, split: Split, slot: str, tensors: list, 
             groups[int(rest[1])] = index.objects[key].data
     where = f"optimizer state {slot}"
     if not lightning.is_lightning(index):
-        split.numbered[slot] = (f"{where} is keyed by parameter number, and only Lightning's checkpoints "
-                                f"are given names from the model's order")
+        split.numbered[slot] = (
+            f"{where} is keyed by parameter number, and only Lightning's checkpoints "
+            f"are given names from the model's order"
+        )
         return {}
     shapes: dict[int, dict[str, tuple[int, ...]]] = {}
     for key, rest in state:
         if key in index.tensors:
             shapes.setdefault(int(rest[1]), {})[key_of(rest[2:])] = tuple(index.tensors[key].shape)
     model = {name: index.tensors[key] for name, key in split.model.items()}
-    numbering = lightning.number_names([groups[g] for g in sorted(groups)], model, find_aliases(model),
-                                       shapes, where)
+    numbering = lightning.number_names([groups[g] for g in sorted(groups)], model, find_aliases(model), shapes, where)
     if numbering.names is None:
         split.numbered[slot] = numbering.why
         return {}

@@ -5,6 +5,7 @@ activation checkpointing `_checkpoint_wrapped_module.`, torch.compile `_orig_mod
 dropped so that the same model lines up whatever wrapped it. `model.` is a real module name in
 many models (Hugging Face), so it is only stripped or added when the user asks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,11 +45,11 @@ class KeyRules:
         for infix in WRAPPER_INFIXES:
             name = name.replace("." + infix, ".")
             if name.startswith(infix):
-                name = name[len(infix):]
+                name = name[len(infix) :]
         for prefix in self.drop_leading + self.strip:
             if name.startswith(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
         for old, new in self.renames:
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
         return self.add + name

@@ -13,6 +13,7 @@ Nothing read is lost silently: every tensor and object of the source index is ca
 by the target (`derived`, with why: DeepSpeed's low-precision copies and layout values), or
 listed in `unmapped` (with what it is), which convert refuses to drop unless asked to.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -33,16 +34,32 @@ from ..optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ..runner.fetch import Fetcher
 from ..runner.stream import find_aliases
 from ..index.flatten import key_of
-from .keys import (LOW_PRECISION_CONTAINERS, MODEL_CONTAINERS, OPTIM_CONTAINERS, Split, guess_step,
-                        optimizer_parts, split_roles)
+from .keys import (
+    LOW_PRECISION_CONTAINERS,
+    MODEL_CONTAINERS,
+    OPTIM_CONTAINERS,
+    Split,
+    guess_step,
+    optimizer_parts,
+    split_roles,
+)
 from ..torch_types import SmallTensor
 from .hf_ties import config_ties, source_config
 from .hyper import DsOptimizer, ds_optimizer, source_is_ds_own, step_number
 from .names import KeyRules
 
 # DeepSpeed's values that mean something outside DeepSpeed's own optimizer objects
-DS_CARRIED = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "data_sampler", "random_ltd",
-              "iteration", "ds_config", "ds_version")
+DS_CARRIED = (
+    "global_steps",
+    "global_samples",
+    "skipped_steps",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "iteration",
+    "ds_config",
+    "ds_version",
+)
 FLAT_PARAM_MARKS = ("flat_param", "_flat_param")
 LOW_PRECISION_WHY = "low-precision copies of the fp32 masters"
 DS_LAYOUT_WHY = "DeepSpeed layout values of the saving run (world size, stage, loss scaler, clipping)"
@@ -51,25 +68,25 @@ DS_LAYOUT_WHY = "DeepSpeed layout values of the saving run (world size, stage, l
 @dataclass(kw_only=True)
 class TrainingState:
     source: Opened
-    model: dict[str, TensorEntry]                      # name -> source entry
+    model: dict[str, TensorEntry]  # name -> source entry
     frozen: list[str]
     buffers: list[str]
-    ties: dict[str, str]                               # alias -> owner
-    param_states: dict[str, dict[str, TensorEntry]]    # name -> {state key: entry shaped like the parameter}
-    whole_states: dict[str, dict[str, Any]]            # name -> {state key: int / float / 0-d tensor ...}
-    groups: list[dict[str, Any]]                       # hyperparameters, without "params"
+    ties: dict[str, str]  # alias -> owner
+    param_states: dict[str, dict[str, TensorEntry]]  # name -> {state key: entry shaped like the parameter}
+    whole_states: dict[str, dict[str, Any]]  # name -> {state key: int / float / 0-d tensor ...}
+    groups: list[dict[str, Any]]  # hyperparameters, without "params"
     group_params: list[list[str]]
-    extras: list[tuple[tuple, Any]] = field(default_factory=list)   # (path, value or TensorEntry)
-    ds: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's own values (global_steps, ...)
+    extras: list[tuple[tuple, Any]] = field(default_factory=list)  # (path, value or TensorEntry)
+    ds: dict[str, Any] = field(default_factory=dict)  # DeepSpeed's own values (global_steps, ...)
     ds_config: dict | None = None
-    derived: dict[str, str] = field(default_factory=dict)    # source key -> why the target rebuilds it
-    unmapped: dict[str, str] = field(default_factory=dict)   # source key -> what it is (would be lost)
-    dropped: dict[str, str] = field(default_factory=dict)    # canonical key -> why (on request)
-    optimizer_dropped: bool = False                          # the whole optimizer left out on request
-    numbered_why: str = ""         # the optimizer is keyed by parameter number: the refusal, unless dropped
+    derived: dict[str, str] = field(default_factory=dict)  # source key -> why the target rebuilds it
+    unmapped: dict[str, str] = field(default_factory=dict)  # source key -> what it is (would be lost)
+    dropped: dict[str, str] = field(default_factory=dict)  # canonical key -> why (on request)
+    optimizer_dropped: bool = False  # the whole optimizer left out on request
+    numbered_why: str = ""  # the optimizer is keyed by parameter number: the refusal, unless dropped
     config_ties: dict[str, str] = field(default_factory=dict)  # the ties of `ties` only config.json records
-    config_why: str = ""                                       # where they were read (said in the summary)
-    notes: list[str] = field(default_factory=list)             # what the reading could not decide
+    config_why: str = ""  # where they were read (said in the summary)
+    notes: list[str] = field(default_factory=list)  # what the reading could not decide
 
     @property
     def from_deepspeed(self) -> bool:
@@ -121,11 +138,14 @@ class TrainingState:
     def group_whole(self, g: int, key: str) -> Any:
         """The value of whole state `key` all params of group g share (ZeRO keeps one per group);
         None when no parameter of the group has it."""
-        values = {_value_id(self.whole_states[n][key]) for n in self.group_params[g]
-                  if key in self.whole_states.get(n, {})}
+        values = {
+            _value_id(self.whole_states[n][key]) for n in self.group_params[g] if key in self.whole_states.get(n, {})
+        }
         if len(values) > 1:
-            raise UnsupportedError(f"param group {g} has parameters with different optimizer {quote(key)} values "
-                                   f"({sorted(values)[:4]}); ZeRO keeps one per group")
+            raise UnsupportedError(
+                f"param group {g} has parameters with different optimizer {quote(key)} values "
+                f"({sorted(values)[:4]}); ZeRO keeps one per group"
+            )
         for n in self.group_params[g]:
             if key in self.whole_states.get(n, {}):
                 return self.whole_states[n][key]
@@ -147,8 +167,9 @@ def _value_id(value: Any) -> str:
     return repr(value)
 
 
-def read_state(opened: Opened, rules: KeyRules | None = None, frozen_patterns: tuple[str, ...] = (),
-               ctx: RunContext | None = None) -> TrainingState:
+def read_state(
+    opened: Opened, rules: KeyRules | None = None, frozen_patterns: tuple[str, ...] = (), ctx: RunContext | None = None
+) -> TrainingState:
     """`ctx`: the run's context (the bit-identity check of tied weights reads within its budget)."""
     rules = rules or KeyRules()
     if capabilities_of(opened.index).flat_partitions:
@@ -180,34 +201,47 @@ class _OptimState:
 
 def _from_deepspeed(opened: Opened, rules: KeyRules) -> TrainingState:
     index = opened.index
-    rules = rules.for_names([k[len("model."):] for k in index.tensors if k.startswith("model.")])
+    rules = rules.for_names([k[len("model.") :] for k in index.tensors if k.startswith("model.")])
     model, frozen, buffers, ties = _deepspeed_model(index, rules)
-    optim = _OptimState(str(opened.path), Fetcher(opened.source, index=index),
-                        {n: tuple(e.shape) for n, e in model.items()})
+    optim = _OptimState(
+        str(opened.path), Fetcher(opened.source, index=index), {n: tuple(e.shape) for n, e in model.items()}
+    )
     entries = _DeepSpeedEntries(rules, optim)
     entries.add_tensors(index.tensors)
     entries.add_objects(index.objects)
     group_list, group_params = _named_groups(entries.groups, rules)
     cfg = entries.ds.get("ds_config")
-    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
-                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
-                         group_params=group_params, extras=entries.extras, ds=entries.ds,
-                         ds_config=cfg if isinstance(cfg, dict) else None, derived=entries.derived,
-                         unmapped=entries.unmapped)
+    return TrainingState(
+        source=opened,
+        model=model,
+        frozen=frozen,
+        buffers=buffers,
+        ties=ties,
+        param_states=optim.partitioned,
+        whole_states=optim.whole,
+        groups=group_list,
+        group_params=group_params,
+        extras=entries.extras,
+        ds=entries.ds,
+        ds_config=cfg if isinstance(cfg, dict) else None,
+        derived=entries.derived,
+        unmapped=entries.unmapped,
+    )
 
 
-def _deepspeed_model(index: CheckpointIndex,
-                     rules: KeyRules) -> tuple[dict[str, TensorEntry], list[str], list[str], dict[str, str]]:
+def _deepspeed_model(
+    index: CheckpointIndex, rules: KeyRules
+) -> tuple[dict[str, TensorEntry], list[str], list[str], dict[str, str]]:
     """(model, frozen, buffers, ties) by name, as the DeepSpeed reader's roles say."""
     model, frozen, buffers, ties = {}, [], [], {}
     for key, e in index.tensors.items():
         if not key.startswith("model."):
             continue
-        name = rules.apply(key[len("model."):])
+        name = rules.apply(key[len("model.") :])
         model[name] = e
         role = e.attrs.get("ds_role")
         if "alias_of" in e.attrs:
-            ties[name] = rules.apply(e.attrs["alias_of"][len("model."):])
+            ties[name] = rules.apply(e.attrs["alias_of"][len("model.") :])
         elif role == "frozen":
             frozen.append(name)
         elif role == "buffer":
@@ -279,8 +313,9 @@ def _optim_names(split: Split) -> tuple[dict[str, str], dict[str, Any]]:
     return names, values
 
 
-def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[str, ...],
-                       ctx: RunContext) -> TrainingState:
+def _from_torch_layout(
+    opened: Opened, rules: KeyRules, frozen_patterns: tuple[str, ...], ctx: RunContext
+) -> TrainingState:
     index = opened.index
     split = split_roles(index)
     _refuse_flat_parameters(opened, list(split.model))
@@ -300,14 +335,35 @@ def _from_torch_layout(opened: Opened, rules: KeyRules, frozen_patterns: tuple[s
     group_list, group_params = _named_groups(entries.groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
     config_tied = {rules.apply(a): rules.apply(o) for a, o in config.ties.items()}
-    frozen, buffers, ties = _classify(opened, {n: e for n, e in model.items() if n not in config_tied}, trainable,
-                                      frozen_patterns, fetcher, ctx.slab_bytes_for(2), weights_only=not group_params)
+    frozen, buffers, ties = _classify(
+        opened,
+        {n: e for n, e in model.items() if n not in config_tied},
+        trainable,
+        frozen_patterns,
+        fetcher,
+        ctx.slab_bytes_for(2),
+        weights_only=not group_params,
+    )
     ties.update(config_tied)
-    return TrainingState(source=opened, model=model, frozen=frozen, buffers=buffers, ties=ties,
-                         config_ties=config_tied, config_why=config.why, notes=config.notes,
-                         param_states=optim.partitioned, whole_states=optim.whole, groups=group_list,
-                         group_params=group_params, extras=entries.extras, ds=entries.ds, derived=entries.derived,
-                         unmapped=entries.unmapped, numbered_why=numbered_why)
+    return TrainingState(
+        source=opened,
+        model=model,
+        frozen=frozen,
+        buffers=buffers,
+        ties=ties,
+        config_ties=config_tied,
+        config_why=config.why,
+        notes=config.notes,
+        param_states=optim.partitioned,
+        whole_states=optim.whole,
+        groups=group_list,
+        group_params=group_params,
+        extras=entries.extras,
+        ds=entries.ds,
+        derived=entries.derived,
+        unmapped=entries.unmapped,
+        numbered_why=numbered_why,
+    )
 
 
 def _refuse_flat_parameters(opened: Opened, raw_names: list[str]) -> None:
@@ -317,7 +373,8 @@ def _refuse_flat_parameters(opened: Opened, raw_names: list[str]) -> None:
             raise UnsupportedError(
                 f"{opened.path}: tensor {name_of(n)} is an FSDP1 flat parameter (LOCAL_STATE_DICT): its layout "
                 f"depends on how the model was wrapped, so it cannot be unflattened from the file alone; "
-                f"save with StateDictType.SHARDED_STATE_DICT (or FULL_STATE_DICT) and convert that")
+                f"save with StateDictType.SHARDED_STATE_DICT (or FULL_STATE_DICT) and convert that"
+            )
 
 
 class _TorchEntries:
@@ -334,8 +391,8 @@ class _TorchEntries:
         self.derived: dict[str, str] = {}
         self.unmapped: dict[str, str] = {}
         self.ds: dict[str, Any] = {}
-        self.numbered: dict[str, str] = {}       # index key -> why its optimizer is keyed by parameter number
-        self.group_keys: dict[str, None] = {}    # index keys of param-group entries
+        self.numbered: dict[str, str] = {}  # index key -> why its optimizer is keyed by parameter number
+        self.group_keys: dict[str, None] = {}  # index keys of param-group entries
 
     def add_tensors(self, tensors: dict[str, TensorEntry]) -> None:
         for key, e in tensors.items():
@@ -360,9 +417,11 @@ class _TorchEntries:
                 if _empty(o.data):  # an optimizer's empty state, an empty container: nothing to lose
                     self.derived[key] = "empty"
                 else:
-                    self.unmapped[key] = (f"a value inside the "
-                                          f"{'optimizer' if path[0] in OPTIM_CONTAINERS else 'model'} "
-                                          f"state that is neither a parameter's state nor a param group")
+                    self.unmapped[key] = (
+                        f"a value inside the "
+                        f"{'optimizer' if path[0] in OPTIM_CONTAINERS else 'model'} "
+                        f"state that is neither a parameter's state nor a param group"
+                    )
                 continue
             if len(path) >= 2 and path[0] == "ds" and path[1] in DS_CARRIED:
                 _nest(self.ds, path[1:], o.data)  # DeepSpeed's counters a conversion from ZeRO wrote as ds.*
@@ -375,10 +434,13 @@ class _TorchEntries:
         if not self.numbered:
             return ""
         why = next((w for w in self.numbered.values() if w), "")
-        numbered_why = (f"{self.where}: optimizer state is keyed by parameter number ({next(iter(self.numbered))})"
-                        + (f": {why}" if why else "") + "; ckptkit needs parameter names: save it with "
-                        f"torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (or "
-                        f"FSDP.optim_state_dict), which key it by name, or convert the model alone (--model-only)")
+        numbered_why = (
+            f"{self.where}: optimizer state is keyed by parameter number ({next(iter(self.numbered))})"
+            + (f": {why}" if why else "")
+            + "; ckptkit needs parameter names: save it with "
+            "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (or "
+            "FSDP.optim_state_dict), which key it by name, or convert the model alone (--model-only)"
+        )
         partitioned = [e.key for m in self.optim.partitioned.values() for e in m.values()]
         for key in list(self.numbered) + list(self.group_keys) + partitioned:
             self.unmapped[key] = "optimizer state keyed by parameter number"
@@ -395,9 +457,11 @@ class _TorchEntries:
         slot, rest = found
         self.slots[slot] = None
         if len(self.slots) > 1:  # their groups and states would merge under one `optim`
-            raise UnsupportedError(f"{self.where}: holds {len(self.slots)} optimizers ({', '.join(self.slots)}); "
-                                   f"convert carries one optimizer's state (a run with several cannot be mapped "
-                                   f"onto one)")
+            raise UnsupportedError(
+                f"{self.where}: holds {len(self.slots)} optimizers ({', '.join(self.slots)}); "
+                f"convert carries one optimizer's state (a run with several cannot be mapped "
+                f"onto one)"
+            )
         if len(rest) >= 3 and rest[0] == "state":
             return ("state", self.state_names.get(key, rest[1]), key_of(rest[2:]), slot)
         return tuple(rest) + (slot,)
@@ -416,7 +480,12 @@ class _TorchEntries:
         if len(parts) == 3 and parts[0] == "param_groups" and isinstance(parts[1], int):
             value = self.group_values.get(where, value)
             self.group_keys[where] = None
-            if parts[2] == "params" and isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+            if (
+                parts[2] == "params"
+                and isinstance(value, list)
+                and value
+                and not all(isinstance(v, str) for v in value)
+            ):
                 self.numbered[where] = self.split.numbered.get(slot, "")
                 return True
             self.groups.setdefault(parts[1], {})[parts[2]] = value
@@ -435,9 +504,16 @@ def _empty(value: Any) -> bool:
     return value is None or (isinstance(value, (dict, list, tuple)) and not value)
 
 
-def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str], frozen_patterns: tuple[str, ...],
-              fetcher: Fetcher, slab_bytes: int, *, weights_only: bool = False
-              ) -> tuple[list[str], list[str], dict[str, str]]:
+def _classify(
+    opened: Opened,
+    model: dict[str, TensorEntry],
+    trainable: set[str],
+    frozen_patterns: tuple[str, ...],
+    fetcher: Fetcher,
+    slab_bytes: int,
+    *,
+    weights_only: bool = False,
+) -> tuple[list[str], list[str], dict[str, str]]:
     """Sort the model tensors outside the param groups into frozen params, buffers and ties.
     `weights_only`: the source has no optimizer (a safetensors file, a plain state dict), so no
     tensor is known to be a buffer: a floating N-d one is a parameter (FSDP2 shards it), and only
@@ -454,8 +530,14 @@ def _classify(opened: Opened, model: dict[str, TensorEntry], trainable: set[str]
         if name in aliases and aliases[name] in trainable:
             ties[name] = aliases[name]
             continue
-        owner = next((t for t in by_shape.get((e.shape, e.dtype), [])
-                      if e.numel > 0 and _bit_identical(fetcher, e, model[t], slab_bytes)), None)
+        owner = next(
+            (
+                t
+                for t in by_shape.get((e.shape, e.dtype), [])
+                if e.numel > 0 and _bit_identical(fetcher, e, model[t], slab_bytes)
+            ),
+            None,
+        )
         if owner is not None:
             ties[name] = owner
         elif any(fnmatch.fnmatchcase(name, p) for p in frozen_patterns):
@@ -474,8 +556,10 @@ def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes:
     so a frozen layer shaped like a trainable one costs almost nothing). Two slabs are held at
     once: `slab_bytes` is each one's share of the run's budget (RunContext.slab_bytes_for(2))."""
     head = Box((0,) * len(a.shape), tuple([1] * (len(a.shape) - 1) + [min(a.shape[-1], 64)])) if a.shape else None
-    boxes = itertools.chain([head] if head is not None else [],  # slabs made as they are compared
-                            geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))))
+    boxes = itertools.chain(
+        [head] if head is not None else [],  # slabs made as they are compared
+        geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))),
+    )
     import torch
 
     for box in boxes:
@@ -487,14 +571,17 @@ def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes:
 
 def _check_partners(state: TrainingState) -> None:
     lonely = sorted(n for n in set(state.param_states) | set(state.whole_states) if n not in state.model)
-    lonely += sorted(f"{n} (param group {g})" for g, ps in enumerate(state.group_params) for n in ps
-                     if n not in state.model)
+    lonely += sorted(
+        f"{n} (param group {g})" for g, ps in enumerate(state.group_params) for n in ps if n not in state.model
+    )
     if lonely:
         shown = ", ".join(lonely[:8]) + (f" and {len(lonely) - 8} more" if len(lonely) > 8 else "")
         sample = ", ".join(list(state.model)[:3])
-        raise UsageError(f"{state.source.path}: optimizer entries name parameters the model does not have: {shown} "
-                         f"(model names look like: {sample}); fix the names with --strip-prefix, --add-prefix "
-                         f"or --rename OLD=NEW")
+        raise UsageError(
+            f"{state.source.path}: optimizer entries name parameters the model does not have: {shown} "
+            f"(model names look like: {sample}); fix the names with --strip-prefix, --add-prefix "
+            f"or --rename OLD=NEW"
+        )
     counts = Counter(n for ps in state.group_params for n in ps)
     dup = {n for n, c in counts.items() if c > 1}
     if dup:
@@ -531,12 +618,15 @@ def describe(state: TrainingState) -> str:
     n_part = sum(len(m) for m in state.param_states.values())
     n_whole = sum(len(m) for m in state.whole_states.values())
     trainable = [n for n in state.trainable if n in state.model]
-    text = (f"{len(trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
-            f"{len(state.ties)} tied{config_tie_text(state)}; ")
+    text = (
+        f"{len(trainable)} trainable, {len(state.frozen)} frozen, {len(state.buffers)} buffers, "
+        f"{len(state.ties)} tied{config_tie_text(state)}; "
+    )
     if state.optimizer_dropped:
         return text + "no optimizer (dropped on request)"
-    text += (f"{len(state.group_params)} param groups; "
-             f"{n_part} optimizer state tensors" + (f" ({', '.join(partitioned)})" if partitioned else ""))
+    text += f"{len(state.group_params)} param groups; {n_part} optimizer state tensors" + (
+        f" ({', '.join(partitioned)})" if partitioned else ""
+    )
     if n_whole:
         text += f", {n_whole} per-parameter values ({', '.join(whole)})"
     return text

@@ -9,6 +9,7 @@ both names, as `model.state_dict()` lists them. DeepSpeed's own values come alon
 (global_steps, global_samples, skipped_steps, lr_scheduler, ds_config) and its client_state
 keys at the top level.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 SOURCE_PREFIX = "\0source:"  # keys of source tensors referenced by cast views (never written)
 
 
-def view(key: str, entry: TensorEntry, resolver: dict[str, TensorEntry], path: tuple | None = None,
-         dtype: str | None = None) -> TensorEntry:
+def view(
+    key: str, entry: TensorEntry, resolver: dict[str, TensorEntry], path: tuple | None = None, dtype: str | None = None
+) -> TensorEntry:
     """`entry` under a new key, read as `dtype`: its own pieces when there is nothing to cast
     (other dtype not given, or not floating), else a virtual tensor over it that the fetcher casts.
     One source entry gets one resolver key, so two views of it (a tied weight's two names) have
@@ -73,8 +75,11 @@ def torch_recipe_index(state: TrainingState, fmt: str) -> tuple[CheckpointIndex,
             else:
                 index.add_object(ObjectEntry(key, value, path=path))
     src_opt = state.source_optimizer
-    groups = [] if state.optimizer_dropped else torch_groups(state.groups, own,
-                                                             src_opt.adam_w_mode if src_opt is not None else True)
+    groups = (
+        []
+        if state.optimizer_dropped
+        else torch_groups(state.groups, own, src_opt.adam_w_mode if src_opt is not None else True)
+    )
     for g, (hyper, params) in enumerate(zip(groups, state.group_params)):
         for k, v in list(hyper.items()) + [("params", list(params))]:
             index.add_object(ObjectEntry(param_group_key(g, k), v, path=param_group_path(g, k)))
@@ -124,12 +129,16 @@ def recorded_tp(state: TrainingState, name: str) -> dict | None:
     entry = state.model.get(state.ties.get(name, name))
     if entry is None:
         entry = next(iter(state.param_states.get(name, {}).values()), None)
-    tp = ((entry.attrs.get("parallel") or {}).get("tp") if entry is not None else None)
+    tp = (entry.attrs.get("parallel") or {}).get("tp") if entry is not None else None
     return tp if isinstance(tp, dict) and "dim" in tp else None
 
 
-def mesh_training_layout(index: CheckpointIndex, state: TrainingState, mesh: "MeshSpec",
-                         tp_dim_for: "Callable[[str, tuple[int, ...]], int | None] | None") -> tuple[Layout, list[str]]:
+def mesh_training_layout(
+    index: CheckpointIndex,
+    state: TrainingState,
+    mesh: "MeshSpec",
+    tp_dim_for: "Callable[[str, tuple[int, ...]], int | None] | None",
+) -> tuple[Layout, list[str]]:
     """The training state on a device mesh as torch's dcp.save writes FSDP2 (+ HSDP, + TP) there
     (index/mesh.py): every N-d parameter and its partitioned states `Shard(0)` on dp_shard, and on tp
     the split the source records for it, else `tp_dim_for(name, shape)` (the split rules); buffers and
@@ -159,8 +168,10 @@ def mesh_training_layout(index: CheckpointIndex, state: TrainingState, mesh: "Me
                 if recorded.get("fused"):
                     fused.append(name)
             elif tp_dim_for is None:
-                raise UnsupportedError(f"{name}: the source records no tensor-parallel split for it, so nothing "
-                                       f"says how tp splits it on {mesh}; give --tp-rules FILE")
+                raise UnsupportedError(
+                    f"{name}: the source records no tensor-parallel split for it, so nothing "
+                    f"says how tp splits it on {mesh}; give --tp-rules FILE"
+                )
             else:
                 shape = state.model[name].shape if name in state.model else entry.shape
                 dims[name] = tp_dim_for(name, shape)
@@ -169,8 +180,13 @@ def mesh_training_layout(index: CheckpointIndex, state: TrainingState, mesh: "Me
     # what the source holds beyond the model and optimizer (DeepSpeed's ds.* values, client state) is
     # placed last, so the model and optimizer items land in the files a torch job's own dcp.save of
     # get_state_dict puts them in
-    layout = mesh_layout(index, mesh, placements, torch_state_order(index, state),
-                         late=lambda key: not key.startswith(("model.", "optim.")))
+    layout = mesh_layout(
+        index,
+        mesh,
+        placements,
+        torch_state_order(index, state),
+        late=lambda key: not key.startswith(("model.", "optim.")),
+    )
     notes = []
     if with_tp:
         said = [f"{n} from the source's record" for n in (how["recorded"],) if n]
@@ -178,9 +194,11 @@ def mesh_training_layout(index: CheckpointIndex, state: TrainingState, mesh: "Me
         notes.append(f"tp splits of {len(dims)} parameters: {', '.join(said) or 'none'}")
     if fused:
         names = ", ".join(fused[:3]) + (f" and {len(fused) - 3} more" if len(fused) > 3 else "")
-        notes.append(f"{len(fused)} fused tensors ({names}) written whole as their consolidated blocks "
-                     f"[Q; K; V] and laid out as torch's Shard on tp of that tensor (what ColwiseParallel "
-                     f"gives a fused weight), not Megatron's per-rank [q_r; k_r; v_r] grouping")
+        notes.append(
+            f"{len(fused)} fused tensors ({names}) written whole as their consolidated blocks "
+            f"[Q; K; V] and laid out as torch's Shard on tp of that tensor (what ColwiseParallel "
+            f"gives a fused weight), not Megatron's per-rank [q_r; k_r; v_r] grouping"
+        )
     return layout, notes
 
 
@@ -195,14 +213,21 @@ def torch_state_order(index: CheckpointIndex, state: TrainingState) -> list[str]
         if path[:2] == ("optim", "state") and len(path) == 4:
             per_param.setdefault(path[2], []).append(key)
     for keys in per_param.values():
-        order += sorted(keys, key=lambda k: 0 if (index.tensors[k].path if k in index.tensors
-                                                    else index.objects[k].path)[3] == "step" else 1)
+        order += sorted(
+            keys,
+            key=lambda k: (
+                0 if (index.tensors[k].path if k in index.tensors else index.objects[k].path)[3] == "step" else 1
+            ),
+        )
     seen = set(order)
     rest = [k for k in list(index.tensors) + list(index.objects) if k not in seen]
     source_order = _dcp_source_order(state)
     if source_order:  # a DCP source: its param groups' values in the order its own save walked them
-        rest.sort(key=lambda k: source_order.get(k, len(source_order)) if k.startswith("optim.param_groups.")
-                  else len(source_order))
+        rest.sort(
+            key=lambda k: (
+                source_order.get(k, len(source_order)) if k.startswith("optim.param_groups.") else len(source_order)
+            )
+        )
     return order + rest
 
 

@@ -16,6 +16,7 @@ global_steps = the training step (the source's `step`-like value, else the optim
 global_samples = global_steps * train_batch_size, skipped_steps = 0, the loss scaler from the
 config, the lr scheduler at last_batch_iteration = global_steps - 1 when one is configured.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,12 +62,21 @@ def _loss_scaler(cfg: dict, precision: str, global_step: int) -> tuple[Any, bool
     if static > 0:
         return stand_in(LOSS_SCALER, cur_scale=static, dynamic=False), False
     hysteresis = int(fp16.get("hysteresis", 2))
-    return stand_in(DYNAMIC_LOSS_SCALER, cur_scale=2 ** int(fp16.get("initial_scale_power", 16)), dynamic=True,
-                cur_iter=global_step, last_overflow_iter=-1, scale_factor=2.0,
-                scale_window=int(fp16.get("loss_scale_window", 1000)),
-                min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis, cur_hysteresis=hysteresis,
-                consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
-                raise_error_at_min_scale=True, dtype=DType("float16")), True
+    return stand_in(
+        DYNAMIC_LOSS_SCALER,
+        cur_scale=2 ** int(fp16.get("initial_scale_power", 16)),
+        dynamic=True,
+        cur_iter=global_step,
+        last_overflow_iter=-1,
+        scale_factor=2.0,
+        scale_window=int(fp16.get("loss_scale_window", 1000)),
+        min_scale=fp16.get("min_loss_scale", 1),
+        delayed_shift=hysteresis,
+        cur_hysteresis=hysteresis,
+        consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
+        raise_error_at_min_scale=True,
+        dtype=DType("float16"),
+    ), True
 
 
 def _alignment_paddings(names: list[tuple[str, int]], cfg_zero: dict, precision: str) -> list[int]:
@@ -92,7 +102,7 @@ class _Target:
     world_size: int
     cfg: dict
     zero_cfg: dict
-    precision: str          # the module weights' dtype
+    precision: str  # the module weights' dtype
     step: int
     optimizer: DsOptimizer  # the optimizer the config makes
 
@@ -112,22 +122,45 @@ def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cf
     model_t = _model_template(state, target, module, groups, index)
     optim_t = _optim_template(target, hypers, group_whole, group_keys, groups)
     tag = f"global_step{target.step}"
-    files = ZeroFiles(tag=tag, prefix=f"{tag}/", model_files={0: "model"}, optim_files={0: "optim"},
-                      bf16_prefix=target.precision == "bfloat16")
-    info = ZeroInfo(stage=stage, world_size=world_size, files=files, groups=groups,
-                    frozen={n: tuple(state.model[n].shape) for n in state.frozen}, buffers=list(state.buffers),
-                    shared=dict(state.ties), model_states={0: model_t}, optim_states={0: optim_t}, archives={},
-                    param_group_count=len(hypers), dtype=target.precision)
+    files = ZeroFiles(
+        tag=tag,
+        prefix=f"{tag}/",
+        model_files={0: "model"},
+        optim_files={0: "optim"},
+        bf16_prefix=target.precision == "bfloat16",
+    )
+    info = ZeroInfo(
+        stage=stage,
+        world_size=world_size,
+        files=files,
+        groups=groups,
+        frozen={n: tuple(state.model[n].shape) for n in state.frozen},
+        buffers=list(state.buffers),
+        shared=dict(state.ties),
+        model_states={0: model_t},
+        optim_states={0: optim_t},
+        archives={},
+        param_group_count=len(hypers),
+        dtype=target.precision,
+    )
     sub_group_size = target.zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
-    return ZeroTemplatesTarget(index=index, source=state.source.source, info=info, world_size=world_size, tag=tag,
-                               sub_group_size=int(sub_group_size) if sub_group_size is not None else None)
+    return ZeroTemplatesTarget(
+        index=index,
+        source=state.source.source,
+        info=info,
+        world_size=world_size,
+        tag=tag,
+        sub_group_size=int(sub_group_size) if sub_group_size is not None else None,
+    )
 
 
 def _target(state: TrainingState, stage: int, world_size: int, cfg: dict) -> _Target:
     """What to write, refusing what a ZeRO checkpoint of this config cannot hold."""
     if not state.has_optimizer or state.optimizer_dropped:
-        raise UsageError(f"{state.source.path}: has no optimizer state (param groups); a ZeRO checkpoint is an "
-                         f"optimizer checkpoint, so converting to ZeRO needs one")
+        raise UsageError(
+            f"{state.source.path}: has no optimizer state (param groups); a ZeRO checkpoint is an "
+            f"optimizer checkpoint, so converting to ZeRO needs one"
+        )
     zero_cfg = cfg.get("zero_optimization") or {}
     cfg_stage = zero_cfg.get("stage")
     if cfg_stage is not None and int(cfg_stage) != stage:
@@ -136,12 +169,20 @@ def _target(state: TrainingState, stage: int, world_size: int, cfg: dict) -> _Ta
         raise UnsupportedError("round_robin_gradients reorders ZeRO partitions; converting to it is not supported")
     optimizer = ds_optimizer(cfg)
     check_target_holds(optimizer, state.state_keys)
-    return _Target(stage=stage, world_size=world_size, cfg=cfg, zero_cfg=zero_cfg, precision=config_precision(cfg),
-                   step=state.global_step or 0, optimizer=optimizer)
+    return _Target(
+        stage=stage,
+        world_size=world_size,
+        cfg=cfg,
+        zero_cfg=zero_cfg,
+        precision=config_precision(cfg),
+        step=state.global_step or 0,
+        optimizer=optimizer,
+    )
 
 
-def _state_tensors(state: TrainingState, group_keys: list[tuple[list[str], list[str]]],
-                   precision: str) -> tuple[CheckpointIndex, dict[str, TensorEntry]]:
+def _state_tensors(
+    state: TrainingState, group_keys: list[tuple[list[str], list[str]]], precision: str
+) -> tuple[CheckpointIndex, dict[str, TensorEntry]]:
     """The index the writer reads: fp32 masters and partitioned states of each group, then the
     frozen params in the module's precision (views over the source's tensors, resolved by `resolver`)."""
     index = CheckpointIndex(format="deepspeed", root="")
@@ -150,15 +191,23 @@ def _state_tensors(state: TrainingState, group_keys: list[tuple[list[str], list[
         for name in names:
             index.add_tensor(view(model_key(name), state.model[name], resolver, model_path(name), "float32"))
             for what in group_keys[g][0]:
-                index.add_tensor(view(state_key(name, what), state.param_states[name][what], resolver,
-                                      state_path(name, what), "float32"))
+                index.add_tensor(
+                    view(
+                        state_key(name, what),
+                        state.param_states[name][what],
+                        resolver,
+                        state_path(name, what),
+                        "float32",
+                    )
+                )
     for name in state.frozen:
         index.add_tensor(view(model_key(name), state.model[name], resolver, model_path(name), precision))
     return index, resolver
 
 
-def _whole_values(state: TrainingState, optimizer: DsOptimizer, group_keys: list[tuple[list[str], list[str]]],
-                  index: CheckpointIndex) -> list[OrderedDict[str, Any]]:
+def _whole_values(
+    state: TrainingState, optimizer: DsOptimizer, group_keys: list[tuple[list[str], list[str]]], index: CheckpointIndex
+) -> list[OrderedDict[str, Any]]:
     """Whole values: ZeRO keeps one per group (a step: an int for DeepSpeed's own optimizer, torch's
     0-d tensor for a torch optimizer), also given per parameter for the writer to check."""
     group_whole: list[OrderedDict[str, Any]] = []
@@ -176,8 +225,9 @@ def _whole_values(state: TrainingState, optimizer: DsOptimizer, group_keys: list
     return group_whole
 
 
-def _module(state: TrainingState, target: _Target, index: CheckpointIndex,
-            resolver: dict[str, TensorEntry]) -> OrderedDict[str, Any]:
+def _module(
+    state: TrainingState, target: _Target, index: CheckpointIndex, resolver: dict[str, TensorEntry]
+) -> OrderedDict[str, Any]:
     """The module state dict DeepSpeed loads strictly: params cast to the module dtype (ZeRO-3:
     empty placeholders), buffers as they are."""
     module: OrderedDict[str, Any] = OrderedDict()
@@ -201,13 +251,19 @@ def _zero_groups(state: TrainingState, target: _Target) -> list[ZeroGroup]:
         pads = None
         if target.stage < 3:
             pads = _alignment_paddings([(n, math.prod(s)) for n, s in shaped], target.zero_cfg, target.precision)
-        groups.append(ZeroGroup(index=g, param_group=g, params=shaped,
-                                paddings=tuple(pads) if pads and any(pads) else None))
+        groups.append(
+            ZeroGroup(index=g, param_group=g, params=shaped, paddings=tuple(pads) if pads and any(pads) else None)
+        )
     return groups
 
 
-def _model_template(state: TrainingState, target: _Target, module: OrderedDict[str, Any], groups: list[ZeroGroup],
-                    index: CheckpointIndex) -> OrderedDict[str, Any]:
+def _model_template(
+    state: TrainingState,
+    target: _Target,
+    module: OrderedDict[str, Any],
+    groups: list[ZeroGroup],
+    index: CheckpointIndex,
+) -> OrderedDict[str, Any]:
     """The model-states file as DeepSpeed saves it, in its key order; extras (client state) last."""
     stage = target.stage
     frozen_shapes = OrderedDict((n, Size(state.model[n].shape)) for n in state.frozen)
@@ -221,7 +277,8 @@ def _model_template(state: TrainingState, target: _Target, module: OrderedDict[s
     model_t["frozen_param_fragments"] = None
     if stage == 2 and state.frozen:
         model_t["frozen_param_fragments"] = OrderedDict(
-            (n, _lazy(index.tensors[model_key(n)], index)) for n in state.frozen)
+            (n, _lazy(index.tensors[model_key(n)], index)) for n in state.frozen
+        )
     model_t.update(_deepspeed_values(state, target))
     reserved = set(model_t)
     for path, value in state.extras:
@@ -241,8 +298,9 @@ def _deepspeed_values(state: TrainingState, target: _Target) -> OrderedDict[str,
         micro = cfg.get("train_micro_batch_size_per_gpu", 1)
         train_batch = int(micro) * int(cfg.get("gradient_accumulation_steps", 1)) * target.world_size
     values: OrderedDict[str, Any] = OrderedDict()
-    values["lr_scheduler"] = state.ds.get("lr_scheduler", {"last_batch_iteration": step - 1}
-                                          if cfg.get("scheduler") else None)
+    values["lr_scheduler"] = state.ds.get(
+        "lr_scheduler", {"last_batch_iteration": step - 1} if cfg.get("scheduler") else None
+    )
     values["data_sampler"] = state.ds.get("data_sampler")
     values["random_ltd"] = state.ds.get("random_ltd")
     values["skipped_steps"] = state.ds.get("skipped_steps", 0)
@@ -256,13 +314,20 @@ def _deepspeed_values(state: TrainingState, target: _Target) -> OrderedDict[str,
     return values
 
 
-def _optim_template(target: _Target, hypers: list[dict], group_whole: list[OrderedDict[str, Any]],
-                    group_keys: list[tuple[list[str], list[str]]], groups: list[ZeroGroup]) -> OrderedDict[str, Any]:
+def _optim_template(
+    target: _Target,
+    hypers: list[dict],
+    group_whole: list[OrderedDict[str, Any]],
+    group_keys: list[tuple[list[str], list[str]]],
+    groups: list[ZeroGroup],
+) -> OrderedDict[str, Any]:
     """The optim-states file as the stage saves it. The optimizer's state per group as its
     state_dict orders it: whole values (step) first, then the partitioned states (None here: the
     writer puts each rank's flat slice in their place)."""
-    group_states = OrderedDict((g, OrderedDict(list(group_whole[g].items()) + [(k, None) for k in group_keys[g][0]]))
-                               for g in range(len(hypers)))
+    group_states = OrderedDict(
+        (g, OrderedDict(list(group_whole[g].items()) + [(k, None) for k in group_keys[g][0]]))
+        for g in range(len(hypers))
+    )
     base_state = {"state": group_states, "param_groups": [dict(h, params=[g]) for g, h in enumerate(hypers)]}
     scaler, dynamic = _loss_scaler(target.cfg, target.precision, target.step)
     zero_stage = stand_in_call(ZERO_STAGE_ENUM, target.stage)
@@ -297,8 +362,10 @@ def _group_state_keys(state: TrainingState, target: Any) -> list[tuple[list[str]
     needs exactly its own keys."""
     outside = sorted((set(state.param_states) | set(state.whole_states)) - set(state.trainable))
     if outside:  # ZeRO keeps state only inside its flat groups: it would be lost
-        raise UsageError(f"{state.source.path}: optimizer state of parameters in no param group ({outside[:5]}); "
-                         f"a ZeRO checkpoint holds state only for its groups' parameters")
+        raise UsageError(
+            f"{state.source.path}: optimizer state of parameters in no param group ({outside[:5]}); "
+            f"a ZeRO checkpoint holds state only for its groups' parameters"
+        )
     out = []
     for g, names in enumerate(state.group_params):
         if not names:  # an empty group: nothing to partition
@@ -311,9 +378,11 @@ def _group_state_keys(state: TrainingState, target: Any) -> list[tuple[list[str]
         if lacking or (need and set(need) - set(part)) or (not part and not whole and names):
             shown = lacking[:5] or names[:5]
             keys = ", ".join(need or part) or "any"
-            raise UsageError(f"{state.source.path}: trainable parameters of param group {g} without optimizer "
-                             f"state {keys} (never stepped?): {shown}; a ZeRO checkpoint needs it for every "
-                             f"parameter of a group")
+            raise UsageError(
+                f"{state.source.path}: trainable parameters of param group {g} without optimizer "
+                f"state {keys} (never stepped?): {shown}; a ZeRO checkpoint needs it for every "
+                f"parameter of a group"
+            )
         if target.own:
             whole = [k for k in whole if k != "step"]
         out.append((part, whole))

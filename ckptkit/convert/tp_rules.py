@@ -19,6 +19,7 @@ when no file is given; a file's rules come first and the built-in ones still app
 
 Lives below the formats layer (tests/test_import_layers.py): the DeepSpeed reader applies it.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -35,11 +36,13 @@ from ..errors import FormatError, UnsupportedError, UsageError, quote
 from ..regex_guard import MAX_PATTERN as MAX_PATTERN, regex_refusal  # MAX_PATTERN: re-exported
 
 KINDS = ("split", "replicated", "fused")
-RECORDED = "recorded-re:"   # a pattern DeepSpeed recorded (matched with re.match)
+RECORDED = "recorded-re:"  # a pattern DeepSpeed recorded (matched with re.match)
 BUILTIN_FILES = ("megatron.json", "hf.json")
-HOW_TO = ("write a rule for it in a rules file given with --tp-rules FILE, e.g. "
-          '{"rules": [{"pattern": "NAME", "split": 0}]} (or "split": "replicated", or "fused": 3, "dim": 0; '
-          "see docs/tp_rules.md)")
+HOW_TO = (
+    "write a rule for it in a rules file given with --tp-rules FILE, e.g. "
+    '{"rules": [{"pattern": "NAME", "split": 0}]} (or "split": "replicated", or "fused": 3, "dim": 0; '
+    "see docs/tp_rules.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class TpSplit:
 class TpRule:
     pattern: str
     split: TpSplit
-    source: str = ""   # the file it came from
+    source: str = ""  # the file it came from
 
     def matches(self, name: str) -> bool:
         return self._compiled(name) is not None
@@ -76,7 +79,7 @@ class TpRule:
         if self.pattern.startswith("re:"):
             return re.compile(self.pattern[3:]).fullmatch
         if self.pattern.startswith(RECORDED):  # DeepSpeed's own patterns: re.match, as ds_to_universal
-            return re.compile(self.pattern[len(RECORDED):]).match
+            return re.compile(self.pattern[len(RECORDED) :]).match
         return re.compile(fnmatch.translate(self.pattern)).match
 
 
@@ -84,18 +87,22 @@ class TpRule:
 class TpRules:
     rules: tuple[TpRule, ...]
     source: str = "built-in rules"
-    refusals: tuple[tuple[str, str], ...] = ()   # (pattern, why): what the checkpoint says cannot be converted
+    refusals: tuple[tuple[str, str], ...] = ()  # (pattern, why): what the checkpoint says cannot be converted
 
     def find(self, name: str) -> TpSplit | None:
         """The first rule matching `name`, or None; UnsupportedError for a parameter the
         checkpoint itself records as not convertible."""
         if len(name) > MAX_NAME:  # no real parameter name is this long; matching it costs its length cubed
-            raise FormatError(f"tensor-parallel checkpoint: parameter name {quote(name, 80)} has {len(name)} "
-                              f"characters, more than the {MAX_NAME} ckptkit matches split rules against")
+            raise FormatError(
+                f"tensor-parallel checkpoint: parameter name {quote(name, 80)} has {len(name)} "
+                f"characters, more than the {MAX_NAME} ckptkit matches split rules against"
+            )
         for pattern, why in self.refusals:
             if re.match(pattern, name):
-                raise UnsupportedError(f"{self.source}: records {quote(name)} as not convertible ({quote(why, 200)}); "
-                                       f"its tensor-parallel slices cannot be joined")
+                raise UnsupportedError(
+                    f"{self.source}: records {quote(name)} as not convertible ({quote(why, 200)}); "
+                    f"its tensor-parallel slices cannot be joined"
+                )
         for rule in self.rules:
             if rule.matches(name):
                 return rule.split
@@ -107,30 +114,36 @@ class TpRules:
         split = self.find(name)
         if split is None:
             shape = "" if full_shape is None else f" (shape {list(full_shape)})"
-            raise UnsupportedError(f"no tensor-parallel split rule matches {quote(name)}{shape} in the "
-                                   f"{self.source}; {HOW_TO}")
+            raise UnsupportedError(
+                f"no tensor-parallel split rule matches {quote(name)}{shape} in the {self.source}; {HOW_TO}"
+            )
         if full_shape is not None and split.dim is not None and split.dim >= len(full_shape):
-            raise UnsupportedError(f"tensor-parallel rule {quote(split.rule)} splits dimension {split.dim} of "
-                                   f"{quote(name)}, which has shape {list(full_shape)}; {HOW_TO}")
+            raise UnsupportedError(
+                f"tensor-parallel rule {quote(split.rule)} splits dimension {split.dim} of "
+                f"{quote(name)}, which has shape {list(full_shape)}; {HOW_TO}"
+            )
         if full_shape is not None and split.kind == "fused":
             size = full_shape[split.dim or 0]
             if (sum(split.parts) if split.parts is not None else size) != size or size % split.blocks:
                 blocks = list(split.parts) if split.parts is not None else f"{split.blocks} equal blocks"
-                raise UnsupportedError(f"tensor-parallel rule {quote(split.rule)} fuses {blocks} along dimension "
-                                       f"{split.dim or 0} of {quote(name)}, which has {size} there; {HOW_TO}")
+                raise UnsupportedError(
+                    f"tensor-parallel rule {quote(split.rule)} fuses {blocks} along dimension "
+                    f"{split.dim or 0} of {quote(name)}, which has {size} there; {HOW_TO}"
+                )
         return split
 
     def then(self, other: "TpRules") -> "TpRules":
         """These rules first, then `other`'s."""
-        return TpRules(self.rules + other.rules, f"{self.source}, then the {other.source}",
-                       self.refusals + other.refusals)
+        return TpRules(
+            self.rules + other.rules, f"{self.source}, then the {other.source}", self.refusals + other.refusals
+        )
 
 
 def parse_rules(data: Any, where: str) -> TpRules:
     """Rules from a parsed JSON/TOML document ({"rules": [...]} or the list itself)."""
     items = data.get("rules") if isinstance(data, dict) else data
     if not isinstance(items, list):
-        raise FormatError(f"{where}: expected a list of rules under \"rules\"")
+        raise FormatError(f'{where}: expected a list of rules under "rules"')
     if len(items) > MAX_RULES:
         raise FormatError(f"{where}: {len(items)} rules, more than the {MAX_RULES} ckptkit accepts")
     return TpRules(tuple(_rule(item, f"{where}: rule {i}") for i, item in enumerate(items)), where)
@@ -138,7 +151,7 @@ def parse_rules(data: Any, where: str) -> TpRules:
 
 def _rule(item: Any, where: str) -> TpRule:
     if not isinstance(item, dict) or not isinstance(item.get("pattern"), str) or not item["pattern"]:
-        raise FormatError(f"{where}: expected a table with a \"pattern\" string")
+        raise FormatError(f'{where}: expected a table with a "pattern" string')
     pattern = item["pattern"]
     if pattern.startswith("re:"):
         check_regex(pattern[3:], where)
@@ -148,30 +161,37 @@ def _rule(item: Any, where: str) -> TpRule:
     if unknown:
         raise FormatError(f"{where}: unknown field(s) {unknown}; a rule has pattern, split or fused (+ dim)")
     if ("split" in item) == ("fused" in item):
-        raise FormatError(f"{where} ({quote(pattern)}): give exactly one of \"split\" (a dimension or "
-                          f"\"replicated\") and \"fused\" (a count or a list of block sizes)")
+        raise FormatError(
+            f'{where} ({quote(pattern)}): give exactly one of "split" (a dimension or '
+            f'"replicated") and "fused" (a count or a list of block sizes)'
+        )
     if "split" in item:
         value = item["split"]
         if value == "replicated":
             return TpRule(pattern, TpSplit("replicated", None, rule=pattern), where)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return TpRule(pattern, TpSplit("split", value, rule=pattern), where)
-        raise FormatError(f"{where} ({quote(pattern)}): split must be a dimension (0, 1, ...) or "
-                          f"\"replicated\", not {value!r:.40}")
+        raise FormatError(
+            f'{where} ({quote(pattern)}): split must be a dimension (0, 1, ...) or "replicated", not {value!r:.40}'
+        )
     fused, dim = item["fused"], item.get("dim", 0)
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
         raise FormatError(f"{where} ({quote(pattern)}): dim must be a dimension (0, 1, ...)")
     if isinstance(fused, int) and not isinstance(fused, bool) and fused >= 1:
         return TpRule(pattern, TpSplit("fused", dim, None, pattern, count=fused), where)
-    if isinstance(fused, list) and fused and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
-                                                 for n in fused):
+    if (
+        isinstance(fused, list)
+        and fused
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in fused)
+    ):
         return TpRule(pattern, TpSplit("fused", dim, tuple(fused), pattern), where)
-    raise FormatError(f"{where} ({quote(pattern)}): fused must be a count of equal blocks or a list of "
-                      f"positive block sizes")
+    raise FormatError(
+        f"{where} ({quote(pattern)}): fused must be a count of equal blocks or a list of positive block sizes"
+    )
 
 
 MAX_RULES = 100_000  # rules of one file, patterns of one recorded list
-MAX_NAME = 1024      # characters of a parameter name matched against the rules (a 3-repeat pattern: ~0.1 s)
+MAX_NAME = 1024  # characters of a parameter name matched against the rules (a 3-repeat pattern: ~0.1 s)
 
 
 def check_regex(pattern: Any, what: str) -> str:
@@ -237,7 +257,7 @@ def load_rules(path: str | None) -> TpRules:
     own = parse_rules(data, f"rules file {quote(path)}")
     builtin = data.get("builtin", True) if isinstance(data, dict) else True
     if not isinstance(builtin, bool):
-        raise FormatError(f"rules file {quote(path)}: \"builtin\" must be true or false")
+        raise FormatError(f'rules file {quote(path)}: "builtin" must be true or false')
     return own.then(builtin_rules()) if builtin else own
 
 
@@ -265,9 +285,14 @@ def recorded_rules(info: Any, where: str) -> TpRules | None:
     and `sub_param_shard_widths` are not read; `autotp_unsupported_parameter_patterns` refuse."""
     if not isinstance(info, dict):
         return None
-    lists = ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
-             "vocabulary_parameter_patterns", "parameter_with_sub_params", "parameter_with_2_sub_params_cat_dim_0",
-             "parameter_to_average_patterns")
+    lists = (
+        "tp_replicated_parameter_patterns",
+        "parameter_with_row_parallelism_patterns",
+        "vocabulary_parameter_patterns",
+        "parameter_with_sub_params",
+        "parameter_with_2_sub_params_cat_dim_0",
+        "parameter_to_average_patterns",
+    )
     if not any(k in info for k in lists):
         return None
     rules: list[TpRule] = []
@@ -288,25 +313,44 @@ def recorded_rules(info: Any, where: str) -> TpRules | None:
             continue
         dim = sub.get("partition_dim")
         shape = sub.get("shape") or []
-        ok_dim = isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim < len(shape) \
-            if isinstance(shape, (list, tuple)) else False
+        ok_dim = (
+            isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim < len(shape)
+            if isinstance(shape, (list, tuple))
+            else False
+        )
         sizes = shape[dim] if ok_dim else None
         parts = tuple(sizes) if isinstance(sizes, (list, tuple)) else None
-        if parts is not None and not (parts and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
-                                                    for n in parts)):
+        if parts is not None and not (
+            parts and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in parts)
+        ):
             parts, sizes = None, None
-        if not ok_dim or (parts is None and not (isinstance(sizes, int) and not isinstance(sizes, bool) and sizes >= 1)):
-            raise FormatError(f"{what}: parameter_with_sub_params entry {sub!r:.120} has no partition_dim "
-                              f"and sub-param sizes ckptkit can read")
+        if not ok_dim or (
+            parts is None and not (isinstance(sizes, int) and not isinstance(sizes, bool) and sizes >= 1)
+        ):
+            raise FormatError(
+                f"{what}: parameter_with_sub_params entry {sub!r:.120} has no partition_dim "
+                f"and sub-param sizes ckptkit can read"
+            )
         for pat in _patterns(sub, "patterns", f"{what}: parameter_with_sub_params[{i}]"):
-            rules.append(TpRule(RECORDED + pat, TpSplit("fused", dim, parts, f"{what} sub-params {pat}",
-                                                     count=None if parts else int(sizes)), what))
+            rules.append(
+                TpRule(
+                    RECORDED + pat,
+                    TpSplit("fused", dim, parts, f"{what} sub-params {pat}", count=None if parts else int(sizes)),
+                    what,
+                )
+            )
     for pat in _patterns(info, "parameter_with_row_parallelism_patterns", what):
         rules.append(TpRule(RECORDED + pat, TpSplit("split", 1, rule=f"{what} row-parallel {pat}"), what))
     for pat in _patterns(info, "vocabulary_parameter_patterns", what):
         rules.append(TpRule(RECORDED + pat, TpSplit("split", 0, rule=f"{what} vocabulary {pat}"), what))
     rules.append(TpRule("*", TpSplit("split", 0, rule=f"{what} (any other parameter: dim 0)"), what))
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
-    refusals = tuple((check_regex(p, f"{what}: autotp_unsupported_parameter_patterns"), str(why))
-                     for p, why in unsupported.items()) if isinstance(unsupported, dict) else ()
+    refusals = (
+        tuple(
+            (check_regex(p, f"{what}: autotp_unsupported_parameter_patterns"), str(why))
+            for p, why in unsupported.items()
+        )
+        if isinstance(unsupported, dict)
+        else ()
+    )
     return TpRules(tuple(rules), what, refusals)

@@ -1,4 +1,5 @@
 """`ckptkit demo`: a real checkpoint, then inspect, reshard 2->3, consolidate, verify."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def run_demo(out: str, say: Callable[..., None] = _print_lines) -> None:
     ours = ("fsdp2-2ranks", "fsdp2-3ranks", "safetensors")
     foreign = [n for n in os.listdir(out) if n not in ours + ("bf16",) and not n.startswith(".")]
     if foreign:
-        raise OutputError(f"{out}: holds files the demo did not write ({', '.join(foreign[:3])}); "
-                          f"choose an empty --out")
+        raise OutputError(
+            f"{out}: holds files the demo did not write ({', '.join(foreign[:3])}); choose an empty --out"
+        )
     for name in ours + ("bf16",):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     src, resharded, st = (os.path.join(out, n) for n in ours)

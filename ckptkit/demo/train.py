@@ -3,6 +3,7 @@
 Used by `ckptkit demo`; it needs only torch. Each worker process trains the same small model
 sharded with fully_shard, then saves {"model", "optim", "extra"} through dcp.save.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,7 @@ def build_model():
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 24), nn.GELU(), nn.LayerNorm(24),
-                         nn.Linear(24, 50))
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 50))
 
 
 def _worker(rank: int, world_size: int, port: int, out: str, steps: int) -> None:
@@ -50,8 +50,7 @@ def _worker(rank: int, world_size: int, port: int, out: str, steps: int) -> None
             optim.step()
             optim.zero_grad()
         msd, osd = get_state_dict(model, optim)
-        dcp.save({"model": msd, "optim": osd, "extra": {"step": steps, "loss": float(loss)}},
-                 checkpoint_id=out)
+        dcp.save({"model": msd, "optim": osd, "extra": {"step": steps, "loss": float(loss)}}, checkpoint_id=out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -5,6 +5,7 @@
 its scheduler and RNG files. Both are indexed and merged into one index whose file names are
 relative to the outer folder, so every command reads them as one checkpoint.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,11 @@ class SubSource:
 def parts(source: Source) -> list[str]:
     """accelerate's DCP sub-folders (model first), or [] when this is not such a folder."""
     names = source.listdir("")
-    found = sorted(n for n in names if (MODEL_DIR.match(n) or OPTIM_DIR.match(n)) and source.isdir(n)
-                   and dcp_reader.detect(SubSource(source, n)))
+    found = sorted(
+        n
+        for n in names
+        if (MODEL_DIR.match(n) or OPTIM_DIR.match(n)) and source.isdir(n) and dcp_reader.detect(SubSource(source, n))
+    )
     return sorted(found, key=lambda n: (0 if MODEL_DIR.match(n) else 1, n))
 
 

@@ -5,6 +5,7 @@ adapters give them the one shape the registry and the operations use, and declar
 format's writer can produce. The folder kinds around them (accelerate, HF Trainer, Lightning, run
 folders) are resolvers in registry.py: they find one of these formats inside a folder.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
@@ -29,8 +30,20 @@ from .deepspeed import reader as ds_reader
 from .deepspeed.moe_writer import write_moe_zero
 from .deepspeed import tp_writer as ds_tp_writer
 from .deepspeed.writer import write_zero, write_zero_files
-from .protocols import (ANY_WORLD, FSDP2_SHARDS, ONE_WORLD, WHOLE_TENSORS, ZERO_PARTITIONS, Capabilities, DcpTarget,
-                        OutTensor, SafetensorsTarget, TorchSaveTarget, ZeroTarget, ZeroTemplatesTarget)
+from .protocols import (
+    ANY_WORLD,
+    FSDP2_SHARDS,
+    ONE_WORLD,
+    WHOLE_TENSORS,
+    ZERO_PARTITIONS,
+    Capabilities,
+    DcpTarget,
+    OutTensor,
+    SafetensorsTarget,
+    TorchSaveTarget,
+    ZeroTarget,
+    ZeroTemplatesTarget,
+)
 from .safetensors import reader as st_reader
 from .safetensors.writer import plan_shards, write_safetensors
 from .torch_save import reader as ts_reader
@@ -55,14 +68,20 @@ class _CannotReshard:
 
 class DcpFormat:
     name = "dcp"
-    capabilities = Capabilities(layouts=(FSDP2_SHARDS, WHOLE_TENSORS), world_sizes=ANY_WORLD, optimizer_state=True,
-                                reshards=True, recipe_keys=True)
+    capabilities = Capabilities(
+        layouts=(FSDP2_SHARDS, WHOLE_TENSORS),
+        world_sizes=ANY_WORLD,
+        optimizer_state=True,
+        reshards=True,
+        recipe_keys=True,
+    )
 
     def detect(self, source: Source, name: str | None = None) -> bool:
         return name is None and dcp_reader.detect(source)
 
-    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
-                   tag: str | None = None) -> CheckpointIndex:
+    def read_index(
+        self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+    ) -> CheckpointIndex:
         return dcp_reader.read_index(source)
 
     def write(self, target: DcpTarget, out: object, ctx: "RunContext") -> list[str]:
@@ -70,13 +89,20 @@ class DcpFormat:
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
         index = opened.index
-        return self.write(DcpTarget(index, Fetcher(opened.source), fsdp2_layout(index, world_size), opened.source),
-                          out, ctx)
+        return self.write(
+            DcpTarget(index, Fetcher(opened.source), fsdp2_layout(index, world_size), opened.source), out, ctx
+        )
 
-
-    def reshard_mesh(self, opened: Any, out: object, mesh: "MeshSpec", ctx: "RunContext", *,
-                     source_mesh: "MeshSpec | None" = None,
-                     tp_dim_for: "Callable[[str, tuple[int, ...]], int | None] | None" = None) -> tuple[list[str], str]:
+    def reshard_mesh(
+        self,
+        opened: Any,
+        out: object,
+        mesh: "MeshSpec",
+        ctx: "RunContext",
+        *,
+        source_mesh: "MeshSpec | None" = None,
+        tp_dim_for: "Callable[[str, tuple[int, ...]], int | None] | None" = None,
+    ) -> tuple[list[str], str]:
         """DCP on a device mesh (FSDP2, HSDP, + TP), chunk for chunk as torch's dcp.save writes it;
         also says which source mesh the placements were read under."""
         from ..index import mesh as meshes
@@ -93,12 +119,15 @@ class DcpFormat:
                 how = "its chunks fit no mesh: parameters are those with optimizer state or split chunks, no tp"
         else:
             if source_mesh.world_size != (index.world_size or 1):
-                raise UsageError(f"{index.root}: was saved by {index.world_size} ranks, --from {source_mesh} has "
-                                 f"{source_mesh.world_size}")
+                raise UsageError(
+                    f"{index.root}: was saved by {index.world_size} ranks, --from {source_mesh} has "
+                    f"{source_mesh.world_size}"
+                )
             found = meshes.source_placements(index, source_mesh)
             if found is None:
-                raise UnsupportedError(f"{index.root}: its chunks are not what FSDP2/HSDP/TP on {source_mesh} writes "
-                                       f"(check --from)")
+                raise UnsupportedError(
+                    f"{index.root}: its chunks are not what FSDP2/HSDP/TP on {source_mesh} writes (check --from)"
+                )
             placements, how = found, "given"
         target = meshes.target_placements(index, placements, source_mesh, mesh, tp_dim_for)
         layout = meshes.mesh_layout(index, mesh, target, dcp_reader.state_dict_order(opened.source))
@@ -108,14 +137,22 @@ class DcpFormat:
 
 class DeepSpeedFormat:
     name = "deepspeed"
-    capabilities = Capabilities(layouts=(ZERO_PARTITIONS,), world_sizes=ANY_WORLD, optimizer_state=True,
-                                reshards=True, flat_partitions=True)
+    capabilities = Capabilities(
+        layouts=(ZERO_PARTITIONS,), world_sizes=ANY_WORLD, optimizer_state=True, reshards=True, flat_partitions=True
+    )
 
     def detect(self, source: Source, name: str | None = None) -> bool:
         return name is None and ds_files.detect(source)
 
-    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
-                   tag: str | None = None, optimizer: bool = True) -> CheckpointIndex:
+    def read_index(
+        self,
+        source: Source,
+        ctx: "RunContext | None" = None,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        optimizer: bool = True,
+    ) -> CheckpointIndex:
         """`optimizer` False: the optimizer's per-parameter state may be counted, not indexed (reader.read_index)."""
         if ds_pipeline.detect(source, tag):  # PipelineModule's per-layer files: one ZeRO checkpoint per stage
             return ds_pipeline.read_index(source, tag)
@@ -125,8 +162,16 @@ class DeepSpeedFormat:
         """ZeroTarget: a ZeRO checkpoint's own files for a new world size (with its helper scripts);
         ZeroTemplatesTarget: the files of templates built from a training state and a config."""
         if isinstance(target, ZeroTemplatesTarget):
-            return write_zero_files(out, target.index, target.source, target.info, target.world_size, target.tag,
-                                    target.sub_group_size, ctx=ctx)
+            return write_zero_files(
+                out,
+                target.index,
+                target.source,
+                target.info,
+                target.world_size,
+                target.tag,
+                target.sub_group_size,
+                ctx=ctx,
+            )
         if ds_moe.is_moe(target.index):  # experts keep the source's ep size (moe_writer.target_sizes)
             return write_moe_zero(out, target.index, target.source, target.world_size, ctx=ctx)
         return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
@@ -165,8 +210,10 @@ class DeepSpeedFormat:
             return write_moe_zero(out, index, opened.source, sizes, ctx=ctx)
         if sizes.tp == sizes.pp == sizes.ep == 1:  # dp alone: a world size
             return self.reshard(opened, out, sizes.dp, ctx)
-        raise UnsupportedError(f"--to {sizes}: not supported yet for {index.root} (ep=... needs a mixture-of-experts "
-                               f"checkpoint; give a world size to reshard its data-parallel ranks)")
+        raise UnsupportedError(
+            f"--to {sizes}: not supported yet for {index.root} (ep=... needs a mixture-of-experts "
+            f"checkpoint; give a world size to reshard its data-parallel ranks)"
+        )
 
 
 class TorchSaveFormat(_CannotReshard):
@@ -176,38 +223,61 @@ class TorchSaveFormat(_CannotReshard):
     def detect(self, source: Source, name: str | None = None) -> bool:
         if name is not None:
             return source.read(name, 0, min(4, source.size(name))) == ZIP_MAGIC
-        return (not dcp_reader.detect(source) and not ds_files.detect(source)  # one file, no other checkpoint
-                and not st_reader.safetensors_files(source) and len(torch_files(source)) == 1)
+        return (
+            not dcp_reader.detect(source)
+            and not ds_files.detect(source)  # one file, no other checkpoint
+            and not st_reader.safetensors_files(source)
+            and len(torch_files(source)) == 1
+        )
 
-    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
-                   tag: str | None = None) -> CheckpointIndex:
+    def read_index(
+        self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+    ) -> CheckpointIndex:
         return ts_reader.read_index(source, name if name is not None else torch_files(source)[0])
 
     def write(self, target: TorchSaveTarget, out: object, ctx: "RunContext") -> list[str]:
-        write_torch_save(out, target.name, target.index, target.fetcher, ctx=ctx, keys=target.keys,
-                         include_objects=target.include_objects, key_map=target.key_map)
+        write_torch_save(
+            out,
+            target.name,
+            target.index,
+            target.fetcher,
+            ctx=ctx,
+            keys=target.keys,
+            include_objects=target.include_objects,
+            key_map=target.key_map,
+        )
         return [target.name]
 
 
 class SafetensorsFormat(_CannotReshard):
     name = "safetensors"
-    capabilities = Capabilities(layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=False,
-                                reshards=False, library_check=True)
+    capabilities = Capabilities(
+        layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=False, reshards=False, library_check=True
+    )
 
     def detect(self, source: Source, name: str | None = None) -> bool:
         if name is not None:
             return source.read(name, 0, min(4, source.size(name))) != ZIP_MAGIC and looks_like_safetensors(source, name)
-        return (not dcp_reader.detect(source) and not ds_files.detect(source)
-                and bool(st_reader.safetensors_files(source)))
+        return (
+            not dcp_reader.detect(source) and not ds_files.detect(source) and bool(st_reader.safetensors_files(source))
+        )
 
-    def read_index(self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None,
-                   tag: str | None = None) -> CheckpointIndex:
+    def read_index(
+        self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+    ) -> CheckpointIndex:
         return st_reader.read_index(source, [name] if name is not None else st_reader.safetensors_files(source))
 
     def write(self, target: SafetensorsTarget, out: object, ctx: "RunContext") -> list[str]:
-        return write_safetensors(out, target.fetcher, target.tensors, basename=target.basename,
-                                 max_shard_bytes=target.max_shard_bytes, aliases=target.aliases,
-                                 objects=target.objects, ctx=ctx)
+        return write_safetensors(
+            out,
+            target.fetcher,
+            target.tensors,
+            basename=target.basename,
+            max_shard_bytes=target.max_shard_bytes,
+            aliases=target.aliases,
+            objects=target.objects,
+            ctx=ctx,
+        )
 
     def shard_count(self, tensors: list[OutTensor], max_shard_bytes: int) -> int:
         """How many files `tensors` take with shards of at most `max_shard_bytes` (1: one file)."""

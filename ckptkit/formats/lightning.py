@@ -15,6 +15,7 @@ This module reads `meta.pt` (through the restricted unpickler, like every file),
 step, maps numbered optimizer state to names where that is provable, and says which attribute
 prefix of the LightningModule (`self.model` -> `model.`) to strip for the model's own names.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,11 +25,11 @@ from ..errors import CkptkitError, quote
 from ..index.types import CheckpointIndex, TensorEntry
 from ..storage.source import Source
 
-META = "meta.pt"                          # lightning.fabric.utilities.load._METADATA_FILENAME
+META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 VERSION_KEY = "pytorch-lightning_version"  # written by every Lightning checkpoint
 STEP_PATHS = (("global_step",), ("client", "global_step"))  # .ckpt / meta.pt; DeepSpeed client state
-OLD_WRAPPER = "_forward_module."          # DeepSpeed names of Lightning < 2.1 (_LightningModuleWrapperBase)
-META_ATTR = "lightning_meta"              # attrs mark on entries read from meta.pt
+OLD_WRAPPER = "_forward_module."  # DeepSpeed names of Lightning < 2.1 (_LightningModuleWrapperBase)
+META_ATTR = "lightning_meta"  # attrs mark on entries read from meta.pt
 
 
 def add_meta(source: Source, index: CheckpointIndex) -> None:
@@ -52,7 +53,8 @@ def add_meta(source: Source, index: CheckpointIndex) -> None:
         problems.tolerate(e, source.label(META))  # verify lists it among the problems; others say it in a note
         index.metadata.setdefault("unread", {})[META] = (
             f"{e} (Lightning's step, loops, callbacks and scheduler state in it are not read; the model "
-            f"and optimizer in the DCP files are)")
+            f"and optimizer in the DCP files are)"
+        )
         index.files[META] = source.size(META)
         return
     taken = set(index.tensors) | set(index.objects)
@@ -67,7 +69,7 @@ def add_meta(source: Source, index: CheckpointIndex) -> None:
 
 
 DEFAULT_STRIP_KEY = "default_strip_prefixes"  # read by ops/consolidate.key_rules when no rule is given
-MODEL_CONTAINERS = ("state_dict", "model")     # single file; DCP ("model") and ckptkit's DeepSpeed index
+MODEL_CONTAINERS = ("state_dict", "model")  # single file; DCP ("model") and ckptkit's DeepSpeed index
 
 
 def annotate(index: CheckpointIndex) -> None:
@@ -82,8 +84,11 @@ def annotate(index: CheckpointIndex) -> None:
     container = next((c for c in MODEL_CONTAINERS if c in heads), None)
     if container is None:
         return
-    names = [".".join(str(p) for p in e.path[1:]) for e in index.tensors.values()
-             if e.path and len(e.path) > 1 and e.path[0] == container]
+    names = [
+        ".".join(str(p) for p in e.path[1:])
+        for e in index.tensors.values()
+        if e.path and len(e.path) > 1 and e.path[0] == container
+    ]
     prefix = model_prefix(names)
     if prefix is not None:
         info["model_prefix"] = prefix
@@ -101,10 +106,12 @@ def dcp_part(index: CheckpointIndex, source: Source | None = None) -> tuple[Chec
     if (index.metadata.get("lightning") or {}).get("meta") != META:
         return index, []
     part = dataclasses.replace(
-        index, tensors={k: e for k, e in index.tensors.items() if not e.attrs.get(META_ATTR)},
+        index,
+        tensors={k: e for k, e in index.tensors.items() if not e.attrs.get(META_ATTR)},
         objects={k: o for k, o in index.objects.items() if not o.attrs.get(META_ATTR)},
         files={k: v for k, v in index.files.items() if k != META},
-        checks=[c for c in index.checks if c.file != META])
+        checks=[c for c in index.checks if c.file != META],
+    )
     others = sorted(n for n in source.listdir("") if n != META and n not in part.files) if source else []
     return part, [META, *others]
 
@@ -131,7 +138,7 @@ def model_prefix(names: Sequence[str]) -> str | None:
     A LightningModule's state_dict names its network through the attribute holding it; the
     network's own names (what from_pretrained expects) are what follows."""
     wrapped = bool(names) and all(n.startswith(OLD_WRAPPER) for n in names)
-    bare = [n[len(OLD_WRAPPER):] if wrapped else n for n in names]
+    bare = [n[len(OLD_WRAPPER) :] if wrapped else n for n in names]
     if not bare or any("." not in n for n in bare):
         return None
     first = {n.split(".", 1)[0] for n in bare}
@@ -144,12 +151,17 @@ def model_prefix(names: Sequence[str]) -> str | None:
 class Numbering:
     """How one optimizer's parameter numbers relate to the model's names."""
 
-    names: dict[int, str] | None   # number -> name, when proven
-    why: str = ""                  # when not: one sentence saying what is missing
+    names: dict[int, str] | None  # number -> name, when proven
+    why: str = ""  # when not: one sentence saying what is missing
 
 
-def number_names(group_params: list[Any], model: dict[str, TensorEntry], aliases: dict[str, str],
-                 state_shapes: dict[int, dict[str, tuple[int, ...]]], where: str) -> Numbering:
+def number_names(
+    group_params: list[Any],
+    model: dict[str, TensorEntry],
+    aliases: dict[str, str],
+    state_shapes: dict[int, dict[str, tuple[int, ...]]],
+    where: str,
+) -> Numbering:
     """Map an optimizer's parameter numbers to model names, only where the file proves it.
 
     torch numbers parameters in the order they were given to the optimizer, which the file does
@@ -164,30 +176,49 @@ def number_names(group_params: list[Any], model: dict[str, TensorEntry], aliases
     Anything else keeps the numbers, with the reason."""
     order = [n for n in model if n not in aliases]
     if len(group_params) != 1:
-        return Numbering(None, f"{where} has {len(group_params)} param groups listing parameters by number, "
-                               f"and which parameter went into which group is not recorded")
+        return Numbering(
+            None,
+            f"{where} has {len(group_params)} param groups listing parameters by number, "
+            f"and which parameter went into which group is not recorded",
+        )
     numbers = group_params[0]
     if not isinstance(numbers, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
         return Numbering(None, f"{where}: its param group does not list parameter numbers")
     if numbers != list(range(len(numbers))):
         return Numbering(None, f"{where}: its param group does not list the numbers 0..{len(numbers) - 1} in order")
     if len(numbers) != len(order):
-        return Numbering(None, f"{where} numbers {len(numbers)} parameters and the model has {len(order)} tensors, "
-                               f"so the model's order does not prove which is which (buffers or frozen "
-                               f"parameters shift it)")
+        return Numbering(
+            None,
+            f"{where} numbers {len(numbers)} parameters and the model has {len(order)} tensors, "
+            f"so the model's order does not prove which is which (buffers or frozen "
+            f"parameters shift it)",
+        )
     for number, states in state_shapes.items():
         if not 0 <= number < len(order):
             return Numbering(None, f"{where}: state for parameter {number}, which its param group does not list")
         want = tuple(model[order[number]].shape)
         for key, shape in states.items():
             if tuple(shape) and tuple(shape) != want:
-                return Numbering(None, f"{where}: state {quote(str(key))} of parameter {number} has shape "
-                                       f"{list(shape)}, but model tensor {number} ({quote(order[number])}) has "
-                                       f"{list(want)}, so the model's order is not the optimizer's")
+                return Numbering(
+                    None,
+                    f"{where}: state {quote(str(key))} of parameter {number} has shape "
+                    f"{list(shape)}, but model tensor {number} ({quote(order[number])}) has "
+                    f"{list(want)}, so the model's order is not the optimizer's",
+                )
     return Numbering({i: order[i] for i in numbers})
 
 
-__all__ = ["META", "VERSION_KEY", "META_ATTR", "DEFAULT_STRIP_KEY", "add_meta", "annotate", "dcp_part",
-           "is_lightning",
-           "global_step", "model_prefix",
-           "Numbering", "number_names"]
+__all__ = [
+    "META",
+    "VERSION_KEY",
+    "META_ATTR",
+    "DEFAULT_STRIP_KEY",
+    "add_meta",
+    "annotate",
+    "dcp_part",
+    "is_lightning",
+    "global_step",
+    "model_prefix",
+    "Numbering",
+    "number_names",
+]

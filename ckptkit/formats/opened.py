@@ -5,6 +5,7 @@ Apart from the registry so that what opens checkpoints on the registry's behalf 
 a Checkpointer's step folders) and what checks an opened one (structure.py) sit below it: they
 take the registry's `open_checkpoint` as an `Opener` instead of importing it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,13 +22,13 @@ if TYPE_CHECKING:
 class RunChoice:
     """The checkpoint chosen in a run folder, and why (`note`, one line for the user)."""
 
-    folder: str                 # the run folder, as given
+    folder: str  # the run folder, as given
     kind: str
-    entry: str                  # the chosen entry's name
-    path: str                   # the checkpoint to open (the entry, or the run folder itself with `tag`)
-    tag: str | None             # a DeepSpeed tag to open `path` at (DeepSpeed save folders), else None
-    step: int | None            # the step the trainer recorded (trainer_state.json) or the entry's name gives
-    why: str                    # why this one, e.g. "newest complete of 3 in this ...; checkpoint-3 is incomplete: ..."
+    entry: str  # the chosen entry's name
+    path: str  # the checkpoint to open (the entry, or the run folder itself with `tag`)
+    tag: str | None  # a DeepSpeed tag to open `path` at (DeepSpeed save folders), else None
+    step: int | None  # the step the trainer recorded (trainer_state.json) or the entry's name gives
+    why: str  # why this one, e.g. "newest complete of 3 in this ...; checkpoint-3 is incomplete: ..."
     skipped: list[tuple[str, str]] = field(default_factory=list)  # newer entries passed over, and why
     opened: Opened | None = field(default=None, repr=False)  # the entry, when probing read it whole
 
@@ -51,5 +52,6 @@ class Opened:
 class Opener(Protocol):
     """The registry's open_checkpoint, handed to what opens checkpoints below it."""
 
-    def __call__(self, path: str, expect: str | None = None, tag: str | None = None,
-                 follow_links: bool | None = None) -> Opened: ...
+    def __call__(
+        self, path: str, expect: str | None = None, tag: str | None = None, follow_links: bool | None = None
+    ) -> Opened: ...

@@ -6,6 +6,7 @@ partitions?". A new format is one adapter object (formats/adapters.py) that answ
 through its `capabilities`, registered once; no operation changes (Orbax's one handler
 contract per kind of item).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,11 +26,11 @@ if TYPE_CHECKING:
     from .deepspeed.info import ZeroInfo
 
 ANY_WORLD = "any M >= 1"  # a writer that lays its output out for any number of ranks
-ONE_WORLD = "1"           # a writer whose output is one whole copy, read by any number of ranks
+ONE_WORLD = "1"  # a writer whose output is one whole copy, read by any number of ranks
 
-FSDP2_SHARDS = "fsdp2 shard(0)"                  # torch.chunk on dim 0 per rank, replicated tensors once
-ZERO_PARTITIONS = "zero1/2/3 flat partitions"    # DeepSpeed's flat groups cut into equal rank ranges
-WHOLE_TENSORS = "whole tensors"                  # every tensor in one piece
+FSDP2_SHARDS = "fsdp2 shard(0)"  # torch.chunk on dim 0 per rank, replicated tensors once
+ZERO_PARTITIONS = "zero1/2/3 flat partitions"  # DeepSpeed's flat groups cut into equal rank ranges
+WHOLE_TENSORS = "whole tensors"  # every tensor in one piece
 
 # index.metadata key: {"tensors": n, "values": m}, the optimizer's per-parameter state entries a
 # reader opened with optimizer=False (registry.open_checkpoint; consolidate writing the weights
@@ -41,13 +42,13 @@ UNINDEXED_OPTIMIZER = "unindexed_optimizer"
 class Capabilities:
     """What a format's writer produces and what its reader's index means, declared once."""
 
-    layouts: tuple[str, ...]   # the layouts its writer lays tensors out in
-    world_sizes: str           # ANY_WORLD or ONE_WORLD
-    optimizer_state: bool      # its files carry optimizer state (safetensors: weights only)
-    reshards: bool             # `reshard` rewrites it in its own format for a new world size
-    flat_partitions: bool = False   # its tensors are flat partitions: the training state comes from its own records
-    recipe_keys: bool = False       # its keys are already torch's state-dict flattening (ckptkit.load reads it as is)
-    library_check: bool = False     # verify --deep also has the format's own library open every file
+    layouts: tuple[str, ...]  # the layouts its writer lays tensors out in
+    world_sizes: str  # ANY_WORLD or ONE_WORLD
+    optimizer_state: bool  # its files carry optimizer state (safetensors: weights only)
+    reshards: bool  # `reshard` rewrites it in its own format for a new world size
+    flat_partitions: bool = False  # its tensors are flat partitions: the training state comes from its own records
+    recipe_keys: bool = False  # its keys are already torch's state-dict flattening (ckptkit.load reads it as is)
+    library_check: bool = False  # verify --deep also has the format's own library open every file
 
     def writes(self, layout: str) -> bool:
         return layout in self.layouts
@@ -65,8 +66,9 @@ class Reader(Protocol):
     def detect(self, source: "Source", name: str | None = None) -> bool:
         """Is `source` (a folder; or its file `name`) this format? By content, never by name alone."""
 
-    def read_index(self, source: "Source", ctx: "RunContext | None" = None, *, name: str | None = None,
-                   tag: str | None = None) -> "CheckpointIndex":
+    def read_index(
+        self, source: "Source", ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+    ) -> "CheckpointIndex":
         """The canonical index of `source` (`name`: its one file; `tag`: a DeepSpeed tag)."""
 
 
@@ -87,6 +89,7 @@ class Writer(Protocol):
 
 # ---- what each writer is given ----------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DcpTarget:
     index: "CheckpointIndex"
@@ -97,7 +100,7 @@ class DcpTarget:
 
 @dataclass(frozen=True)
 class ZeroTarget:
-    index: "CheckpointIndex"   # a DeepSpeed index read by ckptkit (its ZeroInfo is the template)
+    index: "CheckpointIndex"  # a DeepSpeed index read by ckptkit (its ZeroInfo is the template)
     source: "Source"
     world_size: int
 
@@ -148,6 +151,19 @@ class SafetensorsTarget:
     objects: dict | None = None
 
 
-__all__ = ["Capabilities", "Reader", "Writer", "DcpTarget", "ZeroTarget", "ZeroTemplatesTarget", "TorchSaveTarget",
-           "SafetensorsTarget", "OutTensor",
-           "ANY_WORLD", "ONE_WORLD", "FSDP2_SHARDS", "ZERO_PARTITIONS", "WHOLE_TENSORS"]
+__all__ = [
+    "Capabilities",
+    "Reader",
+    "Writer",
+    "DcpTarget",
+    "ZeroTarget",
+    "ZeroTemplatesTarget",
+    "TorchSaveTarget",
+    "SafetensorsTarget",
+    "OutTensor",
+    "ANY_WORLD",
+    "ONE_WORLD",
+    "FSDP2_SHARDS",
+    "ZERO_PARTITIONS",
+    "WHOLE_TENSORS",
+]

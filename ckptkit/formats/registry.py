@@ -11,6 +11,7 @@ registered in FORMATS with their capabilities. Operations ask `capabilities_of(i
 accelerate's subfolders, HF Trainer and Lightning folders) are resolvers here: each finds one of
 the registered formats inside a folder.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,9 @@ def format_named(name: str) -> "Reader | Writer":
     for fmt in FORMATS:
         if fmt.name == name:
             return fmt
-    raise UnsupportedError(f"no reader or writer for the format {name!r} (ckptkit has "
-                           f"{', '.join(f.name for f in FORMATS)})")
+    raise UnsupportedError(
+        f"no reader or writer for the format {name!r} (ckptkit has {', '.join(f.name for f in FORMATS)})"
+    )
 
 
 def format_of(index: CheckpointIndex) -> "Reader | Writer":
@@ -63,8 +65,14 @@ def _parent_and_name(path: str) -> tuple[str, str]:
     return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
 
 
-def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None,
-                    follow_links: bool | None = None, *, optimizer: bool = True) -> Opened:
+def open_checkpoint(
+    path: str,
+    expect: str | None = None,
+    tag: str | None = None,
+    follow_links: bool | None = None,
+    *,
+    optimizer: bool = True,
+) -> Opened:
     """Detect the format at `path` and index it. `expect` asserts the format (e.g. "dcp");
     `tag` picks a DeepSpeed tag other than the one `latest` names; `follow_links` lets a local
     checkpoint's links lead outside it (default: refused unless CKPTKIT_FOLLOW_LINKS=1);
@@ -75,22 +83,30 @@ def open_checkpoint(path: str, expect: str | None = None, tag: str | None = None
         return _open_checkpoint(path, expect, tag, follow_links, optimizer)
 
 
-def _open_checkpoint(path: str, expect: str | None, tag: str | None, follow_links: bool | None,
-                     optimizer: bool = True) -> Opened:
+def _open_checkpoint(
+    path: str, expect: str | None, tag: str | None, follow_links: bool | None, optimizer: bool = True
+) -> Opened:
     source = open_source(path, follow_links)
     _refuse_unfinished(path, source)
     run = run_folder.resolve(path, source, open_checkpoint, tag, follow_links) if source.isdir("") else None
     if run is not None:  # a training output folder: its newest complete checkpoint (or the one --tag names)
-        opened = (run.opened if run.opened is not None and expect is None   # read whole while choosing
-                  else open_checkpoint(run.path, expect, run.tag, follow_links, optimizer=optimizer))
+        opened = (
+            run.opened
+            if run.opened is not None and expect is None  # read whole while choosing
+            else open_checkpoint(run.path, expect, run.tag, follow_links, optimizer=optimizer)
+        )
         run.opened = None
         opened.run = run
         if opened.index.step is None:
             opened.index.step = run.step
         run_folder.announce(run)
         return opened
-    tag_folder = (tag is not None and source.isdir("") and source.isdir(tag)
-                  and ds_files.looks_like_tag_folder(source.listdir(tag)))
+    tag_folder = (
+        tag is not None
+        and source.isdir("")
+        and source.isdir(tag)
+        and ds_files.looks_like_tag_folder(source.listdir(tag))
+    )
     if tag is not None and not (source.isdir("") and ds_files.detect(source) or tag_folder):
         raise NotACheckpointError(f"{path}: --tag is for DeepSpeed checkpoints, and this is not one")
     if source.isdir("") and (ds_files.detect(source) or tag_folder):
@@ -124,8 +140,10 @@ def _refuse_unfinished(path: str, source: Source) -> None:
     from ..storage.remote_output import COMPLETE, INCOMPLETE
 
     if source.isdir("") and source.exists(INCOMPLETE) and not source.exists(COMPLETE):
-        raise NotACheckpointError(f"{path}: is an unfinished ckptkit output ({INCOMPLETE} is there and "
-                                  f"{COMPLETE} is not): the run that wrote it failed or is still running")
+        raise NotACheckpointError(
+            f"{path}: is an unfinished ckptkit output ({INCOMPLETE} is there and "
+            f"{COMPLETE} is not): the run that wrote it failed or is still running"
+        )
 
 
 def _open_file(path: str, follow_links: bool | None) -> Opened:
@@ -139,8 +157,9 @@ def _open_file(path: str, follow_links: bool | None) -> Opened:
     elif name.endswith(TORCH_SUFFIXES):
         index = TORCH_SAVE.read_index(source, name=name)  # raises a precise error (legacy / damaged)
     else:
-        raise NotACheckpointError(f"{path}: not a checkpoint ckptkit recognises "
-                                  f"(not a torch.save archive nor a safetensors file)")
+        raise NotACheckpointError(
+            f"{path}: not a checkpoint ckptkit recognises (not a torch.save archive nor a safetensors file)"
+        )
     index.root = path
     return Opened(source, index, path)
 
@@ -158,17 +177,20 @@ def _open_folder(path: str, source: Source) -> Opened:
     if local:  # reading one explains (ShardedTensor flat parameters) in one sentence
         TORCH_SAVE.read_index(source, name=local[0])
     if any(n.endswith(".distcp") for n in names):
-        raise NotACheckpointError(f"{path}: has .distcp data files but no .metadata: an incomplete DCP "
-                                  f"checkpoint (the save did not finish)")
+        raise NotACheckpointError(
+            f"{path}: has .distcp data files but no .metadata: an incomplete DCP checkpoint (the save did not finish)"
+        )
     if st_reader.safetensors_files(source):
         return Opened(source, SAFETENSORS.read_index(source), path)
     found = torch_files(source)
     if len(found) == 1:
         return Opened(source, TORCH_SAVE.read_index(source), path)
-    raise NotACheckpointError(f"{path}: not a checkpoint ckptkit recognises; {_found(source, names, found)}. "
-                              f"Recognised: a DCP checkpoint (.metadata), a DeepSpeed save (`latest` or ZeRO rank "
-                              f"files), *.safetensors, one torch.save file ({', '.join(TORCH_SUFFIXES)}), "
-                              f"accelerate's pytorch_model_fsdp_N/, or {run_folder.RECOGNISED}")
+    raise NotACheckpointError(
+        f"{path}: not a checkpoint ckptkit recognises; {_found(source, names, found)}. "
+        f"Recognised: a DCP checkpoint (.metadata), a DeepSpeed save (`latest` or ZeRO rank "
+        f"files), *.safetensors, one torch.save file ({', '.join(TORCH_SUFFIXES)}), "
+        f"accelerate's pytorch_model_fsdp_N/, or {run_folder.RECOGNISED}"
+    )
 
 
 def _found(source: Source, names: list[str], torch_files: list[str]) -> str:

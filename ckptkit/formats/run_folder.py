@@ -22,6 +22,7 @@ another script's digits is no entry); an entry linked outside the run folder is 
 one (a link `checkpoint-9 -> .` would otherwise recurse). Choosing opens at most MAX_PROBED
 entries, newest first: a folder of thousands of broken saves costs the same as one of eight.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -54,8 +55,10 @@ MAX_PROBED = 8  # entries opened (or their trainer state read) while looking for
 _inside_entry: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptkit_run_folder_entry", default=False)
 
 # what inspect/verify/... recognise as a run folder, for the message on an unrecognised folder
-RECOGNISED = ("a run folder holding checkpoint-N/ (HF Trainer output_dir), step_N/ (ckptkit Checkpointer), "
-              "DeepSpeed tag folders (global_stepN/) or *.ckpt (Lightning checkpoints/)")
+RECOGNISED = (
+    "a run folder holding checkpoint-N/ (HF Trainer output_dir), step_N/ (ckptkit Checkpointer), "
+    "DeepSpeed tag folders (global_stepN/) or *.ckpt (Lightning checkpoints/)"
+)
 
 
 @dataclass
@@ -85,6 +88,7 @@ def announce(choice: RunChoice) -> None:
 
 
 # ---- detection ------------------------------------------------------------------------------
+
 
 def _safe_listdir(source: Source, rel: str) -> list[str]:
     try:
@@ -175,8 +179,10 @@ def _rule(kind: str, entries: list[Entry]) -> str:
 
 # ---- choosing ----------------------------------------------------------------------------------
 
-def resolve(path: str, source: Source, open_checkpoint: Opener, tag: str | None = None,
-            follow_links: bool | None = None) -> RunChoice | None:
+
+def resolve(
+    path: str, source: Source, open_checkpoint: Opener, tag: str | None = None, follow_links: bool | None = None
+) -> RunChoice | None:
     """The checkpoint to read when `path` is a run folder (None when it is not one): the entry
     `tag` names, or else the newest complete one, opened with `open_checkpoint` (the registry's,
     which resolves run folders here) to tell. A DeepSpeed save folder's --tag is left to the
@@ -208,26 +214,32 @@ def tag_for_step(path: str, source: Source, step: int) -> str:
             if source.isdir(f"global_step{step}"):
                 return f"global_step{step}"
             tags = [n for n in _safe_listdir(source, "") if TRAILING_NUMBER.search(n) and _is_dir(source, n)]
-            raise UsageError(f"{path}: no tag global_step{step} in this DeepSpeed checkpoint (tags: "
-                             f"{_list(name_of(n) for n in tags) or 'none'})")
-        raise UsageError(f"{path}: --step picks a checkpoint in a run folder ({RECOGNISED}) or a DeepSpeed "
-                         f"tag global_stepN, and this is neither")
+            raise UsageError(
+                f"{path}: no tag global_step{step} in this DeepSpeed checkpoint (tags: "
+                f"{_list(name_of(n) for n in tags) or 'none'})"
+            )
+        raise UsageError(
+            f"{path}: --step picks a checkpoint in a run folder ({RECOGNISED}) or a DeepSpeed "
+            f"tag global_stepN, and this is neither"
+        )
     kind, entries = found
     matching = [e.name for e in entries if e.step == step]
     if not matching:
         steps = ", ".join(str(e.step) for e in entries if e.step is not None) or "none in the names"
         raise UsageError(f"{path}: no checkpoint of step {step} in this {kind} (steps: {steps})")
     if len(matching) > 1:
-        raise UsageError(f"{path}: step {step} is saved more than once ({', '.join(matching)}); "
-                         f"pick one with --tag NAME")
+        raise UsageError(
+            f"{path}: step {step} is saved more than once ({', '.join(matching)}); pick one with --tag NAME"
+        )
     return matching[0]
 
 
 def _asked(path: str, source: Source, kind: str, entries: list[Entry], tag: str) -> RunChoice:
     chosen = next((e for e in entries if e.name == tag), None)
     if chosen is None:
-        raise UsageError(f"{path}: no checkpoint {name_of(tag)} in this {kind} (it holds "
-                         f"{_list(e.name for e in reversed(entries))})")
+        raise UsageError(
+            f"{path}: no checkpoint {name_of(tag)} in this {kind} (it holds {_list(e.name for e in reversed(entries))})"
+        )
     _inside_run_folder(source, chosen)
     why = _nested(path, source, kind, chosen)
     if why:
@@ -236,8 +248,9 @@ def _asked(path: str, source: Source, kind: str, entries: list[Entry], tag: str)
     return _choice(path, kind, chosen, step, f"as asked; {len(entries)} checkpoint(s) in this {kind}", [])
 
 
-def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
-                     follow_links: bool | None, open_checkpoint: Opener) -> RunChoice:
+def _newest_complete(
+    path: str, source: Source, kind: str, entries: list[Entry], follow_links: bool | None, open_checkpoint: Opener
+) -> RunChoice:
     skipped: list[tuple[str, str]] = []
     probed = 0
     for e in reversed(entries):
@@ -245,7 +258,8 @@ def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
             raise NotACheckpointError(
                 f"{path}: a {kind} with {len(entries)} checkpoint(s), and the newest {MAX_PROBED} looked into are "
                 f"incomplete ({'; '.join(f'{name_of(n)}: {w}' for n, w in skipped[:MAX_LISTED])}"
-                f"{'; ...' if len(skipped) > MAX_LISTED else ''}); pick an older one with --step N or --tag NAME")
+                f"{'; ...' if len(skipped) > MAX_LISTED else ''}); pick an older one with --step N or --tag NAME"
+            )
         why, step, opened, costly = _problem(path, source, kind, e, follow_links, open_checkpoint)
         probed += costly
         if not why:
@@ -260,17 +274,16 @@ def _newest_complete(path: str, source: Source, kind: str, entries: list[Entry],
     raise NotACheckpointError(f"{path}: a {kind} with {len(entries)} checkpoint(s), none complete ({listed}{more})")
 
 
-def _choice(path: str, kind: str, e: Entry, step: int | None, why: str,
-            skipped: list[tuple[str, str]]) -> RunChoice:
+def _choice(path: str, kind: str, e: Entry, step: int | None, why: str, skipped: list[tuple[str, str]]) -> RunChoice:
     if kind == DEEPSPEED:  # opened as the user's own --tag would open it
         return RunChoice(path, kind, e.name, path, e.name, step if step is not None else e.step, why, skipped)
     sep = "" if path.endswith("/") else "/"
-    return RunChoice(path, kind, e.name, path + sep + e.name, None, step if step is not None else e.step,
-                     why, skipped)
+    return RunChoice(path, kind, e.name, path + sep + e.name, None, step if step is not None else e.step, why, skipped)
 
 
-def _problem(path: str, source: Source, kind: str, e: Entry, follow_links: bool | None,
-             open_checkpoint: Opener) -> tuple[str, int | None, Opened | None, int]:
+def _problem(
+    path: str, source: Source, kind: str, e: Entry, follow_links: bool | None, open_checkpoint: Opener
+) -> tuple[str, int | None, Opened | None, int]:
     """(why entry `e` is not a complete checkpoint, "" when it is; the step its trainer recorded;
     the entry opened, when it was; 1 when finding out listed or read the entry, 0 when a look at
     its name and a stat sufficed)."""
@@ -319,13 +332,16 @@ def _nested(path: str, source: Source, kind: str, e: Entry) -> str:
     except CkptkitError as exc:
         return _short(str(exc))
     if inner is not None:
-        return (f"is itself a run folder ({inner[0]}, {len(inner[1])} checkpoint(s)), not a checkpoint; point "
-                f"ckptkit at it to read one of those")
+        return (
+            f"is itself a run folder ({inner[0]}, {len(inner[1])} checkpoint(s)), not a checkpoint; point "
+            f"ckptkit at it to read one of those"
+        )
     return ""
 
 
-def _opens_whole(path: str, e: Entry, kind: str, follow_links: bool | None,
-                 open_checkpoint: Opener) -> tuple[str, Opened | None]:
+def _opens_whole(
+    path: str, e: Entry, kind: str, follow_links: bool | None, open_checkpoint: Opener
+) -> tuple[str, Opened | None]:
     """Why the entry does not open as a whole checkpoint ("" when it does), and the entry opened:
     read as verify reads, every missing or damaged file counted (in a log of its own, apart from
     any verify running)."""
@@ -355,8 +371,9 @@ def _trainer_step(source: Source, name: str, kind: str) -> int | None:
         return None
     size = source.size(rel)
     if size > MAX_TRAINER_STATE:
-        raise FormatError(f"{source.label(rel)}: is {size:,} bytes, more than a trainer state "
-                          f"({MAX_TRAINER_STATE:,} at most)")
+        raise FormatError(
+            f"{source.label(rel)}: is {size:,} bytes, more than a trainer state ({MAX_TRAINER_STATE:,} at most)"
+        )
     doc = loads(source.read(rel, 0, size), source.label(rel), "the trainer state", bounded=True)
     step = doc.get("global_step") if isinstance(doc, dict) else None
     return step if type(step) is int and step >= 0 else None  # not a bool, a float, a string, negative

@@ -13,6 +13,7 @@ Step numbers are parsed, not padded: `step_11` and `step_000000011` are both ste
 Below the registry (run folders choose among step folders while the registry resolves a path):
 what opens an unmarked folder is the registry's open_checkpoint, passed in.
 """
+
 from __future__ import annotations
 
 import os
@@ -209,8 +210,7 @@ def _unmarked_problem(path: str, step: int, open_checkpoint: Opener) -> str:
             record = opened.index.objects.get("ckptkit.step")
             value = record.value if record is not None else None
             if type(value) is not int or value != step:
-                return (f"has no {MARKER} and is a DCP checkpoint whose ckptkit.step record is {value!r:.40}, "
-                        f"not {step}")
+                return f"has no {MARKER} and is a DCP checkpoint whose ckptkit.step record is {value!r:.40}, not {step}"
         problems = structural_problems(opened)
     except CkptkitError as exc:
         return f"has no {MARKER} and is not a complete checkpoint ({_short(str(exc))})"

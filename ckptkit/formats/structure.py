@@ -2,6 +2,7 @@
 piece inside its file and sized for its region, every tensor covered exactly once. `verify`
 reports these; choosing the newest complete checkpoint of a run folder or a Checkpointer
 directory asks them too, below the operations."""
+
 from __future__ import annotations
 
 from ..errors import CkptkitError
@@ -34,33 +35,71 @@ def structural_findings(opened: Opened, skip: set[str] | frozenset[str] = frozen
                 problems.append(Problem(P.kind_of(exc), f"tensor {key}: {exc}", label, key))
                 continue
             if loc.offset < 0 or loc.offset + loc.length > size:
-                problems.append(Problem(P.TRUNCATED, f"{label}: tensor {key} bytes {loc.offset}..{loc.offset + loc.length} "
-                                        f"lie past the end of the file ({size} bytes)", label, key))
+                problems.append(
+                    Problem(
+                        P.TRUNCATED,
+                        f"{label}: tensor {key} bytes {loc.offset}..{loc.offset + loc.length} "
+                        f"lie past the end of the file ({size} bytes)",
+                        label,
+                        key,
+                    )
+                )
             if loc.encoding == Encoding.RAW:
                 if isinstance(p.region, FlatRange) or loc.stride is None:
                     expected = p.region.numel * item
                 else:
                     expected = strided_span(tuple(p.region.sizes), tuple(loc.stride)) * item
                 if loc.length != expected:
-                    problems.append(Problem(P.SIZE_MISMATCH, f"{label}: tensor {key} piece holds {loc.length} "
-                                            f"bytes, its region needs {expected}", label, key))
+                    problems.append(
+                        Problem(
+                            P.SIZE_MISMATCH,
+                            f"{label}: tensor {key} piece holds {loc.length} bytes, its region needs {expected}",
+                            label,
+                            key,
+                        )
+                    )
             if isinstance(p.region, Box) and p.region.ndim != len(t.shape):
-                problems.append(Problem(P.FORMAT, f"tensor {key}: piece has rank {p.region.ndim}, tensor has "
-                                        f"rank {len(t.shape)}", label, key))
+                problems.append(
+                    Problem(
+                        P.FORMAT,
+                        f"tensor {key}: piece has rank {p.region.ndim}, tensor has rank {len(t.shape)}",
+                        label,
+                        key,
+                    )
+                )
         if t.attrs.get("alias_of") or key in skip:
             continue
         where = source.label(t.pieces[0].location.file) if t.pieces else opened.path
         cov = geometry.coverage(t.shape, [p.region for p in t.pieces])
         if cov.out_of_bounds:
-            problems.append(Problem(P.OUT_OF_BOUNDS, f"tensor {key} {list(t.shape)}: {len(cov.out_of_bounds)} "
-                                    f"piece(s) lie outside the tensor, e.g. {_region_text(cov.out_of_bounds[0])}",
-                                    where, key))
+            problems.append(
+                Problem(
+                    P.OUT_OF_BOUNDS,
+                    f"tensor {key} {list(t.shape)}: {len(cov.out_of_bounds)} "
+                    f"piece(s) lie outside the tensor, e.g. {_region_text(cov.out_of_bounds[0])}",
+                    where,
+                    key,
+                )
+            )
         if cov.missing:
-            problems.append(Problem(P.COVERAGE_GAP, f"tensor {key} {list(t.shape)}: {cov.missing_elements} "
-                                    f"element(s) are in no piece, e.g. {_region_text(cov.missing[0])}", where, key))
+            problems.append(
+                Problem(
+                    P.COVERAGE_GAP,
+                    f"tensor {key} {list(t.shape)}: {cov.missing_elements} "
+                    f"element(s) are in no piece, e.g. {_region_text(cov.missing[0])}",
+                    where,
+                    key,
+                )
+            )
         if cov.doubled:
-            problems.append(Problem(P.COVERAGE_OVERLAP, f"tensor {key} {list(t.shape)}: elements are stored "
-                                    f"twice, e.g. {_region_text(cov.doubled[0])}", where, key))
+            problems.append(
+                Problem(
+                    P.COVERAGE_OVERLAP,
+                    f"tensor {key} {list(t.shape)}: elements are stored twice, e.g. {_region_text(cov.doubled[0])}",
+                    where,
+                    key,
+                )
+            )
     return problems
 
 

@@ -19,6 +19,7 @@ recorded step and carries a warning saying both (`TrainerFolder.warnings`, shown
 verify); a run folder still orders its `checkpoint-N` entries by N, as transformers'
 get_last_checkpoint does (formats/run_folder.py).
 """
+
 from __future__ import annotations
 
 import posixpath
@@ -33,7 +34,7 @@ from .dcp import reader as dcp_reader
 
 TRAINER_STATE = "trainer_state.json"
 RNG_SINGLE = "rng_state.pth"
-NAMED_STEP = re.compile(r"checkpoint-([0-9]+)", re.ASCII)   # the Trainer's folder name (fullmatch)
+NAMED_STEP = re.compile(r"checkpoint-([0-9]+)", re.ASCII)  # the Trainer's folder name (fullmatch)
 # Names are matched whole (fullmatch: "$" would let a trailing line break in) and in ASCII digits
 # only ("\d" takes any script's digits, which int() reads as the same rank)
 RNG_RANK = re.compile(r"rng_state_([0-9]+)\.pth", re.ASCII)
@@ -56,16 +57,28 @@ SIDE_FILES = {
     "chat_template.jinja": "tokenizer chat template",
     "chat_template.json": "tokenizer chat template",
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-[0-9]{5}-of-[0-9]{5})?\.(safetensors|bin)(\.index\.json)?\Z",
-                         re.ASCII)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+WEIGHT_FILE = re.compile(
+    r"^(model|pytorch_model|adapter_model)(-[0-9]{5}-of-[0-9]{5})?\.(safetensors|bin)(\.index\.json)?\Z", re.ASCII
+)
 FULL_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_[0-9]+)?\.bin\Z", re.ASCII)
 OPTIMIZER_FILE = "optimizer.pt"
 # accelerate's save_state() beside its DCP folders (no trainer_state.json): its own side files
 ACCELERATE_RNG = re.compile(r"random_states_([0-9]+)\.pkl", re.ASCII)
-ACCELERATE_SIDE = re.compile(r"^((scheduler|sampler|dl_state_dict)(_[0-9]+)?\.bin|scaler\.pt|custom_checkpoint_[0-9]+\.pkl)\Z",
-                             re.ASCII)
+ACCELERATE_SIDE = re.compile(
+    r"^((scheduler|sampler|dl_state_dict)(_[0-9]+)?\.bin|scaler\.pt|custom_checkpoint_[0-9]+\.pkl)\Z", re.ASCII
+)
 TRAINER, ACCELERATE = "HF Trainer", "accelerate"
 
 
@@ -94,14 +107,20 @@ class TrainerFolder:
     warnings: list[str] = field(default_factory=list)  # what looks wrong but does not stop a read
 
     def as_json(self) -> dict:
-        return {"kind": self.kind, "layout": self.layout, "step": self.step,
-                "parts": [{"name": p.name, "kind": p.kind, "sharded": p.sharded} for p in self.parts],
-                "side_files": self.side_files,
-                "rng_files": {("single" if r is None else str(r)): f for r, f in sorted(
-                    self.rng_files.items(), key=lambda kv: -1 if kv[0] is None else kv[0])},
-                "not_understood": self.unknown,
-                **({"state_problem": self.state_problem} if self.state_problem else {}),
-                **({"warnings": self.warnings} if self.warnings else {})}
+        return {
+            "kind": self.kind,
+            "layout": self.layout,
+            "step": self.step,
+            "parts": [{"name": p.name, "kind": p.kind, "sharded": p.sharded} for p in self.parts],
+            "side_files": self.side_files,
+            "rng_files": {
+                ("single" if r is None else str(r)): f
+                for r, f in sorted(self.rng_files.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+            },
+            "not_understood": self.unknown,
+            **({"state_problem": self.state_problem} if self.state_problem else {}),
+            **({"warnings": self.warnings} if self.warnings else {}),
+        }
 
 
 def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
@@ -133,8 +152,9 @@ def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
         else:
             unknown.append(name + ("/" if _isdir(source, name) else ""))
     step, problem = _read_step(source) if trainer else (None, None)
-    return TrainerFolder(layout, parts, side, rng, unknown, step, problem, kind=kind,
-                         warnings=step_name_mismatch(source.root, step))
+    return TrainerFolder(
+        layout, parts, side, rng, unknown, step, problem, kind=kind, warnings=step_name_mismatch(source.root, step)
+    )
 
 
 def step_name_mismatch(root: str, step: int | None) -> list[str]:
@@ -159,13 +179,18 @@ def _parts(source: Source, names: list[str], tag: str | None) -> tuple[list[Part
         chosen = tag or _read_latest(source)
         if chosen and chosen in names and _isdir(source, chosen):
             return [Part(chosen, "deepspeed", True)], "deepspeed"
-    dcp = [n for n in names if (MODEL_DIR.match(n) or OPTIM_DIR.match(n)) and _isdir(source, n)
-           and dcp_reader.detect(SubSource(source, n))]
+    dcp = [
+        n
+        for n in names
+        if (MODEL_DIR.match(n) or OPTIM_DIR.match(n)) and _isdir(source, n) and dcp_reader.detect(SubSource(source, n))
+    ]
     if dcp:
         dcp.sort(key=lambda n: (0 if MODEL_DIR.match(n) else 1, n))
         return [Part(n, "dcp-model" if MODEL_DIR.match(n) else "dcp-optimizer", True) for n in dcp], "fsdp"
-    full = sorted((n for n in names if FULL_FSDP_FILE.match(n) and not _isdir(source, n)),
-                  key=lambda n: (0 if n.startswith("pytorch_model_fsdp") else 1, n))
+    full = sorted(
+        (n for n in names if FULL_FSDP_FILE.match(n) and not _isdir(source, n)),
+        key=lambda n: (0 if n.startswith("pytorch_model_fsdp") else 1, n),
+    )
     if any(n.startswith("pytorch_model_fsdp") for n in full):
         return [Part(n, "full-state-dict", False) for n in full], "fsdp"
     weights = [n for n in names if WEIGHT_FILE.match(n) and not _isdir(source, n)]
@@ -236,8 +261,10 @@ def rng_world(folder: TrainerFolder) -> int | None:
     return 1 if None in folder.rng_files else None
 
 
-RNG_POLICY = ("new rank r takes old rank (r mod N)'s file, N the old world size; one process reads "
-              "rng_state.pth, which takes old rank 0's")
+RNG_POLICY = (
+    "new rank r takes old rank (r mod N)'s file, N the old world size; one process reads "
+    "rng_state.pth, which takes old rank 0's"
+)
 ACCELERATE_RNG_POLICY = "new rank r takes old rank (r mod N)'s file, N the old world size"
 
 

@@ -1,5 +1,6 @@
 """Training-loop hooks. Imported lazily: the Checkpointer imports torch (`ckptkit inspect DIR`
 reads a Checkpointer directory through ops/inspect_steps.py, without it)."""
+
 from __future__ import annotations
 
 from typing import Any

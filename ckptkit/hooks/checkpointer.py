@@ -17,6 +17,7 @@ DDP, FSDP2) are saved as DCP with `get_state_dict`; DeepSpeed engines with their
 size wrote it: torch modules through `ckptkit.load` (each rank reads its own shards), DeepSpeed
 engines through a distributed `reshard` first when the data-parallel size changed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,8 +47,9 @@ from .states import state_dicts as _state_dicts, validate as validate_states
 TMP_MARK = ".ckptkit-tmp-"
 # what a RenameOutput leaves next to a step when a save is killed (storage/rename_output.py, locks.py):
 # `.step_N.ckptkit-tmp-T`, `.step_N.ckptkit-old-T`, `.step_N.ckptkit-lock[-T]`, older `step_N.ckptkit-old-T`
-LEFTOVER = re.compile(r"\.(step_[0-9]+)\.ckptkit-(?:tmp-|old-|lock).*|(step_[0-9]+)\.ckptkit-old-[0-9a-f]+",
-                      re.ASCII | re.DOTALL)
+LEFTOVER = re.compile(
+    r"\.(step_[0-9]+)\.ckptkit-(?:tmp-|old-|lock).*|(step_[0-9]+)\.ckptkit-old-[0-9a-f]+", re.ASCII | re.DOTALL
+)
 SHOWN = 10  # skipped folders named in the warning
 ENGINE_STATES = "ckptkit_states"  # the client-state entry holding `states` for DeepSpeed engines
 
@@ -65,14 +67,15 @@ class Checkpointer:
     """Saves into `directory/step_<N>`, keeps the newest `keep`, restores the newest complete one.
     With `rng` (the default) each rank's random generators are saved and restored too."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False,
-                 rng: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False, rng: bool = True) -> None:
         directory = path_text(directory, "Checkpointer")
         if type(keep) is not int or keep < 1:  # 1.5 or nan would never equal a count: every step kept
             raise UsageError(f"keep must be an int of at least 1 (got {keep!r:.60})")
         if is_url(directory):
-            raise UsageError(f"{directory}: the Checkpointer saves to a local or mounted folder, not a URL "
-                             f"(the ranks write in place and rename; an object store cannot rename)")
+            raise UsageError(
+                f"{directory}: the Checkpointer saves to a local or mounted folder, not a URL "
+                f"(the ranks write in place and rename; an object store cannot rename)"
+            )
         self.directory = os.path.abspath(directory)
         self.keep = keep
         self.async_save = async_save
@@ -152,8 +155,15 @@ class Checkpointer:
 
     # ---- saving --------------------------------------------------------------------------
 
-    def save(self, step: int, model: Any, optimizer: Any = None, extra: dict | None = None,
-             states: dict[str, Any] | None = None, overwrite: bool = False) -> None:
+    def save(
+        self,
+        step: int,
+        model: Any,
+        optimizer: Any = None,
+        extra: dict | None = None,
+        states: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
         """Collective. Save `step`; with async_save return once a CPU copy is staged. `states`
         maps names to objects with state_dict()/load_state_dict() (a scheduler, a dataloader),
         each rank's saved apart. Anything already at `step` (a checkpoint or a stray) is
@@ -170,8 +180,9 @@ class Checkpointer:
         saved_states = _state_dicts(states)
         # checked before anything is written: a step restore would refuse is never committed
         if engine:
-            self._agree_restorable({"extra": extra or {}, STATES: {rank_key(self._group.rank): saved_states}},
-                                   dcp=False)
+            self._agree_restorable(
+                {"extra": extra or {}, STATES: {rank_key(self._group.rank): saved_states}}, dcp=False
+            )
         else:
             state = self._torch_state(step, model, optimizer, extra, saved_states)
         name = self._on_root(lambda: self._target(step, overwrite))
@@ -184,9 +195,12 @@ class Checkpointer:
             return
         staged, self._staging = _stage(state, self._staging)
         group = group_of(self._bg_pg) if self._bg_pg is not None else self._group
-        self._thread = threading.Thread(target=self._background,
-                                        args=(step, name, overwrite, staged, rng_doc, group),
-                                        name=f"ckptkit-save-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._background,
+            args=(step, name, overwrite, staged, rng_doc, group),
+            name=f"ckptkit-save-{step}",
+            daemon=True,
+        )
         self._thread.start()
 
     def _torch_state(self, step: int, model: Any, optimizer: Any, extra: dict | None, saved_states: dict) -> dict:
@@ -227,12 +241,16 @@ class Checkpointer:
         found = self._complete(step, names)
         if not overwrite:
             if found is not None:
-                raise OutputError(f"{os.path.join(self.directory, found.name)}: step {step} is already saved (a "
-                                  f"complete checkpoint); pass overwrite=True to replace it")
+                raise OutputError(
+                    f"{os.path.join(self.directory, found.name)}: step {step} is already saved (a "
+                    f"complete checkpoint); pass overwrite=True to replace it"
+                )
             stray = step_folders.examine(self.directory, names[0], step)
-            raise OutputError(f"{os.path.join(self.directory, stray.name)}: is in the way of step {step} and is not "
-                              f"a complete checkpoint (it {stray.why}); ckptkit leaves it alone: move it away or "
-                              f"pass overwrite=True to replace it")
+            raise OutputError(
+                f"{os.path.join(self.directory, stray.name)}: is in the way of step {step} and is not "
+                f"a complete checkpoint (it {stray.why}); ckptkit leaves it alone: move it away or "
+                f"pass overwrite=True to replace it"
+            )
         if found is not None:
             return found.name
         return step_folders.default_name(step) if step_folders.default_name(step) in names else names[0]
@@ -249,15 +267,17 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _background(self, step: int, name: str, overwrite: bool, state: dict, rng_doc: dict | None,
-                    group: Group) -> None:
+    def _background(
+        self, step: int, name: str, overwrite: bool, state: dict, rng_doc: dict | None, group: Group
+    ) -> None:
         try:
             self._write(step, name, overwrite, state, rng_doc, group, self._bg_pg)
         except BaseException as exc:  # raised by the next call on this rank
             self._error = exc
 
-    def _write(self, step: int, name: str, overwrite: bool, state: dict, rng_doc: dict | None, group: Group,
-               pg: Any) -> None:
+    def _write(
+        self, step: int, name: str, overwrite: bool, state: dict, rng_doc: dict | None, group: Group, pg: Any
+    ) -> None:
         from ..api import write_dcp
 
         with open_output(os.path.join(self.directory, name), overwrite=overwrite, group=group) as out:
@@ -267,8 +287,9 @@ class Checkpointer:
             self._mark(out.tmp, step, "dcp", group)
         self._retain(group, step)
 
-    def _save_engine(self, step: int, name: str, engine: Any, extra: dict | None, states: dict,
-                     rng_doc: dict | None, overwrite: bool) -> None:
+    def _save_engine(
+        self, step: int, name: str, engine: Any, extra: dict | None, states: dict, rng_doc: dict | None, overwrite: bool
+    ) -> None:
         client = dict(extra or {})
         if states:  # DeepSpeed keeps client state as its saving rank gave it
             client[ENGINE_STATES] = states
@@ -313,8 +334,11 @@ class Checkpointer:
             try:
                 pointer.write(self.directory, newest_name)
             except OSError as exc:  # the step is saved; restore never needs the pointer
-                warnings.warn(f"{self.directory}: could not update {pointer.NAME} to {newest_name} "
-                              f"({exc.strerror}); restore lists the folder instead", stacklevel=4)
+                warnings.warn(
+                    f"{self.directory}: could not update {pointer.NAME} to {newest_name} "
+                    f"({exc.strerror}); restore lists the folder instead",
+                    stacklevel=4,
+                )
 
     @staticmethod
     def _state_dict(model: Any, optimizer: Any) -> dict:
@@ -327,8 +351,9 @@ class Checkpointer:
 
     # ---- restoring -----------------------------------------------------------------------
 
-    def restore(self, model: Any, optimizer: Any = None, states: dict[str, Any] | None = None,
-                step: int | None = None) -> int | None:
+    def restore(
+        self, model: Any, optimizer: Any = None, states: dict[str, Any] | None = None, step: int | None = None
+    ) -> int | None:
         """Collective. Load the newest complete checkpoint (or that of `step`) at the current world
         size; its step, or None when there is none. `extra` then holds what save() was given;
         each of `states` gets its saved state_dict(); the random generators are put back when
@@ -355,8 +380,11 @@ class Checkpointer:
         if rng_doc is not None:
             rng.apply(rng_doc)
         elif rng_why is not None and self._group.is_root:
-            warnings.warn(f"{path}: step {found.step} {rng_why}; the random generators are left as they are",
-                          RngNotRestoredWarning, stacklevel=2)
+            warnings.warn(
+                f"{path}: step {found.step} {rng_why}; the random generators are left as they are",
+                RngNotRestoredWarning,
+                stacklevel=2,
+            )
         return found.step
 
     def _restore_torch(self, path: str, model: Any, optimizer: Any, states: dict[str, Any]) -> None:
@@ -397,6 +425,7 @@ class Checkpointer:
         back when the world size is the saved one; otherwise (or when the step has none) rank 0
         warns once and the generators stay. A rank whose file is refused makes every rank refuse
         it, at the same call (each rank reads only its own file)."""
+
         def saved_world() -> int | None:
             doc = rng.read(path, 0)
             return doc["world_size"] if doc is not None else None
@@ -428,8 +457,9 @@ class Checkpointer:
             found = self._complete(step, names.get(step, []))
             if found is None:
                 have = ", ".join(map(str, self.steps()[-8:])) or "none"
-                raise UsageError(f"{self.directory}: has no complete checkpoint of step {step} (complete steps, "
-                                 f"newest last: {have})")
+                raise UsageError(
+                    f"{self.directory}: has no complete checkpoint of step {step} (complete steps, newest last: {have})"
+                )
             return found, []
         latest = pointer.read(self.directory)
         newest = max(names, default=None)
@@ -470,8 +500,7 @@ class Checkpointer:
             from ..formats.deepspeed.reader import DS_KEYS, STRUCTURAL_KEYS
 
             # DeepSpeed hands back every entry it does not know as client state; keep the user's
-            self.extra = {k: v for k, v in dict(client or {}).items()
-                          if k not in DS_KEYS and k not in STRUCTURAL_KEYS}
+            self.extra = {k: v for k, v in dict(client or {}).items() if k not in DS_KEYS and k not in STRUCTURAL_KEYS}
             saved = self.extra.pop(ENGINE_STATES, None) or {}
             _check_states(load_from, states, saved)
             for k, obj in states.items():
@@ -511,8 +540,10 @@ def _check_step(step: Any) -> None:
 def _check_model(model: Any) -> None:
     """What save and restore take as `model` (docs/hooks.md): a torch module or a DeepSpeed engine."""
     if not (_is_engine(model) or isinstance(model, torch.nn.Module)):
-        raise UsageError(f"model must be a torch.nn.Module (plain, DDP or FSDP2) or a DeepSpeed engine "
-                         f"(got {type(model).__name__}); a state dict is saved with ckptkit.save")
+        raise UsageError(
+            f"model must be a torch.nn.Module (plain, DDP or FSDP2) or a DeepSpeed engine "
+            f"(got {type(model).__name__}); a state dict is saved with ckptkit.save"
+        )
 
 
 def _make_folder(directory: str) -> None:
@@ -520,10 +551,16 @@ def _make_folder(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as exc:
-        what = ("is a file, not a folder" if os.path.isfile(directory) else "is not a folder"
-                if os.path.lexists(directory) else "has a file where one of its parent folders should be")
-        raise OutputError(f"{directory}: {what}; the Checkpointer keeps its steps in a folder "
-                          f"({exc.strerror})") from None
+        what = (
+            "is a file, not a folder"
+            if os.path.isfile(directory)
+            else "is not a folder"
+            if os.path.lexists(directory)
+            else "has a file where one of its parent folders should be"
+        )
+        raise OutputError(
+            f"{directory}: {what}; the Checkpointer keeps its steps in a folder ({exc.strerror})"
+        ) from None
     except OSError as exc:
         raise OutputError(f"{directory}: cannot create the checkpoint folder ({exc.strerror})") from None
 
@@ -543,8 +580,12 @@ def _warn_skipped(directory: str, found: Folder | None, skipped: list[Folder]) -
     shown = "; ".join(f"{f.name} {f.why}" for f in skipped[:SHOWN])
     more = f"; and {len(skipped) - SHOWN} more" if len(skipped) > SHOWN else ""
     took = f"restoring step {found.step} from {found.name}" if found else "no complete checkpoint, a fresh start"
-    warnings.warn(f"{directory}: skipped {len(skipped)} folder(s) named like steps that are not complete "
-                  f"checkpoints: {shown}{more}; {took}", SkippedStepsWarning, stacklevel=3)
+    warnings.warn(
+        f"{directory}: skipped {len(skipped)} folder(s) named like steps that are not complete "
+        f"checkpoints: {shown}{more}; {took}",
+        SkippedStepsWarning,
+        stacklevel=3,
+    )
 
 
 def _stage(obj: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
@@ -566,8 +607,9 @@ def _stage(obj: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list
         prior = old[k] if k < len(old) else None
         pinned = t.is_cuda
         laid_out = prior is not None and (prior.is_contiguous() if pinned else prior.stride() == t.stride())
-        if prior is not None and not (laid_out and prior.shape == t.shape and prior.dtype == t.dtype
-                                      and prior.is_pinned() == pinned):
+        if prior is not None and not (
+            laid_out and prior.shape == t.shape and prior.dtype == t.dtype and prior.is_pinned() == pinned
+        ):
             prior = None  # (laid out as the new memory would be: empty() for a GPU's, a clone of `t`)
         if t.is_cuda:
             cuda_seen.append(True)
@@ -579,8 +621,14 @@ def _stage(obj: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list
 
     def visit(v: Any) -> Any:
         if isinstance(v, DTensor):
-            return DTensor.from_local(copy_tensor(v.to_local()), v.device_mesh, v.placements, run_check=False,
-                                      shape=v.shape, stride=v.stride())
+            return DTensor.from_local(
+                copy_tensor(v.to_local()),
+                v.device_mesh,
+                v.placements,
+                run_check=False,
+                shape=v.shape,
+                stride=v.stride(),
+            )
         if isinstance(v, torch.Tensor):
             return copy_tensor(v)
         if isinstance(v, dict):

@@ -6,6 +6,7 @@ found as for saves (framework_errors: a ckptkit error or an OSError, returned as
 planner refusals of a state dict against the checkpoint (a key the checkpoint lacks, a shape that
 differs) are worded as ckptkit.load words them.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,8 +15,11 @@ from ..errors import CkptkitError, FormatError, name_of
 from ..framework_errors import failures_of, framework_cause
 
 _MISSING = re.compile(r"^Missing key in checkpoint state_dict: (?P<key>.*)\.$", re.S)
-_SIZE = re.compile(r"^Size mismatch between saved (?P<saved>torch\.Size\(\[.*?\]\)) and current: "
-                   r"(?P<current>torch\.Size\(\[.*?\]\)) for (?P<key>.*)$", re.S)
+_SIZE = re.compile(
+    r"^Size mismatch between saved (?P<saved>torch\.Size\(\[.*?\]\)) and current: "
+    r"(?P<current>torch\.Size\(\[.*?\]\)) for (?P<key>.*)$",
+    re.S,
+)
 
 
 def unwrap_exception(exc: BaseException, path: str, tensors: list[str]) -> BaseException:
@@ -37,15 +41,18 @@ def _worded(exc: BaseException, path: str, tensors: list[str]) -> CkptkitError |
     missing = _MISSING.match(text)
     if missing:
         sample = ", ".join(name_of(k) for k in tensors[:3])
-        return FormatError(f"{path}: has no {name_of(missing['key'])} (the checkpoint holds {len(tensors)} "
-                           f"tensors, e.g. {sample})")
+        return FormatError(
+            f"{path}: has no {name_of(missing['key'])} (the checkpoint holds {len(tensors)} tensors, e.g. {sample})"
+        )
     size = _SIZE.match(text)
     if size:
-        return FormatError(f"{path}: {name_of(size['key'])} has shape {_dims(size['saved'])} in the checkpoint, "
-                           f"the state dict expects {_dims(size['current'])}")
+        return FormatError(
+            f"{path}: {name_of(size['key'])} has shape {_dims(size['saved'])} in the checkpoint, "
+            f"the state dict expects {_dims(size['current'])}"
+        )
     return None
 
 
 def _dims(size_text: str) -> str:
     """`torch.Size([3, 4])` as `[3, 4]`, the way ckptkit.load writes shapes."""
-    return size_text[len("torch.Size("):-1]
+    return size_text[len("torch.Size(") : -1]

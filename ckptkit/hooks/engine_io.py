@@ -4,6 +4,7 @@ torch.save's zip writer turns a failed write (EFBIG, ENOSPC, EIO) into a Runtime
 the OSError only as its context, and DeepSpeed passes it on: here the OSError is raised instead,
 so the Checkpointer's output words it in one sentence and commits nothing (framework_errors.py).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,13 +28,15 @@ def load(engine: Any, path: str, step: int) -> tuple[Any, Any]:
     """engine.load_checkpoint of `step`, optimizer and scheduler included; a system error it met
     is one sentence naming the checkpoint."""
     try:
-        return engine.load_checkpoint(path, tag=f"global_step{step}", load_optimizer_states=True,
-                                      load_lr_scheduler_states=True)
+        return engine.load_checkpoint(
+            path, tag=f"global_step{step}", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     except Exception as exc:
         cause = framework_cause(exc)
         if isinstance(cause, OSError):
-            raise CkptkitError(f"{path}: {cause.strerror or cause} while DeepSpeed's load_checkpoint read "
-                               f"step {step}") from None
+            raise CkptkitError(
+                f"{path}: {cause.strerror or cause} while DeepSpeed's load_checkpoint read step {step}"
+            ) from None
         if cause is exc:
             raise
         raise cause from None

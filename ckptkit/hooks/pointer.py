@@ -4,6 +4,7 @@ last, after the commit and retention, atomically (temporary file, fsync, rename,
 folder), so other tools can find the newest step without listing the folder. ckptkit itself
 trusts it only when it names a complete step and no newer folder is there (see restore). It is
 read in formats/step_folders.py (`read` here), where run folders read it too."""
+
 from __future__ import annotations
 
 import os

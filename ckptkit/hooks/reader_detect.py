@@ -4,6 +4,7 @@ torch picks a StorageReader by asking each candidate's `validate_checkpoint_id(p
 must be cheap (it runs before any load) and must never raise. Nothing here indexes or unpickles:
 a folder is looked at by its listing (and a few small headers), a file by its first bytes.
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@ replace the two containers. An optimizer state dict flattened by torch
 (`flatten_optimizer_state_dict=True`, torchtitan's) names each group's values per parameter,
 `param_groups.<fqn>.<hyper>`: those names are shown too, each reading its group's value.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,10 @@ _GROUP = re.compile(r"^optim\.param_groups\.(\d+)\.(.+)$")
 def check_prefix(option: str, prefix: object) -> str:
     """A container prefix: "" (top level) or names ending with a dot."""
     if not isinstance(prefix, str) or (prefix and (not prefix.endswith(".") or prefix.startswith("."))):
-        raise UsageError(f"ckptkit.StorageReader: {option}={prefix!r} must be '' (top level) or a name ending "
-                         f"with '.' (e.g. 'model.')")
+        raise UsageError(
+            f"ckptkit.StorageReader: {option}={prefix!r} must be '' (top level) or a name ending "
+            f"with '.' (e.g. 'model.')"
+        )
     return prefix
 
 
@@ -39,7 +42,7 @@ def presented_names(index: CheckpointIndex, model_prefix: str = MODEL, optim_pre
         if group is None or group[2] == "params":
             continue
         params = index.objects.get(f"optim.param_groups.{group[1]}.params")
-        for fqn in (params.value if params is not None and isinstance(params.value, list) else ()):
+        for fqn in params.value if params is not None and isinstance(params.value, list) else ():
             if isinstance(fqn, str):
                 names.setdefault(f"{optim_prefix}param_groups.{fqn}.{group[2]}", key)
     return names
@@ -47,7 +50,7 @@ def presented_names(index: CheckpointIndex, model_prefix: str = MODEL, optim_pre
 
 def _renamed(key: str, model_prefix: str, optim_prefix: str) -> str:
     if key.startswith(MODEL):
-        return model_prefix + key[len(MODEL):]
+        return model_prefix + key[len(MODEL) :]
     if key.startswith(OPTIM):
-        return optim_prefix + key[len(OPTIM):]
+        return optim_prefix + key[len(OPTIM) :]
     return key

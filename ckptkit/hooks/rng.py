@@ -7,6 +7,7 @@ exactly as they were at save, so the next random draws are the ones an uninterru
 have made. That holds only for the same world size: the Checkpointer skips RNG restoring (with
 an RngNotRestoredWarning) when the size changed, since the ranks' streams no longer correspond.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,21 +36,31 @@ def capture(world_size: int, rank: int) -> dict:
     import torch
 
     version, words, gauss = random.getstate()
-    doc: dict[str, Any] = {"version": VERSION, "world_size": world_size, "rank": rank,
-                           "python": {"version": version, "state": list(words), "gauss": gauss},
-                           "torch": torch.get_rng_state().numpy().tobytes().hex()}
+    doc: dict[str, Any] = {
+        "version": VERSION,
+        "world_size": world_size,
+        "rank": rank,
+        "python": {"version": version, "state": list(words), "gauss": gauss},
+        "torch": torch.get_rng_state().numpy().tobytes().hex(),
+    }
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy comes with torch
         np = None
     if np is not None:
         st = np.random.get_state(legacy=False)
-        doc["numpy"] = {"bit_generator": st["bit_generator"], "key": [int(k) for k in st["state"]["key"]],
-                        "pos": int(st["state"]["pos"]), "has_gauss": int(st["has_gauss"]),
-                        "gauss": float(st["gauss"])}
+        doc["numpy"] = {
+            "bit_generator": st["bit_generator"],
+            "key": [int(k) for k in st["state"]["key"]],
+            "pos": int(st["state"]["pos"]),
+            "has_gauss": int(st["has_gauss"]),
+            "gauss": float(st["gauss"]),
+        }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        doc["cuda"] = {"device": torch.cuda.current_device(),
-                       "state": torch.cuda.get_rng_state().numpy().tobytes().hex()}
+        doc["cuda"] = {
+            "device": torch.cuda.current_device(),
+            "state": torch.cuda.get_rng_state().numpy().tobytes().hex(),
+        }
     return doc
 
 
@@ -83,8 +94,16 @@ def read(folder: str, rank: int) -> dict | None:
     try:
         doc = json.loads(raw.decode("utf-8"))
         _check(doc, rank)
-    except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError, OverflowError, RuntimeError,
-            RecursionError) as exc:  # what json and the generators' own setters raise for a bad state
+    except (
+        ValueError,
+        UnicodeDecodeError,
+        TypeError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RuntimeError,
+        RecursionError,
+    ) as exc:  # what json and the generators' own setters raise for a bad state
         raise FormatError(f"{path}: is not a ckptkit RNG state ({quote(str(exc)[:120])})") from None
     return doc
 
@@ -140,8 +159,12 @@ def _numpy_state(n: Any) -> dict:
         raise ValueError(f"numpy pos is not a position in its key of {len(key)} words")
     if n["has_gauss"] not in (0, 1) or type(n["has_gauss"]) is not int or type(n["gauss"]) is not float:
         raise ValueError("numpy has_gauss is not 0 or 1 with a float gauss")
-    return {"bit_generator": n["bit_generator"], "state": {"key": np.array(key, dtype=np.uint32), "pos": pos},
-            "has_gauss": n["has_gauss"], "gauss": n["gauss"]}
+    return {
+        "bit_generator": n["bit_generator"],
+        "state": {"key": np.array(key, dtype=np.uint32), "pos": pos},
+        "has_gauss": n["has_gauss"],
+        "gauss": n["gauss"],
+    }
 
 
 def apply(doc: dict) -> None:

@@ -3,6 +3,7 @@ given, tensors included) and `states` (each named object's state_dict(), one per
 back as nested values from the checkpoint's index. Before a step is written, every value that
 is no tensor is checked to be one the restricted loader gives back (`check_restorable`): a step
 restore would refuse must never be committed, or retention could delete the restorable ones."""
+
 from __future__ import annotations
 
 import io
@@ -21,8 +22,11 @@ def rank_key(rank: int) -> str:
 
 def has_prefix(index: CheckpointIndex, prefix: tuple[str, ...]) -> bool:
     n = len(prefix)
-    return any(path_of(e.path, e.key)[:n] == prefix
-               for entries in (index.tensors.values(), index.objects.values()) for e in entries)
+    return any(
+        path_of(e.path, e.key)[:n] == prefix
+        for entries in (index.tensors.values(), index.objects.values())
+        for e in entries
+    )
 
 
 def template(index: CheckpointIndex, prefix: tuple[str, ...]) -> dict | None:
@@ -72,13 +76,16 @@ def check_restorable(leaves: list[tuple[Path, Any]]) -> None:
         try:
             torch.save(value, buf)
         except Exception as exc:  # pickling runs user code (__reduce__): any error is the value's
-            raise UsageError(f"{name}: a {type(value).__name__} cannot be saved ({_first_line(exc)}); "
-                             f"{_HOLD}") from None
+            raise UsageError(
+                f"{name}: a {type(value).__name__} cannot be saved ({_first_line(exc)}); {_HOLD}"
+            ) from None
         try:
             load_bytes_archive(buf.getvalue(), name)
         except CkptkitError as exc:
-            raise UsageError(f"{name}: a {type(value).__name__} would be saved that restore refuses "
-                             f"({_first_line(exc).removeprefix(name + ': ')}); {_HOLD}") from None
+            raise UsageError(
+                f"{name}: a {type(value).__name__} would be saved that restore refuses "
+                f"({_first_line(exc).removeprefix(name + ': ')}); {_HOLD}"
+            ) from None
 
 
 def _first_line(exc: BaseException) -> str:

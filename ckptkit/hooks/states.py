@@ -5,16 +5,19 @@ that keeps its position, a counter). torch's own DataLoader has neither: its pos
 iterator it does not expose, so it is refused with what to pass instead, never saved as if it
 could be resumed.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from ..errors import FormatError, UsageError
 
-DATALOADER_WHY = ("torch's DataLoader has no state_dict() and load_state_dict(): its position is in an iterator "
-                  "it does not expose, so it cannot be resumed; pass torchdata's StatefulDataLoader (a drop-in "
-                  "replacement that saves its position, sampler and generator), or a sampler that keeps its "
-                  "own position (state_dict()/load_state_dict()) under its own name")
+DATALOADER_WHY = (
+    "torch's DataLoader has no state_dict() and load_state_dict(): its position is in an iterator "
+    "it does not expose, so it cannot be resumed; pass torchdata's StatefulDataLoader (a drop-in "
+    "replacement that saves its position, sampler and generator), or a sampler that keeps its "
+    "own position (state_dict()/load_state_dict()) under its own name"
+)
 
 
 def _is_torch_dataloader(obj: Any) -> bool:
@@ -61,9 +64,11 @@ def refuse_other_keys(value: Any, where: str) -> None:
         if isinstance(item, dict):
             for key, inner in item.items():
                 if not isinstance(key, str):
-                    raise UsageError(f"{at}: key {key!r:.60} is a {type(key).__name__}; a checkpoint's "
-                                     f"dict keys must be str (DCP joins them into dotted names, so restore "
-                                     f"would give back {str(key)!r:.60})")
+                    raise UsageError(
+                        f"{at}: key {key!r:.60} is a {type(key).__name__}; a checkpoint's "
+                        f"dict keys must be str (DCP joins them into dotted names, so restore "
+                        f"would give back {str(key)!r:.60})"
+                    )
                 stack.append((inner, f"{at}[{key!r:.60}]"))
         elif isinstance(item, (list, tuple)):
             stack.extend((inner, f"{at}[{i}]") for i, inner in enumerate(item))

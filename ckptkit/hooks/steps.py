@@ -3,6 +3,7 @@ last, and two complete folders of one step as an error. Which folders count is r
 formats/step_folders.py (run folders read Checkpointer directories too); `examine` here opens a
 folder without a marker through the registry.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,18 @@ from ..errors import CkptkitError
 from ..formats import step_folders
 from ..formats.step_folders import MARKER, Folder, scan, step_of
 
-__all__ = ["MARKER", "DuplicateStepError", "Folder", "default_name", "duplicate_error", "examine", "fsync_dir",
-           "scan", "step_of", "write_marker"]
+__all__ = [
+    "MARKER",
+    "DuplicateStepError",
+    "Folder",
+    "default_name",
+    "duplicate_error",
+    "examine",
+    "fsync_dir",
+    "scan",
+    "step_of",
+    "write_marker",
+]
 
 
 class DuplicateStepError(CkptkitError):
@@ -35,8 +46,10 @@ def examine(directory: str, name: str, step: int, verify_unmarked: bool = True) 
 
 
 def duplicate_error(directory: str, step: int, names: list[str]) -> DuplicateStepError:
-    return DuplicateStepError(f"{directory}: step {step} is saved twice, in {' and '.join(names)} (both complete "
-                              f"checkpoints); remove or rename one of them")
+    return DuplicateStepError(
+        f"{directory}: step {step} is saved twice, in {' and '.join(names)} (both complete "
+        f"checkpoints); remove or rename one of them"
+    )
 
 
 def write_marker(folder: str, step: int, fmt: str, world_size: int) -> None:
@@ -52,8 +65,13 @@ def write_marker(folder: str, step: int, fmt: str, world_size: int) -> None:
             st = os.lstat(full)
             if stat.S_ISREG(st.st_mode):
                 files[rel] = st.st_size
-    doc = {"ckptkit": _version(), "step": step, "format": fmt, "world_size": world_size,
-           "files": dict(sorted(files.items()))}
+    doc = {
+        "ckptkit": _version(),
+        "step": step,
+        "format": fmt,
+        "world_size": world_size,
+        "files": dict(sorted(files.items())),
+    }
     tmp = os.path.join(folder, f"{MARKER}.tmp-{uuid.uuid4().hex[:8]}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -78,5 +96,3 @@ def _version() -> str:
         return version("ckptkit")
     except PackageNotFoundError:
         return "unknown"
-
-

@@ -14,6 +14,7 @@ collectives: a bad checkpoint is ckptkit's own error on every rank, not a Checkp
 An error inside `dcp.load` (a file that changed since, a key the checkpoint lacks) is wrapped by
 torch; `unwrap` turns it back into ckptkit's sentence, and `load` does so itself.
 """
+
 from __future__ import annotations
 
 import io
@@ -23,14 +24,20 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from ..api import _loadable
 from ..convert.names import KeyRules
-from ..errors import FormatError, UsageError
+from ..errors import FormatError
 from ..index.dtypes import torch_dtype
 from ..index.types import Box, CheckpointIndex, TensorEntry
 from .dcp_errors import unwrap_exception
@@ -51,9 +58,18 @@ class StorageReader(dcp.StorageReader):
     "optimizer."); `tag` picks a DeepSpeed tag; `follow_links` lets a local checkpoint's links
     lead outside it (docs/integrations.md)."""
 
-    def __init__(self, path: str | os.PathLike, *, tag: str | None = None, follow_links: bool | None = None,
-                 strip_prefix: str | tuple[str, ...] | list[str] = (), rename: str | tuple[str, ...] | list[str] = (),
-                 add_prefix: str = "", model_prefix: str = MODEL, optim_prefix: str = OPTIM) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        tag: str | None = None,
+        follow_links: bool | None = None,
+        strip_prefix: str | tuple[str, ...] | list[str] = (),
+        rename: str | tuple[str, ...] | list[str] = (),
+        add_prefix: str = "",
+        model_prefix: str = MODEL,
+        optim_prefix: str = OPTIM,
+    ) -> None:
         super().__init__()
         self.model_prefix = check_prefix("model_prefix", model_prefix)
         self.optim_prefix = check_prefix("optim_prefix", optim_prefix)
@@ -163,8 +179,10 @@ class StorageReader(dcp.StorageReader):
         box = Box(tuple(item.storage_offsets), tuple(item.lengths))
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != box.sizes:
-            raise FormatError(f"{self.path}: {key}: the state dict's region has shape {list(target.shape)}, "
-                              f"the checkpoint's {list(box.sizes)}")
+            raise FormatError(
+                f"{self.path}: {key}: the state dict's region has shape {list(target.shape)}, "
+                f"the checkpoint's {list(box.sizes)}"
+            )
         fill(target, entry, box, self.fetcher)
         planner.commit_tensor(item, target)
 
@@ -191,8 +209,11 @@ def metadata_of(index: CheckpointIndex, names: dict[str, str]) -> Metadata:
             md[name] = BytesStorageMetadata()
             continue
         shape = torch.Size(entry.shape)
-        md[name] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)), shape,
-                                         [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
+        md[name] = TensorStorageMetadata(
+            TensorProperties(dtype=torch_dtype(entry.dtype)),
+            shape,
+            [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
+        )
     return Metadata(state_dict_metadata=md)
 
 

@@ -14,12 +14,13 @@ from the tensor grows with fragments. Here:
   sweep (every grid, bands of differently cut rows, mixed column/row groups), and bounded by
   n * slabs for the rest.
 """
+
 from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
 
-Span = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes) of an in-bounds, non-empty box
+Span = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of an in-bounds, non-empty box
 
 
 def is_grid_tiling(shape: tuple[int, ...], boxes: list[Span]) -> bool:
@@ -76,8 +77,11 @@ class Sweep:
             return
         d = _cheapest(boxes, dims) if len(dims) > 1 else dims[0]
         rest = tuple(x for x in dims if x != d)
-        edges = sorted({lo[d], hi[d]} | {max(lo[d], min(hi[d], o[d])) for o, _ in boxes}
-                       | {max(lo[d], min(hi[d], o[d] + s[d])) for o, s in boxes})
+        edges = sorted(
+            {lo[d], hi[d]}
+            | {max(lo[d], min(hi[d], o[d])) for o, _ in boxes}
+            | {max(lo[d], min(hi[d], o[d] + s[d])) for o, s in boxes}
+        )
         starts = sorted(range(len(boxes)), key=lambda i: boxes[i][0][d])
         ends = sorted(range(len(boxes)), key=lambda i: boxes[i][0][d] + boxes[i][1][d])
         active: dict[int, Span] = {}
@@ -106,9 +110,9 @@ class Sweep:
         cur_lo, cur_hi = list(lo), list(hi)
         for d in range(len(lo)):
             if ilo[d] > cur_lo[d]:
-                self._missing(tuple(cur_lo), tuple(cur_hi[:d] + [ilo[d]] + cur_hi[d + 1:]))
+                self._missing(tuple(cur_lo), tuple(cur_hi[:d] + [ilo[d]] + cur_hi[d + 1 :]))
             if ihi[d] < cur_hi[d]:
-                self._missing(tuple(cur_lo[:d] + [ihi[d]] + cur_lo[d + 1:]), tuple(cur_hi))
+                self._missing(tuple(cur_lo[:d] + [ihi[d]] + cur_lo[d + 1 :]), tuple(cur_hi))
             cur_lo[d], cur_hi[d] = ilo[d], ihi[d]
 
     def _missing(self, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
@@ -139,9 +143,8 @@ def _cheapest(boxes: list[Span], dims: tuple[int, ...]) -> int:
 
 
 def _clip(offs: tuple[int, ...], sizes: tuple[int, ...], lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple:
-    return (tuple(max(o, l_) for o, l_ in zip(offs, lo)),
-            tuple(min(o + s, h) for o, s, h in zip(offs, sizes, hi)))
+    return (tuple(max(o, l_) for o, l_ in zip(offs, lo)), tuple(min(o + s, h) for o, s, h in zip(offs, sizes, hi)))
 
 
 def _with(t: tuple[int, ...], d: int, x: int) -> tuple[int, ...]:
-    return t[:d] + (x,) + t[d + 1:]
+    return t[:d] + (x,) + t[d + 1 :]

@@ -4,6 +4,7 @@ Mappings always recurse (keys become strings); lists recurse only when they hold
 non-terminal containers; tuples and everything else are leaves. The key is ".".join(path).
 Nesting is rebuilt from the path, never by splitting keys on ".".
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -4,6 +4,7 @@ Everything reduces to boxes: a range of the row-major flattening decomposes into
 2*ndim+1 boxes, each of which is itself contiguous in that flattening. So the planner and the
 coverage check only ever intersect boxes.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import cover
-from .strides import row_major_strides, strided_span
+from .strides import row_major_strides as row_major_strides  # re-exported: the planner asks geometry
+from .strides import strided_span
 from .types import Box, FlatRange, Region
 
 
@@ -32,8 +34,9 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def contains(outer: Box, inner: Box) -> bool:
-    return all(o <= i and i + s <= o + os_ for o, os_, i, s in
-               zip(outer.offsets, outer.sizes, inner.offsets, inner.sizes))
+    return all(
+        o <= i and i + s <= o + os_ for o, os_, i, s in zip(outer.offsets, outer.sizes, inner.offsets, inner.sizes)
+    )
 
 
 def flat_to_boxes(fr: FlatRange, shape: tuple[int, ...]) -> list[tuple[Box, int]]:
@@ -60,8 +63,9 @@ def flat_to_boxes(fr: FlatRange, shape: tuple[int, ...]) -> list[tuple[Box, int]
             return
         first_row, last_row = start // inner, (end - 1) // inner
         if start % inner == 0 and end % inner == 0:
-            out.append((_box(prefix, (first_row,) + (0,) * (len(dims) - 1),
-                             (last_row - first_row + 1,) + dims[1:], shape), 0))
+            out.append(
+                (_box(prefix, (first_row,) + (0,) * (len(dims) - 1), (last_row - first_row + 1,) + dims[1:], shape), 0)
+            )
             return
         if first_row == last_row:
             rec(start - first_row * inner, end - first_row * inner, dims[1:], prefix + (first_row,))
@@ -70,8 +74,7 @@ def flat_to_boxes(fr: FlatRange, shape: tuple[int, ...]) -> list[tuple[Box, int]
         rec(start - first_row * inner, inner, dims[1:], prefix + (first_row,))
         mid_lo, mid_hi = first_row + 1, end // inner
         if mid_hi > mid_lo:
-            out.append((_box(prefix, (mid_lo,) + (0,) * (len(dims) - 1),
-                             (mid_hi - mid_lo,) + dims[1:], shape), 0))
+            out.append((_box(prefix, (mid_lo,) + (0,) * (len(dims) - 1), (mid_hi - mid_lo,) + dims[1:], shape), 0))
         tail_start = max(head_end, mid_hi * inner)
         if end > tail_start:
             rec(0, end - tail_start, dims[1:], prefix + (end // inner,))
@@ -85,8 +88,7 @@ def flat_to_boxes(fr: FlatRange, shape: tuple[int, ...]) -> list[tuple[Box, int]
     return result
 
 
-def _box(prefix: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
-         shape: tuple[int, ...]) -> Box:
+def _box(prefix: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> Box:
     return Box(prefix + offsets, (1,) * len(prefix) + sizes)
 
 
@@ -119,12 +121,12 @@ def subtract(a: Box, b: Box) -> list[Box]:
     for d in range(a.ndim):
         lo, hi = inter.offsets[d], inter.offsets[d] + inter.sizes[d]
         if lo > offs[d]:
-            pieces.append(Box(tuple(offs[:d] + [offs[d]] + offs[d + 1:]),
-                              tuple(sizes[:d] + [lo - offs[d]] + sizes[d + 1:])))
+            pieces.append(
+                Box(tuple(offs[:d] + [offs[d]] + offs[d + 1 :]), tuple(sizes[:d] + [lo - offs[d]] + sizes[d + 1 :]))
+            )
         end = offs[d] + sizes[d]
         if hi < end:
-            pieces.append(Box(tuple(offs[:d] + [hi] + offs[d + 1:]),
-                              tuple(sizes[:d] + [end - hi] + sizes[d + 1:])))
+            pieces.append(Box(tuple(offs[:d] + [hi] + offs[d + 1 :]), tuple(sizes[:d] + [end - hi] + sizes[d + 1 :])))
         offs[d], sizes[d] = lo, hi - lo
     return pieces
 
@@ -189,7 +191,7 @@ def _coverage_pairwise(shape: tuple[int, ...], boxes: list[Box], max_report: int
         order = sorted(boxes, key=lambda b: b.offsets[0])
         for i, a in enumerate(order):
             a_end = a.offsets[0] + a.sizes[0]
-            for b in order[i + 1:]:
+            for b in order[i + 1 :]:
                 if b.offsets[0] >= a_end:
                     break
                 inter = intersect(a, b)

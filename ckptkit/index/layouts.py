@@ -3,6 +3,7 @@
 Writers receive a Layout (a value) rather than ad-hoc arguments, so "FSDP2 at 3 ranks" or
 "whole tensors" is described once, here, and every format writes it the same way.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -20,6 +20,7 @@ every (dp_replicate, dp_shard, tp) that multiplies to the world size and keeps t
 which every tensor's chunks (boxes, and the rank files holding them) are what torch would write;
 `source_placements` then says for each tensor whether and on which dim tp splits it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ def _torch_chunk(indices: Sequence[int], k: int) -> list[Sequence[int]]:
     """torch.chunk's k pieces of `indices` (ceil-sized, empty pieces at the end)."""
     n = len(indices)
     step = -(-n // k) if n else 0
-    return [indices[i * step:(i + 1) * step] if step else indices[0:0] for i in range(k)]
+    return [indices[i * step : (i + 1) * step] if step else indices[0:0] for i in range(k)]
 
 
 def _torch_chunk_piece(indices: Sequence[int], k: int, i: int) -> Sequence[int]:
@@ -63,7 +64,7 @@ def _torch_chunk_piece(indices: Sequence[int], k: int, i: int) -> Sequence[int]:
     would otherwise cost ranks x ranks per tensor)."""
     n = len(indices)
     step = -(-n // k) if n else 0
-    return indices[i * step:(i + 1) * step] if step else indices[0:0]
+    return indices[i * step : (i + 1) * step] if step else indices[0:0]
 
 
 @lru_cache(maxsize=4096)
@@ -102,21 +103,25 @@ def local_box(shape: tuple[int, ...], mesh: MeshSpec, rank: int, placement: Plac
         if kind == "R" or len(shape) == 0:
             continue
         n, me = local[dim], coords[name]
-        idx: Sequence[int] = _strided_indices(n, size, me, split) if kind == "SS" else _torch_chunk_piece(range(n), size, me)
+        idx: Sequence[int] = (
+            _strided_indices(n, size, me, split) if kind == "SS" else _torch_chunk_piece(range(n), size, me)
+        )
         if len(idx) == 0:
             offsets[dim] = range(shape[dim], shape[dim] + 1)  # torch's offset of an empty shard
             local[dim] = 0
             continue
         prev = offsets.get(dim)
-        offsets[dim] = idx if prev is None else (prev[idx.start:idx.stop] if isinstance(idx, range)
-                                                 else [prev[i] for i in idx])
+        offsets[dim] = (
+            idx if prev is None else (prev[idx.start : idx.stop] if isinstance(idx, range) else [prev[i] for i in idx])
+        )
         local[dim] = len(idx)
     starts = [0] * len(shape)
     for dim, idx in offsets.items():
         starts[dim] = idx[0]
         if local[dim] and idx[-1] - idx[0] + 1 != local[dim]:
-            raise UnsupportedError(f"{key}: on {mesh} rank {rank} holds rows that are not contiguous, which "
-                                   f"DCP cannot record as one chunk")
+            raise UnsupportedError(
+                f"{key}: on {mesh} rank {rank} holds rows that are not contiguous, which DCP cannot record as one chunk"
+            )
     return Box(tuple(starts), tuple(local))
 
 
@@ -156,8 +161,9 @@ class _Item:
     size: int
 
 
-def dedup_owners(plans: list[list[_Item]], planned: list[int] | None = None
-                 ) -> dict[tuple[str, tuple[int, ...] | None], int]:
+def dedup_owners(
+    plans: list[list[_Item]], planned: list[int] | None = None
+) -> dict[tuple[str, tuple[int, ...] | None], int]:
     """dedup_save_plans(save_to_lowest_rank=False): each item to the holder with the smallest
     planned storage so far (ties: the first in the set's order, as torch's `min` over a set of
     ranks), items visited in first-appearance order (rank 0's plan first). `planned`: each rank's
@@ -194,8 +200,13 @@ def param_name(key: str, index: CheckpointIndex) -> str | None:
     return None
 
 
-def mesh_layout(index: CheckpointIndex, mesh: MeshSpec, placements: dict[str, Placement],
-                order: Sequence[str], late: Callable[[str], bool] | None = None) -> Layout:
+def mesh_layout(
+    index: CheckpointIndex,
+    mesh: MeshSpec,
+    placements: dict[str, Placement],
+    order: Sequence[str],
+    late: Callable[[str], bool] | None = None,
+) -> Layout:
     """Each tensor's chunks on `mesh`, each in the rank file torch's planner puts it in; each
     value (bytes item) on the rank torch puts it. `order` is the state dict's flattened key order
     (tensors and values), which is the order torch's planner visits items in.
@@ -232,8 +243,7 @@ def mesh_layout(index: CheckpointIndex, mesh: MeshSpec, placements: dict[str, Pl
                     plan.append(_Item(key, None, 0))
             plans.append(plan)
         owners.update(dedup_owners(plans, planned))
-    layout = Layout(mesh.world_size, description=f"DCP on {mesh}", object_ranks={}, exact_chunks=True,
-                    key_order=keys)
+    layout = Layout(mesh.world_size, description=f"DCP on {mesh}", object_ranks={}, exact_chunks=True, key_order=keys)
     for key in keys:
         if key in index.objects:
             layout.object_ranks[key] = owners[(key, None)]
@@ -258,8 +268,10 @@ def check_mesh(mesh: MeshSpec) -> None:
     """FSDP2 + TP as torchtitan builds it: dims in the order dp_replicate, dp_shard, tp."""
     ranks = [MESH_DIMS.index(n) for n in mesh.names]
     if ranks != sorted(ranks):
-        raise UsageError(f"{mesh}: give the mesh dimensions in the order {', '.join(MESH_DIMS)} "
-                         f"(the order torchtitan's init_device_mesh uses)")
+        raise UsageError(
+            f"{mesh}: give the mesh dimensions in the order {', '.join(MESH_DIMS)} "
+            f"(the order torchtitan's init_device_mesh uses)"
+        )
 
 
 # ------------------------------------------------------------------ placements: source and target
@@ -300,8 +312,11 @@ def _fits(entry: TensorEntry, mesh: MeshSpec, placement: Placement) -> bool:
 
 
 def _candidates(entry: TensorEntry, mesh: MeshSpec) -> list[Placement]:
-    options = [PLAIN] if len(entry.shape) == 0 else [Placement(True, None)] + [
-        Placement(True, d) for d in range(len(entry.shape))] + [PLAIN]
+    options = (
+        [PLAIN]
+        if len(entry.shape) == 0
+        else [Placement(True, None)] + [Placement(True, d) for d in range(len(entry.shape))] + [PLAIN]
+    )
     if mesh.size("tp") == 1:
         options = [p for p in options if p.tp_dim is None]
     try:
@@ -367,8 +382,10 @@ def infer_source_mesh(index: CheckpointIndex) -> tuple[MeshSpec, dict[str, Place
             placements = source_placements(index, mesh)
             if placements is not None:
                 return mesh, placements
-    raise UnsupportedError(f"{index.root}: its chunks are not what FSDP2/HSDP/TP on any (dp_replicate, dp_shard, "
-                           f"tp) mesh of {world} ranks writes; give the source mesh with --from mesh=...")
+    raise UnsupportedError(
+        f"{index.root}: its chunks are not what FSDP2/HSDP/TP on any (dp_replicate, dp_shard, "
+        f"tp) mesh of {world} ranks writes; give the source mesh with --from mesh=..."
+    )
 
 
 def _divisors(n: int) -> Iterable[int]:
@@ -382,21 +399,29 @@ def placements_by_role(index: CheckpointIndex) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
     for name, keys in _groups(index).items():
         is_param = not name.startswith("\0") and (
-            any(k.startswith(OPTIM_STATE) for k in keys) or any(len(index.tensors[k].pieces) > 1 for k in keys))
+            any(k.startswith(OPTIM_STATE) for k in keys) or any(len(index.tensors[k].pieces) > 1 for k in keys)
+        )
         for key in keys:
             out[key] = Placement(True, None) if is_param and index.tensors[key].shape else PLAIN
     return out
 
 
-def target_placements(index: CheckpointIndex, source: dict[str, Placement], source_mesh: MeshSpec,
-                      target: MeshSpec, tp_dim_for: Callable[[str, tuple[int, ...]], int | None] | None) -> dict[str, Placement]:
+def target_placements(
+    index: CheckpointIndex,
+    source: dict[str, Placement],
+    source_mesh: MeshSpec,
+    target: MeshSpec,
+    tp_dim_for: Callable[[str, tuple[int, ...]], int | None] | None,
+) -> dict[str, Placement]:
     """The target's placements: the source's where the source had tp; where it had none and the
     target has tp, `tp_dim_for(parameter name, shape)` (split rules) decides for each parameter."""
     if target.size("tp") == 1 or source_mesh.size("tp") > 1:
         return dict(source)
     if tp_dim_for is None:
-        raise UnsupportedError(f"{index.root}: was saved without tensor parallelism, so nothing in it says how tp "
-                               f"splits each tensor for {target}; give --tp-rules FILE")
+        raise UnsupportedError(
+            f"{index.root}: was saved without tensor parallelism, so nothing in it says how tp "
+            f"splits each tensor for {target}; give --tp-rules FILE"
+        )
     out = {}
     for key, p in source.items():
         name = param_name(key, index)
@@ -428,7 +453,7 @@ def annotate(index: CheckpointIndex) -> MeshSpec | None:
         return None
     if tp > 1:
         index.metadata["parallel"] = {"tp": tp, "dp": found.size("dp_replicate") * found.size("dp_shard")}
-    index.metadata["mesh"] = str(found)[len("mesh="):]
+    index.metadata["mesh"] = str(found)[len("mesh=") :]
     if tp > 1:
         for key, p in placements.items():
             if p.param:
@@ -454,7 +479,12 @@ def _plain_fsdp2(index: CheckpointIndex, world: int) -> bool:
             if not region.numel:
                 continue
             rank = _owner_rank(entry, i)
-            if rank is None or region.offsets[0] != rank * step or region.sizes[0] != min(step, d0 - rank * step) \
-                    or any(region.offsets[1:]) or region.sizes[1:] != shape[1:]:
+            if (
+                rank is None
+                or region.offsets[0] != rank * step
+                or region.sizes[0] != min(step, d0 - rank * step)
+                or any(region.offsets[1:])
+                or region.sizes[1:] != shape[1:]
+            ):
                 return False
     return True

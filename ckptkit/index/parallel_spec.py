@@ -8,6 +8,7 @@ DeepSpeed's model-parallel sizes.
 
 The text is parsed once, here, into a typed value, so operations and writers never look at strings.
 """
+
 from __future__ import annotations
 
 import re
@@ -87,15 +88,17 @@ def parse_parallel(text: str | int, option: str = "--to") -> ParallelTarget:
     if re.fullmatch(r"[+-]?\d+", text):
         return _world(int(text), option)
     if text.startswith("mesh="):
-        return _checked(_mesh(text[len("mesh="):], option), option)
+        return _checked(_mesh(text[len("mesh=") :], option), option)
     return _checked(_sizes(text, option), option)
 
 
 def check_ranks(n: int, option: str) -> int:
     """`n` ranks, refused in one sentence beyond MAX_RANKS."""
     if n > MAX_RANKS:
-        raise UsageError(f"{option} asks for {n} ranks; ckptkit writes checkpoints for at most {MAX_RANKS} ranks "
-                         f"(one or more files each)")
+        raise UsageError(
+            f"{option} asks for {n} ranks; ckptkit writes checkpoints for at most {MAX_RANKS} ranks "
+            f"(one or more files each)"
+        )
     return n
 
 
@@ -108,8 +111,10 @@ MAX_MESH_RANKS = 1 << 16
 def check_mesh_ranks(mesh: "MeshSpec", option: str) -> "MeshSpec":
     """A target mesh of at most MAX_MESH_RANKS ranks (refused before anything is read or written)."""
     if mesh.world_size > MAX_MESH_RANKS:
-        raise UsageError(f"{option} {mesh} asks for {mesh.world_size} ranks; ckptkit lays out a device mesh of "
-                         f"at most {MAX_MESH_RANKS} ranks (its layout time and memory grow with the ranks)")
+        raise UsageError(
+            f"{option} {mesh} asks for {mesh.world_size} ranks; ckptkit lays out a device mesh of "
+            f"at most {MAX_MESH_RANKS} ranks (its layout time and memory grow with the ranks)"
+        )
     return mesh
 
 
@@ -121,8 +126,10 @@ MAX_DEEPSPEED_RANKS = 1 << 16
 def check_deepspeed_ranks(n: int, option: str) -> int:
     """A DeepSpeed target of at most MAX_DEEPSPEED_RANKS ranks (refused before anything is written)."""
     if n > MAX_DEEPSPEED_RANKS:
-        raise UsageError(f"{option} asks for {n} ranks; ckptkit writes DeepSpeed checkpoints for at most "
-                         f"{MAX_DEEPSPEED_RANKS} ranks (its time and memory grow with the ranks)")
+        raise UsageError(
+            f"{option} asks for {n} ranks; ckptkit writes DeepSpeed checkpoints for at most "
+            f"{MAX_DEEPSPEED_RANKS} ranks (its time and memory grow with the ranks)"
+        )
     return n
 
 
@@ -142,8 +149,10 @@ def _pairs(body: str, option: str, form: str) -> list[tuple[str, int]]:
     for part in body.split(","):
         m = _NAME_SIZE.match(part.strip())
         if not m:
-            raise UsageError(f"{option}: {part.strip()!r} is not name{form}size (expected e.g. {option} "
-                             f"mesh=dp_shard:4,tp:2, {option} tp=2,dp=4 or {option} 16)")
+            raise UsageError(
+                f"{option}: {part.strip()!r} is not name{form}size (expected e.g. {option} "
+                f"mesh=dp_shard:4,tp:2, {option} tp=2,dp=4 or {option} 16)"
+            )
         pairs.append((m.group(1), int(m.group(2))))
     names = [n for n, _ in pairs]
     dup = next((n for n in names if names.count(n) > 1), None)
@@ -161,8 +170,10 @@ def _mesh(body: str, option: str) -> MeshSpec:
     if unknown:
         raise UsageError(f"{option}: mesh dimension {unknown[0]!r} is not one of {', '.join(MESH_DIMS)}")
     if not any(n.startswith("dp_") for n, _ in pairs):
-        raise UsageError(f"{option}: a mesh needs dp_shard or dp_replicate (FSDP2 shards on the data-parallel "
-                         f"dimensions), e.g. mesh=dp_shard:4,tp:2")
+        raise UsageError(
+            f"{option}: a mesh needs dp_shard or dp_replicate (FSDP2 shards on the data-parallel "
+            f"dimensions), e.g. mesh=dp_shard:4,tp:2"
+        )
     return MeshSpec(tuple(pairs))
 
 
@@ -170,6 +181,8 @@ def _sizes(body: str, option: str) -> ParallelSizes:
     pairs = _pairs(body, option, "=")
     unknown = [n for n, _ in pairs if n not in PARALLEL_SIZES]
     if unknown:
-        raise UsageError(f"{option}: {unknown[0]!r} is not one of {', '.join(PARALLEL_SIZES)} (or give a world "
-                         f"size, or mesh=dim:size,...)")
+        raise UsageError(
+            f"{option}: {unknown[0]!r} is not one of {', '.join(PARALLEL_SIZES)} (or give a world "
+            f"size, or mesh=dim:size,...)"
+        )
     return ParallelSizes(**dict(pairs))

@@ -6,6 +6,7 @@ or item it can step over calls `tolerate()`, which records the problem (file, ke
 error's sentence) and lets the reader go on with the rest. Outside it, `tolerate()` returns False
 and the reader raises as before.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -13,8 +14,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..errors import (CkptkitError, MissingDependencyError, NotACheckpointError, UnsafePathError,
-                      UnsafePickleError, UnsupportedError)
+from ..errors import (
+    CkptkitError,
+    MissingDependencyError,
+    NotACheckpointError,
+    UnsafePathError,
+    UnsafePickleError,
+    UnsupportedError,
+)
 
 # The stable identifiers `verify --json` reports as "kind".
 MISSING_FILE = "missing_file"
@@ -29,8 +36,8 @@ UNSAFE_PICKLE = "unsafe_pickle"
 NOT_A_CHECKPOINT = "not_a_checkpoint"
 UNSUPPORTED = "unsupported"
 MISSING_DEPENDENCY = "missing_dependency"
-UNREADABLE = "unreadable"   # a tensor that cannot be assembled from its pieces (--deep)
-FORMAT = "format"           # any other malformed content
+UNREADABLE = "unreadable"  # a tensor that cannot be assembled from its pieces (--deep)
+FORMAT = "format"  # any other malformed content
 
 
 @dataclass(frozen=True)
@@ -50,11 +57,12 @@ class Problem:
 @dataclass
 class ProblemLog:
     problems: list[Problem] = field(default_factory=list)
-    damaged: set[str] = field(default_factory=set)   # keys whose pieces a recorded problem made unreadable
+    damaged: set[str] = field(default_factory=set)  # keys whose pieces a recorded problem made unreadable
 
     def add(self, problem: Problem) -> None:
-        if problem.kind == MISSING_FILE and any(p.kind == MISSING_FILE and p.file == problem.file
-                                                for p in self.problems):
+        if problem.kind == MISSING_FILE and any(
+            p.kind == MISSING_FILE and p.file == problem.file for p in self.problems
+        ):
             return  # a missing file is one problem, however many items it held
         self.problems.append(problem)
 
@@ -73,8 +81,9 @@ def collecting() -> Iterator[ProblemLog]:
         _LOG.reset(token)
 
 
-def tolerate(exc: CkptkitError, file: str, key: str | None = None, kind: str | None = None,
-             damaged: tuple[str, ...] = ()) -> bool:
+def tolerate(
+    exc: CkptkitError, file: str, key: str | None = None, kind: str | None = None, damaged: tuple[str, ...] = ()
+) -> bool:
     """Record `exc` when collecting (True: go on without that file or item); False: raise it.
     `damaged` names the keys the reader could not complete because of it."""
     log = _LOG.get()

@@ -3,6 +3,7 @@
 Objects are written as a safe, JSON-only representation of their value; reading the JSON back
 gives an index whose objects hold that representation, so JSON -> index -> JSON is stable.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,7 @@ from ..errors import FormatError, quote
 from ..lazy_torch import is_instance, is_tensor
 from ..safeload_inert import Inert
 from ..torch_types import DType, Size, SmallTensor
-from .types import (Box, CheckpointIndex, Encoding, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece,
-                    TensorEntry)
+from .types import Box, CheckpointIndex, Encoding, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece, TensorEntry
 
 SCHEMA = "ckptkit.index/1"
 
@@ -35,7 +35,7 @@ def safe_value(value: Any, depth: int = 0, left: list[int] | None = None) -> Any
         return {"__repr__": "<nested too deeply>"}
     if isinstance(value, str):
         if len(value) > left[0]:
-            head, left[0] = value[:max(0, left[0])], 0
+            head, left[0] = value[: max(0, left[0])], 0
             return {"__text__": head, "__chars__": len(value)}
         left[0] -= len(value)
         return value
@@ -48,7 +48,10 @@ def safe_value(value: Any, depth: int = 0, left: list[int] | None = None) -> Any
     if isinstance(value, Size) or is_instance(value, "Size"):
         return list(value)
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [safe_value(v, depth + 1, left) for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value)]
+        return [
+            safe_value(v, depth + 1, left)
+            for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value)
+        ]
     if isinstance(value, SmallTensor):
         out: dict[str, Any] = {"__tensor__": {"dtype": value.dtype, "shape": list(value.shape)}}
         values = value.tolist() if value.numel <= 16 else None
@@ -58,8 +61,11 @@ def safe_value(value: Any, depth: int = 0, left: list[int] | None = None) -> Any
     if is_tensor(value):
         out = {"__tensor__": {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}}
         if value.numel() <= 16:
-            out["__tensor__"]["values"] = value.detach().float().reshape(-1).tolist() \
-                if value.dtype.is_floating_point else value.reshape(-1).tolist()
+            out["__tensor__"]["values"] = (
+                value.detach().float().reshape(-1).tolist()
+                if value.dtype.is_floating_point
+                else value.reshape(-1).tolist()
+            )
         return out
     if isinstance(value, Inert):
         return safe_value(value.to_data(), depth + 1, left)
@@ -85,8 +91,7 @@ def _region_from_json(doc: dict) -> Box | FlatRange:
 
 
 def _location_to_json(loc: Location) -> dict:
-    out: dict[str, Any] = {"file": loc.file, "offset": loc.offset, "length": loc.length,
-                           "encoding": loc.encoding}
+    out: dict[str, Any] = {"file": loc.file, "offset": loc.offset, "length": loc.length, "encoding": loc.encoding}
     if loc.stride is not None:
         out["stride"] = list(loc.stride)
     if loc.transforms:
@@ -95,9 +100,14 @@ def _location_to_json(loc: Location) -> dict:
 
 
 def _location_from_json(doc: dict) -> Location:
-    return Location(doc["file"], doc["offset"], doc["length"], doc.get("encoding", Encoding.RAW),
-                    tuple(doc["stride"]) if doc.get("stride") is not None else None,
-                    tuple(doc.get("transforms", ())))
+    return Location(
+        doc["file"],
+        doc["offset"],
+        doc["length"],
+        doc.get("encoding", Encoding.RAW),
+        tuple(doc["stride"]) if doc.get("stride") is not None else None,
+        tuple(doc.get("transforms", ())),
+    )
 
 
 def _path_json(path: tuple | None) -> list | None:
@@ -113,38 +123,67 @@ def to_json(index: CheckpointIndex) -> dict:
         "step": index.step,
         "files": dict(index.files),
         "metadata": safe_value(index.metadata),
-        "tensors": [{
-            "key": t.key, "dtype": t.dtype, "shape": list(t.shape), "path": _path_json(t.path),
-            "attrs": safe_value(t.attrs),
-            "pieces": [{**_region_to_json(p.region), "location": _location_to_json(p.location)}
-                       for p in t.pieces],
-        } for t in index.tensors.values()],
-        "objects": [{
-            "key": o.key, "path": _path_json(o.path), "value": safe_value(o.data),
-            "location": _location_to_json(o.location) if o.location else None,
-            "attrs": safe_value(o.attrs),
-        } for o in index.objects.values()],
-        "checks": [{"file": c.file, "offset": c.offset, "length": c.length, "crc32": c.crc32,
-                    "what": c.what} for c in index.checks],
+        "tensors": [
+            {
+                "key": t.key,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "path": _path_json(t.path),
+                "attrs": safe_value(t.attrs),
+                "pieces": [{**_region_to_json(p.region), "location": _location_to_json(p.location)} for p in t.pieces],
+            }
+            for t in index.tensors.values()
+        ],
+        "objects": [
+            {
+                "key": o.key,
+                "path": _path_json(o.path),
+                "value": safe_value(o.data),
+                "location": _location_to_json(o.location) if o.location else None,
+                "attrs": safe_value(o.attrs),
+            }
+            for o in index.objects.values()
+        ],
+        "checks": [
+            {"file": c.file, "offset": c.offset, "length": c.length, "crc32": c.crc32, "what": c.what}
+            for c in index.checks
+        ],
     }
 
 
 def from_json(doc: dict) -> CheckpointIndex:
     if doc.get("schema") != SCHEMA:
         raise FormatError(f"index JSON has schema {quote(str(doc.get('schema')))}, expected {SCHEMA!r}")
-    index = CheckpointIndex(format=doc["format"], root=doc["root"], world_size=doc.get("world_size"),
-                            step=doc.get("step"), files=dict(doc.get("files", {})),
-                            metadata=doc.get("metadata", {}))
+    index = CheckpointIndex(
+        format=doc["format"],
+        root=doc["root"],
+        world_size=doc.get("world_size"),
+        step=doc.get("step"),
+        files=dict(doc.get("files", {})),
+        metadata=doc.get("metadata", {}),
+    )
     for t in doc["tensors"]:
-        index.add_tensor(TensorEntry(
-            t["key"], t["dtype"], tuple(t["shape"]),
-            [Piece(_region_from_json(p), _location_from_json(p["location"])) for p in t["pieces"]],
-            path=tuple(t["path"]) if t.get("path") is not None else None, attrs=t.get("attrs", {})))
+        index.add_tensor(
+            TensorEntry(
+                t["key"],
+                t["dtype"],
+                tuple(t["shape"]),
+                [Piece(_region_from_json(p), _location_from_json(p["location"])) for p in t["pieces"]],
+                path=tuple(t["path"]) if t.get("path") is not None else None,
+                attrs=t.get("attrs", {}),
+            )
+        )
     for o in doc["objects"]:
-        index.add_object(ObjectEntry(
-            o["key"], o["value"], path=tuple(o["path"]) if o.get("path") is not None else None,
-            location=_location_from_json(o["location"]) if o.get("location") else None,
-            attrs=o.get("attrs", {})))
-    index.checks = [IntegrityCheck(c["file"], c["offset"], c["length"], c["crc32"], c["what"])
-                    for c in doc.get("checks", [])]
+        index.add_object(
+            ObjectEntry(
+                o["key"],
+                o["value"],
+                path=tuple(o["path"]) if o.get("path") is not None else None,
+                location=_location_from_json(o["location"]) if o.get("location") else None,
+                attrs=o.get("attrs", {}),
+            )
+        )
+    index.checks = [
+        IntegrityCheck(c["file"], c["offset"], c["length"], c["crc32"], c["what"]) for c in doc.get("checks", [])
+    ]
     return index

@@ -3,6 +3,7 @@
 Readers, writers and convert all name a parameter's master `model.<name>` and its optimizer
 state `optim.state.<name>.<key>`; the path keeps the nesting, since names contain dots.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -3,6 +3,7 @@
 Kept apart from geometry (which works on Box and FlatRange) so that the stand-ins of torch's
 small types (ckptkit.torch_types), which sit below the index, can use it.
 """
+
 from __future__ import annotations
 
 

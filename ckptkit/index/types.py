@@ -5,6 +5,7 @@ says which region of the tensor it holds (an N-d box, or a range of the row-majo
 where its bytes are (file, byte offset, length, encoding). Non-tensor values are objects. Readers
 build an index and never decide what happens to the data; writers turn a layout into files.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,15 +67,15 @@ class Encoding(StrEnum):
     """How a piece's (or a value's) bytes are stored. A str, so an index read back from JSON
     (plain strings) compares equal to these."""
 
-    RAW = "raw"                # elements at ``offset`` with element ``stride`` (None: contiguous
-                               # row-major over the region; a FlatRange is always contiguous);
-                               # ``length`` is the byte span that holds them
+    RAW = "raw"  # elements at ``offset`` with element ``stride`` (None: contiguous
+    # row-major over the region; a FlatRange is always contiguous);
+    # ``length`` is the byte span that holds them
     TORCH_SAVE = "torch_save"  # [offset, offset+length) is a whole torch.save archive holding the
-                               # piece as its only tensor (a DCP item, decoded first: ``transforms``)
-    BYTES = "bytes"            # a DCP bytes item: a value's serialised bytes
-    REF = "ref"                # virtual: elements [offset, offset+length) of the flattening of tensor ``file``
-    ZEROS = "zeros"            # virtual: zero padding
-    INLINE = "inline"          # virtual: a small value held in memory, in entry.attrs["value"]
+    # piece as its only tensor (a DCP item, decoded first: ``transforms``)
+    BYTES = "bytes"  # a DCP bytes item: a value's serialised bytes
+    REF = "ref"  # virtual: elements [offset, offset+length) of the flattening of tensor ``file``
+    ZEROS = "zeros"  # virtual: zero padding
+    INLINE = "inline"  # virtual: a small value held in memory, in entry.attrs["value"]
 
     __hash__ = str.__hash__  # Enum hashes its name: equal to "raw", it must hash like "raw" too
 
@@ -111,10 +112,16 @@ class Piece:
 _new = object.__new__
 _box_offsets, _box_sizes = Box.offsets.__set__, Box.sizes.__set__  # type: ignore[attr-defined]
 _range_start, _range_length = FlatRange.start.__set__, FlatRange.length.__set__  # type: ignore[attr-defined]
-_loc_file, _loc_offset, _loc_length = (Location.file.__set__, Location.offset.__set__,  # type: ignore[attr-defined]
-                                       Location.length.__set__)  # type: ignore[attr-defined]
-_loc_encoding, _loc_stride, _loc_transforms = (Location.encoding.__set__, Location.stride.__set__,  # type: ignore[attr-defined]
-                                               Location.transforms.__set__)  # type: ignore[attr-defined]
+_loc_file, _loc_offset, _loc_length = (
+    Location.file.__set__,
+    Location.offset.__set__,  # type: ignore[attr-defined]
+    Location.length.__set__,
+)  # type: ignore[attr-defined]
+_loc_encoding, _loc_stride, _loc_transforms = (
+    Location.encoding.__set__,
+    Location.stride.__set__,  # type: ignore[attr-defined]
+    Location.transforms.__set__,
+)  # type: ignore[attr-defined]
 _piece_region, _piece_location = Piece.region.__set__, Piece.location.__set__  # type: ignore[attr-defined]
 
 
@@ -135,8 +142,14 @@ def unchecked_flat_range(start: int, length: int) -> FlatRange:
     return region
 
 
-def unchecked_location(file: str, offset: int, length: int, encoding: str = Encoding.RAW,
-                       stride: tuple[int, ...] | None = None, transforms: tuple[str, ...] = ()) -> Location:
+def unchecked_location(
+    file: str,
+    offset: int,
+    length: int,
+    encoding: str = Encoding.RAW,
+    stride: tuple[int, ...] | None = None,
+    transforms: tuple[str, ...] = (),
+) -> Location:
     """Location(file, offset, length, encoding, stride, transforms), made without the frozen
     dataclass's __init__ (see above)."""
     loc = _new(Location)
@@ -258,8 +271,13 @@ class CheckTable:
         (a CRC32 past 32 bits, an offset past 63) raises and leaves the table as it was."""
         if type(checks) is CheckTable:
             names = checks._ids.names
-            rows = zip(map(names.__getitem__, checks._file), checks._offset, checks._length, checks._crc32,
-                       map(names.__getitem__, checks._what))
+            rows = zip(
+                map(names.__getitem__, checks._file),
+                checks._offset,
+                checks._length,
+                checks._crc32,
+                map(names.__getitem__, checks._what),
+            )
         else:
             rows = checks
         columns = tuple(zip(*rows))
@@ -267,13 +285,25 @@ class CheckTable:
             return
         files, offsets, lengths, crcs, whats = columns
         ids = self._ids.__getitem__
-        new = (array(_U32, map(ids, files)), array("q", offsets), array("q", lengths), array(_U32, crcs),
-               array(_U32, map(ids, whats)))
+        new = (
+            array(_U32, map(ids, files)),
+            array("q", offsets),
+            array("q", lengths),
+            array(_U32, crcs),
+            array(_U32, map(ids, whats)),
+        )
         for column, added in zip((self._file, self._offset, self._length, self._crc32, self._what), new):
             column.extend(added)
 
-    def add_members(self, file: str, base: int, ats: tuple[int, ...], lengths: tuple[int, ...],
-                    crc32s: tuple[int, ...], whats: tuple[str, ...]) -> None:
+    def add_members(
+        self,
+        file: str,
+        base: int,
+        ats: tuple[int, ...],
+        lengths: tuple[int, ...],
+        crc32s: tuple[int, ...],
+        whats: tuple[str, ...],
+    ) -> None:
         """The checks (file, base + at, length, crc32, what) of one archive's members, column by
         column, without making their tuples (the DCP reader's 100k templated items). The caller's
         values fit the columns (offsets in a file, CRC32s unpacked from 4 bytes): not checked."""
@@ -292,15 +322,17 @@ class CheckTable:
 
     def __iter__(self) -> Iterator[IntegrityCheck]:
         name = self._ids.names.__getitem__
-        return map(_make_check, zip(map(name, self._file), self._offset, self._length, self._crc32,
-                                    map(name, self._what)))
+        return map(
+            _make_check, zip(map(name, self._file), self._offset, self._length, self._crc32, map(name, self._what))
+        )
 
     def __getitem__(self, at: int | slice) -> Any:
         if isinstance(at, slice):
             return list(self)[at]
         name = self._ids.names
-        return _make_check((name[self._file[at]], self._offset[at], self._length[at], self._crc32[at],
-                            name[self._what[at]]))
+        return _make_check(
+            (name[self._file[at]], self._offset[at], self._length[at], self._crc32[at], name[self._what[at]])
+        )
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (CheckTable, list)):
@@ -361,9 +393,12 @@ class CheckpointIndex:
         old = self.tensors.get(key) or self.objects.get(key)
         if old is None or old.path is None or path is None or tuple(old.path) == tuple(path):
             return
-        raise NameCollision(self.root, f"two entries have the same name {quote(key)} (at "
-                            f"{_shown(old.path)} and {_shown(path)}); ckptkit names an entry "
-                            f"by joining its path with '.', so one would hide the other")
+        raise NameCollision(
+            self.root,
+            f"two entries have the same name {quote(key)} (at "
+            f"{_shown(old.path)} and {_shown(path)}); ckptkit names an entry "
+            f"by joining its path with '.', so one would hide the other",
+        )
 
     @property
     def total_tensor_bytes(self) -> int:
@@ -372,5 +407,6 @@ class CheckpointIndex:
 
 def _shown(path: Any) -> str:
     """A path as Python subscripts (['a.b'] vs ['a']['b']): what tells two colliding entries apart."""
-    return "".join(f"[{quote(p) if isinstance(p, str) else int(p) if isinstance(p, int) else quote(str(p))}]"
-                   for p in path)
+    return "".join(
+        f"[{quote(p) if isinstance(p, str) else int(p) if isinstance(p, int) else quote(str(p))}]" for p in path
+    )

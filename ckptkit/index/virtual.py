@@ -5,6 +5,7 @@ as a 1-D tensor whose pieces say "elements [a, b) of tensor K" (encoding "ref") 
 lets every writer stream it with the same Fetcher, from any source format, without ever
 materialising a whole partition.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -81,8 +82,9 @@ def inline_tensor(key: str, value: "torch.Tensor | SmallTensor", path: tuple | N
         value = value.detach().contiguous()
         dtype, shape, nbytes = dtype_name(value.dtype), tuple(value.shape), value.numel() * value.element_size()
     loc = Location("", 0, nbytes, INLINE)
-    return TensorEntry(key, dtype, shape, [Piece(Box.whole(shape), loc)], path=path,
-                       attrs={"virtual": True, "value": value})
+    return TensorEntry(
+        key, dtype, shape, [Piece(Box.whole(shape), loc)], path=path, attrs={"virtual": True, "value": value}
+    )
 
 
 class FlatTable:
@@ -95,26 +97,34 @@ class FlatTable:
 
     __slots__ = ("refs", "starts", "lengths", "positions", "numel")
 
-    def __init__(self, refs: list[str], starts: "np.ndarray", lengths: "np.ndarray", positions: "np.ndarray",
-                 numel: int) -> None:
+    def __init__(
+        self, refs: list[str], starts: "np.ndarray", lengths: "np.ndarray", positions: "np.ndarray", numel: int
+    ) -> None:
         import numpy as np
 
         self.refs, self.numel = refs, numel
-        self.starts, self.lengths, self.positions = (np.asarray(a, dtype=np.int64) for a in (starts, lengths, positions))
+        self.starts, self.lengths, self.positions = (
+            np.asarray(a, dtype=np.int64) for a in (starts, lengths, positions)
+        )
         n = len(refs)
         if not (len(self.starts) == len(self.lengths) == len(self.positions) == n):
             raise ValueError("a flat table's columns differ in length")
-        if n and (bool((self.lengths <= 0).any()) or bool((self.starts < 0).any()) or int(self.positions[0]) < 0
-                  or bool((self.positions[1:] < self.positions[:-1] + self.lengths[:-1]).any())
-                  or int(self.positions[-1] + self.lengths[-1]) > numel):
+        if n and (
+            bool((self.lengths <= 0).any())
+            or bool((self.starts < 0).any())
+            or int(self.positions[0]) < 0
+            or bool((self.positions[1:] < self.positions[:-1] + self.lengths[:-1]).any())
+            or int(self.positions[-1] + self.lengths[-1]) > numel
+        ):
             raise ValueError("a flat table's parts must be non-empty, in order, apart and inside the tensor")
 
     def parts(self) -> list[Part]:
         """The same tensor as Part lists describe it (zeros for every gap, then the end's)."""
         out: list[Part] = []
         pos = 0
-        for ref, start, length, at in zip(self.refs, self.starts.tolist(), self.lengths.tolist(),
-                                          self.positions.tolist()):
+        for ref, start, length, at in zip(
+            self.refs, self.starts.tolist(), self.lengths.tolist(), self.positions.tolist()
+        ):
             if at > pos:
                 out.append(Part(None, 0, at - pos))
             out.append(Part(ref, start, length))
@@ -129,7 +139,7 @@ class TableEntry(TensorEntry):
     are made only when something asks for them; the read planner plans its byte ranges from the
     table itself (runner/flat_table.py)."""
 
-    def __init__(self, key: str, dtype: str, table: FlatTable) -> None:  # noqa: no dataclass __init__: lazy pieces
+    def __init__(self, key: str, dtype: str, table: FlatTable) -> None:  # not a dataclass __init__: lazy pieces
         self.key, self.dtype, self.shape, self.path = key, dtype, (table.numel,), None
         self.attrs = {"virtual": True}
         self.table = table

@@ -3,8 +3,10 @@
 OUT is a folder (model.safetensors, or shards with their index), or the file itself when it ends
 in .safetensors and the model fits in one shard. Keys are the model's own state_dict keys (the
 "model" container of {"model":..,"optim":..} checkpoints is dropped). Optimizer state only on
-request, in separate optimizer*.safetensors files. Streams slab by slab: memory is bounded by the budget, not the checkpoint.
+request, in separate optimizer*.safetensors files. Streams slab by slab: memory is bounded by the budget, not the
+checkpoint.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,16 +38,25 @@ class ConsolidateResult:
     aliases: dict[str, str] = field(default_factory=dict)
     optimizer_tensors: int = 0
     skipped: list[str] = field(default_factory=list)
-    side_files: list[str] = field(default_factory=list)   # config/tokenizer files copied beside the model
-    side_notes: list[str] = field(default_factory=list)   # where they came from, or what from_pretrained lacks
+    side_files: list[str] = field(default_factory=list)  # config/tokenizer files copied beside the model
+    side_notes: list[str] = field(default_factory=list)  # where they came from, or what from_pretrained lacks
     not_written: list[str] = field(default_factory=list)  # what was read and left out, and how to keep it
-    notes: list[str] = field(default_factory=list)        # how names were made (a default prefix stripped...)
+    notes: list[str] = field(default_factory=list)  # how names were made (a default prefix stripped...)
 
 
-def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
-                include_optimizer: bool = False, options: RunContext | None = None,
-                tag: str | None = None, rules: KeyRules | None = None,
-                config: str | None = None, *, ctx: RunContext | None = None) -> ConsolidateResult:
+def consolidate(
+    src: str,
+    out: str,
+    dtype: str | None = None,
+    max_shard_size: str | int = knobs.MAX_SHARD_SIZE,
+    include_optimizer: bool = False,
+    options: RunContext | None = None,
+    tag: str | None = None,
+    rules: KeyRules | None = None,
+    config: str | None = None,
+    *,
+    ctx: RunContext | None = None,
+) -> ConsolidateResult:
     """`rules`: --strip-prefix/--rename (convert's KeyRules); `config`: --config DIR, the folder
     whose config.json and tokenizer files are copied instead of those found beside the source."""
     ctx = context_of(ctx, options)
@@ -57,13 +68,18 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
         index = opened.index
         split = split_roles(index)
         if not split.model:
-            raise UsageError(f"{src}: found no model tensors to consolidate "
-                             f"({len(index.tensors)} tensors, none under a model container)")
+            raise UsageError(
+                f"{src}: found no model tensors to consolidate "
+                f"({len(index.tensors)} tensors, none under a model container)"
+            )
         names = _rename(split, index, key_rules(index, rules), src)
         max_bytes = knobs.parse_size(max_shard_size, "--max-shard-size")
         model, aliases = _model_tensors(index, split, dtype)
-        optim = [OutTensor(name, index.tensors[key], index.tensors[key].dtype)
-                 for name, key in split.optim.items()] if include_optimizer else []
+        optim = (
+            [OutTensor(name, index.tensors[key], index.tensors[key].dtype) for name, key in split.optim.items()]
+            if include_optimizer
+            else []
+        )
         single = file_output(out, "safetensors")
         if single:
             _check_single_file(out, model, max_bytes, include_optimizer, config)
@@ -71,14 +87,14 @@ def consolidate(src: str, out: str, dtype: str | None = None, max_shard_size: st
         ctx.progress.start(sum(t.nbytes for t in model + optim), "consolidate")
         fetcher, writer = Fetcher(opened.source, index=index), format_named("safetensors")
         sources = (src, *(sides.paths() if sides is not None else ()))  # the side files copied are sources too
-        with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources,
-                         single_file=single) as target:
+        with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as target:
             basename = target.name[: -len(".safetensors")] if single else "model"
             files = writer.write(SafetensorsTarget(fetcher, model, max_bytes, basename, aliases), target, ctx)
             if optim:
-                objects = {name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)),
-                                             names)
-                           for name, key in split.optim_objects.items()}
+                objects = {
+                    name: _param_list(name, safe_value(split.optim_values.get(name, index.objects[key].data)), names)
+                    for name, key in split.optim_objects.items()
+                }
                 optimizer = SafetensorsTarget(fetcher, optim, max_bytes, "optimizer", objects=objects)
                 files += writer.write(optimizer, target, ctx)
             if sides is not None:
@@ -100,41 +116,62 @@ def _model_tensors(index, split, dtype: str | None) -> tuple[list[OutTensor], di
         return default if default and is_floating(src_dtype) else src_dtype
 
     aliases = find_aliases({name: index.tensors[key] for name, key in split.model.items()})
-    model = [OutTensor(name, index.tensors[key], out_dtype(key))
-             for name, key in split.model.items() if name not in aliases]
+    model = [
+        OutTensor(name, index.tensors[key], out_dtype(key)) for name, key in split.model.items() if name not in aliases
+    ]
     return model, aliases
 
 
 def _side_files(path: str, config: str | None, ctx: RunContext) -> side_files.SideFiles:
     """The config/tokenizer files to copy beside the model: from --config DIR, or found around the source."""
-    return (side_files.from_config_dir(config, ctx.follow_links) if config is not None
-            else side_files.find(path, ctx.follow_links))
+    return (
+        side_files.from_config_dir(config, ctx.follow_links)
+        if config is not None
+        else side_files.find(path, ctx.follow_links)
+    )
 
 
-def _check_single_file(out: str, model: list[OutTensor], max_bytes: int, include_optimizer: bool,
-                       config: str | None) -> None:
+def _check_single_file(
+    out: str, model: list[OutTensor], max_bytes: int, include_optimizer: bool, config: str | None
+) -> None:
     """A .safetensors OUT holds the model alone, in one shard."""
     if include_optimizer:
-        raise UsageError(f"{out}: --include-optimizer writes optimizer*.safetensors beside the model, so "
-                         f"OUT must be a folder, not a .safetensors file")
+        raise UsageError(
+            f"{out}: --include-optimizer writes optimizer*.safetensors beside the model, so "
+            f"OUT must be a folder, not a .safetensors file"
+        )
     if config is not None:
-        raise UsageError(f"{out}: --config copies config.json beside the model, so OUT must be a folder, "
-                         f"not a .safetensors file")
+        raise UsageError(
+            f"{out}: --config copies config.json beside the model, so OUT must be a folder, not a .safetensors file"
+        )
     single_file_shards(out, model, max_bytes, " (or a larger --max-shard-size)")
 
 
-def _result(out: str, index, split, model: list[OutTensor], aliases: dict[str, str], optim: list[OutTensor],
-            files: list[str], sides, rules: KeyRules | None, include_optimizer: bool) -> ConsolidateResult:
+def _result(
+    out: str,
+    index,
+    split,
+    model: list[OutTensor],
+    aliases: dict[str, str],
+    optim: list[OutTensor],
+    files: list[str],
+    sides,
+    rules: KeyRules | None,
+    include_optimizer: bool,
+) -> ConsolidateResult:
     """What was written, and every note on what was not or how it was named."""
-    result = ConsolidateResult(out, index.format, len(split.model), sum(t.nbytes for t in model),
-                               files, aliases, len(optim), list(split.other))
+    result = ConsolidateResult(
+        out, index.format, len(split.model), sum(t.nbytes for t in model), files, aliases, len(optim), list(split.other)
+    )
     result.not_written = _not_written(index, split, include_optimizer)
     result.notes = _name_notes(index, split, rules, include_optimizer)
     if sides is not None:
         result.side_files, result.side_notes = sides.names(), side_files.summary(sides)
     else:
-        result.side_notes = [f"OUT is a single file: no {side_files.CONFIG} beside it; transformers' "
-                             f"from_pretrained needs a folder (consolidate into a folder to get one)"]
+        result.side_notes = [
+            f"OUT is a single file: no {side_files.CONFIG} beside it; transformers' "
+            f"from_pretrained needs a folder (consolidate into a folder to get one)"
+        ]
     return result
 
 
@@ -163,8 +200,9 @@ def _rename(split, index, rules: KeyRules | None, src: str) -> KeyRules | None:
     for name, key in split.model.items():
         new = rules.apply(name)
         if new in renamed:
-            raise UsageError(f"{src}: the name rules map two model tensors to the same name {new!r} "
-                             f"({renamed[new]} and {key})")
+            raise UsageError(
+                f"{src}: the name rules map two model tensors to the same name {new!r} ({renamed[new]} and {key})"
+            )
         if not new:
             raise UsageError(f"{src}: the name rules leave model tensor {key} without a name")
         renamed[new] = key
@@ -193,12 +231,17 @@ def _name_notes(index, split, rules: KeyRules | None, include_optimizer: bool) -
     notes = []
     default = index.metadata.get(DEFAULT_STRIP_KEY)
     if default and key_rules(index, rules) is not None and key_rules(index, rules).strip == tuple(default):
-        notes.append(f"names: stripped {', '.join(default)} from every model name (the LightningModule attribute "
-                     f"holding the network), so they are the network's own; --strip-prefix or --rename replace this")
+        notes.append(
+            f"names: stripped {', '.join(default)} from every model name (the LightningModule attribute "
+            f"holding the network), so they are the network's own; --strip-prefix or --rename replace this"
+        )
     if include_optimizer:
         notes += [f"optimizer names: {why}; kept by parameter number" for why in split.numbered.values()]
-        notes += [f"optimizer names: {slot}'s parameter numbers named from the model's order (one param group "
-                  f"holding every model tensor, every state shaped like its tensor)" for slot in split.named_by_order]
+        notes += [
+            f"optimizer names: {slot}'s parameter numbers named from the model's order (one param group "
+            f"holding every model tensor, every state shaped like its tensor)"
+            for slot in split.named_by_order
+        ]
     return notes
 
 
@@ -209,13 +252,16 @@ def _not_written(index, split, include_optimizer: bool) -> list[str]:
     tensors = len(split.optim) + unindexed.get("tensors", 0)
     values = len(split.optim_objects) + unindexed.get("values", 0)
     if not include_optimizer and (tensors or values):
-        notes.append(f"not written: {tensors} optimizer tensors and {values} optimizer "
-                     f"values (add --include-optimizer)")
+        notes.append(
+            f"not written: {tensors} optimizer tensors and {values} optimizer values (add --include-optimizer)"
+        )
     optim_keys = set(split.optim_objects.values())
     other = [k for k in index.objects if k not in optim_keys]
     if other:
         shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
-        notes.append(f"not written: {len(other)} other values ({shown}); consolidate writes weights, "
-                     f"convert --to torch or dcp keeps them")
+        notes.append(
+            f"not written: {len(other)} other values ({shown}); consolidate writes weights, "
+            f"convert --to torch or dcp keeps them"
+        )
     notes += [f"not read: {why}" for why in index.metadata.get("unread", {}).values()]  # e.g. Lightning's meta.pt
     return notes

@@ -18,6 +18,7 @@ Nothing read is left out unless asked for: `model_only` (--model-only) writes th
 summary; a value that would be lost otherwise stops the command (convert/drops.py). safetensors
 holds weights only: like consolidate, it writes the model and lists what it did not write.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,14 @@ from ..convert.drops import apply_drops, dropped_summary
 from ..convert.state import TrainingState, config_tie_text, describe, flat_extras, read_state
 from ..convert.to_torch_layouts import fetcher_for, fsdp2_training_layout, mesh_training_layout, torch_recipe_index
 from ..errors import CkptkitError, UnsupportedError, UsageError
-from ..index.parallel_spec import (MeshSpec, ParallelSizes, check_deepspeed_ranks, check_mesh_ranks, check_ranks,
-                                   parse_parallel)
+from ..index.parallel_spec import (
+    MeshSpec,
+    ParallelSizes,
+    check_deepspeed_ranks,
+    check_mesh_ranks,
+    check_ranks,
+    parse_parallel,
+)
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
 from ..formats.registry import Opened, format_named, open_checkpoint
 from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
@@ -68,13 +75,18 @@ def _load_config(path: str | None, target: str, state: TrainingState) -> dict:
             try:
                 cfg = json.loads(json.dumps(state.ds_config))
             except (TypeError, ValueError):  # a config pickled with values JSON cannot hold
-                raise UsageError(f"{state.source.path}: the ds_config stored in the checkpoint is not JSON data; "
-                                 f"pass --ds-config CONFIG.json") from None
+                raise UsageError(
+                    f"{state.source.path}: the ds_config stored in the checkpoint is not JSON data; "
+                    f"pass --ds-config CONFIG.json"
+                ) from None
             if target != "zero":  # --to deepspeed keeps the source's stage
                 cfg.setdefault("zero_optimization", {})["stage"] = int(target[-1])
             return cfg
-        raise UsageError(f"--to {'deepspeed' if target == 'zero' else target} needs --ds-config CONFIG.json: the DeepSpeed config the job will load "
-                         f"with (stage, precision and sub_group_size decide the layout)")
+        raise UsageError(
+            f"--to {'deepspeed' if target == 'zero' else target} needs --ds-config CONFIG.json: "
+            f"the DeepSpeed config the job will load "
+            f"with (stage, precision and sub_group_size decide the layout)"
+        )
     try:  # never blocks on a FIFO, never reads a device
         raw = read_small_file(path, f"--ds-config {path}", MAX_CONFIG_BYTES)
     except CkptkitError as e:
@@ -92,21 +104,31 @@ def target_of(to: str) -> str:
     return TARGET_OF[to]
 
 
-def check_applies(to: str, world_size: int | None = None, ds_config: str | None = None,
-                  frozen: tuple[str, ...] = (), model_only: bool = False) -> None:
+def check_applies(
+    to: str,
+    world_size: int | None = None,
+    ds_config: str | None = None,
+    frozen: tuple[str, ...] = (),
+    model_only: bool = False,
+) -> None:
     """Refuse, in one sentence, an option that the target named by `to` would ignore."""
     target = target_of(to)
     if model_only and target in ZERO_TARGETS:
-        raise UsageError(f"--model-only does not apply to --to {to}: a ZeRO checkpoint is an optimizer "
-                         f"checkpoint (write dcp, torch or safetensors for the model alone)")
+        raise UsageError(
+            f"--model-only does not apply to --to {to}: a ZeRO checkpoint is an optimizer "
+            f"checkpoint (write dcp, torch or safetensors for the model alone)"
+        )
     if world_size is not None and target in ("torch", "safetensors"):
         raise UsageError(f"--world-size does not apply to --to {to}: its output is not laid out per rank")
     if ds_config is not None and target not in ZERO_TARGETS:
-        raise UsageError(f"--ds-config applies only to DeepSpeed targets (--to deepspeed, zero1, zero2 or "
-                         f"zero3), not to --to {to}")
+        raise UsageError(
+            f"--ds-config applies only to DeepSpeed targets (--to deepspeed, zero1, zero2 or zero3), not to --to {to}"
+        )
     if frozen and target in ("torch", "safetensors"):
-        raise UsageError(f"--frozen does not apply to --to {to}: only sharded targets (dcp, zero*) lay "
-                         f"frozen parameters out apart from buffers")
+        raise UsageError(
+            f"--frozen does not apply to --to {to}: only sharded targets (dcp, zero*) lay "
+            f"frozen parameters out apart from buffers"
+        )
 
 
 def check_source(src: str, index_format: str, stage: int | None, expect_from: str) -> None:
@@ -120,11 +142,22 @@ def check_source(src: str, index_format: str, stage: int | None, expect_from: st
         raise UsageError(f"{src}: is a DeepSpeed ZeRO stage {stage} checkpoint, not {expect_from} (--from)")
 
 
-def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | None" = None,
-            ds_config: str | None = None,
-            expect_from: str | None = None, rules: KeyRules | None = None, frozen: tuple[str, ...] = (),
-            options: RunContext | None = None, tag: str | None = None, model_only: bool = False,
-            drop: tuple[str, ...] = (), *, ctx: RunContext | None = None) -> ConvertResult:
+def convert(
+    src: str,
+    out: str,
+    to: str,
+    world_size: "int | str | MeshSpec | None" = None,
+    ds_config: str | None = None,
+    expect_from: str | None = None,
+    rules: KeyRules | None = None,
+    frozen: tuple[str, ...] = (),
+    options: RunContext | None = None,
+    tag: str | None = None,
+    model_only: bool = False,
+    drop: tuple[str, ...] = (),
+    *,
+    ctx: RunContext | None = None,
+) -> ConvertResult:
     """`world_size`: ranks (an int), or a device mesh for a DCP target (`MeshSpec`, or text such as
     "mesh=dp_shard:2,tp:2", as reshard's --to takes it). `ctx`: the run's context (`options=` is its
     older name)."""
@@ -132,8 +165,10 @@ def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | Non
     world_size, mesh = _world_or_mesh(world_size)
     target = _checked_target(to, world_size, ds_config, frozen, model_only)
     if mesh is not None and target != "dcp":
-        raise UsageError(f"--world-size {mesh} applies only to --to dcp, fsdp or fsdp2 (DCP on a device mesh); "
-                         f"give --to {to} a world size")
+        raise UsageError(
+            f"--world-size {mesh} applies only to --to dcp, fsdp or fsdp2 (DCP on a device mesh); "
+            f"give --to {to} a world size"
+        )
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
     if expect_from is not None:
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
@@ -149,18 +184,22 @@ def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | Non
     notes = notes + state.notes  # what config.json says that could not be honoured
     reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
     if mesh is not None and (opened.trainer is not None or _is_lightning(opened)):
-        raise UnsupportedError(f"{src}: --world-size {mesh} writes a plain DCP folder; writing "
-                               f"{'an HF Trainer' if opened.trainer is not None else 'a Lightning'} folder "
-                               f"on a device mesh is not supported yet (give a world size)")
+        raise UnsupportedError(
+            f"{src}: --world-size {mesh} writes a plain DCP folder; writing "
+            f"{'an HF Trainer' if opened.trainer is not None else 'a Lightning'} folder "
+            f"on a device mesh is not supported yet (give a world size)"
+        )
     if target == "dcp" and not single:
         done = _as_lightning_folder(opened, out, world, state, ctx, src, reshaped)
         if done is not None:
             return done
     apply_drops(state, model_only, tuple(drop))
     if target in ZERO_TARGETS and (opened.index.metadata.get("parallel") or {}).get("tp", 1) > 1:
-        raise UnsupportedError(f"{src}: converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported "
-                               f"yet; reshard it (--to tp=1,dp=N gives a plain ZeRO checkpoint), or convert it to "
-                               f"torch, safetensors or DCP")
+        raise UnsupportedError(
+            f"{src}: converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported "
+            f"yet; reshard it (--to tp=1,dp=N gives a plain ZeRO checkpoint), or convert it to "
+            f"torch, safetensors or DCP"
+        )
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
     if target == "zero":
         target = f"zero{_config_stage(cfg, ds_config)}"
@@ -168,34 +207,47 @@ def convert(src: str, out: str, to: str, world_size: "int | str | MeshSpec | Non
         done = _as_trainer_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
         if done is not None:
             return done
-    if mesh is not None:   # a source with overlapping chunks or gaps: said first, not as a missing tp rule
+    if mesh is not None:  # a source with overlapping chunks or gaps: said first, not as a missing tp rule
         from ..runner.plan import check_tiling
 
         for entry in opened.index.tensors.values():
             check_tiling(entry, lambda _rel: src)
     laid_out_notes: list[str] = []  # what the mesh layout decided, said in the summary
-    files, safetensors = _write(opened, out, target, state, world, cfg, single, ctx, (src, ds_config),
-                                (mesh, laid_out_notes))
+    files, safetensors = _write(
+        opened, out, target, state, world, cfg, single, ctx, (src, ds_config), (mesh, laid_out_notes)
+    )
     if mesh is not None:
         notes = [f"laid out on {mesh}", *laid_out_notes] + notes
     notes += _left_behind(opened, target)
-    return ConvertResult(out, opened.index.format, target, world if target not in ("torch", "safetensors") else None,
-                         _summary(state, target, safetensors), files, notes)
+    return ConvertResult(
+        out,
+        opened.index.format,
+        target,
+        world if target not in ("torch", "safetensors") else None,
+        _summary(state, target, safetensors),
+        files,
+        notes,
+    )
 
 
 def _world_or_mesh(world_size: "int | str | MeshSpec | None") -> tuple[int | None, MeshSpec | None]:
     """--world-size as (ranks, mesh): a number, or a device mesh `mesh=dp_shard:2,tp:2` (reshard's
     --to spelling); DeepSpeed's model-parallel sizes are reshard's, not convert's."""
     if world_size is None or isinstance(world_size, MeshSpec):
-        return ((None, None) if world_size is None
-                else (world_size.world_size, check_mesh_ranks(world_size, "--world-size")))
+        return (
+            (None, None)
+            if world_size is None
+            else (world_size.world_size, check_mesh_ranks(world_size, "--world-size"))
+        )
     if isinstance(world_size, int) and not isinstance(world_size, bool):
         return world_size, None  # checked with the other options (a clear sentence for 0 or too many)
     text = str(world_size).strip()
     if not text.startswith("mesh=") and not re.fullmatch(r"[+-]?\d+", text):
         also = " (DeepSpeed's tp=/pp=/ep=/dp= sizes are for reshard --to)" if "=" in text else ""
-        raise UsageError(f"--world-size {text!r}: expected a number of ranks (e.g. 4) or a device mesh "
-                         f"(e.g. mesh=dp_shard:2,tp:2){also}")
+        raise UsageError(
+            f"--world-size {text!r}: expected a number of ranks (e.g. 4) or a device mesh "
+            f"(e.g. mesh=dp_shard:2,tp:2){also}"
+        )
     parsed = parse_parallel(text, "--world-size")
     if isinstance(parsed, ParallelSizes):  # not reached: the text is a number or mesh=...
         raise UsageError(f"--world-size {text}: DeepSpeed's parallel sizes are given to reshard --to")
@@ -204,8 +256,9 @@ def _world_or_mesh(world_size: "int | str | MeshSpec | None") -> tuple[int | Non
     return parsed, None
 
 
-def _checked_target(to: str, world_size: int | None, ds_config: str | None, frozen: tuple[str, ...],
-                    model_only: bool) -> str:
+def _checked_target(
+    to: str, world_size: int | None, ds_config: str | None, frozen: tuple[str, ...], model_only: bool
+) -> str:
     """The writer `to` selects, once every option was checked to apply to it (nothing read yet)."""
     target = target_of(to)
     check_applies(to, world_size, ds_config, frozen, model_only)
@@ -226,9 +279,11 @@ def _output_rules(opened: Opened, target: str, rules: KeyRules | None) -> tuple[
     chosen = key_rules(opened.index, rules)
     if chosen is None or chosen is rules:
         return rules, []
-    return chosen, [f"names: stripped {', '.join(chosen.strip)} from every model name (the LightningModule "
-                    f"attribute holding the network), so they are the network's own; --strip-prefix or "
-                    f"--rename replace this"]
+    return chosen, [
+        f"names: stripped {', '.join(chosen.strip)} from every model name (the LightningModule "
+        f"attribute holding the network), so they are the network's own; --strip-prefix or "
+        f"--rename replace this"
+    ]
 
 
 def _is_lightning(opened: Opened) -> bool:
@@ -237,37 +292,57 @@ def _is_lightning(opened: Opened) -> bool:
     return is_folder(opened)
 
 
-def _as_lightning_folder(opened: Opened, out: str, world: int, state: TrainingState, ctx: RunContext, src: str,
-                         reshaped: bool) -> ConvertResult | None:
+def _as_lightning_folder(
+    opened: Opened, out: str, world: int, state: TrainingState, ctx: RunContext, src: str, reshaped: bool
+) -> ConvertResult | None:
     """--to dcp of Lightning's FSDP folder: its own kind again (None: the source is no such folder)."""
     from .lightning_folder import is_folder, write_folder
 
     if not is_folder(opened):
         return None
     if reshaped:
-        raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
-                         f"not apply when a Lightning FSDP folder is written as one (its DCP part is laid out "
-                         f"again as it is, beside its meta.pt); convert --to torch to change names or state")
+        raise UsageError(
+            f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
+            f"not apply when a Lightning FSDP folder is written as one (its DCP part is laid out "
+            f"again as it is, beside its meta.pt); convert --to torch to change names or state"
+        )
     res = write_folder(opened, out, world, ctx, src)
-    return ConvertResult(out, opened.index.format, "dcp", world, _summary(state, "dcp", None), res.files,
-                         res.notes())
+    return ConvertResult(out, opened.index.format, "dcp", world, _summary(state, "dcp", None), res.files, res.notes())
 
 
-def _as_trainer_folder(opened: Opened, out: str, target: str, world: int, state: TrainingState, cfg: dict | None,
-                       ctx: RunContext, src: str, ds_config: str | None, reshaped: bool) -> ConvertResult | None:
+def _as_trainer_folder(
+    opened: Opened,
+    out: str,
+    target: str,
+    world: int,
+    state: TrainingState,
+    cfg: dict | None,
+    ctx: RunContext,
+    src: str,
+    ds_config: str | None,
+    reshaped: bool,
+) -> ConvertResult | None:
     """checkpoint-N/ to its own kind: a Trainer folder again (None: `target` is another kind)."""
     from .trainer_folder import convert_folder, same_kind
 
     if not same_kind(opened.trainer, target):
         return None
     res = convert_folder(opened, out, target, world, state, cfg, ctx, src, ds_config, reshaped)
-    return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files,
-                         res.notes())
+    return ConvertResult(out, opened.index.format, target, world, _summary(state, target, None), res.files, res.notes())
 
 
-def _write(opened: Opened, out: str, target: str, state: TrainingState, world: int, cfg: dict | None, single: bool,
-           ctx: RunContext, sources: tuple, on_mesh: tuple[MeshSpec | None, list[str]] = (None, [])
-           ) -> tuple[list[str], tuple | None]:
+def _write(
+    opened: Opened,
+    out: str,
+    target: str,
+    state: TrainingState,
+    world: int,
+    cfg: dict | None,
+    single: bool,
+    ctx: RunContext,
+    sources: tuple,
+    on_mesh: tuple[MeshSpec | None, list[str]] = (None, []),
+) -> tuple[list[str], tuple | None]:
     """OUT as `target`, committed whole: (the files written, the safetensors plan when it is one).
     `on_mesh`: (the device mesh of a DCP target or None, a list the layout's notes are added to)."""
     safetensors = _safetensors_plan(state) if target == "safetensors" else None
@@ -277,7 +352,8 @@ def _write(opened: Opened, out: str, target: str, state: TrainingState, world: i
         total = sum(t.nbytes for t in safetensors[0])
     else:
         total = sum(e.nbytes for e in state.model.values()) + sum(
-            e.nbytes for m in state.param_states.values() for e in m.values())
+            e.nbytes for m in state.param_states.values() for e in m.values()
+        )
     ctx.progress.start(total, f"convert {opened.index.format} -> {target}")
     with open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=sources, single_file=single) as dest:
         files = _write_into(dest, target, state, world, cfg, safetensors, single, ctx, on_mesh)
@@ -285,9 +361,17 @@ def _write(opened: Opened, out: str, target: str, state: TrainingState, world: i
     return files, safetensors
 
 
-def _write_into(dest: Output, target: str, state: TrainingState, world: int, cfg: dict | None,
-                safetensors: tuple | None, single: bool, ctx: RunContext,
-                on_mesh: tuple[MeshSpec | None, list[str]] = (None, [])) -> list[str]:
+def _write_into(
+    dest: Output,
+    target: str,
+    state: TrainingState,
+    world: int,
+    cfg: dict | None,
+    safetensors: tuple | None,
+    single: bool,
+    ctx: RunContext,
+    on_mesh: tuple[MeshSpec | None, list[str]] = (None, []),
+) -> list[str]:
     """`target`'s files in `dest`, each laid out here and written by the registry's writer."""
     if target == "dcp":
         index, resolver = torch_recipe_index(state, "dcp")
@@ -334,15 +418,17 @@ def _config_stage(cfg: dict | None, ds_config: str | None) -> int:
     stage = ((cfg or {}).get("zero_optimization") or {}).get("stage")
     if stage not in (1, 2, 3):
         where = f"--ds-config {ds_config}" if ds_config else "the source's DeepSpeed config"
-        raise UsageError(f"--to deepspeed: {where} names no ZeRO stage 1, 2 or 3 (zero_optimization.stage); "
-                         f"pass --to zero1, zero2 or zero3")
+        raise UsageError(
+            f"--to deepspeed: {where} names no ZeRO stage 1, 2 or 3 (zero_optimization.stage); "
+            f"pass --to zero1, zero2 or zero3"
+        )
     return stage
 
 
 def _safetensors_plan(state: TrainingState) -> tuple[list[OutTensor], dict[str, str], Callable]:
     """(tensors to write, tied names written once, the fetcher) for a safetensors target."""
     index, resolver = torch_recipe_index(state, "safetensors")
-    model = {k[len("model."):]: e for k, e in index.tensors.items() if (e.path or ())[:1] == ("model",)}
+    model = {k[len("model.") :]: e for k, e in index.tensors.items() if (e.path or ())[:1] == ("model",)}
     aliases = find_aliases(model)
     tensors = [OutTensor(name, e, e.dtype) for name, e in model.items() if name not in aliases]
     return tensors, aliases, fetcher_for(state, resolver)
@@ -365,8 +451,11 @@ def _safetensors_summary(state: TrainingState, plan: tuple) -> str:
     n_whole = sum(len(m) for m in state.whole_states.values())
     if n_part or n_whole or (state.has_optimizer and not state.optimizer_dropped):
         keys = ", ".join(state.state_keys)
-        dropped.append(f"optimizer state ({n_part} state tensors, {n_whole} per-parameter values"
-                       + (f": {keys}" if keys else "") + f"; {len(state.group_params)} param groups)")
+        dropped.append(
+            f"optimizer state ({n_part} state tensors, {n_whole} per-parameter values"
+            + (f": {keys}" if keys else "")
+            + f"; {len(state.group_params)} param groups)"
+        )
     extras = len(flat_extras(state.extras)) + len(state.ds)
     if extras:
         dropped.append(f"{extras} training counters and extras")
@@ -391,5 +480,14 @@ def _derived_summary(state: TrainingState, target: str) -> str:
     return f"{verb}: " + "; ".join(parts)
 
 
-__all__ = ["convert", "ConvertResult", "TARGETS", "SOURCES", "TORCH_FILE", "check_applies", "check_source",
-           "file_output", "target_of"]
+__all__ = [
+    "convert",
+    "ConvertResult",
+    "TARGETS",
+    "SOURCES",
+    "TORCH_FILE",
+    "check_applies",
+    "check_source",
+    "file_output",
+    "target_of",
+]

@@ -15,6 +15,7 @@ their tensors) is compared under `extra:<key>`, and the training step as `step`;
 side has is "one_side" (formats keep different ones), and values that only describe the layout
 (DeepSpeed's dp_world_size, zero_stage, ds_config, ...) are not compared.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,13 +33,20 @@ from ..runner.fetch import Fetcher
 from ..convert.keys import STEP_NAMES, OPTIM_CONTAINERS, guess_step, split_roles
 from ..context import RunContext, context_of
 
-LAYOUT_KEYS = frozenset({"ds.dp_world_size", "ds.mp_world_size", "ds.zero_stage", "ds.ds_config", "ds.ds_version",
-                         "ds.checkpoint_parallel_dimensions"})
+LAYOUT_KEYS = frozenset(
+    {
+        "ds.dp_world_size",
+        "ds.mp_world_size",
+        "ds.zero_stage",
+        "ds.ds_config",
+        "ds.ds_version",
+        "ds.checkpoint_parallel_dimensions",
+    }
+)
 EXTRA = "extra:"
 STAT_TOP = 10  # rows `--stat` shows, largest relative change first
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.",
-                    "model.")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "model.")
 
 
 def normalize(name: str) -> str:
@@ -48,7 +56,7 @@ def normalize(name: str) -> str:
         changed = False
         for prefix in WRAPPER_PREFIXES:
             if name.startswith(prefix) and len(name) > len(prefix):
-                name, changed = name[len(prefix):], True
+                name, changed = name[len(prefix) :], True
         for infix in ("._fsdp_wrapped_module.", "._checkpoint_wrapped_module.", "._orig_mod."):
             if infix in name:
                 name, changed = name.replace(infix, "."), True
@@ -58,15 +66,21 @@ def normalize(name: str) -> str:
 @dataclass
 class Row:
     name: str
-    status: str                 # equal | close | different | missing_a | missing_b | dtype | shape | one_side | unread
+    status: str  # equal | close | different | missing_a | missing_b | dtype | shape | one_side | unread
     max_abs_diff: float | None = None
     detail: str = ""
-    rel_l2: float | None = None   # ||a-b|| / ||a|| (|a-b| / |a| for a number); inf when a is 0 and b is not
-    nan_mismatches: int = 0       # positions where exactly one side is NaN (left out of the two above)
+    rel_l2: float | None = None  # ||a-b|| / ||a|| (|a-b| / |a| for a number); inf when a is 0 and b is not
+    nan_mismatches: int = 0  # positions where exactly one side is NaN (left out of the two above)
 
     def as_json(self) -> dict:
-        return {"name": self.name, "status": self.status, "max_abs_diff": self.max_abs_diff,
-                "rel_l2": self.rel_l2, "nan_mismatches": self.nan_mismatches, "detail": self.detail}
+        return {
+            "name": self.name,
+            "status": self.status,
+            "max_abs_diff": self.max_abs_diff,
+            "rel_l2": self.rel_l2,
+            "nan_mismatches": self.nan_mismatches,
+            "detail": self.detail,
+        }
 
 
 @dataclass
@@ -88,8 +102,9 @@ class DiffResult:
         leaves those positions out), then by relative change, then those without one (a string
         value, a shape), in name order."""
         changed = [r for r in self.rows if r.status not in ("equal", "one_side")]
-        measured = sorted((r for r in changed if r.rel_l2 is not None),
-                          key=lambda r: (-r.nan_mismatches, -r.rel_l2, r.name))
+        measured = sorted(
+            (r for r in changed if r.rel_l2 is not None), key=lambda r: (-r.nan_mismatches, -r.rel_l2, r.name)
+        )
         return (measured + [r for r in changed if r.rel_l2 is None])[:n]
 
 
@@ -147,13 +162,13 @@ def _is_layout(key: str) -> bool:
 
 def _is_state(name: str) -> bool:
     """`state.<param>.<key>`: per-parameter optimizer state, whatever the optimizer calls it."""
-    return name.startswith("state.") and "." in name[len("state."):]
+    return name.startswith("state.") and "." in name[len("state.") :]
 
 
 def _norm_optim(name: str) -> str:
     """`state.<param>.<key>` with the parameter's name normalised (any state key: the last part)."""
     if _is_state(name):
-        param, _, what = name[len("state."):].rpartition(".")
+        param, _, what = name[len("state.") :].rpartition(".")
         return f"state.{normalize(param)}.{what}"
     return name
 
@@ -168,13 +183,22 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if hasattr(value, "__dict__") and not isinstance(value, type):
-        return {"__type__": type(value).__name__, **{k: _plain(v) for k, v in vars(value).items()
-                                                      if not k.startswith("_")}}
+        return {
+            "__type__": type(value).__name__,
+            **{k: _plain(v) for k, v in vars(value).items() if not k.startswith("_")},
+        }
     return value
 
 
-def diff(a: str, b: str, atol: float = 0.0, model_only: bool = False,
-         options: RunContext | None = None, *, ctx: RunContext | None = None) -> DiffResult:
+def diff(
+    a: str,
+    b: str,
+    atol: float = 0.0,
+    model_only: bool = False,
+    options: RunContext | None = None,
+    *,
+    ctx: RunContext | None = None,
+) -> DiffResult:
     ctx = context_of(ctx, options)
     oa = open_checkpoint(a, follow_links=ctx.follow_links)
     try:
@@ -194,12 +218,11 @@ def _close(opened: Opened) -> None:
         close()
 
 
-def _diff_opened(oa: Opened, ob: Opened, a: str, b: str, atol: float, model_only: bool,
-                 ctx: RunContext) -> DiffResult:
+def _diff_opened(oa: Opened, ob: Opened, a: str, b: str, atol: float, model_only: bool, ctx: RunContext) -> DiffResult:
     (na, va), (nb, vb) = _named(oa, model_only), _named(ob, model_only)
     if not model_only:  # extras and the step: what a training run restores besides model and optimizer
         (ta, xa), (tb, xb) = _extras(oa), _extras(ob)
-        one_side = (set(ta) ^ set(tb))
+        one_side = set(ta) ^ set(tb)
         na.update({k: v for k, v in ta.items() if k not in one_side})
         nb.update({k: v for k, v in tb.items() if k not in one_side})
         va.update(xa)
@@ -244,22 +267,26 @@ def _unread(opened: Opened, label: str) -> list[Row]:
 def _compare_value(name: str, va: dict, vb: dict, a: str, b: str, atol: float) -> Row:
     if name not in va or name not in vb:
         if ".step" in name and name.startswith("optimizer:state."):
-            return Row(name, "missing_b" if name in va else "missing_a",
-                       detail=f"only in {a if name in va else b}")
+            return Row(name, "missing_b" if name in va else "missing_a", detail=f"only in {a if name in va else b}")
         return Row(name, "one_side", detail=f"only in {a if name in va else b}: {va.get(name, vb.get(name))!r}")
     x, y = va[name], vb[name]
     if x == y:
         return Row(name, "equal", 0.0, rel_l2=0.0)
     if isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool):
         delta = abs(float(x) - float(y))
-        return Row(name, "close" if delta <= atol else "different", delta, f"{x!r} vs {y!r}",
-                   rel_l2=_relative(delta * delta, float(x) * float(x)))
+        return Row(
+            name,
+            "close" if delta <= atol else "different",
+            delta,
+            f"{x!r} vs {y!r}",
+            rel_l2=_relative(delta * delta, float(x) * float(x)),
+        )
     return Row(name, "different", None, f"{_short(x)} vs {_short(y)}")
 
 
 def _short(value: Any, limit: int = 120) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _relative(diff_sq: float, base_sq: float) -> float:
@@ -271,8 +298,16 @@ def _relative(diff_sq: float, base_sq: float) -> float:
     return math.sqrt(diff_sq / base_sq)
 
 
-def _compare(name: str, ea: TensorEntry, eb: TensorEntry, fa: Fetcher, fb: Fetcher, atol: float,
-             slab_bytes: int, progress: Progress | None = None) -> Row:
+def _compare(
+    name: str,
+    ea: TensorEntry,
+    eb: TensorEntry,
+    fa: Fetcher,
+    fb: Fetcher,
+    atol: float,
+    slab_bytes: int,
+    progress: Progress | None = None,
+) -> Row:
     """Bit for bit first; where the bits differ, the largest |a-b| and the squared sums over the
     positions neither side holds NaN at, and the NaN positions counted apart: a NaN against a
     number is no amount of difference (it was shown as `inf`), and two NaNs of other bits are not
@@ -293,8 +328,14 @@ def _compare(name: str, ea: TensorEntry, eb: TensorEntry, fa: Fetcher, fb: Fetch
     rel = _relative(tally.diff_sq, tally.base_sq)
     if tally.nan_mismatches:
         many = "s" if tally.nan_mismatches > 1 else ""
-        return Row(name, "different", tally.worst, f"{tally.nan_mismatches} position{many} NaN on one side only "
-                   f"(max |a-b| and rel L2 over the others)", rel_l2=rel, nan_mismatches=tally.nan_mismatches)
+        return Row(
+            name,
+            "different",
+            tally.worst,
+            f"{tally.nan_mismatches} position{many} NaN on one side only (max |a-b| and rel L2 over the others)",
+            rel_l2=rel,
+            nan_mismatches=tally.nan_mismatches,
+        )
     if tally.worst <= atol:
         detail = f"{tally.nan_bits} NaN positions with other bits" if tally.nan_bits else ""
         return Row(name, "close", tally.worst, detail, rel_l2=rel)
@@ -307,10 +348,10 @@ class _Tally:
 
     identical: bool = True
     worst: float = 0.0
-    base_sq: float = 0.0   # sum a^2 and sum (a-b)^2 in float64, for ||a-b|| / ||a||
+    base_sq: float = 0.0  # sum a^2 and sum (a-b)^2 in float64, for ||a-b|| / ||a||
     diff_sq: float = 0.0
     nan_mismatches: int = 0
-    nan_bits: int = 0      # both NaN, other bits (same dtype only)
+    nan_bits: int = 0  # both NaN, other bits (same dtype only)
 
     def add(self, ta: torch.Tensor, tb: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> None:
         self.identical = False
@@ -338,16 +379,21 @@ def render(result: DiffResult, a: str, b: str, atol: float, show: int = 50, stat
     """The differences, one string per line (the printer escapes each line: ckptkit.text).
     `stat`: the counts and the STAT_TOP largest changes only, largest relative change first."""
     counts = result.counts()
-    lines = [f"a: {a}", f"b: {b}",
-             "compared " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + (f" (atol {atol:g})" if atol else "")]
+    lines = [
+        f"a: {a}",
+        f"b: {b}",
+        "compared " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + (f" (atol {atol:g})" if atol else ""),
+    ]
     if stat:
         top = result.largest(STAT_TOP)
         if top:
             lines.append(f"largest changes, top {STAT_TOP} by relative L2 change ||a-b||/||a||:")
             lines.append(f"  {'rel L2':<12} {'max |a-b|':<12} {'status':<9} name")
-            lines += [f"  {_num(r.rel_l2):<12} {_num(r.max_abs_diff):<12} {r.status:<9} {r.name}"
-                      + (f"  ({r.detail})" if r.detail and not r.detail.startswith("max |a-b|") else "")
-                      for r in top]
+            lines += [
+                f"  {_num(r.rel_l2):<12} {_num(r.max_abs_diff):<12} {r.status:<9} {r.name}"
+                + (f"  ({r.detail})" if r.detail and not r.detail.startswith("max |a-b|") else "")
+                for r in top
+            ]
     else:
         shown = [r for r in result.rows if r.status not in ("equal", "one_side")]
         for r in shown[:show]:

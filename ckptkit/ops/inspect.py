@@ -1,4 +1,5 @@
 """`ckptkit inspect`: what a checkpoint holds, from its index alone (no payload is read)."""
+
 from __future__ import annotations
 
 import heapq
@@ -32,12 +33,13 @@ class Report:
     objects: dict[str, Any] = field(default_factory=dict)
     files: int = 0
     file_bytes: int = 0
-    notes: list[str] = field(default_factory=list)   # one sentence each: what the roles and names mean
-    parallel: dict[str, int] | None = None           # model-parallel sizes (tp, pp, ep, dp), when known
+    notes: list[str] = field(default_factory=list)  # one sentence each: what the roles and names mean
+    parallel: dict[str, int] | None = None  # model-parallel sizes (tp, pp, ep, dp), when known
 
 
-def inspect(path: str, tag: str | None = None,
-            follow_links: bool | None = None) -> tuple[Opened | None, Report | StepsReport]:
+def inspect(
+    path: str, tag: str | None = None, follow_links: bool | None = None
+) -> tuple[Opened | None, Report | StepsReport]:
     """The report on `path`; a Checkpointer directory (folders `step_<N>`) is listed step by step."""
     if tag is None and inspect_steps.is_checkpointer_dir(path):
         return None, inspect_steps.describe(path)
@@ -56,14 +58,25 @@ def inspect(path: str, tag: str | None = None,
         for t, nbytes in zip(entries, sizes):
             dtypes[t.dtype] += nbytes
         report = Report(
-            path=path, format=index.format, world_size=index.world_size, step=index.step,
-            tensor_count=len(index.tensors), tensor_bytes=sum(sizes),
+            path=path,
+            format=index.format,
+            world_size=index.world_size,
+            step=index.step,
+            tensor_count=len(index.tensors),
+            tensor_bytes=sum(sizes),
             dtypes=dict(dtypes.most_common()),
-            roles={"model": len(split.model), "optimizer": len(split.optim), "other": len(split.other),
-                   "low_precision": len(split.low_precision)},
+            roles={
+                "model": len(split.model),
+                "optimizer": len(split.optim),
+                "other": len(split.other),
+                "low_precision": len(split.low_precision),
+            },
             objects={k: safe_value(o.data) for k, o in index.objects.items()},
-            files=len(index.files), file_bytes=sum(index.files.values()), notes=_notes(index, split),
-            parallel=index.metadata.get("parallel") or None)
+            files=len(index.files),
+            file_bytes=sum(index.files.values()),
+            notes=_notes(index, split),
+            parallel=index.metadata.get("parallel") or None,
+        )
         return opened, report
 
 
@@ -87,12 +100,19 @@ def _notes(index, split) -> list[str]:
     info = index.metadata.get("lightning")
     if info is not None:
         prefix = info.get("model_prefix")
-        notes.append(f"Lightning checkpoint ({info.get('layout', '?')})" + (
-            f"; model names carry the LightningModule attribute {prefix!r}, which consolidate strips"
-            if prefix else ""))
+        notes.append(
+            f"Lightning checkpoint ({info.get('layout', '?')})"
+            + (
+                f"; model names carry the LightningModule attribute {prefix!r}, which consolidate strips"
+                if prefix
+                else ""
+            )
+        )
     for slot in split.named_by_order:
-        notes.append(f"optimizer state {slot}: parameter numbers named from the model's order "
-                     f"(one param group holding every model tensor, shapes matching)")
+        notes.append(
+            f"optimizer state {slot}: parameter numbers named from the model's order "
+            f"(one param group holding every model tensor, shapes matching)"
+        )
     notes += [f"{why}: kept by number" for why in split.numbered.values()]
     notes += [f"not read: {why}" for why in index.metadata.get("unread", {}).values()]
     return notes
@@ -104,9 +124,16 @@ def report_json(opened: Opened | None, report: Report | StepsReport) -> dict:
     with frozen_heap():  # (as in inspect: tens of thousands of new dicts, the index traversed by none)
         doc = to_json(opened.index)
     doc["summary"] = {
-        "format": report.format, "world_size": report.world_size, "step": report.step,
-        "tensors": report.tensor_count, "tensor_bytes": report.tensor_bytes, "dtypes": report.dtypes,
-        "roles": report.roles, "files": report.files, "file_bytes": report.file_bytes, "notes": report.notes,
+        "format": report.format,
+        "world_size": report.world_size,
+        "step": report.step,
+        "tensors": report.tensor_count,
+        "tensor_bytes": report.tensor_bytes,
+        "dtypes": report.dtypes,
+        "roles": report.roles,
+        "files": report.files,
+        "file_bytes": report.file_bytes,
+        "notes": report.notes,
         "run_folder": _run_json(opened),
     }
     if report.parallel:  # only model-parallel checkpoints: other outputs stay as they were
@@ -146,8 +173,13 @@ def _run_json(opened: Opened) -> dict | None:
     run = opened.run
     if run is None:
         return None
-    return {"folder": run.folder, "kind": run.kind, "chosen": run.entry, "step": run.step,
-            "skipped": [{"entry": n, "why": w} for n, w in run.skipped]}
+    return {
+        "folder": run.folder,
+        "kind": run.kind,
+        "chosen": run.entry,
+        "step": run.step,
+        "skipped": [{"entry": n, "why": w} for n, w in run.skipped],
+    }
 
 
 def human_bytes(n: int) -> str:
@@ -171,8 +203,7 @@ def render(opened: Opened | None, report: Report | StepsReport, max_rows: int = 
 def _table(opened: Opened, report: Report, max_rows: int) -> list[str]:
     lines = [
         f"checkpoint  {report.path}",
-        *([f"chosen      {opened.run.entry} ({opened.run.why})"]
-          if opened.run is not None else []),
+        *([f"chosen      {opened.run.entry} ({opened.run.why})"] if opened.run is not None else []),
         f"format      {report.format}",
         f"world size  {report.world_size if report.world_size is not None else '-'}",
         *([f"parallel    {parallel_sizes(report.parallel)}"] if report.parallel else []),
@@ -191,10 +222,16 @@ def _table(opened: Opened, report: Report, max_rows: int) -> list[str]:
         lines[-1:-1] = describe_lines(opened.trainer)
     entries = list(opened.index.tensors.values())
     sizes = _sizes(entries)
-    largest = (lambda i: (-sizes[i], entries[i].key))
+
+    def largest(i: int) -> tuple[int, str]:
+        return (-sizes[i], entries[i].key)
+
     # the rows shown, as sorted(...)[:max_rows] gives them, without sorting 100k tensors
-    tensors = ([entries[i] for i in heapq.nsmallest(max_rows, range(len(entries)), key=largest)]
-               if max_rows >= 0 else sorted(entries, key=lambda t: (-t.nbytes, t.key)))
+    tensors = (
+        [entries[i] for i in heapq.nsmallest(max_rows, range(len(entries)), key=largest)]
+        if max_rows >= 0
+        else sorted(entries, key=lambda t: (-t.nbytes, t.key))
+    )
     shown = {t.key: escape(t.key) for t in tensors[:max_rows]}  # as printed, so the columns line up
     width = min(60, max((len(k) for k in shown.values()), default=10))
     splits = {t.key: split_of(t.attrs) for t in tensors[:max_rows]}
@@ -202,11 +239,13 @@ def _table(opened: Opened, report: Report, max_rows: int) -> list[str]:
     split_head = "  split" if split_width else ""
     lines.append(f"{'tensor':<{width}}  {'dtype':<9} {'shape':<18} {'pieces':>6}  {'size':>10}{split_head}")
     for t in tensors[:max_rows]:
-        key = shown[t.key] if len(shown[t.key]) <= width else "..." + shown[t.key][-(width - 3):]
+        key = shown[t.key] if len(shown[t.key]) <= width else "..." + shown[t.key][-(width - 3) :]
         alias = f"  (alias of {t.attrs['alias_of']})" if t.attrs.get("alias_of") else ""
         split = f"  {splits[t.key]:<{split_width}}" if split_width else ""
-        line = (f"{key:<{width}}  {t.dtype:<9} {str(list(t.shape)):<18} {len(t.pieces):>6}  "
-                f"{human_bytes(t.nbytes):>10}{split}{alias}")
+        line = (
+            f"{key:<{width}}  {t.dtype:<9} {str(list(t.shape)):<18} {len(t.pieces):>6}  "
+            f"{human_bytes(t.nbytes):>10}{split}{alias}"
+        )
         lines.append(line.rstrip() if split_width else line)
     if len(entries) > max_rows:
         lines.append(f"... and {len(entries) - max_rows} more tensors (use --json for all)")

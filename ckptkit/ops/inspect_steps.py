@@ -1,6 +1,7 @@
 """`ckptkit inspect DIR` of a Checkpointer directory: its steps (complete or not and why, format,
 world size, size on disk), the newest complete one and what the pointer file names. Read only:
 markers and sizes, no payload (folders from before markers are indexed to tell)."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,8 @@ class StepRow:
     step: int
     folder: str
     complete: bool
-    why: str          # why it does not count ("" when it does)
-    format: str       # dcp, deepspeed or "-"
+    why: str  # why it does not count ("" when it does)
+    format: str  # dcp, deepspeed or "-"
     world_size: int | None
     bytes: int
 
@@ -68,12 +69,14 @@ def render(report: StepsReport, human_bytes: Callable[[int], str]) -> list[str]:
     path, rows, latest = report.path, report.rows, report.latest
     done = [r for r in rows if r.complete]
     newest = newest_complete(rows)
-    lines = [f"checkpointer  {path}",
-             f"steps         {len(done)} complete of {len(rows)} folder(s) named like steps",
-             f"newest        {f'step {newest.step} ({newest.folder})' if newest else '- (no complete step)'}",
-             f"pointer       {POINTER} -> {latest}" if latest else f"pointer       no {POINTER} file",
-             "",
-             f"{'step':>10}  {'folder':<20} {'format':<9} {'world':>5} {'size':>10}  state"]
+    lines = [
+        f"checkpointer  {path}",
+        f"steps         {len(done)} complete of {len(rows)} folder(s) named like steps",
+        f"newest        {f'step {newest.step} ({newest.folder})' if newest else '- (no complete step)'}",
+        f"pointer       {POINTER} -> {latest}" if latest else f"pointer       no {POINTER} file",
+        "",
+        f"{'step':>10}  {'folder':<20} {'format':<9} {'world':>5} {'size':>10}  state",
+    ]
     for r in rows:
         state = "complete" if r.complete else f"skipped: {r.why}"
         world = str(r.world_size) if r.world_size is not None else "-"
@@ -83,8 +86,12 @@ def render(report: StepsReport, human_bytes: Callable[[int], str]) -> list[str]:
 
 def to_json(report: StepsReport) -> dict:
     newest = newest_complete(report.rows)
-    return {"checkpointer": report.path, "steps": [asdict(r) for r in report.rows], "latest": report.latest,
-            "newest_complete": newest.step if newest else None}
+    return {
+        "checkpointer": report.path,
+        "steps": [asdict(r) for r in report.rows],
+        "latest": report.latest,
+        "newest_complete": newest.step if newest else None,
+    }
 
 
 def _unmarked_format(path: str, name: str) -> str:

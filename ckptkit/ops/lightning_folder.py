@@ -6,6 +6,7 @@ that change names or state, write the same kind of folder: the DCP part laid out
 world size (its keys, `model` and `optimizer_<i>`, as they are), `meta.pt` and any other entry
 of the folder copied byte for byte, each named in the summary (trainer_folder's machinery).
 """
+
 from __future__ import annotations
 
 from ..formats import lightning
@@ -40,8 +41,21 @@ def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str) -
             copy_tree(source, target, name, written)
     ctx.progress.close()
     unknown = [n + ("/" if source.isdir(n) else "") for n in copies[1:]]
-    return FolderResult(out, LAYOUT, KIND, index.world_size, to, [DCP_FILES], copied, {}, [], unknown,
-                        files + copied + copies[1:], len(part.tensors), part.total_tensor_bytes)
+    return FolderResult(
+        out,
+        LAYOUT,
+        KIND,
+        index.world_size,
+        to,
+        [DCP_FILES],
+        copied,
+        {},
+        [],
+        unknown,
+        files + copied + copies[1:],
+        len(part.tensors),
+        part.total_tensor_bytes,
+    )
 
 
 def left_behind(opened: Opened, target: str) -> list[str]:
@@ -51,12 +65,16 @@ def left_behind(opened: Opened, target: str) -> list[str]:
     layout = (info or {}).get("layout")
     if not info or target == "safetensors" or layout == "deepspeed" and target.startswith("zero"):
         return []  # safetensors lists what it did not write; DeepSpeed to DeepSpeed keeps the client state
-    what = {"fsdp_sharded": "Lightning FSDP sharded folder (DCP files and meta.pt)",
-            "deepspeed": "Lightning DeepSpeed folder (Lightning's keys as client state)",
-            "single_file": "Lightning .ckpt (state_dict, optimizer_states, lr_schedulers, loops...)"
-            }.get(layout, f"Lightning checkpoint ({layout})")
-    carried = ("meta.pt's values (global_step, epoch, loops, callbacks, lr_schedulers...)"
-               if info.get("meta") == lightning.META else "its other keys (global_step, epoch, loops, callbacks...)")
+    what = {
+        "fsdp_sharded": "Lightning FSDP sharded folder (DCP files and meta.pt)",
+        "deepspeed": "Lightning DeepSpeed folder (Lightning's keys as client state)",
+        "single_file": "Lightning .ckpt (state_dict, optimizer_states, lr_schedulers, loops...)",
+    }.get(layout, f"Lightning checkpoint ({layout})")
+    carried = (
+        "meta.pt's values (global_step, epoch, loops, callbacks, lr_schedulers...)"
+        if info.get("meta") == lightning.META
+        else "its other keys (global_step, epoch, loops, callbacks...)"
+    )
     if lightning.META in index.metadata.get("unread", {}):
         carried = "meta.pt, which could not be read, is not carried"
     else:
@@ -65,8 +83,10 @@ def left_behind(opened: Opened, target: str) -> list[str]:
     if layout == "fsdp_sharded" and info.get("meta") == lightning.META:
         others = lightning.dcp_part(index, opened.source)[1][1:]
         rest = f"; not copied: {', '.join(others)}" if others else ""
-    return [f"{what}: --to {target} writes a plain checkpoint, not a Lightning one, "
-            f"which Lightning's Trainer does not resume from; {carried}{rest}"]
+    return [
+        f"{what}: --to {target} writes a plain checkpoint, not a Lightning one, "
+        f"which Lightning's Trainer does not resume from; {carried}{rest}"
+    ]
 
 
 __all__ = ["is_folder", "write_folder", "left_behind", "KIND", "LAYOUT"]

@@ -1,4 +1,5 @@
 """Deprecated name: `RunOptions` is ckptkit.context.RunContext (kept for `options=` callers)."""
+
 from __future__ import annotations
 
 from ..context import RunContext

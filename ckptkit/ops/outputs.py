@@ -3,6 +3,7 @@
 `convert --to torch model.pt` writes the file model.pt (as torch's format_utils does), and an OUT
 ending in .safetensors is that file when the model fits in one shard. A trailing slash always
 means a folder."""
+
 from __future__ import annotations
 
 from ..errors import UsageError
@@ -27,5 +28,7 @@ def single_file_shards(out: str, tensors: list[OutTensor], max_shard_bytes: int,
     """A .safetensors OUT holds the model in one file: refuse one that would need shards."""
     count = format_named("safetensors").shard_count(tensors, max_shard_bytes)
     if count > 1:
-        raise UsageError(f"{out}: the model needs {count} shards of at most {max_shard_bytes} bytes, so it "
-                         f"cannot be one .safetensors file; give a folder as OUT{hint}")
+        raise UsageError(
+            f"{out}: the model needs {count} shards of at most {max_shard_bytes} bytes, so it "
+            f"cannot be one .safetensors file; give a folder as OUT{hint}"
+        )

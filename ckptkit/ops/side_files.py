@@ -10,6 +10,7 @@ checkpoint file, and nothing is parsed but config.json (checked to be a JSON obj
 memory budget). The files copied are sources like the checkpoint: an OUT that is one of them, or
 holds one, is refused (`paths()` goes to the output's overlap check).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -24,11 +25,23 @@ from ..storage.source import Source, is_url, open_source
 CONFIG = "config.json"
 # transformers' names (utils/__init__.py, utils/hub.py, tokenization_utils_base.py, the tokenizers' VOCAB_FILES_NAMES)
 NAMES = (
-    CONFIG, "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-    "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    CONFIG,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 PATTERNS = ("configuration_*.py", "modeling_*.py", "tokenization_*.py")  # trust_remote_code models (auto_map)
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers 4.5x+: extra templates as *.jinja
@@ -44,7 +57,7 @@ RUN_ENTRIES = re.compile(r"^(checkpoint-\d+|step_\d+|global_step\d+|.*step=\d+.*
 
 @dataclass(frozen=True)
 class SideFile:
-    name: str    # its name in OUT (and in the folder it came from), e.g. "tokenizer.json"
+    name: str  # its name in OUT (and in the folder it came from), e.g. "tokenizer.json"
     folder: str  # the folder it was found in
 
 
@@ -104,11 +117,15 @@ def homes(checkpoint: str, follow_links: bool | None = None) -> list[str]:
 def _wanted(source: Source) -> list[str]:
     """The side-file names in a folder (regular files only are read later; folders are skipped)."""
     names = source.listdir("")
-    picked = [n for n in names if (n in NAMES or any(fnmatch.fnmatchcase(n, p) for p in PATTERNS))
-              and not source.isdir(n)]
+    picked = [
+        n for n in names if (n in NAMES or any(fnmatch.fnmatchcase(n, p) for p in PATTERNS)) and not source.isdir(n)
+    ]
     if CHAT_TEMPLATE_DIR in names and source.isdir(CHAT_TEMPLATE_DIR):
-        picked += [f"{CHAT_TEMPLATE_DIR}/{n}" for n in source.listdir(CHAT_TEMPLATE_DIR)
-                   if n.endswith(".jinja") and not source.isdir(f"{CHAT_TEMPLATE_DIR}/{n}")]
+        picked += [
+            f"{CHAT_TEMPLATE_DIR}/{n}"
+            for n in source.listdir(CHAT_TEMPLATE_DIR)
+            if n.endswith(".jinja") and not source.isdir(f"{CHAT_TEMPLATE_DIR}/{n}")
+        ]
     return picked
 
 
@@ -141,8 +158,10 @@ def from_config_dir(config: str, follow_links: bool | None = None) -> SideFiles:
     """--config DIR: the side files of DIR instead of the checkpoint's (DIR must hold config.json);
     a path to a config.json file takes that file alone."""
     if not is_url(config) and os.path.exists(config) and not (os.path.isfile(config) or os.path.isdir(config)):
-        raise UsageError(f"--config {config}: is {kind_of(os.stat(config).st_mode)}, expected a folder holding "
-                         f"{CONFIG} (or {CONFIG} itself)")
+        raise UsageError(
+            f"--config {config}: is {kind_of(os.stat(config).st_mode)}, expected a folder holding "
+            f"{CONFIG} (or {CONFIG} itself)"
+        )
     if not is_url(config) and os.path.isfile(config):
         if _base(config) != CONFIG:
             raise UsageError(f"--config {config}: expected a folder holding config.json (or config.json itself)")
@@ -157,8 +176,10 @@ def from_config_dir(config: str, follow_links: bool | None = None) -> SideFiles:
         found = SideFiles([SideFile(n, config) for n in names], [config], True, {config: source} if names else {})
         if not found.has_config:
             shown = ", ".join(names) if names else "no config or tokenizer files"
-            raise UsageError(f"--config {config}: has no {CONFIG} (found {shown}); pass the folder of the "
-                             f"model's Hugging Face config")
+            raise UsageError(
+                f"--config {config}: has no {CONFIG} (found {shown}); pass the folder of the "
+                f"model's Hugging Face config"
+            )
     _check(found)
     return found
 
@@ -205,6 +226,8 @@ def summary(found: SideFiles) -> list[str]:
 
 def needs_config_note(looked_in: list[str] | None = None) -> str:
     where = f" (none in {', '.join(looked_in)})" if looked_in else ""
-    return (f"no {CONFIG} written{where}: transformers' from_pretrained(OUT) will need one; pass "
-            f"--config DIR (a folder holding the model's config.json, e.g. a Hugging Face model folder) "
-            f"or copy config.json into OUT")
+    return (
+        f"no {CONFIG} written{where}: transformers' from_pretrained(OUT) will need one; pass "
+        f"--config DIR (a folder holding the model's config.json, e.g. a Hugging Face model folder) "
+        f"or copy config.json into OUT"
+    )

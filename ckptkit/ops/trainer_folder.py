@@ -10,6 +10,7 @@ new world size with `trainer.train(resume_from_checkpoint=OUT)`:
     summary names them;
   - the RNG files follow formats.trainer.RNG_POLICY, which the summary states.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,8 +66,11 @@ class FolderResult:
     def notes(self) -> list[str]:
         """The summary lines a command prints after its own (parts, side files, RNG policy)."""
         what = f"{self.kind} folder ({self.layout})"
-        lines = [f"{what}: rewrote {', '.join(self.parts)} for {self.to_world_size} rank(s)"
-                 if self.parts else f"{what}: no part is laid out per rank; all copied"]
+        lines = [
+            f"{what}: rewrote {', '.join(self.parts)} for {self.to_world_size} rank(s)"
+            if self.parts
+            else f"{what}: no part is laid out per rank; all copied"
+        ]
         if self.copied:
             lines.append(f"copied byte for byte: {', '.join(self.copied)}")
         if self.rng:
@@ -74,7 +78,9 @@ class FolderResult:
             policy = ACCELERATE_RNG_POLICY if self.kind == ACCELERATE else RNG_POLICY
             lines.append(f"RNG files ({policy}): {mapped}")
         if self.rng_left_out:
-            lines.append(f"RNG files left out (no rank of {self.to_world_size} takes them): {', '.join(self.rng_left_out)}")
+            lines.append(
+                f"RNG files left out (no rank of {self.to_world_size} takes them): {', '.join(self.rng_left_out)}"
+            )
         if self.unknown:
             lines.append(f"not understood, copied as they are: {', '.join(self.unknown)}")
         return lines
@@ -89,8 +95,15 @@ def reshard_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str)
     return write_folder(opened, out, to, ctx, src, lambda target: _reshard_parts(opened, target, to, ctx))
 
 
-def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str,
-                 write_parts: Callable[[Output], list[str]], sources: tuple = ()) -> FolderResult:
+def write_folder(
+    opened: Opened,
+    out: str,
+    to: int,
+    ctx: RunContext,
+    src: str,
+    write_parts: Callable[[Output], list[str]],
+    sources: tuple = (),
+) -> FolderResult:
     """OUT as a Trainer folder: `write_parts` writes the sharded parts into it (their file list),
     then the rest of the source folder is copied and the RNG files mapped to `to` ranks."""
     folder: TrainerFolder = opened.trainer
@@ -115,8 +128,21 @@ def write_folder(opened: Opened, out: str, to: int, ctx: RunContext, src: str,
         files += copied + list(rng)
     ctx.progress.close()
     sharded = [p.name + "/" for p in folder.parts if p.sharded]
-    return FolderResult(out, folder.layout, folder.kind, source_world(opened), to, sharded, copied, rng, left_out,
-                        list(folder.unknown), files, len(opened.index.tensors), opened.index.total_tensor_bytes)
+    return FolderResult(
+        out,
+        folder.layout,
+        folder.kind,
+        source_world(opened),
+        to,
+        sharded,
+        copied,
+        rng,
+        left_out,
+        list(folder.unknown),
+        files,
+        len(opened.index.tensors),
+        opened.index.total_tensor_bytes,
+    )
 
 
 def _reshard_parts(opened: Opened, target: Output, to: int, ctx: RunContext) -> list[str]:
@@ -183,14 +209,21 @@ def _copy_file(source: Source, target: Output, rel: str, new: str) -> None:
 def describe_lines(folder: TrainerFolder) -> list[str]:
     """inspect/verify: the folder's parts, side files, RNG files and what was not understood."""
     step = f", global_step {folder.step if folder.step is not None else '-'}" if folder.kind != ACCELERATE else ""
-    lines = [f"trainer     {folder.kind} checkpoint ({folder.layout}){step}",
-             "parts       " + ", ".join(f"{p.name}{'/' if p.kind in ('deepspeed', 'dcp-model', 'dcp-optimizer') else ''} "
-                                       f"({p.kind})" for p in folder.parts)]
+    lines = [
+        f"trainer     {folder.kind} checkpoint ({folder.layout}){step}",
+        "parts       "
+        + ", ".join(
+            f"{p.name}{'/' if p.kind in ('deepspeed', 'dcp-model', 'dcp-optimizer') else ''} ({p.kind})"
+            for p in folder.parts
+        ),
+    ]
     if folder.side_files:
         lines.append("side files  " + ", ".join(folder.side_files))
     if folder.rng_files:
-        lines.append("rng files   " + ", ".join(folder.rng_files[r] for r in sorted(
-            folder.rng_files, key=lambda r: -1 if r is None else r)))
+        lines.append(
+            "rng files   "
+            + ", ".join(folder.rng_files[r] for r in sorted(folder.rng_files, key=lambda r: -1 if r is None else r))
+        )
     lines.append("not understood  " + (", ".join(folder.unknown) if folder.unknown else "none"))
     if folder.state_problem:
         lines.append(f"problem     {folder.state_problem}")
@@ -198,8 +231,15 @@ def describe_lines(folder: TrainerFolder) -> list[str]:
     return lines
 
 
-__all__ = ["reshard_folder", "write_folder", "reshard_dcp_part", "FolderResult", "SubOutput", "describe_lines",
-           "copy_tree"]
+__all__ = [
+    "reshard_folder",
+    "write_folder",
+    "reshard_dcp_part",
+    "FolderResult",
+    "SubOutput",
+    "describe_lines",
+    "copy_tree",
+]
 
 
 def folder_findings(opened: Opened) -> list:
@@ -222,46 +262,71 @@ def folder_findings(opened: Opened) -> list:
         for r in range(world):
             if r not in ranks:
                 name = f"random_states_{r}.pkl" if folder.kind == ACCELERATE else f"rng_state_{r}.pth"
-                found.append(Problem(P.MISSING_FILE, f"{source.label(name)}: rank {r}'s RNG file is missing (the "
-                                     f"others' are there; the Trainer would resume rank {r} without its generator "
-                                     f"state)", source.label(name)))
+                found.append(
+                    Problem(
+                        P.MISSING_FILE,
+                        f"{source.label(name)}: rank {r}'s RNG file is missing (the "
+                        f"others' are there; the Trainer would resume rank {r} without its generator "
+                        f"state)",
+                        source.label(name),
+                    )
+                )
     return found
 
 
 def verify_lines(folder: TrainerFolder, index_files: list[str]) -> list[str]:
     """verify's report on a Trainer folder: every part read (its files are in the index), the
     parts not read (plain optimizer.pt), every entry not understood."""
+
     def read(p) -> bool:
         return any(f == p.name or f.startswith(p.name + "/") for f in index_files)
 
-    done = ", ".join([p.name + ("/" if p.sharded else "") for p in folder.parts if read(p)]
-                     + [f"{f} (save_model's copy of the weights)" for f in folder.side_files if f in index_files])
+    done = ", ".join(
+        [p.name + ("/" if p.sharded else "") for p in folder.parts if read(p)]
+        + [f"{f} (save_model's copy of the weights)" for f in folder.side_files if f in index_files]
+    )
     unread = [p.name for p in folder.parts if not read(p)]
     step = f", global_step {folder.step if folder.step is not None else '-'}" if folder.kind != ACCELERATE else ""
-    return [f"  {folder.kind} folder ({folder.layout}{step}): read {done or 'nothing'}" + (f"; not read (copied by reshard/convert): {', '.join(unread)}" if unread else ""),
-            f"  side files (not read, copied by reshard/convert): "
-            f"{', '.join([f for f in folder.side_files if f not in index_files] + sorted(folder.rng_files.values(), key=str)) or 'none'}",
-            f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}",
-            *(f"  warning: {w}" for w in folder.warnings)]
+    unread_side = [f for f in folder.side_files if f not in index_files] + sorted(folder.rng_files.values(), key=str)
+    return [
+        f"  {folder.kind} folder ({folder.layout}{step}): read {done or 'nothing'}"
+        + (f"; not read (copied by reshard/convert): {', '.join(unread)}" if unread else ""),
+        f"  side files (not read, copied by reshard/convert): {', '.join(unread_side) or 'none'}",
+        f"  not understood: {', '.join(folder.unknown) if folder.unknown else 'none'}",
+        *(f"  warning: {w}" for w in folder.warnings),
+    ]
 
 
 def same_kind(folder: TrainerFolder, target: str) -> bool:
     """Does convert's `target` (dcp, zero1..3, ...) write this Trainer folder's own kind of part?"""
-    return (folder.layout == "deepspeed" and target.startswith("zero")) or (folder.layout == "fsdp" and target == "dcp"
-                                                                            and all(p.sharded for p in folder.parts))
+    return (folder.layout == "deepspeed" and target.startswith("zero")) or (
+        folder.layout == "fsdp" and target == "dcp" and all(p.sharded for p in folder.parts)
+    )
 
 
-def convert_folder(opened: Opened, out: str, target: str, world: int, state, cfg: dict | None, ctx: RunContext,
-                   src: str, ds_config: str | None, reshaped: bool) -> FolderResult:
+def convert_folder(
+    opened: Opened,
+    out: str,
+    target: str,
+    world: int,
+    state,
+    cfg: dict | None,
+    ctx: RunContext,
+    src: str,
+    ds_config: str | None,
+    reshaped: bool,
+) -> FolderResult:
     """`ckptkit convert` of a Trainer folder to its own kind: a Trainer folder again. DeepSpeed: the
     tag rewritten from the training state at the target's stage and world size (convert's ZeRO
     writer); FSDP: each DCP subfolder laid out for `world` ranks. `reshaped`: names or state were
     changed by options (--rename, --drop...), which an accelerate folder cannot carry."""
     if opened.trainer.layout == "fsdp":
         if reshaped:
-            raise UsageError(f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
-                             f"not apply when an accelerate FSDP Trainer folder is written as one (its DCP "
-                             f"subfolders are laid out again as they are); convert to another target to change them")
+            raise UsageError(
+                f"{src}: --rename, --strip-prefix, --add-prefix, --frozen, --model-only and --drop do "
+                f"not apply when an accelerate FSDP Trainer folder is written as one (its DCP "
+                f"subfolders are laid out again as they are); convert to another target to change them"
+            )
         return write_folder(opened, out, world, ctx, src, lambda t: _reshard_parts(opened, t, world, ctx))
     from ..convert.to_zero import zero_target_from_state
 
@@ -277,5 +342,7 @@ def left_behind(folder: TrainerFolder, target: str) -> list[str]:
     rest += [p.name for p in folder.parts if not p.sharded and p.kind != "weights"]
     if not rest:
         return []
-    return [f"{folder.kind} folder: --to {target} writes a plain checkpoint, not a Trainer folder; not copied: "
-            f"{', '.join(rest)}"]
+    return [
+        f"{folder.kind} folder: --to {target} writes a plain checkpoint, not a Trainer folder; not copied: "
+        f"{', '.join(rest)}"
+    ]

@@ -7,6 +7,7 @@ run under `problems.collecting()`, so a missing or damaged rank file is recorded
 files are still indexed and checked; tensors it left incomplete are not reported again as gaps.
 The caller exits 0 only when the list is empty.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,22 +51,40 @@ class Report:
 
     def as_json(self) -> dict:
         """`verify --json`: ok, a summary, and every problem with its file, key and kind."""
-        summary: dict = {"problems": len(self.problems), "by_kind": self.counts(), "deep": self.deep,
-                         "format": None, "tensors": None, "objects": None, "files": None}
+        summary: dict = {
+            "problems": len(self.problems),
+            "by_kind": self.counts(),
+            "deep": self.deep,
+            "format": None,
+            "tensors": None,
+            "objects": None,
+            "files": None,
+        }
         if self.opened is not None:
             idx = self.opened.index
-            summary.update({"format": idx.format, "tensors": len(idx.tensors), "objects": len(idx.objects),
-                            "files": len(idx.files)})
+            summary.update(
+                {
+                    "format": idx.format,
+                    "tensors": len(idx.tensors),
+                    "objects": len(idx.objects),
+                    "files": len(idx.files),
+                }
+            )
             if self.deep:
                 summary["crc32_checked"] = len(idx.checks)
             if self.opened.trainer is not None:
                 summary["trainer"] = self.opened.trainer.as_json()
-        return {"path": self.path, "ok": self.ok, "summary": summary,
-                "problems": [p.as_json() for p in self.problems]}
+        return {"path": self.path, "ok": self.ok, "summary": summary, "problems": [p.as_json() for p in self.problems]}
 
 
-def check(path: str, deep: bool = False, options: RunContext | None = None, tag: str | None = None, *,
-          ctx: RunContext | None = None) -> Report:
+def check(
+    path: str,
+    deep: bool = False,
+    options: RunContext | None = None,
+    tag: str | None = None,
+    *,
+    ctx: RunContext | None = None,
+) -> Report:
     """Every problem of the checkpoint at `path`: those met while indexing (a missing or damaged
     file, listed and stepped over where the rest can still be read), then structure, then --deep."""
     ctx = context_of(ctx, options)
@@ -87,22 +106,25 @@ def check(path: str, deep: bool = False, options: RunContext | None = None, tag:
     return Report(path, opened, found, deep)
 
 
-def verify(path: str, deep: bool = False, options: RunContext | None = None,
-           tag: str | None = None, *, ctx: RunContext | None = None) -> tuple[Opened | None, list[str]]:
+def verify(
+    path: str,
+    deep: bool = False,
+    options: RunContext | None = None,
+    tag: str | None = None,
+    *,
+    ctx: RunContext | None = None,
+) -> tuple[Opened | None, list[str]]:
     """(opened checkpoint or None, every problem's sentence); see check() for the details."""
     report = check(path, deep, tag=tag, ctx=context_of(ctx, options))
     return report.opened, [p.message for p in report.problems]
 
 
-def deep_findings(opened: Opened, ctx: RunContext,
-                  skip: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+def deep_findings(opened: Opened, ctx: RunContext, skip: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """Every byte read: CRCs, every tensor assembled (except those in `skip`), safetensors files."""
     index = opened.index
     problems: list[Problem] = []
-    tensors = [(k, t) for k, t in index.tensors.items()
-               if not t.attrs.get("alias_of") and t.numel and k not in skip]
-    ctx.progress.start(sum(c.length for c in index.checks) + sum(t.nbytes for _, t in tensors),
-                           "verify --deep")
+    tensors = [(k, t) for k, t in index.tensors.items() if not t.attrs.get("alias_of") and t.numel and k not in skip]
+    ctx.progress.start(sum(c.length for c in index.checks) + sum(t.nbytes for _, t in tensors), "verify --deep")
     try:
         problems += _crc_problems(opened, ctx)
         problems += _tensor_problems(opened, tensors, ctx)
@@ -133,9 +155,15 @@ def _crc_problems(opened: Opened, ctx: RunContext) -> list[Problem]:
             problems.append(Problem(P.kind_of(exc), str(exc), source.label(check.file)))
             continue
         if crc != check.crc32:
-            problems.append(Problem(P.CRC_MISMATCH, f"{source.label(check.file)}: {check.what} at byte "
-                                    f"{check.offset} fails its CRC (stored {check.crc32:08x}, computed "
-                                    f"{crc:08x}): the bytes were altered", source.label(check.file)))
+            problems.append(
+                Problem(
+                    P.CRC_MISMATCH,
+                    f"{source.label(check.file)}: {check.what} at byte "
+                    f"{check.offset} fails its CRC (stored {check.crc32:08x}, computed "
+                    f"{crc:08x}): the bytes were altered",
+                    source.label(check.file),
+                )
+            )
     return problems
 
 
@@ -178,9 +206,16 @@ def _replica_problems(opened: Opened, ctx: RunContext, skip: set[str] | frozense
                         raise _Differs(slab)
             except _Differs as diff:
                 where = opened.source.label(copy.pieces[0].location.file) if copy.pieces else opened.path
-                problems.append(Problem(P.FORMAT, f"tensor {key}: {what} ({where}) differs from the copy read "
-                                        f"(elements {list(diff.slab.offsets)}+{list(diff.slab.sizes)}); a "
-                                        f"replicated tensor must be the same on every rank", where, key))
+                problems.append(
+                    Problem(
+                        P.FORMAT,
+                        f"tensor {key}: {what} ({where}) differs from the copy read "
+                        f"(elements {list(diff.slab.offsets)}+{list(diff.slab.sizes)}); a "
+                        f"replicated tensor must be the same on every rank",
+                        where,
+                        key,
+                    )
+                )
             except CkptkitError as exc:
                 where = opened.source.label(copy.pieces[0].location.file) if copy.pieces else opened.path
                 problems.append(Problem(P.UNREADABLE, f"tensor {key} ({what}): {exc}", where, key))
@@ -218,6 +253,7 @@ def _safetensors_library_check(opened: Opened) -> list[Problem]:
         except CkptkitError as exc:
             problems.append(Problem(P.kind_of(exc), str(exc), path))
         except Exception as exc:  # the library raises its own error types
-            problems.append(Problem(P.FORMAT, f"{path}: the safetensors library rejects the file "
-                                    f"({quote(str(exc), 200)})", path))
+            problems.append(
+                Problem(P.FORMAT, f"{path}: the safetensors library rejects the file ({quote(str(exc), 200)})", path)
+            )
     return problems

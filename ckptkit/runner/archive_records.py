@@ -12,6 +12,7 @@ or size they give. ckptkit reads storages as their little-endian bytes and gives
 id its own type, so each of these records is checked here: what torch would read differently
 is refused, never guessed.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,13 +35,17 @@ def archive_folder(names: list[str], label: str) -> str:
         raise FormatError(f"{label}: the torch.save archive holds no members")
     first = names[0]
     if "/" not in first:
-        raise FormatError(f"{label}: zip member {quote(first)} is listed first but lies in no folder; "
-                          f"torch.load takes the archive's folder from the first member and refuses this file")
+        raise FormatError(
+            f"{label}: zip member {quote(first)} is listed first but lies in no folder; "
+            f"torch.load takes the archive's folder from the first member and refuses this file"
+        )
     folder = first.split("/", 1)[0]
     for name in names:
         if not name.startswith(folder + "/"):
-            raise FormatError(f"{label}: zip member {quote(name)} lies outside the archive's folder "
-                              f"{quote(folder)} (the first member's); torch.load refuses such a file")
+            raise FormatError(
+                f"{label}: zip member {quote(name)} lies outside the archive's folder "
+                f"{quote(folder)} (the first member's); torch.load refuses such a file"
+            )
     return folder
 
 
@@ -64,14 +69,21 @@ def ident_is_text(raw: bytes) -> bool:
     return True
 
 
-def record_reader(members: Mapping[str, Any], prefix: str, read_span: Callable[[int, int], bytes],
-                  gap: int = _RECORD_BYTES) -> Callable[[Any], bytes]:
+def record_reader(
+    members: Mapping[str, Any], prefix: str, read_span: Callable[[int, int], bytes], gap: int = _RECORD_BYTES
+) -> Callable[[Any], bytes]:
     """`read(member)` for check_records that reads the small records lying near each other in one
     span (torch.save puts two of them before the storages and two after): a few reads of a big
     archive, not one per record. A record too large to check is read (and refused) on its own."""
     names = (*record_names(prefix), ident_name(prefix))
-    small = sorted((m for m in map(members.get, names) if m is not None and not getattr(m, "compressed", False)
-                    and 0 <= m.size <= _RECORD_BYTES), key=lambda m: m.data_offset)
+    small = sorted(
+        (
+            m
+            for m in map(members.get, names)
+            if m is not None and not getattr(m, "compressed", False) and 0 <= m.size <= _RECORD_BYTES
+        ),
+        key=lambda m: m.data_offset,
+    )
     spans: list[list[Any]] = []
     for m in small:
         if spans and m.data_offset - (spans[-1][-1].data_offset + spans[-1][-1].size) <= gap:
@@ -83,7 +95,7 @@ def record_reader(members: Mapping[str, Any], prefix: str, read_span: Callable[[
         start, end = span[0].data_offset, max(m.data_offset + m.size for m in span)
         raw = read_span(start, end - start)
         for m in span:
-            got[m.name] = raw[m.data_offset - start:m.data_offset - start + m.size]
+            got[m.name] = raw[m.data_offset - start : m.data_offset - start + m.size]
     return lambda member: got[member.name] if member.name in got else read_span(member.data_offset, member.size)
 
 
@@ -95,22 +107,28 @@ def check_records(label: str, prefix: str, members: Mapping[str, Any], read: Cal
     if byteorder is not None:
         word = _record(byteorder, label, read)
         if word == b"big":
-            raise FormatError(f"{label}: its byteorder record says 'big': torch.load byte-swaps every storage of "
-                              f"such a file and ckptkit reads little-endian storages only; re-save it with "
-                              f"torch.save on a little-endian machine")
+            raise FormatError(
+                f"{label}: its byteorder record says 'big': torch.load byte-swaps every storage of "
+                f"such a file and ckptkit reads little-endian storages only; re-save it with "
+                f"torch.save on a little-endian machine"
+            )
         if word != b"little":
-            raise FormatError(f"{label}: its byteorder record says {quote(word, 40)}, neither "
-                              f"'little' nor 'big'; torch.load refuses such a file")
+            raise FormatError(
+                f"{label}: its byteorder record says {quote(word, 40)}, neither "
+                f"'little' nor 'big'; torch.load refuses such a file"
+            )
     _check_version(label, data_version if data_version is not None else version, read)
     if alignment is not None:
         try:
             int(_record(alignment, label, read))
         except ValueError:
-            raise FormatError(f"{label}: its .storage_alignment record is no integer; torch.load refuses such "
-                              f"a file") from None
+            raise FormatError(
+                f"{label}: its .storage_alignment record is no integer; torch.load refuses such a file"
+            ) from None
     if ident is not None and not ident_is_text(_record(ident, label, read)):
-        raise FormatError(f"{label}: its .data/serialization_id record is no UTF-8 text; torch.load refuses "
-                          f"such a file")
+        raise FormatError(
+            f"{label}: its .data/serialization_id record is no UTF-8 text; torch.load refuses such a file"
+        )
 
 
 def _check_version(label: str, member: Any, read: Callable[[Any], bytes]) -> None:
@@ -121,16 +139,20 @@ def _check_version(label: str, member: Any, read: Callable[[Any], bytes]) -> Non
     number = int(found.group(1)) if found is not None and len(found.group(1)) <= 20 else None
     if number not in SUPPORTED_VERSIONS:
         shown = quote(text.strip(), 40)
-        raise FormatError(f"{label}: its version record says {shown}, not a file format version torch.load reads "
-                          f"({SUPPORTED_VERSIONS.start} to {SUPPORTED_VERSIONS.stop - 1})")
+        raise FormatError(
+            f"{label}: its version record says {shown}, not a file format version torch.load reads "
+            f"({SUPPORTED_VERSIONS.start} to {SUPPORTED_VERSIONS.stop - 1})"
+        )
 
 
 def _record(member: Any, label: str, read: Callable[[Any], bytes]) -> bytes:
     if getattr(member, "compressed", False):
         raise FormatError(f"{label}: its record {member.name} is compressed; torch.save never compresses one")
     if member.size > _RECORD_BYTES:
-        raise FormatError(f"{label}: its record {member.name} is {member.size} bytes, more than such a record "
-                          f"holds ({_RECORD_BYTES} at most)")
+        raise FormatError(
+            f"{label}: its record {member.name} is {member.size} bytes, more than such a record "
+            f"holds ({_RECORD_BYTES} at most)"
+        )
     return read(member)
 
 
@@ -150,6 +172,8 @@ class StorageKinds:
                 self._first[key] = (dtype, numel)
             return
         if first != (dtype, numel):
-            raise FormatError(f"{self.label}: storage {name_of(key, 40)} is named by two persistent ids, as "
-                              f"{first[1]} x {first[0].name} and as {numel} x {dtype.name}; torch.load builds the "
-                              f"first and reads every later one as it, so the file's values are ambiguous")
+            raise FormatError(
+                f"{self.label}: storage {name_of(key, 40)} is named by two persistent ids, as "
+                f"{first[1]} x {first[0].name} and as {numel} x {dtype.name}; torch.load builds the "
+                f"first and reads every later one as it, so the file's values are ambiguous"
+            )

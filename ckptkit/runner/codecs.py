@@ -8,6 +8,7 @@ larger than what may be held in memory is never materialised: `open_decoded` ret
 over its decoded bytes that keeps the head and tail (zip headers, data.pkl, zip directory) and
 streams the rest through a restartable decoder, window by window.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,9 +19,9 @@ from ..errors import FormatError, MissingDependencyError, UnsupportedError
 from ..storage.source import BytesSource, RangeFile, Source
 
 SUPPORTED = ("stream.zstd",)
-WINDOW = 1 << 20          # decoded bytes produced per step (and compressed bytes read per step)
-HEAD = TAIL = 1 << 20     # decoded bytes a streamed item keeps of its start and end
-ARCHIVE_SLACK = 1 << 20   # a tensor item's torch.save archive: zip headers, data.pkl, directory
+WINDOW = 1 << 20  # decoded bytes produced per step (and compressed bytes read per step)
+HEAD = TAIL = 1 << 20  # decoded bytes a streamed item keeps of its start and end
+ARCHIVE_SLACK = 1 << 20  # a tensor item's torch.save archive: zip headers, data.pkl, directory
 # The largest decoded size a zstd frame can reach per compressed byte: a block decodes to at most
 # 128 KiB and costs at least 4 bytes (3-byte block header + 1 RLE byte).
 ZSTD_MAX_RATIO = (128 << 10) // 4
@@ -31,8 +32,7 @@ def check(transforms: tuple[str, ...], what: str) -> None:
     for desc in transforms:
         name, _, version = desc.partition("/")
         if name not in SUPPORTED or version.partition(".")[0] != "1":
-            raise UnsupportedError(f"{what}: item transform {desc!r} is not supported "
-                                   f"(supported: stream.zstd/1)")
+            raise UnsupportedError(f"{what}: item transform {desc!r} is not supported (supported: stream.zstd/1)")
 
 
 def check_declared(transforms: tuple[str, ...], encoded: int, declared: int, what: str) -> None:
@@ -68,8 +68,9 @@ def decode(data: bytes, transforms: tuple[str, ...], what: str, limit: int | Non
     return data
 
 
-def open_decoded(source: Source, rel: str, offset: int, length: int, transforms: tuple[str, ...], what: str,
-                 limit: int, keep: int) -> Any:
+def open_decoded(
+    source: Source, rel: str, offset: int, length: int, transforms: tuple[str, ...], what: str, limit: int, keep: int
+) -> Any:
     """The decoded bytes of an encoded item at [offset, offset+length) of `rel`, as a Source
     (rel ""): bytes in memory when they are at most `keep` long, else a StreamedItem. Decoding
     more than `limit` bytes is a FormatError. One pass over the item either way."""
@@ -116,7 +117,7 @@ class _BytesReader:
 
     def read(self, n: int = -1) -> bytes:
         end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
-        out = bytes(self._view[self._pos:end])
+        out = bytes(self._view[self._pos : end])
         self._pos = end
         return out
 
@@ -145,8 +146,7 @@ def _zstd_chunks(raw: Any, what: str, limit: int, max_window: int) -> Iterator[b
     try:
         from compression import zstd  # type: ignore[import-not-found]  # Python >= 3.14
     except ImportError:
-        raise MissingDependencyError(
-            f"{what} is zstd-compressed; install the 'zstandard' package to read it") from None
+        raise MissingDependencyError(f"{what} is zstd-compressed; install the 'zstandard' package to read it") from None
     try:
         dec = zstd.ZstdDecompressor(options={zstd.DecompressionParameter.window_log_max: max_window.bit_length()})
         while not dec.eof:
@@ -164,8 +164,10 @@ def _zstd_chunks(raw: Any, what: str, limit: int, max_window: int) -> Iterator[b
 
 
 def _too_much(what: str, limit: int) -> str:
-    return (f"{what}: decompresses to more than the {limit} bytes its metadata allows "
-            f"(a decompression bomb or a damaged item)")
+    return (
+        f"{what}: decompresses to more than the {limit} bytes its metadata allows "
+        f"(a decompression bomb or a damaged item)"
+    )
 
 
 class MemoryItem(BytesSource):
@@ -213,11 +215,11 @@ class StreamedItem(MemoryItem):
         if offset < 0 or offset + length > self._size:
             raise FormatError(f"{self.root}: decoded item ends before byte {offset + length}")
         if offset + length <= len(self._head):
-            buf[:] = self._head[offset:offset + length]
+            buf[:] = self._head[offset : offset + length]
             return
         tail_start = self._size - len(self._tail)
         if offset >= tail_start:
-            buf[:] = self._tail[offset - tail_start:offset - tail_start + length]
+            buf[:] = self._tail[offset - tail_start : offset - tail_start + length]
             return
         with self._lock:
             self._copy(self._cursor_for(offset), offset, buf)
@@ -248,7 +250,7 @@ class StreamedItem(MemoryItem):
                 continue
             start = pos - cursor.pos
             n = min(length - done, len(cursor.pending) - start)
-            buf[done:done + n] = cursor.pending[start:start + n]
+            buf[done : done + n] = cursor.pending[start : start + n]
             done += n
             if start + n == len(cursor.pending):
                 cursor.pos, cursor.pending = end, b""

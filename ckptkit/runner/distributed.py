@@ -11,6 +11,7 @@ group's timeout turns a vanished rank into an error instead of a hang.
 Outside torchrun (no WORLD_SIZE in the environment) the group is the trivial one-process group
 and nothing here touches torch.distributed.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -49,8 +50,10 @@ class Group:
         try:
             return fn()
         except RuntimeError as exc:  # gloo timeout or a peer that went away
-            self.failed = PeerError(f"another rank of the job stopped answering (crashed, killed or stuck past the "
-                                    f"{knobs.DIST_TIMEOUT:.0f} s timeout): {str(exc).splitlines()[0][:200]}")
+            self.failed = PeerError(
+                f"another rank of the job stopped answering (crashed, killed or stuck past the "
+                f"{knobs.DIST_TIMEOUT:.0f} s timeout): {str(exc).splitlines()[0][:200]}"
+            )
             raise self.failed from None
 
     def _gather(self, obj: Any) -> list[Any]:

@@ -6,6 +6,7 @@ is re-raised unchanged; so does a Ctrl-C.
 In a distributed job (runner/distributed.py) each rank runs its share of the jobs, dealt out by
 `weights` (bytes), and every rank gets every job's result back in order.
 """
+
 from __future__ import annotations
 
 import signal
@@ -62,8 +63,9 @@ def _first_error(futures: list[Future]) -> BaseException | None:
     return (real or errors or [None])[0]
 
 
-def run_jobs(jobs: Sequence[Callable[[], T]], workers: int, *, group: "Group | None" = None,
-             weights: Sequence[int] | None = None) -> list[T]:
+def run_jobs(
+    jobs: Sequence[Callable[[], T]], workers: int, *, group: "Group | None" = None, weights: Sequence[int] | None = None
+) -> list[T]:
     if group is None or not group.distributed:
         return _run_local(jobs, workers)
     mine = group.assign(list(weights) if weights is not None else [1] * len(jobs))

@@ -8,6 +8,7 @@ strided piece, a transposed tensor) is read in windows, in the storage's own ord
 items are decoded within bounds (runner/codecs): held whole when small, streamed through windows
 when larger than the budget allows.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,7 @@ class _Decoded:
 
     nbytes: int
     dtype: str
-    size: tuple[int, ...]           # the item's tensor as it found it: every use checks these
+    size: tuple[int, ...]  # the item's tensor as it found it: every use checks these
     contiguous: bool
     tensor: "torch.Tensor | None" = None
     stream: Any = None
@@ -56,8 +57,13 @@ class Fetcher:
     """Reads tensor regions from one source. Thread-safe; caches a few decoded items (within a
     quarter of the memory budget)."""
 
-    def __init__(self, source: Source, cache_items: int = 4, index: CheckpointIndex | None = None,
-                 memory_budget: int | None = None) -> None:
+    def __init__(
+        self,
+        source: Source,
+        cache_items: int = 4,
+        index: CheckpointIndex | None = None,
+        memory_budget: int | None = None,
+    ) -> None:
         self.source = source
         self.index = index  # resolves "ref" pieces of virtual tensors
         self.memory_budget = memory_budget or limits.budget()
@@ -149,8 +155,9 @@ class Fetcher:
 
         self._gather(read, base, strides, _local(span), dst)
 
-    def _gather(self, read: Callable[[int, memoryview], None], base: int, strides: tuple[int, ...],
-                box: Box, dst: torch.Tensor) -> None:
+    def _gather(
+        self, read: Callable[[int, memoryview], None], base: int, strides: tuple[int, ...], box: Box, dst: torch.Tensor
+    ) -> None:
         """Copy the elements of `box` of a strided view (element i at base + sum(i*strides)) into
         `dst`, reading the storage in order, one window of at most self._window bytes at a time
         (a transposed tensor's slab spans nearly its whole storage)."""
@@ -163,10 +170,13 @@ class Fetcher:
         for part in geometry.split_by_span(pbox, pstrides, max(1, self._window // item)):
             first = base + sum(o * st for o, st in zip(part.offsets, pstrides))
             span = geometry.strided_span(part.sizes, pstrides)
-            window = memoryview(buf)[:span * item] if span * item <= len(buf) else memoryview(bytearray(span * item))
+            window = memoryview(buf)[: span * item] if span * item <= len(buf) else memoryview(bytearray(span * item))
             read(first * item, window)
-            src = torch.frombuffer(window, dtype=dst.dtype, count=span).as_strided(part.sizes, pstrides) \
-                if span else torch.empty(part.sizes, dtype=dst.dtype)
+            src = (
+                torch.frombuffer(window, dtype=dst.dtype, count=span).as_strided(part.sizes, pstrides)
+                if span
+                else torch.empty(part.sizes, dtype=dst.dtype)
+            )
             target = pdst
             for d, (o, po, n) in enumerate(zip(part.offsets, pbox.offsets, part.sizes)):
                 target = target.narrow(d, o - po, n)
@@ -180,7 +190,7 @@ class Fetcher:
         pos = 0
         for ref in span.refs:
             interrupts.check()
-            window = flat[pos:pos + ref.box.numel]
+            window = flat[pos : pos + ref.box.numel]
             if same_dtype:  # each box is contiguous in the flattening: read straight into place
                 self._execute(ref, target, window.view(ref.box.sizes))
             else:
@@ -199,8 +209,9 @@ class Fetcher:
             return self.fetch(entry)
         return SmallTensor(entry.dtype, tuple(entry.shape), kernel_copy.read(self.source, ranges))
 
-    def byte_ranges(self, entry: TensorEntry, start: int = 0, length: int | None = None,
-                    dtype: str | None = None) -> list[tuple[str | bytes | None, int, int]] | None:
+    def byte_ranges(
+        self, entry: TensorEntry, start: int = 0, length: int | None = None, dtype: str | None = None
+    ) -> list[tuple[str | bytes | None, int, int]] | None:
         """Elements [start, start+length) of the entry's flattening as raw source byte ranges
         (file, offset, nbytes), or (None, 0, nbytes) for zero padding, or (bytes, offset,
         nbytes) for a small tensor held in memory, in order: a view of the read plan
@@ -244,8 +255,16 @@ class Fetcher:
 
         label = _item_label(self.source, entry, piece)
         declared = piece.region.numel * itemsize(entry.dtype)
-        item = codecs.open_decoded(self.source, loc.file, loc.offset, loc.length, loc.transforms, label,
-                                   codecs.tensor_limit(declared), limits.inline_bytes(self.memory_budget))
+        item = codecs.open_decoded(
+            self.source,
+            loc.file,
+            loc.offset,
+            loc.length,
+            loc.transforms,
+            label,
+            codecs.tensor_limit(declared),
+            limits.inline_bytes(self.memory_budget),
+        )
         found = item_tensor(open_item(item, label), "item")  # CRC32s checked (streamed: in windows)
         if found is None:
             raise FormatError(f"{label}: does not hold a tensor")
@@ -258,8 +277,11 @@ class Fetcher:
             decoded = replace(checked, stream=item, offset=inner.offset, strides=tuple(strides))
         else:
             tdtype = torch_dtype(dtype)
-            whole = torch.frombuffer(item.data, dtype=tdtype, count=inner.length // tdtype.itemsize,
-                                     offset=inner.offset) if inner.length else torch.empty(0, dtype=tdtype)
+            whole = (
+                torch.frombuffer(item.data, dtype=tdtype, count=inner.length // tdtype.itemsize, offset=inner.offset)
+                if inner.length
+                else torch.empty(0, dtype=tdtype)
+            )
             tensor = whole.as_strided(size, strides)
             decoded = replace(checked, tensor=tensor.reshape(-1) if flat else tensor)
         with self._lock:
@@ -287,8 +309,10 @@ def _check_item(item: _Decoded, entry: TensorEntry, piece: Piece, source: Source
     if isinstance(region, Box) and item.size != region.sizes:
         raise FormatError(f"{_item_label(source, entry, piece)}: has shape {item.size}, metadata says {region.sizes}")
     if isinstance(region, FlatRange) and (math.prod(item.size) != region.numel or not item.contiguous):
-        raise FormatError(f"{_item_label(source, entry, piece)}: holds {list(item.size)} elements, metadata says "
-                          f"a contiguous {region.numel}")
+        raise FormatError(
+            f"{_item_label(source, entry, piece)}: holds {list(item.size)} elements, metadata says "
+            f"a contiguous {region.numel}"
+        )
 
 
 def _narrow(view: torch.Tensor, region: Box, box: Box) -> torch.Tensor:

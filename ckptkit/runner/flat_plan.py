@@ -12,6 +12,7 @@ tensor, stored raw and contiguous, as zeros, as an in-memory small value, or as 
 anything else, and for anything wrong (a read past a piece's bytes, an unknown reference), it
 returns None and the caller plans through boxes, which gives the same bytes or the same error.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -50,8 +51,9 @@ def runs(entry: TensorEntry) -> tuple[list[int], list[int], list[int]] | None:
         region = piece.region
         if type(region) is FlatRange:
             start, length = region.start, region.length
-        elif type(region) is Box and ((one_d and len(region.sizes) == 1)
-                                      or (region.sizes == shape and not any(region.offsets))):
+        elif type(region) is Box and (
+            (one_d and len(region.sizes) == 1) or (region.sizes == shape and not any(region.offsets))
+        ):
             if piece.location.stride is not None:
                 return None
             start, length = (region.offsets[0] if one_d else 0), region.sizes[0] if one_d else numel
@@ -78,12 +80,17 @@ def runs(entry: TensorEntry) -> tuple[list[int], list[int], list[int]] | None:
     return [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
 
 
-def flat_byte_ranges(entry: TensorEntry, start: int, length: int, *,
-                     tensors: Mapping[str, TensorEntry] | None,
-                     tiling: Callable[[TensorEntry], None],
-                     boxed: Callable[[TensorEntry, int, int], "list[ByteRange] | None"],
-                     file_sizes: Mapping[str, int] | None = None,
-                     cache: dict[int, tuple[TensorEntry, tuple]] | None = None) -> list[ByteRange] | None:
+def flat_byte_ranges(
+    entry: TensorEntry,
+    start: int,
+    length: int,
+    *,
+    tensors: Mapping[str, TensorEntry] | None,
+    tiling: Callable[[TensorEntry], None],
+    boxed: Callable[[TensorEntry, int, int], "list[ByteRange] | None"],
+    file_sizes: Mapping[str, int] | None = None,
+    cache: dict[int, tuple[TensorEntry, tuple]] | None = None,
+) -> list[ByteRange] | None:
     """Elements [start, start+length) of `entry`'s flattening as coalesced byte ranges (see
     plan.plan_byte_ranges for their form), or None: not planned here. Ranges come only when
     `entry`'s pieces are flat runs tiling it exactly (runs(): plan.byte_ranges checks the tiling
@@ -100,10 +107,18 @@ def flat_byte_ranges(entry: TensorEntry, start: int, length: int, *,
     return out if found else None
 
 
-def _ranges(entry: TensorEntry, start: int, end: int, out: list[ByteRange],
-            tensors: Mapping[str, TensorEntry] | None, tiling: Callable[[TensorEntry], None],
-            boxed: Callable[[TensorEntry, int, int], "list[ByteRange] | None"],
-            file_sizes: Mapping[str, int] | None, cache: dict | None, known: tuple | None) -> bool:
+def _ranges(
+    entry: TensorEntry,
+    start: int,
+    end: int,
+    out: list[ByteRange],
+    tensors: Mapping[str, TensorEntry] | None,
+    tiling: Callable[[TensorEntry], None],
+    boxed: Callable[[TensorEntry, int, int], "list[ByteRange] | None"],
+    file_sizes: Mapping[str, int] | None,
+    cache: dict | None,
+    known: tuple | None,
+) -> bool:
     """Append the ranges of [start, end) of entry; False when its pieces are not flat runs."""
     table = known or runs(entry)
     if table is None:
@@ -167,8 +182,9 @@ def _ranges(entry: TensorEntry, start: int, end: int, out: list[ByteRange],
 _FEW = 8  # a tensor of fewer pieces is swept without a remembered runs() table
 
 
-def _few_raw(target: TensorEntry, start: int, end: int, item: int, out: list[ByteRange],
-             file_sizes: Mapping[str, int] | None) -> bool:
+def _few_raw(
+    target: TensorEntry, start: int, end: int, item: int, out: list[ByteRange], file_sizes: Mapping[str, int] | None
+) -> bool:
     """Append the ranges of [start, end) of a referenced tensor of few pieces in one pass over
     them (a ZeRO-3 parameter: its slices of the source ranks' buffers), where they are what the
     sweep reads most simply: flat runs in order tiling the tensor (runs()' in-order case), the
@@ -235,8 +251,7 @@ def _append(out: list[ByteRange], rel: "str | bytes | None", offset: int, nbytes
         return
     if out:
         prev_rel, prev_off, prev_n = out[-1]
-        if (prev_rel is rel or (type(rel) is str and prev_rel == rel)) and \
-                (rel is None or prev_off + prev_n == offset):
+        if (prev_rel is rel or (type(rel) is str and prev_rel == rel)) and (rel is None or prev_off + prev_n == offset):
             out[-1] = (prev_rel, prev_off, prev_n + nbytes)
             return
     out.append((rel, offset, nbytes))

@@ -11,6 +11,7 @@ Anything else (a reference to a tensor not stored that simply, another dtype, a 
 tensor's end) answers None, and the caller plans the table's pieces as before, which gives the
 same bytes or the same refusal.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,13 +42,13 @@ class SourceRuns:
     def __init__(self, tensors: Mapping[str, TensorEntry], file_sizes: Mapping[str, int] | None = None) -> None:
         self._tensors, self._file_sizes = tensors, file_sizes
         self._lock = threading.Lock()
-        self._row_of: dict[str, int] = {}    # key -> row, -1 where its runs are not simple
-        self._first: list[int] = []          # per row: its first run, its run count, numel, dtype
+        self._row_of: dict[str, int] = {}  # key -> row, -1 where its runs are not simple
+        self._first: list[int] = []  # per row: its first run, its run count, numel, dtype
         self._count: list[int] = []
         self._numel: list[int] = []
         self._dtype: list[int] = []
         self._dtypes: dict[str, int] = {}
-        self._start: list[int] = []          # per run: first element, elements, file, byte offset
+        self._start: list[int] = []  # per run: first element, elements, file, byte offset
         self._length: list[int] = []
         self._file: list[int] = []
         self._offset: list[int] = []
@@ -71,9 +72,19 @@ class SourceRuns:
                 rows = np.fromiter(map(row_of.__getitem__, refs), dtype=np.int64, count=len(refs))
                 self._rows[id(refs)] = (refs, rows)  # the list is kept, so its id stays its own
             if self._arrays is None:
-                self._arrays = tuple(np.array(col, dtype=np.int64) for col in (
-                    self._first, self._count, self._numel, self._dtype,
-                    self._start, self._length, self._file, self._offset))
+                self._arrays = tuple(
+                    np.array(col, dtype=np.int64)
+                    for col in (
+                        self._first,
+                        self._count,
+                        self._numel,
+                        self._dtype,
+                        self._start,
+                        self._length,
+                        self._file,
+                        self._offset,
+                    )
+                )
             return rows, self._arrays
 
     def dtype_code(self, dtype: str) -> int:
@@ -112,13 +123,19 @@ class SourceRuns:
         if set(map(type, regions)) - {FlatRange} or set(map(_ENCODING, locs)) - {_RAW}:
             return False
         counts = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-        starts, lengths, loc_lengths, numels = (_ints(v) for v in (
-            list(map(_START, regions)), list(map(_LENGTH, regions)), list(map(_LENGTH, locs)),
-            [shape[0] if len(shape) == 1 else math.prod(shape) for shape in map(_SHAPE, entries)]))
+        starts, lengths, loc_lengths, numels = (
+            _ints(v)
+            for v in (
+                list(map(_START, regions)),
+                list(map(_LENGTH, regions)),
+                list(map(_LENGTH, locs)),
+                [shape[0] if len(shape) == 1 else math.prod(shape) for shape in map(_SHAPE, entries)],
+            )
+        )
         if starts is None or lengths is None or loc_lengths is None or numels is None:
             return False
         item = np.repeat(np.array([items[d] for d in dtypes], dtype=np.int64), counts)
-        if float(np.abs(lengths).sum(dtype=np.float64)) >= 2.0 ** 62:  # (sums below: no int64 overflow)
+        if float(np.abs(lengths).sum(dtype=np.float64)) >= 2.0**62:  # (sums below: no int64 overflow)
             return False
         # each entry's runs tile it in order: a run starts where the entry's runs before it end
         ends = np.cumsum(lengths)
@@ -127,8 +144,12 @@ class SourceRuns:
         base = np.repeat((ends - lengths)[firsts[held]], counts[held])  # its runs' sum before the entry
         totals = np.zeros(len(entries), dtype=np.int64)
         totals[held] = ends[firsts[held] + counts[held] - 1] - (ends - lengths)[firsts[held]]
-        if not (bool((lengths > 0).all()) and bool((starts == ends - lengths - base).all())
-                and bool((lengths <= loc_lengths // item).all()) and bool((totals == numels).all())):
+        if not (
+            bool((lengths > 0).all())
+            and bool((starts == ends - lengths - base).all())
+            and bool((lengths <= loc_lengths // item).all())
+            and bool((totals == numels).all())
+        ):
             return False
         files, file_id = self.files, self._file_id
         rels = list(map(_FILE, locs))
@@ -252,8 +273,9 @@ class SourceRuns:
             region, loc = piece.region, piece.location
             if type(region) is FlatRange:
                 start, length = region.start, region.length
-            elif type(region) is Box and ((one_d and len(region.sizes) == 1)
-                                          or (region.sizes == shape and not any(region.offsets))):
+            elif type(region) is Box and (
+                (one_d and len(region.sizes) == 1) or (region.sizes == shape and not any(region.offsets))
+            ):
                 if loc.stride is not None:
                     return None
                 start, length = (region.offsets[0] if one_d else 0), region.sizes[0] if one_d else numel
@@ -263,8 +285,11 @@ class SourceRuns:
                 if length < 0 or start < 0 or start > numel:
                     return None
                 continue
-            if loc.encoding != _RAW or length * item > loc.length or \
-                    (sizes is not None and sizes.get(loc.file, loc.offset + length * item) < loc.offset + length * item):
+            if (
+                loc.encoding != _RAW
+                or length * item > loc.length
+                or (sizes is not None and sizes.get(loc.file, loc.offset + length * item) < loc.offset + length * item)
+            ):
                 return None
             in_order = in_order and start == pos
             pos = start + length
@@ -296,8 +321,11 @@ def table_ranges(table: FlatTable, dtype: str, runs: SourceRuns) -> RangeTable |
     item = itemsize(dtype)
     starts, lengths, positions = table.starts, table.lengths, table.positions
     rows, (first, count, numel, dtypes, run_start, run_length, run_file, run_offset) = runs.resolve(table.refs)
-    if len(rows) and (bool((rows < 0).any()) or bool((dtypes[rows] != runs.dtype_code(dtype)).any())
-                      or bool((starts + lengths > numel[rows]).any())):
+    if len(rows) and (
+        bool((rows < 0).any())
+        or bool((dtypes[rows] != runs.dtype_code(dtype)).any())
+        or bool((starts + lengths > numel[rows]).any())
+    ):
         return None
     # every (part, run of its tensor) pair, in order; the overlapping ones are the reads
     counts = count[rows]

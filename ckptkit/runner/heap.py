@@ -7,6 +7,7 @@ full collections; each traverses the whole index again and finds nothing to free
 the collector's sight (gc.freeze) and gives it back afterwards: collections still run, over what
 the write allocates.
 """
+
 from __future__ import annotations
 
 import gc

@@ -4,6 +4,7 @@ value item decompressed and unpickled whole) and Fetchers built without an expli
 The CLI sets it from --memory-budget for its one command (`set_budget`); a library caller who
 does not gets knobs.MEMORY_BUDGET (CKPTKIT_MEMORY_BUDGET).
 """
+
 from __future__ import annotations
 
 from .. import knobs

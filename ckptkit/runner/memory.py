@@ -6,6 +6,7 @@ peak RSS creep up with the number of slabs, i.e. with checkpoint size. Pinning t
 (which disables the dynamic adjustment) sends every large buffer back to the OS when freed.
 Only the CLI calls this: a library must not change malloc settings of a training process.
 """
+
 from __future__ import annotations
 
 import ctypes

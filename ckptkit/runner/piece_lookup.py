@@ -6,6 +6,7 @@ chunks ran for minutes). Here each dimension keeps the pieces' boxes sorted by o
 candidates along a dimension are those starting in [box start - widest piece, box end), found by
 two bisections, and the dimension with the fewest candidates is the one filtered exactly.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left
@@ -13,7 +14,7 @@ from bisect import bisect_left
 from ..index import geometry
 from ..index.types import Box, TensorEntry
 
-Part = tuple[int, int, Box, int]   # (piece index, run index within the piece, box, element offset)
+Part = tuple[int, int, Box, int]  # (piece index, run index within the piece, box, element offset)
 
 
 class PieceLookup:
@@ -28,9 +29,9 @@ class PieceLookup:
                 parts.append((i, j, sub, elem_offset))
         self.parts = parts
         self.ndim = len(entry.shape)
-        self.order: list[list[int]] = []      # per dimension: part numbers by offset
-        self.starts: list[list[int]] = []     # per dimension: those offsets, sorted
-        self.widest: list[int] = []           # per dimension: the largest size of any part
+        self.order: list[list[int]] = []  # per dimension: part numbers by offset
+        self.starts: list[list[int]] = []  # per dimension: those offsets, sorted
+        self.widest: list[int] = []  # per dimension: the largest size of any part
         for d in range(self.ndim):
             order = sorted(range(len(parts)), key=lambda k: parts[k][2].offsets[d])
             self.order.append(order)

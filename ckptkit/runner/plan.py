@@ -9,6 +9,7 @@ index. `Fetcher` (runner/fetch.py) executes plans; `byte_ranges` and `ckptkit pl
 them. The shape follows torch.distributed.checkpoint: typed ReadItem/LoadPlan values (planner.py),
 planning before storage IO (storage.py), a validation pass (default_planner._validate_global_plan).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -45,18 +46,18 @@ class ReadSpan(NamedTuple):
     tensor's key, its first flat element and the element count; ZEROS and INLINE, no file.
     """
 
-    key: str                          # the tensor whose piece is read
-    piece: int                        # index of that piece in the tensor's pieces
+    key: str  # the tensor whose piece is read
+    piece: int  # index of that piece in the tensor's pieces
     encoding: Encoding
     file: str
     offset: int
     length: int
-    box: Box                          # the elements read, in the tensor's coordinates
-    region: Box                       # the piece's box holding them (one run of a flat piece)
-    base: int                         # element offset of region's first element in the piece's storage
-    strides: tuple[int, ...] | None   # element strides in that storage (None: the decoded item's own)
-    dense: bool                       # RAW: the bytes are one run, in the box's row-major order
-    refs: tuple[ReadPlan, ...] = ()   # REF: plans of the referenced tensor's boxes, in flat order
+    box: Box  # the elements read, in the tensor's coordinates
+    region: Box  # the piece's box holding them (one run of a flat piece)
+    base: int  # element offset of region's first element in the piece's storage
+    strides: tuple[int, ...] | None  # element strides in that storage (None: the decoded item's own)
+    dense: bool  # RAW: the bytes are one run, in the box's row-major order
+    refs: tuple[ReadPlan, ...] = ()  # REF: plans of the referenced tensor's boxes, in flat order
 
 
 class ReadPlan(NamedTuple):
@@ -79,7 +80,10 @@ class ReadPlan(NamedTuple):
         seen: set[tuple[str, int, int]] = set()
         totals: dict[str, int] = {}
         for span in self.walk():
-            if span.encoding in (Encoding.RAW, Encoding.TORCH_SAVE) and (span.file, span.offset, span.length) not in seen:
+            if (
+                span.encoding in (Encoding.RAW, Encoding.TORCH_SAVE)
+                and (span.file, span.offset, span.length) not in seen
+            ):
                 seen.add((span.file, span.offset, span.length))
                 totals[span.file] = totals.get(span.file, 0) + span.length
         return totals
@@ -106,18 +110,27 @@ def check_tiling(entry: TensorEntry, label: Callable[[str], str] = _as_is) -> No
         why = "a piece lies outside the tensor"
     elif cov.missing:
         b = cov.missing[0]
-        why = f"{cov.missing_elements} element(s) are in no piece (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
+        why = (
+            f"{cov.missing_elements} element(s) are in no piece (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
+        )
     else:
         b = cov.doubled[0]
         why = f"elements are stored twice (e.g. offsets {list(b.offsets)} sizes {list(b.sizes)})"
-    raise FormatError(f"{label('')}: tensor {entry.key} {list(entry.shape)} is not "
-                      f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems")
+    raise FormatError(
+        f"{label('')}: tensor {entry.key} {list(entry.shape)} is not "
+        f"tiled exactly by its pieces: {why}; run `ckptkit verify` for all problems"
+    )
 
 
-def plan_reads(index: CheckpointIndex | None, entry: TensorEntry, box: Box | None = None, *,
-               label: Callable[[str], str] = _as_is,
-               tiling: Callable[[TensorEntry], None] | None = None,
-               file_sizes: Mapping[str, int] | None = None) -> ReadPlan:
+def plan_reads(
+    index: CheckpointIndex | None,
+    entry: TensorEntry,
+    box: Box | None = None,
+    *,
+    label: Callable[[str], str] = _as_is,
+    tiling: Callable[[TensorEntry], None] | None = None,
+    file_sizes: Mapping[str, int] | None = None,
+) -> ReadPlan:
     """The reads that fill `box` (default: the whole tensor) of `entry`, validated.
 
     `index` resolves REF pieces; `label` names a file in errors (the source's label); `tiling`
@@ -130,9 +143,14 @@ def plan_reads(index: CheckpointIndex | None, entry: TensorEntry, box: Box | Non
 class Planner:
     """plan_reads with its settings bound, for a caller planning many reads (a Fetcher)."""
 
-    def __init__(self, index: CheckpointIndex | None, *, label: Callable[[str], str] = _as_is,
-                 tiling: Callable[[TensorEntry], None] | None = None,
-                 file_sizes: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        index: CheckpointIndex | None,
+        *,
+        label: Callable[[str], str] = _as_is,
+        tiling: Callable[[TensorEntry], None] | None = None,
+        file_sizes: Mapping[str, int] | None = None,
+    ) -> None:
         self.index = index
         self.label = label
         self.tiling = tiling or (lambda e: check_tiling(e, label))
@@ -164,7 +182,8 @@ class Planner:
         if filled != want:
             raise FormatError(
                 f"{self.label('')}: tensor {entry.key} region {list(box.offsets)}+{list(box.sizes)} "
-                f"is not covered by its pieces ({filled} of {want} elements found)")
+                f"is not covered by its pieces ({filled} of {want} elements found)"
+            )
         return ReadPlan(entry.key, entry.dtype, box, tuple(spans))
 
     def _parts(self, entry: TensorEntry, box: Box) -> Iterator[tuple[int, Box, int]]:
@@ -186,8 +205,7 @@ class Planner:
                 for sub, elem_offset in geometry.flat_to_boxes(region, entry.shape):
                     yield i, sub, elem_offset
 
-    def span(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box, n: int,
-             whole: bool) -> ReadSpan:
+    def span(self, entry: TensorEntry, i: int, sub: Box, elem_offset: int, inter: Box, n: int, whole: bool) -> ReadSpan:
         """The span reading `inter` (n elements; `whole`: all of `sub`) of piece i."""
         piece = entry.pieces[i]
         loc = piece.location
@@ -202,8 +220,10 @@ class Planner:
                 local = [o - so for o, so in zip(inter.offsets, sub.offsets)]
                 first = elem_offset + sum(p * st for p, st in zip(local, strides))
                 last = first + sum((s - 1) * st for s, st in zip(inter.sizes, strides))
-                dense = all(size == 1 or st == want for size, st, want
-                            in zip(inter.sizes, strides, geometry.row_major_strides(inter.sizes)))
+                dense = all(
+                    size == 1 or st == want
+                    for size, st, want in zip(inter.sizes, strides, geometry.row_major_strides(inter.sizes))
+                )
             item = itemsize(entry.dtype)
             if first < 0 or (last + 1) * item > loc.length:
                 raise FormatError(f"{self.label(loc.file)}: tensor {entry.key} reads past its recorded byte range")
@@ -214,8 +234,9 @@ class Planner:
         if encoding is Encoding.TORCH_SAVE:
             self._inside_file(loc.file, loc.offset + loc.length)
             strides = geometry.row_major_strides(sub.sizes) if flat else None
-            return ReadSpan(entry.key, i, encoding, loc.file, loc.offset, loc.length, inter, sub, elem_offset,
-                            strides, False)
+            return ReadSpan(
+                entry.key, i, encoding, loc.file, loc.offset, loc.length, inter, sub, elem_offset, strides, False
+            )
         if encoding is Encoding.ZEROS:
             return ReadSpan(entry.key, i, encoding, "", 0, 0, inter, sub, elem_offset, None, False)
         if encoding is Encoding.INLINE:
@@ -239,8 +260,20 @@ class Planner:
         if boxes:
             self.tiling(target)
         refs = [self.plan(target, box) for box in boxes]
-        return ReadSpan(entry.key, i, Encoding.REF, loc.file, start, inter.numel, inter, sub, elem_offset,
-                        strides, False, tuple(refs))
+        return ReadSpan(
+            entry.key,
+            i,
+            Encoding.REF,
+            loc.file,
+            start,
+            inter.numel,
+            inter,
+            sub,
+            elem_offset,
+            strides,
+            False,
+            tuple(refs),
+        )
 
     def byte_ranges(self, entry: TensorEntry, start: int = 0, length: int | None = None) -> list[ByteRange] | None:
         """Elements [start, start+length) (default: to the end) of the entry's flattening as
@@ -268,8 +301,16 @@ class Planner:
         tensors = self.index.tensors if self.index is not None else None
         whole = start == 0 and length is None
         length = entry.numel - start if length is None else length
-        fast = flat_byte_ranges(entry, start, length, tensors=tensors, tiling=self.tiling,
-                                boxed=self._boxed_range, file_sizes=self.file_sizes, cache=self._runs)
+        fast = flat_byte_ranges(
+            entry,
+            start,
+            length,
+            tensors=tensors,
+            tiling=self.tiling,
+            boxed=self._boxed_range,
+            file_sizes=self.file_sizes,
+            cache=self._runs,
+        )
         if fast is not None:
             return fast
         self.tiling(entry)
@@ -307,8 +348,9 @@ class Planner:
             raise FormatError(f"{self.label(rel)}: file ends before byte {end} (truncated?)")
 
 
-def plan_byte_ranges(plan: ReadPlan, entries: Mapping[str, TensorEntry] | None,
-                     entry: TensorEntry) -> list[ByteRange] | None:
+def plan_byte_ranges(
+    plan: ReadPlan, entries: Mapping[str, TensorEntry] | None, entry: TensorEntry
+) -> list[ByteRange] | None:
     """The plan as source byte ranges in the box's row-major order: (file, offset, nbytes), or
     (None, 0, nbytes) for zero padding, or (bytes, offset, nbytes) for a small value in memory.
     None when some span is not stored that simply (strided, encoded, another dtype, a torch value

@@ -19,6 +19,7 @@ every tensor in order, so it reads every source data file at about the same pace
 read ahead in proportion to the bytes written. Only a local, one-process run reads ahead (a rank
 of a distributed run reads a share of the files).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
     from ..index.types import CheckpointIndex
     from ..storage.source import Source
 
-STEP = 8 << 20       # bytes asked for at a time, file after file (one readahead request's worth)
-WAIT_S = 0.05        # how long the thread sleeps when it is a window ahead (advances also wake it)
-FLUSH = 64 << 20     # bytes written between two starts of the output's writeback
+STEP = 8 << 20  # bytes asked for at a time, file after file (one readahead request's worth)
+WAIT_S = 0.05  # how long the thread sleeps when it is a window ahead (advances also wake it)
+FLUSH = 64 << 20  # bytes written between two starts of the output's writeback
 
 
 class _Counting:
@@ -111,8 +112,9 @@ class ReadAhead:
         self._thread.start()
         return dataclasses.replace(self._ctx, progress=self._progress)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop.set()
         with self._moved:
             self._moved.notify()
@@ -137,7 +139,7 @@ class ReadAhead:
         while not self._stop.is_set():
             total = max(1, progress.total)
             done = progress.done
-            ahead = min(1.0, (done + self._window) / total)   # the fraction of each file wanted
+            ahead = min(1.0, (done + self._window) / total)  # the fraction of each file wanted
             more = False
             for i, (_rel, lo, hi) in enumerate(files):
                 want = lo + int((hi - lo) * ahead)
@@ -153,4 +155,3 @@ class ReadAhead:
             if not more:
                 with self._moved:
                     self._moved.wait(WAIT_S)
-

@@ -1,4 +1,5 @@
 """Streaming a logical tensor as bytes, slab by slab, within a memory budget."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -24,8 +25,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def stream_tensor(fetcher: Fetcher, entry: TensorEntry, out_dtype: str | None,
-                  slab_bytes: int) -> Iterator[memoryview]:
+def stream_tensor(fetcher: Fetcher, entry: TensorEntry, out_dtype: str | None, slab_bytes: int) -> Iterator[memoryview]:
     """Yield the tensor's row-major bytes (cast to out_dtype if given) in slabs of bounded size."""
     src_item = itemsize(entry.dtype)
     dst = torch_dtype(out_dtype) if out_dtype else None

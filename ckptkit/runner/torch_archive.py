@@ -12,6 +12,7 @@ before its central directory, do not overlap, and their local headers agree with
 a tensor's view (offset, size, stride) lies inside its storage member's data, so a piece never
 reads zip headers or a neighbour's bytes.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,8 +27,15 @@ from ..errors import CkptkitError, FormatError
 from ..index.dtypes import ITEMSIZE, dtype_name
 from ..index.geometry import row_major_strides, strided_span
 from ..index.types import IntegrityCheck, Location
-from ..safeload import (RawStorage, StorageRef, TensorRef, fenced_torch_save_loads, restricted_loads, storage_pid,
-                        typed_storage)
+from ..safeload import (
+    RawStorage,
+    StorageRef,
+    TensorRef,
+    fenced_torch_save_loads,
+    restricted_loads,
+    storage_pid,
+    typed_storage,
+)
 from ..storage.source import BytesSource, RangeFile, Source
 from . import limits
 from .archive_records import StorageKinds, archive_folder, check_records, record_reader
@@ -56,7 +64,7 @@ class Archive:
     prefix: str
     members: dict[str, Member]
     values_built: int = 0  # bytes of the tensors load_values built from this archive so far
-    values_read: int = 0   # bytes load_values read for them
+    values_read: int = 0  # bytes load_values read for them
     copy: bytes | None = None  # the whole archive, when it was small enough to read at once
     base: int = 0  # the archive's offset in its file
 
@@ -64,7 +72,7 @@ class Archive:
         """`length` bytes at `offset` of the file: from the archive's copy when they lie in it."""
         start = offset - self.base
         if self.copy is not None and 0 <= start and 0 <= length and start + length <= len(self.copy):
-            return self.copy[start:start + length]
+            return self.copy[start : start + length]
         return self.source.read(self.file, offset, length)
 
     @cached_property
@@ -79,25 +87,38 @@ class Archive:
             raise FormatError(f"{self.label}: archive has no storage record {name}") from None
 
     def checks(self) -> list[IntegrityCheck]:
-        return [_new_tuple(IntegrityCheck, (self.file, m.data_offset, m.size, m.crc32, f"zip member {m.name}"))
-                for m in self.members.values() if not m.compressed]
+        return [
+            _new_tuple(IntegrityCheck, (self.file, m.data_offset, m.size, m.crc32, f"zip member {m.name}"))
+            for m in self.members.values()
+            if not m.compressed
+        ]
 
 
-def open_archive(source: Source, rel: str, offset: int = 0, length: int | None = None,
-                 memo: StructureMemo | None = None, data: bytes | None = None) -> Archive:
+def open_archive(
+    source: Source,
+    rel: str,
+    offset: int = 0,
+    length: int | None = None,
+    memo: StructureMemo | None = None,
+    data: bytes | None = None,
+) -> Archive:
     """Parse the zip directory of a torch.save archive at [offset, offset+length) of `rel`.
     `data`: those very bytes, already read (a run of small items read at once); `memo` serves the
     directory of an archive laid out exactly like one already checked (see _Layout)."""
     if length is None:
         length = source.size(rel) - offset
     if length < 22:
-        raise FormatError(f"{source.label(rel)}: {length} bytes at offset {offset} are too short to be a "
-                          f"torch.save archive")
+        raise FormatError(
+            f"{source.label(rel)}: {length} bytes at offset {offset} are too short to be a torch.save archive"
+        )
     if data is not None and len(data) == length <= SMALL_ARCHIVE:
         copy: bytes | None = data
     else:
-        copy = source.read(rel, offset, length) \
-            if length <= SMALL_ARCHIVE and offset + length <= source.size(rel) else None
+        copy = (
+            source.read(rel, offset, length)
+            if length <= SMALL_ARCHIVE and offset + length <= source.size(rel)
+            else None
+        )
     if copy is not None and memo is not None:
         known = memo.layout_of(copy, offset)
         if known is not None:
@@ -106,29 +127,49 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
     head = copy[:4] if copy is not None else source.read(rel, offset, min(4, length))
     if head != ZIP_MAGIC:
         if head[:1] == b"\x80" or head[:2] == b"\x8a\x0a":
-            raise FormatError(f"{label}: legacy (pre-1.6, non-zip) torch.save format is not supported; "
-                              f"re-save it with a current torch")
+            raise FormatError(
+                f"{label}: legacy (pre-1.6, non-zip) torch.save format is not supported; "
+                f"re-save it with a current torch"
+            )
         raise FormatError(f"{label}: not a torch.save archive (no zip header at offset {offset})")
     plain = _plain_directory(copy) if copy is not None else _tail_directory(source, rel, offset, length)
     try:
         if plain is not None:
             infos, start_dir = plain
         else:
-            raw = RangeFile(BytesSource(copy, label), "", 0, length) if copy is not None \
+            raw = (
+                RangeFile(BytesSource(copy, label), "", 0, length)
+                if copy is not None
                 else RangeFile(source, rel, offset, length)
+            )
             zf = zipfile.ZipFile(io.BufferedReader(raw, buffer_size=65536))
             infos, start_dir = zf.infolist(), zf.start_dir
     except CkptkitError:
         raise
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError,
-            OverflowError) as exc:  # a damaged directory surfaces as any of these (names: UnicodeDecodeError)
+    except (
+        zipfile.BadZipFile,
+        ValueError,
+        OSError,
+        EOFError,
+        struct.error,
+        NotImplementedError,
+        OverflowError,
+    ) as exc:  # a damaged directory surfaces as any of these (names: UnicodeDecodeError)
         where = f" at offset {offset}" if offset else ""
         detail = str(exc)[:120] or type(exc).__name__
-        raise FormatError(f"{label}: damaged torch.save archive{where}: its zip directory cannot be read "
-                          f"(the file may be cut short): {detail}") from None
-    read: Callable[[int, int], bytes] = (lambda at, n: copy[at:at + n]) if copy is not None \
-        else _HeaderReads(lambda at, n: source.read(rel, offset + at, n), infos,
-                          min(start_dir, length) if offset + length <= source.size(rel) else 0).read
+        raise FormatError(
+            f"{label}: damaged torch.save archive{where}: its zip directory cannot be read "
+            f"(the file may be cut short): {detail}"
+        ) from None
+    read: Callable[[int, int], bytes] = (
+        (lambda at, n: copy[at : at + n])
+        if copy is not None
+        else _HeaderReads(
+            lambda at, n: source.read(rel, offset + at, n),
+            infos,
+            min(start_dir, length) if offset + length <= source.size(rel) else 0,
+        ).read
+    )
     members = _members(read, offset, length, label, infos, start_dir)
     pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
@@ -142,8 +183,9 @@ def open_archive(source: Source, rel: str, offset: int = 0, length: int | None =
 
 def _with_records(archive: Archive) -> Archive:
     """`archive`, once its byteorder, version and alignment records read as torch.load reads them."""
-    check_records(archive.label, archive.prefix, archive.members,
-                  record_reader(archive.members, archive.prefix, archive.read))
+    check_records(
+        archive.label, archive.prefix, archive.members, record_reader(archive.members, archive.prefix, archive.read)
+    )
     return archive
 
 
@@ -220,14 +262,13 @@ def _end_records(tail: bytes, n: int) -> tuple[int, int, int] | None:
     end = len(tail) - _END.size
     if magic != b"PK\x05\x06" or comment:
         return None
-    if end >= _ZIP64_LOCATOR.size and tail[end - _ZIP64_LOCATOR.size:end - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
+    if end >= _ZIP64_LOCATOR.size and tail[end - _ZIP64_LOCATOR.size : end - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
         located = end - _ZIP64_LOCATOR.size
         _sig, locator_disk, _record, disks = _ZIP64_LOCATOR.unpack_from(tail, located)
         if locator_disk or disks > 1 or located < _ZIP64_END.size:
             return None
         end = located - _ZIP64_END.size
-        (sig, _size, _made, _need, disk, cd_disk, _here, count, cd_size,
-         cd_offset) = _ZIP64_END.unpack_from(tail, end)
+        (sig, _size, _made, _need, disk, cd_disk, _here, count, cd_size, cd_offset) = _ZIP64_END.unpack_from(tail, end)
         if sig != b"PK\x06\x06":
             return None
     end += base
@@ -245,13 +286,29 @@ def _central_entries(directory: bytes, at: int, end: int, count: int, extras_che
     while at < end:
         if at + _CENTRAL.size > end:
             return None
-        (sig, _made, need, flags, method, _time, _date, crc, csize, usize, name_len, extra_len, comment_len,
-         _disk, _internal, _external, header) = unpack(directory, at)
-        if sig != b"PK\x01\x02" or need > 63 or 0xFFFFFFFF in (csize, usize, header) or \
-                (extras_checked and extra_len):
+        (
+            sig,
+            _made,
+            need,
+            flags,
+            method,
+            _time,
+            _date,
+            crc,
+            csize,
+            usize,
+            name_len,
+            extra_len,
+            comment_len,
+            _disk,
+            _internal,
+            _external,
+            header,
+        ) = unpack(directory, at)
+        if sig != b"PK\x01\x02" or need > 63 or 0xFFFFFFFF in (csize, usize, header) or (extras_checked and extra_len):
             return None
         name_at = at + _CENTRAL.size
-        raw_name = directory[name_at:name_at + name_len]
+        raw_name = directory[name_at : name_at + name_len]
         at = name_at + name_len + extra_len + comment_len
         if at > end or b"\x00" in raw_name:
             return None
@@ -281,8 +338,9 @@ class _HeaderReads:
         self._read = read
         self._window: tuple[int, int] | None = None  # [start, end) of the archive in _bytes
         self._bytes = b""
-        spans = sorted((i.header_offset, i.header_offset + _LOCAL.size + len(i.filename.encode("utf-8", "replace")))
-                       for i in infos)
+        spans = sorted(
+            (i.header_offset, i.header_offset + _LOCAL.size + len(i.filename.encode("utf-8", "replace"))) for i in infos
+        )
         self._windows: dict[int, tuple[int, int]] = {}  # header offset -> the window holding it
         group: list[int] = []
         lo = hi = 0
@@ -310,19 +368,26 @@ class _HeaderReads:
             self._bytes = self._read(window[0], window[1] - window[0])
             self._window = window
         start = at - window[0]
-        return self._bytes[start:start + n]
+        return self._bytes[start : start + n]
 
 
-def _members(read: Callable[[int, int], bytes], offset: int, length: int, label: str,
-             infos: list[zipfile.ZipInfo], start_dir: int) -> dict[str, Member]:
+def _members(
+    read: Callable[[int, int], bytes],
+    offset: int,
+    length: int,
+    label: str,
+    infos: list[zipfile.ZipInfo],
+    start_dir: int,
+) -> dict[str, Member]:
     """The members the central directory lists, each checked before any of its bytes is used:
     stored, sizes that agree (directory, local header), data inside [0, start_dir) of the
     archive, no two members overlapping, no name twice. `read(at, n)` reads the archive's bytes."""
     members: dict[str, Member] = {}
     spans: list[tuple[int, int, str]] = []
     if not 0 <= start_dir <= length:
-        raise FormatError(f"{label}: the zip directory starts at byte {start_dir}, outside the archive's "
-                          f"{length} bytes")
+        raise FormatError(
+            f"{label}: the zip directory starts at byte {start_dir}, outside the archive's {length} bytes"
+        )
     for info in infos:
         name = info.filename
         what = f"{label}: zip member {name}"
@@ -331,39 +396,54 @@ def _members(read: Callable[[int, int], bytes], offset: int, length: int, label:
         if info.flag_bits & _ENCRYPTED:
             raise FormatError(f"{what} is encrypted; torch.save never encrypts")
         if info.compress_type != zipfile.ZIP_STORED:
-            raise FormatError(f"{what} is compressed (zip method {info.compress_type}); torch.save stores "
-                              f"members uncompressed")
+            raise FormatError(
+                f"{what} is compressed (zip method {info.compress_type}); torch.save stores members uncompressed"
+            )
         if info.compress_size != info.file_size:
-            raise FormatError(f"{what} is stored, but the zip directory declares {info.compress_size} stored and "
-                              f"{info.file_size} uncompressed bytes")
+            raise FormatError(
+                f"{what} is stored, but the zip directory declares {info.compress_size} stored and "
+                f"{info.file_size} uncompressed bytes"
+            )
         if info.header_offset < 0 or info.file_size < 0:
             raise FormatError(f"{what} has a damaged directory entry")
         raw_name = info.orig_filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437", errors="replace")
         if info.header_offset + _LOCAL.size + len(raw_name) > start_dir:
-            raise FormatError(f"{what} starts at byte {info.header_offset}, past the end of the archive's data "
-                              f"({start_dir} bytes before the zip directory)")
+            raise FormatError(
+                f"{what} starts at byte {info.header_offset}, past the end of the archive's data "
+                f"({start_dir} bytes before the zip directory)"
+            )
         head = read(info.header_offset, _LOCAL.size + len(raw_name))
-        magic, _version, flags, method, _time, _date, crc, csize, usize, name_len, extra_len = \
-            _LOCAL.unpack(head[:_LOCAL.size])
+        magic, _version, flags, method, _time, _date, crc, csize, usize, name_len, extra_len = _LOCAL.unpack(
+            head[: _LOCAL.size]
+        )
         if magic != ZIP_MAGIC:
             raise FormatError(f"{what} has a damaged local header")
-        if method != info.compress_type or head[_LOCAL.size:] != raw_name or name_len != len(raw_name):
+        if method != info.compress_type or head[_LOCAL.size :] != raw_name or name_len != len(raw_name):
             raise FormatError(f"{what}: its local header disagrees with the zip directory (method or name)")
-        if not flags & _DATA_DESCRIPTOR and 0xFFFFFFFF not in (csize, usize) and \
-                (csize, usize, crc) != (info.compress_size, info.file_size, info.CRC):
-            raise FormatError(f"{what}: its local header declares {usize} bytes (CRC {crc:08x}), the zip "
-                              f"directory {info.file_size} (CRC {info.CRC:08x})")
+        if (
+            not flags & _DATA_DESCRIPTOR
+            and 0xFFFFFFFF not in (csize, usize)
+            and (csize, usize, crc) != (info.compress_size, info.file_size, info.CRC)
+        ):
+            raise FormatError(
+                f"{what}: its local header declares {usize} bytes (CRC {crc:08x}), the zip "
+                f"directory {info.file_size} (CRC {info.CRC:08x})"
+            )
         data_offset = info.header_offset + _LOCAL.size + name_len + extra_len
         if data_offset + info.file_size > start_dir:
-            raise FormatError(f"{what} runs past the end of the archive's data: {info.file_size} bytes at byte "
-                              f"{data_offset}, the zip directory starts at byte {start_dir} (truncated file?)")
+            raise FormatError(
+                f"{what} runs past the end of the archive's data: {info.file_size} bytes at byte "
+                f"{data_offset}, the zip directory starts at byte {start_dir} (truncated file?)"
+            )
         spans.append((info.header_offset, data_offset + info.file_size, name))
         members[name] = _new_tuple(Member, (name, offset + data_offset, info.file_size, info.CRC, False))
     spans.sort()
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:
-            raise FormatError(f"{label}: zip members {first} and {second} overlap (a member's bytes would "
-                              f"be read as another's header or data)")
+            raise FormatError(
+                f"{label}: zip members {first} and {second} overlap (a member's bytes would "
+                f"be read as another's header or data)"
+            )
     return members
 
 
@@ -415,8 +495,9 @@ class StructureMemo:
                 return found, layout.prefix
         return None
 
-    def remember_layout(self, copy: bytes, offset: int, start_dir: int, members: dict[str, Member],
-                        prefix: str) -> None:
+    def remember_layout(
+        self, copy: bytes, offset: int, start_dir: int, members: dict[str, Member], prefix: str
+    ) -> None:
         """Remember the layout of `copy`, which just passed every check of open_archive through
         _plain_directory and _members (`members` at `offset`)."""
         if self._layout_count >= _MEMO_ENTRIES or len(self._layouts.get(len(copy), ())) >= _LAYOUTS_PER_LENGTH:
@@ -469,8 +550,10 @@ class _Layout:
         crcs = self.central.unpack_from(copy)
         if self.compared and self.local.unpack_from(copy) != tuple(crcs[i] for i in self.compared):
             return None  # the full checks refuse it, with their message
-        return {name: _new_tuple(Member, (name, offset + at, size, crc, False))
-                for (name, at, size), crc in zip(self.members, crcs)}
+        return {
+            name: _new_tuple(Member, (name, offset + at, size, crc, False))
+            for (name, at, size), crc in zip(self.members, crcs)
+        }
 
     @staticmethod
     def of(copy: bytes, offset: int, start_dir: int, members: dict[str, Member], prefix: str) -> _Layout | None:
@@ -482,24 +565,44 @@ class _Layout:
         rows: list[tuple[str, int, int, int, int]] = []
         at = start_dir
         for _ in range(len(members)):  # the directory's entries, as _plain_directory walked them
-            if at + _CENTRAL.size > n or copy[at:at + 4] != b"PK\x01\x02":
+            if at + _CENTRAL.size > n or copy[at : at + 4] != b"PK\x01\x02":
                 return None
-            (_sig, _made, _need, cd_flags, _method, _time, _date, _crc, _csize, _usize, name_len, extra_len,
-             comment_len, _disk, _internal, _external, header) = _CENTRAL.unpack_from(copy, at)
-            raw_name = copy[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
+            (
+                _sig,
+                _made,
+                _need,
+                cd_flags,
+                _method,
+                _time,
+                _date,
+                _crc,
+                _csize,
+                _usize,
+                name_len,
+                extra_len,
+                comment_len,
+                _disk,
+                _internal,
+                _external,
+                header,
+            ) = _CENTRAL.unpack_from(copy, at)
+            raw_name = copy[at + _CENTRAL.size : at + _CENTRAL.size + name_len]
             central_crc = at + 16
             at += _CENTRAL.size + name_len + extra_len + comment_len
             try:
                 member = members.get(raw_name.decode("utf-8" if cd_flags & _UTF8 else "cp437"))
             except UnicodeDecodeError:
                 return None
-            if member is None or header + _LOCAL.size > n or copy[header:header + 4] != ZIP_MAGIC:
+            if member is None or header + _LOCAL.size > n or copy[header : header + 4] != ZIP_MAGIC:
                 return None
-            (_magic, _version, flags, _m, _t, _d, _c, csize, usize, local_name, local_extra) = \
-                _LOCAL.unpack_from(copy, header)
+            (_magic, _version, flags, _m, _t, _d, _c, csize, usize, local_name, local_extra) = _LOCAL.unpack_from(
+                copy, header
+            )
             start = member.data_offset - offset
-            if start != header + _LOCAL.size + local_name + local_extra or \
-                    copy[header + _LOCAL.size:header + _LOCAL.size + local_name] != raw_name:
+            if (
+                start != header + _LOCAL.size + local_name + local_extra
+                or copy[header + _LOCAL.size : header + _LOCAL.size + local_name] != raw_name
+            ):
                 return None
             local_crc = header + 14
             compared = not flags & _DATA_DESCRIPTOR and 0xFFFFFFFF not in (csize, usize)
@@ -509,14 +612,13 @@ class _Layout:
             masks += [(local_crc, local_crc + 4), (central_crc, central_crc + 4)]
             if flags & _DATA_DESCRIPTOR:
                 end = start + member.size
-                descriptors.append((end + 4, end + 8) if copy[end:end + 4] == _DESCRIPTOR else (end, end + 4))
+                descriptors.append((end + 4, end + 8) if copy[end : end + 4] == _DESCRIPTOR else (end, end + 4))
         if len(rows) != len(members) or len({r[0] for r in rows}) != len(rows):
             return None
         tail = (max(0, n - _END.size - _ZIP64_LOCATOR.size), n)
         if any(_overlaps(m, r) for m in masks for r in ((0, 4), tail)):
             return None
-        masks += [d for d in descriptors if d[1] <= start_dir and
-                  not any(_overlaps(d, r) for r in read + data + masks)]
+        masks += [d for d in descriptors if d[1] <= start_dir and not any(_overlaps(d, r) for r in read + data + masks)]
         cut = sorted([r for r in data + masks if r[0] < r[1]])
         if any(a[1] > b[0] for a, b in zip(cut, cut[1:])):
             return None
@@ -531,8 +633,15 @@ class _Layout:
         if [r[0] for r in rows] != list(members):  # (open_archive keeps the directory's order)
             return None
         locals_ = sorted((r[4], i) for i, r in enumerate(rows) if r[4] >= 0)
-        return _Layout(tuple(segments), skeleton, tuple(r[:3] for r in rows), _fields_at([r[3] for r in rows]),
-                       _fields_at([at for at, _ in locals_]), tuple(i for _, i in locals_), prefix)
+        return _Layout(
+            tuple(segments),
+            skeleton,
+            tuple(r[:3] for r in rows),
+            _fields_at([r[3] for r in rows]),
+            _fields_at([at for at, _ in locals_]),
+            tuple(i for _, i in locals_),
+            prefix,
+        )
 
 
 def _fields_at(positions: list[int]) -> struct.Struct:
@@ -611,8 +720,7 @@ def _checked_storage(archive: Archive, pid: Any) -> tuple[str, Any, int, Member,
     member = archive.storage_member(key)
     nbytes = numel * dtype.itemsize
     if numel < 0 or member.size != nbytes:
-        raise FormatError(f"{archive.label}: storage {key} holds {member.size} bytes, "
-                          f"the pickle expects {nbytes}")
+        raise FormatError(f"{archive.label}: storage {key} holds {member.size} bytes, the pickle expects {nbytes}")
     return key, dtype, numel, member, nbytes
 
 
@@ -630,8 +738,9 @@ def is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def tensor_location(archive: Archive, ref: TensorRef, what: str,
-                    memo: StructureMemo | None = None) -> tuple[str, Location]:
+def tensor_location(
+    archive: Archive, ref: TensorRef, what: str, memo: StructureMemo | None = None
+) -> tuple[str, Location]:
     """The dtype name and byte location of a lazily described tensor, checked against its storage:
     a view that is malformed (negative offset, ...), reaches past its storage or expands a few
     stored bytes into a huge tensor is refused, so the piece's bytes always lie inside its storage
@@ -657,10 +766,18 @@ def empty_view(ref: TensorRef) -> bool:
     holds): a reader that skips empty tensors need not locate it. False sends it through
     tensor_location, which words whatever is wrong."""
     size, stride = ref.size, ref.stride
-    return (type(ref.storage_offset) is int and ref.storage_offset == 0 and type(size) is tuple
-            and type(stride) is tuple and len(size) == len(stride) and 0 in size
-            and all(type(v) is int and v >= 0 for v in size) and all(type(v) is int and v >= 0 for v in stride)
-            and ref.dtype.name in ITEMSIZE and ref.storage.dtype.name in ITEMSIZE)
+    return (
+        type(ref.storage_offset) is int
+        and ref.storage_offset == 0
+        and type(size) is tuple
+        and type(stride) is tuple
+        and len(size) == len(stride)
+        and 0 in size
+        and all(type(v) is int and v >= 0 for v in size)
+        and all(type(v) is int and v >= 0 for v in stride)
+        and ref.dtype.name in ITEMSIZE
+        and ref.storage.dtype.name in ITEMSIZE
+    )
 
 
 def _located(archive: Archive, ref: TensorRef, what: str, member: Member) -> tuple[str, int, int, tuple | None]:
@@ -699,16 +816,21 @@ def load_values(archive: Archive, value: Any) -> Any:
     archive.values_read += sum(hi - lo for lo, hi in ranges.values())
     _check_whole(archive.label, archive.values_built)
     if archive.values_read > max(1 << 20, archive.source.size(archive.file)):
-        raise FormatError(f"{archive.label}: its values would read {archive.values_read} bytes, more than the "
-                          f"file holds (the same storage bytes over and over)")
+        raise FormatError(
+            f"{archive.label}: its values would read {archive.values_read} bytes, more than the "
+            f"file holds (the same storage bytes over and over)"
+        )
     reads = {key: (lo, archive.read(lo, hi - lo)) for key, (lo, hi) in ranges.items()}
     built: dict[int, SmallTensor] = {}
     for ref, dtype, loc in refs:
         lo, raw = reads[ref.storage.key]
         item = ref.dtype.itemsize
         stride = loc.stride if loc.stride is not None else row_major_strides(tuple(ref.size))
-        built[id(ref)] = SmallTensor.from_storage(dtype, raw, (loc.offset - lo) // item, tuple(ref.size), stride) \
-            if (loc.offset - lo) % item == 0 else _unaligned(dtype, raw, loc.offset - lo, ref, stride)
+        built[id(ref)] = (
+            SmallTensor.from_storage(dtype, raw, (loc.offset - lo) // item, tuple(ref.size), stride)
+            if (loc.offset - lo) % item == 0
+            else _unaligned(dtype, raw, loc.offset - lo, ref, stride)
+        )
     return _replace(value, built)
 
 
@@ -717,9 +839,11 @@ def _check_whole(label: str, nbytes: int) -> None:
     re-pickled by convert, ...) must fit the share of the memory budget a value may take."""
     cap = limits.value_bytes()
     if nbytes > cap:
-        raise FormatError(f"{label}: its values hold tensors loaded whole of {nbytes} bytes in all (every view "
-                          f"of a shared storage counted), more than a quarter of the memory budget ({cap} bytes); "
-                          f"raise --memory-budget if this is expected")
+        raise FormatError(
+            f"{label}: its values hold tensors loaded whole of {nbytes} bytes in all (every view "
+            f"of a shared storage counted), more than a quarter of the memory budget ({cap} bytes); "
+            f"raise --memory-budget if this is expected"
+        )
 
 
 def whole_bytes(value: Any) -> int:
@@ -748,7 +872,7 @@ def _unaligned(dtype: str, raw: bytes, start: int, ref: TensorRef, stride: tuple
     """A view whose first byte is not on an element boundary of the shared read (views of one
     storage with different dtypes): its own bytes, sliced once."""
     span = strided_span(tuple(ref.size), tuple(stride)) * ref.dtype.itemsize
-    return SmallTensor.from_storage(dtype, raw[start:start + span], 0, tuple(ref.size), stride)
+    return SmallTensor.from_storage(dtype, raw[start : start + span], 0, tuple(ref.size), stride)
 
 
 def _collect(archive: Archive, value: Any, out: list, seen: set) -> None:
@@ -770,8 +894,11 @@ def _replace(value: Any, built: dict[int, SmallTensor]) -> Any:
     if isinstance(value, TensorRef):
         return built[id(value)]
     if isinstance(value, dict):
-        return type(value)((k, _replace(v, built)) for k, v in value.items()) if type(value) is not dict \
+        return (
+            type(value)((k, _replace(v, built)) for k, v in value.items())
+            if type(value) is not dict
             else {k: _replace(v, built) for k, v in value.items()}
+        )
     if isinstance(value, list):
         return [_replace(v, built) for v in value]
     if type(value) is tuple:

@@ -8,6 +8,7 @@ local temporary sibling renamed into place) and `MarkerOutput` (storage/remote_o
 stores, where a marker written last is the commit). This module holds what both share and
 imports neither of them.
 """
+
 from __future__ import annotations
 
 from types import TracebackType
@@ -34,8 +35,9 @@ class OutputCommit(Output, Protocol):
     path: str
 
     def __enter__(self) -> OutputCommit: ...
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None: ...
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
     def commit(self) -> None: ...
     def abort(self) -> None: ...
 

@@ -5,6 +5,7 @@ slice, a dim-0 chunk, a whole tensor) there is nothing to compute: os.copy_file_
 them without passing through Python, as `cp` does. Checksums, where the output format needs
 them, are computed over short-lived memory maps, one window at a time, so memory stays flat.
 """
+
 from __future__ import annotations
 
 import errno
@@ -58,7 +59,7 @@ def _crc_large(source: Any, rel: str | bytes | None, offset: int, nbytes: int, c
             crc = _crc(_ZEROS[:n], crc)
         elif isinstance(rel, bytes):
             n = nbytes - done
-            crc = _crc(memoryview(rel)[offset + done:offset + nbytes], crc)
+            crc = _crc(memoryview(rel)[offset + done : offset + nbytes], crc)
         else:
             interrupts.check()
             n = min(_WINDOW, nbytes - done)
@@ -76,9 +77,9 @@ class _SmallReads:
 
     def __init__(self, source: Any, ranges: Ranges, read_block: Callable[[Any, str, int, int], bytes]) -> None:
         self._source, self._read_block = source, read_block
-        self.block_of: list[int] = []      # per range: its block's number, -1 for a range not read here
+        self.block_of: list[int] = []  # per range: its block's number, -1 for a range not read here
         self.blocks: list[list[Any]] = []  # [file, start, end]
-        last: dict[str, int] = {}          # file -> its latest block
+        last: dict[str, int] = {}  # file -> its latest block
         for rel, offset, nbytes in ranges:
             if type(rel) is not str or nbytes > _SMALL:
                 self.block_of.append(-1)
@@ -106,7 +107,7 @@ class _SmallReads:
                 del self._open[next(iter(self._open))]
             held = self._open[rel] = (b, memoryview(self._read_block(self._source, rel, start, end - start)))
         start = self.blocks[b][1]
-        return held[1][offset - start:offset - start + nbytes]
+        return held[1][offset - start : offset - start + nbytes]
 
 
 def _pread_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
@@ -128,8 +129,11 @@ def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> in
     # inside _crc (a Ctrl-C lands at the entry of any Python function) keeps that frame, and the
     # view it was given, alive in its traceback, and closing a map with a live view raises
     # BufferError, which would replace the KeyboardInterrupt.
-    with mmap.mmap(source.fileno(rel), nbytes + (offset - start), prot=mmap.PROT_READ, offset=start) as window, \
-            memoryview(window) as view, view[offset - start:] as part:
+    with (
+        mmap.mmap(source.fileno(rel), nbytes + (offset - start), prot=mmap.PROT_READ, offset=start) as window,
+        memoryview(window) as view,
+        view[offset - start :] as part,
+    ):
         return _crc(part, crc)
 
 
@@ -141,7 +145,7 @@ def read(source: Any, ranges: Ranges) -> bytes:
         if rel is None:
             parts.append(bytes(nbytes))
         elif isinstance(rel, bytes):
-            parts.append(rel[offset:offset + nbytes])
+            parts.append(rel[offset : offset + nbytes])
         elif nbytes <= _SMALL:
             parts.append(small.get(i, rel, offset, nbytes))
         else:
@@ -157,8 +161,9 @@ def copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], An
     return _copy(source, ranges, out, advance, False)[0]
 
 
-def copy_with_crc(source: Any, ranges: Ranges, out: BinaryIO,
-                  advance: Callable[[int], Any] = lambda n: None) -> tuple[int, int]:
+def copy_with_crc(
+    source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], Any] = lambda n: None
+) -> tuple[int, int]:
     """copy, and the CRC32 of the bytes written (a zip record's): a small range's bytes are
     checksummed as they pass, so they are read once; a large one is checksummed over memory
     maps, then copied in the kernel."""
@@ -169,7 +174,7 @@ def _copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], A
     out.flush()
     out_fd = out.fileno()
     total = crc = 0
-    pending = bytearray()   # small ranges read, not yet written
+    pending = bytearray()  # small ranges read, not yet written
     since_check = _WINDOW  # the first range checks: a Ctrl-C already pending stops at once
     small = _SmallReads(source, ranges, _pread_block)
 
@@ -188,7 +193,7 @@ def _copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], A
             if rel is None:
                 data: Any = _ZEROS[:nbytes]
             elif isinstance(rel, bytes):
-                data = memoryview(rel)[offset:offset + nbytes]
+                data = memoryview(rel)[offset : offset + nbytes]
             else:
                 data = small.get(i, rel, offset, nbytes)
             if with_crc:
@@ -203,9 +208,9 @@ def _copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], A
             if rel is None:
                 left = nbytes
                 while left:
-                    left -= os.write(out_fd, _ZEROS[:min(left, len(_ZEROS))])
+                    left -= os.write(out_fd, _ZEROS[: min(left, len(_ZEROS))])
             elif isinstance(rel, bytes):
-                _write_all(out_fd, memoryview(rel)[offset:offset + nbytes])
+                _write_all(out_fd, memoryview(rel)[offset : offset + nbytes])
             else:
                 _copy_range(source, rel, offset, nbytes, out_fd)
             advance(nbytes)
@@ -232,7 +237,7 @@ def _copy_range(source: Any, rel: str, offset: int, nbytes: int, out_fd: int) ->
     buf = bytearray(min(_BUFFER, max(0, nbytes - done)))
     while done < nbytes:
         interrupts.check()
-        view = memoryview(buf)[:min(len(buf), nbytes - done)]
+        view = memoryview(buf)[: min(len(buf), nbytes - done)]
         got = os.preadv(src_fd, [view], offset + done)
         if got <= 0:
             raise OSError(f"{source.label(rel)}: ends before byte {offset + done}")

@@ -6,6 +6,7 @@ either the machine rebooted since or the pid is not running (or is a process sta
 time: the pid was reused). A lock from another host or another pid namespace is ELSEWHERE and
 never judged; a lock with only a pid in it (older ckptkit) is judged on this host.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ class Owner:
     """What a lock says about the run that holds it."""
 
     pid: int
-    host: str | None = None      # None: a lock written by an older ckptkit (the pid alone)
+    host: str | None = None  # None: a lock written by an older ckptkit (the pid alone)
     boot: str | None = None
     pidns: str | None = None
     start: int | None = None
@@ -76,8 +77,20 @@ class Owner:
         return cls(pid, socket.gethostname(), _boot_id(), _pid_namespace(), _process_start(pid)[1], token)
 
     def encode(self) -> bytes:
-        return (json.dumps({"ckptkit_lock": 1, "pid": self.pid, "host": self.host, "boot": self.boot,
-                            "pidns": self.pidns, "start": self.start, "token": self.token}) + "\n").encode()
+        return (
+            json.dumps(
+                {
+                    "ckptkit_lock": 1,
+                    "pid": self.pid,
+                    "host": self.host,
+                    "boot": self.boot,
+                    "pidns": self.pidns,
+                    "start": self.start,
+                    "token": self.token,
+                }
+            )
+            + "\n"
+        ).encode()
 
     def describe(self) -> str:
         return f"pid {self.pid}" + (f" on host {self.host}" if self.host else "")
@@ -100,9 +113,14 @@ def parse_owner(data: bytes) -> Owner:
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31 or not _word(host):
         raise ValueError("it names no process")
     start = doc.get("start")
-    return Owner(pid, host, _str_or_none(doc.get("boot")), _str_or_none(doc.get("pidns")),
-                 start if isinstance(start, int) and not isinstance(start, bool) else None,
-                 _str_or_none(doc.get("token")))
+    return Owner(
+        pid,
+        host,
+        _str_or_none(doc.get("boot")),
+        _str_or_none(doc.get("pidns")),
+        start if isinstance(start, int) and not isinstance(start, bool) else None,
+        _str_or_none(doc.get("token")),
+    )
 
 
 def _word(value: object) -> bool:

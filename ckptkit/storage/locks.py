@@ -14,6 +14,7 @@ checks that the path still names the same inode with the same stale content, and
 pending file over it (an atomic replace: the path is never free). Every other taker either fails
 to get the `flock` or finds the path naming another inode, and looks again (and sees a live lock).
 """
+
 from __future__ import annotations
 
 import errno
@@ -29,7 +30,7 @@ from .lock_owner import DEAD, ELSEWHERE, Owner, owner_state, parse_owner
 
 LOCK_SUFFIX = ".ckptkit-lock"
 MAX_LOCK_BYTES = 4096
-ATTEMPTS = 200            # looks at a lock that others are busy taking over, 10 ms apart
+ATTEMPTS = 200  # looks at a lock that others are busy taking over, 10 ms apart
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS}
 
 
@@ -45,6 +46,7 @@ def pending_path(lock_path: str, token: str) -> str:
 
 # ---- reading a lock file safely ----------------------------------------------------------------
 
+
 def _open_lock(path: str, out: str) -> int | None:
     """An fd on the regular file at `path`, None when nothing is there; OutputError for anything
     else (a folder, a symlink, a FIFO, unreadable), saying how to clear it."""
@@ -54,16 +56,21 @@ def _open_lock(path: str, out: str) -> int | None:
         return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise OutputError(f"{out}: the lock path {path} is a symlink, not a ckptkit lock file; remove it "
-                              f"if no ckptkit run is writing this output") from None
-        raise OutputError(f"{out}: cannot read the lock {path} ({exc.strerror}); if no ckptkit run is writing "
-                          f"this output, remove it") from None
+            raise OutputError(
+                f"{out}: the lock path {path} is a symlink, not a ckptkit lock file; remove it "
+                f"if no ckptkit run is writing this output"
+            ) from None
+        raise OutputError(
+            f"{out}: cannot read the lock {path} ({exc.strerror}); if no ckptkit run is writing this output, remove it"
+        ) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
-        raise OutputError(f"{out}: the lock path {path} is {kind}, not a ckptkit lock file; remove it if no "
-                          f"ckptkit run is writing this output")
+        raise OutputError(
+            f"{out}: the lock path {path} is {kind}, not a ckptkit lock file; remove it if no "
+            f"ckptkit run is writing this output"
+        )
     return fd
 
 
@@ -93,15 +100,24 @@ def _refusal(out: str, path: str, data: bytes) -> OutputError | None:
             if state == DEAD:
                 return None
             if state == ELSEWHERE:
-                where = (f"host {owner.host}" if owner.host != socket.gethostname()
-                         else f"another pid namespace on host {owner.host}")
-                return OutputError(f"{out}: a ckptkit run on {where} holds the lock {path} (pid {owner.pid}), and "
-                                   f"a lock from another machine is never taken over; if that run is gone, "
-                                   f"remove {path}")
-            return OutputError(f"{out}: another ckptkit run is writing this output (lock {path}, "
-                               f"{owner.describe()}); wait for it or remove the lock")
-    return OutputError(f"{out}: the lock {path} cannot be judged ({why}), so it is not taken over; if no ckptkit "
-                       f"run is writing this output, remove it")
+                where = (
+                    f"host {owner.host}"
+                    if owner.host != socket.gethostname()
+                    else f"another pid namespace on host {owner.host}"
+                )
+                return OutputError(
+                    f"{out}: a ckptkit run on {where} holds the lock {path} (pid {owner.pid}), and "
+                    f"a lock from another machine is never taken over; if that run is gone, "
+                    f"remove {path}"
+                )
+            return OutputError(
+                f"{out}: another ckptkit run is writing this output (lock {path}, "
+                f"{owner.describe()}); wait for it or remove the lock"
+            )
+    return OutputError(
+        f"{out}: the lock {path} cannot be judged ({why}), so it is not taken over; if no ckptkit "
+        f"run is writing this output, remove it"
+    )
 
 
 def lock_is_stale(path: str) -> bool:
@@ -156,6 +172,7 @@ def _flock(fd: int, strict: bool = False) -> bool:
 
 
 # ---- taking and releasing ----------------------------------------------------------------------
+
 
 @dataclass
 class HeldLock:
@@ -220,8 +237,10 @@ def acquire(lock_path: str, token: str, out: str) -> HeldLock:
         finally:
             _unlink_quietly(pending)
         time.sleep(0.01)
-    raise OutputError(f"{out}: the lock {lock_path} kept changing hands while this run tried to take it; "
-                      f"another ckptkit run is writing this output")
+    raise OutputError(
+        f"{out}: the lock {lock_path} kept changing hands while this run tried to take it; "
+        f"another ckptkit run is writing this output"
+    )
 
 
 def _ident_of(path: str, fallback: tuple[int, int]) -> tuple[int, int]:
@@ -274,8 +293,10 @@ def _take_over(lock_path: str, pending: str, out: str) -> bool:
             if not _flock(fd, strict=True):
                 return False
         except OSError as exc:
-            raise OutputError(f"{out}: the lock {lock_path} was left by a run that is gone, but this filesystem "
-                              f"cannot lock files ({exc.strerror}) to take it over safely; remove it") from None
+            raise OutputError(
+                f"{out}: the lock {lock_path} was left by a run that is gone, but this filesystem "
+                f"cannot lock files ({exc.strerror}) to take it over safely; remove it"
+            ) from None
         if not _same_inode(fd, lock_path) or _read_fd(fd) != data:
             return False
         try:

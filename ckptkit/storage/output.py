@@ -5,6 +5,7 @@ a URL of an object store, which cannot rename a folder, commits by a marker writ
 (storage/remote_output.py). Both follow storage/commit.py's `OutputCommit` protocol, so every
 writer and operation sees the same object whichever it is.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,8 +21,14 @@ if TYPE_CHECKING:
     from ..runner.distributed import Group
 
 
-def open_output(path: str, *, overwrite: bool = False, group: Group | None = None,
-                sources: Sequence[str | None] = (), single_file: bool = False) -> OutputCommit:
+def open_output(
+    path: str,
+    *,
+    overwrite: bool = False,
+    group: Group | None = None,
+    sources: Sequence[str | None] = (),
+    single_file: bool = False,
+) -> OutputCommit:
     """The output at `path` (a folder, or with `single_file` one file), to use as `with
     open_output(...) as out:`. `sources` are the paths the run reads: OUT may overlap none of
     them. `group` is the distributed job's (default: this process alone)."""
@@ -30,8 +37,9 @@ def open_output(path: str, *, overwrite: bool = False, group: Group | None = Non
     group = group or LOCAL
     if single_file:
         if is_url(path):
-            raise OutputError(f"{path}: a single-file output must be a local path; give a folder as OUT "
-                              f"for remote storage")
+            raise OutputError(
+                f"{path}: a single-file output must be a local path; give a folder as OUT for remote storage"
+            )
         return RenameFileOutput(path, overwrite=overwrite, group=group, sources=sources)
     if is_url(path):
         return MarkerOutput(path, overwrite=overwrite, group=group, sources=sources)

@@ -5,6 +5,7 @@ alone can lie (symlinks, bind mounts, `..`), so the check compares both ways: th
 and (st_dev, st_ino) of every existing ancestor of OUT against SRC (and of SRC against OUT).
 Remote URLs are compared by storage and path. Every output runs this (storage/output.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ def check_apart(sources: Iterable[str | None], out: str) -> None:
             continue
         why = relation(src, out)
         if why:
-            raise OutputError(f"{out}: this output {why.format(src=src)}, and ckptkit never writes over or "
-                              f"into its source; choose an OUT outside it")
+            raise OutputError(
+                f"{out}: this output {why.format(src=src)}, and ckptkit never writes over or "
+                f"into its source; choose an OUT outside it"
+            )
 
 
 def relation(src: str, out: str) -> str | None:
@@ -75,8 +78,13 @@ def _local_relation(src: str, out: str) -> str | None:
     if out_st is not None and stat.S_ISDIR(out_st.st_mode):
         if any(_same(_stat(a), out_st) for a in {*_ancestors(src), *_ancestors(src_real)}):
             return "contains the source {src}"
-    if (out_st is not None and stat.S_ISREG(out_st.st_mode) and src_st is not None
-            and stat.S_ISDIR(src_st.st_mode) and _holds_inode(src_real, out_st)):
+    if (
+        out_st is not None
+        and stat.S_ISREG(out_st.st_mode)
+        and src_st is not None
+        and stat.S_ISDIR(src_st.st_mode)
+        and _holds_inode(src_real, out_st)
+    ):
         return "is a file of the source {src} (a hard link or a symlink to one of its files)"
     if src_st is not None and stat.S_ISDIR(src_st.st_mode):
         return _link_relation(src_real, out_real)

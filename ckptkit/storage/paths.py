@@ -13,6 +13,7 @@ must not hang the reader. So every path is checked before it is opened:
 
 The checkpoint path itself may be a link (the user chose it): it is resolved once, at open.
 """
+
 from __future__ import annotations
 
 import errno
@@ -89,11 +90,11 @@ def nameable(rel: str) -> bool:
 class Boundary:
     """Where the files of one local checkpoint may really live."""
 
-    shown: str                     # the checkpoint path as the user gave it (for messages)
-    real: str                      # its real path: a folder, or the one file of a single-file checkpoint
-    only: str | None = None        # single-file checkpoint: the one name that may be read
-    extra: tuple[str, ...] = ()    # other folders allowed (a Hugging Face repo's blobs/)
-    follow: bool = False           # links may leave (still only regular files are opened)
+    shown: str  # the checkpoint path as the user gave it (for messages)
+    real: str  # its real path: a folder, or the one file of a single-file checkpoint
+    only: str | None = None  # single-file checkpoint: the one name that may be read
+    extra: tuple[str, ...] = ()  # other folders allowed (a Hugging Face repo's blobs/)
+    follow: bool = False  # links may leave (still only regular files are opened)
 
     @classmethod
     def of(cls, path: str, follow: bool | None = None) -> "Boundary":
@@ -135,8 +136,10 @@ class Boundary:
 
     def _refuse_link(self, rel: str, real: str, label: str) -> None:
         link = self._first_link_out(rel) or label
-        raise UnsafePathError(f"{link}: is a link leading to {quote(real, 200)}, outside the checkpoint "
-                              f"{self.shown}; refused: {FOLLOW_HINT}")
+        raise UnsafePathError(
+            f"{link}: is a link leading to {quote(real, 200)}, outside the checkpoint "
+            f"{self.shown}; refused: {FOLLOW_HINT}"
+        )
 
     def _first_link_out(self, rel: str) -> str | None:
         """The first component of `rel` that is a link leading out (the one to name)."""
@@ -160,8 +163,10 @@ class Boundary:
             if not self.follow:
                 actual = _fd_path(fd)
                 if actual is not None and not self.allows(actual):
-                    raise UnsafePathError(f"{label}: resolved to {quote(actual, 200)} when opened, outside "
-                                          f"the checkpoint {self.shown}; refused: {FOLLOW_HINT}")
+                    raise UnsafePathError(
+                        f"{label}: resolved to {quote(actual, 200)} when opened, outside "
+                        f"the checkpoint {self.shown}; refused: {FOLLOW_HINT}"
+                    )
         except BaseException:
             os.close(fd)
             raise

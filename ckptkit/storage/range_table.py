@@ -7,6 +7,7 @@ as arrays (file, offset, length) the bytes of a window of ranges are gathered in
 indexing from the few blocks of the files they lie in, and checksummed and written at once.
 A range larger than kernel_copy's small ones (a large tensor's run) goes to kernel_copy as before.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,10 @@ class RangeTable:
 
     def as_list(self) -> kernel_copy.Ranges:
         files = self.files
-        return [(files[f] if f >= 0 else None, o, n)
-                for f, o, n in zip(self.fids.tolist(), self.offsets.tolist(), self.nbytes.tolist())]
+        return [
+            (files[f] if f >= 0 else None, o, n)
+            for f, o, n in zip(self.fids.tolist(), self.offsets.tolist(), self.nbytes.tolist())
+        ]
 
 
 def read(source: Any, table: RangeTable) -> bytes:
@@ -62,8 +65,9 @@ def read(source: Any, table: RangeTable) -> bytes:
     return b"".join(bytes(w) for w in _gathered(source, table, _source_block))
 
 
-def copy_with_crc(source: Any, table: RangeTable, out: BinaryIO,
-                  advance: Callable[[int], Any] = lambda n: None) -> tuple[int, int]:
+def copy_with_crc(
+    source: Any, table: RangeTable, out: BinaryIO, advance: Callable[[int], Any] = lambda n: None
+) -> tuple[int, int]:
     """kernel_copy.copy_with_crc of the table's ranges: the bytes written and their CRC32
     (a local source)."""
     if _large(table):
@@ -110,8 +114,15 @@ def _gathered(source: Any, table: RangeTable, read_block: Callable[[Any, str, in
         yield window
 
 
-def _window(source: Any, table: RangeTable, a: int, b: int, unit: int, view_as: Any,
-            read_block: Callable[[Any, str, int, int], bytes]) -> np.ndarray | None:
+def _window(
+    source: Any,
+    table: RangeTable,
+    a: int,
+    b: int,
+    unit: int,
+    view_as: Any,
+    read_block: Callable[[Any, str, int, int], bytes],
+) -> np.ndarray | None:
     """The bytes of ranges [a, b): each file's block holding its ranges read once, then one
     gather; None where a file's block would be much larger than what its ranges need."""
     import numpy as np
@@ -141,7 +152,7 @@ def _window(source: Any, table: RangeTable, a: int, b: int, unit: int, view_as: 
     count = int(units.sum())
     first = where // unit - (np.cumsum(units) - units)  # a range's unit i is at first + its output unit
     index = np.repeat(first, units) + np.arange(count, dtype=np.int64)
-    return held[:len(held) - len(held) % unit].view(view_as)[index]
+    return held[: len(held) - len(held) % unit].view(view_as)[index]
 
 
 def _pread_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:

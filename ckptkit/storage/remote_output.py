@@ -11,6 +11,7 @@ kernel into it) and uploaded when it is closed, then deleted: the spool holds on
 flight (`CKPTKIT_SPOOL` chooses its folder). There is no lock: two runs writing the same remote
 OUT at once are not detected.
 """
+
 from __future__ import annotations
 
 import json

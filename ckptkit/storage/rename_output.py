@@ -11,6 +11,7 @@ the system cannot, renames the old one to `.OUT.ckptkit-old-TOKEN` first; either
 is removed, and a run killed in between leaves names the next run's sweep recognises. A symlink
 at OUT is replaced itself; its target is never written through.
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,9 +32,27 @@ from .source import local_path
 
 # what the system says when an output cannot be written, for no fault of ckptkit's: worded as one
 # sentence (exit 2), where any other OSError is a bug's (exit 3)
-_WRITE_ERRNOS = frozenset(getattr(errno, name) for name in (
-    "ENOSPC", "EFBIG", "EDQUOT", "EIO", "EROFS", "EACCES", "EPERM", "ENAMETOOLONG", "EMFILE", "ENFILE",
-    "ENOMEM", "EXDEV", "ESTALE", "ENODEV", "ENXIO") if hasattr(errno, name))
+_WRITE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "ENOSPC",
+        "EFBIG",
+        "EDQUOT",
+        "EIO",
+        "EROFS",
+        "EACCES",
+        "EPERM",
+        "ENAMETOOLONG",
+        "EMFILE",
+        "ENFILE",
+        "ENOMEM",
+        "EXDEV",
+        "ESTALE",
+        "ENODEV",
+        "ENXIO",
+    )
+    if hasattr(errno, name)
+)
 
 if TYPE_CHECKING:
     from ..runner.distributed import Group
@@ -62,8 +81,8 @@ class RenameOutput:
         self._lock_path = locks.lock_path_for(self.path)
         self._lock: locks.HeldLock | None = None
         self.group = group
-        self._open_files: set[_SyncedFile] = set()   # written now; start_writeback's to flush
-        self._files_lock = threading.Lock()          # a file closes only when no writeback is starting
+        self._open_files: set[_SyncedFile] = set()  # written now; start_writeback's to flush
+        self._files_lock = threading.Lock()  # a file closes only when no writeback is starting
 
     def __enter__(self) -> RenameOutput:
         on_root(self.group, self._enter)
@@ -71,9 +90,14 @@ class RenameOutput:
             return self
         self.tmp = self.group.share(self.tmp)
         seen = os.path.isdir(self.tmp)
-        self.group.check(None if seen else OutputError(
-            f"{self.path}: rank {self.group.rank} cannot see the output folder rank 0 created; a "
-            f"distributed run needs OUT on a filesystem every rank shares"))
+        self.group.check(
+            None
+            if seen
+            else OutputError(
+                f"{self.path}: rank {self.group.rank} cannot see the output folder rank 0 created; a "
+                f"distributed run needs OUT on a filesystem every rank shares"
+            )
+        )
         return self
 
     def _enter(self) -> RenameOutput:
@@ -117,14 +141,17 @@ class RenameOutput:
         except OSError:
             return  # nothing there (or nothing to look at): the checks that follow word it
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-            raise OutputError(f"{self.path}: is a device, FIFO or socket; --overwrite replaces only a file, "
-                              f"a folder or a symlink")
+            raise OutputError(
+                f"{self.path}: is a device, FIFO or socket; --overwrite replaces only a file, a folder or a symlink"
+            )
         if stat.S_ISDIR(st.st_mode):
             for what, folder in (("current folder", os.getcwd()), ("home folder", os.path.expanduser("~"))):
                 real, out = os.path.realpath(folder), os.path.realpath(self.path)
                 if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
-                    raise OutputError(f"{self.path}: holds the {what} {folder}; --overwrite would delete it, "
-                                      f"so ckptkit refuses: choose another OUT")
+                    raise OutputError(
+                        f"{self.path}: holds the {what} {folder}; --overwrite would delete it, "
+                        f"so ckptkit refuses: choose another OUT"
+                    )
 
     def _refuse_existing(self) -> None:
         """Without --overwrite, anything at OUT but an empty folder (a symlink, dangling or not,
@@ -204,11 +231,13 @@ class RenameOutput:
                     raise
                 swap.remove_entry(old)
         except FileExistsError:
-            raise OutputError(f"{self.path}: something else created the output path while this run was writing; "
-                              f"nothing was replaced") from None
+            raise OutputError(
+                f"{self.path}: something else created the output path while this run was writing; nothing was replaced"
+            ) from None
         except OSError as exc:
-            raise OutputError(f"{self.path}: cannot put the finished output in place ({exc.strerror}); "
-                              f"nothing was replaced") from None
+            raise OutputError(
+                f"{self.path}: cannot put the finished output in place ({exc.strerror}); nothing was replaced"
+            ) from None
         _fsync_dir(os.path.dirname(self.path))
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -233,8 +262,11 @@ class RenameOutput:
         if exc.errno == errno.ENOSPC:
             return OutputError(f"{self.path}: no space left on device while writing{where}; nothing was written")
         named = exc.filename if isinstance(exc.filename, str) else None
-        if named and not os.path.abspath(named).startswith(os.path.abspath(self.tmp) + os.sep) \
-                and os.path.abspath(named) != os.path.abspath(self.tmp):
+        if (
+            named
+            and not os.path.abspath(named).startswith(os.path.abspath(self.tmp) + os.sep)
+            and os.path.abspath(named) != os.path.abspath(self.tmp)
+        ):
             return OutputError(f"{named}: {exc.strerror}{where}; nothing was written to {self.path}")
         return OutputError(f"{self.path}: {exc.strerror} while the output was being made{where}; nothing was written")
 
@@ -310,8 +342,10 @@ def sweep_dead_runs(path: str, token: str, keep: Sequence[str | None] = ()) -> N
     run's. An old copy a run moved away before it died is put back when OUT is missing. Nothing
     that is or holds one of the sources in `keep` is touched (a user may read a leftover)."""
     parent, name = os.path.dirname(path), os.path.basename(path)
-    ours = re.compile(rf"\.{re.escape(name)}(\.ckptkit-tmp-|\.ckptkit-old-|{re.escape(locks.LOCK_SUFFIX)}-)"
-                      rf"([0-9a-f]+)")
+    ours = re.compile(
+        rf"\.{re.escape(name)}(\.ckptkit-tmp-|\.ckptkit-old-|{re.escape(locks.LOCK_SUFFIX)}-)"
+        rf"([0-9a-f]+)"
+    )
     legacy_old = re.compile(rf"{re.escape(name)}\.ckptkit-old-[0-9a-f]+")  # before 2026-12: not hidden
     try:
         names = os.listdir(parent)

@@ -3,6 +3,7 @@
 Local paths use positional reads on cached descriptors (thread-safe, no seeking, reads straight
 into preallocated buffers); URLs go through fsspec's range reads. Nothing here ever writes.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,7 +38,7 @@ def is_url(path: str) -> bool:
 
 def local_path(path: str) -> str:
     """A file:// URL as the local path it names (file:///abs/x.pt: /abs/x.pt); any other path as is."""
-    return path[len(FILE_URL):] if path.startswith(FILE_URL) else path
+    return path[len(FILE_URL) :] if path.startswith(FILE_URL) else path
 
 
 class Source(Protocol):
@@ -122,14 +123,15 @@ class LocalSource:
         if len(data) == length:
             return data
         buf = bytearray(length)  # a short read: the rest as readinto reads it (and refuses a file cut short)
-        buf[:len(data)] = data
-        self.readinto(rel, offset + len(data), memoryview(buf)[len(data):])
+        buf[: len(data)] = data
+        self.readinto(rel, offset + len(data), memoryview(buf)[len(data) :])
         return bytes(buf)
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
         if offset < 0:
-            raise FormatError(f"{self._path(rel)}: asked for bytes at offset {offset}: the metadata that "
-                              f"points there is damaged")
+            raise FormatError(
+                f"{self._path(rel)}: asked for bytes at offset {offset}: the metadata that points there is damaged"
+            )
         fd = self._fd(rel)
         want = len(buf)
         done = 0
@@ -138,7 +140,8 @@ class LocalSource:
             if n <= 0:
                 raise FormatError(
                     f"{self._path(rel)}: file ends at byte {offset + done}, "
-                    f"expected {want - done} more bytes (truncated?)")
+                    f"expected {want - done} more bytes (truncated?)"
+                )
             done += n
 
     def fileno(self, rel: str) -> int:
@@ -185,8 +188,9 @@ class FsspecSource:
     def label(self, rel: str) -> str:
         return f"{self.root}/{shown_rel(rel)}" if rel else self.root
 
-    def _calling(self, rel: str, doing: str, missing: str | None = None,
-                 error: type[CkptkitError] = FormatError) -> AbstractContextManager[None]:
+    def _calling(
+        self, rel: str, doing: str, missing: str | None = None, error: type[CkptkitError] = FormatError
+    ) -> AbstractContextManager[None]:
         """Around one call into the backend: its errors as one sentence naming the file."""
         return backend_errors(self.label(rel), doing, error, missing)
 
@@ -227,8 +231,10 @@ class FsspecSource:
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0:
-            raise FormatError(f"{self.label(rel)}: asked for {length} bytes at offset {offset}: the metadata "
-                              f"that points there is damaged")
+            raise FormatError(
+                f"{self.label(rel)}: asked for {length} bytes at offset {offset}: the metadata "
+                f"that points there is damaged"
+            )
         with self._calling(rel, "reading it", "cannot read it (file is missing)"):
             data = self.fs.cat_file(self._path(rel), start=offset, end=offset + length)
         if len(data) != length:
@@ -259,7 +265,7 @@ class BytesSource:
     def view(self, offset: int, length: int) -> memoryview:
         if offset < 0 or length < 0 or offset + length > len(self._view):
             raise FormatError(f"{self.root}: {self.what} ends before byte {offset + length}")
-        return self._view[offset:offset + length]
+        return self._view[offset : offset + length]
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         return bytes(self.view(offset, length))

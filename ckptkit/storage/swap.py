@@ -8,6 +8,7 @@ output ends up under the temporary name, which any later sweep removes. Where th
 Both work on names, never through them: when OUT is a symlink, the link itself is replaced and its
 target is not touched.
 """
+
 from __future__ import annotations
 
 import ctypes

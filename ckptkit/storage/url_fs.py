@@ -7,6 +7,7 @@ archive opening the current folder). None of these is a bug in ckptkit, so each 
 sentence naming the URL and the backend's own message. Only calls into fsspec are wrapped: an
 error raised by ckptkit's own code stays a bug (exit 3).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -28,8 +29,9 @@ def filesystem(url: str, error: type[CkptkitError]) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError:
-        raise error(f"{url}: URLs are read and written through fsspec, which is not installed "
-                    f"(pip install fsspec)") from None
+        raise error(
+            f"{url}: URLs are read and written through fsspec, which is not installed (pip install fsspec)"
+        ) from None
     try:
         return fsspec.core.url_to_fs(url)
     except MemoryError:
@@ -88,8 +90,10 @@ def _missing_backend(url: str, exc: ImportError) -> str:
     for protocol in protocols_of(url):
         package = _package_of(protocol)
         if package and importlib.util.find_spec(package) is None:
-            return (f"fsspec reads and writes {protocol}:// with the {package} package, which is not "
-                    f"installed (pip install {package})")
+            return (
+                f"fsspec reads and writes {protocol}:// with the {package} package, which is not "
+                f"installed (pip install {package})"
+            )
     return f"a package this URL needs is not installed ({backend_message(exc)})"
 
 

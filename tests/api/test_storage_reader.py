@@ -3,6 +3,7 @@ torch.save and safetensors checkpoints through it, equal to what torch's FileSys
 frameworks' own loaders give; convert's key options; validate_checkpoint_id; the refusals (ckptkit's
 sentence at construction, torch's wrapped errors unwrapped), and no checkpoint byte unpickled by
 torch's planner."""
+
 from __future__ import annotations
 
 import os
@@ -101,8 +102,10 @@ def test_a_torch_save_file_and_a_safetensors_file_load_as_their_own_loaders_read
     weights = {"layer.weight": torch.randn(6, 4), "layer.bias": torch.randn(6).to(torch.bfloat16)}
     torch.save(weights, tmp_path / "w.pt")
     save_file(weights, str(tmp_path / "w.safetensors"))
-    for path, truth in ((tmp_path / "w.pt", torch.load(tmp_path / "w.pt", weights_only=True)),
-                        (tmp_path / "w.safetensors", load_file(str(tmp_path / "w.safetensors")))):
+    for path, truth in (
+        (tmp_path / "w.pt", torch.load(tmp_path / "w.pt", weights_only=True)),
+        (tmp_path / "w.safetensors", load_file(str(tmp_path / "w.safetensors"))),
+    ):
         state = {"model": {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in weights.items()}}
         _load(state, ckptkit.StorageReader(str(path)))
         for k, v in truth.items():
@@ -126,9 +129,14 @@ def test_read_data_serves_exactly_the_box_a_read_item_asks_for():
         def commit_tensor(self, item, tensor):
             assert tensor.data_ptr() == target.data_ptr()  # filled in place
 
-    item = ReadItem(LoadItemType.TENSOR, MetadataIndex("model.embed.weight"), torch.Size([0, 0]),
-                    MetadataIndex("model.embed.weight", torch.Size([0, 0])), torch.Size([30, 4]),
-                    torch.Size([5, 3]))
+    item = ReadItem(
+        LoadItemType.TENSOR,
+        MetadataIndex("model.embed.weight"),
+        torch.Size([0, 0]),
+        MetadataIndex("model.embed.weight", torch.Size([0, 0])),
+        torch.Size([30, 4]),
+        torch.Size([5, 3]),
+    )
     reader.read_data(LoadPlan([item]), Planner()).wait()
     assert_tensor_equal(target, truth[30:35, 4:7], "box")
 
@@ -151,9 +159,15 @@ def test_validate_checkpoint_id_answers_for_what_ckptkit_reads(tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
     (tmp_path / "empty").mkdir()
     valid = ckptkit.StorageReader.validate_checkpoint_id
-    for path in (DATA / "fsdp2_w2", DS_DATA / "z3_fp32_w2", DATA / "ds_tp" / "autotp_z2_fp32",
-                 DATA / "trainer" / "ddp", DATA / "trainer" / "ddp" / "checkpoint-2" / "model.safetensors",
-                 tmp_path / "w.pt", str(tmp_path / "w.pt")):
+    for path in (
+        DATA / "fsdp2_w2",
+        DS_DATA / "z3_fp32_w2",
+        DATA / "ds_tp" / "autotp_z2_fp32",
+        DATA / "trainer" / "ddp",
+        DATA / "trainer" / "ddp" / "checkpoint-2" / "model.safetensors",
+        tmp_path / "w.pt",
+        str(tmp_path / "w.pt"),
+    ):
         assert valid(path), path
     for path in (tmp_path / "notes.txt", tmp_path / "empty", tmp_path / "missing", 42, None, ""):
         assert not valid(path), path
@@ -208,8 +222,11 @@ def test_a_key_the_checkpoint_lacks_is_named_by_torch_and_in_ckptkits_sentence()
 
 def test_a_shape_that_differs_is_worded_as_ckptkit_load_words_it():
     reader = ckptkit.StorageReader(str(DATA / "fsdp2_w2"))
-    with pytest.raises(FormatError, match=r"model\.pos has shape \[5, 10\] in the checkpoint, the state dict "
-                                          r"expects \[3, 3\]$"):
+    with pytest.raises(
+        FormatError,
+        match=r"model\.pos has shape \[5, 10\] in the checkpoint, the state dict "
+        r"expects \[3, 3\]$",
+    ):
         reader.load({"model": {"pos": torch.zeros(3, 3)}})
 
 
@@ -252,8 +269,13 @@ def _set_titan(model, optim, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     msd = {k: v for k, v in state.items() if k != "optimizer"}
-    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    set_state_dict(
+        model,
+        optim,
+        model_state_dict=msd,
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(flatten_optimizer_state_dict=True),
+    )
 
 
 @pytest.mark.parametrize("source", ["zero3", "dcp"])
@@ -266,9 +288,15 @@ def test_torchtitans_layout_loads_with_its_container_prefixes(source):
         import deepspeed_models as dm
         import generate_convert as gc
 
-        path, make = str(DS_DATA / "z3_fp32_w2"), lambda seed: (lambda m: (m, gc.make_optimizer(m)))(dm.make_model(seed))
+        path, make = (
+            str(DS_DATA / "z3_fp32_w2"),
+            lambda seed: (lambda m: (m, gc.make_optimizer(m)))(dm.make_model(seed)),
+        )
     else:
-        path, make = str(DATA / "fsdp2_w2"), lambda seed: (lambda m: (m, models.make_optimizer(m)))(models.make_model(seed))
+        path, make = (
+            str(DATA / "fsdp2_w2"),
+            lambda seed: (lambda m: (m, models.make_optimizer(m)))(models.make_model(seed)),
+        )
     model, optim = make(101)
     msd, osd = get_state_dict(model, optim)
     _load({"model": msd, "optim": osd}, ckptkit.StorageReader(path))
@@ -278,8 +306,10 @@ def test_torchtitans_layout_loads_with_its_container_prefixes(source):
     assert "optimizer" in state and not any(k.startswith("model.") for k in state if k != "optimizer")
     _load(state, ckptkit.StorageReader(path, model_prefix="", optim_prefix="optimizer."))
     _set_titan(titan_model, titan_optim, state)
-    want, got = _flat(dict(zip(("model", "optim"), get_state_dict(model, optim)))), \
-        _flat(dict(zip(("model", "optim"), get_state_dict(titan_model, titan_optim))))
+    want, got = (
+        _flat(dict(zip(("model", "optim"), get_state_dict(model, optim)))),
+        _flat(dict(zip(("model", "optim"), get_state_dict(titan_model, titan_optim)))),
+    )
     assert set(got) == set(want) and len(want) > 20
     for key, value in want.items():
         if isinstance(value, torch.Tensor):
@@ -307,12 +337,23 @@ def test_the_integrations_example_runs(tmp_path, monkeypatch):
         exec(compile(code, "docs/integrations.md", "exec"), {})
 
 
-FORMATS = [DS_DATA / "z1_bf16_w2", DS_DATA / "z2_fp16_w2", DATA / "ds_pp" / "pp2_dp2_z1_bf16",
-           DATA / "ds_moe" / "moe_z2_bf16_w2_k2", DATA / "ds_3d" / "pp2_tp2_dp1_z1_fp32",
-           DATA / "ds_moe_tp" / "moetp_z2_fp32_tp2_ep2_w4", DATA / "ds_tp" / "mpu_z3_fp32",
-           DATA / "fsdp1_sharded_w2", DATA / "fsdp1_full_state_dict.pt", DATA / "plain_state_dict.pt",
-           DATA / "trainer" / "ds_z2", DATA / "trainer" / "fsdp2_full", DATA / "lightning" / "fsdp_sharded_w2",
-           DATA / "lightning" / "single_w1.ckpt", DATA / "convert" / "accelerate_fsdp1_w2"]
+FORMATS = [
+    DS_DATA / "z1_bf16_w2",
+    DS_DATA / "z2_fp16_w2",
+    DATA / "ds_pp" / "pp2_dp2_z1_bf16",
+    DATA / "ds_moe" / "moe_z2_bf16_w2_k2",
+    DATA / "ds_3d" / "pp2_tp2_dp1_z1_fp32",
+    DATA / "ds_moe_tp" / "moetp_z2_fp32_tp2_ep2_w4",
+    DATA / "ds_tp" / "mpu_z3_fp32",
+    DATA / "fsdp1_sharded_w2",
+    DATA / "fsdp1_full_state_dict.pt",
+    DATA / "plain_state_dict.pt",
+    DATA / "trainer" / "ds_z2",
+    DATA / "trainer" / "fsdp2_full",
+    DATA / "lightning" / "fsdp_sharded_w2",
+    DATA / "lightning" / "single_w1.ckpt",
+    DATA / "convert" / "accelerate_fsdp1_w2",
+]
 
 
 @pytest.mark.parametrize("path", FORMATS, ids=lambda p: p.name)
@@ -322,8 +363,13 @@ def test_every_format_loads_as_ckptkit_load_fills_it(path):
     truth file (DeepSpeed's fp32 masters and moments, torch's flat state), equal to it."""
     reader = ckptkit.StorageReader(str(path))
     own = {n for n, k in reader.names.items() if n == k}  # the index's names (no per-parameter group aliases)
-    template = lambda: {n: (torch.zeros(e.shape, dtype=torch_dtype(e.dtype)) if (e := reader.index.tensors.get(n))
-                            else None) for n in own}  # noqa: E731
+
+    def template():
+        return {
+            n: (torch.zeros(e.shape, dtype=torch_dtype(e.dtype)) if (e := reader.index.tensors.get(n)) else None)
+            for n in own
+        }
+
     got, want = template(), template()
     _load(got, reader)
     ckptkit.load(want, str(path))
@@ -337,11 +383,17 @@ def test_every_format_loads_as_ckptkit_load_fills_it(path):
     if truth_file.exists():
         truth = torch.load(truth_file, weights_only=True)
         pairs = [(f"model.{k[5:]}", k) for k in truth if k.startswith("fp32.")]
-        pairs += [(f"optim.state.{k.split('.', 1)[1]}.{k.split('.', 1)[0]}", k) for k in truth
-                  if k.startswith(("exp_avg.", "exp_avg_sq."))]
+        pairs += [
+            (f"optim.state.{k.split('.', 1)[1]}.{k.split('.', 1)[0]}", k)
+            for k in truth
+            if k.startswith(("exp_avg.", "exp_avg_sq."))
+        ]
         pairs += [(k, k) for k in truth if k.startswith(("model.", "optim.state."))]  # a DCP fixture's flat truth
-        compared = [(mine, theirs) for mine, theirs in pairs
-                    if mine in got and tuple(got[mine].shape) == tuple(truth[theirs].shape)]
+        compared = [
+            (mine, theirs)
+            for mine, theirs in pairs
+            if mine in got and tuple(got[mine].shape) == tuple(truth[theirs].shape)
+        ]
         for mine, theirs in compared:
             assert_tensor_equal(got[mine], truth[theirs], mine)
         assert compared, "no tensor of the truth was compared"
@@ -385,8 +437,14 @@ def test_a_read_item_reads_only_the_bytes_of_its_box(tmp_path):
             pass
 
     name = next(n for n in reader.names if n.endswith("w"))
-    item = ReadItem(LoadItemType.TENSOR, MetadataIndex(name), torch.Size([0, 0]), MetadataIndex(name, torch.Size([0, 0])),
-                    torch.Size([512, 0]), torch.Size([16, 1024]))
+    item = ReadItem(
+        LoadItemType.TENSOR,
+        MetadataIndex(name),
+        torch.Size([0, 0]),
+        MetadataIndex(name, torch.Size([0, 0])),
+        torch.Size([512, 0]),
+        torch.Size([16, 1024]),
+    )
     reader.read_data(LoadPlan([item]), Planner()).wait()
     assert_tensor_equal(target, full[512:528], "rows")
     assert sum(counted) == 16 * 1024 * 4, counted

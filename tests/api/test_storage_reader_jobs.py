@@ -3,6 +3,7 @@ fill FSDP2 + TP models on a 2 x 2 mesh, and their optimizers, from a DeepSpeed Z
 DeepSpeed ZeRO-2 AutoTP checkpoint and a Hugging Face safetensors folder, every value equal to the
 source's truth (tests/dist/storage_reader_check.py), and each model trains a step after; a key the
 checkpoint lacks is ckptkit's sentence on every rank."""
+
 from __future__ import annotations
 
 import json
@@ -17,11 +18,14 @@ from ds_helpers import DS_DATA
 
 def _hf_folder(where) -> None:
     """The fixtures' Llama written by transformers' save_pretrained, in several shards."""
-    code = ("import sys, torch; sys.path.insert(0, 'fixtures'); import generate_ds_tp as gt; "
-            "from transformers import LlamaConfig, LlamaForCausalLM; torch.manual_seed(77); "
-            f"LlamaForCausalLM(LlamaConfig(**gt.LLAMA)).save_pretrained({str(where)!r}, max_shard_size='8KB')")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), check=True,
-                   capture_output=True, timeout=120)
+    code = (
+        "import sys, torch; sys.path.insert(0, 'fixtures'); import generate_ds_tp as gt; "
+        "from transformers import LlamaConfig, LlamaForCausalLM; torch.manual_seed(77); "
+        f"LlamaForCausalLM(LlamaConfig(**gt.LLAMA)).save_pretrained({str(where)!r}, max_shard_size='8KB')"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), check=True, capture_output=True, timeout=120
+    )
     assert len(list(where.glob("*.safetensors"))) > 1 and (where / "model.safetensors.index.json").exists()
 
 
@@ -29,11 +33,21 @@ def _hf_folder(where) -> None:
 def test_dcp_load_through_the_reader_fills_fsdp2_tp_models_from_zero_autotp_and_hf(tmp_path):
     _hf_folder(tmp_path / "hf")
     result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [str(ROOT / "tests" / "dist" / "storage_reader_check.py"),
-                             "--zero3", str(DS_DATA / "z3_bf16_w2"), "--zero3-truth", str(DS_DATA / "z3_bf16_w2.truth.pt"),
-                             "--tp", str(DATA / "ds_tp" / "autotp_z2_fp32"),
-                             "--tp-truth", str(DATA / "ds_tp" / "autotp_z2_fp32.truth.pt"),
-                             "--hf", str(tmp_path / "hf"), "--result", str(result)]
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "storage_reader_check.py"),
+        "--zero3",
+        str(DS_DATA / "z3_bf16_w2"),
+        "--zero3-truth",
+        str(DS_DATA / "z3_bf16_w2.truth.pt"),
+        "--tp",
+        str(DATA / "ds_tp" / "autotp_z2_fp32"),
+        "--tp-truth",
+        str(DATA / "ds_tp" / "autotp_z2_fp32.truth.pt"),
+        "--hf",
+        str(tmp_path / "hf"),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=400)
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(result.read_text())

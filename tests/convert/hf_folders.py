@@ -1,4 +1,5 @@
 """Tiny Hugging Face model folders written by transformers' own save_pretrained, for convert's tests."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,15 @@ def llama_folder(path: Path, tie: bool = True, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -23,8 +31,9 @@ def gpt2_folder(path: Path, seed: int = 0) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32,
-                               bos_token_id=0, eos_token_id=0)).save_pretrained(path)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)
+    ).save_pretrained(path)
     return path
 
 

@@ -1,6 +1,7 @@
 """convert honours the weight ties an HF folder records only in config.json (save_pretrained leaves the
 tied name out of its files), for the targets whose loaders ask for both names (DCP, torch); the
 folders are written by transformers' save_pretrained and read back by transformers and torch."""
+
 from __future__ import annotations
 
 import json
@@ -94,16 +95,19 @@ def test_absent_flag_takes_the_model_type_default(tmp_path):
     edit_config(folder, tie_word_embeddings=None)  # as GPT-2's hub config.json: the default, left out
     code, out = _convert(folder, tmp_path / "m.pt", "--to", "torch")
     assert code == 0, out
-    assert ("lm_head.weight -> transformer.wte.weight taken from the tie_word_embeddings default of "
-            "model_type 'gpt2' (config.json does not set it)") in out
+    assert (
+        "lm_head.weight -> transformer.wte.weight taken from the tie_word_embeddings default of "
+        "model_type 'gpt2' (config.json does not set it)"
+    ) in out
     model = torch.load(tmp_path / "m.pt", weights_only=True)["model"]
     assert torch.equal(model["lm_head.weight"], _truth(folder)["lm_head.weight"])
 
 
 def test_text_config_flag_is_read(tmp_path):
     folder = llama_folder(tmp_path / "composite")
-    edit_config(folder, tie_word_embeddings=None, model_type="not-a-model-type",
-                text_config={"tie_word_embeddings": True})
+    edit_config(
+        folder, tie_word_embeddings=None, model_type="not-a-model-type", text_config={"tie_word_embeddings": True}
+    )
     code, out = _convert(folder, tmp_path / "m.pt", "--to", "torch")
     assert code == 0, out
     assert "taken from config.json's text_config.tie_word_embeddings" in out
@@ -143,17 +147,28 @@ def _hostile_config(tmp_path, make) -> tuple:
 def test_hostile_config_is_one_sentence(tmp_path, kind):
     outside = tmp_path / "elsewhere.json"
     outside.write_text("{}")
-    make = {"no-json": lambda p: p.write_text("{not json"),
-            "a-list": lambda p: p.write_text("[1, 2]"),
-            "fifo": lambda p: os.mkfifo(p),
-            "oversize": lambda p: p.write_bytes(b"{" + b" " * (hf_ties.MAX_CONFIG_BYTES + 1) + b"}"),
-            "link-out": lambda p: p.symlink_to(outside)}[kind]
+    make = {
+        "no-json": lambda p: p.write_text("{not json"),
+        "a-list": lambda p: p.write_text("[1, 2]"),
+        "fifo": lambda p: os.mkfifo(p),
+        "oversize": lambda p: p.write_bytes(b"{" + b" " * (hf_ties.MAX_CONFIG_BYTES + 1) + b"}"),
+        "link-out": lambda p: p.symlink_to(outside),
+    }[kind]
     folder, scene = _hostile_config(tmp_path, make)
     check_refused(run_ckptkit("convert", str(folder), str(scene.out), "--to", "dcp"), "config.json", scene=scene)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "GPT2LMHeadModel", "T5ForConditionalGeneration",
-                                  "BertForMaskedLM", "GPTNeoXForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "LlamaForCausalLM",
+        "GPT2LMHeadModel",
+        "T5ForConditionalGeneration",
+        "BertForMaskedLM",
+        "GPTNeoXForCausalLM",
+        "Qwen2ForCausalLM",
+    ],
+)
 def test_table_pairs_are_transformers_own(arch):
     assert hf_ties.table()["pairs"][arch] == getattr(transformers, arch)._tied_weights_keys
 
@@ -166,8 +181,9 @@ def test_table_defaults_are_transformers_own(model_type):
 
 
 def test_table_is_from_the_pinned_transformers():
-    assert hf_ties.table()["transformers"] == transformers.__version__, \
+    assert hf_ties.table()["transformers"] == transformers.__version__, (
         "transformers changed: regenerate ckptkit/convert/hf_ties.json with scripts/generate_hf_ties.py"
+    )
 
 
 @pytest.mark.slow
@@ -177,9 +193,22 @@ def test_fsdp2_job_loads_the_tied_folder(tied_llama, tmp_path, world):
     code, out = _convert(tied_llama, tmp_path / "d", "--to", "dcp", "--world-size", str(world))
     assert code == 0, out
     result = tmp_path / "result.json"
-    run = subprocess.run([*torchrun_cmd(world), str(REPO / "tests" / "dist" / "hf_fsdp2_load_job.py"),
-                          "--model", str(tied_llama), "--ckpt", str(tmp_path / "d"), "--result", str(result)],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    run = subprocess.run(
+        [
+            *torchrun_cmd(world),
+            str(REPO / "tests" / "dist" / "hf_fsdp2_load_job.py"),
+            "--model",
+            str(tied_llama),
+            "--ckpt",
+            str(tmp_path / "d"),
+            "--result",
+            str(result),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     verdict = json.loads(result.read_text())
     assert verdict["ok"], verdict
@@ -195,8 +224,10 @@ def test_storage_reader_and_load_fill_the_tied_name(tied_llama):
 
     truth = _truth(tied_llama)
     config = transformers.AutoConfig.from_pretrained(tied_llama)
-    for load in (lambda sd: dcp.load(sd, storage_reader=ckptkit.StorageReader(str(tied_llama)), no_dist=True),
-                 lambda sd: ckptkit.load(sd, str(tied_llama))):
+    for load in (
+        lambda sd: dcp.load(sd, storage_reader=ckptkit.StorageReader(str(tied_llama)), no_dist=True),
+        lambda sd: ckptkit.load(sd, str(tied_llama)),
+    ):
         torch.manual_seed(99)
         state = {"model": transformers.AutoModelForCausalLM.from_config(config).state_dict()}
         load(state)

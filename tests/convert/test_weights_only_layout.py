@@ -3,6 +3,7 @@ output out like FSDP2 at --world-size: every floating N-d tensor, which nothing 
 is a parameter cut on dim 0 with torch.chunk, so every rank's file holds its own rows; what cannot
 be a parameter (an integer tensor, a 0-d value) stays whole. Read back with torch's own DCP reader,
 and loaded by a real FSDP2 job at 2 and 3 ranks."""
+
 from __future__ import annotations
 
 import json
@@ -43,9 +44,17 @@ def weights_file(tmp_path_factory):
     """A safetensors file as safetensors itself writes it: parameters, an int counter, a 0-d value."""
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("w") / "model.safetensors"
-    save_file({"embed.weight": torch.randn(10, 4), "block.weight": torch.randn(5, 4), "block.bias": torch.randn(5),
-               "norm.num_batches_tracked": torch.tensor(7), "scale": torch.tensor(0.5),
-               "tiny.weight": torch.randn(1, 3)}, str(path))
+    save_file(
+        {
+            "embed.weight": torch.randn(10, 4),
+            "block.weight": torch.randn(5, 4),
+            "block.bias": torch.randn(5),
+            "norm.num_batches_tracked": torch.tensor(7),
+            "scale": torch.tensor(0.5),
+            "tiny.weight": torch.randn(1, 3),
+        },
+        str(path),
+    )
     return path
 
 
@@ -54,8 +63,12 @@ def test_parameters_are_cut_like_fsdp2(weights_file, tmp_path, world):
     out = _convert(weights_file, tmp_path / "d", "--to", "dcp", "--world-size", world)
     assert "4 frozen, 2 buffers" in out  # 4 parameters no optimizer trains; an int and a 0-d value
     chunks = _chunks(tmp_path / "d")
-    for name, shape in {"embed.weight": (10, 4), "block.weight": (5, 4), "block.bias": (5,),
-                        "tiny.weight": (1, 3)}.items():
+    for name, shape in {
+        "embed.weight": (10, 4),
+        "block.weight": (5, 4),
+        "block.bias": (5,),
+        "tiny.weight": (1, 3),
+    }.items():
         assert chunks[f"model.{name}"] == _torch_chunk(shape, world), name
     assert chunks["model.norm.num_batches_tracked"] == [((), ())]
     assert chunks["model.scale"] == [((), ())]
@@ -78,8 +91,18 @@ def test_values_read_back_with_torch(weights_file, tmp_path):
 
 def test_frozen_glob_gives_the_same_layout(weights_file, tmp_path):
     _convert(weights_file, tmp_path / "default", "--to", "dcp", "--world-size", "2")
-    _convert(weights_file, tmp_path / "glob", "--to", "dcp", "--world-size", "2", "--frozen", "*.weight",
-             "--frozen", "*.bias")
+    _convert(
+        weights_file,
+        tmp_path / "glob",
+        "--to",
+        "dcp",
+        "--world-size",
+        "2",
+        "--frozen",
+        "*.weight",
+        "--frozen",
+        "*.bias",
+    )
     assert _chunks(tmp_path / "default") == _chunks(tmp_path / "glob")
 
 
@@ -100,9 +123,22 @@ def test_fsdp2_job_loads_a_weights_only_file(tmp_path, world):
     _convert(folder / "model.safetensors", tmp_path / "d", "--to", "dcp", "--world-size", world)
     assert all((tmp_path / "d" / f"__{r}_0.distcp").stat().st_size > 0 for r in range(world))
     result = tmp_path / "result.json"
-    run = subprocess.run([*torchrun_cmd(world), str(ROOT / "tests" / "dist" / "hf_fsdp2_load_job.py"),
-                          "--model", str(folder), "--ckpt", str(tmp_path / "d"), "--result", str(result)],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    run = subprocess.run(
+        [
+            *torchrun_cmd(world),
+            str(ROOT / "tests" / "dist" / "hf_fsdp2_load_job.py"),
+            "--model",
+            str(folder),
+            "--ckpt",
+            str(tmp_path / "d"),
+            "--result",
+            str(result),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     verdict = json.loads(result.read_text())
     assert verdict["ok"], verdict

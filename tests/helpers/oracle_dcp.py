@@ -6,6 +6,7 @@ moved with their record), tensor sizes and dtypes, fqns doubled or renamed, plan
 A dict may be pickled with a key twice (DupDict: its pairs are written as they are), which no
 Python dict can hold but a file can.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 
 class DupDict(dict):
@@ -81,8 +82,10 @@ def record_hint_duplicate(rng: random.Random, meta):
     after = rng.random() < 0.5
     pairs.insert(at + after, (hint, other))
     meta.storage_data = DupDict(pairs)
-    return (f"record {key.fqn}@{list(key.offset or ())} doubled with index {hint.index} "
-            f"({'after' if after else 'before'} it), pointing at {other_key.fqn}'s bytes")
+    return (
+        f"record {key.fqn}@{list(key.offset or ())} doubled with index {hint.index} "
+        f"({'after' if after else 'before'} it), pointing at {other_key.fqn}'s bytes"
+    )
 
 
 def record_duplicate(rng: random.Random, meta):
@@ -104,7 +107,8 @@ def record_swap(rng: random.Random, meta):
     key, value = rng.choice(candidates)
     other_key, other = rng.choice(_alike(meta, key))
     meta.storage_data[key], meta.storage_data[other_key] = other, value
-    return f"records {key.fqn}@{list(key.offset or ())} and {other_key.fqn}@{list(other_key.offset or ())} swap their bytes"
+    here, there = list(key.offset or ()), list(other_key.offset or ())
+    return f"records {key.fqn}@{here} and {other_key.fqn}@{there} swap their bytes"
 
 
 def record_fields(rng: random.Random, meta):
@@ -159,8 +163,10 @@ def chunk_move(rng: random.Random, meta):
         return None
     new_offsets = torch.Size(vals)
     entry.chunks = [dataclasses.replace(x, offsets=new_offsets) if j == i else x for j, x in enumerate(entry.chunks)]
-    pairs = [(MetadataIndex(k.fqn, new_offsets, k.index) if k.fqn == fqn and tuple(k.offset) == tuple(c.offsets) else k, v)
-             for k, v in _records(meta)]
+    pairs = [
+        (MetadataIndex(k.fqn, new_offsets, k.index) if k.fqn == fqn and tuple(k.offset) == tuple(c.offsets) else k, v)
+        for k, v in _records(meta)
+    ]
     meta.storage_data = dict(pairs)
     return f"tensor {fqn}: chunk {list(c.offsets)} and its record moved to {vals}"
 
@@ -197,8 +203,9 @@ def fqn_rename(rng: random.Random, meta):
     everywhere = rng.random() < 0.5
     meta.state_dict_metadata = DupDict([(b if k == a else k, v) for k, v in meta.state_dict_metadata.items()])
     if everywhere:
-        meta.storage_data = DupDict([(MetadataIndex(b, k.offset, k.index) if k.fqn == a else k, v)
-                                     for k, v in _records(meta)])
+        meta.storage_data = DupDict(
+            [(MetadataIndex(b, k.offset, k.index) if k.fqn == a else k, v) for k, v in _records(meta)]
+        )
     return f"fqn {a} renamed {b} ({'with its records' if everywhere else 'in state_dict_metadata only'})"
 
 
@@ -213,10 +220,19 @@ def planner_path(rng: random.Random, meta):
     return f"planner_data[{fqn!r}]: {old} -> {new}"
 
 
-OPERATORS = {"dcp-record-hint-duplicate": record_hint_duplicate, "dcp-record-duplicate": record_duplicate,
-             "dcp-record-swap": record_swap, "dcp-record-fields": record_fields, "dcp-chunk": chunk,
-             "dcp-chunk-move": chunk_move, "dcp-tensor-size": tensor_size, "dcp-tensor-dtype": tensor_dtype,
-             "dcp-fqn-duplicate": fqn_duplicate, "dcp-fqn-rename": fqn_rename, "dcp-planner-path": planner_path}
+OPERATORS = {
+    "dcp-record-hint-duplicate": record_hint_duplicate,
+    "dcp-record-duplicate": record_duplicate,
+    "dcp-record-swap": record_swap,
+    "dcp-record-fields": record_fields,
+    "dcp-chunk": chunk,
+    "dcp-chunk-move": chunk_move,
+    "dcp-tensor-size": tensor_size,
+    "dcp-tensor-dtype": tensor_dtype,
+    "dcp-fqn-duplicate": fqn_duplicate,
+    "dcp-fqn-rename": fqn_rename,
+    "dcp-planner-path": planner_path,
+}
 
 
 def framework_load(path: Path) -> dict:
@@ -226,8 +242,9 @@ def framework_load(path: Path) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return state
 
 

@@ -8,6 +8,7 @@ finds nothing and `consolidate` writes; its output is compared with DeepSpeed's 
 (`get_fp32_state_dict_from_zero_checkpoint`), which unpickles with weights_only=False: it reads
 only these mutants of our own files, in the test process.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,6 +39,7 @@ def partition_count(rng: random.Random, folder: Path):
         new = [rng.choice([1, 3, 4, 0]) for _ in old] if isinstance(old, list) else rng.choice([1, 3, 4])
         osd["partition_count"] = new
         return f"partition_count {old} -> {new}"
+
     return _edit(rng.choice(_files(folder, "optim")), change)
 
 
@@ -68,6 +70,7 @@ def param_shapes(rng: random.Random, folder: Path):
         else:
             del group[name]
         return f"param_shapes {kind} of {name!r}"
+
     whats = [_edit(f, change) for f in chosen]
     return f"{whats[0]} in {len(chosen)} model file(s)" if whats and whats[0] else None
 
@@ -83,6 +86,7 @@ def flat_group(rng: random.Random, folder: Path):
         t = groups[i]
         groups[i] = t[:delta].clone() if delta < 0 else torch.cat([t, torch.zeros(delta, dtype=t.dtype)])
         return f"{key}[{i}]: {t.numel()} -> {groups[i].numel()} elements"
+
     return _edit(rng.choice(_files(folder, "optim")), change)
 
 
@@ -93,6 +97,7 @@ def zero_stage(rng: random.Random, folder: Path):
         new = type(old)(rng.choice([s for s in (0, 1, 2, 3) if s != int(old)]))
         osd["zero_stage"] = new
         return f"zero_stage {int(old)} -> {int(new)}"
+
     return _edit(rng.choice(_files(folder, "optim")), change)
 
 
@@ -106,6 +111,7 @@ def ds_version(rng: random.Random, folder: Path):
         if "optimizer_state_dict" in o:
             o["optimizer_state_dict"]["ds_version"] = new
         return f"{f.name}: ds_version {old!r} -> {new!r}"
+
     return _edit(f, change)
 
 
@@ -118,6 +124,7 @@ def group_paddings(rng: random.Random, folder: Path):
         old = osd["group_paddings"][i]
         osd["group_paddings"][i] = max(0, old + rng.choice([-1, 1, 4]))
         return f"group_paddings[{i}] {old} -> {osd['group_paddings'][i]}"
+
     return _edit(rng.choice(_files(folder, "optim")), change)
 
 
@@ -130,6 +137,7 @@ def shared_params(rng: random.Random, folder: Path):
         new = rng.choice([{a: b}, {"lm_head.weight": "missing"}, {}, {"new.weight": a}])
         m["shared_params"] = new
         return f"shared_params -> {new}"
+
     whats = [_edit(f, change) for f in _files(folder, "model")]
     return whats[0]
 
@@ -145,6 +153,7 @@ def frozen(rng: random.Random, folder: Path):
             return f"frozen_param_fragments[{name!r}] one element short"
         shapes[name] = torch.Size(list(shapes[name])[::-1])
         return f"frozen_param_shapes[{name!r}] reversed"
+
     whats = [_edit(f, change) for f in _files(folder, "model")]
     return whats[0]
 
@@ -159,7 +168,8 @@ def buffer_names(rng: random.Random, folder: Path):
             m["buffer_names"] = names[1:]
             return f"buffer_names without {names[0]!r}"
         m["buffer_names"] = names + [next(iter(m["param_shapes"][0]))]
-        return f"buffer_names + a parameter's name"
+        return "buffer_names + a parameter's name"
+
     whats = [_edit(f, change) for f in _files(folder, "model")]
     return whats[0]
 
@@ -174,10 +184,18 @@ def rank_files(rng: random.Random, folder: Path):
     return f"optimizer files {a.name} and {b.name} swapped"
 
 
-OPERATORS = {"ds-partition-count": partition_count, "ds-param-shapes": param_shapes, "ds-flat-group": flat_group,
-             "ds-zero-stage": zero_stage, "ds-version": ds_version, "ds-group-paddings": group_paddings,
-             "ds-shared-params": shared_params, "ds-frozen": frozen, "ds-buffer-names": buffer_names,
-             "ds-rank-files": rank_files}
+OPERATORS = {
+    "ds-partition-count": partition_count,
+    "ds-param-shapes": param_shapes,
+    "ds-flat-group": flat_group,
+    "ds-zero-stage": zero_stage,
+    "ds-version": ds_version,
+    "ds-group-paddings": group_paddings,
+    "ds-shared-params": shared_params,
+    "ds-frozen": frozen,
+    "ds-buffer-names": buffer_names,
+    "ds-rank-files": rank_files,
+}
 
 
 def framework_load(path: Path) -> dict:

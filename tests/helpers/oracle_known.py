@@ -5,6 +5,7 @@ entry that no mutant of the CI run hits any more is a failure too, saying the en
 
 When a fix is merged, delete its entry here: the oracle then checks that class like any other.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,8 @@ from helpers.oracle_verdict import Mutant
 class Known:
     fmt: str
     what: str
-    holds: Callable[[Mutant], bool]   # the mutant file has the known defect
-    verdict: str                      # a regex the finding's verdict matches
+    holds: Callable[[Mutant], bool]  # the mutant file has the known defect
+    verdict: str  # a regex the finding's verdict matches
 
     def matches(self, mutant: Mutant, verdict: str) -> bool:
         return mutant.fmt == self.fmt and re.search(self.verdict, verdict) is not None and self.holds(mutant)

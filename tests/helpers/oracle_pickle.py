@@ -6,6 +6,7 @@ the bytes mean while keeping the pickle well formed: a storage type or key insid
 an int argument (offset, size, stride, numel), a string (a dict key, a device), a dict entry
 duplicated, two entries' order swapped.
 """
+
 from __future__ import annotations
 
 import pickletools
@@ -14,8 +15,18 @@ import struct
 
 Op = tuple  # (pickletools.OpcodeInfo, argument)
 OPS = {op.name: op for op in pickletools.opcodes}
-STORAGE_TYPES = ("FloatStorage", "HalfStorage", "BFloat16Storage", "DoubleStorage", "LongStorage",
-                 "IntStorage", "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage")
+STORAGE_TYPES = (
+    "FloatStorage",
+    "HalfStorage",
+    "BFloat16Storage",
+    "DoubleStorage",
+    "LongStorage",
+    "IntStorage",
+    "ShortStorage",
+    "CharStorage",
+    "ByteStorage",
+    "BoolStorage",
+)
 
 
 def parse(data: bytes) -> list[Op]:
@@ -101,9 +112,17 @@ def persid_ops(ops: list[Op]) -> list[dict]:
         parts = [j for j in range(mark + 1, end) if ops[j][0].name not in MEMO_PUTS]
         if len(parts) != 5:
             continue
-        out.append({"type": parts[1], "key": parts[2], "location": parts[3], "numel": parts[4],
-                    "type_name": _pushed(ops, parts[1]), "key_name": _pushed(ops, parts[2]),
-                    "numel_value": _pushed(ops, parts[4])})
+        out.append(
+            {
+                "type": parts[1],
+                "key": parts[2],
+                "location": parts[3],
+                "numel": parts[4],
+                "type_name": _pushed(ops, parts[1]),
+                "key_name": _pushed(ops, parts[2]),
+                "numel_value": _pushed(ops, parts[4]),
+            }
+        )
     return out
 
 
@@ -150,8 +169,9 @@ def str_positions(ops: list[Op]) -> list[int]:
 
 
 def near_ints(rng: random.Random, value: int) -> int:
-    return rng.choice([0, 1, value - 1, value + 1, value * 2, value // 2, value + rng.randint(2, 64),
-                       -1, 1 << 31, 1 << 62])
+    return rng.choice(
+        [0, 1, value - 1, value + 1, value * 2, value // 2, value + rng.randint(2, 64), -1, 1 << 31, 1 << 62]
+    )
 
 
 def setitem_pairs(ops: list[Op]) -> list[tuple[int, int]]:

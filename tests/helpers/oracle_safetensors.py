@@ -5,6 +5,7 @@ them ckptkit's own (`ckptkit.aliases`, `ckptkit.objects`).
 The header is edited as a list of (name, entry) pairs and written back as JSON text, so a name may
 appear twice; the data buffer is kept as it is.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,20 +17,34 @@ from pathlib import Path
 from ckptkit.formats.safetensors.reader import ALIASES_KEY, OBJECTS_KEY
 
 Pairs = list  # [(name, entry)]
-SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-         "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 Result = "tuple[Pairs, bytes, str] | None"
 
 
 def read(path: Path) -> tuple[Pairs, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return list(json.loads(raw[8:8 + n]).items()), raw[8 + n:]
+    return list(json.loads(raw[8 : 8 + n]).items()), raw[8 + n :]
 
 
 def write(path: Path, pairs: Pairs, buffer: bytes, pad: int = 0, length_delta: int = 0) -> None:
-    text = ("{" + ",".join(f"{json.dumps(k)}:{json.dumps(v, separators=(',', ':'))}" for k, v in pairs)
-            + "}").encode()
+    text = ("{" + ",".join(f"{json.dumps(k)}:{json.dumps(v, separators=(',', ':'))}" for k, v in pairs) + "}").encode()
     text += b" " * ((-len(text)) % 8 + pad)
     path.write_bytes(struct.pack("<Q", len(text) + length_delta) + text + buffer)
 
@@ -62,7 +77,11 @@ def dtype(rng: random.Random, pairs: Pairs, buf: bytes) -> Result:
     old, size = SIZES[entry["dtype"]], SIZES[new]
     if shape and rng.random() < 0.8 and (shape[-1] * old) % size == 0:
         shape[-1] = shape[-1] * old // size
-    return _entry(pairs, i, dtype=new, shape=shape), buf, f"tensor {name!r}: dtype {entry['dtype']} -> {new}, shape {shape}"
+    return (
+        _entry(pairs, i, dtype=new, shape=shape),
+        buf,
+        f"tensor {name!r}: dtype {entry['dtype']} -> {new}, shape {shape}",
+    )
 
 
 def shape(rng: random.Random, pairs: Pairs, buf: bytes) -> Result:
@@ -115,15 +134,30 @@ def alias_real_name(rng: random.Random, pairs: Pairs, buf: bytes) -> Result:
     aliases = json.loads(meta.get(ALIASES_KEY, "{}"))
     aliases[pairs[a][0]] = pairs[b][0]
     meta[ALIASES_KEY] = json.dumps(aliases)
-    return _set_metadata(pairs, meta), buf, f"{ALIASES_KEY} names the held tensor {pairs[a][0]!r} an alias of {pairs[b][0]!r}"
+    return (
+        _set_metadata(pairs, meta),
+        buf,
+        f"{ALIASES_KEY} names the held tensor {pairs[a][0]!r} an alias of {pairs[b][0]!r}",
+    )
 
 
 def alias(rng: random.Random, pairs: Pairs, buf: bytes) -> Result:
     """ckptkit's alias record: a new name, a missing target, a cycle, itself, or no JSON object."""
     names = [pairs[i][0] for i in _tensors(pairs)]
     a, b = rng.sample(names, 2)
-    value = rng.choice([{"new.name": a}, {"new.name": "missing"}, {"x": "y", "y": "x"}, {"x": "x"},
-                        {"x": a, "y": "x"}, [a, b], "", {"x": 1}, {"": a}])
+    value = rng.choice(
+        [
+            {"new.name": a},
+            {"new.name": "missing"},
+            {"x": "y", "y": "x"},
+            {"x": "x"},
+            {"x": a, "y": "x"},
+            [a, b],
+            "",
+            {"x": 1},
+            {"": a},
+        ]
+    )
     meta = _metadata(pairs)
     meta[ALIASES_KEY] = value if isinstance(value, str) else json.dumps(value)
     return _set_metadata(pairs, meta), buf, f"{ALIASES_KEY} = {meta[ALIASES_KEY]!r}"
@@ -172,10 +206,19 @@ def buffer_size(rng: random.Random, pairs: Pairs, buf: bytes) -> Result:
     return pairs, (buf[:d] if d < 0 else buf + bytes(d)), f"data buffer {len(buf)} -> {len(buf) + d} bytes"
 
 
-OPERATORS = {"st-dtype": dtype, "st-shape": shape, "st-offsets": offsets, "st-duplicate-name": duplicate_name,
-             "st-alias-real-name": alias_real_name, "st-alias": alias, "st-objects": objects,
-             "st-metadata": metadata, "st-order": order, "st-header-length": header_length,
-             "st-buffer-size": buffer_size}
+OPERATORS = {
+    "st-dtype": dtype,
+    "st-shape": shape,
+    "st-offsets": offsets,
+    "st-duplicate-name": duplicate_name,
+    "st-alias-real-name": alias_real_name,
+    "st-alias": alias,
+    "st-objects": objects,
+    "st-metadata": metadata,
+    "st-order": order,
+    "st-header-length": header_length,
+    "st-buffer-size": buffer_size,
+}
 
 
 def framework_load(path: Path):

@@ -5,6 +5,7 @@ dropped, doubled, renamed, reordered, local headers that disagree with the centr
 Each operator takes a seeded Random and the archive's members and returns (members, what it did),
 or None where the archive offers nothing to mutate that way.
 """
+
 from __future__ import annotations
 
 import random
@@ -29,8 +30,10 @@ def storage_type(rng: random.Random, members: list[Member]) -> Result:
     i, ops = _pickle(members)
     pid = rng.choice(P.persid_ops(ops))
     new = rng.choice([t for t in P.STORAGE_TYPES if t != pid["type_name"]])
-    return (_with_pickle(members, i, P.set_storage_type(ops, pid, new)),
-            f"storage {pid['key_name']!r}: type {pid['type_name']} -> {new}")
+    return (
+        _with_pickle(members, i, P.set_storage_type(ops, pid, new)),
+        f"storage {pid['key_name']!r}: type {pid['type_name']} -> {new}",
+    )
 
 
 def storage_key_two_types(rng: random.Random, members: list[Member]) -> Result:
@@ -42,9 +45,11 @@ def storage_key_two_types(rng: random.Random, members: list[Member]) -> Result:
         return None
     a, b = rng.choice(pairs)
     ops = P.replace_push(ops, b["key"], P.str_op(a["key_name"]))
-    return (_with_pickle(members, i, ops),
-            f"storage key {b['key_name']!r} ({b['type_name']}) -> {a['key_name']!r}, "
-            f"the key of a {a['type_name']}: one key, two storage types")
+    return (
+        _with_pickle(members, i, ops),
+        f"storage key {b['key_name']!r} ({b['type_name']}) -> {a['key_name']!r}, "
+        f"the key of a {a['type_name']}: one key, two storage types",
+    )
 
 
 def storage_key(rng: random.Random, members: list[Member]) -> Result:
@@ -54,24 +59,30 @@ def storage_key(rng: random.Random, members: list[Member]) -> Result:
     b = rng.choice(pids)
     same = [a["key_name"] for a in pids if a["type_name"] == b["type_name"] and a["key_name"] != b["key_name"]]
     new = rng.choice(same + ["999", b["key_name"] + "0", "../0"])
-    return (_with_pickle(members, i, P.replace_push(ops, b["key"], P.str_op(new))),
-            f"storage key {b['key_name']!r} ({b['type_name']}) -> {new!r}")
+    return (
+        _with_pickle(members, i, P.replace_push(ops, b["key"], P.str_op(new))),
+        f"storage key {b['key_name']!r} ({b['type_name']}) -> {new!r}",
+    )
 
 
 def storage_numel(rng: random.Random, members: list[Member]) -> Result:
     i, ops = _pickle(members)
     pid = rng.choice(P.persid_ops(ops))
     new = P.near_ints(rng, pid["numel_value"])
-    return (_with_pickle(members, i, P.replace_push(ops, pid["numel"], P.int_op(new))),
-            f"storage {pid['key_name']!r}: numel {pid['numel_value']} -> {new}")
+    return (
+        _with_pickle(members, i, P.replace_push(ops, pid["numel"], P.int_op(new))),
+        f"storage {pid['key_name']!r}: numel {pid['numel_value']} -> {new}",
+    )
 
 
 def storage_location(rng: random.Random, members: list[Member]) -> Result:
     i, ops = _pickle(members)
     pid = rng.choice(P.persid_ops(ops))
     new = rng.choice(["cuda:0", "meta", "cpu:1", "CPU", "mps", ""])
-    return (_with_pickle(members, i, P.replace_push(ops, pid["location"], P.str_op(new))),
-            f"storage {pid['key_name']!r}: location -> {new!r}")
+    return (
+        _with_pickle(members, i, P.replace_push(ops, pid["location"], P.str_op(new))),
+        f"storage {pid['key_name']!r}: location -> {new!r}",
+    )
 
 
 def int_argument(rng: random.Random, members: list[Member]) -> Result:
@@ -100,12 +111,14 @@ def dict_duplicate(rng: random.Random, members: list[Member]) -> Result:
     pairs = P.setitem_pairs(ops)
     a, b = rng.choice(pairs), rng.choice(pairs)
     key = ops[a[0]][1]
-    copy = [ops[a[0]]] + ops[b[0] + 1:b[1]]
+    copy = [ops[a[0]]] + ops[b[0] + 1 : b[1]]
     at = rng.choice([a[1], a[0]])
     new = ops[:at] + copy + ops[at:]
-    return (_with_pickle(members, i, new),
-            f"dict key {key!r} repeated {'after' if at == a[1] else 'before'} its entry, "
-            f"with the value of {ops[b[0]][1]!r}")
+    return (
+        _with_pickle(members, i, new),
+        f"dict key {key!r} repeated {'after' if at == a[1] else 'before'} its entry, "
+        f"with the value of {ops[b[0]][1]!r}",
+    )
 
 
 def dict_swap(rng: random.Random, members: list[Member]) -> Result:
@@ -114,7 +127,7 @@ def dict_swap(rng: random.Random, members: list[Member]) -> Result:
     a, b = sorted(rng.sample(pairs, 2))
     if a[1] > b[0]:
         return None
-    new = ops[:a[0]] + ops[b[0]:b[1]] + ops[a[1]:b[0]] + ops[a[0]:a[1]] + ops[b[1]:]
+    new = ops[: a[0]] + ops[b[0] : b[1]] + ops[a[1] : b[0]] + ops[a[0] : a[1]] + ops[b[1] :]
     return _with_pickle(members, i, new), f"dict entries {ops[a[0]][1]!r} and {ops[b[0]][1]!r} swapped"
 
 
@@ -122,7 +135,7 @@ def byteorder(rng: random.Random, members: list[Member]) -> Result:
     i = find(members, "byteorder")
     new = rng.choice([b"big", b"big", b"little", b"", b"BIG", b"little\n", b"native", None])
     if new is None:
-        return members[:i] + members[i + 1:], "byteorder record dropped"
+        return members[:i] + members[i + 1 :], "byteorder record dropped"
     return with_data(members, i, new), f"byteorder record {members[i].data!r} -> {new!r}"
 
 
@@ -131,13 +144,13 @@ def version(rng: random.Random, members: list[Member]) -> Result:
     i = find(members, name)
     new = rng.choice([b"1", b"2", b"3", b"4", b"9", b"", b"3\n", b"abc", b"0", b"128", None])
     if new is None:
-        return members[:i] + members[i + 1:], f"{name} record dropped"
+        return members[:i] + members[i + 1 :], f"{name} record dropped"
     return with_data(members, i, new), f"{name} record {members[i].data!r} -> {new!r}"
 
 
 def member_drop(rng: random.Random, members: list[Member]) -> Result:
     i = rng.randrange(len(members))
-    return members[:i] + members[i + 1:], f"member {members[i].name} dropped"
+    return members[:i] + members[i + 1 :], f"member {members[i].name} dropped"
 
 
 def member_duplicate(rng: random.Random, members: list[Member]) -> Result:
@@ -147,8 +160,9 @@ def member_duplicate(rng: random.Random, members: list[Member]) -> Result:
     donor = rng.choice(same or members)
     extra = Member(members[i].name, donor.data)
     at = rng.choice([i, i + 1, len(members)])
-    return members[:at] + [extra] + members[at:], (f"member {members[i].name} doubled at position {at} "
-                                                   f"with the bytes of {donor.name}")
+    return members[:at] + [extra] + members[at:], (
+        f"member {members[i].name} doubled at position {at} with the bytes of {donor.name}"
+    )
 
 
 def member_rename(rng: random.Random, members: list[Member]) -> Result:
@@ -205,8 +219,10 @@ def archive_prefix(rng: random.Random, members: list[Member]) -> Result:
     """The archive's folder name changed for every member, or for one."""
     new = rng.choice(["archive", "x", "a/b", ""])
     if rng.random() < 0.5:
-        return ([replace(m, name=f"{new}/{m.name.split('/', 1)[1]}" if new else m.name.split("/", 1)[1])
-                 for m in members], f"every member's folder -> {new!r}")
+        return (
+            [replace(m, name=f"{new}/{m.name.split('/', 1)[1]}" if new else m.name.split("/", 1)[1]) for m in members],
+            f"every member's folder -> {new!r}",
+        )
     i = rng.randrange(len(members))
     out = list(members)
     out[i] = replace(members[i], name=f"{new}/{members[i].name.split('/', 1)[1]}")
@@ -214,13 +230,25 @@ def archive_prefix(rng: random.Random, members: list[Member]) -> Result:
 
 
 OPERATORS = {
-    "ts-storage-type": storage_type, "ts-storage-key-two-types": storage_key_two_types,
-    "ts-storage-key": storage_key, "ts-storage-numel": storage_numel, "ts-storage-location": storage_location,
-    "ts-int-argument": int_argument, "ts-string-argument": string_argument, "ts-dict-duplicate": dict_duplicate,
-    "ts-dict-swap": dict_swap, "zip-byteorder": byteorder, "zip-version": version, "zip-member-drop": member_drop,
-    "zip-member-duplicate": member_duplicate, "zip-member-rename": member_rename,
-    "zip-member-reorder": member_reorder, "zip-local-header": local_header, "zip-member-deflate": member_deflate,
-    "zip-record-size": record_size, "zip-archive-prefix": archive_prefix,
+    "ts-storage-type": storage_type,
+    "ts-storage-key-two-types": storage_key_two_types,
+    "ts-storage-key": storage_key,
+    "ts-storage-numel": storage_numel,
+    "ts-storage-location": storage_location,
+    "ts-int-argument": int_argument,
+    "ts-string-argument": string_argument,
+    "ts-dict-duplicate": dict_duplicate,
+    "ts-dict-swap": dict_swap,
+    "zip-byteorder": byteorder,
+    "zip-version": version,
+    "zip-member-drop": member_drop,
+    "zip-member-duplicate": member_duplicate,
+    "zip-member-rename": member_rename,
+    "zip-member-reorder": member_reorder,
+    "zip-local-header": local_header,
+    "zip-member-deflate": member_deflate,
+    "zip-record-size": record_size,
+    "zip-archive-prefix": archive_prefix,
 }
 
 

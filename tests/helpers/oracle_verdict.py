@@ -12,6 +12,7 @@ Both accept: the same tensor names, and each tensor bit-equal (dtype, shape, byt
 ckptkit accepts where the framework refuses: a finding, unless docs/reliability.md lists the
 operator under "Differences from the frameworks, on purpose" (the one place such differences live).
 """
+
 from __future__ import annotations
 
 import re
@@ -65,7 +66,7 @@ def intended_differences(doc: Path = RELIABILITY_DOC) -> dict[str, Intended]:
     start = text.find(INTENDED_HEADING)
     if start < 0:
         return {}
-    section = text[start + len(INTENDED_HEADING):]
+    section = text[start + len(INTENDED_HEADING) :]
     end = section.find("\n## ")
     rows = {}
     for line in (section if end < 0 else section[:end]).splitlines():
@@ -84,8 +85,9 @@ def flat_tensors(state: Any) -> dict[str, torch.Tensor]:
         return {"": state}
     if not isinstance(state, Mapping):
         return {}
-    return {key_of(p): v for p, v in flatten(state, lambda v: isinstance(v, torch.Tensor))
-            if isinstance(v, torch.Tensor)}
+    return {
+        key_of(p): v for p, v in flatten(state, lambda v: isinstance(v, torch.Tensor)) if isinstance(v, torch.Tensor)
+    }
 
 
 def ckptkit_read(path: Path) -> Read:
@@ -166,8 +168,13 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
-def compare(mutant: Mutant, ours: Read, theirs: Read, intended: Mapping[str, Intended],
-            adjust: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> str | None:
+def compare(
+    mutant: Mutant,
+    ours: Read,
+    theirs: Read,
+    intended: Mapping[str, Intended],
+    adjust: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> str | None:
     """The finding for one mutant, or None. `adjust(key, ours, theirs)` maps the framework's tensor
     where a listed difference says how (ZeRO's frozen parameters upcast, for one)."""
     if ours.refusal is not None:
@@ -179,8 +186,11 @@ def compare(mutant: Mutant, ours: Read, theirs: Read, intended: Mapping[str, Int
     restored = set(ours.aliases) - set(theirs.tensors) if "restored-alias" in intended else set()
     for alias in sorted(restored):  # a tied tensor ckptkit restored: the value of the tensor it names
         target = _resolved(alias, ours.aliases)
-        diff = same_tensor(ours.tensors[alias], theirs.tensors[target]) if target in theirs.tensors else \
-            f"names {target!r}, which the framework does not read"
+        diff = (
+            same_tensor(ours.tensors[alias], theirs.tensors[target])
+            if target in theirs.tensors
+            else f"names {target!r}, which the framework does not read"
+        )
         if diff is not None:
             return f"restored alias {alias!r}: {diff}"
     names = set(ours.tensors) - restored

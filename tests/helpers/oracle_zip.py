@@ -5,6 +5,7 @@ directory, be stored or deflated; members may be dropped, doubled, renamed or re
 Data is aligned to 64 bytes as torch.save aligns it (an extra field of padding), so an unchanged
 archive reads exactly as the original.
 """
+
 from __future__ import annotations
 
 import struct
@@ -20,9 +21,9 @@ ALIGN = 64
 class Member:
     name: str
     data: bytes
-    local_name: str | None = None    # the local header's name, where it differs from the directory's
-    crc: int | None = None           # a CRC other than the data's, in both records
-    local_size: int | None = None    # a size in the local header other than the data's
+    local_name: str | None = None  # the local header's name, where it differs from the directory's
+    crc: int | None = None  # a CRC other than the data's, in both records
+    local_size: int | None = None  # a size in the local header other than the data's
     deflate: bool = False
 
 
@@ -44,11 +45,36 @@ def build(members: list[Member]) -> bytes:
         offset = len(out)
         size = len(body) if m.local_size is None else m.local_size
         raw = len(m.data) if m.local_size is None else m.local_size
-        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, size, raw,
-                           len(local_name), len(extra)) + local_name + extra + body
+        out += (
+            struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, size, raw, len(local_name), len(extra))
+            + local_name
+            + extra
+            + body
+        )
         name = m.name.encode()
-        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0x21, crc, len(body),
-                               len(m.data), len(name), 0, 0, 0, 0, 0, offset) + name
+        central += (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                method,
+                0,
+                0x21,
+                crc,
+                len(body),
+                len(m.data),
+                len(name),
+                0,
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
+            + name
+        )
     start = len(out)
     out += central
     out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), len(central), start, 0)

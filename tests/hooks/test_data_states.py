@@ -2,6 +2,7 @@
 yields exactly the batches the uninterrupted run yields (torchdata's StatefulDataLoader, with and
 without its own generator; a plain DataLoader over a sampler that keeps its position), and torch's
 own DataLoader, which cannot be resumed, is refused with what to use instead."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from ckptkit.errors import UsageError
 stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is in the dev extra")
 
 DATA = list(range(23))  # 8 batches of 3 per epoch, the last one short
-EPOCHS, STOP = 3, 11    # interrupted at step 11: in the middle of the second epoch
+EPOCHS, STOP = 3, 11  # interrupted at step 11: in the middle of the second epoch
 
 
 def _model():
@@ -109,14 +110,14 @@ def test_a_sampler_position_resumes_a_plain_dataloader(tmp_path):
     whole = _run(loader(PositionSampler(len(DATA), 5)), ckptkit.Checkpointer(str(tmp_path / "whole"), keep=1), {})
     torch.manual_seed(7)
     sampler = PositionSampler(len(DATA), 5)
-    before = _run(loader(sampler), ckptkit.Checkpointer(str(tmp_path / "cut"), keep=1), {"sampler": sampler},
-                  stop=STOP)
+    before = _run(loader(sampler), ckptkit.Checkpointer(str(tmp_path / "cut"), keep=1), {"sampler": sampler}, stop=STOP)
     fresh = PositionSampler(len(DATA), 5)
     resumed = ckptkit.Checkpointer(str(tmp_path / "cut"), keep=1)
     model, optim = _model()
     step = resumed.restore(model, optim, states={"sampler": fresh})
-    after = _run(loader(fresh), resumed, {"sampler": fresh}, start=step, epoch=resumed.extra["epoch"],
-                 trained=(model, optim))
+    after = _run(
+        loader(fresh), resumed, {"sampler": fresh}, start=step, epoch=resumed.extra["epoch"], trained=(model, optim)
+    )
     assert before + after == whole
 
 

@@ -1,5 +1,6 @@
 """The training API takes a checkpoint path as a str or any os.PathLike (pathlib.Path), as torch's
 own dcp.save/load do, and refuses anything else in one sentence."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -7,6 +7,7 @@ fsdp2_w2: such twins (after, before, without a hint, of a value) are refused und
 tests/hostile.py's whole contract; wrong hints alone are read as dcp_to_torch_save reads them,
 bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ import torch
 from agreement import DATA, FSDP2, assert_same, consolidated, needs, refused_everywhere
 
 # ---- DCP: storage records torch looks up by name and offsets only ---------------------------
+
 
 def _dcp_with_storage(tmp: Path, build: Callable[[object, type], dict]) -> Path:
     """A copy of fsdp2_w2 whose storage_data `build(md, MetadataIndex)` returns, pickled while
@@ -65,6 +67,7 @@ def _twin(where: str, index_of_twin: int | None = 99):
         at = {"after": len(items), "before": next(i for i, (k, _) in enumerate(items) if k is victim)}[where]
         items.insert(at, twin)
         return dict(items)
+
     return build
 
 
@@ -122,8 +125,9 @@ def test_wrong_index_hints_are_read_as_dcp_load_reads_them(tmp_path):
 
     d = _dcp_with_storage(tmp_path, wrong_hints)
     dcp_to_torch_save(d, tmp_path / "truth.pt")
-    flat = {k: v for k, v in _flat(torch.load(tmp_path / "truth.pt", weights_only=True)).items()
-            if k.startswith("model.")}
+    flat = {
+        k: v for k, v in _flat(torch.load(tmp_path / "truth.pt", weights_only=True)).items() if k.startswith("model.")
+    }
     got = consolidated(d, tmp_path)
     got = {k if k in flat else f"model.{k}": v for k, v in got.items()}
     assert_same(flat, got)
@@ -144,6 +148,7 @@ def test_a_storage_record_offset_torch_cannot_hash_is_refused(tmp_path):
 
 # ---- DCP items: torch.save archives, their records checked on every road ---------------------
 
+
 def _patched_member(item: bytes, suffix: str, data: bytes) -> bytes:
     """`item` (a stored zip) with member `*suffix` holding `data` (same length), its CRC32 fixed
     wherever the zip keeps it (local header, data descriptor, central directory)."""
@@ -155,18 +160,18 @@ def _patched_member(item: bytes, suffix: str, data: bytes) -> bytes:
     flags, name_len, extra_len = struct.unpack_from("<H", buf, at + 6)[0], *struct.unpack_from("<HH", buf, at + 26)
     begin = at + 30 + name_len + extra_len
     assert len(data) == info.file_size
-    buf[begin:begin + len(data)] = data
+    buf[begin : begin + len(data)] = data
     crc = struct.pack("<I", zlib.crc32(data))
-    buf[at + 14:at + 18] = crc
+    buf[at + 14 : at + 18] = crc
     if flags & 0x08:
         end = begin + len(data)
-        at_crc = end + 4 if buf[end:end + 4] == b"PK\x07\x08" else end
-        buf[at_crc:at_crc + 4] = crc
+        at_crc = end + 4 if buf[end : end + 4] == b"PK\x07\x08" else end
+        buf[at_crc : at_crc + 4] = crc
     pos = start_dir
-    while buf[pos:pos + 4] == b"PK\x01\x02":
+    while buf[pos : pos + 4] == b"PK\x01\x02":
         n, e, c = struct.unpack_from("<HHH", buf, pos + 28)
-        if bytes(buf[pos + 46:pos + 46 + n]).decode() == info.filename:
-            buf[pos + 16:pos + 20] = crc
+        if bytes(buf[pos + 46 : pos + 46 + n]).decode() == info.filename:
+            buf[pos + 16 : pos + 20] = crc
         pos += 46 + n + e + c
     return bytes(buf)
 
@@ -179,15 +184,18 @@ def test_an_item_record_torch_refuses_is_refused_among_items_laid_out_alike(tmp_
     shutil.copytree(FSDP2, d)
     with open(d / ".metadata", "rb") as f:
         md = pickle.load(f)  # trusted: our own copy of a fixture (test side only)
-    infos = sorted((v for k, v in md.storage_data.items() if k.offset is not None and v.length == 1577),
-                   key=lambda v: (v.relative_path, v.offset))
+    infos = sorted(
+        (v for k, v in md.storage_data.items() if k.offset is not None and v.length == 1577),
+        key=lambda v: (v.relative_path, v.offset),
+    )
     assert len(infos) >= 8, "the fixture's items of one kind moved"
     last = infos[-1]
     path = d / last.relative_path
     raw = path.read_bytes()
-    item = raw[last.offset:last.offset + last.length]
-    path.write_bytes(raw[:last.offset] + _patched_member(item, "/byteorder", b"LITTLE") +
-                     raw[last.offset + last.length:])
+    item = raw[last.offset : last.offset + last.length]
+    path.write_bytes(
+        raw[: last.offset] + _patched_member(item, "/byteorder", b"LITTLE") + raw[last.offset + last.length :]
+    )
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with pytest.raises(BaseException) as caught:  # (torch's CheckpointException is no Exception)
@@ -222,8 +230,11 @@ def test_rank_local_files_describing_one_tensor_two_ways_are_refused(tmp_path, c
     with open(d / "__1.metadata", "rb") as f:
         md = pickle.load(f)  # trusted: our own copy of a fixture (test side only)
     with open(d / "__0.metadata", "rb") as f:
-        shared = next(k for k, m in pickle.load(f).state_dict_metadata.items()
-                      if k in md.state_dict_metadata and getattr(m, "chunks", None))
+        shared = next(
+            k
+            for k, m in pickle.load(f).state_dict_metadata.items()
+            if k in md.state_dict_metadata and getattr(m, "chunks", None)
+        )
     change = RANK_CONFLICTS[case]
     if change is None:
         md.state_dict_metadata[shared] = BytesStorageMetadata()

@@ -6,6 +6,7 @@ with torch.save, as DeepSpeed writes it): a frozen parameter or a buffer named l
 parameter is read as zero_to_fp32 reads it, bit for bit; one name in two parameter groups is
 refused under tests/hostile.py's whole contract (its pieces would not tile one tensor).
 """
+
 from __future__ import annotations
 
 import collections
@@ -51,8 +52,9 @@ def _buffer_named_like_a_trainable(states: dict) -> None:
     states["module"][name] = torch.zeros(states["param_shapes"][0][name])
 
 
-@pytest.mark.parametrize("mutate", [_frozen_named_like_a_trainable, _buffer_named_like_a_trainable],
-                         ids=["frozen", "buffer"])
+@pytest.mark.parametrize(
+    "mutate", [_frozen_named_like_a_trainable, _buffer_named_like_a_trainable], ids=["frozen", "buffer"]
+)
 def test_names_clashing_with_a_trainable_parameter_are_read_as_zero_to_fp32_reads_them(tmp_path, mutate):
     d = _mutated(tmp_path, mutate)
     truth = _zero_to_fp32(d)

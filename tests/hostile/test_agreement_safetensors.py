@@ -7,6 +7,7 @@ twice, bytes no tensor holds) is refused as the library refuses it. Crafted from
 Trainer's model.safetensors and files written by safetensors itself; refusals go through
 tests/hostile.py's whole contract, and what ckptkit reads is compared with load_file bit for bit.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ from agreement import HF, assert_same, bits, consolidated, needs, refused_everyw
 from hostile import run_ckptkit
 
 # ---- safetensors: ckptkit's own metadata never overrides a file's content --------------------
+
 
 def _hf(tmp: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     needs(HF)
@@ -55,8 +57,9 @@ def test_diff_never_calls_an_aliased_file_equal_to_one_that_differs(tmp_path):
     tied = tmp_path / "tied"
     tied.mkdir()
     real, base = _hf(tmp_path)
-    save_file({**real, "lm_head.weight": real["model.embed_tokens.weight"].clone()}, tied / "model.safetensors",
-              metadata=base)
+    save_file(
+        {**real, "lm_head.weight": real["model.embed_tokens.weight"].clone()}, tied / "model.safetensors", metadata=base
+    )
     run = run_ckptkit("diff", src, tied / "model.safetensors")
     assert run.code != 0 and "equal" not in run.stdout.lower().split("\n")[-2:], run.detail()
 
@@ -64,8 +67,9 @@ def test_diff_never_calls_an_aliased_file_equal_to_one_that_differs(tmp_path):
 def test_an_alias_whose_target_is_an_alias_is_refused(tmp_path):
     real, _ = _hf(tmp_path)
     kept = {k: v for k, v in real.items() if k != "lm_head.weight"}
-    src = _st_file(tmp_path, _aliases(**{"tied.weight": "model.embed_tokens.weight", "lm_head.weight": "tied.weight"}),
-                   kept)
+    src = _st_file(
+        tmp_path, _aliases(**{"tied.weight": "model.embed_tokens.weight", "lm_head.weight": "tied.weight"}), kept
+    )
     refused_everywhere(src, tmp_path, str(tmp_path), "lm_head.weight")
 
 
@@ -74,15 +78,21 @@ def test_a_value_named_like_a_tensor_the_file_holds_is_refused(tmp_path):
     refused_everywhere(src, tmp_path, str(tmp_path), "model.norm.weight")
 
 
-def _shards(tmp: Path, meta_a: dict[str, str], meta_b: dict[str, str],
-            weight_map: Callable[[dict[str, str]], dict[str, str]] = lambda m: m) -> Path:
+def _shards(
+    tmp: Path,
+    meta_a: dict[str, str],
+    meta_b: dict[str, str],
+    weight_map: Callable[[dict[str, str]], dict[str, str]] = lambda m: m,
+) -> Path:
     """The HF fixture in two shards written by safetensors, with an index; `meta_*` added to each."""
     real, base = _hf(tmp)
     d = tmp / "hf"
     d.mkdir()
     names = sorted(real)
-    half = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-            "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    half = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for (file, keys), meta in zip(half.items(), (meta_a, meta_b)):
         save_file({k: real[k] for k in keys}, d / file, metadata={**base, **meta})
     wm = weight_map({k: f for f, keys in half.items() for k in keys})
@@ -97,8 +107,9 @@ def test_an_alias_naming_a_tensor_another_shard_holds_is_refused(tmp_path):
 
 
 def test_shards_giving_one_alias_two_targets_are_refused(tmp_path):
-    d = _shards(tmp_path, _aliases(**{"tied.weight": "lm_head.weight"}),
-                _aliases(**{"tied.weight": "model.norm.weight"}))
+    d = _shards(
+        tmp_path, _aliases(**{"tied.weight": "lm_head.weight"}), _aliases(**{"tied.weight": "model.norm.weight"})
+    )
     refused_everywhere(d, tmp_path, "tied.weight")
 
 
@@ -125,16 +136,17 @@ def test_aliases_ckptkit_writes_still_read_as_their_tensors(tmp_path):
 
 # ---- safetensors: a header the library reads otherwise ---------------------------------------
 
+
 def _raw_header(tmp: Path, edit: Callable[[str, dict], str], tail: bytes = b"") -> Path:
     """The HF fixture with its header text rewritten by `edit(text, header)` (and `tail` appended)."""
     needs(HF)
     raw = HF.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    text = raw[8:8 + n].decode().rstrip()
+    text = raw[8 : 8 + n].decode().rstrip()
     new = edit(text, json.loads(text)).encode()
     new += b" " * (-len(new) % 8)
     path = tmp / "model.safetensors"
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:] + tail)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :] + tail)
     return path
 
 

@@ -7,6 +7,7 @@ the first member) and persistent ids that name one storage key with two storage 
 through tests/hostile.py's whole contract and verify --deep must not say ok; what torch accepts
 and ckptkit reads is compared with torch.load bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,13 @@ from agreement import PLAIN, assert_same, consolidated, needs, refused_everywher
 
 # ---- torch.save: records ---------------------------------------------------------------------
 
-def _rezip(dst: Path, change: Callable[[str, bytes], bytes | None] = lambda n, d: d,
-           first: tuple[tuple[str, bytes], ...] = (), last: tuple[tuple[str, bytes], ...] = ()) -> Path:
+
+def _rezip(
+    dst: Path,
+    change: Callable[[str, bytes], bytes | None] = lambda n, d: d,
+    first: tuple[tuple[str, bytes], ...] = (),
+    last: tuple[tuple[str, bytes], ...] = (),
+) -> Path:
     """A copy of plain_state_dict.pt, stored, each member passed through `change` (None drops
     it), with `first` members listed before and `last` after the fixture's."""
     needs(PLAIN)
@@ -107,6 +113,7 @@ def test_a_data_version_record_is_read_before_version(tmp_path):
 
 # ---- torch.save: persistent ids naming one storage ------------------------------------------
 
+
 @dataclasses.dataclass
 class _Pid:
     """One persistent id of data.pkl: each of its five fields' byte span and value."""
@@ -188,11 +195,18 @@ def _storage(pid: _Pid) -> tuple[str, str, int]:
 
 def _pair(pids: list[_Pid], same_bytes: bool, other_type: bool) -> tuple[_Pid, _Pid]:
     """Two persistent ids of the fixture: the first with a storage of more than 0 bytes."""
-    size = {"torch FloatStorage": 4, "torch HalfStorage": 2, "torch BFloat16Storage": 2, "torch LongStorage": 8,
-            "torch IntStorage": 4, "torch BoolStorage": 1, "torch DoubleStorage": 8}
+    size = {
+        "torch FloatStorage": 4,
+        "torch HalfStorage": 2,
+        "torch BFloat16Storage": 2,
+        "torch LongStorage": 8,
+        "torch IntStorage": 4,
+        "torch BoolStorage": 1,
+        "torch DoubleStorage": 8,
+    }
     for a in pids:
         ta, _, na = _storage(a)
-        for b in pids[pids.index(a) + 1:]:
+        for b in pids[pids.index(a) + 1 :]:
             tb, _, nb = _storage(b)
             if ta not in size or tb not in size or not na or a.values[2] == b.values[2]:
                 continue
@@ -217,17 +231,20 @@ def _same_key(other_type: bool, same_bytes: bool, first_changes: bool = False):
         if first_changes:  # the later id keeps its key; the earlier one is renamed to it
             return _splice(data, {a.spans[2]: _text(b.values[2])})
         return _splice(data, {b.spans[2]: _text(a.values[2])})
+
     return mutate
 
 
 def _retyped(storage_type: str, numel_of_first: bool = True):
     """The second storage named by the first's key and element count, as another type."""
+
     def mutate(data: bytes, pids: list[_Pid]) -> bytes:
         a, b = pids[0], pids[1]
         edits = {b.spans[1]: _global(storage_type), b.spans[2]: _text(a.values[2])}
         if numel_of_first:
             edits[b.spans[4]] = b"J" + struct.pack("<i", a.values[4])
         return _splice(data, edits)
+
     return mutate
 
 
@@ -256,6 +273,7 @@ def test_two_persistent_ids_giving_one_storage_two_meanings_are_refused(tmp_path
 
 def test_a_storage_shared_as_torch_save_shares_it_is_read_as_torch_reads_it(tmp_path):
     """Two ids of one key with the same type and size (torch.save's own sharing) stay accepted."""
+
     def share(data: bytes, pids: list[_Pid]) -> bytes:
         a, b = _pair(pids, same_bytes=True, other_type=False)
         return _splice(data, {b.spans[2]: _text(a.values[2])})

@@ -11,6 +11,7 @@ minute on two cores), `--oracle-seed S` for another draw. Findings filed and bei
 expected strictly (tests/helpers/oracle_known.py): the format's test is then an xfail, and fails
 when an entry no longer fires at the CI seed, so a fixed entry gets deleted.
 """
+
 from __future__ import annotations
 
 import random
@@ -23,8 +24,15 @@ import torch
 from conftest import DATA
 from helpers import oracle_dcp, oracle_deepspeed, oracle_safetensors, oracle_torchsave
 from helpers.oracle_known import KNOWN
-from helpers.oracle_verdict import (Mutant, ckptkit_consolidated, ckptkit_read, compare, framework_read,
-                                    intended_differences, upcast_to_ours)
+from helpers.oracle_verdict import (
+    Mutant,
+    ckptkit_consolidated,
+    ckptkit_read,
+    compare,
+    framework_read,
+    intended_differences,
+    upcast_to_ours,
+)
 
 # mutants per operator in the CI run (DCP's framework load is ~10x slower than the others')
 DEFAULT_EXAMPLES = {"torch_save": 24, "safetensors": 24, "dcp": 6, "deepspeed": 6}
@@ -35,8 +43,15 @@ def _mixed_dtypes(out: Path) -> Path:
     """A torch.save file holding float32, float16, bfloat16, float64, int8 and bool tensors."""
     gen = torch.Generator().manual_seed(7)
     base = torch.randn(4, 6, generator=gen)
-    state = {"f32": base, "f16": base.half(), "bf16": base.bfloat16(), "f64": base.double()[:2],
-             "i8": (base * 10).to(torch.int8), "flag": base > 0, "view": base.half()[1:, 2:]}
+    state = {
+        "f32": base,
+        "f16": base.half(),
+        "bf16": base.bfloat16(),
+        "f64": base.double()[:2],
+        "i8": (base * 10).to(torch.int8),
+        "flag": base > 0,
+        "view": base.half()[1:, 2:],
+    }
     torch.save(state, out)
     return out
 
@@ -50,18 +65,30 @@ def fixtures(tmp_path_factory) -> dict[str, list[Path]]:
 
     work = tmp_path_factory.mktemp("oracle_fixtures")
     plain = torch.load(DATA / "plain_state_dict.pt", weights_only=True)
-    save_file({k: v.contiguous().clone() for k, v in plain.items()}, str(work / "library.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous().clone() for k, v in plain.items()},
+        str(work / "library.safetensors"),
+        metadata={"format": "pt"},
+    )
     consolidate(str(DATA / "plain_state_dict.pt"), str(work / "consolidated.safetensors"))  # with ckptkit.aliases
-    return {"torch_save": [DATA / "plain_state_dict.pt", DATA / "fsdp1_full_state_dict.pt",
-                           _mixed_dtypes(work / "mixed_dtypes.pt")],
-            "safetensors": [work / "library.safetensors", work / "consolidated.safetensors"],
-            "dcp": [DATA / "fsdp2_w2", DATA / "fsdp2_w3"],
-            "deepspeed": [DATA / "deepspeed" / name for name in DS_FIXTURES]}
+    return {
+        "torch_save": [
+            DATA / "plain_state_dict.pt",
+            DATA / "fsdp1_full_state_dict.pt",
+            _mixed_dtypes(work / "mixed_dtypes.pt"),
+        ],
+        "safetensors": [work / "library.safetensors", work / "consolidated.safetensors"],
+        "dcp": [DATA / "fsdp2_w2", DATA / "fsdp2_w3"],
+        "deepspeed": [DATA / "deepspeed" / name for name in DS_FIXTURES],
+    }
 
 
-MODULES = {"torch_save": (oracle_torchsave, ".pt"), "safetensors": (oracle_safetensors, ".safetensors"),
-           "dcp": (oracle_dcp, ""), "deepspeed": (oracle_deepspeed, "")}
+MODULES = {
+    "torch_save": (oracle_torchsave, ".pt"),
+    "safetensors": (oracle_safetensors, ".safetensors"),
+    "dcp": (oracle_dcp, ""),
+    "deepspeed": (oracle_deepspeed, ""),
+}
 
 
 def judge(mutant: Mutant, module, intended, scratch: Path) -> tuple[str | None, bool]:
@@ -69,8 +96,11 @@ def judge(mutant: Mutant, module, intended, scratch: Path) -> tuple[str | None, 
     judged by what consolidate writes (zero_to_fp32's counterpart), every other format by the
     tensors ckptkit's index reads."""
     try:
-        ours = (ckptkit_consolidated(mutant.path, scratch / "out.safetensors") if mutant.fmt == "deepspeed"
-                else ckptkit_read(mutant.path))
+        ours = (
+            ckptkit_consolidated(mutant.path, scratch / "out.safetensors")
+            if mutant.fmt == "deepspeed"
+            else ckptkit_read(mutant.path)
+        )
     except Exception as exc:  # noqa: BLE001 - anything but a CkptkitError breaks the contract
         where = traceback.format_exc(limit=-1)[-300:]
         return f"ckptkit raised {type(exc).__name__}, not a CkptkitError: {exc} ({where})", True
@@ -110,8 +140,10 @@ def test_ckptkit_reads_what_the_framework_reads(fmt, fixtures, tmp_path, request
     for mutant, verdict in findings:
         hit = next((k for k in KNOWN if k.matches(mutant, verdict)), None)
         (known if hit else unknown).append((hit, f"[{mutant.operator}] {mutant.description} => {verdict}"))
-    assert not unknown, (f"{len(unknown)} mutants ckptkit accepts read otherwise than the framework "
-                         f"(seed {seed}, {examples} per operator):\n" + "\n".join(line for _, line in unknown))
+    assert not unknown, (
+        f"{len(unknown)} mutants ckptkit accepts read otherwise than the framework "
+        f"(seed {seed}, {examples} per operator):\n" + "\n".join(line for _, line in unknown)
+    )
     mine = [k for k in KNOWN if k.fmt == fmt]
     if examples >= DEFAULT_EXAMPLES[fmt] and seed == 0:
         stale = [k.what for k in mine if not any(hit is k for hit, _ in known)]

@@ -1,6 +1,7 @@
 """cover.py's grid test and sweep (coverage's check for many boxes) against counting every element:
 exact where every element is covered once; otherwise the reported missing and doubled boxes are
 exactly the elements covered zero and two or more times."""
+
 from __future__ import annotations
 
 import math
@@ -42,6 +43,7 @@ def _grid_layout(draw):
             return
         for a, b in zip(cuts[d], cuts[d][1:]):
             rec(d + 1, offs + [a], sizes + [b - a])
+
     rec(0, [], [])
     return tuple(shape), _mistakes(draw, tuple(shape), boxes)
 
@@ -71,9 +73,9 @@ def _mistakes(draw, shape, boxes):
         b = boxes[i]
         d = draw(st.integers(0, len(shape) - 1))
         if kind == "move" and b.offsets[d] > 0:
-            boxes[i] = Box(b.offsets[:d] + (b.offsets[d] - 1,) + b.offsets[d + 1:], b.sizes)
+            boxes[i] = Box(b.offsets[:d] + (b.offsets[d] - 1,) + b.offsets[d + 1 :], b.sizes)
         elif kind == "grow" and b.offsets[d] + b.sizes[d] < shape[d]:
-            boxes[i] = Box(b.offsets, b.sizes[:d] + (b.sizes[d] + 1,) + b.sizes[d + 1:])
+            boxes[i] = Box(b.offsets, b.sizes[:d] + (b.sizes[d] + 1,) + b.sizes[d + 1 :])
     return draw(st.permutations(boxes))
 
 
@@ -110,9 +112,9 @@ def test_grid_test_refuses_what_is_no_single_cell_per_box():
     shape = (4, 4)
     halves = [((0, 0), (2, 4)), ((2, 0), (2, 4))]
     assert cover.is_grid_tiling(shape, halves)
-    assert not cover.is_grid_tiling(shape, halves[:1] + [((0, 0), (2, 4))])       # one half twice
-    assert not cover.is_grid_tiling(shape, [((0, 0), (4, 4)), ((0, 0), (2, 2))])   # a cell and its part
+    assert not cover.is_grid_tiling(shape, halves[:1] + [((0, 0), (2, 4))])  # one half twice
+    assert not cover.is_grid_tiling(shape, [((0, 0), (4, 4)), ((0, 0), (2, 2))])  # a cell and its part
     bands = [((0, 0), (2, 1)), ((0, 1), (2, 3)), ((2, 0), (2, 3)), ((2, 3), (2, 1))]
-    assert not cover.is_grid_tiling(shape, bands)   # exact, but no product grid: the sweep decides
+    assert not cover.is_grid_tiling(shape, bands)  # exact, but no product grid: the sweep decides
     assert cover.Sweep(shape, 16).run(bands).missing_elements == 0
     assert math.prod(shape) == sum(math.prod(s) for _, s in bands)

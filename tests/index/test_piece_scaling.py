@@ -11,6 +11,7 @@ shows). That the files are what torch reads is checked by dcp.load on the same b
 hundred chunks (a 100k-chunk dcp.load takes minutes); the guard is a timeout, never a benchmark
 (docs/performance.md has the measurement).
 """
+
 from __future__ import annotations
 
 import io
@@ -24,14 +25,13 @@ import torch
 
 from hostile import Scene, check_refused, run_ckptkit
 
-PERIOD = 997          # distinct chunk archives (a prime: rows of a grid do not line up with it)
-GUARD_S = 600.0       # far above what a run takes, far below the hours n squared took at 100k
+PERIOD = 997  # distinct chunk archives (a prime: rows of a grid do not line up with it)
+GUARD_S = 600.0  # far above what a run takes, far below the hours n squared took at 100k
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     ranges = [range(0, d, b) for d, b in zip(shape, block)]
-    return [(offs, tuple(min(b, d - o) for o, b, d in zip(offs, block, shape)))
-            for offs in itertools.product(*ranges)]
+    return [(offs, tuple(min(b, d - o) for o, b, d in zip(offs, block, shape))) for offs in itertools.product(*ranges)]
 
 
 def _bands(rows: int, cols: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -48,8 +48,14 @@ def write_chunked(folder: Path, shape: tuple[int, ...], boxes: list, extra: list
     overlaps), laid out as torch's FileSystemWriter does; returns the tensor it holds (the last
     chunk written wins where chunks overlap)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     folder.mkdir(parents=True)
     expected = torch.zeros(shape, dtype=torch.float32)
@@ -70,10 +76,16 @@ def write_chunked(folder: Path, shape: tuple[int, ...], boxes: list, extra: list
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
             storage[MetadataIndex("w", torch.Size(offs), k)] = _StorageInfo("__0_0.distcp", pos, len(data))
             pos += len(data)
-    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
-        properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape), chunks=chunks)},
-        planner_data={"w": ("w",)}, storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=str(folder), save_id=str(uuid.uuid4())))
+    meta = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape), chunks=chunks
+            )
+        },
+        planner_data={"w": ("w",)},
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=str(folder), save_id=str(uuid.uuid4())),
+    )
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(meta, f)
     return expected
@@ -131,7 +143,7 @@ def test_the_builder_writes_what_torch_reads_and_ckptkit_reads_the_same(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["rows", "columns", "blocks"])   # (3-D blocks and bands: at hundreds above)
+@pytest.mark.parametrize("layout", ["rows", "columns", "blocks"])  # (3-D blocks and bands: at hundreds above)
 def test_many_chunks_in_any_layout_are_checked_in_seconds(tmp_path, layout):
     """100k chunks: every check over the pieces (coverage, overlap, the read plan's lookup) runs
     in `verify`; reading every chunk's bytes is linear work, shown once below."""
@@ -159,7 +171,7 @@ def _moved(boxes: list, shape: tuple[int, ...]) -> tuple[list, list]:
     d = max(i for i in range(len(shape)) if offs[i] > 0 or offs[i] + sizes[i] < shape[i])
     delta = -1 if offs[d] > 0 else 1
     moved = list(boxes)
-    moved[k] = (offs[:d] + (offs[d] + delta,) + offs[d + 1:], sizes)
+    moved[k] = (offs[:d] + (offs[d] + delta,) + offs[d + 1 :], sizes)
     return moved, []
 
 
@@ -169,15 +181,18 @@ def _doubled(boxes: list, shape: tuple[int, ...]) -> tuple[list, list]:
     k = next(i for i in range(len(boxes) // 3, len(boxes)) if max(boxes[i][1]) > 1)
     offs, sizes = boxes[k]
     d = sizes.index(max(sizes))
-    return list(boxes), [(offs[:d] + (offs[d] + 1,) + offs[d + 1:], sizes[:d] + (sizes[d] - 1,) + sizes[d + 1:])]
+    return list(boxes), [(offs[:d] + (offs[d] + 1,) + offs[d + 1 :], sizes[:d] + (sizes[d] - 1,) + sizes[d + 1 :])]
 
 
 def _gapped(boxes: list, shape: tuple[int, ...]) -> tuple[list, list]:
-    return boxes[:len(boxes) // 2] + boxes[len(boxes) // 2 + 1:], []
+    return boxes[: len(boxes) // 2] + boxes[len(boxes) // 2 + 1 :], []
 
 
-BROKEN = {"moved": (_moved, "not tiled exactly"), "doubled": (_doubled, "stored twice"),
-          "gapped": (_gapped, "in no piece")}
+BROKEN = {
+    "moved": (_moved, "not tiled exactly"),
+    "doubled": (_doubled, "stored twice"),
+    "gapped": (_gapped, "in no piece"),
+}
 
 
 def _refused(tmp_path: Path, shape: tuple[int, ...], boxes: list, breaking: str) -> None:

@@ -8,6 +8,7 @@ editable install of this checkout stays invisible, and the venv's own site-packa
 goes, comes first. Each run asserts that ckptkit and ckptkit_cli are imported from the clean venv.
 Nothing here needs the network: no index (--no-index), this environment's setuptools (--no-build-isolation).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,11 +35,20 @@ def package_sources() -> list[str]:
     """Every file of the package folders that a clone holds (tracked, or new and not ignored by git),
     relative to the checkout; without git, every file but byte code."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "--", *PACKAGE_FOLDERS],
-                                cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+        listed = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "--", *PACKAGE_FOLDERS],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
     except (OSError, subprocess.CalledProcessError):
-        listed = [str(p.relative_to(ROOT)) for folder in PACKAGE_FOLDERS for p in (ROOT / folder).rglob("*")
-                  if "__pycache__" not in p.parts]
+        listed = [
+            str(p.relative_to(ROOT))
+            for folder in PACKAGE_FOLDERS
+            for p in (ROOT / folder).rglob("*")
+            if "__pycache__" not in p.parts
+        ]
     return sorted(name for name in listed if (ROOT / name).is_file())
 
 
@@ -58,8 +68,9 @@ def pip_env() -> dict[str, str]:
 
 def pip(*args: str, cwd: Path) -> str:
     """Run this environment's pip, verbose (the build backend's whole output); return stdout + stderr."""
-    res = subprocess.run([sys.executable, "-m", "pip", *args, "-v"], cwd=cwd, env=pip_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", *args, "-v"], cwd=cwd, env=pip_env(), capture_output=True, text=True, timeout=300
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"pip {' '.join(args)} failed:\n{out[-4000:]}"
     return out
@@ -74,8 +85,12 @@ def clean_venv(path: Path) -> Path:
     venv's own (dependencies come from there; ckptkit must come from what is installed into the venv)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     python = path / "bin" / "python"
-    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    own = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     deps = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
     Path(own, "dependencies_of_the_test_environment.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
     return python
@@ -85,22 +100,27 @@ def assert_runs_from(venv: Path, workdir: Path) -> None:
     """`ckptkit --help` works from the venv's console script, and ckptkit, ckptkit_cli and the built-in
     TP rules (package data) are loaded from the venv, not from the checkout."""
     env = pip_env()
-    res = subprocess.run([str(venv / "bin" / "ckptkit"), "--help"], cwd=workdir, env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [str(venv / "bin" / "ckptkit"), "--help"], cwd=workdir, env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, f"ckptkit --help failed:\n{res.stdout}{res.stderr}"
     assert res.stdout.startswith("Usage: ckptkit"), res.stdout[:500]
     for command in ("inspect", "verify", "consolidate", "reshard", "convert", "diff", "demo"):
         assert re.search(rf"^\s+{command}\s", res.stdout, re.MULTILINE), f"--help lists no {command}:\n{res.stdout}"
-    probe = ("import ckptkit, ckptkit_cli\n"
-             "from ckptkit.convert.tp_rules import builtin_rules\n"
-             "print(ckptkit.__file__); print(ckptkit_cli.__file__); print(len(builtin_rules().rules))\n")
-    res = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=workdir, env=env,
-                         capture_output=True, text=True, timeout=120)
+    probe = (
+        "import ckptkit, ckptkit_cli\n"
+        "from ckptkit.convert.tp_rules import builtin_rules\n"
+        "print(ckptkit.__file__); print(ckptkit_cli.__file__); print(len(builtin_rules().rules))\n"
+    )
+    res = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe], cwd=workdir, env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     ckptkit_file, cli_file, rules = res.stdout.split()
     site = str(venv.resolve())
-    assert ckptkit_file.startswith(site) and cli_file.startswith(site), \
+    assert ckptkit_file.startswith(site) and cli_file.startswith(site), (
         f"imported from outside the clean venv: {ckptkit_file}, {cli_file}"
+    )
     assert int(rules) > 0
 
 
@@ -118,8 +138,9 @@ def copy_sources(dest: Path) -> Path:
 def built(tmp_path_factory) -> tuple[Path, str]:
     """The wheel built from a copy of the sources, and pip's verbose output of the build."""
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
-    log = pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(copy_sources(source)),
-              cwd=out)
+    log = pip(
+        "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(copy_sources(source)), cwd=out
+    )
     wheels = list(out.glob("ckptkit-*.whl"))
     assert len(wheels) == 1, f"expected one ckptkit wheel, found {wheels}"
     return wheels[0], log
@@ -140,8 +161,10 @@ def test_wheel_holds_every_module_and_data_file(built):
     rules = {s for s in expected if s.startswith("ckptkit/convert/builtin_tp_rules/") and s.endswith(".json")}
     assert len(rules) >= 2, f"the built-in TP rules are missing from the checkout: {rules}"
     missing, extra = sorted(expected - shipped), sorted(shipped - expected)
-    assert not missing, ("in the checkout but not in the wheel (a package setuptools did not find, or data"
-                         f" not declared in [tool.setuptools.package-data]): {missing}")
+    assert not missing, (
+        "in the checkout but not in the wheel (a package setuptools did not find, or data"
+        f" not declared in [tool.setuptools.package-data]): {missing}"
+    )
     assert not extra, f"in the wheel but not in the checkout: {extra}"
     assert not any(n.startswith(("cli/", "tests/", "fixtures/")) for n in names)
     info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -160,8 +183,9 @@ def test_ckptkit_runs_from_the_wheel_in_a_clean_venv(built, tmp_path):
 def test_pip_install_of_the_checkout_prints_no_warning(tmp_path):
     source = copy_sources(tmp_path / "source")
     python = clean_venv(tmp_path / "venv")
-    log = pip("--python", str(python), "install", "--no-deps", "--no-build-isolation", "--no-index",
-              str(source), cwd=tmp_path)
+    log = pip(
+        "--python", str(python), "install", "--no-deps", "--no-build-isolation", "--no-index", str(source), cwd=tmp_path
+    )
     assert "Successfully installed ckptkit" in log
     assert not warnings_in(log), "pip install . warned:\n" + "\n".join(warnings_in(log))
     assert_runs_from(tmp_path / "venv", tmp_path)

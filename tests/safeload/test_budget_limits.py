@@ -7,6 +7,7 @@ long parts, and a value referencing one long string thousands of times (printed 
 runs through the CLI under tests/hostile.py: refused in one sentence (or, for the shared string,
 shown cut) within max(budget, 2 x file) + 100 MB, under --memory-budget 64MB.
 """
+
 from __future__ import annotations
 
 import io
@@ -39,6 +40,7 @@ def _archive(pickle_bytes: bytes) -> bytes:
 
 # ---- many small objects --------------------------------------------------------------------------
 
+
 def empty_dicts(size: int = 10 * 10**6) -> bytes:
     return b"\x80\x04](" + b"}" * (size - 6) + b"e."
 
@@ -53,6 +55,7 @@ def empty_tuples_in_lists(size: int = 10 * 10**6) -> bytes:
 
 # ---- bytes a rule builds (a 3 KB file) -------------------------------------------------------------
 
+
 def bytearrays(count: int = 240) -> bytes:
     """bytearray(1 MiB), called `count` times through one memoized global (within the fixed
     256 MiB MAX_PICKLE_BUILT: the budget bounds it)."""
@@ -61,20 +64,37 @@ def bytearrays(count: int = 240) -> bytes:
 
 def bytes_from_one_text(count: int = 240) -> bytes:
     """bytearray(text, 'latin-1') of one 1 MB text fetched `count` times from the memo."""
-    return b"\x80\x02](cbuiltins\nbytearray\nq\x01X\x00\x00\x10\x00" + b"x" * (1 << 20) + b"q\x02X\x07\x00\x00\x00latin-1q\x030" + \
-        b"h\x01h\x02h\x03\x86R" * count + b"e."
+    return (
+        b"\x80\x02](cbuiltins\nbytearray\nq\x01X\x00\x00\x10\x00"
+        + b"x" * (1 << 20)
+        + b"q\x02X\x07\x00\x00\x00latin-1q\x030"
+        + b"h\x01h\x02h\x03\x86R" * count
+        + b"e."
+    )
 
 
 def pathlib_parts(parts: int = 3000, length: int = 60_000) -> bytes:
     """A path made of one 60 KB string fetched thousands of times (74-249 KB files)."""
-    return (b"\x80\x02cpathlib\nPurePosixPath\nq\x00X" + length.to_bytes(4, "little") + b"a" * length +
-            b"q\x010(" + b"h\x01" * parts + b"tR.")
+    return (
+        b"\x80\x02cpathlib\nPurePosixPath\nq\x00X"
+        + length.to_bytes(4, "little")
+        + b"a" * length
+        + b"q\x010("
+        + b"h\x01" * parts
+        + b"tR."
+    )
 
 
 def pathlib_many(paths: int = 2000, length: int = 40_000) -> bytes:
     """Many paths, each of a few copies of one long part."""
-    return (b"\x80\x02](cpathlib\nPurePosixPath\nq\x00X" + length.to_bytes(4, "little") + b"b" * length + b"q\x010" +
-            b"h\x00(h\x01h\x01h\x01tR" * paths + b"e.")
+    return (
+        b"\x80\x02](cpathlib\nPurePosixPath\nq\x00X"
+        + length.to_bytes(4, "little")
+        + b"b" * length
+        + b"q\x010"
+        + b"h\x00(h\x01h\x01h\x01tR" * paths
+        + b"e."
+    )
 
 
 MANY = [empty_dicts, empty_lists, empty_tuples_in_lists]
@@ -97,7 +117,9 @@ def _dcp_metadata(tmp_path: Path, pickle_bytes: bytes) -> Path:
 def _refused(src: Path, hostile_file: Path, cmd: str = "inspect") -> None:
     scene = hostile.Scene(src)
     run = hostile.run_ckptkit(cmd, src, "--memory-budget", BUDGET, timeout=TIMEOUT)
-    bound = hostile.rss_bound(BUDGET_BYTES, hostile_file.stat().st_size, with_torch=cmd != "inspect")  # (inspect: no torch)
+    bound = hostile.rss_bound(
+        BUDGET_BYTES, hostile_file.stat().st_size, with_torch=cmd != "inspect"
+    )  # (inspect: no torch)
     hostile.check_refused(run, hostile_file.name, scene=scene, rss_limit=bound)
 
 

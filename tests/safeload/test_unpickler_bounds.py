@@ -10,6 +10,7 @@ through the CLI under tests/hostile.py: exit 2 with one sentence naming the file
 problem listed, exit 1), within the time and memory bound (max(budget, 2 x file) + 100 MB),
 source unchanged.
 """
+
 from __future__ import annotations
 
 import io
@@ -42,6 +43,7 @@ def _j(index: int) -> bytes:
 
 # ---- keys nested deep (each a dict whose key is one tuple nested `depth` deep) -----------------
 
+
 def deep_tuple1(depth: int = 1_000_000) -> bytes:
     return b"\x80\x02}K\x01" + b"\x85" * depth + _KEY
 
@@ -67,6 +69,7 @@ def deep_memoize(depth: int = 200_000) -> bytes:
 
 
 # ---- keys of shared levels (t = (t, t)): 2**levels values when hashed --------------------------
+
 
 def shared_dup(levels: int = 40) -> bytes:
     return b"\x80\x02}K\x01" + b"2\x86" * levels + _KEY
@@ -100,6 +103,7 @@ SHARED = [shared_dup, shared_binget, shared_memoize, shared_marks, shared_stand_
 
 # ---- memo indexes --------------------------------------------------------------------------------
 
+
 def memo_index_near_size(size: int = 40 * 10**6) -> bytes:
     """One LONG_BINPUT naming an index close to the file's size, then a string that fills it."""
     head = b"\x80\x02K\x01r" + (size - 64).to_bytes(4, "little") + b"0X"
@@ -112,6 +116,7 @@ def memo_flood(size: int = 40 * 10**6) -> bytes:
 
 
 # ---- where the roads read pickles ----------------------------------------------------------------
+
 
 def dcp_with_metadata(folder: Path, pickle_bytes: bytes) -> Path:
     save_dcp(folder, {"w": torch.arange(4.0)})
@@ -139,8 +144,11 @@ def dcp_with_bytes_item(folder: Path, pickle_bytes: bytes) -> Path:
     return folder / name
 
 
-PLACES = {"dcp_metadata": dcp_with_metadata, "torch_save": lambda d, b: torch_save_file(d / "model.pt", b),
-          "dcp_bytes_item": dcp_with_bytes_item}
+PLACES = {
+    "dcp_metadata": dcp_with_metadata,
+    "torch_save": lambda d, b: torch_save_file(d / "model.pt", b),
+    "dcp_bytes_item": dcp_with_bytes_item,
+}
 
 
 def _source(place: str, hostile_file: Path, tmp_path: Path) -> Path:
@@ -153,7 +161,11 @@ def _refused(cmd: str, place: str, pickle_bytes: bytes, tmp_path: Path, timeout:
     hostile_file = PLACES[place](folder if place != "torch_save" else tmp_path, pickle_bytes)
     src = _source(place, hostile_file, tmp_path)
     scene = hostile.Scene(src)
-    args = ("inspect", src, "--memory-budget", BUDGET) if cmd == "inspect" else ("verify", "--deep", src, "--memory-budget", BUDGET)
+    args = (
+        ("inspect", src, "--memory-budget", BUDGET)
+        if cmd == "inspect"
+        else ("verify", "--deep", src, "--memory-budget", BUDGET)
+    )
     run = hostile.run_ckptkit(*args, timeout=timeout)
     bound = hostile.rss_bound(BUDGET_BYTES, hostile_file.stat().st_size, with_torch=cmd != "inspect")
     hostile.check_refused(run, hostile_file.name, scene=scene, rss_limit=bound, code=1 if cmd == "verify" else 2)
@@ -198,8 +210,13 @@ def test_ctrl_c_stops_inspect_of_a_shared_key_within_a_second(tmp_path):
     folder.mkdir()
     dcp_with_metadata(folder, shared_dup())
     for at in (0.5, 1.5, 3.0):
-        proc = subprocess.Popen([sys.executable, "-m", "ckptkit", "inspect", str(folder)], env=hostile._env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptkit", "inspect", str(folder)],
+            env=hostile._env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         time.sleep(at)
         sent = time.monotonic()
         if proc.poll() is None:
@@ -234,7 +251,12 @@ _RESTORE = textwrap.dedent("""
 def test_checkpointer_restore_skips_a_stray_step_with_a_crafted_key(craft, tmp_path):
     crafted = tmp_path / "crafted"
     crafted.write_bytes(craft())
-    proc = subprocess.run([sys.executable, "-c", _RESTORE, str(tmp_path / "run"), str(crafted)], env=hostile._env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESTORE, str(tmp_path / "run"), str(crafted)],
+        env=hostile._env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restored 1" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -9,6 +9,7 @@ planner's path tuples, torch.strided) goes through a memo by identity, as pickle
 Anything it does not expect gives None, and the writer pickles the stand-ins instead; tests
 compare both byte for byte.
 """
+
 from __future__ import annotations
 
 import gc
@@ -53,9 +54,18 @@ def _size_tail(dims: Sequence[int], n: int) -> tuple[bytes, int]:
     if not k:
         return pickle.EMPTY_TUPLE + pickle.TUPLE1 + _LONG_PUT(b"r", n) + pickle.REDUCE + _LONG_PUT(b"r", n + 1), 2
     ints = b"".join([_SMALL_INTS[v] if type(v) is int and 0 <= v <= 0xFF else _int(v) for v in dims])
-    return b"".join((pickle.MARK if k > 3 else b"", ints, _TUPLE_OPS[k] if k <= 3 else pickle.TUPLE,
-                     _LONG_PUT(b"r", n), pickle.TUPLE1, _LONG_PUT(b"r", n + 1), pickle.REDUCE,
-                     _LONG_PUT(b"r", n + 2))), 3
+    return b"".join(
+        (
+            pickle.MARK if k > 3 else b"",
+            ints,
+            _TUPLE_OPS[k] if k <= 3 else pickle.TUPLE,
+            _LONG_PUT(b"r", n),
+            pickle.TUPLE1,
+            _LONG_PUT(b"r", n + 1),
+            pickle.REDUCE,
+            _LONG_PUT(b"r", n + 2),
+        )
+    ), 3
 
 
 def _int(o: Any) -> bytes:
@@ -192,7 +202,7 @@ class _Emitter:
     def batches(self, items: Sequence[Any], write_one: Any, many: bytes, one: bytes) -> None:
         """pickle's batched SETITEMS/APPENDS: runs of 1000, a run of one without MARK."""
         for start in range(0, len(items), _BATCH):
-            batch = items[start:start + _BATCH]
+            batch = items[start : start + _BATCH]
             if len(batch) > 1:
                 self.out += pickle.MARK
                 for item in batch:
@@ -203,8 +213,9 @@ class _Emitter:
                 self.out += one
 
 
-def metadata_pickle(index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None,
-                    save_id: str, version: str) -> bytes | None:
+def metadata_pickle(
+    index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None, save_id: str, version: str
+) -> bytes | None:
     """The bytes repickle gives writer.metadata_stand_ins(index, written, key_order, save_id), or
     None where this writer does not know them (a repeated item, an unusual path or value)."""
     collecting = gc.isenabled()
@@ -219,8 +230,9 @@ def metadata_pickle(index: CheckpointIndex, written: Sequence[Any], key_order: l
             gc.enable()
 
 
-def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None,
-              save_id: str, version: str) -> bytes | None:
+def _metadata(
+    index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None, save_id: str, version: str
+) -> bytes | None:
     # what the stand-ins hold, in their dicts' order: per state-dict key, its tensor entry (None
     # for a bytes item) and chunks; per storage item, its key, chunk number, box and place
     sd: dict[str, tuple[Any, list[Any]]] = {}
@@ -266,8 +278,22 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
         if got is not None and n >= 256:  # the common case, as one join: GETs and LONG_BINPUTs
             offsets, used = _size_tail(box.offsets, n + 2)
             sizes, used2 = _size_tail(box.sizes, n + 2 + used)
-            out.extend(b"".join((got, _LONG_PUT(b"r", n), pickle.EMPTY_DICT, _LONG_PUT(b"r", n + 1), pickle.MARK,
-                                 fast["offsets"], offsets, fast["sizes"], sizes, _END_STATE)))
+            out.extend(
+                b"".join(
+                    (
+                        got,
+                        _LONG_PUT(b"r", n),
+                        pickle.EMPTY_DICT,
+                        _LONG_PUT(b"r", n + 1),
+                        pickle.MARK,
+                        fast["offsets"],
+                        offsets,
+                        fast["sizes"],
+                        sizes,
+                        _END_STATE,
+                    )
+                )
+            )
             e.n = n + 2 + used + used2
             return
         _chunk(box)
@@ -332,17 +358,52 @@ def _metadata(index: CheckpointIndex, written: Sequence[Any], key_order: list[st
             if key_get is not None and file_get is not None:  # the common case, as one join
                 offsets, used = _size_tail(box.offsets, n + 2)
                 m = n + 2 + used
-                out.extend(b"".join((
-                    got, _LONG_PUT(b"r", n), pickle.EMPTY_DICT, _LONG_PUT(b"r", n + 1), pickle.MARK,
-                    fast["fqn"], key_get, fast["index_name"], _int(number), fast["offset"], offsets, _END_STATE,
-                    fast["info"], _LONG_PUT(b"r", m), pickle.EMPTY_DICT, _LONG_PUT(b"r", m + 1), pickle.MARK,
-                    fast["relative_path"], file_get, fast["offset_name"], _int(offset), fast["length"], _int(length),
-                    _END_STATE)))
+                out.extend(
+                    b"".join(
+                        (
+                            got,
+                            _LONG_PUT(b"r", n),
+                            pickle.EMPTY_DICT,
+                            _LONG_PUT(b"r", n + 1),
+                            pickle.MARK,
+                            fast["fqn"],
+                            key_get,
+                            fast["index_name"],
+                            _int(number),
+                            fast["offset"],
+                            offsets,
+                            _END_STATE,
+                            fast["info"],
+                            _LONG_PUT(b"r", m),
+                            pickle.EMPTY_DICT,
+                            _LONG_PUT(b"r", m + 1),
+                            pickle.MARK,
+                            fast["relative_path"],
+                            file_get,
+                            fast["offset_name"],
+                            _int(offset),
+                            fast["length"],
+                            _int(length),
+                            _END_STATE,
+                        )
+                    )
+                )
                 e.n = m + 2
                 return
         _storage_item(item)
-        names = [memo.get(k) for k in (_INDEX, id("fqn"), id("index"), id("offset"), _TORCH_SIZE, _INFO,
-                                       id("relative_path"), id("length"))]
+        names = [
+            memo.get(k)
+            for k in (
+                _INDEX,
+                id("fqn"),
+                id("index"),
+                id("offset"),
+                _TORCH_SIZE,
+                _INFO,
+                id("relative_path"),
+                id("length"),
+            )
+        ]
         if None not in names:
             fast["index"] = names[0] + _NEW
             fast["fqn"], fast["index_name"] = names[1], names[2]

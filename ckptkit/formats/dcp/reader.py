@@ -5,6 +5,7 @@ into inert stand-ins; each tensor chunk is a torch.save archive inside a `.distc
 directory we parse to find the exact bytes of the chunk. Bytes items (non-tensor values) are
 loaded through the restricted loader as objects, keeping their location for verbatim copies.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,34 @@ from typing import Any, Iterator
 from ...errors import CkptkitError, FormatError, name_of, quote
 from ...index import mesh, problems
 from ...index.dtypes import dtype_name, itemsize
-from ...index.types import (Box, CheckpointIndex, CheckTable, Encoding, IntegrityCheck, Location, ObjectEntry, Piece,
-                            TensorEntry, unchecked_box, unchecked_location, unchecked_piece)
+from ...index.types import (
+    Box,
+    CheckpointIndex,
+    CheckTable,
+    Encoding,
+    IntegrityCheck,
+    Location,
+    ObjectEntry,
+    Piece,
+    TensorEntry,
+    unchecked_box,
+    unchecked_location,
+    unchecked_piece,
+)
 from ...runner import codecs
 from ...safeload import Inert, TensorRef, restricted_loads_dcp_metadata
 from ...torch_types import DType, Size
 from ...storage.source import LocalSource, Source
-from ...runner.torch_archive import (SMALL_ARCHIVE, Archive, StructureMemo, load_bytes_archive, load_structure,
-                                     open_archive, tensor_location)
+from ...runner.torch_archive import (
+    SMALL_ARCHIVE,
+    Archive,
+    StructureMemo,
+    load_bytes_archive,
+    load_structure,
+    open_archive,
+    tensor_location,
+)
+
 # (the item template reuses the layout memo's skeleton and its way of making NamedTuples)
 from ...runner.torch_archive import _Layout, _new_tuple, _plain_directory
 from ...runner.archive_records import ident_is_text, ident_name, record_names
@@ -78,7 +99,8 @@ def _ints(value: Any, what: str, label: str) -> tuple[int, ...]:
     if isinstance(value, (tuple, list)) and value and set(map(type, value)) == _PLAIN_INT and min(value) >= 0:
         return tuple(value)  # (the common case, without a generator per element: 100k tensors have 300k)
     if not isinstance(value, (tuple, list)) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    ):
         raise FormatError(f"{label}: {what} must be a list of non-negative integers, found {value!r:.80}")
     return tuple(int(x) for x in value)
 
@@ -192,8 +214,10 @@ class _Merged:
                 fqn = _field(mi, "fqn", "MetadataIndex", label)
                 off = _field(mi, "offset", "MetadataIndex", label, None)
                 if type(off) is list:  # torch hashes a MetadataIndex: a list offset fails its dict
-                    raise FormatError(f"{label}: the storage record of {name_of(fqn)} has a list as its offset; "
-                                      f"torch.load cannot read such a .metadata")
+                    raise FormatError(
+                        f"{label}: the storage record of {name_of(fqn)} has a list as its offset; "
+                        f"torch.load cannot read such a .metadata"
+                    )
                 where = _ints(off, f"storage record offset of {fqn}", label) if off is not None else None
             if keep((fqn, where), info) is not info:
                 refuse_twin(label, fqn, where)
@@ -202,12 +226,16 @@ class _Merged:
                 self.storage.setdefault(key, info)
         planner = self.planner
         for key, path in _mapping(_field(md, "planner_data", "Metadata", label, None), "planner_data", label).items():
-            if isinstance(path, (tuple, list)) and (set(map(type, path)) <= _STR_OR_INT or  # (no generator a key)
-                                                    all(isinstance(p, (str, int)) for p in path)):
+            if isinstance(path, (tuple, list)) and (
+                set(map(type, path)) <= _STR_OR_INT  # (no generator a key)
+                or all(isinstance(p, (str, int)) for p in path)
+            ):
                 if ".".join(map(str, path)) != key:  # torch names each entry by its path joined with dots
-                    raise FormatError(f"{label}: planner_data gives {quote(str(key))} the path "
-                                      f"{quote(str(tuple(path)))}, which does not join to that name (torch's "
-                                      f"load would rebuild the state dict otherwise or fail)")
+                    raise FormatError(
+                        f"{label}: planner_data gives {quote(str(key))} the path "
+                        f"{quote(str(tuple(path)))}, which does not join to that name (torch's "
+                        f"load would rebuild the state dict otherwise or fail)"
+                    )
                 planner[key] = tuple(path)
 
     def _add_chunks(self, key: str, meta: Any, label: str) -> None:
@@ -223,11 +251,15 @@ class _Merged:
         if not isinstance(chunk_list, (list, tuple)):
             raise FormatError(f"{label}: tensor {key} chunks must be a list, found {type(chunk_list).__name__}")
         for ch in chunk_list:
-            box = (_ints(_field(ch, "offsets", "chunk", label), f"tensor {key} chunk offsets", label),
-                   _ints(_field(ch, "sizes", "chunk", label), f"tensor {key} chunk sizes", label))
+            box = (
+                _ints(_field(ch, "offsets", "chunk", label), f"tensor {key} chunk offsets", label),
+                _ints(_field(ch, "sizes", "chunk", label), f"tensor {key} chunk sizes", label),
+            )
             if len(box[0]) != rank or len(box[1]) != rank:
-                raise FormatError(f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
-                                  f"(offsets {list(box[0])}), the tensor has rank {rank}")
+                raise FormatError(
+                    f"{label}: tensor {key} has a chunk of rank {len(box[1])} "
+                    f"(offsets {list(box[0])}), the tensor has rank {rank}"
+                )
             seen.setdefault(box, None)
 
 
@@ -266,8 +298,13 @@ def _plain_boxes(meta: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | N
         if got is None:
             return None
         offsets, sizes = got.get("offsets"), got.get("sizes")  # (_sized inline: 200k chunks' worth of calls)
-        if type(offsets) is not Size or type(sizes) is not Size or len(offsets) != rank or len(sizes) != rank or \
-                (rank and (min(offsets) < 0 or min(sizes) < 0)):
+        if (
+            type(offsets) is not Size
+            or type(sizes) is not Size
+            or len(offsets) != rank
+            or len(sizes) != rank
+            or (rank and (min(offsets) < 0 or min(sizes) < 0))
+        ):
             return None
         boxes.append((tuple(offsets), tuple(sizes)))
     return boxes
@@ -347,15 +384,18 @@ def _read_items(source: Source, jobs: list[_Job], parallel: int) -> list[Any]:
         for job in batch:
             try:
                 got = fast(*job, window)
-                results.append(got if got is not None else
-                               _read_item(source, *job, memo=memo, files=files, window=window, learn=templates))
+                results.append(
+                    got
+                    if got is not None
+                    else _read_item(source, *job, memo=memo, files=files, window=window, learn=templates)
+                )
             except CkptkitError as exc:
                 results.append(exc)
         return results
 
     if parallel > 1 and len(jobs) > 8 and not (isinstance(source, LocalSource) and _mostly_small(jobs)):
         size = min(_BATCH, -(-len(jobs) // (parallel * 4)))  # a few batches per thread, however few items
-        batches = [jobs[i:i + size] for i in range(0, len(jobs), size)]  # a future per item costs too much
+        batches = [jobs[i : i + size] for i in range(0, len(jobs), size)]  # a future per item costs too much
         with ThreadPoolExecutor(parallel) as pool:
             return [result for batch in pool.map(run, batches) for result in batch]
     return run(jobs)
@@ -363,8 +403,11 @@ def _read_items(source: Source, jobs: list[_Job], parallel: int) -> list[Any]:
 
 def _mostly_small(jobs: list[_Job]) -> bool:
     """Nine items in ten or more are small archives (read whole, then parsed: CPU work only)."""
-    small = sum(1 for _, _, info in jobs
-                if isinstance(length := getattr(info, "__dict__", {}).get("length"), int) and length <= SMALL_ARCHIVE)
+    small = sum(
+        1
+        for _, _, info in jobs
+        if isinstance(length := getattr(info, "__dict__", {}).get("length"), int) and length <= SMALL_ARCHIVE
+    )
     return small * 10 >= len(jobs) * 9
 
 
@@ -418,7 +461,7 @@ class _Window:
         at = offset - self.start
         if rel == self.rel and 0 <= at and at + length <= len(self.data):
             self.last = offset + length
-            return self.data[at:at + length]
+            return self.data[at : at + length]
         in_order = rel == self.rel and offset == self.last
         self.ahead = min(_READ_AHEAD, max(length, 2 * self.ahead)) if in_order else 0
         self.data = self.source.read(rel, offset, min(size - offset, length + self.ahead))
@@ -444,8 +487,9 @@ class _Templates:
         self._full: dict[tuple[int, str, tuple[int, ...]], int] = {}  # items of each kind read the full way
         self._bytes = 0
 
-    def item(self, target: Any, box: Box | None, info: Any,
-             window: _Window) -> tuple[Piece, list[IntegrityCheck]] | None:
+    def item(
+        self, target: Any, box: Box | None, info: Any, window: _Window
+    ) -> tuple[Piece, list[IntegrityCheck]] | None:
         """The item's (piece, checks) when a template serves it, exactly as _read_item would give
         them; None sends it through _read_item (which words any refusal)."""
         if type(target) is not TensorEntry or not self._kinds:
@@ -461,8 +505,13 @@ class _Templates:
         transforms = fields.get("transform_descriptors")
         rel = self.files._paths.get(path) if type(path) is str else None
         size = self.files._sizes.get(rel) if rel is not None else None
-        if size is None or type(offset) is not int or offset < 0 or offset + length > size or \
-                not (transforms is None or (type(transforms) in (list, tuple) and not transforms)):
+        if (
+            size is None
+            or type(offset) is not int
+            or offset < 0
+            or offset + length > size
+            or not (transforms is None or (type(transforms) in (list, tuple) and not transforms))
+        ):
             return None
         copy = window.read(rel, offset, length, size)
         if len(copy) != length:
@@ -473,8 +522,9 @@ class _Templates:
                 return unchecked_piece(box, got[0]), got[1]  # (checked: see match)
         return None
 
-    def learn(self, archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
-              checks: list[IntegrityCheck]) -> None:
+    def learn(
+        self, archive: Archive, dtype: str, size: tuple[int, ...], loc: Location, checks: list[IntegrityCheck]
+    ) -> None:
         """Called with what _read_item gave for a small tensor item read whole (`archive.copy`)."""
         copy = archive.copy
         if copy is None:
@@ -509,11 +559,32 @@ class _ItemTemplate:
     kind is looked up by them). Anything else goes through the full path, which refuses it with
     its own sentence or reads it."""
 
-    __slots__ = ("mask", "want", "central", "local", "compared", "ats", "sizes", "whats", "start", "length", "stride",
-                 "ident")
+    __slots__ = (
+        "mask",
+        "want",
+        "central",
+        "local",
+        "compared",
+        "ats",
+        "sizes",
+        "whats",
+        "start",
+        "length",
+        "stride",
+        "ident",
+    )
 
-    def __init__(self, mask: int, want: int, layout: _Layout, members: tuple[tuple[int, int, str], ...],
-                 start: int, length: int, stride: tuple[int, ...] | None, ident: tuple[int, int] | None) -> None:
+    def __init__(
+        self,
+        mask: int,
+        want: int,
+        layout: _Layout,
+        members: tuple[tuple[int, int, str], ...],
+        start: int,
+        length: int,
+        stride: tuple[int, ...] | None,
+        ident: tuple[int, int] | None,
+    ) -> None:
         self.ident = ident  # the serialization id's bytes (relative to the archive): each file's own, checked as text
         self.mask, self.want = mask, want  # the bytes compared (as bits of a little-endian int), their values
         self.central, self.local, self.compared = layout.central, layout.local, layout.compared
@@ -523,32 +594,53 @@ class _ItemTemplate:
         # to the archive) and its element strides: its Location's fields
 
     @staticmethod
-    def of(archive: Archive, dtype: str, size: tuple[int, ...], loc: Location,
-           checks: list[IntegrityCheck]) -> _ItemTemplate | None:
+    def of(
+        archive: Archive, dtype: str, size: tuple[int, ...], loc: Location, checks: list[IntegrityCheck]
+    ) -> _ItemTemplate | None:
         """The template of `archive` (read whole), which gave `loc` and `checks`; None when its
         layout is not one the layout memo can remember, or the template would not give them."""
         copy, offset = archive.copy, archive.base
         plain = _plain_directory(copy)
         pkl = archive.members.get(f"{archive.prefix}/data.pkl")
-        layout = _Layout.of(copy, offset, plain[1], archive.members, archive.prefix) \
-            if plain is not None and pkl is not None else None
+        layout = (
+            _Layout.of(copy, offset, plain[1], archive.members, archive.prefix)
+            if plain is not None and pkl is not None
+            else None
+        )
         if layout is None:
             return None
         mask = bytearray(len(copy))
         at = pkl.data_offset - offset
-        records = [(m.data_offset - offset, m.data_offset - offset + m.size)  # (what check_records read)
-                   for m in map(archive.members.get, record_names(archive.prefix)) if m is not None]
+        records = [
+            (m.data_offset - offset, m.data_offset - offset + m.size)  # (what check_records read)
+            for m in map(archive.members.get, record_names(archive.prefix))
+            if m is not None
+        ]
         for a, b in (*layout.segments, (at, at + pkl.size), *records):
             mask[a:b] = b"\xff" * (b - a)
         bits = int.from_bytes(mask, "little")
         members = tuple((m.data_offset - offset, m.size, f"zip member {m.name}") for m in archive.members.values())
         ident = archive.members.get(ident_name(archive.prefix))
         at_ident = (ident.data_offset - offset, ident.size) if ident is not None else None
-        template = _ItemTemplate(bits, int.from_bytes(copy, "little") & bits, layout, members, loc.offset - offset,
-                                 loc.length, loc.stride, at_ident)
+        template = _ItemTemplate(
+            bits,
+            int.from_bytes(copy, "little") & bits,
+            layout,
+            members,
+            loc.offset - offset,
+            loc.length,
+            loc.stride,
+            at_ident,
+        )
         got = template.match(copy, offset, archive.file)  # (one CRC a member: add_members's columns stay aligned)
-        if loc.encoding is not Encoding.RAW or loc.transforms or got is None or got[0] != loc or \
-                len(got[1].crcs) != len(template.ats) or list(got[1]) != checks:
+        if (
+            loc.encoding is not Encoding.RAW
+            or loc.transforms
+            or got is None
+            or got[0] != loc
+            or len(got[1].crcs) != len(template.ats)
+            or list(got[1]) != checks
+        ):
             return None  # (never expected: the template gives exactly what the full path gave, or nothing)
         return template
 
@@ -557,7 +649,7 @@ class _ItemTemplate:
         out like this template's, else None."""
         if int.from_bytes(copy, "little") & self.mask != self.want:
             return None
-        if self.ident is not None and not ident_is_text(copy[self.ident[0]:self.ident[0] + self.ident[1]]):
+        if self.ident is not None and not ident_is_text(copy[self.ident[0] : self.ident[0] + self.ident[1]]):
             return None  # the full path refuses it, with its message
         crcs = self.central.unpack_from(copy)
         if self.compared and self.local.unpack_from(copy) != tuple([crcs[i] for i in self.compared]):
@@ -583,9 +675,12 @@ class _MatchedChecks:
 
     def __iter__(self) -> Iterator[IntegrityCheck]:
         file, offset = self.file, self.offset
-        return iter([_new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
-                     for at, size, crc, what in zip(self.template.ats, self.template.sizes, self.crcs,
-                                                   self.template.whats)])
+        return iter(
+            [
+                _new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
+                for at, size, crc, what in zip(self.template.ats, self.template.sizes, self.crcs, self.template.whats)
+            ]
+        )
 
     def __len__(self) -> int:
         return len(self.crcs)
@@ -633,8 +728,16 @@ def _item_file(source: Source, info: Any) -> str:
         return source.label("")
 
 
-def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: StructureMemo | None = None,
-               files: _Files | None = None, window: _Window | None = None, learn: _Templates | None = None):
+def _read_item(
+    source: Source,
+    target: Any,
+    box: Box | None,
+    info: Any,
+    memo: StructureMemo | None = None,
+    files: _Files | None = None,
+    window: _Window | None = None,
+    learn: _Templates | None = None,
+):
     files = files if files is not None else _Files(source)
     label = files.label
     what = f"storage record of {target.key}"
@@ -649,23 +752,27 @@ def _read_item(source: Source, target: Any, box: Box | None, info: Any, memo: St
         codecs.check(transforms, f"{source.label(rel)} ({what})")
     size = files.size(rel, what)
     if offset < 0 or length < 0 or offset + length > size:
-        raise FormatError(f"{source.label(rel)}: item of {target.key} at bytes {offset}..{offset + length} "
-                          f"lies past the end of the file ({size} bytes; truncated?)")
+        raise FormatError(
+            f"{source.label(rel)}: item of {target.key} at bytes {offset}..{offset + length} "
+            f"lies past the end of the file ({size} bytes; truncated?)"
+        )
     if isinstance(target, TensorEntry):
         if transforms:  # decoded (within bounds) when read; a size no frame can reach is refused now
-            codecs.check_declared(transforms, length, box.numel * itemsize(target.dtype), f"{source.label(rel)} "
-                                  f"(item of {target.key})")
+            codecs.check_declared(
+                transforms, length, box.numel * itemsize(target.dtype), f"{source.label(rel)} (item of {target.key})"
+            )
             return Piece(box, Location(rel, offset, length, Encoding.TORCH_SAVE, transforms=transforms)), []
-        data = window.read(rel, offset, length, size) if window is not None and 22 <= length <= SMALL_ARCHIVE \
-            else None
+        data = window.read(rel, offset, length, size) if window is not None and 22 <= length <= SMALL_ARCHIVE else None
         archive = open_archive(source, rel, offset, length, memo=memo, data=data)
         ref = load_structure(archive, eager=False, memo=memo)
         if not isinstance(ref, TensorRef):
             raise FormatError(f"{source.label(rel)}: item of {target.key} does not hold a tensor")
         dtype, loc = tensor_location(archive, ref, target.key, memo=memo)
         if dtype != target.dtype or tuple(ref.size) != box.sizes:
-            raise FormatError(f"{source.label(rel)}: item of {target.key} holds {dtype} {list(ref.size)}, "
-                              f"metadata says {target.dtype} {list(box.sizes)}")
+            raise FormatError(
+                f"{source.label(rel)}: item of {target.key} holds {dtype} {list(ref.size)}, "
+                f"metadata says {target.dtype} {list(box.sizes)}"
+            )
         checks = archive.checks()
         if learn is not None and data is not None:
             learn.learn(archive, dtype, tuple(ref.size), loc, checks)

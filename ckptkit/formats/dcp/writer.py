@@ -7,6 +7,7 @@ FileSystemWriter writes them; `.metadata` pickles torch's Metadata classes (as s
 state torch's own pickling gives them, so writing needs no torch) and `dcp.load` (with
 resharding) reads it. Values copied from a DCP source keep their exact bytes.
 """
+
 from __future__ import annotations
 
 import gc
@@ -57,8 +58,15 @@ def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def write_dcp(out: Output, index: CheckpointIndex, fetcher: Fetcher, layout: Layout, *,
-              ctx: RunContext, source: Source | None = None) -> list[str]:
+def write_dcp(
+    out: Output,
+    index: CheckpointIndex,
+    fetcher: Fetcher,
+    layout: Layout,
+    *,
+    ctx: RunContext,
+    source: Source | None = None,
+) -> list[str]:
     """Write `index`'s tensors in `layout` and its objects (on rank 0) into `out`. `source`: the DCP
     checkpoint `index` was read from, whose bytes items are copied as they are (None: re-serialised)."""
     slab_bytes, progress = ctx.slab_bytes, ctx.progress
@@ -115,17 +123,21 @@ def write_dcp(out: Output, index: CheckpointIndex, fetcher: Fetcher, layout: Lay
                 if pending:
                     f.write(pending)
             return written
+
         return run
 
-    weights = [sum(box.numel * itemsize(index.tensors[key].dtype) for key, box in per_rank[r])
-               for r in range(layout.world_size)]
+    weights = [
+        sum(box.numel * itemsize(index.tensors[key].dtype) for key, box in per_rank[r])
+        for r in range(layout.world_size)
+    ]
     results = run_jobs([job(r) for r in range(layout.world_size)], ctx.workers, group=out.group, weights=weights)
     out.write_bytes(".metadata", build_metadata(index, [w for ws in results for w in ws], layout.key_order))
     return [data_file(r) for r in range(layout.world_size)] + [".metadata"]
 
 
-def _in_order(items: list[tuple[str, Box]], index: CheckpointIndex, layout: Layout,
-              rank: int) -> list[tuple[str, Box | None]]:
+def _in_order(
+    items: list[tuple[str, Box]], index: CheckpointIndex, layout: Layout, rank: int
+) -> list[tuple[str, Box | None]]:
     """A rank's items in file order: its tensor chunks, then (on the values' rank) the values;
     or, when the layout gives the state dict's key order, tensors and values in that order, as
     torch's planner writes them (a value's box is None)."""
@@ -143,8 +155,9 @@ def _object_rank(layout: Layout, key: str) -> int:
     return 0 if layout.object_ranks is None else layout.object_ranks.get(key, 0)
 
 
-def _write_item(f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_bytes: int,
-                progress: Progress, by_runs: bool = False) -> None:
+def _write_item(
+    f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_bytes: int, progress: Progress, by_runs: bool = False
+) -> None:
     """One chunk as a torch.save archive. A chunk that is a flat range of its tensor (every
     FSDP2 dim-0 slab) is streamed as a virtual tensor, so plain bytes move in the kernel; so is
     any chunk when `by_runs` (a mesh layout's whole chunks, e.g. TP's Shard(1)), as one reference
@@ -157,8 +170,15 @@ def _write_item(f: Any, entry: TensorEntry, box: Box, fetcher: Fetcher, slab_byt
         torch.save(t, f)
         progress.advance(t.numel() * t.element_size())
         return
-    pieces = ([Piece(FlatRange(0, box.numel), Location(entry.key, start, box.numel, REF))] if start is not None
-              else _runs(entry, box)) if box.numel else []
+    pieces = (
+        (
+            [Piece(FlatRange(0, box.numel), Location(entry.key, start, box.numel, REF))]
+            if start is not None
+            else _runs(entry, box)
+        )
+        if box.numel
+        else []
+    )
     item = TensorEntry(f"{entry.key}@{list(box.offsets)}", entry.dtype, box.sizes, pieces, attrs={"virtual": True})
     write_archive_to(f, LazyTensor(item), fetcher, slab_bytes=slab_bytes, progress=progress)
 
@@ -205,7 +225,7 @@ def _flat_start(shape: tuple[int, ...], box: Box) -> int | None:
     while first < len(sizes) and sizes[first] == 1:
         first += 1
     shape = tuple(shape)
-    if sizes[first + 1:] != shape[first + 1:]:
+    if sizes[first + 1 :] != shape[first + 1 :]:
         return None
     strides = _STRIDES.get(shape)
     if strides is None:
@@ -218,8 +238,9 @@ def _flat_start(shape: tuple[int, ...], box: Box) -> int | None:
 _STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}  # row-major strides by shape (a few shapes, many chunks)
 
 
-def _write_object(f: Any, obj: ObjectEntry, source: Source | None, fetcher: Fetcher,
-                  slab_bytes: int) -> tuple[str, ...]:
+def _write_object(
+    f: Any, obj: ObjectEntry, source: Source | None, fetcher: Fetcher, slab_bytes: int
+) -> tuple[str, ...]:
     """Copy a DCP bytes item verbatim when we have its bytes (`source` is given only as the DCP
     checkpoint the object was read from); otherwise write the value as a torch.save archive
     (stand-ins re-emitted as torch's and foreign classes)."""
@@ -262,8 +283,9 @@ def build_metadata(index: CheckpointIndex, written: list[_Written], key_order: l
     try:
         # the save id is a digest of what was written, so one plan gives the same bytes however
         # many processes wrote it (and a rerun gives the same checkpoint)
-        save_id = uuid.uuid5(uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length)
-                                                                        for w in written])).hex
+        save_id = uuid.uuid5(
+            uuid.NAMESPACE_URL, "ckptkit-dcp:" + repr([(w.key, w.box, w.file, w.offset, w.length) for w in written])
+        ).hex
         fast = metadata_pickle(index, written, key_order, save_id, DCP_VERSION)
         if fast is not None:
             return fast
@@ -273,8 +295,9 @@ def build_metadata(index: CheckpointIndex, written: list[_Written], key_order: l
             gc.enable()
 
 
-def metadata_stand_ins(index: CheckpointIndex, written: list[_Written], key_order: list[str] | None,
-                       save_id: str) -> Any:
+def metadata_stand_ins(
+    index: CheckpointIndex, written: list[_Written], key_order: list[str] | None, save_id: str
+) -> Any:
     """torch's Metadata for what was written, as stand-ins with the state torch's pickling gives each class."""
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
@@ -294,17 +317,24 @@ def metadata_stand_ins(index: CheckpointIndex, written: list[_Written], key_orde
         key = entry.key
         meta = sd_meta.get(key)
         if meta is None:
-            meta = _md("TensorStorageMetadata", properties=_tensor_properties(entry.dtype),
-                       size=Size(entry.shape), chunks=[])
+            meta = _md(
+                "TensorStorageMetadata", properties=_tensor_properties(entry.dtype), size=Size(entry.shape), chunks=[]
+            )
             sd_meta[key] = meta
             planner[key] = tuple(entry.path) if entry.path else (key,)
         chunks = meta.__dict__["chunks"]
         chunks.append(_md("ChunkStorageMetadata", offsets=Size(w.box.offsets), sizes=Size(w.box.sizes)))
-        storage[_md("MetadataIndex", fqn=key, index=len(chunks) - 1, offset=Size(w.box.offsets))] = \
-            _storage_info(file, w.offset, w.length)
+        storage[_md("MetadataIndex", fqn=key, index=len(chunks) - 1, offset=Size(w.box.offsets))] = _storage_info(
+            file, w.offset, w.length
+        )
     if key_order is not None:
         position = {k: i for i, k in enumerate(key_order)}
         planner = {k: planner[k] for k in sorted(planner, key=lambda k: position.get(k, len(position)))}
-    return _md("Metadata", state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
-               storage_meta=_md("StorageMeta", checkpoint_id=None, save_id=save_id, load_id=None, modules=[]),
-               version=DCP_VERSION)
+    return _md(
+        "Metadata",
+        state_dict_metadata=sd_meta,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=_md("StorageMeta", checkpoint_id=None, save_id=save_id, load_id=None, modules=[]),
+        version=DCP_VERSION,
+    )

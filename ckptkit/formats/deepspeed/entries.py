@@ -1,5 +1,6 @@
 """Entries of DeepSpeed's pickled structures, checked as they are taken: one sentence naming the
 file and the entry when one is missing or malformed."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,5 +46,7 @@ def refuse_strided(arch: Archive, loc: Location, what: str) -> None:
     contiguous, as DeepSpeed saves it: a strided or expanded view (a crafted file) would otherwise
     be read as the wrong elements, or as bytes past its storage."""
     if loc.stride is not None:
-        raise FormatError(f"{arch.label}: {what} is stored as a strided view (strides {list(loc.stride)}), "
-                          f"expected a contiguous flat tensor")
+        raise FormatError(
+            f"{arch.label}: {what} is stored as a strided view (strides {list(loc.stride)}), "
+            f"expected a contiguous flat tensor"
+        )

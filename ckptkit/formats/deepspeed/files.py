@@ -1,4 +1,5 @@
 """Where a DeepSpeed checkpoint's files are: `latest` -> tag folder -> rank files."""
+
 from __future__ import annotations
 
 import re
@@ -20,17 +21,17 @@ EXPERT_ID = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_\d+_model_states
 class ZeroFiles:
     """The files of one tag: model-states per rank (one at stage 1/2) and optim-states per rank."""
 
-    tag: str | None           # None when the path given is the tag folder itself
-    prefix: str               # "" or "<tag>/", relative to the source root
-    model_files: dict[int, str] = field(default_factory=dict)   # dp rank -> name (stage 1/2: {0: ...})
-    optim_files: dict[int, str] = field(default_factory=dict)   # dp rank -> name
+    tag: str | None  # None when the path given is the tag folder itself
+    prefix: str  # "" or "<tag>/", relative to the source root
+    model_files: dict[int, str] = field(default_factory=dict)  # dp rank -> name (stage 1/2: {0: ...})
+    optim_files: dict[int, str] = field(default_factory=dict)  # dp rank -> name
     bf16_prefix: bool = False
     extra: list[str] = field(default_factory=list)
-    mp_rank: int = 0          # the model-parallel rank these model/optim files are of
+    mp_rank: int = 0  # the model-parallel rank these model/optim files are of
     # tensor-parallel checkpoints: mp rank -> that rank's files (one ZeRO checkpoint per mp rank);
     # empty when the tag holds model-parallel rank 0 only
     model_parallel: dict[int, "ZeroFiles"] = field(default_factory=dict)
-    expert_files: list[str] = field(default_factory=list)   # MoE layer_L_expert_G_* files (moe.py reads them)
+    expert_files: list[str] = field(default_factory=list)  # MoE layer_L_expert_G_* files (moe.py reads them)
     # MoE(enable_expert_tensor_parallelism=False) under an mpu: each expert whole, on one mp rank
     # (moe_whole.py reads them across the mp ranks); False when every mp rank holds every expert
     whole_experts: bool = False
@@ -60,8 +61,10 @@ def read_latest(source: Source) -> str:
     size = source.size("latest")
     head = source.read("latest", 0, min(size, MAX_LATEST_BYTES + 1))
     if size > MAX_LATEST_BYTES:
-        raise FormatError(f"{label}: is {size} bytes, expected a tag name (a folder name of at most "
-                          f"{MAX_LATEST_BYTES} bytes); it begins {quote(head)}")
+        raise FormatError(
+            f"{label}: is {size} bytes, expected a tag name (a folder name of at most "
+            f"{MAX_LATEST_BYTES} bytes); it begins {quote(head)}"
+        )
     return head.decode("utf-8", "replace").strip()
 
 
@@ -78,8 +81,7 @@ def locate(source: Source, tag: str | None = None) -> ZeroFiles:
                 raise FormatError(f"{source.label('')}: --tag {quote(tag)} is not a folder name")
             raise FormatError(f"{source.label('latest')}: names tag {quote(tag)}, which is not a folder name")
         if not source.isdir(tag):
-            raise FormatError(f"{source.label('')}: tag folder is missing ({quote(tag)}, named by `latest` "
-                              f"or --tag)")
+            raise FormatError(f"{source.label('')}: tag folder is missing ({quote(tag)}, named by `latest` or --tag)")
         prefix = tag + "/"
     else:
         prefix = ""
@@ -95,7 +97,7 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
     model_files: dict[int, dict[int, str]] = {}
     optim_files: dict[int, dict[int, str]] = {}
     extra: list[str] = []
-    experts: dict[int, list[str]] = {}   # mp rank -> its expert files
+    experts: dict[int, list[str]] = {}  # mp rank -> its expert files
     bf16_prefix = False
     for name in _tag_names(source, prefix.rstrip("/") or ""):
         if m := MODEL_STATES.match(name):
@@ -106,41 +108,66 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
         elif m := EXPERT.match(name):
             experts.setdefault(int(m.group(1)), []).append(name)
         elif name == "offloaded_tensors":
-            raise UnsupportedError(f"{source.label(prefix + name)}: NVMe-offloaded optimizer state "
-                                   f"(offloaded_tensors) is not supported yet")
+            raise UnsupportedError(
+                f"{source.label(prefix + name)}: NVMe-offloaded optimizer state "
+                f"(offloaded_tensors) is not supported yet"
+            )
         else:
             extra.append(name)
     mp_ranks = sorted(set(model_files) | set(optim_files))
     if mp_ranks and mp_ranks != list(range(len(mp_ranks))):
         missing = [r for r in range(max(mp_ranks) + 1) if r not in mp_ranks]
-        raise FormatError(f"{source.label(prefix or '')}: files of model-parallel rank(s) {missing} are missing "
-                          f"(found ranks {mp_ranks})")
+        raise FormatError(
+            f"{source.label(prefix or '')}: files of model-parallel rank(s) {missing} are missing "
+            f"(found ranks {mp_ranks})"
+        )
     stray = sorted(mp for mp in experts if mp not in (mp_ranks or [0]))
     if stray:
         name = sorted(experts[stray[0]])[0]
-        raise FormatError(f"{source.label(prefix + name)}: expert file of model-parallel rank {stray[0]}, but the "
-                          f"tag folder has model/optim-states files of model-parallel rank(s) {mp_ranks or [0]} only")
-    per_mp = {mp: ZeroFiles(tag=tag, prefix=prefix, model_files=model_files.get(mp, {}),
-                            optim_files=optim_files.get(mp, {}), bf16_prefix=bf16_prefix, extra=extra, mp_rank=mp,
-                            expert_files=sorted(experts.get(mp, [])))
-              for mp in mp_ranks or [0]}
+        raise FormatError(
+            f"{source.label(prefix + name)}: expert file of model-parallel rank {stray[0]}, but the "
+            f"tag folder has model/optim-states files of model-parallel rank(s) {mp_ranks or [0]} only"
+        )
+    per_mp = {
+        mp: ZeroFiles(
+            tag=tag,
+            prefix=prefix,
+            model_files=model_files.get(mp, {}),
+            optim_files=optim_files.get(mp, {}),
+            bf16_prefix=bf16_prefix,
+            extra=extra,
+            mp_rank=mp,
+            expert_files=sorted(experts.get(mp, [])),
+        )
+        for mp in mp_ranks or [0]
+    }
     whole = bool(experts) and len(per_mp) > 1 and _experts_whole(source, prefix, experts, list(per_mp))
     lacking = [mp for mp in per_mp if not per_mp[mp].expert_files] if experts and len(per_mp) > 1 else []
     if lacking and not whole:
         # every expert on some mp ranks, none on the others: whole experts at ep 1 (all on mp rank 0),
         # or sliced ones with files lost; the expert groups' partition count tells (moe_whole.py)
-        if lacking != list(range(1, len(per_mp))) or \
-                not moe_whole_at_ep1(source, prefix, optim_files.get(0, {}), len(per_mp)):
-            raise FormatError(f"{source.label(prefix or '')}: model-parallel rank(s) {lacking} have no expert files "
-                              f"(layer_<L>_expert_<G>_mp_rank_{lacking[0]:02d}_model_states.pt), the other ranks do")
+        if lacking != list(range(1, len(per_mp))) or not moe_whole_at_ep1(
+            source, prefix, optim_files.get(0, {}), len(per_mp)
+        ):
+            raise FormatError(
+                f"{source.label(prefix or '')}: model-parallel rank(s) {lacking} have no expert files "
+                f"(layer_<L>_expert_<G>_mp_rank_{lacking[0]:02d}_model_states.pt), the other ranks do"
+            )
         whole = True
     if whole:
         per_mp = {mp: replace(f, whole_experts=True) for mp, f in per_mp.items()}
     first = per_mp[0]
-    return ZeroFiles(tag=tag, prefix=prefix, model_files=first.model_files, optim_files=first.optim_files,
-                     bf16_prefix=bf16_prefix, extra=extra,
-                     model_parallel=per_mp if len(per_mp) > 1 else {}, expert_files=first.expert_files,
-                     whole_experts=whole)
+    return ZeroFiles(
+        tag=tag,
+        prefix=prefix,
+        model_files=first.model_files,
+        optim_files=first.optim_files,
+        bf16_prefix=bf16_prefix,
+        extra=extra,
+        model_parallel=per_mp if len(per_mp) > 1 else {},
+        expert_files=first.expert_files,
+        whole_experts=whole,
+    )
 
 
 def _experts_whole(source: Source, prefix: str, experts: dict[int, list[str]], mp_ranks: list[int]) -> bool:
@@ -166,11 +193,13 @@ def _experts_whole(source: Source, prefix: str, experts: dict[int, list[str]], m
     (layer, expert), mps = shared[0]
     lead = f"layer_{layer}_" if layer is not None else ""
     name, other = (f"{lead}expert_{expert}_mp_rank_{mp:02d}_model_states.pt" for mp in mps[:2])
-    raise FormatError(f"{source.label(prefix + name)}: expert {expert} of MoE layer {layer or 0} is saved by "
-                      f"model-parallel ranks {mps} (also as {other}), while no mp rank holds every expert; "
-                      f"DeepSpeed saves each "
-                      f"expert either on every mp rank (MoE(enable_expert_tensor_parallelism=True), a slice on "
-                      f"each) or whole on exactly one (enable_expert_tensor_parallelism=False)")
+    raise FormatError(
+        f"{source.label(prefix + name)}: expert {expert} of MoE layer {layer or 0} is saved by "
+        f"model-parallel ranks {mps} (also as {other}), while no mp rank holds every expert; "
+        f"DeepSpeed saves each "
+        f"expert either on every mp rank (MoE(enable_expert_tensor_parallelism=True), a slice on "
+        f"each) or whole on exactly one (enable_expert_tensor_parallelism=False)"
+    )
 
 
 def moe_whole_at_ep1(source: Source, prefix: str, optim_files: dict[int, str], tp: int) -> bool:
@@ -185,10 +214,11 @@ def moe_whole_at_ep1(source: Source, prefix: str, optim_files: dict[int, str], t
         groups = osd["base_optimizer_state"]["param_groups"]
         counts = osd["partition_count"]
         expert = [i for i, g in enumerate(groups) if isinstance(g, dict) and g.get("moe")]
-        return bool(expert) and all(groups[i].get("name") == "ep_size_1" and counts[i] == tp * len(optim_files)
-                                    for i in expert)
+        return bool(expert) and all(
+            groups[i].get("name") == "ep_size_1" and counts[i] == tp * len(optim_files) for i in expert
+        )
     except (CkptkitError, KeyError, TypeError, IndexError, AttributeError):
-        return False   # the reader names what is wrong with the file
+        return False  # the reader names what is wrong with the file
 
 
 def _check_ranks(source: Source, files: ZeroFiles) -> None:
@@ -199,27 +229,36 @@ def _check_ranks(source: Source, files: ZeroFiles) -> None:
         which = f" of model-parallel rank {files.mp_rank}" if files.mp_rank else ""
         why = ""
         if files.whole_experts:
-            why = (" (DeepSpeed 0.19.8 saves none for it when MoE experts are whole, "
-                   "enable_expert_tensor_parallelism=False, with an expert-parallel size below the tensor-parallel "
-                   "size: only global ranks below ep write model states, so mp ranks >= ep lose their module "
-                   "weights; DeepSpeed cannot load such a checkpoint either)")
-        raise FormatError(f"{source.label(prefix or '')}: no *_model_states.pt file{which} in the DeepSpeed tag "
-                          f"folder{why}")
+            why = (
+                " (DeepSpeed 0.19.8 saves none for it when MoE experts are whole, "
+                "enable_expert_tensor_parallelism=False, with an expert-parallel size below the tensor-parallel "
+                "size: only global ranks below ep write model states, so mp ranks >= ep lose their module "
+                "weights; DeepSpeed cannot load such a checkpoint either)"
+            )
+        raise FormatError(
+            f"{source.label(prefix or '')}: no *_model_states.pt file{which} in the DeepSpeed tag folder{why}"
+        )
     if not files.optim_files:
         which = f" of model-parallel rank {files.mp_rank}" if files.mp_rank else ""
-        raise FormatError(f"{source.label(prefix or '')}: no *_optim_states.pt files{which} (a checkpoint saved "
-                          f"without optimizer state cannot be read yet)")
+        raise FormatError(
+            f"{source.label(prefix or '')}: no *_optim_states.pt files{which} (a checkpoint saved "
+            f"without optimizer state cannot be read yet)"
+        )
     world = max(files.optim_files) + 1
     missing = [r for r in range(world) if r not in files.optim_files]
     if missing:
-        error = FormatError(f"{source.label(prefix or '')}: optim-states files for rank(s) {missing} are missing "
-                            f"(found {len(files.optim_files)} of {world})")
+        error = FormatError(
+            f"{source.label(prefix or '')}: optim-states files for rank(s) {missing} are missing "
+            f"(found {len(files.optim_files)} of {world})"
+        )
         if not problems.collecting_now():
             raise error
         for rank in missing:  # verify: one problem per missing file, the other ranks still checked
             name = optim_file_name(rank, files.bf16_prefix, files.mp_rank)
-            problems.tolerate(FormatError(f"{source.label(prefix + name)}: file is missing (rank {rank} of "
-                                          f"{world})"), source.label(prefix + name))
+            problems.tolerate(
+                FormatError(f"{source.label(prefix + name)}: file is missing (rank {rank} of {world})"),
+                source.label(prefix + name),
+            )
 
 
 def optim_file_name(rank: int, bf16_prefix: bool, mp_rank: int = 0) -> str:

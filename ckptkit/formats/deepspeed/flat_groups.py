@@ -10,6 +10,7 @@ alone) still reads and checks every rank's optimizer state group by group, but i
 masters: the per-parameter state entries it leaves out are counted in
 index.metadata[UNINDEXED_OPTIMIZER], so what is not written is still said.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ from ...errors import FormatError, quote
 from ...index import problems
 from ...index.dtypes import is_floating, itemsize
 from ...index.state_keys import model_key, model_path, state_key, state_path
-from ...index.types import (CheckpointIndex, FlatRange, Location, Piece, TensorEntry, unchecked_flat_range,
-                            unchecked_location, unchecked_piece)
+from ...index.types import (
+    CheckpointIndex,
+    FlatRange,
+    Location,
+    Piece,
+    TensorEntry,
+    unchecked_flat_range,
+    unchecked_location,
+    unchecked_piece,
+)
 from ...runner.torch_archive import Archive
 from ..protocols import UNINDEXED_OPTIMIZER
 from . import partition
@@ -56,8 +65,9 @@ class _FlatPieces:
     # dtype only, a rank's tensor of that dtype cannot disagree with any parameter's (add)
     _kinds: dict[Any, set[str]] = field(default_factory=dict)
 
-    def add(self, arch: Archive, share: partition.RankShare, what: Any, dtype: str, loc: Location,
-            ranges: list[FlatRange]) -> None:
+    def add(
+        self, arch: Archive, share: partition.RankShare, what: Any, dtype: str, loc: Location, ranges: list[FlatRange]
+    ) -> None:
         """Cut one rank's flat tensor at `loc` (`what`: a state key, None for the masters);
         `ranges`: each slot's FlatRange, shared by the rank's flat tensors (they are immutable)."""
         if not share.slots:
@@ -72,8 +82,13 @@ class _FlatPieces:
         self.dtypes.update(zip(keys, repeat(dtype)))  # (every key already there holds `dtype`)
         kinds.add(dtype)
         # Piece(region, Location(file, offset, length)) without the dataclasses' checks (types.py says why)
-        made = map(unchecked_piece, ranges, map(unchecked_location, repeat(loc.file),
-                                                [base + p * item for p in positions], [n * item for n in lengths]))
+        made = map(
+            unchecked_piece,
+            ranges,
+            map(
+                unchecked_location, repeat(loc.file), [base + p * item for p in positions], [n * item for n in lengths]
+            ),
+        )
         pieces = self.pieces
         for k, piece in zip(keys, made):  # per parameter and rank: kept lean
             got = pieces.get(k)
@@ -89,8 +104,7 @@ class _FlatPieces:
             if dtypes.get(k, dtype) != dtype:
                 name, what = k
                 key = model_key(name) if what is None else state_key(name, what)
-                raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, "
-                                  f"{quote(dtypes[k])} on another rank")
+                raise FormatError(f"{arch.label}: {key} is {quote(dtype)} here, {quote(dtypes[k])} on another rank")
 
     def ensure(self, name: str, what: Any, dtype: str) -> None:
         """A parameter's tensor of `what` exists (with no pieces, if no rank held any), of `dtype`
@@ -102,17 +116,38 @@ class _FlatPieces:
         """The masters (`model.<name>`), then every partitioned state key (`optim.state.<name>.<key>`),
         one TensorEntry per parameter shaped like it; a zero-size parameter's have no pieces."""
         for name, shape in shapes.items():
-            index.add_tensor(TensorEntry(model_key(name), self.dtypes.get((name, None), "float32"), shape,
-                                         self.pieces.get((name, None), []), path=model_path(name),
-                                         attrs={"ds_role": "fp32_master"}))
+            index.add_tensor(
+                TensorEntry(
+                    model_key(name),
+                    self.dtypes.get((name, None), "float32"),
+                    shape,
+                    self.pieces.get((name, None), []),
+                    path=model_path(name),
+                    attrs={"ds_role": "fp32_master"},
+                )
+            )
         for (name, what), dtype in self.dtypes.items():
             if what is not None:
-                index.add_tensor(TensorEntry(state_key(name, what), dtype, shapes[name],
-                                             self.pieces.get((name, what), []), path=state_path(name, what)))
+                index.add_tensor(
+                    TensorEntry(
+                        state_key(name, what),
+                        dtype,
+                        shapes[name],
+                        self.pieces.get((name, what), []),
+                        path=state_path(name, what),
+                    )
+                )
 
 
-def read_flat_groups(index: CheckpointIndex, stage: int, ranks: RankFiles, groups: list[ZeroGroup],
-                     names: StageNames, *, optimizer: bool = True) -> None:
+def read_flat_groups(
+    index: CheckpointIndex,
+    stage: int,
+    ranks: RankFiles,
+    groups: list[ZeroGroup],
+    names: StageNames,
+    *,
+    optimizer: bool = True,
+) -> None:
     """Every group's masters and optimizer state into `index`; `optimizer` False: the optimizer
     state is read and checked the same, but its per-parameter entries are only counted
     (index.metadata[UNINDEXED_OPTIMIZER]): cutting 2 states x 20k parameters into pieces costs
@@ -128,8 +163,15 @@ def read_flat_groups(index: CheckpointIndex, stage: int, ranks: RankFiles, group
         index.metadata[UNINDEXED_OPTIMIZER] = {"tensors": left_out[0], "values": left_out[1]}
 
 
-def _read_group(index: CheckpointIndex, stage: int, ranks: RankFiles, group: ZeroGroup, names: StageNames,
-                flats: _FlatPieces, left_out: list[int] | None) -> None:
+def _read_group(
+    index: CheckpointIndex,
+    stage: int,
+    ranks: RankFiles,
+    group: ZeroGroup,
+    names: StageNames,
+    flats: _FlatPieces,
+    left_out: list[int] | None,
+) -> None:
     """One (sub-)group, rank by rank; `left_out` (tensors, values) counts the optimizer state
     entries not indexed (None: every one is)."""
     numels = [(name, math.prod(shape)) for name, shape in group.params]
@@ -169,8 +211,9 @@ def _tolerate_damaged(names: list[str], keys: list[str]) -> None:
     problems.tolerate_keys([k for n in names for k in (model_key(n), *(state_key(n, key) for key in keys))])
 
 
-def _masters(arch: Archive, osd: dict, names: StageNames, i: int, share: partition.RankShare,
-             world: int) -> tuple[str, Location, int]:
+def _masters(
+    arch: Archive, osd: dict, names: StageNames, i: int, share: partition.RankShare, world: int
+) -> tuple[str, Location, int]:
     """(dtype, location, length) of this rank's fp32 master partition of (sub-)group `i`: its
     length is the share's (with or without the end padding) and its dtype a floating one
     (DeepSpeed keeps fp32 masters; another float is read as what it is)."""
@@ -180,10 +223,14 @@ def _masters(arch: Archive, osd: dict, names: StageNames, i: int, share: partiti
         raise FormatError(f"{arch.label}: {names.masters} has no {what} {i}")
     dtype, loc, shape = tensor_of(arch, tensors[i], f"fp32 partition of {what} {i}")
     if len(shape) != 1 or shape[0] not in (share.own, share.size):
-        raise FormatError(f"{arch.label}: fp32 partition of {what} {i} has {list(shape)} elements, "
-                          f"the layout of {world} ranks needs {share.own}")
+        raise FormatError(
+            f"{arch.label}: fp32 partition of {what} {i} has {list(shape)} elements, "
+            f"the layout of {world} ranks needs {share.own}"
+        )
     if not is_floating(dtype):
-        raise FormatError(f"{arch.label}: fp32 partition of {what} {i} is {quote(dtype)}, expected a "
-                          f"floating-point tensor (the optimizer's master weights)")
+        raise FormatError(
+            f"{arch.label}: fp32 partition of {what} {i} is {quote(dtype)}, expected a "
+            f"floating-point tensor (the optimizer's master weights)"
+        )
     refuse_strided(arch, loc, f"fp32 partition of {what} {i}")
     return dtype, loc, shape[0]

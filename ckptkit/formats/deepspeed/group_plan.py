@@ -1,6 +1,7 @@
 """How each ZeRO (sub-)group is written at a new world size: its state keys (partitioned or
 whole), its whole values, the masters' dtype and each rank's share of its flat buffer (virtual
 slices of the per-parameter tensors, streamed when written)."""
+
 from __future__ import annotations
 
 import copy
@@ -31,7 +32,7 @@ class StatePlanner:
 
     def __init__(self, index: CheckpointIndex, fetcher: Fetcher) -> None:
         self.index, self.fetcher = index, fetcher
-        self.by_name: dict[str, list[str]] = {}   # param name -> its state keys, in index order
+        self.by_name: dict[str, list[str]] = {}  # param name -> its state keys, in index order
         by_name = self.by_name
         for entries in (index.tensors, index.objects):
             for e in entries.values():  # (a path (optim, state, name, key): 60k of 80k entries at 20k params)
@@ -60,14 +61,18 @@ class StatePlanner:
             if params and all(kinds):
                 dtypes = {e.dtype for e, _ in entries}
                 if len(dtypes) > 1:
-                    raise UnsupportedError(f"{where}: optimizer state {quote(str(key))} has dtypes "
-                                           f"{sorted(dtypes)} across the parameters of one partition")
+                    raise UnsupportedError(
+                        f"{where}: optimizer state {quote(str(key))} has dtypes "
+                        f"{sorted(dtypes)} across the parameters of one partition"
+                    )
                 out[key] = dtypes.pop()
             elif any(kinds):
                 odd = [n for (n, _), k in zip(params, kinds) if not k][:3]
-                raise UnsupportedError(f"{where}: optimizer state {quote(str(key))} is shaped like its parameter "
-                                       f"for some parameters but not for {odd}; they cannot share one ZeRO "
-                                       f"partition")
+                raise UnsupportedError(
+                    f"{where}: optimizer state {quote(str(key))} is shaped like its parameter "
+                    f"for some parameters but not for {odd}; they cannot share one ZeRO "
+                    f"partition"
+                )
             else:
                 out[key] = None
         return out
@@ -86,9 +91,11 @@ class StatePlanner:
             if not any(same_value(value, v) for v in values):
                 values.append(value)
         if len(values) > 1:
-            raise UnsupportedError(f"{where}: parameters {names[:3]}... have different values of optimizer state "
-                                   f"{quote(str(key))} ({quote(', '.join(sorted(map(repr, values))))}); they "
-                                   f"cannot share one ZeRO partition")
+            raise UnsupportedError(
+                f"{where}: parameters {names[:3]}... have different values of optimizer state "
+                f"{quote(str(key))} ({quote(', '.join(sorted(map(repr, values))))}); they "
+                f"cannot share one ZeRO partition"
+            )
         return copy.deepcopy(values[0]) if values else template
 
 
@@ -103,10 +110,10 @@ class GroupPlan:
     each rank's share of its flat buffer."""
 
     group: ZeroGroup
-    keys: dict[Any, str | None]        # state key -> dtype of a partitioned one, None for a whole one
-    whole: dict[Any, Any]              # whole state key -> the group's one value
+    keys: dict[Any, str | None]  # state key -> dtype of a partitioned one, None for a whole one
+    whole: dict[Any, Any]  # whole state key -> the group's one value
     master_dtype: str
-    has_state: bool                    # the optimizer holds state for it (else it is left out)
+    has_state: bool  # the optimizer holds state for it (else it is left out)
     shares: list[partition.RankShare]
     # rank -> its slots as table columns (names, starts, lengths, positions, end), shared by the
     # rank's partitions; (names, state key or None) -> the keys the table refers to, shared by the
@@ -117,17 +124,31 @@ class GroupPlan:
     def masters(self, rank: int) -> LazyTensor:
         """This rank's flat partition of the fp32 masters."""
         share = self.shares[rank]
-        return _table_or_parts(f"fp32.{self.group.index}.{rank}", self.master_dtype,
-                               self._table(rank, None, share.own),
-                               lambda: _parts(share, model_key), share.own)
+        return _table_or_parts(
+            f"fp32.{self.group.index}.{rank}",
+            self.master_dtype,
+            self._table(rank, None, share.own),
+            lambda: _parts(share, model_key),
+            share.own,
+        )
 
     def state(self, rank: int) -> dict[Any, Any]:
         """This rank's optimizer state of the group: flat partitions and whole values."""
         share = self.shares[rank]
-        return {key: (_table_or_parts(f"{key}.{self.group.index}.{rank}", dtype, self._table(rank, key, share.size),
-                                      lambda key=key: _parts(share, lambda name: state_key(name, key)), share.size)
-                      if dtype is not None else copy.deepcopy(self.whole[key]))
-                for key, dtype in self.keys.items()}
+        return {
+            key: (
+                _table_or_parts(
+                    f"{key}.{self.group.index}.{rank}",
+                    dtype,
+                    self._table(rank, key, share.size),
+                    lambda key=key: _parts(share, lambda name: state_key(name, key)),
+                    share.size,
+                )
+                if dtype is not None
+                else copy.deepcopy(self.whole[key])
+            )
+            for key, dtype in self.keys.items()
+        }
 
     def _table(self, rank: int, key: Any, numel: int) -> FlatTable | None:
         """Rank's partition of `numel` elements of the masters (key None) or of state `key`, as a
@@ -140,20 +161,25 @@ class GroupPlan:
             slots = self.shares[rank].slots
             names, starts, lengths, positions = (tuple(c) for c in zip(*slots)) if slots else ((), (), (), ())
             end = positions[-1] + lengths[-1] if slots else 0
-            cols = self._rank_columns[rank] = (names, *(np.array(c, dtype=np.int64) for c in (starts, lengths, positions)),
-                                          end)
+            cols = self._rank_columns[rank] = (
+                names,
+                *(np.array(c, dtype=np.int64) for c in (starts, lengths, positions)),
+                end,
+            )
         names, starts, lengths, positions, end = cols
         if end > numel:
             return None
         refs = self._refs.get((names, key))  # the ranks' names are alike in stage 3: built once
         if refs is None:
-            refs = self._refs[(names, key)] = ([model_key(n) for n in names] if key is None else
-                                                  [state_key(n, key) for n in names])
+            refs = self._refs[(names, key)] = (
+                [model_key(n) for n in names] if key is None else [state_key(n, key) for n in names]
+            )
         return FlatTable(refs, starts, lengths, positions, numel)
 
 
-def _table_or_parts(key: str, dtype: str, table: FlatTable | None, parts: Callable[[], list[Part]],
-                    length: int) -> LazyTensor:
+def _table_or_parts(
+    key: str, dtype: str, table: FlatTable | None, parts: Callable[[], list[Part]], length: int
+) -> LazyTensor:
     """A partition as its flat table, else as its parts sliced to `length`."""
     if table is not None:
         return LazyTensor(flat_table(key, dtype, table))
@@ -182,8 +208,9 @@ def target_groups(info: ZeroInfo, world: int, sub_group_size: int | None) -> lis
     groups: list[ZeroGroup] = []
     for g in range(info.param_group_count):
         shapes = dict(by_group.get(g, []))
-        for sub in partition.stage3_sub_groups([(n, math.prod(s)) for n, s in by_group.get(g, [])], world,
-                                               sub_group_size):
+        for sub in partition.stage3_sub_groups(
+            [(n, math.prod(s)) for n, s in by_group.get(g, [])], world, sub_group_size
+        ):
             groups.append(ZeroGroup(index=len(groups), param_group=g, params=tuple((n, shapes[n]) for n, _ in sub)))
     return groups
 
@@ -202,21 +229,40 @@ def state_templates(stage: int, template_state: Any, groups: list[ZeroGroup]) ->
     return [keys if template_state else None] * len(groups)
 
 
-def plan_group(index: CheckpointIndex, states: StatePlanner, stage: int, group: ZeroGroup, template: dict | None,
-                oarchive: Archive | None, where: str, world: int) -> GroupPlan:
+def plan_group(
+    index: CheckpointIndex,
+    states: StatePlanner,
+    stage: int,
+    group: ZeroGroup,
+    template: dict | None,
+    oarchive: Archive | None,
+    where: str,
+    world: int,
+) -> GroupPlan:
     names = group.names
     keys = states.plan(states.keys(template, names), group.params, where)
-    whole = {key: states.whole(key, names, lazify((template or {}).get(key), oarchive, {}), where)
-             for key, dtype in keys.items() if dtype is None}
+    whole = {
+        key: states.whole(key, names, lazify((template or {}).get(key), oarchive, {}), where)
+        for key, dtype in keys.items()
+        if dtype is None
+    }
     shares = partition.rank_shares(stage, [(n, math.prod(s)) for n, s in group.params], group.paddings, world)
-    return GroupPlan(group=group, keys=keys, whole=whole, master_dtype=master_dtype(index, names),
-                      has_state=template is not None or bool(keys), shares=shares)
+    return GroupPlan(
+        group=group,
+        keys=keys,
+        whole=whole,
+        master_dtype=master_dtype(index, names),
+        has_state=template is not None or bool(keys),
+        shares=shares,
+    )
 
 
 def master_dtype(index: CheckpointIndex, names: list[str]) -> str:
     """The dtype of a flat buffer of fp32 masters (DeepSpeed's are float32), the same for all."""
     dtypes = {index.tensors[model_key(n)].dtype for n in names}
     if len(dtypes) > 1:
-        raise UnsupportedError(f"the master weights of one ZeRO partition have dtypes {sorted(dtypes)} "
-                               f"(parameters {names[:3]}...); they cannot share a flat buffer")
+        raise UnsupportedError(
+            f"the master weights of one ZeRO partition have dtypes {sorted(dtypes)} "
+            f"(parameters {names[:3]}...); they cannot share a flat buffer"
+        )
     return dtypes.pop() if dtypes else "float32"

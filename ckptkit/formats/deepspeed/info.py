@@ -3,6 +3,7 @@
 The reader builds a `ZeroInfo` once from what it read (kept in `index.native`); convert builds
 one from a DeepSpeed config; the writer lays out a checkpoint for a new world size from it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,10 +17,10 @@ from .files import ZeroFiles
 class ZeroGroup:
     """One optimizer param group (stage 1/2) or sub-group (stage 3) as laid out on disk."""
 
-    index: int                                  # position in the optimizer state (group, or sub-group)
-    param_group: int                            # the torch param group it belongs to
-    params: tuple[tuple[str, tuple[int, ...]], ...]   # (name, shape), in flat-buffer order
-    paddings: tuple[int, ...] | None = None     # stage 1/2: alignment padding after each parameter
+    index: int  # position in the optimizer state (group, or sub-group)
+    param_group: int  # the torch param group it belongs to
+    params: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape), in flat-buffer order
+    paddings: tuple[int, ...] | None = None  # stage 1/2: alignment padding after each parameter
 
     @property
     def names(self) -> list[str]:
@@ -30,9 +31,9 @@ class ZeroGroup:
 class StageNames:
     """Where a stage keeps its flat buffers in the optim-states file, and what it calls them."""
 
-    masters: str      # the list of a rank's flat fp32 partitions, one per (sub-)group
-    optimizer: str    # the wrapped torch optimizer's state_dict
-    group: str        # a (sub-)group in messages
+    masters: str  # the list of a rank's flat fp32 partitions, one per (sub-)group
+    optimizer: str  # the wrapped torch optimizer's state_dict
+    group: str  # a (sub-)group in messages
 
 
 STAGE12 = StageNames(masters="single_partition_of_fp32_groups", optimizer="base_optimizer_state", group="group")
@@ -53,9 +54,9 @@ class ZeroInfo:
     groups: list[ZeroGroup]
     frozen: dict[str, tuple[int, ...]]
     buffers: list[str]
-    shared: dict[str, str]                                   # alias -> owner
-    model_states: dict[int, Any] = field(default_factory=dict)   # rank -> lazy structure
+    shared: dict[str, str]  # alias -> owner
+    model_states: dict[int, Any] = field(default_factory=dict)  # rank -> lazy structure
     optim_states: dict[int, Any] = field(default_factory=dict)
-    archives: dict[str, Archive] = field(default_factory=dict)   # none: templates convert built
+    archives: dict[str, Archive] = field(default_factory=dict)  # none: templates convert built
     param_group_count: int = 0
-    dtype: str = "float32"                                   # the module weights' precision
+    dtype: str = "float32"  # the module weights' precision

@@ -23,6 +23,7 @@ The split of each parameter comes first from what the checkpoint records
 rules (ckptkit/convert/tp_rules.py: --tp-rules FILE, then the built-in ones); a parameter no rule
 decides is refused by name. Each assembled tensor carries attrs["parallel"]["tp"] = {"dim", "size"}.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,10 +41,12 @@ from ...storage import kernel_copy
 from ...storage.source import Source
 from .files import ZeroFiles
 
-COMPARE_ELEMENTS_BYTES = 16 << 20   # bytes of each copy compared at a time (user-declared replicas)
+COMPARE_ELEMENTS_BYTES = 16 << 20  # bytes of each copy compared at a time (user-declared replicas)
 
-NOT_RESHARDABLE = ("converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
-                   "--to tp=...,dp=... lays it out at new sizes)")
+NOT_RESHARDABLE = (
+    "converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
+    "--to tp=...,dp=... lays it out at new sizes)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,15 +55,17 @@ class ModelParallelInfo:
 
     tp: int
     dp: int
-    ranks: dict[int, Any] = field(default_factory=dict)     # mp rank -> ZeroInfo
+    ranks: dict[int, Any] = field(default_factory=dict)  # mp rank -> ZeroInfo
     splits: dict[str, TpSplit] = field(default_factory=dict)
     # key of a replicated tensor -> (mp rank, that rank's copy) for ranks 1.. (the index reads rank 0's)
     replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
 
     def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
         """key -> [(what, entry)]: other copies that must hold the same bytes (verify --deep)."""
-        return {key: [(f"model-parallel rank {rank}'s copy", e) for rank, e in copies]
-                for key, copies in self.replicas.items()}
+        return {
+            key: [(f"model-parallel rank {rank}'s copy", e) for rank, e in copies]
+            for key, copies in self.replicas.items()
+        }
 
 
 @dataclass(frozen=True)
@@ -109,17 +114,29 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
     for e0 in aliases:
         owner = index.tensors.get(e0.attrs["alias_of"])
         if owner is not None:
-            index.add_tensor(TensorEntry(e0.key, owner.dtype, owner.shape, list(owner.pieces), path=e0.path,
-                                         attrs={**e0.attrs, "parallel": owner.attrs.get("parallel")}))
+            index.add_tensor(
+                TensorEntry(
+                    e0.key,
+                    owner.dtype,
+                    owner.shape,
+                    list(owner.pieces),
+                    path=e0.path,
+                    attrs={**e0.attrs, "parallel": owner.attrs.get("parallel")},
+                )
+            )
     for key, obj in first.objects.items():
         index.add_object(obj)
     index.step = first.step
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
     index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "mp_world_size": tp}
-    index.metadata["parallel"] = {"tp": tp, **({"ep": first.metadata["parallel"]["ep"]}
-                                               if "ep" in first.metadata.get("parallel", {}) else {}), "dp": dp}
-    index.native = ModelParallelInfo(tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits,
-                                     replicas=replicas)
+    index.metadata["parallel"] = {
+        "tp": tp,
+        **({"ep": first.metadata["parallel"]["ep"]} if "ep" in first.metadata.get("parallel", {}) else {}),
+        "dp": dp,
+    }
+    index.native = ModelParallelInfo(
+        tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits, replicas=replicas
+    )
     return index
 
 
@@ -132,22 +149,32 @@ def _check_recorded_tp(first: CheckpointIndex, tp: int, label: str) -> None:
     if not isinstance(m0, dict):
         return
     dims = m0.get("checkpoint_parallel_dimensions")
-    recorded, key = (dims.get("tp_degree"), "checkpoint_parallel_dimensions.tp_degree") \
-        if isinstance(dims, dict) and "tp_degree" in dims else (m0.get("mp_world_size"), "mp_world_size")
+    recorded, key = (
+        (dims.get("tp_degree"), "checkpoint_parallel_dimensions.tp_degree")
+        if isinstance(dims, dict) and "tp_degree" in dims
+        else (m0.get("mp_world_size"), "mp_world_size")
+    )
     if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != tp:
-        raise FormatError(f"{label}: {key} says the tensor-parallel size is {recorded}, but the tag folder has "
-                          f"model-states files of {tp} mp ranks (mp_rank_00..mp_rank_{tp - 1:02d})")
+        raise FormatError(
+            f"{label}: {key} says the tensor-parallel size is {recorded}, but the tag folder has "
+            f"model-states files of {tp} mp ranks (mp_rank_00..mp_rank_{tp - 1:02d})"
+        )
 
 
-def _same_entry(subs: dict[int, CheckpointIndex], rank: int, key: str, e0: TensorEntry, files: ZeroFiles,
-                source: Source) -> TensorEntry:
+def _same_entry(
+    subs: dict[int, CheckpointIndex], rank: int, key: str, e0: TensorEntry, files: ZeroFiles, source: Source
+) -> TensorEntry:
     entry = subs[rank].tensors.get(key)
-    where = source.label(files.prefix + files.model_parallel[rank].optim_files[min(files.model_parallel[rank].optim_files)])
+    where = source.label(
+        files.prefix + files.model_parallel[rank].optim_files[min(files.model_parallel[rank].optim_files)]
+    )
     if entry is None:
         raise FormatError(f"{where}: model-parallel rank {rank} has no {key} (rank 0 has it)")
     if entry.dtype != e0.dtype or len(entry.shape) != len(e0.shape):
-        raise FormatError(f"{where}: {key} is {entry.dtype} {list(entry.shape)} on model-parallel rank {rank}, "
-                          f"{e0.dtype} {list(e0.shape)} on rank 0")
+        raise FormatError(
+            f"{where}: {key} is {entry.dtype} {list(entry.shape)} on model-parallel rank {rank}, "
+            f"{e0.dtype} {list(e0.shape)} on rank 0"
+        )
     return entry
 
 
@@ -161,13 +188,20 @@ def _param_name(e: TensorEntry) -> str | None:
     return None
 
 
-def _full_entry(entries: list[TensorEntry], name: str | None, first: CheckpointIndex, rules: TpRules,
-                splits: dict[str, TpSplit], tp: int, label: str) -> TensorEntry:
+def _full_entry(
+    entries: list[TensorEntry],
+    name: str | None,
+    first: CheckpointIndex,
+    rules: TpRules,
+    splits: dict[str, TpSplit],
+    tp: int,
+    label: str,
+) -> TensorEntry:
     e0 = entries[0]
     param = first.tensors.get(f"model.{name}") if name is not None else None
     shaped_like_param = param is not None and tuple(param.shape) == tuple(e0.shape) and len(e0.shape) > 0
     if not shaped_like_param and not (name is not None and e0.key.startswith("ds_module.")):
-        return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)   # a whole value (a 0-d step): as rank 0's
+        return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)  # a whole value (a 0-d step): as rank 0's
     split = splits.get(name) or _decide(rules, name, [e.shape for e in entries], label)
     splits[name] = split
     if split.kind == "replicated":
@@ -175,15 +209,19 @@ def _full_entry(entries: list[TensorEntry], name: str | None, first: CheckpointI
         return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)
     shapes = {tuple(e.shape) for e in entries}
     if len(shapes) != 1:
-        raise UnsupportedError(f"{e0.key}: its tensor-parallel slices differ in shape ({[list(e.shape) for e in entries]}); "
-                               f"uneven tensor-parallel splits are not supported yet")
+        raise UnsupportedError(
+            f"{e0.key}: its tensor-parallel slices differ in shape ({[list(e.shape) for e in entries]}); "
+            f"uneven tensor-parallel splits are not supported yet"
+        )
     local = tuple(e0.shape)
     dim = split.dim if split.dim is not None else 0
     if dim >= len(local):
-        raise UnsupportedError(f"tensor-parallel rule {quote(split.rule)} splits dimension {dim} of {quote(name)}, "
-                               f"whose slices have shape {list(local)}; {HOW_TO}")
+        raise UnsupportedError(
+            f"tensor-parallel rule {quote(split.rule)} splits dimension {dim} of {quote(name)}, "
+            f"whose slices have shape {list(local)}; {HOW_TO}"
+        )
     blocks_of = _blocks(split, local, dim, tp, e0.key)
-    full = local[:dim] + (local[dim] * tp,) + local[dim + 1:]
+    full = local[:dim] + (local[dim] * tp,) + local[dim + 1 :]
     pieces: list[Piece] = []
     for rank, entry in enumerate(entries):
         pieces.extend(_place(entry, local, full, dim, blocks_of(rank)))
@@ -197,20 +235,26 @@ def _check_replica_shapes(entries: list[TensorEntry], split: TpSplit, label: str
     if all(tuple(e.shape) == tuple(e0.shape) for e in entries):
         return
     per_rank = ", ".join(f"rank {r}: {list(e.shape)}" for r, e in enumerate(entries))
-    raise UnsupportedError(f"{label}: {e0.key} is declared replicated by tensor-parallel rule {quote(split.rule)}, "
-                           f"but its model-parallel slices differ in shape ({per_rank}); a replicated tensor is "
-                           f"whole on every rank, so the rule does not fit it; {HOW_TO}")
+    raise UnsupportedError(
+        f"{label}: {e0.key} is declared replicated by tensor-parallel rule {quote(split.rule)}, "
+        f"but its model-parallel slices differ in shape ({per_rank}); a replicated tensor is "
+        f"whole on every rank, so the rule does not fit it; {HOW_TO}"
+    )
 
 
 def _user_replicated(rules: TpRules) -> set[int]:
     """ids of the "replicated" splits of the user's rules (--tp-rules FILE), the built-in ones left
     out: only those copies are compared when the checkpoint is read (verify --deep checks all)."""
-    return {id(r.split) for r in rules.rules
-            if r.split.kind == "replicated" and not r.source.startswith("built-in ")}
+    return {id(r.split) for r in rules.rules if r.split.kind == "replicated" and not r.source.startswith("built-in ")}
 
 
-def _check_declared_replicas(source: Source, index: CheckpointIndex, keys: list[tuple[str, TpSplit]],
-                             replicas: dict[str, list[tuple[int, TensorEntry]]], label: str) -> None:
+def _check_declared_replicas(
+    source: Source,
+    index: CheckpointIndex,
+    keys: list[tuple[str, TpSplit]],
+    replicas: dict[str, list[tuple[int, TensorEntry]]],
+    label: str,
+) -> None:
     """Every copy of a tensor the user's rule declared replicated holds rank 0's bytes: a rule that
     names a split tensor (equal slices of different values) is refused by name, not joined as
     rank 0's slice. Reads those tensors on every rank, in slabs."""
@@ -221,10 +265,12 @@ def _check_declared_replicas(source: Source, index: CheckpointIndex, keys: list[
         e0 = index.tensors[key]
         for rank, copy in replicas[key]:
             if not _same_bytes(fetcher, e0, copy):
-                raise FormatError(f"{label}: {key} is declared replicated by tensor-parallel rule "
-                                  f"{quote(split.rule)}, but model-parallel rank {rank}'s copy differs from rank "
-                                  f"0's; replicated tensors (layernorms) are equal on every rank, so the rule "
-                                  f"does not fit it: give its split instead (see docs/tp_rules.md)")
+                raise FormatError(
+                    f"{label}: {key} is declared replicated by tensor-parallel rule "
+                    f"{quote(split.rule)}, but model-parallel rank {rank}'s copy differs from rank "
+                    f"0's; replicated tensors (layernorms) are equal on every rank, so the rule "
+                    f"does not fit it: give its split instead (see docs/tp_rules.md)"
+                )
 
 
 def _same_bytes(fetcher: Fetcher, a: TensorEntry, b: TensorEntry) -> bool:
@@ -246,7 +292,7 @@ def _slab_bytes(fetcher: Fetcher, entry: TensorEntry, start: int, length: int) -
         return kernel_copy.read(fetcher.source, ranges)
     from ...lazy_torch import torch
 
-    flat = fetcher.fetch(entry).reshape(-1)[start:start + length].contiguous()
+    flat = fetcher.fetch(entry).reshape(-1)[start : start + length].contiguous()
     return flat.view(torch.uint8).numpy().tobytes()
 
 
@@ -254,8 +300,10 @@ def _decide(rules: TpRules, name: str, shapes: list[tuple[int, ...]], label: str
     split = rules.find(name)
     if split is None:
         per_rank = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(shapes))
-        raise UnsupportedError(f"{label}: tensor-parallel checkpoint: no split rule decides {quote(name)} (its "
-                               f"slices: {per_rank}), and the checkpoint records none; {HOW_TO}")
+        raise UnsupportedError(
+            f"{label}: tensor-parallel checkpoint: no split rule decides {quote(name)} (its "
+            f"slices: {per_rank}), and the checkpoint records none; {HOW_TO}"
+        )
     return split
 
 
@@ -265,14 +313,18 @@ def _blocks(split: TpSplit, local: tuple[int, ...], dim: int, tp: int, key: str)
         return lambda rank: [_Block(0, local[dim], rank * local[dim])]
     if split.parts is not None:
         if any(p % tp for p in split.parts) or sum(split.parts) != local[dim] * tp:
-            raise UnsupportedError(f"{key}: rule {quote(split.rule)} fuses blocks {list(split.parts)} along dim "
-                                   f"{dim}, which {tp} tensor-parallel slices of {local[dim]} cannot hold")
+            raise UnsupportedError(
+                f"{key}: rule {quote(split.rule)} fuses blocks {list(split.parts)} along dim "
+                f"{dim}, which {tp} tensor-parallel slices of {local[dim]} cannot hold"
+            )
         sizes = [p // tp for p in split.parts]
     else:
         count = split.count or 1
         if local[dim] % count:
-            raise UnsupportedError(f"{key}: rule {quote(split.rule)} fuses {count} equal blocks along dim {dim}, "
-                                   f"but a tensor-parallel slice has {local[dim]} there")
+            raise UnsupportedError(
+                f"{key}: rule {quote(split.rule)} fuses {count} equal blocks along dim {dim}, "
+                f"but a tensor-parallel slice has {local[dim]} there"
+            )
         sizes = [local[dim] // count] * count
 
     def blocks(rank: int) -> list[_Block]:
@@ -282,11 +334,13 @@ def _blocks(split: TpSplit, local: tuple[int, ...], dim: int, tp: int, key: str)
             local_start += size
             full_start += size * tp
         return out
+
     return blocks
 
 
-def _place(entry: TensorEntry, local: tuple[int, ...], full: tuple[int, ...], dim: int,
-           blocks: list[_Block]) -> list[Piece]:
+def _place(
+    entry: TensorEntry, local: tuple[int, ...], full: tuple[int, ...], dim: int, blocks: list[_Block]
+) -> list[Piece]:
     """One rank's pieces as pieces of the full tensor."""
     item = itemsize(entry.dtype)
     out: list[Piece] = []
@@ -296,13 +350,17 @@ def _place(entry: TensorEntry, local: tuple[int, ...], full: tuple[int, ...], di
         if length == 0:
             continue
         if math.prod(full[:dim]) == 1:  # each block of a slice is one run of the full tensor
-            inner = math.prod(local[dim + 1:])
+            inner = math.prod(local[dim + 1 :])
             for b in blocks:
                 lo = max(start, b.local_start * inner)
                 hi = min(start + length, (b.local_start + b.local_size) * inner)
                 if hi > lo:
-                    out.append(Piece(FlatRange(b.full_start * inner + lo - b.local_start * inner, hi - lo),
-                                     Location(loc.file, loc.offset + (lo - start) * item, (hi - lo) * item)))
+                    out.append(
+                        Piece(
+                            FlatRange(b.full_start * inner + lo - b.local_start * inner, hi - lo),
+                            Location(loc.file, loc.offset + (lo - start) * item, (hi - lo) * item),
+                        )
+                    )
             continue
         strides = row_major_strides(local)
         for box, _ in flat_to_boxes(FlatRange(start, length), local):
@@ -311,10 +369,10 @@ def _place(entry: TensorEntry, local: tuple[int, ...], full: tuple[int, ...], di
                 hi = min(box.offsets[dim] + box.sizes[dim], b.local_start + b.local_size)
                 if hi <= lo:
                     continue
-                offsets = box.offsets[:dim] + (lo,) + box.offsets[dim + 1:]
-                sizes = box.sizes[:dim] + (hi - lo,) + box.sizes[dim + 1:]
+                offsets = box.offsets[:dim] + (lo,) + box.offsets[dim + 1 :]
+                sizes = box.sizes[:dim] + (hi - lo,) + box.sizes[dim + 1 :]
                 first = sum(o * s for o, s in zip(offsets, strides))
-                target = offsets[:dim] + (b.full_start + lo - b.local_start,) + offsets[dim + 1:]
+                target = offsets[:dim] + (b.full_start + lo - b.local_start,) + offsets[dim + 1 :]
                 byte = loc.offset + (first - start) * item
                 if _contiguous(sizes, local):
                     where = Location(loc.file, byte, math.prod(sizes) * item)
@@ -328,28 +386,33 @@ def _flat_extent(entry: TensorEntry, piece: Piece, local: tuple[int, ...]) -> tu
     """(start, length) of a piece as a run of its rank's slice (a flat range, or the whole tensor)."""
     loc = piece.location
     if loc.encoding != Encoding.RAW:
-        raise UnsupportedError(f"{entry.key}: a {loc.encoding} piece cannot be placed in a tensor-parallel "
-                               f"tensor yet")
+        raise UnsupportedError(f"{entry.key}: a {loc.encoding} piece cannot be placed in a tensor-parallel tensor yet")
     if isinstance(piece.region, FlatRange):
         return piece.region.start, piece.region.length
     if piece.region == Box.whole(local) and loc.stride is None:
         return 0, math.prod(local)
-    raise UnsupportedError(f"{entry.key}: a strided or partial piece cannot be placed in a tensor-parallel "
-                           f"tensor yet")
+    raise UnsupportedError(f"{entry.key}: a strided or partial piece cannot be placed in a tensor-parallel tensor yet")
 
 
 def _contiguous(sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     """A box whose elements are one run of the row-major tensor of `shape`."""
     for i, n in enumerate(sizes):
         if n > 1:
-            return tuple(sizes[i + 1:]) == tuple(shape[i + 1:])
+            return tuple(sizes[i + 1 :]) == tuple(shape[i + 1 :])
     return True
 
 
-def _with_tp(e0: TensorEntry, pieces: list[Piece], shape: tuple[int, ...], dim: int | None, tp: int,
-             split: TpSplit | None = None) -> TensorEntry:
+def _with_tp(
+    e0: TensorEntry, pieces: list[Piece], shape: tuple[int, ...], dim: int | None, tp: int, split: TpSplit | None = None
+) -> TensorEntry:
     tp_attr: dict[str, Any] = {"dim": dim, "size": tp}
     if split is not None and split.kind == "fused":
         tp_attr["fused"] = split.blocks
-    return TensorEntry(e0.key, e0.dtype, tuple(shape), pieces, path=e0.path,
-                       attrs={**e0.attrs, "parallel": {**e0.attrs.get("parallel", {}), "tp": tp_attr}})
+    return TensorEntry(
+        e0.key,
+        e0.dtype,
+        tuple(shape),
+        pieces,
+        path=e0.path,
+        attrs={**e0.attrs, "parallel": {**e0.attrs.get("parallel", {}), "tp": tp_attr}},
+    )

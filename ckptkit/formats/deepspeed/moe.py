@@ -18,6 +18,7 @@ groups._create_expert_and_data_parallel):
 Every expert tensor gets the global name DeepSpeed's expert files use (local id + ep rank times
 the layer's local experts) and `attrs["parallel"] = {"ep": {"rank": <ep rank>, "size": E}}`.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,8 +38,10 @@ from .info import ZeroGroup, stage_names
 EXPERT_FILE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 MARK = ".deepspeed_moe.experts.deepspeed_experts."
 GROUP_NAME = re.compile(r"^ep_size_(\d+)$")
-NOT_RESHARDABLE = ("converting a mixture-of-experts DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
-                   "--to ep=...,dp=... rewrites it at new sizes)")
+NOT_RESHARDABLE = (
+    "converting a mixture-of-experts DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
+    "--to ep=...,dp=... rewrites it at new sizes)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +51,7 @@ class ExpertLayout:
 
     ep: int
     world: int
-    layers: dict[str, int]     # MoE module prefix -> global experts, in layer-id order
+    layers: dict[str, int]  # MoE module prefix -> global experts, in layer-id order
 
     @property
     def edp(self) -> int:
@@ -72,8 +75,10 @@ def split_expert_name(name: str, where: str = "param_shapes") -> tuple[str, int,
     prefix, marked, tail = name.partition(MARK)
     expert, _, rest = tail.partition(".")
     if not marked or not expert.isdigit() or not rest:
-        raise FormatError(f"{where}: expert parameter {quote(name)} is not named <moe>{MARK}<id>.<param> "
-                          f"(the names deepspeed.moe.layer.MoE gives its experts)")
+        raise FormatError(
+            f"{where}: expert parameter {quote(name)} is not named <moe>{MARK}<id>.<param> "
+            f"(the names deepspeed.moe.layer.MoE gives its experts)"
+        )
     return prefix, int(expert), rest
 
 
@@ -86,41 +91,62 @@ def refuse_rewrite(index: CheckpointIndex) -> None:
     (reshard writes them from the source's own files: moe_writer.py)."""
     if is_moe(index):
         ep = index.metadata["deepspeed_moe"]["ep_size"]
-        raise UnsupportedError(f"{index.root}: {NOT_RESHARDABLE} (expert-parallel size {ep}); consolidate it or "
-                               f"convert it to torch, safetensors or DCP instead")
+        raise UnsupportedError(
+            f"{index.root}: {NOT_RESHARDABLE} (expert-parallel size {ep}); consolidate it or "
+            f"convert it to torch, safetensors or DCP instead"
+        )
 
 
-def read_experts(source: Source, index: CheckpointIndex, stage: int, ranks: RankFiles, groups_meta: list,
-                 groups: list[ZeroGroup], m0: dict, label: str) -> tuple[list[ZeroGroup], list[ZeroGroup]]:
+def read_experts(
+    source: Source,
+    index: CheckpointIndex,
+    stage: int,
+    ranks: RankFiles,
+    groups_meta: list,
+    groups: list[ZeroGroup],
+    m0: dict,
+    label: str,
+) -> tuple[list[ZeroGroup], list[ZeroGroup]]:
     """Read the expert groups (into `index`) and the expert files' module weights. Returns the
     dense groups, for the reader's usual path, and every group with the experts' global names,
     for the param-group listing."""
     files = ranks.files
     if m0.get("ds_autoep_layers"):
-        raise UnsupportedError(f"{label}: records AutoEP layers (ds_autoep_layers): checkpoints of DeepSpeed's "
-                               f"AutoEP experts are not supported yet, only deepspeed.moe.layer.MoE")
+        raise UnsupportedError(
+            f"{label}: records AutoEP layers (ds_autoep_layers): checkpoints of DeepSpeed's "
+            f"AutoEP experts are not supported yet, only deepspeed.moe.layer.MoE"
+        )
     if stage == 3:
-        raise UnsupportedError(f"{source.label(files.prefix + files.expert_files[0])}: mixture-of-experts "
-                               f"checkpoints at ZeRO stage 3 are not supported yet")
+        raise UnsupportedError(
+            f"{source.label(files.prefix + files.expert_files[0])}: mixture-of-experts "
+            f"checkpoints at ZeRO stage 3 are not supported yet"
+        )
     expert_ids = [g.index for g in groups if _is_expert_group(groups_meta[g.param_group])]
     if not expert_ids:
-        raise FormatError(f"{source.label(files.prefix + files.expert_files[0])}: is a mixture-of-experts expert "
-                          f"file, but no optimizer param group of "
-                          f"{source.label(files.prefix + files.optim_files[min(files.optim_files)])} is an expert "
-                          f"group (moe: true)")
+        raise FormatError(
+            f"{source.label(files.prefix + files.expert_files[0])}: is a mixture-of-experts expert "
+            f"file, but no optimizer param group of "
+            f"{source.label(files.prefix + files.optim_files[min(files.optim_files)])} is an expert "
+            f"group (moe: true)"
+        )
     layout = _layout(source, files, ranks, groups_meta, [groups[i] for i in expert_ids], m0, label)
     expert_files = _expert_files(source, index, files, ranks.archives, layout, [groups[i] for i in expert_ids])
     listed: list[ZeroGroup] = []
     for ep_rank in range(layout.ep):
-        renamed = [replace(groups[i], params=tuple((layout.global_name(n, ep_rank), s) for n, s in groups[i].params))
-                   for i in expert_ids]
+        renamed = [
+            replace(groups[i], params=tuple((layout.global_name(n, ep_rank), s) for n, s in groups[i].params))
+            for i in expert_ids
+        ]
         read_flat_groups(index, stage, _ep_view(ranks, layout, ep_rank), renamed, stage_names(stage))
         _mark(index, renamed, ep_rank, layout.ep)
         listed += renamed
     _module_weights(index, expert_files, layout)
     index.metadata["parallel"] = {"ep": layout.ep, "dp": layout.world}
-    index.metadata["deepspeed_moe"] = {"ep_size": layout.ep, "expert_dp_size": layout.edp,
-                                       "num_experts": dict(layout.layers)}
+    index.metadata["deepspeed_moe"] = {
+        "ep_size": layout.ep,
+        "expert_dp_size": layout.edp,
+        "num_experts": dict(layout.layers),
+    }
     dense = [g for g in groups if g.index not in expert_ids]
     return dense, sorted(dense + listed, key=lambda g: g.index)
 
@@ -129,8 +155,15 @@ def _is_expert_group(meta: Any) -> bool:
     return isinstance(meta, dict) and bool(meta.get("moe"))
 
 
-def _layout(source: Source, files: ZeroFiles, ranks: RankFiles, groups_meta: list, expert_groups: list[ZeroGroup],
-            m0: dict, label: str) -> ExpertLayout:
+def _layout(
+    source: Source,
+    files: ZeroFiles,
+    ranks: RankFiles,
+    groups_meta: list,
+    expert_groups: list[ZeroGroup],
+    m0: dict,
+    label: str,
+) -> ExpertLayout:
     """E from the expert groups' names (`ep_size_<E>`), checked against their partition counts and
     the world; the MoE layers from the expert names, with `num_experts` of the model-states file."""
     optim_label = source.label(files.prefix + files.optim_files[min(files.optim_files)])
@@ -139,37 +172,49 @@ def _layout(source: Source, files: ZeroFiles, ranks: RankFiles, groups_meta: lis
         name = groups_meta[group.param_group].get("name")
         match = GROUP_NAME.match(name) if isinstance(name, str) else None
         if match is None:
-            raise FormatError(f"{optim_label}: expert param group {group.param_group} is named {quote(str(name))}, "
-                              f"expected ep_size_<expert-parallel size>")
+            raise FormatError(
+                f"{optim_label}: expert param group {group.param_group} is named {quote(str(name))}, "
+                f"expected ep_size_<expert-parallel size>"
+            )
         sizes.add(int(match.group(1)))
     if len(sizes) != 1:
-        raise UnsupportedError(f"{optim_label}: MoE layers with different expert-parallel sizes {sorted(sizes)} "
-                               f"are not supported yet")
+        raise UnsupportedError(
+            f"{optim_label}: MoE layers with different expert-parallel sizes {sorted(sizes)} are not supported yet"
+        )
     ep, world = sizes.pop(), ranks.world_size
     if ep < 1 or world % ep:
         raise FormatError(f"{optim_label}: expert-parallel size {ep} does not divide the {world} ranks")
     counts = ranks.optim[min(ranks.optim)]["optimizer_state_dict"].get("partition_count")
     for group in expert_groups:
         if isinstance(counts, list) and group.index < len(counts) and counts[group.index] != world // ep:
-            raise FormatError(f"{optim_label}: expert group {group.index} is partitioned over {counts[group.index]} "
-                              f"ranks, expert-parallel size {ep} of {world} ranks needs {world // ep}")
+            raise FormatError(
+                f"{optim_label}: expert group {group.index} is partitioned over {counts[group.index]} "
+                f"ranks, expert-parallel size {ep} of {world} ranks needs {world // ep}"
+            )
     prefixes: list[str] = []
     for group in expert_groups:
         for name in group.names:
             if (prefix := split_expert_name(name, label)[0]) not in prefixes:
                 prefixes.append(prefix)
     num_experts = m0.get("num_experts")
-    if not isinstance(num_experts, list) or len(num_experts) != len(prefixes) or \
-            not all(isinstance(n, int) and n > 0 and n % ep == 0 for n in num_experts):
-        raise FormatError(f"{label}: num_experts is {quote(repr(num_experts))}, expected one expert count per MoE "
-                          f"layer ({len(prefixes)}), each a multiple of the expert-parallel size {ep}")
+    if (
+        not isinstance(num_experts, list)
+        or len(num_experts) != len(prefixes)
+        or not all(isinstance(n, int) and n > 0 and n % ep == 0 for n in num_experts)
+    ):
+        raise FormatError(
+            f"{label}: num_experts is {quote(repr(num_experts))}, expected one expert count per MoE "
+            f"layer ({len(prefixes)}), each a multiple of the expert-parallel size {ep}"
+        )
     layout = ExpertLayout(ep=ep, world=world, layers=dict(zip(prefixes, num_experts)))
     for group in expert_groups:
         for name in group.names:
             prefix, local, _ = split_expert_name(name)
             if local >= layout.local_experts(prefix):
-                raise FormatError(f"{label}: param_shapes names local expert {local} of {quote(prefix)}, which has "
-                                  f"{layout.local_experts(prefix)} experts per rank")
+                raise FormatError(
+                    f"{label}: param_shapes names local expert {local} of {quote(prefix)}, which has "
+                    f"{layout.local_experts(prefix)} experts per rank"
+                )
     return layout
 
 
@@ -182,9 +227,15 @@ class _ExpertFile:
     tensors: dict[str, TensorRef]
 
 
-def _expert_files(source: Source, index: CheckpointIndex, files: ZeroFiles, archives: dict[str, Archive],
-                  layout: ExpertLayout, expert_groups: list[ZeroGroup],
-                  mp_of: Callable[[int], int] | None = None) -> list[_ExpertFile]:
+def _expert_files(
+    source: Source,
+    index: CheckpointIndex,
+    files: ZeroFiles,
+    archives: dict[str, Archive],
+    layout: ExpertLayout,
+    expert_groups: list[ZeroGroup],
+    mp_of: Callable[[int], int] | None = None,
+) -> list[_ExpertFile]:
     """Every expert file there must be (one per layer and global expert), opened and checked:
     its tensors are the expert's parameters, shaped as the optimizer's param_shapes say.
     `mp_of(ep rank)`: the mp rank whose files hold that ep rank's experts (default: files.mp_rank;
@@ -194,10 +245,12 @@ def _expert_files(source: Source, index: CheckpointIndex, files: ZeroFiles, arch
     for name in files.expert_files:
         layer, expert, mp = EXPERT_FILE.match(name).groups()
         if layer is None:
-            raise UnsupportedError(f"{source.label(files.prefix + name)}: expert files without a layer id (written "
-                                   f"by DeepSpeed before 0.6) are not supported")
+            raise UnsupportedError(
+                f"{source.label(files.prefix + name)}: expert files without a layer id (written "
+                f"by DeepSpeed before 0.6) are not supported"
+            )
         found[(int(layer), int(expert))] = name
-    shapes: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {}   # (prefix, local id) -> param -> shape
+    shapes: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {}  # (prefix, local id) -> param -> shape
     for group in expert_groups:
         for name, shape in group.params:
             prefix, local, rest = split_expert_name(name)
@@ -209,25 +262,32 @@ def _expert_files(source: Source, index: CheckpointIndex, files: ZeroFiles, arch
             ep_rank = expert // layout.local_experts(prefix)
             expected = f"layer_{layer}_expert_{expert}_mp_rank_{mp_of(ep_rank):02d}_model_states.pt"
             if name is None:
-                raise FormatError(f"{source.label(files.prefix + expected)}: expert file is missing (MoE layer "
-                                  f"{layer}, {quote(prefix)}, has {count} experts)")
+                raise FormatError(
+                    f"{source.label(files.prefix + expected)}: expert file is missing (MoE layer "
+                    f"{layer}, {quote(prefix)}, has {count} experts)"
+                )
             if name != expected:  # files.py sorts them by mp rank: only a changed layout gets here
-                raise FormatError(f"{source.label(files.prefix + expected)}: expert file is missing: expert {expert} "
-                                  f"(expert-parallel rank {ep_rank}) is saved by model-parallel rank "
-                                  f"{mp_of(ep_rank)}, but only {name} holds it")
+                raise FormatError(
+                    f"{source.label(files.prefix + expected)}: expert file is missing: expert {expert} "
+                    f"(expert-parallel rank {ep_rank}) is saved by model-parallel rank "
+                    f"{mp_of(ep_rank)}, but only {name} holds it"
+                )
             opened.append(_open_expert(source, index, files.prefix + name, archives, layer, expert))
             local = expert % layout.local_experts(prefix)
             want = {f"{prefix}{MARK}{expert}.{rest}": shape for rest, shape in shapes.get((prefix, local), {}).items()}
             _check_expert(opened[-1], want)
     if found:
         extra = sorted(found.values())[0]
-        raise FormatError(f"{source.label(files.prefix + extra)}: expert file of no MoE layer/expert the optimizer "
-                          f"state knows ({len(layout.layers)} layer(s): {dict(layout.layers)} experts)")
+        raise FormatError(
+            f"{source.label(files.prefix + extra)}: expert file of no MoE layer/expert the optimizer "
+            f"state knows ({len(layout.layers)} layer(s): {dict(layout.layers)} experts)"
+        )
     return opened
 
 
-def _open_expert(source: Source, index: CheckpointIndex, rel: str, archives: dict[str, Archive], layer: int,
-                 expert: int) -> _ExpertFile:
+def _open_expert(
+    source: Source, index: CheckpointIndex, rel: str, archives: dict[str, Archive], layer: int, expert: int
+) -> _ExpertFile:
     archive = open_archive(source, rel)
     structure = load_structure(archive, eager=False)
     archives[rel] = archive
@@ -242,29 +302,40 @@ def _check_expert(found: _ExpertFile, want: dict[str, tuple[int, ...]]) -> None:
     label = found.archive.label
     missing = [k for k in want if k not in found.tensors]
     if missing:
-        raise FormatError(f"{label}: has no {quote(missing[0])} entry (expert {found.expert} of MoE layer "
-                          f"{found.layer} has {len(want)} parameters)")
+        raise FormatError(
+            f"{label}: has no {quote(missing[0])} entry (expert {found.expert} of MoE layer "
+            f"{found.layer} has {len(want)} parameters)"
+        )
     extra = [k for k in found.tensors if k not in want]
     if extra:
-        raise UnsupportedError(f"{label}: {quote(str(extra[0]))} is not a trained parameter of expert {found.expert} "
-                               f"(frozen expert parameters are not supported yet)")
+        raise UnsupportedError(
+            f"{label}: {quote(str(extra[0]))} is not a trained parameter of expert {found.expert} "
+            f"(frozen expert parameters are not supported yet)"
+        )
     for key, shape in want.items():
         value = found.tensors[key]
         if not isinstance(value, TensorRef):
             raise FormatError(f"{label}: {quote(key)} is not a tensor (found {type(value).__name__})")
         if tuple(value.size) != tuple(shape):
-            raise FormatError(f"{label}: {quote(key)} has shape {list(value.size)}, the optimizer's param_shapes "
-                              f"say {list(shape)}")
+            raise FormatError(
+                f"{label}: {quote(key)} has shape {list(value.size)}, the optimizer's param_shapes say {list(shape)}"
+            )
 
 
 def _ep_view(ranks: RankFiles, layout: ExpertLayout, ep_rank: int) -> RankFiles:
     """The optim-states files of one expert-parallel rank's expert-data-parallel group, numbered
     0..W/E-1 as the expert groups' partitions are."""
     members = {d: layout.rank(ep_rank, d) for d in range(layout.edp)}
-    files = replace(ranks.files, optim_files={d: ranks.files.optim_files[r] for d, r in members.items()
-                                              if r in ranks.files.optim_files})
-    return RankFiles(files=files, archives=ranks.archives, world_size=layout.edp,
-                     optim={d: ranks.optim[r] for d, r in members.items() if r in ranks.optim})
+    files = replace(
+        ranks.files,
+        optim_files={d: ranks.files.optim_files[r] for d, r in members.items() if r in ranks.files.optim_files},
+    )
+    return RankFiles(
+        files=files,
+        archives=ranks.archives,
+        world_size=layout.edp,
+        optim={d: ranks.optim[r] for d, r in members.items() if r in ranks.optim},
+    )
 
 
 def _mark(index: CheckpointIndex, groups: list[ZeroGroup], ep_rank: int, ep: int) -> None:
@@ -278,9 +349,9 @@ def _mark(index: CheckpointIndex, groups: list[ZeroGroup], ep_rank: int, ep: int
 
 def _param_of(key: str) -> str | None:
     if key.startswith("model."):
-        return key[len("model."):]
+        return key[len("model.") :]
     if key.startswith("optim.state."):
-        return key[len("optim.state."):].rsplit(".", 1)[0]
+        return key[len("optim.state.") :].rsplit(".", 1)[0]
     return None
 
 
@@ -291,7 +362,13 @@ def _module_weights(index: CheckpointIndex, expert_files: list[_ExpertFile], lay
         ep_rank = found.expert // layout.local_experts(prefix)
         for name, ref in found.tensors.items():
             dtype, loc, shape = tensor_of(found.archive, ref, name)
-            index.add_tensor(TensorEntry(f"ds_module.{name}", dtype, shape, [Piece(Box.whole(shape), loc)],
-                                         path=("ds_module", name),
-                                         attrs={"parallel": {"ep": {"rank": ep_rank, "size": layout.ep}}}))
-
+            index.add_tensor(
+                TensorEntry(
+                    f"ds_module.{name}",
+                    dtype,
+                    shape,
+                    [Piece(Box.whole(shape), loc)],
+                    path=("ds_module", name),
+                    attrs={"parallel": {"ep": {"rank": ep_rank, "size": layout.ep}}},
+                )
+            )

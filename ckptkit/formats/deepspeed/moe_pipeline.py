@@ -14,6 +14,7 @@ attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". moe_pipeline_writer
 new pp, ep and dp (at a new pp the layers move and the expert files' per-stage MoE layer ids are
 renumbered).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,8 +34,8 @@ class PipelineMoeInfo:
 
     pp: int
     dp: int
-    ranks: dict[int, Any] = field(default_factory=dict)   # stage -> ZeroInfo
-    num_experts: dict[int, dict[str, int]] = field(default_factory=dict)   # stage -> its MoE layers' counts
+    ranks: dict[int, Any] = field(default_factory=dict)  # stage -> ZeroInfo
+    num_experts: dict[int, dict[str, int]] = field(default_factory=dict)  # stage -> its MoE layers' counts
 
 
 def recorded_pp(sub: CheckpointIndex) -> tuple[int, int] | None:
@@ -58,17 +59,23 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
     label = source.label(files.prefix + files.model_files[min(files.model_files)])
     pp, tp = recorded_pp(subs[0]) or (0, 1)
     if tp != 1:
-        raise UnsupportedError(f"{label}: a mixture-of-experts PipelineModule with tensor parallelism (pp_degree "
-                               f"{pp}, tp_degree {tp}) is not supported yet")
+        raise UnsupportedError(
+            f"{label}: a mixture-of-experts PipelineModule with tensor parallelism (pp_degree "
+            f"{pp}, tp_degree {tp}) is not supported yet"
+        )
     if pp != len(subs):
-        raise FormatError(f"{label}: checkpoint_parallel_dimensions.pp_degree says {pp} pipeline stages, but the "
-                          f"tag folder has model-states files of {len(subs)} (mp_rank_00..mp_rank_{len(subs) - 1:02d})")
+        raise FormatError(
+            f"{label}: checkpoint_parallel_dimensions.pp_degree says {pp} pipeline stages, but the "
+            f"tag folder has model-states files of {len(subs)} (mp_rank_00..mp_rank_{len(subs) - 1:02d})"
+        )
     for stage, sub in subs.items():
         if "deepspeed_moe" not in sub.metadata:
             name = files.model_parallel[stage].model_files[min(files.model_parallel[stage].model_files)]
-            raise FormatError(f"{source.label(files.prefix + name)}: pipeline stage {stage} of a mixture-of-experts "
-                              f"PipelineModule checkpoint has no expert files (DeepSpeed saves a pipeline without "
-                              f"MoE layers as layer_XX-model_states.pt files)")
+            raise FormatError(
+                f"{source.label(files.prefix + name)}: pipeline stage {stage} of a mixture-of-experts "
+                f"PipelineModule checkpoint has no expert files (DeepSpeed saves a pipeline without "
+                f"MoE layers as layer_XX-model_states.pt files)"
+            )
     first = subs[0]
     dp = int(first.metadata.get("deepspeed", {}).get("world_size") or 1)
     index = CheckpointIndex(format=first.format, root=first.root, world_size=pp * dp)
@@ -78,11 +85,23 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
         index.checks.extend(sub.checks)
         for key, entry in sub.tensors.items():
             if key in index.tensors:
-                raise FormatError(f"{label}: {quote(key)} is on pipeline stages {_stage_of(index, key)} and {stage}; "
-                                  f"PipelineModule names are unique across stages")
-            index.add_tensor(TensorEntry(entry.key, entry.dtype, entry.shape, list(entry.pieces), path=entry.path,
-                                         attrs={**entry.attrs, "parallel": {**entry.attrs.get("parallel", {}),
-                                                                            "pp": {"stage": stage, "size": pp}}}))
+                raise FormatError(
+                    f"{label}: {quote(key)} is on pipeline stages {_stage_of(index, key)} and {stage}; "
+                    f"PipelineModule names are unique across stages"
+                )
+            index.add_tensor(
+                TensorEntry(
+                    entry.key,
+                    entry.dtype,
+                    entry.shape,
+                    list(entry.pieces),
+                    path=entry.path,
+                    attrs={
+                        **entry.attrs,
+                        "parallel": {**entry.attrs.get("parallel", {}), "pp": {"stage": stage, "size": pp}},
+                    },
+                )
+            )
         counts.update(sub.metadata["deepspeed_moe"]["num_experts"])
     for key, obj in first.objects.items():
         if key.startswith("optim.param_groups.") and key.endswith(".params"):
@@ -94,9 +113,12 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
     moe = first.metadata["deepspeed_moe"]
     index.metadata["deepspeed_moe"] = {**moe, "num_experts": counts}
     index.metadata["parallel"] = {"pp": pp, "ep": moe["ep_size"], "dp": dp}
-    index.native = PipelineMoeInfo(pp=pp, dp=dp, ranks={s: sub.native for s, sub in subs.items()},
-                                   num_experts={s: dict(sub.metadata["deepspeed_moe"]["num_experts"])
-                                                for s, sub in subs.items()})
+    index.native = PipelineMoeInfo(
+        pp=pp,
+        dp=dp,
+        ranks={s: sub.native for s, sub in subs.items()},
+        num_experts={s: dict(sub.metadata["deepspeed_moe"]["num_experts"]) for s, sub in subs.items()},
+    )
     return index
 
 
@@ -106,5 +128,7 @@ def _stage_of(index: CheckpointIndex, key: str) -> int:
 
 def refuse_reshard(index: CheckpointIndex) -> None:
     if is_pipeline_moe(index):
-        raise UnsupportedError(f"{index.root}: {NOT_RESHARDABLE} ({index.native.pp} pipeline stages); consolidate "
-                               f"it or convert it to torch, safetensors or DCP instead")
+        raise UnsupportedError(
+            f"{index.root}: {NOT_RESHARDABLE} ({index.native.pp} pipeline stages); consolidate "
+            f"it or convert it to torch, safetensors or DCP instead"
+        )

@@ -17,6 +17,7 @@ counts L per stage (the stage's MoE layers in module order), so L and s are thos
 A new stage without a MoE layer is refused: DeepSpeed 0.19.8's first train_batch hangs then
 (fixtures/generate_ds_pp_moe.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,24 +39,30 @@ from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
 from .moe_pipeline import PipelineMoeInfo, is_pipeline_moe
 from .moe_writer import MoeTarget, _files as moe_files, check_expert_sizes
-from .pipeline_partition import (chosen_layer_types, chosen_partition_method, is_type_method, partition,
-                                 type_weights)
+from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .templates import lazify, template_of
 
 __all__ = ["is_pipeline_moe", "write_pipeline_moe_zero"]
 
 EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-NO_MOE_STAGE = ("DeepSpeed 0.19.8 cannot train a MoE PipelineModule with a stage that holds no MoE layer (its first "
-                "train_batch hangs)")
+NO_MOE_STAGE = (
+    "DeepSpeed 0.19.8 cannot train a MoE PipelineModule with a stage that holds no MoE layer (its first "
+    "train_batch hangs)"
+)
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
     """(P, E, W) from `--to`: E must divide W and every layer's expert count."""
     info: PipelineMoeInfo = index.native
     meta = index.metadata["deepspeed_moe"]
-    sizes = keep_parallel_sizes(index, to, ParallelSizes(pp=info.pp, ep=int(meta["ep_size"])),
-                                resizable=("pp", "ep"), kind="mixture-of-experts PipelineModule")
+    sizes = keep_parallel_sizes(
+        index,
+        to,
+        ParallelSizes(pp=info.pp, ep=int(meta["ep_size"])),
+        resizable=("pp", "ep"),
+        kind="mixture-of-experts PipelineModule",
+    )
     check_expert_sizes(sizes, sizes.ep, sizes.dp, dict(meta["num_experts"]), group_of=" of a stage")
     return sizes
 
@@ -72,7 +79,7 @@ def _layer_weights(index: CheckpointIndex, ep: int, count: int) -> list[int]:
     for key, entry in index.tensors.items():
         if not key.startswith("model."):
             continue
-        name = key[len("model."):]
+        name = key[len("model.") :]
         i = _layer_of(name)
         if i is None:  # new_parts refused these before
             continue
@@ -89,32 +96,41 @@ def new_parts(index: CheckpointIndex, pp: int, ep: int) -> list[int]:
     stage_of: dict[int, int] = {}
     for key, entry in index.tensors.items():
         if key.startswith("model."):
-            i = _layer_of(key[len("model."):])
+            i = _layer_of(key[len("model.") :])
             if i is None:
-                raise UnsupportedError(f"{index.root}: parameter {quote(key[len('model.'):])} belongs to no "
-                                       f"PipelineModule layer (tied modules are not supported in a "
-                                       f"mixture-of-experts pipeline yet)")
+                raise UnsupportedError(
+                    f"{index.root}: parameter {quote(key[len('model.') :])} belongs to no "
+                    f"PipelineModule layer (tied modules are not supported in a "
+                    f"mixture-of-experts pipeline yet)"
+                )
             stage_of[i] = entry.attrs["parallel"]["pp"]["stage"]
     count = max(stage_of) + 1
     if pp == info.pp:  # the source's own stages, whatever method made them
         held = [sorted(i for i, t in stage_of.items() if t == st) for st in range(pp)]
         for st in range(pp - 1):
             if held[st] and held[st + 1] and held[st][-1] > held[st + 1][0]:
-                raise UnsupportedError(f"{index.root}: pipeline stage {st} holds layer {held[st][-1]}, after stage "
-                                       f"{st + 1}'s layer {held[st + 1][0]}; a PipelineModule places its layers on "
-                                       f"its stages in order")
+                raise UnsupportedError(
+                    f"{index.root}: pipeline stage {st} holds layer {held[st][-1]}, after stage "
+                    f"{st + 1}'s layer {held[st + 1][0]}; a PipelineModule places its layers on "
+                    f"its stages in order"
+                )
         return [0] + [held[st][0] if held[st] else count for st in range(1, pp)] + [count]
     if types is None and is_type_method(method):
-        raise UsageError(f"--partition-method {method}: {index.root} does not record its layers' class names, which "
-                         f"type: matches; give them with --layer-types (the PipelineModule's layers in order)")
+        raise UsageError(
+            f"--partition-method {method}: {index.root} does not record its layers' class names, which "
+            f"type: matches; give them with --layer-types (the PipelineModule's layers in order)"
+        )
     if types is not None:
         if len(types) < count:
-            raise UsageError(f"--layer-types names {len(types)} layers, but {index.root} holds state of layer "
-                             f"{count - 1}; give one name per PipelineModule layer")
+            raise UsageError(
+                f"--layer-types names {len(types)} layers, but {index.root} holds state of layer "
+                f"{count - 1}; give one name per PipelineModule layer"
+            )
         count = len(types)
     if pp > count:
-        raise UsageError(f"--to pp={pp}: {index.root} has {count} layers, fewer than the {pp} pipeline stages "
-                         f"asked for")
+        raise UsageError(
+            f"--to pp={pp}: {index.root} has {count} layers, fewer than the {pp} pipeline stages asked for"
+        )
 
     def weights(at_ep: int) -> list[int]:
         return type_weights(method, types) if is_type_method(method) else _layer_weights(index, at_ep, count)
@@ -122,9 +138,11 @@ def new_parts(index: CheckpointIndex, pp: int, ep: int) -> list[int]:
     src = partition(method, weights(int(index.metadata["deepspeed_moe"]["ep_size"])), info.pp)
     wrong = sorted(i for i, s in stage_of.items() if not src[s] <= i < src[s + 1])
     if wrong:
-        raise UnsupportedError(f"{index.root}: its {count} layers do not split into its {info.pp} stages with "
-                               f"--partition-method {method} (layer {wrong[0]} is on stage {stage_of[wrong[0]]}, the "
-                               f"method gives stages at {src}); give the method the model uses")
+        raise UnsupportedError(
+            f"{index.root}: its {count} layers do not split into its {info.pp} stages with "
+            f"--partition-method {method} (layer {wrong[0]} is on stage {stage_of[wrong[0]]}, the "
+            f"method gives stages at {src}); give the method the model uses"
+        )
     return partition(method, weights(ep), pp)
 
 
@@ -143,10 +161,12 @@ def _stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, al
     for s in range(info.pp):
         z: ZeroInfo = info.ranks[s]
         if [(g.index, g.param_group) for g in z.groups] != [(g.index, g.param_group) for g in z0.groups]:
-            raise UnsupportedError(f"{index.root}: pipeline stage {s}'s dense optimizer groups "
-                                   f"{[g.index for g in z.groups]} are not stage 0's {[g.index for g in z0.groups]}, "
-                                   f"so its layers cannot join another stage's groups; resharding it to a new pp is "
-                                   f"not supported")
+            raise UnsupportedError(
+                f"{index.root}: pipeline stage {s}'s dense optimizer groups "
+                f"{[g.index for g in z.groups]} are not stage 0's {[g.index for g in z0.groups]}, "
+                f"so its layers cannot join another stage's groups; resharding it to a new pp is "
+                f"not supported"
+            )
         ms, archive = template_of(z, "model", min(z.files.model_files))
         lazy = lazify(ms, archive, {})
         module.update((n, v) for n, v in lazy["module"].items() if _layer_of(n) in held)
@@ -155,54 +175,80 @@ def _stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, al
         buffers += [b for b in z.buffers if _layer_of(b) in held]
         for group in z.groups:
             groups.setdefault(group.index, []).extend(p for p in group.params if _layer_of(p[0]) in held)
-    counts = {p: n for p, n in sorted(index.metadata["deepspeed_moe"]["num_experts"].items(),
-                                      key=lambda kv: _layer_of(kv[0]) or 0) if _layer_of(p) in held}
+    counts = {
+        p: n
+        for p, n in sorted(index.metadata["deepspeed_moe"]["num_experts"].items(), key=lambda kv: _layer_of(kv[0]) or 0)
+        if _layer_of(p) in held
+    }
     if not counts:
-        raise UnsupportedError(f"--to pp={pp}: new pipeline stage {stage} (layers {held.start}..{held.stop - 1}) "
-                               f"would hold no MoE layer, and {NO_MOE_STAGE}; choose a pp (or --partition-method) "
-                               f"that gives every stage a MoE layer")
-    model.update(module=module, param_shapes=shapes, buffer_names=buffers, num_experts=list(counts.values()),
-                 mp_world_size=pp)
+        raise UnsupportedError(
+            f"--to pp={pp}: new pipeline stage {stage} (layers {held.start}..{held.stop - 1}) "
+            f"would hold no MoE layer, and {NO_MOE_STAGE}; choose a pp (or --partition-method) "
+            f"that gives every stage a MoE layer"
+        )
+    model.update(
+        module=module, param_shapes=shapes, buffer_names=buffers, num_experts=list(counts.values()), mp_world_size=pp
+    )
     if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
         model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "pp_degree": pp}
-    dense = [ZeroGroup(index=g.index, param_group=g.param_group, params=tuple(groups[g.index]),
-                       paddings=None if g.paddings is None else
-                       tuple(alignment_paddings([sh for _, sh in groups[g.index]], align)))
-             for g in z0.groups]
+    dense = [
+        ZeroGroup(
+            index=g.index,
+            param_group=g.param_group,
+            params=tuple(groups[g.index]),
+            paddings=None
+            if g.paddings is None
+            else tuple(alignment_paddings([sh for _, sh in groups[g.index]], align)),
+        )
+        for g in z0.groups
+    ]
     optim = dict(o0)
     osd = dict(o0["optimizer_state_dict"])
     if isinstance(osd.get("param_alignment_paddings"), list):
-        osd["param_alignment_paddings"] = [alignment_paddings([tuple(v) for v in ps.values()], align)
-                                           for ps in shapes]
+        osd["param_alignment_paddings"] = [alignment_paddings([tuple(v) for v in ps.values()], align) for ps in shapes]
     optim["optimizer_state_dict"] = osd
-    zinfo = dataclasses.replace(z0, groups=dense, buffers=buffers, model_states={min(z0.files.model_files): model},
-                                optim_states={min(z0.files.optim_files): optim})
+    zinfo = dataclasses.replace(
+        z0,
+        groups=dense,
+        buffers=buffers,
+        model_states={min(z0.files.model_files): model},
+        optim_states={min(z0.files.optim_files): optim},
+    )
     return zinfo, counts
 
 
-def write_pipeline_moe_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
-                            ctx: RunContext) -> list[str]:
+def write_pipeline_moe_zero(
+    out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
+) -> list[str]:
     """Each new stage laid out by the MoE writer at E and W, under its mp rank (module docstring)."""
     info: PipelineMoeInfo = index.native
     sizes = target_sizes(index, to)
     if sizes.tp != 1:
-        raise UnsupportedError(f"--to {sizes}: adding tensor parallelism to the mixture-of-experts PipelineModule "
-                               f"checkpoint {index.root} is not supported yet")
+        raise UnsupportedError(
+            f"--to {sizes}: adding tensor parallelism to the mixture-of-experts PipelineModule "
+            f"checkpoint {index.root} is not supported yet"
+        )
     z0: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
     parts = new_parts(index, sizes.pp, sizes.ep)
     align = alignment(zero_cfg, z0.dtype)
     tag = tag_name(z0.files.tag, index)
     fetcher = Fetcher(source, index=index)
-    layer_id = _source_layer_ids(index)   # (source stage, L) -> MoE prefix
+    layer_id = _source_layer_ids(index)  # (source stage, L) -> MoE prefix
     files: dict[str, tuple[Any, Fetcher]] = {}
     copied: list[tuple[str, str]] = []
     for stage in range(sizes.pp):
         zinfo, counts = _stage_template(index, range(parts[stage], parts[stage + 1]), stage, sizes.pp, align)
         moe = {**index.metadata["deepspeed_moe"], "num_experts": counts}
         stage_index = dataclasses.replace(index, metadata={**index.metadata, "deepspeed_moe": moe})
-        for name, structure in moe_files(stage_index, zinfo, MoeTarget(ep=sizes.ep, world=sizes.dp), tag, zero_cfg,
-                                         StatePlanner(stage_index, fetcher)).items():
+        for name, structure in moe_files(
+            stage_index,
+            zinfo,
+            MoeTarget(ep=sizes.ep, world=sizes.dp),
+            tag,
+            zero_cfg,
+            StatePlanner(stage_index, fetcher),
+        ).items():
             base = name.rsplit("/", 1)[1]
             if base == "mp_rank_00_model_states.pt":
                 files[f"{tag}/mp_rank_{stage:02d}_model_states.pt"] = (structure, fetcher)
@@ -212,7 +258,9 @@ def write_pipeline_moe_zero(out: Output, index: CheckpointIndex, source: Source,
         new_id = {prefix: n for n, prefix in enumerate(counts)}
         for (src_stage, _), (rel, expert, prefix) in sorted(layer_id.items()):
             if prefix in new_id:
-                copied.append((rel, f"{tag}/layer_{new_id[prefix]}_expert_{expert}_mp_rank_{stage:02d}_model_states.pt"))
+                copied.append(
+                    (rel, f"{tag}/layer_{new_id[prefix]}_expert_{expert}_mp_rank_{stage:02d}_model_states.pt")
+                )
     copied.sort(key=lambda c: c[1])
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=z0.files.tag is not None)
 
@@ -227,7 +275,9 @@ def _source_layer_ids(index: CheckpointIndex) -> dict[tuple[int, str], tuple[str
         for name in zinfo.files.expert_files:
             m = EXPERT_FILE.match(name)
             if m is None or int(m.group(1)) >= len(prefixes):
-                raise UnsupportedError(f"{index.root}: expert file {quote(name)} of pipeline stage {stage} names a "
-                                       f"MoE layer the stage does not have ({len(prefixes)} MoE layers)")
+                raise UnsupportedError(
+                    f"{index.root}: expert file {quote(name)} of pipeline stage {stage} names a "
+                    f"MoE layer the stage does not have ({len(prefixes)} MoE layers)"
+                )
             out[(stage, name)] = (zinfo.files.prefix + name, int(m.group(2)), prefixes[int(m.group(1))])
     return out

@@ -18,6 +18,7 @@ So each new mp rank t is written as moe_writer.py writes a MoE checkpoint, from 
 rank t's slice shapes. At the source's tp the expert files are copied byte for byte (they do not
 change with ep or dp); at a new tp each is written from rank t's slices.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,14 +54,20 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     """(T, E, W) from `--to`, E checked against dp and every MoE layer's expert count."""
     info: ModelParallelInfo = index.native
     meta = index.metadata["deepspeed_moe"]
-    sizes = keep_parallel_sizes(index, to, ParallelSizes(tp=info.tp, ep=int(meta["ep_size"])),
-                                resizable=("tp", "ep"), kind="mixture-of-experts tensor-parallel")
+    sizes = keep_parallel_sizes(
+        index,
+        to,
+        ParallelSizes(tp=info.tp, ep=int(meta["ep_size"])),
+        resizable=("tp", "ep"),
+        kind="mixture-of-experts tensor-parallel",
+    )
     check_expert_sizes(sizes, sizes.ep, sizes.dp, dict(meta["num_experts"]), group_of=" of a tensor-parallel lane")
     return sizes
 
 
-def write_moe_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
-                      ctx: RunContext) -> list[str]:
+def write_moe_tp_zero(
+    out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
+) -> list[str]:
     """Reshard a MoE + TP ZeRO-1/2 checkpoint to T mp ranks of W dp ranks, E expert-parallel (module docstring)."""
     info: ModelParallelInfo = index.native
     sizes = target_sizes(index, to)
@@ -71,8 +78,16 @@ def write_moe_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: i
     files: dict[str, tuple[Any, Fetcher]] = {}
     copied: list[tuple[str, str]] = []
     for t, rank_index, fetcher, zinfo in tp_lanes(index, source, sizes):
-        laid_out = by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=sizes.dp), tag, zero_cfg,
-                                     StatePlanner(rank_index, fetcher)))
+        laid_out = by_rank(
+            moe_files(
+                rank_index,
+                zinfo,
+                MoeTarget(ep=sizes.ep, world=sizes.dp),
+                tag,
+                zero_cfg,
+                StatePlanner(rank_index, fetcher),
+            )
+        )
         model = _module_slices(laid_out.pop("model"), rank_index)
         files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
         for d, structure in laid_out.items():
@@ -85,8 +100,9 @@ def write_moe_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: i
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo0.files.tag is not None)
 
 
-def tp_lanes(index: CheckpointIndex, source: Source,
-             sizes: ParallelSizes) -> Iterator[tuple[int, CheckpointIndex, Fetcher, ZeroInfo]]:
+def tp_lanes(
+    index: CheckpointIndex, source: Source, sizes: ParallelSizes
+) -> Iterator[tuple[int, CheckpointIndex, Fetcher, ZeroInfo]]:
     """Each new mp rank t of a MoE + TP checkpoint: (t, its rank index, a fetcher over it, its
     templates with its slice shapes), as both MoE + TP writers lay a lane out with moe_writer."""
     info: ModelParallelInfo = index.native
@@ -118,11 +134,16 @@ def _rank_templates(zinfo: ZeroInfo, rank_index: CheckpointIndex, align: int) ->
     first = min(zinfo.model_states)
     m0 = zinfo.model_states[first]
     # names of ep rank 0's local experts, whose local ids are their global ones
-    param_shapes = [OrderedDict((n, _shape_like(s, rank_index.tensors[f"model.{n}"].shape)
-                                 if f"model.{n}" in rank_index.tensors else s) for n, s in g.items())
-                    for g in m0["param_shapes"]]
-    return dataclasses.replace(zinfo, groups=groups,
-                               model_states={**zinfo.model_states, first: {**m0, "param_shapes": param_shapes}})
+    param_shapes = [
+        OrderedDict(
+            (n, _shape_like(s, rank_index.tensors[f"model.{n}"].shape) if f"model.{n}" in rank_index.tensors else s)
+            for n, s in g.items()
+        )
+        for g in m0["param_shapes"]
+    ]
+    return dataclasses.replace(
+        zinfo, groups=groups, model_states={**zinfo.model_states, first: {**m0, "param_shapes": param_shapes}}
+    )
 
 
 def _shape_like(saved: Any, shape: tuple[int, ...]) -> Any:
@@ -137,8 +158,10 @@ def _module_slices(model: dict, rank_index: CheckpointIndex) -> dict:
     """The model file's dense module weights: the rank's slices (the same bytes at the source's tp)."""
     module = model.get("module")
     if isinstance(module, dict):
-        model["module"] = type(module)((k, LazyTensor(rank_index.tensors[f"ds_module.{k}"])
-                                        if f"ds_module.{k}" in rank_index.tensors else v) for k, v in module.items())
+        model["module"] = type(module)(
+            (k, LazyTensor(rank_index.tensors[f"ds_module.{k}"]) if f"ds_module.{k}" in rank_index.tensors else v)
+            for k, v in module.items()
+        )
     return model
 
 
@@ -149,6 +172,8 @@ def _expert_files(rank_index: CheckpointIndex, counts: dict[str, int], t: int) -
         for expert in range(count):
             head = f"ds_module.{prefix}{MARK}{expert}."
             out[f"layer_{layer}_expert_{expert}_mp_rank_{t:02d}_model_states.pt"] = dict(  # as DeepSpeed saves it
-                (key[len("ds_module."):], LazyTensor(entry)) for key, entry in rank_index.tensors.items()
-                if key.startswith(head))
+                (key[len("ds_module.") :], LazyTensor(entry))
+                for key, entry in rank_index.tensors.items()
+                if key.startswith(head)
+            )
     return out

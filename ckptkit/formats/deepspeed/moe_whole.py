@@ -20,6 +20,7 @@ are read here across all W optim files as one MoE checkpoint of W ranks (moe.py'
 the expert files from the mp rank that saved each. Expert tensors carry attrs["parallel"]["ep"]
 only (no tp: they are not split).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -46,8 +47,9 @@ def global_ranks(files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> RankFile
     infos: dict[int, ZeroInfo] = {t: sub.native for t, sub in subs.items()}
     dps = {t: info.world_size for t, info in infos.items()}
     if len(set(dps.values())) != 1:
-        raise FormatError(f"{files.prefix or '.'}: the model-parallel ranks have different numbers of optim-states "
-                          f"files ({dps})")
+        raise FormatError(
+            f"{files.prefix or '.'}: the model-parallel ranks have different numbers of optim-states files ({dps})"
+        )
     dp = dps[0]
     optim_files, optim, archives = {}, {}, {}
     for t, info in infos.items():
@@ -72,18 +74,22 @@ def read_experts(source: Source, files: ZeroFiles, index: CheckpointIndex, subs:
     m0 = info0.model_states[min(info0.model_states)]
     label = source.label(files.prefix + info0.files.model_files[min(info0.files.model_files)])
     if info0.stage == 3:
-        raise FormatError(f"{label}: a mixture-of-experts checkpoint at ZeRO stage 3 (DeepSpeed does not save "
-                          f"one with tensor parallelism)")
+        raise FormatError(
+            f"{label}: a mixture-of-experts checkpoint at ZeRO stage 3 (DeepSpeed does not save "
+            f"one with tensor parallelism)"
+        )
     expert_groups = [g for g in info0.groups if moe._is_expert_group(groups_meta[g.param_group])]
     layout = moe._layout(source, ranks.files, ranks, groups_meta, expert_groups, m0, label)
-    expert_files = moe._expert_files(source, index, ranks.files, ranks.archives, layout, expert_groups,
-                                     mp_of=lambda ep_rank: ep_rank % tp)
+    expert_files = moe._expert_files(
+        source, index, ranks.files, ranks.archives, layout, expert_groups, mp_of=lambda ep_rank: ep_rank % tp
+    )
     for f in expert_files:
         index.files.setdefault(f.rel, source.size(f.rel))
     listed: dict[int, list[str]] = {}
     for ep_rank in range(layout.ep):
-        renamed = [replace(g, params=tuple((layout.global_name(n, ep_rank), s) for n, s in g.params))
-                   for g in expert_groups]
+        renamed = [
+            replace(g, params=tuple((layout.global_name(n, ep_rank), s) for n, s in g.params)) for g in expert_groups
+        ]
         read_flat_groups(index, info0.stage, moe._ep_view(ranks, layout, ep_rank), renamed, stage_names(info0.stage))
         moe._mark(index, renamed, ep_rank, layout.ep)
         for g in renamed:
@@ -93,8 +99,12 @@ def read_experts(source: Source, files: ZeroFiles, index: CheckpointIndex, subs:
         index.add_object(ObjectEntry(param_group_key(g, "params"), names, path=param_group_path(g, "params")))
     dp = index.metadata["parallel"]["dp"]
     index.metadata["parallel"] = {"tp": tp, "ep": layout.ep, "dp": dp}
-    index.metadata["deepspeed_moe"] = {"ep_size": layout.ep, "expert_dp_size": layout.edp,
-                                       "num_experts": dict(layout.layers), "experts": "whole"}
+    index.metadata["deepspeed_moe"] = {
+        "ep_size": layout.ep,
+        "expert_dp_size": layout.edp,
+        "num_experts": dict(layout.layers),
+        "experts": "whole",
+    }
 
 
 def is_whole(index: CheckpointIndex) -> bool:

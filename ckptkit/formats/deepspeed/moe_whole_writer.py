@@ -15,6 +15,7 @@ _Slicer and templates): once over the W dp ranks (the dense groups) and once ove
 as ep E (the expert groups and the model file), each file taking its groups from the layout they
 belong to.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,13 @@ from .tag_writer import keep_parallel_sizes, tag_name, write_tag, zero_config
 from .tp_writer import TpTarget, _sizes
 
 # the per-group entries of a stage 1/2 optimizer_state_dict, one item per group
-PER_GROUP = ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings",
-             "param_alignment_paddings")
+PER_GROUP = (
+    "single_partition_of_fp32_groups",
+    "group_paddings",
+    "partition_count",
+    "param_slice_mappings",
+    "param_alignment_paddings",
+)
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
@@ -50,26 +56,34 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     meta = index.metadata["deepspeed_moe"]
     source = ParallelSizes(tp=info.tp, ep=int(meta["ep_size"]))
     if isinstance(to, ParallelSizes):
-        sizes = keep_parallel_sizes(index, to, source, resizable=("tp", "ep"), kind="mixture-of-experts tensor-parallel")
+        sizes = keep_parallel_sizes(
+            index, to, source, resizable=("tp", "ep"), kind="mixture-of-experts tensor-parallel"
+        )
     else:
         world = int(to)
         if world % source.tp or world % source.ep:
-            raise UsageError(f"--to {world}: the source's tp {source.tp} and ep {source.ep} must both divide {world} "
-                             f"ranks; give the new sizes, e.g. --to tp=1,ep={math.gcd(source.ep, world)},dp={world}")
+            raise UsageError(
+                f"--to {world}: the source's tp {source.tp} and ep {source.ep} must both divide {world} "
+                f"ranks; give the new sizes, e.g. --to tp=1,ep={math.gcd(source.ep, world)},dp={world}"
+            )
         sizes = ParallelSizes(tp=source.tp, ep=source.ep, dp=world // source.tp)
     ranks = sizes.tp * sizes.dp
     if ranks % sizes.ep:
-        raise UsageError(f"--to {sizes}: the expert-parallel size must divide the {ranks} ranks (tp x dp: "
-                         f"DeepSpeed groups experts over consecutive ranks when enable_expert_tensor_parallelism "
-                         f"is False)")
+        raise UsageError(
+            f"--to {sizes}: the expert-parallel size must divide the {ranks} ranks (tp x dp: "
+            f"DeepSpeed groups experts over consecutive ranks when enable_expert_tensor_parallelism "
+            f"is False)"
+        )
     check_expert_counts(sizes, sizes.ep, dict(meta["num_experts"]))
     if sizes.ep % sizes.tp:
         r = next(r for r in range(ranks) if r % sizes.tp != (r % sizes.ep) % sizes.tp)
         expert = (r % sizes.ep) * (next(iter(dict(meta["num_experts"]).values())) // sizes.ep)
-        raise UsageError(f"--to {sizes}: the tensor-parallel size must divide the expert-parallel size: DeepSpeed "
-                         f"0.19.8 saves ep rank e's experts under mp rank e % tp but each rank loads its experts under "
-                         f"its own mp rank, so rank {r} would look for layer_0_expert_{expert}_mp_rank_"
-                         f"{r % sizes.tp:02d}_model_states.pt, which no rank saves")
+        raise UsageError(
+            f"--to {sizes}: the tensor-parallel size must divide the expert-parallel size: DeepSpeed "
+            f"0.19.8 saves ep rank e's experts under mp rank e % tp but each rank loads its experts under "
+            f"its own mp rank, so rank {r} would look for layer_0_expert_{expert}_mp_rank_"
+            f"{r % sizes.tp:02d}_model_states.pt, which no rank saves"
+        )
     return sizes
 
 
@@ -78,8 +92,9 @@ def is_moe_whole_tp(index: CheckpointIndex) -> bool:
     return isinstance(index.native, ModelParallelInfo) and is_whole(index)
 
 
-def write_whole_experts(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
-                        ctx: RunContext) -> list[str]:
+def write_whole_experts(
+    out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
+) -> list[str]:
     """Reshard a whole-expert MoE + TP ZeRO-1/2 checkpoint (module docstring)."""
     info: ModelParallelInfo = index.native
     sizes = target_sizes(index, to)
@@ -89,11 +104,22 @@ def write_whole_experts(out: Output, index: CheckpointIndex, source: Source, to:
     ranks = sizes.tp * sizes.dp
     files: dict[str, tuple[Any, Fetcher]] = {}
     for t, rank_index, fetcher, zinfo in tp_lanes(index, source, sizes):
-        lane_ep = math.gcd(sizes.ep, sizes.dp)   # any ep that divides W: its expert groups are not used
-        dense = by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=lane_ep, world=sizes.dp), tag, zero_cfg,
-                                  StatePlanner(rank_index, fetcher)))
-        experts = by_rank(moe_files(rank_index, zinfo, MoeTarget(ep=sizes.ep, world=ranks), tag, zero_cfg,
-                                    StatePlanner(rank_index, fetcher)))
+        lane_ep = math.gcd(sizes.ep, sizes.dp)  # any ep that divides W: its expert groups are not used
+        dense = by_rank(
+            moe_files(
+                rank_index,
+                zinfo,
+                MoeTarget(ep=lane_ep, world=sizes.dp),
+                tag,
+                zero_cfg,
+                StatePlanner(rank_index, fetcher),
+            )
+        )
+        experts = by_rank(
+            moe_files(
+                rank_index, zinfo, MoeTarget(ep=sizes.ep, world=ranks), tag, zero_cfg, StatePlanner(rank_index, fetcher)
+            )
+        )
         model = _module_slices(experts["model"], rank_index)
         files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
         for d in range(sizes.dp):
@@ -118,8 +144,9 @@ def _merge(dense: dict, experts: dict) -> dict:
     return {**dense, "optimizer_state_dict": osd}
 
 
-def _expert_copies(index: CheckpointIndex, info: ModelParallelInfo, tag: str,
-                   sizes: ParallelSizes) -> list[tuple[str, str]]:
+def _expert_copies(
+    index: CheckpointIndex, info: ModelParallelInfo, tag: str, sizes: ParallelSizes
+) -> list[tuple[str, str]]:
     """(source file, output name) of every expert file: expert G of ep rank e under mp rank e % T."""
     counts = dict(index.metadata["deepspeed_moe"]["num_experts"])
     prefix = info.ranks[0].files.prefix
@@ -133,6 +160,10 @@ def _expert_copies(index: CheckpointIndex, info: ModelParallelInfo, tag: str,
         local = n // sizes.ep
         for expert in range(n):
             mp = (expert // local) % sizes.tp
-            copied.append((prefix + found[(layer, expert)],
-                           f"{tag}/layer_{layer}_expert_{expert}_mp_rank_{mp:02d}_model_states.pt"))
+            copied.append(
+                (
+                    prefix + found[(layer, expert)],
+                    f"{tag}/layer_{layer}_expert_{expert}_mp_rank_{mp:02d}_model_states.pt",
+                )
+            )
     return copied

@@ -20,6 +20,7 @@ expert-data-parallel rank r // E' (DeepSpeed's default E + D order, as moe.py re
 Values come from the index (global names) through the ZeRO writer's group plans (group_plan.py):
 fp32 masters and every optimizer state sliced lazily, whole values (the step) kept as they were.
 """
+
 from __future__ import annotations
 
 import copy
@@ -68,21 +69,25 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> MoeTarget:
     the source's E when it divides it."""
     meta = index.metadata["deepspeed_moe"]
     counts = dict(meta["num_experts"])
-    sizes = keep_parallel_sizes(index, to, ParallelSizes(ep=int(meta["ep_size"])), resizable=("ep",),
-                                kind="mixture-of-experts")
+    sizes = keep_parallel_sizes(
+        index, to, ParallelSizes(ep=int(meta["ep_size"])), resizable=("ep",), kind="mixture-of-experts"
+    )
     ep, world = sizes.ep, sizes.dp
     check_expert_sizes(f"ep={ep},dp={world}", ep, world, counts, "world size", "")
     return MoeTarget(ep=ep, world=world)
 
 
-def check_expert_sizes(sizes: object, ep: int, dp: int, counts: dict[str, int], dp_word: str = "size",
-                       group_of: str = "") -> None:
+def check_expert_sizes(
+    sizes: object, ep: int, dp: int, counts: dict[str, int], dp_word: str = "size", group_of: str = ""
+) -> None:
     """Refuse an expert-parallel size that does not divide the data-parallel size or every MoE
     layer's expert count (the sentences every MoE writer gives; `sizes` is the --to text shown,
     `group_of` what an expert-data-parallel group's ranks belong to, e.g. " of a stage")."""
     if dp % ep:
-        raise UsageError(f"--to {sizes}: the expert-parallel size must divide the data-parallel {dp_word} (each "
-                         f"expert-data-parallel group holds dp/ep ranks{group_of})")
+        raise UsageError(
+            f"--to {sizes}: the expert-parallel size must divide the data-parallel {dp_word} (each "
+            f"expert-data-parallel group holds dp/ep ranks{group_of})"
+        )
     check_expert_counts(sizes, ep, counts)
 
 
@@ -91,9 +96,11 @@ def check_expert_counts(sizes: object, ep: int, counts: dict[str, int]) -> None:
     odd = {prefix: n for prefix, n in counts.items() if n % ep}
     if odd:
         prefix, n = next(iter(odd.items()))
-        raise UsageError(f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {ep} expert-parallel "
-                         f"ranks cannot share equally (ep must divide every layer's expert count: "
-                         f"{sorted(set(counts.values()))})")
+        raise UsageError(
+            f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {ep} expert-parallel "
+            f"ranks cannot share equally (ep must divide every layer's expert count: "
+            f"{sorted(set(counts.values()))})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,8 +124,9 @@ class ExpertGroupShape:
         return out
 
 
-def expert_group_shape(index: int, param_group: int, shapes: list[tuple[str, tuple[int, ...]]],
-                       locals_: dict[str, int], where: str) -> ExpertGroupShape:
+def expert_group_shape(
+    index: int, param_group: int, shapes: list[tuple[str, tuple[int, ...]]], locals_: dict[str, int], where: str
+) -> ExpertGroupShape:
     """The layout of an expert group from rank 0's param_shapes (local names), checked to be
     layer by layer, expert by expert, as MoE's named_parameters give them."""
     layers: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
@@ -126,17 +134,21 @@ def expert_group_shape(index: int, param_group: int, shapes: list[tuple[str, tup
         prefix, local, rest = split_expert_name(name, where)
         if local == 0:
             layers.setdefault(prefix, []).append((rest, tuple(shape)))
-    found = ExpertGroupShape(index=index, param_group=param_group,
-                             layers=tuple((p, tuple(r)) for p, r in layers.items()))
+    found = ExpertGroupShape(
+        index=index, param_group=param_group, layers=tuple((p, tuple(r)) for p, r in layers.items())
+    )
     if [(n, tuple(s)) for n, s in shapes] != found.params({p: locals_[p] for p in layers}, 0, local_names=True):
-        raise UnsupportedError(f"{where}: the experts of group {index} are not laid out layer by layer, expert by "
-                               f"expert with the same parameters each (as deepspeed.moe.layer.MoE's are); "
-                               f"resharding it is not supported")
+        raise UnsupportedError(
+            f"{where}: the experts of group {index} are not laid out layer by layer, expert by "
+            f"expert with the same parameters each (as deepspeed.moe.layer.MoE's are); "
+            f"resharding it is not supported"
+        )
     return found
 
 
-def write_moe_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
-                   ctx: RunContext) -> list[str]:
+def write_moe_zero(
+    out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
+) -> list[str]:
     """Reshard a MoE ZeRO-1/2 checkpoint to E' expert-parallel ranks among W' ranks (module docstring)."""
     refuse_reshard(index)  # a MoE PipelineModule: its stages are not laid out yet
     info: ZeroInfo = index.native
@@ -146,8 +158,15 @@ def write_moe_zero(out: Output, index: CheckpointIndex, source: Source, to: int 
     fetcher = Fetcher(source, index=index)
     files = _files(index, info, target, tag, zero_cfg, StatePlanner(index, fetcher))
     copied = [(info.files.prefix + name, f"{tag}/{name}") for name in sorted(info.files.expert_files)]
-    return write_tag(out, source, tag, {n: (s, fetcher) for n, s in files.items()}, ctx, copied=copied,
-                     scripts=info.files.tag is not None)
+    return write_tag(
+        out,
+        source,
+        tag,
+        {n: (s, fetcher) for n, s in files.items()},
+        ctx,
+        copied=copied,
+        scripts=info.files.tag is not None,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,13 +174,14 @@ class _RankGroup:
     """What rank r writes of one group: the plan, its part of it, and DeepSpeed's bookkeeping."""
 
     plan: GroupPlan
-    part: int                  # the partition index within the group's data-parallel ranks
-    count: int                 # partition_count
-    local: dict[str, str]      # index (global) name -> the rank's param name
+    part: int  # the partition index within the group's data-parallel ranks
+    count: int  # partition_count
+    local: dict[str, str]  # index (global) name -> the rank's param name
 
 
-def _files(index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, zero_cfg: dict,
-           states: StatePlanner) -> dict[str, Any]:
+def _files(
+    index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, zero_cfg: dict, states: StatePlanner
+) -> dict[str, Any]:
     meta = index.metadata["deepspeed_moe"]
     ep_src, counts = int(meta["ep_size"]), dict(meta["num_experts"])
     src_locals = {p: n // ep_src for p, n in counts.items()}
@@ -173,18 +193,25 @@ def _files(index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, 
     m_label = f"{index.root}: {info.files.prefix}{info.files.model_files[min(info.files.model_files)]}"
     dense = {g.index: g for g in info.groups if not _is_expert(groups_meta, g.param_group)}
     expert_ids = [i for i in range(len(groups_meta)) if _is_expert(groups_meta, i)]
-    shapes = [[(n, shape_of(s, f"{m_label}: param_shapes[{g}][{n}]")) for n, s in ps.items()]
-              for g, ps in enumerate(m0["param_shapes"])]
+    shapes = [
+        [(n, shape_of(s, f"{m_label}: param_shapes[{g}][{n}]")) for n, s in ps.items()]
+        for g, ps in enumerate(m0["param_shapes"])
+    ]
     layouts = {i: expert_group_shape(i, i, shapes[i], src_locals, m_label) for i in expert_ids}
     align = alignment(zero_cfg, info.dtype)
     paddings_t = osd_t.get("param_alignment_paddings")
     for i in expert_ids:
-        if isinstance(paddings_t, list) and i < len(paddings_t) and \
-                list(paddings_t[i]) != alignment_paddings([s for _, s in shapes[i]], align):
-            raise UnsupportedError(f"{m_label}: the alignment paddings of expert group {i} are not the ones "
-                                   f"DeepSpeed computes; resharding it is not supported")
+        if (
+            isinstance(paddings_t, list)
+            and i < len(paddings_t)
+            and list(paddings_t[i]) != alignment_paddings([s for _, s in shapes[i]], align)
+        ):
+            raise UnsupportedError(
+                f"{m_label}: the alignment paddings of expert group {i} are not the ones "
+                f"DeepSpeed computes; resharding it is not supported"
+            )
     templates = osd_t["base_optimizer_state"]["state"]
-    plans: dict[int, list[_RankGroup]] = {}   # group -> one per target rank
+    plans: dict[int, list[_RankGroup]] = {}  # group -> one per target rank
     for i, group in sorted(dense.items()):
         plan = plan_group(index, states, info.stage, group, templates.get(i), oarchive, f"group {i}", target.world)
         plans[i] = [_RankGroup(plan=plan, part=r, count=target.world, local={}) for r in range(target.world)]
@@ -196,19 +223,34 @@ def _files(index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, 
             local = layouts[i].params(new_locals, e, local_names=True)
             numel = sum(math.prod(s) for _, s in glob)
             if numel > MAX_GROUP_SIZE:
-                raise UnsupportedError(f"{m_label}: expert group {i} would hold {numel} elements per rank at "
-                                       f"ep={target.ep}, more than DeepSpeed's max_group_size {MAX_GROUP_SIZE}, which splits it into "
-                                       f"several groups; resharding to fewer expert-parallel ranks than that is not "
-                                       f"supported yet")
+                raise UnsupportedError(
+                    f"{m_label}: expert group {i} would hold {numel} elements per rank at "
+                    f"ep={target.ep}, more than DeepSpeed's max_group_size {MAX_GROUP_SIZE}, which splits it into "
+                    f"several groups; resharding to fewer expert-parallel ranks than that is not "
+                    f"supported yet"
+                )
             new_paddings[i] = alignment_paddings([s for _, s in glob], align)
-            group = ZeroGroup(index=i, param_group=i, params=tuple(glob),
-                              paddings=tuple(new_paddings[i]) if any(new_paddings[i]) else None)
-            per_ep.append((plan_group(index, states, info.stage, group, templates.get(i), oarchive, f"group {i}",
-                                      target.edp), {g: n for (g, _), (n, _) in zip(glob, local)}))
-        plans[i] = [_RankGroup(plan=per_ep[r % target.ep][0], part=r // target.ep, count=target.edp,
-                               local=per_ep[r % target.ep][1]) for r in range(target.world)]
-    files: dict[str, Any] = {f"{tag}/mp_rank_00_model_states.pt": _model(m0, marchive, shapes, layouts, new_locals,
-                                                                         target)}
+            group = ZeroGroup(
+                index=i,
+                param_group=i,
+                params=tuple(glob),
+                paddings=tuple(new_paddings[i]) if any(new_paddings[i]) else None,
+            )
+            per_ep.append(
+                (
+                    plan_group(index, states, info.stage, group, templates.get(i), oarchive, f"group {i}", target.edp),
+                    {g: n for (g, _), (n, _) in zip(glob, local)},
+                )
+            )
+        plans[i] = [
+            _RankGroup(
+                plan=per_ep[r % target.ep][0], part=r // target.ep, count=target.edp, local=per_ep[r % target.ep][1]
+            )
+            for r in range(target.world)
+        ]
+    files: dict[str, Any] = {
+        f"{tag}/mp_rank_00_model_states.pt": _model(m0, marchive, shapes, layouts, new_locals, target)
+    }
     order = sorted(plans)
     for r in range(target.world):
         osd = _optim(osd_t, oarchive, [plans[i][r] for i in order], groups_meta, expert_ids, new_paddings, target)
@@ -221,27 +263,48 @@ def _is_expert(groups_meta: list, i: int) -> bool:
     return isinstance(groups_meta[i], dict) and bool(groups_meta[i].get("moe"))
 
 
-def _model(m0: dict, marchive: Any, shapes: list, layouts: dict[int, ExpertGroupShape], new_locals: dict[str, int],
-           target: MoeTarget) -> dict:
+def _model(
+    m0: dict,
+    marchive: Any,
+    shapes: list,
+    layouts: dict[int, ExpertGroupShape],
+    new_locals: dict[str, int],
+    target: MoeTarget,
+) -> dict:
     """The one model-states file: the source's, with W' and ep rank 0's local experts at E'."""
     model = lazify(m0, marchive, {})
     model["dp_world_size"] = target.world
     param_shapes = list(model["param_shapes"])
     for i, layout in layouts.items():
         saved = {split_expert_name(n)[::2]: v for n, v in param_shapes[i].items()}  # keep the saved shape type
-        param_shapes[i] = OrderedDict((n, saved.get(split_expert_name(n)[::2], Size(s)))
-                                      for n, s in layout.params(new_locals, 0, local_names=True))
+        param_shapes[i] = OrderedDict(
+            (n, saved.get(split_expert_name(n)[::2], Size(s)))
+            for n, s in layout.params(new_locals, 0, local_names=True)
+        )
     model["param_shapes"] = param_shapes
     return model
 
 
-def _optim(osd_t: dict, oarchive: Any, groups: list[_RankGroup], groups_meta: list, expert_ids: list[int],
-           new_paddings: dict[int, list[int]], target: MoeTarget) -> dict:
+def _optim(
+    osd_t: dict,
+    oarchive: Any,
+    groups: list[_RankGroup],
+    groups_meta: list,
+    expert_ids: list[int],
+    new_paddings: dict[int, list[int]],
+    target: MoeTarget,
+) -> dict:
     """One rank's optimizer_state_dict: each group's partition with DeepSpeed's bookkeeping."""
     osd: dict = {}
     for key, value in osd_t.items():
-        if key in ("base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings",
-                   "partition_count", "param_slice_mappings", "param_alignment_paddings"):
+        if key in (
+            "base_optimizer_state",
+            "single_partition_of_fp32_groups",
+            "group_paddings",
+            "partition_count",
+            "param_slice_mappings",
+            "param_alignment_paddings",
+        ):
             continue
         osd[key] = lazify(value, oarchive, {})
     state, fp32, paddings, mappings = {}, [], [], []
@@ -251,10 +314,15 @@ def _optim(osd_t: dict, oarchive: Any, groups: list[_RankGroup], groups_meta: li
         if item.plan.has_state:
             state[item.plan.group.index] = item.plan.state(item.part)
         paddings.append(share.end_padding)
-        mappings.append(OrderedDict(
-            (item.local.get(slot.name, slot.name), stand_in(standins.FRAGMENT_ADDRESS, numel=slot.length,
-                                                            start=slot.position))
-            for slot in share.slots))
+        mappings.append(
+            OrderedDict(
+                (
+                    item.local.get(slot.name, slot.name),
+                    stand_in(standins.FRAGMENT_ADDRESS, numel=slot.length, start=slot.position),
+                )
+                for slot in share.slots
+            )
+        )
     param_groups = copy.deepcopy(groups_meta)
     for i in expert_ids:
         param_groups[i]["name"] = f"ep_size_{target.ep}"  # the engine's expert group names it so
@@ -264,9 +332,8 @@ def _optim(osd_t: dict, oarchive: Any, groups: list[_RankGroup], groups_meta: li
     osd["partition_count"] = [item.count for item in groups]
     osd["param_slice_mappings"] = mappings
     if "param_alignment_paddings" in osd_t:
-        osd["param_alignment_paddings"] = [list(new_paddings[i]) if i in new_paddings
-                                           else copy.deepcopy(osd_t["param_alignment_paddings"][i])
-                                           for i in range(len(groups))]
+        osd["param_alignment_paddings"] = [
+            list(new_paddings[i]) if i in new_paddings else copy.deepcopy(osd_t["param_alignment_paddings"][i])
+            for i in range(len(groups))
+        ]
     return ordered_like(osd_t, osd)
-
-

@@ -9,6 +9,7 @@ rank-local slices reaches sub_group_size.
 Both stages are described the same way, by a `RankShare` per rank: the reader cuts a rank's
 flat tensors into per-parameter pieces with it, the writer assembles them from it.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,17 +31,18 @@ class Slot(NamedTuple):
 class RankShare:
     """What one rank holds of one (sub-)group's flat buffer."""
 
-    slots: tuple[Slot, ...]   # the parameters' elements it holds, in order (none of zero length)
-    own: int                  # elements up to the end of the parameters: the fp32 masters' length
-    size: int                 # the partition's length with its end padding: the optimizer states'
+    slots: tuple[Slot, ...]  # the parameters' elements it holds, in order (none of zero length)
+    own: int  # elements up to the end of the parameters: the fp32 masters' length
+    size: int  # the partition's length with its end padding: the optimizer states'
 
     @property
     def end_padding(self) -> int:
         return self.size - self.own
 
 
-def stage12_shares(params: Sequence[tuple[str, int]], paddings: Sequence[int] | None,
-                   world_size: int) -> list[RankShare]:
+def stage12_shares(
+    params: Sequence[tuple[str, int]], paddings: Sequence[int] | None, world_size: int
+) -> list[RankShare]:
     """Each rank's share of a stage-1/2 group of (name, numel), with its alignment paddings."""
     offsets, total = [], 0
     for i, (_, numel) in enumerate(params):
@@ -81,8 +83,9 @@ def stage3_shares(params: Sequence[tuple[str, int]], world_size: int) -> list[Ra
     return shares
 
 
-def rank_shares(stage: int, params: Sequence[tuple[str, int]], paddings: Sequence[int] | None,
-                world_size: int) -> list[RankShare]:
+def rank_shares(
+    stage: int, params: Sequence[tuple[str, int]], paddings: Sequence[int] | None, world_size: int
+) -> list[RankShare]:
     """Each rank's share of one (sub-)group at `stage`."""
     if stage < 3:
         return stage12_shares(params, paddings, world_size)
@@ -94,8 +97,9 @@ def stage3_slice(numel: int, world_size: int) -> int:
     return int(math.ceil(numel / world_size))
 
 
-def stage3_sub_groups(names_numels: list[tuple[str, int]], world_size: int,
-                      sub_group_size: int | None) -> list[list[tuple[str, int]]]:
+def stage3_sub_groups(
+    names_numels: list[tuple[str, int]], world_size: int, sub_group_size: int | None
+) -> list[list[tuple[str, int]]]:
     """Split one param group into sub-groups the way DeepSpeed's _create_fp16_sub_groups does."""
     total = sum(stage3_slice(n, world_size) for _, n in names_numels)
     if sub_group_size is None or sub_group_size >= total:

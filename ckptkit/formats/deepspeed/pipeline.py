@@ -23,6 +23,7 @@ one. A tied module is held by every stage using it (DeepSpeed all-reduces its gr
 copies agree); it appears once, from the lowest stage. The layer files give `ds_module.<name>`
 (the low-precision weights), buffers and frozen parameters (`model.<name>`).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,10 @@ from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-NOT_RESHARDABLE = ("converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it "
-                   "with --to pp=...,dp=... (pipeline_writer.py), or convert it --to torch, dcp or fsdp2")
+NOT_RESHARDABLE = (
+    "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it "
+    "with --to pp=...,dp=... (pipeline_writer.py), or convert it --to torch, dcp or fsdp2"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,24 +59,28 @@ class PipelineInfo:
     pp: int
     dp: int
     stages: dict[int, ZeroInfo] = field(default_factory=dict)
-    layers: dict[int, int] = field(default_factory=dict)        # layer index -> stage
+    layers: dict[int, int] = field(default_factory=dict)  # layer index -> stage
     # key -> (stage, entry) of a tied module's copies on later stages (left out of the index)
     replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
-    layer_files: dict[int, str] = field(default_factory=dict)   # layer index -> its file (source-relative)
-    tied_layers: dict[int, str] = field(default_factory=dict)   # layer index -> tied key its file holds
+    layer_files: dict[int, str] = field(default_factory=dict)  # layer index -> its file (source-relative)
+    tied_layers: dict[int, str] = field(default_factory=dict)  # layer index -> tied key its file holds
 
     def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
         """key -> [(what, entry)]: the copies that must hold the same bytes (verify --deep)."""
-        return {key: [(f"pipeline stage {stage}'s copy", e) for stage, e in copies]
-                for key, copies in self.replicas.items()}
+        return {
+            key: [(f"pipeline stage {stage}'s copy", e) for stage, e in copies] for key, copies in self.replicas.items()
+        }
 
 
 def layer_files(files: ZeroFiles, model_rank: int = 0) -> dict[int, str]:
     """layer index -> file name, of the tag folder's names the ZeRO file scan left over: tp rank
     `model_rank`'s (`-model_YY`, which a topology with a `model` axis always writes,
     Megatron-DeepSpeed's among them; no suffix without one)."""
-    return {int(m.group(1)): name for name in files.extra
-            if (m := LAYER_FILE.match(name)) and int(m.group(2) or 0) == model_rank}
+    return {
+        int(m.group(1)): name
+        for name in files.extra
+        if (m := LAYER_FILE.match(name)) and int(m.group(2) or 0) == model_rank
+    }
 
 
 def tp_size(files: ZeroFiles) -> int:
@@ -109,11 +116,16 @@ def detect(source: Source, tag: str | None = None) -> bool:
 def read_index(source: Source, tag: str | None = None, tp_rules: Any = None) -> CheckpointIndex:
     """One index for the whole pipeline: every stage's ZeRO state under global names."""
     listing = _tag_listing(source, tag)
-    if listing is not None and not any(OPTIM_STATES.match(n) for n in listing[1]) \
-            and any(MODEL_STATES.match(n) for n in listing[1]):
-        raise UnsupportedError(f"{source.label(listing[0])}: a pipeline checkpoint without ZeRO optim-states files "
-                               f"(ZeRO stage 0 in fp32 or fp16 keeps the optimizer's state in the "
-                               f"mp_rank_XX_model_states.pt files) is not supported yet")
+    if (
+        listing is not None
+        and not any(OPTIM_STATES.match(n) for n in listing[1])
+        and any(MODEL_STATES.match(n) for n in listing[1])
+    ):
+        raise UnsupportedError(
+            f"{source.label(listing[0])}: a pipeline checkpoint without ZeRO optim-states files "
+            f"(ZeRO stage 0 in fp32 or fp16 keeps the optimizer's state in the "
+            f"mp_rank_XX_model_states.pt files) is not supported yet"
+        )
     files = locate(source, tag)
     if tp_size(files) > 1:  # pipeline x tensor parallel
         return _read_3d(source, files, tp_size(files), tp_rules)
@@ -121,7 +133,9 @@ def read_index(source: Source, tag: str | None = None, tp_rules: Any = None) -> 
     return read_pipeline(source, files, dict(sorted(per_stage.items())), 0)
 
 
-def read_pipeline(source: Source, files: ZeroFiles, per_stage: dict[int, ZeroFiles], model_rank: int) -> CheckpointIndex:
+def read_pipeline(
+    source: Source, files: ZeroFiles, per_stage: dict[int, ZeroFiles], model_rank: int
+) -> CheckpointIndex:
     """One index for the pipeline of tp rank `model_rank`: stage s's ZeRO files are per_stage[s]
     (mp rank s * tp + model_rank), its layer files those ending `-model_<model_rank>`."""
     opened = _open_layers(source, files, model_rank)
@@ -134,19 +148,32 @@ def read_pipeline(source: Source, files: ZeroFiles, per_stage: dict[int, ZeroFil
     replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
     tied_layers: dict[int, str] = {}
     for s, stage in stages.items():
-        tied_layers.update(_add_layer_files(source, stage, [(layer, opened[layer]) for layer, at in layers.items()
-                                                            if at == s]))
+        tied_layers.update(
+            _add_layer_files(source, stage, [(layer, opened[layer]) for layer, at in layers.items() if at == s])
+        )
         _merge(index, stage.index, s, pp, owner, replicas)
     first = stages[0].index
     index.step = first.step
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
-    index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "world_size": pp * dp,
-                                   "pipeline": {"stages": pp, "layers": {str(k): v for k, v in sorted(layers.items())},
-                                                "tied": sorted({n for n in owner if n.startswith("tied_modules.")})}}
+    index.metadata["deepspeed"] = {
+        **first.metadata.get("deepspeed", {}),
+        "world_size": pp * dp,
+        "pipeline": {
+            "stages": pp,
+            "layers": {str(k): v for k, v in sorted(layers.items())},
+            "tied": sorted({n for n in owner if n.startswith("tied_modules.")}),
+        },
+    }
     index.metadata["parallel"] = {"pp": pp, "dp": dp}
-    index.native = PipelineInfo(pp=pp, dp=dp, stages={s: st.info for s, st in stages.items()}, layers=layers,
-                                replicas=replicas, layer_files={k: f.rel for k, f in opened.items()},
-                                tied_layers=tied_layers)
+    index.native = PipelineInfo(
+        pp=pp,
+        dp=dp,
+        stages={s: st.info for s, st in stages.items()},
+        layers=layers,
+        replicas=replicas,
+        layer_files={k: f.rel for k, f in opened.items()},
+        tied_layers=tied_layers,
+    )
     return index
 
 
@@ -156,12 +183,15 @@ def _read_3d(source: Source, files: ZeroFiles, tp: int, tp_rules: Any) -> Checkp
     ranks = sorted(files.model_parallel) if files.model_parallel else [0]
     label = source.label(files.prefix + (files.model_files[min(files.model_files)] if files.model_files else ""))
     if len(ranks) % tp:
-        raise FormatError(f"{label}: layer files name {tp} tensor-parallel ranks (-model_00..-model_{tp - 1:02d}), "
-                          f"but there are {len(ranks)} model-parallel ranks (mp_rank_XX), not a multiple of {tp}")
+        raise FormatError(
+            f"{label}: layer files name {tp} tensor-parallel ranks (-model_00..-model_{tp - 1:02d}), "
+            f"but there are {len(ranks)} model-parallel ranks (mp_rank_XX), not a multiple of {tp}"
+        )
     _check_tp_layer_files(source, files, tp)
     pp = len(ranks) // tp
-    subs = {t: read_pipeline(source, files, {s: files.model_parallel[s * tp + t] for s in range(pp)}, t)
-            for t in range(tp)}
+    subs = {
+        t: read_pipeline(source, files, {s: files.model_parallel[s * tp + t] for s in range(pp)}, t) for t in range(tp)
+    }
     return pipeline_tp.join(source, subs, label, tp_rules)
 
 
@@ -174,9 +204,11 @@ def _check_tp_layer_files(source: Source, files: ZeroFiles, tp: int) -> None:
         for layer in every:
             if layer not in have:
                 other = next(r for r in range(tp) if layer in per_rank[r])
-                raise FormatError(f"{source.label(files.prefix + f'layer_{layer:02d}-model_{t:02d}-model_states.pt')}: "
-                                  f"file is missing (tensor-parallel rank {other} has layer {layer}'s file; a pipeline "
-                                  f"with {tp} tensor-parallel ranks writes one per rank)")
+                raise FormatError(
+                    f"{source.label(files.prefix + f'layer_{layer:02d}-model_{t:02d}-model_states.pt')}: "
+                    f"file is missing (tensor-parallel rank {other} has layer {layer}'s file; a pipeline "
+                    f"with {tp} tensor-parallel ranks writes one per rank)"
+                )
 
 
 def _check_stage_count(source: Source, files: ZeroFiles, stages: dict[int, "_Stage"]) -> None:
@@ -190,8 +222,10 @@ def _check_stage_count(source: Source, files: ZeroFiles, stages: dict[int, "_Sta
         pp //= tp  # mp_world_size counts stage x tp ranks
     if isinstance(pp, int) and pp > len(stages):
         missing = [s for s in range(pp) if s not in stages]
-        raise FormatError(f"{stages[0].label}: says the pipeline has {pp} stages, but the model- and optim-states "
-                          f"files of stage(s) {missing} (mp_rank_{missing[0]:02d}_...) are missing")
+        raise FormatError(
+            f"{stages[0].label}: says the pipeline has {pp} stages, but the model- and optim-states "
+            f"files of stage(s) {missing} (mp_rank_{missing[0]:02d}_...) are missing"
+        )
 
 
 @dataclass(kw_only=True)
@@ -201,10 +235,10 @@ class _Stage:
     stage: int
     index: CheckpointIndex
     info: ZeroInfo
-    owned: set[str]                 # the optimizer's parameters (global names)
+    owned: set[str]  # the optimizer's parameters (global names)
     shapes: dict[str, tuple[int, ...]]
     buffers: list[str]
-    label: str                      # its model-states file
+    label: str  # its model-states file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,8 +268,10 @@ def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile],
     optim = zero._load_ranks(source, files, files.optim_files, archives)
     model = zero._load_ranks(source, files, files.model_files, archives)
     if not optim or not model:
-        raise FormatError(f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file of "
-                          f"pipeline stage {stage_id} could be read")
+        raise FormatError(
+            f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file of "
+            f"pipeline stage {stage_id} could be read"
+        )
     first_optim = source.label(files.prefix + files.optim_files[min(optim)])
     osd0 = entry(optim[min(optim)], "optimizer_state_dict", first_optim)
     bf16_optimizer = _is_bf16_optimizer(osd0)
@@ -246,8 +282,10 @@ def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile],
     label = source.label(m0_name)
     zero._check_world(source, files, stage, world, m0, label)
     if stage != 1:
-        raise UnsupportedError(f"{first_optim}: a pipeline checkpoint at ZeRO stage {stage} (DeepSpeed's "
-                               f"PipelineEngine runs stage 0 or 1 only)")
+        raise UnsupportedError(
+            f"{first_optim}: a pipeline checkpoint at ZeRO stage {stage} (DeepSpeed's "
+            f"PipelineEngine runs stage 0 or 1 only)"
+        )
     index = zero._new_index(source, archives, world)
     buffers = list(entry(m0, "buffer_names", label))
     param_shapes = entry(m0, "param_shapes", label)
@@ -256,39 +294,68 @@ def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile],
     if not isinstance(param_shapes, list):
         raise FormatError(f"{label}: param_shapes must be a list of per-group shape maps")
     groups_meta, groups = zero._stage12_groups(osd0, param_shapes, first_optim)
-    read_flat_groups(index, stage, RankFiles(files=files, archives=archives, optim=optim, world_size=world),
-                     groups, stage_names(stage))
+    read_flat_groups(
+        index,
+        stage,
+        RankFiles(files=files, archives=archives, optim=optim, world_size=world),
+        groups,
+        stage_names(stage),
+    )
     zero._param_groups(index, groups_meta, groups)
     zero._objects(index, 0 if bf16_optimizer else stage, archives[m0_name], m0, optim[min(optim)])
     steps = index.objects.get("ds.global_steps")
     index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
-    index.metadata["deepspeed"] = {"stage": 0 if bf16_optimizer else stage, "world_size": world, "tag": files.tag,
-                                   "bf16_file_prefix": files.bf16_prefix, "dtype": "float32",
-                                   "optimizer": "BF16_Optimizer" if bf16_optimizer else "ZeRO"}
+    index.metadata["deepspeed"] = {
+        "stage": 0 if bf16_optimizer else stage,
+        "world_size": world,
+        "tag": files.tag,
+        "bf16_file_prefix": files.bf16_prefix,
+        "dtype": "float32",
+        "optimizer": "BF16_Optimizer" if bf16_optimizer else "ZeRO",
+    }
     index.metadata["consolidate_dtype"] = "float32"
     shapes = {name: shape for group in groups for name, shape in group.params}
-    info = ZeroInfo(stage=stage, world_size=world, files=files, groups=groups, frozen={}, buffers=buffers,
-                    shared=dict(m0.get("shared_params") or {}), model_states=model, optim_states=optim,
-                    archives=archives, param_group_count=len(groups_meta))
-    return _Stage(stage=stage_id, index=index, info=info, owned=set(shapes), shapes=shapes,
-                  buffers=buffers, label=label)
+    info = ZeroInfo(
+        stage=stage,
+        world_size=world,
+        files=files,
+        groups=groups,
+        frozen={},
+        buffers=buffers,
+        shared=dict(m0.get("shared_params") or {}),
+        model_states=model,
+        optim_states=optim,
+        archives=archives,
+        param_group_count=len(groups_meta),
+    )
+    return _Stage(
+        stage=stage_id, index=index, info=info, owned=set(shapes), shapes=shapes, buffers=buffers, label=label
+    )
 
 
 def _is_bf16_optimizer(osd: Any) -> bool:
     """DeepSpeed's BF16_Optimizer (ZeRO stage 0 with bf16 in a pipeline): no zero_stage, but the
     ZeRO-1 layout itself (flat fp32 partitions per group, padded to 2 * dp, equal shares)."""
-    return (isinstance(osd, dict) and "zero_stage" not in osd and isinstance(osd.get("base_optimizer_state"), dict)
-            and isinstance(osd.get("single_partition_of_fp32_groups"), list) and "partition_count" in osd)
+    return (
+        isinstance(osd, dict)
+        and "zero_stage" not in osd
+        and isinstance(osd.get("base_optimizer_state"), dict)
+        and isinstance(osd.get("single_partition_of_fp32_groups"), list)
+        and "partition_count" in osd
+    )
 
 
-def _bf16_param_shapes(files: ZeroFiles, optim: dict[int, Any], layers: dict[int, _LayerFile],
-                       label: str) -> list[dict[str, tuple[int, ...]]]:
+def _bf16_param_shapes(
+    files: ZeroFiles, optim: dict[int, Any], layers: dict[int, _LayerFile], label: str
+) -> list[dict[str, tuple[int, ...]]]:
     """BF16_Optimizer's groups as param_shapes would list them: each group's names in flat order
     from the ranks' `param_slice_mappings` (name -> (numel, start) of the rank's share), each
     shape from the layer file holding it (`<layer>.<param>`), a tied module's from the layer file
     whose local name and element count match; the ranks' element counts must add up to it."""
-    maps = {rank: entry(entry(state, "optimizer_state_dict", label), "param_slice_mappings", label)
-            for rank, state in sorted(optim.items())}
+    maps = {
+        rank: entry(entry(state, "optimizer_state_dict", label), "param_slice_mappings", label)
+        for rank, state in sorted(optim.items())
+    }
     groups = max(len(m) if isinstance(m, list) else 0 for m in maps.values())
     out: list[dict[str, tuple[int, ...]]] = []
     for g in range(groups):
@@ -315,11 +382,16 @@ def _shape_from_layers(name: str, numel: int, layers: dict[int, _LayerFile], lab
     held = {tuple(ref.size) for ref in candidates if isinstance(ref, TensorRef)}
     shapes = {shape for shape in held if math.prod(shape) == numel}
     if len(shapes) != 1:
-        found = (f"layer files give shapes {sorted(shapes)}" if shapes else
-                 f"its layer file's shape is {sorted(held)[0]}" if len(held) == 1 else
-                 "no layer file holds a tensor of that size")
-        raise FormatError(f"{label}: parameter {name} has {numel} elements in the ranks' param_slice_mappings, but "
-                          f"{found}")
+        found = (
+            f"layer files give shapes {sorted(shapes)}"
+            if shapes
+            else f"its layer file's shape is {sorted(held)[0]}"
+            if len(held) == 1
+            else "no layer file holds a tensor of that size"
+        )
+        raise FormatError(
+            f"{label}: parameter {name} has {numel} elements in the ranks' param_slice_mappings, but {found}"
+        )
     return shapes.pop()
 
 
@@ -343,8 +415,10 @@ def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage], 
         if layer not in on_disk:
             names = [n for n in [*stages[s].shapes, *stages[s].buffers] if (_layer_names(n) or (None,))[0] == layer]
             model = f"-model_{model_rank:02d}" if any(LAYER_FILE.match(n).group(2) for n in on_disk.values()) else ""
-            raise FormatError(f"{source.label(files.prefix + f'layer_{layer:02d}{model}-model_states.pt')}: file is missing "
-                              f"(pipeline stage {s} holds layer {layer}'s {', '.join(names[:3])})")
+            raise FormatError(
+                f"{source.label(files.prefix + f'layer_{layer:02d}{model}-model_states.pt')}: file is missing "
+                f"(pipeline stage {s} holds layer {layer}'s {', '.join(names[:3])})"
+            )
     layers = dict(known)
     for layer in sorted(on_disk):
         if layer not in layers:
@@ -372,19 +446,27 @@ def _add_layer_files(source: Source, stage: _Stage, layers: list[tuple[int, _Lay
             dtype, loc, shape = tensor_of(archive, ref, f"{local!r}")
             want = stage.shapes.get(name)
             if want is not None and tuple(want) != tuple(shape):
-                raise FormatError(f"{archive.label}: {local} has shape {list(shape)}, but pipeline stage "
-                                  f"{stage.stage}'s param_shapes says {name} is {list(want)}")
+                raise FormatError(
+                    f"{archive.label}: {local} has shape {list(shape)}, but pipeline stage "
+                    f"{stage.stage}'s param_shapes says {name} is {list(want)}"
+                )
             pieces = [Piece(Box.whole(shape), loc)]
             if f"ds_module.{name}" in stage.index.tensors:
                 continue  # a tied module saved by two of the stage's layers: the first is kept
             if name in stage.buffers:
-                stage.index.add_tensor(TensorEntry(model_key(name), dtype, shape, pieces, path=model_path(name),
-                                                   attrs={"ds_role": "buffer"}))
+                stage.index.add_tensor(
+                    TensorEntry(
+                        model_key(name), dtype, shape, pieces, path=model_path(name), attrs={"ds_role": "buffer"}
+                    )
+                )
                 continue
             stage.index.add_tensor(TensorEntry(f"ds_module.{name}", dtype, shape, pieces, path=("ds_module", name)))
             if name not in stage.owned:
-                stage.index.add_tensor(TensorEntry(model_key(name), dtype, shape, list(pieces),
-                                                   path=model_path(name), attrs={"ds_role": "frozen"}))
+                stage.index.add_tensor(
+                    TensorEntry(
+                        model_key(name), dtype, shape, list(pieces), path=model_path(name), attrs={"ds_role": "frozen"}
+                    )
+                )
                 stage.info.frozen[name] = shape
             elif dtype in ("float16", "bfloat16"):
                 stage.index.metadata["deepspeed"]["dtype"] = dtype
@@ -400,13 +482,20 @@ def _global_prefix(label: str, layer: int, local: list[str], stage: _Stage) -> s
     keys = {n.split(".")[1] for n in known if n.startswith("tied_modules.") and n.count(".") >= 2}
     matches = [k for k in sorted(keys) if any(f"tied_modules.{k}.{n}" in known for n in local)]
     if len(matches) > 1:
-        raise UnsupportedError(f"{label}: layer {layer}'s names match tied modules {matches}; which one it holds "
-                               f"cannot be told")
+        raise UnsupportedError(
+            f"{label}: layer {layer}'s names match tied modules {matches}; which one it holds cannot be told"
+        )
     return f"tied_modules.{matches[0]}." if matches else f"{layer}."
 
 
-def _merge(index: CheckpointIndex, part: CheckpointIndex, stage: int, pp: int, owner: dict[str, int],
-           replicas: dict[str, list[tuple[int, TensorEntry]]]) -> None:
+def _merge(
+    index: CheckpointIndex,
+    part: CheckpointIndex,
+    stage: int,
+    pp: int,
+    owner: dict[str, int],
+    replicas: dict[str, list[tuple[int, TensorEntry]]],
+) -> None:
     """A stage's entries into the pipeline's index, each marked with its stage; a tied module's
     (already given by a lower stage) kept aside as a replica, param groups joined by position."""
     index.files.update(part.files)
@@ -418,9 +507,11 @@ def _merge(index: CheckpointIndex, part: CheckpointIndex, stage: int, pp: int, o
                 if index.tensors[key].shape == e.shape and index.tensors[key].dtype == e.dtype:
                     replicas.setdefault(key, []).append((stage, e))  # a tied module's copy: verify --deep
                     continue
-                raise FormatError(f"{key} is {e.dtype} {list(e.shape)} on pipeline stage {stage} but "
-                                  f"{index.tensors[key].dtype} {list(index.tensors[key].shape)} on stage "
-                                  f"{owner[name]}; the copies of a tied module must agree")
+                raise FormatError(
+                    f"{key} is {e.dtype} {list(e.shape)} on pipeline stage {stage} but "
+                    f"{index.tensors[key].dtype} {list(index.tensors[key].shape)} on stage "
+                    f"{owner[name]}; the copies of a tied module must agree"
+                )
             raise FormatError(f"{key} appears in pipeline stages {owner.get(name or key)} and {stage}")
         if name is not None:
             owner.setdefault(name, stage)
@@ -441,13 +532,13 @@ def _merge(index: CheckpointIndex, part: CheckpointIndex, stage: int, pp: int, o
 def _param_name(key: str) -> str | None:
     for prefix in ("model.", "ds_module."):
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return _state_param(key) if key.startswith("optim.state.") else None
 
 
 def _state_param(key: str) -> str:
     """The parameter of `optim.state.<name>.<key>` (the state key is the last part)."""
-    return key[len("optim.state."):].rpartition(".")[0]
+    return key[len("optim.state.") :].rpartition(".")[0]
 
 
 def _merge_group_value(index: CheckpointIndex, key: str, obj: ObjectEntry, stage: int) -> None:
@@ -460,9 +551,11 @@ def _merge_group_value(index: CheckpointIndex, key: str, obj: ObjectEntry, stage
     if key.endswith(".params"):
         have.data = list(have.data) + [n for n in obj.data if n not in have.data]
     elif have.data != obj.data:
-        raise UnsupportedError(f"{key} is {quote(repr(obj.data))} on pipeline stage {stage} but "
-                               f"{quote(repr(have.data))} on stage 0; stages with different hyperparameters "
-                               f"cannot be joined into one optimizer")
+        raise UnsupportedError(
+            f"{key} is {quote(repr(obj.data))} on pipeline stage {stage} but "
+            f"{quote(repr(have.data))} on stage 0; stages with different hyperparameters "
+            f"cannot be joined into one optimizer"
+        )
 
 
 def refuse_pipeline_reshard(where: str, index: CheckpointIndex) -> None:

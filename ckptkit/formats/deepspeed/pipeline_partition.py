@@ -16,6 +16,7 @@ list in order as DeepSpeed logs it at start-up (`stage=0 layers=N` then `0: Embe
 when state-less layers (functions) end the model. tests/test_ds_pp_reshard.py checks the
 functions against DeepSpeed's.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,10 @@ def parse_layer_types(text: str) -> tuple[str, ...]:
     for item in text.split(","):
         name, star, count = item.strip().rpartition("*") if "*" in item else (item.strip(), "", "")
         if not name or (star and not (count.isdigit() and int(count) > 0)):
-            raise UsageError(f"--layer-types {text!r}: {item.strip()!r} is not a layer's class name or NAME*COUNT "
-                             f"(expected e.g. EmbeddingPipe,ParallelTransformerLayerPipe*24,LayerNorm)")
+            raise UsageError(
+                f"--layer-types {text!r}: {item.strip()!r} is not a layer's class name or NAME*COUNT "
+                f"(expected e.g. EmbeddingPipe,ParallelTransformerLayerPipe*24,LayerNorm)"
+            )
         out += [name] * (int(count) if star else 1)
     return tuple(out)
 
@@ -75,7 +78,7 @@ def type_regex(method: str) -> re.Pattern:
     between the first and second colon, matched case-insensitively with search()."""
     pattern = method.lower().split(":")[1]
     try:
-        why = regex_refusal(pattern)   # a pattern that could backtrack for hours (ckptkit/regex_guard.py)
+        why = regex_refusal(pattern)  # a pattern that could backtrack for hours (ckptkit/regex_guard.py)
         compiled = re.compile(pattern, re.IGNORECASE)
     except re.error as exc:
         raise UsageError(f"--partition-method {method!r}: {pattern!r} is not a regular expression ({exc})") from None
@@ -89,8 +92,10 @@ def type_weights(method: str, layer_types: Sequence[str]) -> list[int]:
     regex = type_regex(method)
     weights = [1 if regex.search(name) else 0 for name in layer_types]
     if not any(weights):  # DeepSpeed: "Partitioning '...' found no valid layers to partition."
-        raise UsageError(f"--partition-method {method}: no name in --layer-types matches {regex.pattern!r}, so "
-                         f"DeepSpeed would find no layers to partition")
+        raise UsageError(
+            f"--partition-method {method}: no name in --layer-types matches {regex.pattern!r}, so "
+            f"DeepSpeed would find no layers to partition"
+        )
     return weights
 
 

@@ -4,12 +4,14 @@
 What DeepSpeed writes (tp T, pp P, dp D): `layer_XX-model_YY-model_states.pt` per (layer, tp rank
 YY), `mp_rank_SS_model_states.pt` and `zero_pp_rank_D_mp_rank_SS_optim_states.pt` with
 SS = stage * T + tp rank (the grid's model-parallel rank). So tp rank t's files are an ordinary
-pipeline checkpoint (pipeline.read_pipeline reads it; pipeline.py calls `join` here), and the T pipelines are joined tensor by
+pipeline checkpoint (pipeline.read_pipeline reads it; pipeline.py calls `join` here), and the T pipelines are joined
+tensor by
 tensor as model_parallel.py joins T ZeRO checkpoints: each parameter's split from what the
 checkpoint records, then the split rules (--tp-rules, then the built-in ones). Each tensor gets
 attrs["parallel"] = {"pp": {stage, size}, "tp": {dim, size}}. pipeline_tp_writer.py lays one out
 at new sizes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,8 +23,10 @@ from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
 from . import model_parallel as mp
 
-NOT_RESHARDABLE = ("converting a pipeline x tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet; "
-                   "reshard it with --to tp=...,pp=...,dp=... (pipeline_tp_writer.py)")
+NOT_RESHARDABLE = (
+    "converting a pipeline x tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet; "
+    "reshard it with --to tp=...,pp=...,dp=... (pipeline_tp_writer.py)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +36,7 @@ class PipelineTpInfo:
     pp: int
     tp: int
     dp: int
-    pipelines: dict[int, Any] = field(default_factory=dict)   # tp rank -> its pipeline.PipelineInfo
+    pipelines: dict[int, Any] = field(default_factory=dict)  # tp rank -> its pipeline.PipelineInfo
     splits: dict[str, TpSplit] = field(default_factory=dict)
     # key of a tp-replicated tensor -> (tp rank, its copy) for ranks 1..
     replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
@@ -40,16 +44,19 @@ class PipelineTpInfo:
     def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
         """key -> [(what, entry)]: copies that must hold the same bytes (verify --deep): the
         tp ranks' copies of replicated tensors and each tp rank's tied-module copies."""
-        out = {key: [(f"tensor-parallel rank {rank}'s copy", e) for rank, e in copies]
-               for key, copies in self.replicas.items()}
+        out = {
+            key: [(f"tensor-parallel rank {rank}'s copy", e) for rank, e in copies]
+            for key, copies in self.replicas.items()
+        }
         if 0 in self.pipelines:  # tied modules: tp rank 0's later-stage copies (full-size entries only there)
             for key, copies in self.pipelines[0].replica_entries().items():
                 out.setdefault(key, []).extend(copies)
         return out
 
 
-def join(source: Source, subs: dict[int, CheckpointIndex], label: str,
-         tp_rules: TpRules | None = None) -> CheckpointIndex:
+def join(
+    source: Source, subs: dict[int, CheckpointIndex], label: str, tp_rules: TpRules | None = None
+) -> CheckpointIndex:
     """The full model's index of a pipeline whose stages are tp ranks wide, from tp rank t's
     pipeline index subs[t] (pipeline.read_pipeline)."""
     tp = len(subs)
@@ -78,11 +85,16 @@ def join(source: Source, subs: dict[int, CheckpointIndex], label: str,
     index.step = first.step
     index.metadata.update({k: v for k, v in first.metadata.items() if k not in ("deepspeed", "parallel")})
     ds = dict(first.metadata.get("deepspeed", {}))
-    index.metadata["deepspeed"] = {**ds, "world_size": pp * tp * dp, "mp_world_size": pp * tp,
-                                   "pipeline": {**ds.get("pipeline", {}), "tensor_parallel": tp}}
+    index.metadata["deepspeed"] = {
+        **ds,
+        "world_size": pp * tp * dp,
+        "mp_world_size": pp * tp,
+        "pipeline": {**ds.get("pipeline", {}), "tensor_parallel": tp},
+    }
     index.metadata["parallel"] = {"pp": pp, "tp": tp, "dp": dp}
-    index.native = PipelineTpInfo(pp=pp, tp=tp, dp=dp, pipelines={t: s.native for t, s in subs.items()},
-                                  splits=splits, replicas=replicas)
+    index.native = PipelineTpInfo(
+        pp=pp, tp=tp, dp=dp, pipelines={t: s.native for t, s in subs.items()}, splits=splits, replicas=replicas
+    )
     return index
 
 
@@ -91,11 +103,15 @@ def _same_entry(subs: dict[int, CheckpointIndex], t: int, key: str, e0: TensorEn
     if entry is None:
         raise FormatError(f"{label}: tensor-parallel rank {t}'s pipeline has no {key} (rank 0's has it)")
     if entry.dtype != e0.dtype or len(entry.shape) != len(e0.shape):
-        raise FormatError(f"{label}: {key} is {entry.dtype} {list(entry.shape)} on tensor-parallel rank {t}, "
-                          f"{e0.dtype} {list(e0.shape)} on rank 0")
+        raise FormatError(
+            f"{label}: {key} is {entry.dtype} {list(entry.shape)} on tensor-parallel rank {t}, "
+            f"{e0.dtype} {list(e0.shape)} on rank 0"
+        )
     if e0.attrs.get("parallel", {}).get("pp") != entry.attrs.get("parallel", {}).get("pp"):
-        raise FormatError(f"{label}: {key} is on pipeline stage {entry.attrs['parallel']['pp']['stage']} for "
-                          f"tensor-parallel rank {t} but stage {e0.attrs['parallel']['pp']['stage']} for rank 0")
+        raise FormatError(
+            f"{label}: {key} is on pipeline stage {entry.attrs['parallel']['pp']['stage']} for "
+            f"tensor-parallel rank {t} but stage {e0.attrs['parallel']['pp']['stage']} for rank 0"
+        )
     return entry
 
 
@@ -103,5 +119,3 @@ def refuse_reshard(where: str, index: CheckpointIndex) -> None:
     """convert --to zero* of a 3-D source: reshard writes one (one sentence)."""
     if isinstance(index.native, PipelineTpInfo):
         raise UnsupportedError(f"{where}: {NOT_RESHARDABLE} (pp {index.native.pp}, tp {index.native.tp})")
-
-

@@ -12,6 +12,7 @@ Files, as DeepSpeed 0.19's PipelineEngine on PipeModelDataParallelTopology names
                                         checkpoint_parallel_dimensions {pp_degree P, tp_degree T}
   zero_pp_rank_D_mp_rank_SS_optim_states.pt   partition D of W of that (stage, tp rank)'s groups
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,13 +53,25 @@ def is_pipeline_tp(index: CheckpointIndex) -> bool:
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> Target3d:
     """(T, P, W) from `--to`: tp=T,pp=P,dp=W, or a world size N that keeps the source's tp and pp."""
     info: PipelineTpInfo = index.native
-    sizes = keep_parallel_sizes(index, to, ParallelSizes(tp=info.tp, pp=info.pp), resizable=("tp", "pp"),
-                                kind="3-D (pipeline x tensor-parallel)")
+    sizes = keep_parallel_sizes(
+        index,
+        to,
+        ParallelSizes(tp=info.tp, pp=info.pp),
+        resizable=("tp", "pp"),
+        kind="3-D (pipeline x tensor-parallel)",
+    )
     return Target3d(tp=sizes.tp, pp=sizes.pp, dp=sizes.dp)
 
 
-def write_3d_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
-                  ctx: RunContext, partition_method: str | None = None) -> list[str]:
+def write_3d_zero(
+    out: Output,
+    index: CheckpointIndex,
+    source: Source,
+    to: int | ParallelSizes,
+    *,
+    ctx: RunContext,
+    partition_method: str | None = None,
+) -> list[str]:
     """Reshard a 3-D ZeRO-1 checkpoint to T x P x W ranks (module docstring)."""
     info: PipelineTpInfo = index.native
     target = target_sizes(index, to)
@@ -66,8 +79,10 @@ def write_3d_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
     pinfo = info.pipelines[0]
     zinfo: ZeroInfo = pinfo.stages[min(pinfo.stages)]
     if "zero_stage" not in (zinfo.optim_states[min(zinfo.optim_states)].get("optimizer_state_dict") or {}):
-        raise UnsupportedError(f"{index.root}: a 3-D checkpoint written by BF16_Optimizer is not laid out at new "
-                               f"sizes yet (ZeRO stage 1 is)")
+        raise UnsupportedError(
+            f"{index.root}: a 3-D checkpoint written by BF16_Optimizer is not laid out at new "
+            f"sizes yet (ZeRO stage 1 is)"
+        )
     align = alignment(zero_config(index), zinfo.dtype)
     slicer = _Slicer(index, info, target.tp)
     tag = tag_name(zinfo.files.tag, index)
@@ -81,26 +96,43 @@ def write_3d_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
         rank_index.native = _local_pipeline(pinfo, rank_index)
         layers, stage_of = ppw.layer_table(rank_index)
         if target.pp > max(len(layers), len(chosen_layer_types() or ())):
-            raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the "
-                             f"{target.pp} pipeline stages asked for")
+            raise UsageError(
+                f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the "
+                f"{target.pp} pipeline stages asked for"
+            )
         layers, parts = ppw.new_stages(rank_index, layers, stage_of, method, target.pp, chosen_layer_types())
         plans = ppw.stage_plans(rank_index, layers, parts, align)
         fetcher = Fetcher(source, index=rank_index)
         states = StatePlanner(rank_index, fetcher)
         for plan in plans:
             if not any(g.params for g in plan.groups):
-                raise UnsupportedError(f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) "
-                                       f"would have no trainable parameters, which DeepSpeed's ZeRO optimizer "
-                                       f"cannot hold")
+                raise UnsupportedError(
+                    f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) "
+                    f"would have no trainable parameters, which DeepSpeed's ZeRO optimizer "
+                    f"cannot hold"
+                )
             mp_rank = plan.stage * target.tp + t
-            gplans = [plan_group(rank_index, states, 1, g, templates.get(g.index) if isinstance(templates, dict)
-                                 else None, oarchive, f"group {g.index} of stage {plan.stage}, tp rank {t}", target.dp)
-                      for g in plan.groups]
+            gplans = [
+                plan_group(
+                    rank_index,
+                    states,
+                    1,
+                    g,
+                    templates.get(g.index) if isinstance(templates, dict) else None,
+                    oarchive,
+                    f"group {g.index} of stage {plan.stage}, tp rank {t}",
+                    target.dp,
+                )
+                for g in plan.groups
+            ]
             model = ppw._model(m0, marchive, plan, ppw.PpTarget(pp=target.pp, dp=target.dp))
             model["mp_world_size"] = target.pp * target.tp
             if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
-                model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"],
-                                                           "pp_degree": target.pp, "tp_degree": target.tp}
+                model["checkpoint_parallel_dimensions"] = {
+                    **model["checkpoint_parallel_dimensions"],
+                    "pp_degree": target.pp,
+                    "tp_degree": target.tp,
+                }
             files[f"{tag}/mp_rank_{mp_rank:02d}_model_states.pt"] = (model, fetcher)
             for d in range(target.dp):
                 osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
@@ -111,16 +143,24 @@ def write_3d_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
                 files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
         for layer, rel in sorted(pinfo.layer_files.items()):
             files[f"{tag}/layer_{layer:02d}-model_{t:02d}-model_states.pt"] = (
-                _layer_state(index, pinfo, rank_index, layer), fetcher)
+                _layer_state(index, pinfo, rank_index, layer),
+                fetcher,
+            )
     return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
 
 
 def _local_pipeline(pinfo: Any, rank_index: CheckpointIndex) -> Any:
     """tp rank 0's PipelineInfo with each stage's groups at the new rank's slice shapes."""
+
     def local(z: ZeroInfo) -> ZeroInfo:
-        groups = [dataclasses.replace(g, params=tuple((n, tuple(rank_index.tensors[f"model.{n}"].shape))
-                                                      for n, _ in g.params)) for g in z.groups]
+        groups = [
+            dataclasses.replace(
+                g, params=tuple((n, tuple(rank_index.tensors[f"model.{n}"].shape)) for n, _ in g.params)
+            )
+            for g in z.groups
+        ]
         return dataclasses.replace(z, groups=groups)
+
     return dataclasses.replace(pinfo, stages={s: local(z) for s, z in pinfo.stages.items()})
 
 
@@ -132,7 +172,7 @@ def _layer_state(index: CheckpointIndex, pinfo: Any, rank_index: CheckpointIndex
     state = OrderedDict()
     for key, e in index.tensors.items():
         if key.startswith("ds_module." + prefix):
-            state[key[len("ds_module." + prefix):]] = LazyTensor(rank_index.tensors[key])
+            state[key[len("ds_module." + prefix) :]] = LazyTensor(rank_index.tensors[key])
         elif key.startswith("model." + prefix) and e.attrs.get("ds_role") == "buffer":
-            state[key[len("model." + prefix):]] = LazyTensor(rank_index.tensors[key])
+            state[key[len("model." + prefix) :]] = LazyTensor(rank_index.tensors[key])
     return state

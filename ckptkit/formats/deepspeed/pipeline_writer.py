@@ -20,6 +20,7 @@ one such layer there, after the last layer when that stage is the last), and `ne
 that they split into the source's own stages by the chosen method and that the new stages do not
 depend on unseen state-less layers after the last one, else refuses.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,7 @@ from .files import optim_file_name
 from .group_plan import GroupPlan, StatePlanner, plan_group, virtual
 from .info import ZeroGroup, ZeroInfo
 from .pipeline import PipelineInfo
-from .pipeline_partition import (chosen_layer_types, chosen_partition_method, is_type_method, partition,
-                                 type_weights)
+from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .writer import stage12_optim
@@ -59,8 +59,8 @@ class PpTarget:
 class Layer:
     """One entry of PipelineModule's layer list as the checkpoint shows it."""
 
-    kind: str            # "layer" (its own parameters), "tied" (a TiedLayerSpec), "none" (no state)
-    weight: int          # trainable parameters (what partition_method="parameters" balances)
+    kind: str  # "layer" (its own parameters), "tied" (a TiedLayerSpec), "none" (no state)
+    weight: int  # trainable parameters (what partition_method="parameters" balances)
     key: str | None = None
 
 
@@ -108,15 +108,20 @@ def layer_table(index: CheckpointIndex) -> tuple[list[Layer], dict[int, int]]:
     table: dict[int, Layer] = {}
     for i in known:
         key = info.tied_layers.get(i)
-        table[i] = (Layer(kind="tied", weight=tied_weight.get(key, 0), key=key) if key is not None
-                    else Layer(kind="layer", weight=layer_weight.get(i, 0)))
+        table[i] = (
+            Layer(kind="tied", weight=tied_weight.get(key, 0), key=key)
+            if key is not None
+            else Layer(kind="layer", weight=layer_weight.get(i, 0))
+        )
     count = max(known) + 1 if known else 0
     stage_of = dict(known)
     if info.pp == 1 and tied_weight:
-        raise UnsupportedError(f"{index.root}: a single-stage pipeline checkpoint with tied modules "
-                               f"({', '.join(sorted(tied_weight))}) does not show which of its state-less layers use "
-                               f"them (a TiedLayerSpec with a forward_fn writes no file), so its new stages cannot be "
-                               f"told; resharding it is not supported")
+        raise UnsupportedError(
+            f"{index.root}: a single-stage pipeline checkpoint with tied modules "
+            f"({', '.join(sorted(tied_weight))}) does not show which of its state-less layers use "
+            f"them (a TiedLayerSpec with a forward_fn writes no file), so its new stages cannot be "
+            f"told; resharding it is not supported"
+        )
     for s in sorted(info.stages):
         for key in sorted(tied_on.get(s, ())):
             if any(layer.key == key and stage_of.get(i) == s for i, layer in table.items()):
@@ -131,9 +136,11 @@ def layer_table(index: CheckpointIndex) -> tuple[list[Layer], dict[int, int]]:
             elif first_next is None:
                 at, count = count, count + 1
             else:
-                raise UnsupportedError(f"{index.root}: pipeline stage {s} holds tied module {key} but none of its "
-                                       f"layers' files, and no layer index is free for it on that stage; resharding "
-                                       f"it is not supported")
+                raise UnsupportedError(
+                    f"{index.root}: pipeline stage {s} holds tied module {key} but none of its "
+                    f"layers' files, and no layer index is free for it on that stage; resharding "
+                    f"it is not supported"
+                )
             table[at] = Layer(kind="tied", weight=tied_weight.get(key, 0), key=key)
             stage_of[at] = s
     for i in range(count):
@@ -141,8 +148,14 @@ def layer_table(index: CheckpointIndex) -> tuple[list[Layer], dict[int, int]]:
     return [table[i] for i in range(count)], stage_of
 
 
-def new_stages(index: CheckpointIndex, layers: list[Layer], stage_of: dict[int, int], method: str,
-               pp: int, layer_types: Sequence[str] | None = None) -> tuple[list[Layer], list[int]]:
+def new_stages(
+    index: CheckpointIndex,
+    layers: list[Layer],
+    stage_of: dict[int, int],
+    method: str,
+    pp: int,
+    layer_types: Sequence[str] | None = None,
+) -> tuple[list[Layer], list[int]]:
     """(layers, stage boundaries at `pp`). `layer_types` (--layer-types: PipelineModule's layer
     class names) fix the layer count and give "type:" its weights. Without them, state-less layers
     after the last one the checkpoint shows are unseen: every count of them (up to as many again)
@@ -150,13 +163,17 @@ def new_stages(index: CheckpointIndex, layers: list[Layer], stage_of: dict[int, 
     state must not depend on it (else refused as undetermined); the fewest such layers are written."""
     info: PipelineInfo = index.native
     if layer_types is None and is_type_method(method):
-        raise UsageError(f"--partition-method {method}: {index.root} does not record its layers' class names, which "
-                         f"type: matches; give them with --layer-types (the PipelineModule's layers in order, as "
-                         f"DeepSpeed logs them at start-up, e.g. EmbeddingPipe,ParallelTransformerLayerPipe*24,"
-                         f"LayerNorm,EmbeddingPipe)")
+        raise UsageError(
+            f"--partition-method {method}: {index.root} does not record its layers' class names, which "
+            f"type: matches; give them with --layer-types (the PipelineModule's layers in order, as "
+            f"DeepSpeed logs them at start-up, e.g. EmbeddingPipe,ParallelTransformerLayerPipe*24,"
+            f"LayerNorm,EmbeddingPipe)"
+        )
     if layer_types is not None and len(layer_types) < len(layers):
-        raise UsageError(f"--layer-types names {len(layer_types)} layers, but {index.root} holds state of layer "
-                         f"{len(layers) - 1}; give one name per PipelineModule layer")
+        raise UsageError(
+            f"--layer-types names {len(layer_types)} layers, but {index.root} holds state of layer "
+            f"{len(layers) - 1}; give one name per PipelineModule layer"
+        )
     extras = range(len(layers) + 1) if layer_types is None else [len(layer_types) - len(layers)]
     given = "" if layer_types is None else f" and --layer-types ({len(layer_types)} layers)"
 
@@ -172,22 +189,27 @@ def new_stages(index: CheckpointIndex, layers: list[Layer], stage_of: dict[int, 
             if any(not src[s] <= i < src[s + 1] for i, s in stage_of.items()):
                 continue
         parts = partition(method, weights, pp)
-        placed = tuple(next(s for s in range(pp) if parts[s] <= i < parts[s + 1])
-                       for i, x in enumerate(layers) if x.kind != "none")
+        placed = tuple(
+            next(s for s in range(pp) if parts[s] <= i < parts[s + 1]) for i, x in enumerate(layers) if x.kind != "none"
+        )
         options.setdefault(placed, (cand, parts))
     if not options:
         cand = layers + [Layer(kind="none", weight=0)] * extras[0]
         src = partition(method, weights_of(cand), info.pp)
         wrong = min(i for i, s in stage_of.items() if not src[s] <= i < src[s + 1])
-        raise UnsupportedError(f"{index.root}: its {len(cand)} layers (as inferred from the checkpoint{given}) do not "
-                               f"split into its {info.pp} stages with --partition-method {method} (layer {wrong} is "
-                               f"on stage {stage_of[wrong]}, the method gives stages at {src}); give the method the "
-                               f"model uses")
+        raise UnsupportedError(
+            f"{index.root}: its {len(cand)} layers (as inferred from the checkpoint{given}) do not "
+            f"split into its {info.pp} stages with --partition-method {method} (layer {wrong} is "
+            f"on stage {stage_of[wrong]}, the method gives stages at {src}); give the method the "
+            f"model uses"
+        )
     if len(options) > 1:
-        raise UnsupportedError(f"{index.root}: which layers go to which of {pp} stages with --partition-method "
-                               f"{method} depends on how many state-less layers follow layer {len(layers) - 1}, "
-                               f"which the checkpoint does not record; resharding it to pp={pp} is not supported "
-                               f"without --layer-types")
+        raise UnsupportedError(
+            f"{index.root}: which layers go to which of {pp} stages with --partition-method "
+            f"{method} depends on how many state-less layers follow layer {len(layers) - 1}, "
+            f"which the checkpoint does not record; resharding it to pp={pp} is not supported "
+            f"without --layer-types"
+        )
     return next(iter(options.values()))
 
 
@@ -246,8 +268,15 @@ def stage_plans(index: CheckpointIndex, layers: list[Layer], parts: list[int], a
     return plans
 
 
-def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
-                  ctx: RunContext, partition_method: str | None = None) -> list[str]:
+def write_pp_zero(
+    out: Output,
+    index: CheckpointIndex,
+    source: Source,
+    to: int | ParallelSizes,
+    *,
+    ctx: RunContext,
+    partition_method: str | None = None,
+) -> list[str]:
     """Reshard a pipeline ZeRO-1 (or BF16_Optimizer) checkpoint to P stages of W ranks (module docstring)."""
     info: PipelineInfo = index.native
     target = target_sizes(index, to)
@@ -255,8 +284,10 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
     layers, stage_of = layer_table(index)
     types = chosen_layer_types()
     if target.pp > max(len(layers), len(types or ())):
-        raise UsageError(f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the {target.pp} "
-                         f"pipeline stages asked for")
+        raise UsageError(
+            f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the {target.pp} "
+            f"pipeline stages asked for"
+        )
     zinfo: ZeroInfo = info.stages[min(info.stages)]
     zero_cfg = zero_config(index)
     align = alignment(zero_cfg, zinfo.dtype)
@@ -272,11 +303,23 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
     files: dict[str, Any] = {}
     for plan in plans:
         if not any(g.params for g in plan.groups):
-            raise UnsupportedError(f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) would "
-                                   f"have no trainable parameters, which DeepSpeed's ZeRO optimizer cannot hold")
-        gplans = [plan_group(index, states, 1, g, templates.get(g.index) if isinstance(templates, dict) else None,
-                             oarchive, f"group {g.index} of pipeline stage {plan.stage}", target.dp)
-                  for g in plan.groups]
+            raise UnsupportedError(
+                f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) would "
+                f"have no trainable parameters, which DeepSpeed's ZeRO optimizer cannot hold"
+            )
+        gplans = [
+            plan_group(
+                index,
+                states,
+                1,
+                g,
+                templates.get(g.index) if isinstance(templates, dict) else None,
+                oarchive,
+                f"group {g.index} of pipeline stage {plan.stage}",
+                target.dp,
+            )
+            for g in plan.groups
+        ]
         model = files[f"{tag}/mp_rank_{plan.stage:02d}_model_states.pt"] = _model(m0, marchive, plan, target)
         for d in range(target.dp):
             osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
@@ -290,8 +333,15 @@ def write_pp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
             name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=plan.stage)
             files[f"{tag}/{name}"] = {"optimizer_state_dict": osd, **top}
     copied = [(rel, f"{tag}/{rel.rpartition('/')[2]}") for _, rel in sorted(info.layer_files.items())]
-    return write_tag(out, source, tag, {n: (s, fetcher) for n, s in files.items()}, ctx, copied=copied,
-                     scripts=zinfo.files.tag is not None)
+    return write_tag(
+        out,
+        source,
+        tag,
+        {n: (s, fetcher) for n, s in files.items()},
+        ctx,
+        copied=copied,
+        scripts=zinfo.files.tag is not None,
+    )
 
 
 def _padded_masters(plan: GroupPlan, rank: int) -> LazyTensor:

@@ -17,6 +17,7 @@ Tied parameters (shared_params) appear as aliases of their owner.
 The parts are read in order (files, module and buffers, frozen params, the groups' flat buffers
 in flat_groups.py), then `ZeroInfo` is built once from them.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,16 +39,39 @@ from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, ZeroInfo, stage_names
 
 FORMAT = "deepspeed"
-STRUCTURAL_KEYS = {"module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
-                   "shared_params", "optimizer"}
-DS_KEYS = {"lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
-           "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-           "checkpoint_parallel_dimensions", "universal_checkpoint_info", "iteration", "compression",
-           "num_experts", "ds_autoep_layers"}  # the last two: MoE checkpoints (moe.py)
+STRUCTURAL_KEYS = {
+    "module",
+    "buffer_names",
+    "param_shapes",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "optimizer",
+}
+DS_KEYS = {
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
+    "iteration",
+    "compression",
+    "num_experts",
+    "ds_autoep_layers",
+}  # the last two: MoE checkpoints (moe.py)
 
 
-def read_index(source: Source, tag: str | None = None, tp_rules: TpRules | None = None, *,
-               optimizer: bool = True) -> CheckpointIndex:
+def read_index(
+    source: Source, tag: str | None = None, tp_rules: TpRules | None = None, *, optimizer: bool = True
+) -> CheckpointIndex:
     """The checkpoint's index; a tensor-parallel one (several mp ranks) is read one ZeRO checkpoint
     per mp rank and joined into full tensors (model_parallel.py), their splits decided by what the
     checkpoint records, then `tp_rules` (default: the --tp-rules file, then the built-in rules).
@@ -73,8 +97,9 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
     optim = _load_ranks(source, files, files.optim_files, archives)
     model = _load_ranks(source, files, files.model_files, archives)
     if not optim or not model:
-        raise FormatError(f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file "
-                          f"of the tag could be read")
+        raise FormatError(
+            f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file of the tag could be read"
+        )
     first_optim = source.label(files.prefix + files.optim_files[min(optim)])
     osd0 = entry(optim[min(optim)], "optimizer_state_dict", first_optim)
     stage = _stage(osd0, first_optim)
@@ -108,12 +133,28 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
     _objects(index, stage, archives[m0_name], m0, optim[min(optim)])
     steps = index.objects.get("ds.global_steps")
     index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
-    index.metadata["deepspeed"] = {"stage": stage, "world_size": world, "tag": files.tag,
-                                   "bf16_file_prefix": files.bf16_prefix, "dtype": dtype}
+    index.metadata["deepspeed"] = {
+        "stage": stage,
+        "world_size": world,
+        "tag": files.tag,
+        "bf16_file_prefix": files.bf16_prefix,
+        "dtype": dtype,
+    }
     index.metadata["consolidate_dtype"] = "float32"  # zero_to_fp32 upcasts frozen params and buffers
-    index.native = ZeroInfo(stage=stage, world_size=world, files=files, groups=groups, frozen=frozen,
-                            buffers=buffers, shared=shared, model_states=model, optim_states=optim,
-                            archives=archives, param_group_count=len(groups_meta), dtype=dtype)
+    index.native = ZeroInfo(
+        stage=stage,
+        world_size=world,
+        files=files,
+        groups=groups,
+        frozen=frozen,
+        buffers=buffers,
+        shared=shared,
+        model_states=model,
+        optim_states=optim,
+        archives=archives,
+        param_group_count=len(groups_meta),
+        dtype=dtype,
+    )
     return index
 
 
@@ -136,12 +177,14 @@ def _load_ranks(source: Source, files: ZeroFiles, names: dict[int, str], archive
         try:
             archive = open_archive(source, rel)
             structure = load_structure(archive, eager=False, memo=alike)
-        except CkptkitError as exc:
+        except CkptkitError:
             if not problems.collecting_now():
                 raise
             if _truncated_zip(source, rel):
-                exc = FormatError(f"{source.label(rel)}: is truncated: a zip archive without its end record "
-                                  f"({source.size(rel)} bytes; the file was cut short)")
+                exc = FormatError(
+                    f"{source.label(rel)}: is truncated: a zip archive without its end record "
+                    f"({source.size(rel)} bytes; the file was cut short)"
+                )
             problems.tolerate(exc, source.label(rel))
             continue
         archives[rel] = archive
@@ -153,13 +196,16 @@ def _load_ranks(source: Source, files: ZeroFiles, names: dict[int, str], archive
 def _stage(osd0: Any, label: str) -> int:
     """The ZeRO stage of the optimizer state, refusing the layouts not read yet."""
     if "zero_stage" not in osd0:
-        raise UnsupportedError(f"{label}: optimizer state without a zero_stage: the "
-                               f"BF16_Optimizer / ZeRO stage 0 layout is not supported yet")
+        raise UnsupportedError(
+            f"{label}: optimizer state without a zero_stage: the "
+            f"BF16_Optimizer / ZeRO stage 0 layout is not supported yet"
+        )
     stage = int(standins.enum_value(osd0["zero_stage"]))
     if stage not in (1, 2, 3):
         raise UnsupportedError(f"{label}: ZeRO stage {stage} is not supported")
-    if osd0.get("elastic_checkpoint") or (stage < 3 and "base_optimizer_state" in osd0
-                                          and isinstance(osd0["base_optimizer_state"], list)):
+    if osd0.get("elastic_checkpoint") or (
+        stage < 3 and "base_optimizer_state" in osd0 and isinstance(osd0["base_optimizer_state"], list)
+    ):
         raise UnsupportedError(f"{label}: elastic ZeRO checkpoints are not supported yet")
     return stage
 
@@ -167,11 +213,15 @@ def _stage(osd0: Any, label: str) -> int:
 def _check_world(source: Source, files: ZeroFiles, stage: int, world: int, m0: Any, label: str) -> None:
     """One model-states file per rank at stage 3; dp_world_size, when saved, agrees with the files."""
     if stage == 3 and len(files.model_files) != world and not _tolerate_missing_models(source, files, world):
-        raise FormatError(f"{source.label(files.prefix)}: ZeRO-3 needs one model-states file per rank, found "
-                          f"{len(files.model_files)} for {world} optim-states files")
+        raise FormatError(
+            f"{source.label(files.prefix)}: ZeRO-3 needs one model-states file per rank, found "
+            f"{len(files.model_files)} for {world} optim-states files"
+        )
     dp = m0.get("dp_world_size") if isinstance(m0, dict) else None
     if isinstance(dp, int) and dp > world:  # the last ranks' files are gone: name them
-        names = ", ".join(optim_file_name(r, files.bf16_prefix, files.mp_rank) for r in range(world, min(dp, world + 3)))
+        names = ", ".join(
+            optim_file_name(r, files.bf16_prefix, files.mp_rank) for r in range(world, min(dp, world + 3))
+        )
         more = f" and {dp - world - 3} more" if dp - world > 3 else ""
         which = f"file of rank {world} is" if dp - world == 1 else f"files of ranks {world}..{dp - 1} are"
         raise FormatError(f"{label}: says dp_world_size {dp}, but the optim-states {which} missing ({names}{more})")
@@ -188,24 +238,32 @@ def _check_partitions(ranks: RankFiles, stage: int, groups: int, *, plain: bool)
         arch = ranks.archive(rank)
         osd = entry(ranks.optim[rank], "optimizer_state_dict", arch.label)
         if isinstance(osd, dict) and _stage(osd, arch.label) != stage:  # (one checkpoint, one layout)
-            raise FormatError(f"{arch.label}: says ZeRO stage {_stage(osd, arch.label)}, the first rank's file "
-                              f"stage {stage}; refusing to pick one")
+            raise FormatError(
+                f"{arch.label}: says ZeRO stage {_stage(osd, arch.label)}, the first rank's file "
+                f"stage {stage}; refusing to pick one"
+            )
         masters = entry(osd, names.masters, arch.label)
         if isinstance(masters, list) and len(masters) != groups:
-            raise FormatError(f"{arch.label}: {names.masters} holds {len(masters)} flat partitions, but the "
-                              f"checkpoint describes {groups} {names.group}s (param_shapes and the optimizer's "
-                              f"param groups); a partition of no described group would be lost")
+            raise FormatError(
+                f"{arch.label}: {names.masters} holds {len(masters)} flat partitions, but the "
+                f"checkpoint describes {groups} {names.group}s (param_shapes and the optimizer's "
+                f"param groups); a partition of no described group would be lost"
+            )
         count = osd.get("partition_count") if plain else None
         counts = count if isinstance(count, list) else [count] if count is not None else []
-        if any(type(c) is not int or c != ranks.world_size for c in counts) or (stage < 3 and isinstance(
-                count, list) and len(count) != groups):
-            raise FormatError(f"{arch.label}: partition_count is {str(count)[:80]}, expected "
-                              f"{[ranks.world_size] * groups if stage < 3 else ranks.world_size} (one partition "
-                              f"per optim-states file: there are {ranks.world_size})")
+        if any(type(c) is not int or c != ranks.world_size for c in counts) or (
+            stage < 3 and isinstance(count, list) and len(count) != groups
+        ):
+            raise FormatError(
+                f"{arch.label}: partition_count is {str(count)[:80]}, expected "
+                f"{[ranks.world_size] * groups if stage < 3 else ranks.world_size} (one partition "
+                f"per optim-states file: there are {ranks.world_size})"
+            )
 
 
-def _module_and_buffers(index: CheckpointIndex, stage: int, buffers: list[str], archive: Archive, m0: dict,
-                        label: str) -> str:
+def _module_and_buffers(
+    index: CheckpointIndex, stage: int, buffers: list[str], archive: Archive, m0: dict, label: str
+) -> str:
     """Buffers as `model.<name>`, the module's weights as `ds_module.<name>`; their precision."""
     module = entry(m0, "module", label)
     if not isinstance(module, dict):
@@ -219,20 +277,36 @@ def _module_and_buffers(index: CheckpointIndex, stage: int, buffers: list[str], 
             continue  # ZeRO-3 placeholder for a partitioned parameter: nothing of it to locate
         dtype, loc, shape = tensor_of(archive, ref, f"module[{name}]")
         if name in buffer_names:
-            index.add_tensor(TensorEntry(model_key(name), dtype, shape, [Piece(Box.whole(shape), loc)],
-                                         path=model_path(name), attrs={"ds_role": "buffer"}))
+            index.add_tensor(
+                TensorEntry(
+                    model_key(name),
+                    dtype,
+                    shape,
+                    [Piece(Box.whole(shape), loc)],
+                    path=model_path(name),
+                    attrs={"ds_role": "buffer"},
+                )
+            )
         elif math.prod(shape) == 0 and stage == 3:
             continue  # ZeRO-3 placeholder for a partitioned parameter
         else:
             if dtype in ("float16", "bfloat16"):
                 precision = dtype
-            index.add_tensor(TensorEntry(f"ds_module.{name}", dtype, shape, [Piece(Box.whole(shape), loc)],
-                                         path=("ds_module", name)))
+            index.add_tensor(
+                TensorEntry(f"ds_module.{name}", dtype, shape, [Piece(Box.whole(shape), loc)], path=("ds_module", name))
+            )
     return precision
 
 
-def _frozen(index: CheckpointIndex, stage: int, world: int, files: ZeroFiles, archives: dict[str, Archive],
-            model: dict[int, Any], label: str) -> dict[str, tuple[int, ...]]:
+def _frozen(
+    index: CheckpointIndex,
+    stage: int,
+    world: int,
+    files: ZeroFiles,
+    archives: dict[str, Archive],
+    model: dict[int, Any],
+    label: str,
+) -> dict[str, tuple[int, ...]]:
     """Frozen params' shapes as saved; at stage 2/3 their fragments become `model.<name>`."""
     m0 = model[min(model)]
     shapes = m0.get("frozen_param_shapes") or {}
@@ -249,25 +323,29 @@ def _frozen(index: CheckpointIndex, stage: int, world: int, files: ZeroFiles, ar
             dtype, pieces = _stage3_fragments(files, archives, model, name, shape, world)
         if stage == 3 and len(model) < world:  # a rank's file was missing (verify listed it)
             problems.tolerate_keys([model_key(name)])
-        index.add_tensor(TensorEntry(model_key(name), dtype, shape, pieces, path=model_path(name),
-                                     attrs={"ds_role": "frozen"}))
+        index.add_tensor(
+            TensorEntry(model_key(name), dtype, shape, pieces, path=model_path(name), attrs={"ds_role": "frozen"})
+        )
     return frozen
 
 
-def _stage2_fragment(archive: Archive, m0: dict, name: str, shape: tuple[int, ...],
-                     label: str) -> tuple[str, list[Piece]]:
+def _stage2_fragment(
+    archive: Archive, m0: dict, name: str, shape: tuple[int, ...], label: str
+) -> tuple[str, list[Piece]]:
     """A stage-2 frozen param: whole, in the one model-states file."""
     numel = math.prod(shape)
     frag = entry(m0.get("frozen_param_fragments") or {}, name, f"{label}: frozen_param_fragments")
     dtype, loc, fshape = tensor_of(archive, frag, f"frozen_param_fragments[{name}]")
     if tuple(fshape) != tuple(shape):  # zero_to_fp32 takes the fragment as it is: its shape must agree
-        raise FormatError(f"{label}: frozen fragment {name} has shape {list(fshape)}, frozen_param_shapes "
-                          f"says {list(shape)}")
+        raise FormatError(
+            f"{label}: frozen fragment {name} has shape {list(fshape)}, frozen_param_shapes says {list(shape)}"
+        )
     return dtype, [Piece(FlatRange(0, numel), loc)]
 
 
-def _stage3_fragments(files: ZeroFiles, archives: dict[str, Archive], model: dict[int, Any], name: str,
-                      shape: tuple[int, ...], world: int) -> tuple[str | None, list[Piece]]:
+def _stage3_fragments(
+    files: ZeroFiles, archives: dict[str, Archive], model: dict[int, Any], name: str, shape: tuple[int, ...], world: int
+) -> tuple[str | None, list[Piece]]:
     """A stage-3 frozen param: slice r of it in rank r's model-states file."""
     numel = math.prod(shape)
     per = partition.stage3_slice(numel, world)
@@ -280,8 +358,10 @@ def _stage3_fragments(files: ZeroFiles, archives: dict[str, Archive], model: dic
         start = rank * per
         length = max(0, min(per, numel - start))
         if math.prod(fshape) < length:
-            raise FormatError(f"{archives[rel].label}: frozen fragment {name} holds {math.prod(fshape)} "
-                              f"elements, rank {rank} needs {length}")
+            raise FormatError(
+                f"{archives[rel].label}: frozen fragment {name} holds {math.prod(fshape)} "
+                f"elements, rank {rank} needs {length}"
+            )
         if length:
             item = loc.length // max(1, math.prod(fshape))
             pieces.append(Piece(FlatRange(start, length), Location(loc.file, loc.offset, length * item)))
@@ -293,13 +373,13 @@ def _stage12_groups(osd0: dict, param_shapes: list, label: str) -> tuple[list, l
     paddings = osd0.get("param_alignment_paddings")
     groups_meta = entry(entry(osd0, "base_optimizer_state", label), "param_groups", label)
     if len(param_shapes) != len(groups_meta):
-        raise FormatError(f"{label}: {len(groups_meta)} optimizer groups but param_shapes lists "
-                          f"{len(param_shapes)}")
+        raise FormatError(f"{label}: {len(groups_meta)} optimizer groups but param_shapes lists {len(param_shapes)}")
     groups = []
     for g, shapes in enumerate(param_shapes):
         pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
-        groups.append(ZeroGroup(index=g, param_group=g, params=_params(g, shapes),
-                                paddings=tuple(pads) if pads else None))
+        groups.append(
+            ZeroGroup(index=g, param_group=g, params=_params(g, shapes), paddings=tuple(pads) if pads else None)
+        )
     return groups_meta, groups
 
 
@@ -308,10 +388,14 @@ def _stage3_groups(osd0: dict, param_shapes: list, label: str) -> tuple[list, li
     groups_meta = entry(entry(osd0, "optimizer_state_dict", label), "param_groups", label)
     sub_to_group = {int(sub): g for g, meta in enumerate(groups_meta) for sub in meta.get("params", [])}
     if sorted(sub_to_group) != list(range(len(param_shapes))):
-        raise FormatError(f"{label}: optimizer param groups name sub-groups {sorted(sub_to_group)}, "
-                          f"param_shapes lists {len(param_shapes)}")
-    return groups_meta, [ZeroGroup(index=i, param_group=sub_to_group[i], params=_params(i, shapes))
-                         for i, shapes in enumerate(param_shapes)]
+        raise FormatError(
+            f"{label}: optimizer param groups name sub-groups {sorted(sub_to_group)}, "
+            f"param_shapes lists {len(param_shapes)}"
+        )
+    return groups_meta, [
+        ZeroGroup(index=i, param_group=sub_to_group[i], params=_params(i, shapes))
+        for i, shapes in enumerate(param_shapes)
+    ]
 
 
 def _params(i: int, shapes: dict) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -319,18 +403,27 @@ def _params(i: int, shapes: dict) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((n, plain_shape(s) or shape_of(s, f"param_shapes[{i}][{n}]")) for n, s in shapes.items())
 
 
-def _stage1_frozen(index: CheckpointIndex, groups: list[ZeroGroup], buffers: list[str],
-                   shared: dict[str, str]) -> dict[str, tuple[int, ...]]:
+def _stage1_frozen(
+    index: CheckpointIndex, groups: list[ZeroGroup], buffers: list[str], shared: dict[str, str]
+) -> dict[str, tuple[int, ...]]:
     """Stage 1: every module tensor that is neither a buffer nor optimizer-owned is frozen."""
     owned = {name for group in groups for name in group.names} | set(buffers) | set(shared)
     frozen = {}
     for key in [k for k in index.tensors if k.startswith("ds_module.")]:
-        name = key[len("ds_module."):]
+        name = key[len("ds_module.") :]
         if name not in owned:
             e = index.tensors[key]
             frozen[name] = e.shape
-            index.add_tensor(TensorEntry(model_key(name), e.dtype, e.shape, list(e.pieces),
-                                         path=model_path(name), attrs={"ds_role": "frozen"}))
+            index.add_tensor(
+                TensorEntry(
+                    model_key(name),
+                    e.dtype,
+                    e.shape,
+                    list(e.pieces),
+                    path=model_path(name),
+                    attrs={"ds_role": "frozen"},
+                )
+            )
     return frozen
 
 
@@ -340,12 +433,22 @@ def _aliases(index: CheckpointIndex, shared: dict[str, str], label: str) -> None
     one tensor (zero_to_fp32 overwrites the held values with the owner's): refused."""
     for alias, owner in shared.items():
         if model_key(owner) in index.tensors and model_key(alias) in index.tensors:
-            raise FormatError(f"{label}: shared_params ties {quote(str(alias))} to {quote(str(owner))}, but the "
-                              f"checkpoint also holds {quote(str(alias))} itself; one of the two records is wrong")
+            raise FormatError(
+                f"{label}: shared_params ties {quote(str(alias))} to {quote(str(owner))}, but the "
+                f"checkpoint also holds {quote(str(alias))} itself; one of the two records is wrong"
+            )
         if model_key(owner) in index.tensors:
             target = index.tensors[model_key(owner)]
-            index.add_tensor(TensorEntry(model_key(alias), target.dtype, target.shape, list(target.pieces),
-                                         path=model_path(alias), attrs={"alias_of": model_key(owner)}))
+            index.add_tensor(
+                TensorEntry(
+                    model_key(alias),
+                    target.dtype,
+                    target.shape,
+                    list(target.pieces),
+                    path=model_path(alias),
+                    attrs={"alias_of": model_key(owner)},
+                )
+            )
 
 
 def _tolerate_missing_models(source: Source, files: ZeroFiles, world: int) -> bool:
@@ -355,8 +458,9 @@ def _tolerate_missing_models(source: Source, files: ZeroFiles, world: int) -> bo
     for rank in range(world):
         if rank not in files.model_files:
             name = files.prefix + f"zero_pp_rank_{rank}_mp_rank_{files.mp_rank:02d}_model_states.pt"
-            problems.tolerate(FormatError(f"{source.label(name)}: file is missing (rank {rank} of {world})"),
-                              source.label(name))
+            problems.tolerate(
+                FormatError(f"{source.label(name)}: file is missing (rank {rank} of {world})"), source.label(name)
+            )
     return True
 
 

@@ -1,5 +1,6 @@
 """DeepSpeed's small pickled classes as inert stand-ins: readable without deepspeed installed,
 re-emitted by the writer as the original classes (ckptkit.repickle)."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,6 +6,7 @@ reorders partitions), pick the tag, and write the tag's files: structures stream
 source, files that do not change with the sizes copied byte for byte, DeepSpeed's helper scripts
 beside the tag, and `latest` last, so a half-written output never names a tag.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,9 @@ COPY_BLOCK = 8 << 20
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def keep_parallel_sizes(index: CheckpointIndex, to: int | ParallelSizes, source: ParallelSizes, *,
-                        resizable: tuple[str, ...], kind: str) -> ParallelSizes:
+def keep_parallel_sizes(
+    index: CheckpointIndex, to: int | ParallelSizes, source: ParallelSizes, *, resizable: tuple[str, ...], kind: str
+) -> ParallelSizes:
     """The target sizes of a reshard from `--to`, for a writer that lays out new `resizable`
     model-parallel sizes (and dp) of a `kind` checkpoint whose own sizes are `source`.
 
@@ -45,25 +47,34 @@ def keep_parallel_sizes(index: CheckpointIndex, to: int | ParallelSizes, source:
                 continue
             if dim == "ep" and source.ep == 1:
                 raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
-            fixed = ",".join(f"{d}={getattr(source, d)}" for d in MODEL_PARALLEL
-                             if d not in resizable and not (d == "ep" and source.ep == 1))
+            fixed = ",".join(
+                f"{d}={getattr(source, d)}"
+                for d in MODEL_PARALLEL
+                if d not in resizable and not (d == "ep" and source.ep == 1)
+            )
             verb = "adding" if getattr(source, dim) == 1 else "changing the source's"
-            raise UnsupportedError(f"--to {to}: {verb} {_ADDING[dim]} to the {kind} checkpoint {index.root} is not "
-                                   f"supported yet (give {','.join(f'{d}=...' for d in resizable)},dp=... with {fixed})")
+            raise UnsupportedError(
+                f"--to {to}: {verb} {_ADDING[dim]} to the {kind} checkpoint {index.root} is not "
+                f"supported yet (give {','.join(f'{d}=...' for d in resizable)},dp=... with {fixed})"
+            )
         return to
     world = int(to)
     kept = [d for d in MODEL_PARALLEL if getattr(source, d) != 1]
     consumed = source.tp * source.pp
     if world % consumed or (world // consumed) % source.ep:
-        label = (f"{_LONG[kept[0]]} {getattr(source, kept[0])}" if len(kept) == 1 else
-                 f"{' x '.join(kept)} = {' x '.join(str(getattr(source, d)) for d in kept)}")
+        label = (
+            f"{_LONG[kept[0]]} {getattr(source, kept[0])}"
+            if len(kept) == 1
+            else f"{' x '.join(kept)} = {' x '.join(str(getattr(source, d)) for d in kept)}"
+        )
         hint, rest = {}, world
         for d in kept:  # the largest sizes at most the source's that fit N ranks
             hint[d] = math.gcd(getattr(source, d), rest)
             rest //= hint[d] if d != "ep" else 1
         example = ",".join(f"{d}={hint[d]}" for d in kept) + f",dp={rest}"
-        raise UsageError(f"--to {world}: the source's {label} does not divide {world} ranks; give the new sizes, "
-                         f"e.g. --to {example}")
+        raise UsageError(
+            f"--to {world}: the source's {label} does not divide {world} ranks; give the new sizes, e.g. --to {example}"
+        )
     return ParallelSizes(tp=source.tp, pp=source.pp, ep=source.ep, dp=world // consumed)
 
 
@@ -79,8 +90,10 @@ def zero_config(index: CheckpointIndex) -> dict:
     zero_cfg = saved_config(index).get("zero_optimization", {})
     zero_cfg = zero_cfg if isinstance(zero_cfg, dict) else {}
     if zero_cfg.get("round_robin_gradients"):
-        raise UnsupportedError("round_robin_gradients reorders ZeRO partitions by world size; resharding "
-                               "such checkpoints is not supported yet")
+        raise UnsupportedError(
+            "round_robin_gradients reorders ZeRO partitions by world size; resharding "
+            "such checkpoints is not supported yet"
+        )
     return zero_cfg
 
 
@@ -182,8 +195,16 @@ class _Counted:
         self.inner.advance(n)
 
 
-def write_tag(out: Output, source: Source, tag: str, structures: dict[str, tuple[Any, Fetcher]], ctx: RunContext, *,
-              copied: list[tuple[str, str]] = (), scripts: bool = False) -> list[str]:
+def write_tag(
+    out: Output,
+    source: Source,
+    tag: str,
+    structures: dict[str, tuple[Any, Fetcher]],
+    ctx: RunContext,
+    *,
+    copied: list[tuple[str, str]] = (),
+    scripts: bool = False,
+) -> list[str]:
     """Write `structures` (name -> (structure, the fetcher its lazy tensors read through)), copy
     `copied` (source name, output name) and, with `scripts`, the source's helper scripts, then
     `latest`; the names written."""
@@ -201,8 +222,9 @@ def write_tag(out: Output, source: Source, tag: str, structures: dict[str, tuple
             continue
         for name in names:
             s, f = structures[name]
-            jobs.append(lambda n=name, s=s, f=f: write_archive(out, n, s, f, slab_bytes=ctx.slab_bytes,
-                                                               progress=ctx.progress))
+            jobs.append(
+                lambda n=name, s=s, f=f: write_archive(out, n, s, f, slab_bytes=ctx.slab_bytes, progress=ctx.progress)
+            )
             weights.append(structure_bytes(s) if name != names[0] else weight)
     jobs += [(lambda a=a, b=b: copy_file(source, out, a, b, ctx.progress)) for a, b in copies]
     weights += [source.size(a) for a, _ in copies]

@@ -1,5 +1,6 @@
 """The structures a ZeRO checkpoint is written from: the source's own pickles (or the ones convert
 built), their tensors turned into lazily read ones, their key order kept."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

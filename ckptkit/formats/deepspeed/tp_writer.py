@@ -19,6 +19,7 @@ mp_rank_<t>; _load_zero_checkpoint reads every zero_pp_rank_<d>_mp_rank_<t> file
   [bf16_]zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
                                 partition d of W of rank t's flat groups (masters and states)
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,7 +46,7 @@ from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .writer import DEFAULT_SUB_GROUP_SIZE, stage12_optim, stage3_model, stage3_optim
 
-FULL = "tp.full:"   # hidden keys of the full tensors in a rank index
+FULL = "tp.full:"  # hidden keys of the full tensors in a rank index
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +66,9 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> TpTarget:
     return TpTarget(tp=sizes.tp, dp=sizes.dp)
 
 
-def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *,
-                  ctx: RunContext) -> list[str]:
+def write_tp_zero(
+    out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
+) -> list[str]:
     """Reshard a tensor-parallel ZeRO checkpoint to T mp ranks of W dp ranks (module docstring)."""
     info: ModelParallelInfo = index.native
     target = target_sizes(index, to)
@@ -91,11 +93,15 @@ def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
         else:
             state = osd_t["base_optimizer_state"]["state"]
             templates = [state.get(g.index) if isinstance(state, dict) else None for g in groups]
-        plans = [plan_group(rank_index, states, zinfo.stage, g, tmpl, oarchive, f"group {g.index} of mp rank {t}",
-                            target.dp) for g, tmpl in zip(groups, templates)]
+        plans = [
+            plan_group(rank_index, states, zinfo.stage, g, tmpl, oarchive, f"group {g.index} of mp rank {t}", target.dp)
+            for g, tmpl in zip(groups, templates)
+        ]
         if zinfo.stage < 3:
-            files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_model(m0, marchive, rank_index, groups, target),
-                                                               fetcher)
+            files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (
+                _model(m0, marchive, rank_index, groups, target),
+                fetcher,
+            )
         for d in range(target.dp):
             if zinfo.stage == 3:
                 model = _sizes(stage3_model(rank_index, local, groups, target.dp, d), target)
@@ -107,8 +113,6 @@ def write_tp_zero(out: Output, index: CheckpointIndex, source: Source, to: int |
             name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)
             files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
     return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
-
-
 
 
 class _Slicer:
@@ -127,13 +131,17 @@ class _Slicer:
         split = self.info.splits.get(name) if name is not None else None
         length = entry.shape[dim]
         if split is not None and split.kind == "fused":
-            parts = list(split.parts) if split.parts is not None else [length // (split.count or 1)] * (split.count or 1)
+            parts = (
+                list(split.parts) if split.parts is not None else [length // (split.count or 1)] * (split.count or 1)
+            )
         else:
             parts = [length]
         if sum(parts) != length or any(p % self.tp for p in parts):
             what = f"its fused parts {parts}" if len(parts) > 1 else f"its size {length}"
-            raise UsageError(f"--to tp={self.tp}: {quote(entry.key)} is split along dim {dim} with {what}, which "
-                             f"{self.tp} tensor-parallel ranks cannot share equally")
+            raise UsageError(
+                f"--to tp={self.tp}: {quote(entry.key)} is split along dim {dim} with {what}, which "
+                f"{self.tp} tensor-parallel ranks cannot share equally"
+            )
         out, start = [], 0
         for p in parts:
             n = p // self.tp
@@ -146,7 +154,7 @@ class _Slicer:
         if found is None:
             return tuple(entry.shape)
         dim, blocks = found
-        return tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1:])
+        return tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1 :])
 
     def rank_index(self, t: int, dp: int) -> CheckpointIndex:
         index = self.index
@@ -160,10 +168,13 @@ class _Slicer:
             hidden = FULL + key
             out.add_tensor(TensorEntry(hidden, entry.dtype, entry.shape, list(entry.pieces)))
             dim, blocks = found
-            local = tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1:])
+            local = tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1 :])
             flat = flat_concat(key, entry.dtype, _parts(hidden, tuple(entry.shape), dim, blocks))
-            out.add_tensor(TensorEntry(key, entry.dtype, local, flat.pieces, path=entry.path,
-                                       attrs={**entry.attrs, "virtual": True}))
+            out.add_tensor(
+                TensorEntry(
+                    key, entry.dtype, local, flat.pieces, path=entry.path, attrs={**entry.attrs, "virtual": True}
+                )
+            )
         for obj in index.objects.values():
             out.add_object(obj)
         out.step = index.step
@@ -172,7 +183,7 @@ class _Slicer:
 
 def _parts(ref: str, full: tuple[int, ...], dim: int, blocks: list[tuple[int, int]]) -> list[Part]:
     """Row-major flat runs of the full tensor making up the blocks along `dim`, merged when adjacent."""
-    outer, inner, length = math.prod(full[:dim]), math.prod(full[dim + 1:]), full[dim]
+    outer, inner, length = math.prod(full[:dim]), math.prod(full[dim + 1 :]), full[dim]
     parts: list[Part] = []
     for o in range(outer):
         for start, size in blocks:
@@ -203,8 +214,10 @@ def _model(m0: dict, marchive: Any, rank_index: CheckpointIndex, groups: list[Ze
     model = lazify(m0, marchive, {})
     module = model.get("module")
     if isinstance(module, dict):
-        model["module"] = type(module)((k, LazyTensor(rank_index.tensors[f"ds_module.{k}"])
-                                        if f"ds_module.{k}" in rank_index.tensors else v) for k, v in module.items())
+        model["module"] = type(module)(
+            (k, LazyTensor(rank_index.tensors[f"ds_module.{k}"]) if f"ds_module.{k}" in rank_index.tensors else v)
+            for k, v in module.items()
+        )
     if isinstance(model.get("param_shapes"), list):
         model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in groups]
     return _sizes(model, target)
@@ -234,19 +247,41 @@ def _affine_for(uc: dict, tp: int) -> dict:
             shard = [int(x) for x in old["shard_shape"]]
         except (KeyError, TypeError, ValueError, IndexError):
             continue
-        strides = [math.prod(logical[i + 1:]) for i in range(len(logical))]
+        strides = [math.prod(logical[i + 1 :]) for i in range(len(logical))]
         diff = [i for i, (a, b) in enumerate(zip(logical, shard)) if a != b]
         if not diff:
-            rec["ranks"] = {r: {"shard_shape": list(logical), "pieces": [
-                {"shape": list(logical), "source": [0, strides], "dest": [0, strides], "locations": list(range(tp))}]}
-                for r in range(tp)}
+            rec["ranks"] = {
+                r: {
+                    "shard_shape": list(logical),
+                    "pieces": [
+                        {
+                            "shape": list(logical),
+                            "source": [0, strides],
+                            "dest": [0, strides],
+                            "locations": list(range(tp)),
+                        }
+                    ],
+                }
+                for r in range(tp)
+            }
             continue
         if len(diff) != 1 or len(old.get("pieces", [])) != 1:
             continue
         dim = diff[0]
-        local = logical[:dim] + [logical[dim] // tp] + logical[dim + 1:]
-        lstrides = [math.prod(local[i + 1:]) for i in range(len(local))]
-        rec["ranks"] = {r: {"shard_shape": list(local), "pieces": [
-            {"shape": list(local), "source": [r * local[dim] * strides[dim], strides], "dest": [0, lstrides],
-             "locations": [r]}]} for r in range(tp)}
+        local = logical[:dim] + [logical[dim] // tp] + logical[dim + 1 :]
+        lstrides = [math.prod(local[i + 1 :]) for i in range(len(local))]
+        rec["ranks"] = {
+            r: {
+                "shard_shape": list(local),
+                "pieces": [
+                    {
+                        "shape": list(local),
+                        "source": [r * local[dim] * strides[dim], strides],
+                        "dest": [0, lstrides],
+                        "locations": [r],
+                    }
+                ],
+            }
+            for r in range(tp)
+        }
     return uc

@@ -1,4 +1,5 @@
 """Optimizer values kept whole (a step): are two the same, and how much do they weigh."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -9,6 +9,7 @@ else (scheduler, loss scaler, client state, config) is carried over unchanged, t
 classes re-emitted as themselves; optimizer state kept whole (an int step, torch's 0-d step
 tensor) is each group's one value, of the same type and dtype.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,25 +39,44 @@ from .templates import lazify, ordered_like, template_of
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 
 
-def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: int, *,
-               ctx: RunContext) -> list[str]:
+def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: int, *, ctx: RunContext) -> list[str]:
     """Reshard: the source's own files, recomputed for `world_size` ranks."""
     moe.refuse_rewrite(index)  # expert groups partitioned over expert-data-parallel ranks: not laid out yet
     info: ZeroInfo = index.native
     if isinstance(info, ModelParallelInfo):  # per-mp-rank layouts: no writer lays one out yet
-        raise UnsupportedError(f"{index.root}: {NOT_RESHARDABLE} (tensor-parallel size {info.tp}); consolidate or "
-                               f"convert it to torch, safetensors or DCP instead")
+        raise UnsupportedError(
+            f"{index.root}: {NOT_RESHARDABLE} (tensor-parallel size {info.tp}); consolidate or "
+            f"convert it to torch, safetensors or DCP instead"
+        )
     if not isinstance(info, ZeroInfo):
         raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
     zero_cfg = zero_config(index)
     sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
-    return write_zero_files(out, index, source, info, world_size, tag_name(info.files.tag, index),
-                            int(sub_group_size) if sub_group_size is not None else None, ctx=ctx,
-                            scripts=info.files.tag is not None)
+    return write_zero_files(
+        out,
+        index,
+        source,
+        info,
+        world_size,
+        tag_name(info.files.tag, index),
+        int(sub_group_size) if sub_group_size is not None else None,
+        ctx=ctx,
+        scripts=info.files.tag is not None,
+    )
 
 
-def write_zero_files(out: Output, index: CheckpointIndex, source: Source, info: ZeroInfo, world_size: int,
-                     tag: str, sub_group_size: int | None, *, ctx: RunContext, scripts: bool = False) -> list[str]:
+def write_zero_files(
+    out: Output,
+    index: CheckpointIndex,
+    source: Source,
+    info: ZeroInfo,
+    world_size: int,
+    tag: str,
+    sub_group_size: int | None,
+    *,
+    ctx: RunContext,
+    scripts: bool = False,
+) -> list[str]:
     """`latest` and the tag's model/optim files for `world_size` ranks, from `info`'s templates
     (a source checkpoint's own structures, or ones convert built from a DeepSpeed config);
     `scripts`: also copy the source's DeepSpeed helper scripts."""
@@ -65,8 +85,9 @@ def write_zero_files(out: Output, index: CheckpointIndex, source: Source, info: 
     return write_tag(out, source, tag, {n: (s, fetcher) for n, s in files.items()}, ctx, scripts=scripts)
 
 
-def _files(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, sub_group_size: int | None,
-           states: StatePlanner) -> dict[str, Any]:
+def _files(
+    index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, sub_group_size: int | None, states: StatePlanner
+) -> dict[str, Any]:
     """relative name -> structure of every model and optim-states file, in DeepSpeed's order."""
     names = stage_names(info.stage)
     groups = target_groups(info, world, sub_group_size)
@@ -78,13 +99,16 @@ def _files(index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, sub_gro
     if info.stage == 3 and "ds_zero_partition_groups" in osd_t:
         raise UnsupportedError("ZeRO-3 checkpoints with expert partition groups are not supported yet")
     templates = state_templates(info.stage, osd_t[names.optimizer]["state"], groups)
-    plans = [plan_group(index, states, info.stage, group, template, oarchive, f"{names.group} {group.index}", world)
-             for group, template in zip(groups, templates)]
+    plans = [
+        plan_group(index, states, info.stage, group, template, oarchive, f"{names.group} {group.index}", world)
+        for group, template in zip(groups, templates)
+    ]
     shared: dict = {}  # the ranks' model-states files share their template's lazy tensors and param_shapes
     for rank in range(world):
         if info.stage == 3:
-            files[f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = stage3_model(index, info, groups,
-                                                                                         world, rank, shared)
+            files[f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = stage3_model(
+                index, info, groups, world, rank, shared
+            )
         osd = (stage12_optim if info.stage < 3 else stage3_optim)(osd_t, oarchive, plans, rank, world)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
         files[f"{tag}/{optim_file_name(rank, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
@@ -99,8 +123,9 @@ def _stage12_model(info: ZeroInfo, world: int) -> dict:
     return model
 
 
-def stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup], world: int,
-                  rank: int, shared: dict | None = None) -> dict:
+def stage3_model(
+    index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup], world: int, rank: int, shared: dict | None = None
+) -> dict:
     """Stage 3's model-states file of `rank`: the new sub-groups' shapes, its slice of each frozen param.
     `shared` (one dict for all ranks' calls, never mutated by the files) keeps the template's
     lazified values (lazy tensors, the module's dict) and the param_shapes, built once instead of
@@ -129,8 +154,9 @@ def stage3_model(index: CheckpointIndex, info: ZeroInfo, groups: list[ZeroGroup]
             numel = math.prod(shape)
             per = partition.stage3_slice(numel, world)
             entry = index.tensors[model_key(name)]
-            frags[name] = virtual(f"frozen.{name}.{rank}", entry.dtype, [Part(model_key(name), 0, numel)],
-                                   rank * per, per)
+            frags[name] = virtual(
+                f"frozen.{name}.{rank}", entry.dtype, [Part(model_key(name), 0, numel)], rank * per, per
+            )
         model["frozen_param_fragments"] = frags
     return model
 
@@ -139,8 +165,13 @@ def stage12_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan],
     """Stage 1/2's optimizer_state_dict of `rank`, with DeepSpeed's bookkeeping for the new size."""
     osd: dict = {}
     for key, value in osd_t.items():
-        if key in ("base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings",
-                   "partition_count", "param_slice_mappings"):
+        if key in (
+            "base_optimizer_state",
+            "single_partition_of_fp32_groups",
+            "group_paddings",
+            "partition_count",
+            "param_slice_mappings",
+        ):
             continue
         osd[key] = lazify(value, oarchive, {})
     state, fp32, paddings, mappings = {}, [], [], []
@@ -150,11 +181,16 @@ def stage12_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan],
         if plan.has_state:
             state[plan.group.index] = plan.state(rank)
         paddings.append(share.end_padding)  # DeepSpeed's own bookkeeping of the end padding
-        mappings.append(OrderedDict(
-            (slot.name, stand_in(standins.FRAGMENT_ADDRESS, numel=slot.length, start=slot.position))
-            for slot in share.slots))
-    osd["base_optimizer_state"] = {"state": state,
-                                   "param_groups": copy.deepcopy(osd_t["base_optimizer_state"]["param_groups"])}
+        mappings.append(
+            OrderedDict(
+                (slot.name, stand_in(standins.FRAGMENT_ADDRESS, numel=slot.length, start=slot.position))
+                for slot in share.slots
+            )
+        )
+    osd["base_optimizer_state"] = {
+        "state": state,
+        "param_groups": copy.deepcopy(osd_t["base_optimizer_state"]["param_groups"]),
+    }
     osd["single_partition_of_fp32_groups"] = fp32
     osd["group_paddings"] = paddings
     pc = osd_t.get("partition_count")

@@ -1,6 +1,7 @@
 """Index safetensors files: one file, a folder of shards with model.safetensors.index.json, or
 any folder of *.safetensors. Headers are checked strictly (bounds, sizes, overlaps) because a
 safetensors file carries no checksum: the header is all there is to trust."""
+
 from __future__ import annotations
 
 import math
@@ -47,9 +48,13 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
             raise FormatError(f"{label}: tensor {name_of(name)} lacks dtype, shape or data_offsets")
         shape, offs = info["shape"], info["data_offsets"]
-        if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < _U64 for d in shape)
-                or not isinstance(offs, list) or len(offs) != 2
-                or not all(type(o) is int for o in offs)):  # (not bool: JSON's true is no dimension)
+        if (
+            not isinstance(shape, list)
+            or not all(type(d) is int and 0 <= d < _U64 for d in shape)
+            or not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(type(o) is int for o in offs)
+        ):  # (not bool: JSON's true is no dimension)
             raise FormatError(f"{label}: tensor {name_of(name)} has a malformed shape or data_offsets")
         try:
             dtype = from_safetensors(info["dtype"]) if isinstance(info["dtype"], str) else None
@@ -62,11 +67,14 @@ def read_header(source: Source, rel: str) -> tuple[dict[str, Any], int]:
             raise FormatError(f"{label}: tensor {name_of(name)} has shape {shape}, whose size overflows 64 bits")
         expected = math.prod(shape) * itemsize(dtype)
         if not 0 <= begin <= end <= buffer:
-            raise FormatError(f"{label}: tensor {name_of(name)} data_offsets {offs} lie outside the "
-                              f"{buffer}-byte data buffer")
+            raise FormatError(
+                f"{label}: tensor {name_of(name)} data_offsets {offs} lie outside the {buffer}-byte data buffer"
+            )
         if end - begin != expected:
-            raise FormatError(f"{label}: tensor {name_of(name)} is {dtype}{shape} ({expected} bytes) but its "
-                              f"data_offsets span {end - begin} bytes")
+            raise FormatError(
+                f"{label}: tensor {name_of(name)} is {dtype}{shape} ({expected} bytes) but its "
+                f"data_offsets span {end - begin} bytes"
+            )
         spans.append((begin, end, name))
     _check_tiling(label, spans, buffer)
     return header, 8 + n
@@ -81,13 +89,17 @@ def _check_tiling(label: str, spans: list[tuple[int, int, str]], buffer: int) ->
         if begin < reach:
             raise FormatError(f"{label}: tensors {name_of(holder)} and {name_of(name)} overlap in the data buffer")
         if begin > reach:
-            raise FormatError(f"{label}: tensor {name_of(name)} starts at byte {begin} of the data buffer, after "
-                              f"{begin - reach} bytes no tensor holds; the safetensors library refuses such a file")
+            raise FormatError(
+                f"{label}: tensor {name_of(name)} starts at byte {begin} of the data buffer, after "
+                f"{begin - reach} bytes no tensor holds; the safetensors library refuses such a file"
+            )
         if end > begin:
             reach, holder = end, name
     if reach != buffer:
-        raise FormatError(f"{label}: the data buffer holds {buffer - reach} bytes after its last tensor; the "
-                          f"safetensors library refuses such a file")
+        raise FormatError(
+            f"{label}: the data buffer holds {buffer - reach} bytes after its last tensor; the "
+            f"safetensors library refuses such a file"
+        )
 
 
 _U64 = 1 << 64
@@ -149,32 +161,45 @@ def read_index(source: Source, files: list[str]) -> CheckpointIndex:
             for key, value in _json_field(meta, OBJECTS_KEY, source.label(rel)).items():
                 old = index.objects.get(key)
                 if old is not None and old.data != value:
-                    raise FormatError(f"{source.label(rel)}: __metadata__[{OBJECTS_KEY!r}] gives value "
-                                      f"{name_of(key)} otherwise than another shard does")
+                    raise FormatError(
+                        f"{source.label(rel)}: __metadata__[{OBJECTS_KEY!r}] gives value "
+                        f"{name_of(key)} otherwise than another shard does"
+                    )
                 index.add_object(ObjectEntry(key, value, attrs=dict(role)))
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             if name in index.tensors:
-                raise FormatError(f"{source.label(rel)}: tensor {name} also appears in "
-                                  f"{index.tensors[name].pieces[0].location.file}")
+                raise FormatError(
+                    f"{source.label(rel)}: tensor {name} also appears in {index.tensors[name].pieces[0].location.file}"
+                )
             begin, end = info["data_offsets"]
             shape = tuple(info["shape"])
             attrs = {"role": "optimizer"} if rel.startswith("optimizer") else {}
-            index.add_tensor(TensorEntry(name, from_safetensors(info["dtype"]), shape,
-                                         [Piece(Box.whole(shape), Location(rel, data_start + begin, end - begin))],
-                                         attrs=attrs))
+            index.add_tensor(
+                TensorEntry(
+                    name,
+                    from_safetensors(info["dtype"]),
+                    shape,
+                    [Piece(Box.whole(shape), Location(rel, data_start + begin, end - begin))],
+                    attrs=attrs,
+                )
+            )
     if weight_map is not None:
         for name, rel in weight_map.items():
             held = index.tensors.get(name)
             if (held is None or held.pieces[0].location.file != rel) and name not in aliases:
-                raise FormatError(f"{source.label(INDEX_NAME)}: tensor {name_of(name)} is mapped to {name_of(rel)}, "
-                                  f"which does not contain it")
+                raise FormatError(
+                    f"{source.label(INDEX_NAME)}: tensor {name_of(name)} is mapped to {name_of(rel)}, "
+                    f"which does not contain it"
+                )
     for key in index.objects:
         if key in index.tensors:
-            raise FormatError(f"{source.label('')}: __metadata__[{OBJECTS_KEY!r}] gives a value named {name_of(key)}, "
-                              f"but the files hold a tensor of that name")
-    _add_aliases(index, aliases, source.label(''))
+            raise FormatError(
+                f"{source.label('')}: __metadata__[{OBJECTS_KEY!r}] gives a value named {name_of(key)}, "
+                f"but the files hold a tensor of that name"
+            )
+    _add_aliases(index, aliases, source.label(""))
     index.metadata["safetensors_metadata"] = file_meta
     index.world_size = None
     return index
@@ -185,11 +210,14 @@ def _merge_aliases(aliases: dict[str, str], found: dict, label: str) -> None:
     given another target by another shard is a conflict, never resolved by picking one."""
     for alias, target in found.items():
         if type(target) is not str:
-            raise FormatError(f"{label}: __metadata__[{ALIASES_KEY!r}] gives alias {name_of(alias)} a target "
-                              f"that is no tensor name")
+            raise FormatError(
+                f"{label}: __metadata__[{ALIASES_KEY!r}] gives alias {name_of(alias)} a target that is no tensor name"
+            )
         if aliases.setdefault(alias, target) != target:
-            raise FormatError(f"{label}: __metadata__[{ALIASES_KEY!r}] makes {name_of(alias)} an alias of "
-                              f"{name_of(target)}, another shard of {name_of(aliases[alias])}")
+            raise FormatError(
+                f"{label}: __metadata__[{ALIASES_KEY!r}] makes {name_of(alias)} an alias of "
+                f"{name_of(target)}, another shard of {name_of(aliases[alias])}"
+            )
 
 
 def _add_aliases(index: CheckpointIndex, aliases: dict[str, str], label: str) -> None:
@@ -198,12 +226,16 @@ def _add_aliases(index: CheckpointIndex, aliases: dict[str, str], label: str) ->
     for alias in aliases:
         if alias in index.tensors or alias in index.objects:
             kind = "tensor" if alias in index.tensors else "value"
-            raise FormatError(f"{label}: __metadata__[{ALIASES_KEY!r}] names {name_of(alias)} an alias, but "
-                              f"the files hold a {kind} of that name; an alias never replaces what a file holds")
+            raise FormatError(
+                f"{label}: __metadata__[{ALIASES_KEY!r}] names {name_of(alias)} an alias, but "
+                f"the files hold a {kind} of that name; an alias never replaces what a file holds"
+            )
     for alias, target in aliases.items():
         if target in aliases:
-            raise FormatError(f"{label}: alias {name_of(alias)} points at another alias, {name_of(target)}; "
-                              f"ckptkit writes aliases of stored tensors only")
+            raise FormatError(
+                f"{label}: alias {name_of(alias)} points at another alias, {name_of(target)}; "
+                f"ckptkit writes aliases of stored tensors only"
+            )
         t = index.tensors.get(target)
         if t is None:
             raise FormatError(f"{label}: alias {name_of(alias)} points at missing tensor {name_of(target)}")

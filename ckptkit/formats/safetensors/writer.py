@@ -4,6 +4,7 @@ The header of every shard is computed up front (shapes and dtypes are known), so
 is written front to back in one pass; shards are written in parallel. Tied tensors are written
 once and recorded under __metadata__["ckptkit.aliases"]; transformers ignores the extra key.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,11 @@ def _dumped_header(tensors: list[OutTensor], metadata: dict[str, str]) -> str:
     header: dict = {"__metadata__": metadata}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": to_safetensors(t.dtype), "shape": list(t.entry.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": to_safetensors(t.dtype),
+            "shape": list(t.entry.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     return json.dumps(header, separators=(",", ":"))
 
@@ -69,16 +73,19 @@ def _joined_header(tensors: list[OutTensor], metadata: dict[str, str]) -> str | 
     differ (no tensors, a name twice or "__metadata__", a name not a str, a shape not a tuple
     of ints): _dumped_header writes those."""
     names = [t.name for t in tensors]
-    if (not names or "__metadata__" in names or len(set(names)) != len(names)
-            or any(type(n) is not str for n in names)
-            or any(type(t.entry.shape) is not tuple or any(type(d) is not int for d in t.entry.shape)
-                   for t in tensors)):
+    if (
+        not names
+        or "__metadata__" in names
+        or len(set(names)) != len(names)
+        or any(type(n) is not str for n in names)
+        or any(type(t.entry.shape) is not tuple or any(type(d) is not int for d in t.entry.shape) for t in tensors)
+    ):
         return None
     dtypes: dict[str, str] = {}
     shapes: dict[tuple[int, ...], str] = {}
     parts = [json.dumps({"__metadata__": metadata}, separators=(",", ":"))[:-1]]
     offset = 0
-    for t in tensors:   # per tensor: kept lean
+    for t in tensors:  # per tensor: kept lean
         dtype = dtypes.get(t.dtype)
         if dtype is None:
             dtype = dtypes[t.dtype] = encode_basestring_ascii(to_safetensors(t.dtype))
@@ -86,16 +93,25 @@ def _joined_header(tensors: list[OutTensor], metadata: dict[str, str]) -> str | 
         if shape is None:
             shape = shapes[t.entry.shape] = json.dumps(list(t.entry.shape), separators=(",", ":"))
         end = offset + t.nbytes
-        parts.append(f'{encode_basestring_ascii(t.name)}:{{"dtype":{dtype},"shape":{shape},'
-                     f'"data_offsets":[{offset},{end}]}}')
+        parts.append(
+            f'{encode_basestring_ascii(t.name)}:{{"dtype":{dtype},"shape":{shape},"data_offsets":[{offset},{end}]}}'
+        )
         offset = end
     return ",".join(parts) + "}"
 
 
-def write_safetensors(out: Output, fetcher: Fetcher, tensors: list[OutTensor], *,
-                      basename: str = "model", max_shard_bytes: int, ctx: RunContext,
-                      aliases: dict[str, str] | None = None, objects: dict | None = None,
-                      write_index: bool = True) -> list[str]:
+def write_safetensors(
+    out: Output,
+    fetcher: Fetcher,
+    tensors: list[OutTensor],
+    *,
+    basename: str = "model",
+    max_shard_bytes: int,
+    ctx: RunContext,
+    aliases: dict[str, str] | None = None,
+    objects: dict | None = None,
+    write_index: bool = True,
+) -> list[str]:
     """Write `tensors` into one or more shards in `out`; returns the file names written."""
     slab_bytes, progress = ctx.slab_bytes, ctx.progress
     shards = plan_shards(tensors, max_shard_bytes) or [[]]
@@ -132,15 +148,22 @@ def write_safetensors(out: Output, fetcher: Fetcher, tensors: list[OutTensor], *
                         progress.advance(len(chunk))
                 if gathered:
                     kernel_copy.copy(fetcher.source, gathered, f, progress.advance)
+
         return run
 
-    run_jobs([job(n, s) for n, s in zip(names, shards)], ctx.workers, group=out.group,
-             weights=[sum(t.nbytes for t in s) for s in shards])
+    run_jobs(
+        [job(n, s) for n, s in zip(names, shards)],
+        ctx.workers,
+        group=out.group,
+        weights=[sum(t.nbytes for t in s) for s in shards],
+    )
     if len(shards) > 1 and write_index:
         weight_map = {t.name: n for n, s in zip(names, shards) for t in s}
         doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
         if aliases:
             doc["metadata"]["ckptkit_aliases"] = aliases
-        out.write_bytes(INDEX_NAME if basename == "model" else f"{basename}.safetensors.index.json",
-                        json.dumps(doc, indent=2, sort_keys=True).encode())
+        out.write_bytes(
+            INDEX_NAME if basename == "model" else f"{basename}.safetensors.index.json",
+            json.dumps(doc, indent=2, sort_keys=True).encode(),
+        )
     return names

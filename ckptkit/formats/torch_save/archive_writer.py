@@ -1,12 +1,14 @@
 """Write any structure as a torch.save archive, streaming its tensors.
 
 Leaves may be plain values, stand-ins (re-emitted as their original classes), small in-memory
-tensors (torch's, or SmallTensors read from a checkpoint), or LazyTensor(entry): a logical tensor (possibly virtual) whose bytes are streamed slab
+tensors (torch's, or SmallTensors read from a checkpoint), or LazyTensor(entry): a logical tensor (possibly virtual)
+whose bytes are streamed slab
 by slab from the source when the archive is written. The layout is torch's own: <root>/data.pkl,
 <root>/data/<n> (64-byte aligned), byteorder, version; torch.load(weights_only=False) and
 frameworks that use it (DeepSpeed) read it back. Writing needs no torch unless the structure
 holds torch tensors.
 """
+
 from __future__ import annotations
 
 import io
@@ -54,8 +56,9 @@ class LazyTensor:
 class _Slot:
     """One storage record of the archive: streamed from `lazy`, or `data` held in memory."""
 
-    def __init__(self, key: str, dtype: str, numel: int, lazy: TensorEntry | None,
-                 data: "torch.Tensor | bytes | None") -> None:
+    def __init__(
+        self, key: str, dtype: str, numel: int, lazy: TensorEntry | None, data: "torch.Tensor | bytes | None"
+    ) -> None:
         self.key, self.dtype, self.numel, self.lazy, self.data = key, dtype, numel, lazy, data
 
 
@@ -163,13 +166,16 @@ def _aligned_info(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
     return info
 
 
-def copy_in_kernel(member: Any, f: Any, source: Any, ranges: "kernel_copy.Ranges | range_table.RangeTable",
-                   progress: Progress) -> bool:
+def copy_in_kernel(
+    member: Any, f: Any, source: Any, ranges: "kernel_copy.Ranges | range_table.RangeTable", progress: Progress
+) -> bool:
     """Fill a zip member straight from source byte ranges (see storage.kernel_copy; a RangeTable's
     through storage.range_table); the zip record's CRC32 is computed as they are copied (zipfile
     writes it into the record's local header when the member closes). False (nothing written)
     where the source is not local or the member is not the standard library's zip writer."""
-    if not (kernel_copy.available(source) and all(hasattr(member, a) for a in ("_crc", "_file_size", "_compress_size"))):
+    if not (
+        kernel_copy.available(source) and all(hasattr(member, a) for a in ("_crc", "_file_size", "_compress_size"))
+    ):
         return False
     if isinstance(ranges, list):
         total, crc = kernel_copy.copy_with_crc(source, ranges, f, progress.advance)
@@ -186,8 +192,9 @@ def _read_ranges(source: Any, ranges: "kernel_copy.Ranges | range_table.RangeTab
     return range_table.read(source, ranges)
 
 
-def write_archive(out: Output, name: str, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
-                  progress: Progress | None = None) -> None:
+def write_archive(
+    out: Output, name: str, structure: Any, fetcher: Fetcher, *, slab_bytes: int, progress: Progress | None = None
+) -> None:
     """Write `structure` as the torch.save file `name` inside `out`."""
     with out.open(name) as f:
         write_archive_to(f, structure, fetcher, slab_bytes=slab_bytes, progress=progress)
@@ -221,8 +228,9 @@ class _Window:
         return self._f.fileno()
 
 
-def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: int,
-                     progress: Progress | None = None) -> None:
+def write_archive_to(
+    f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: int, progress: Progress | None = None
+) -> None:
     """Append `structure` as a self-contained torch.save archive at f's current position."""
     progress = progress or NullProgress()
     builder, pickle_bytes, payload = _pickled(structure)
@@ -232,8 +240,9 @@ def write_archive_to(f: Any, structure: Any, fetcher: Fetcher, *, slab_bytes: in
     _write_small(f, structure, builder, pickle_bytes, payload, fetcher, slab_bytes, progress)
 
 
-def small_archive_bytes(structure: Any, fetcher: Fetcher, *, slab_bytes: int,
-                        progress: Progress | None = None) -> bytes | None:
+def small_archive_bytes(
+    structure: Any, fetcher: Fetcher, *, slab_bytes: int, progress: Progress | None = None
+) -> bytes | None:
     """The bytes write_archive_to writes for `structure` when its tensors are small enough to be
     assembled in memory (the same bytes, built once, serve several files that would be written
     alike); None, having read nothing, when they are not."""
@@ -255,8 +264,16 @@ def _pickled(structure: Any) -> tuple[_Builder, bytes, int]:
     return builder, pickle_bytes, sum(slot.numel * itemsize(slot.dtype) for slot in builder.slots)
 
 
-def _write_small(f: Any, structure: Any, builder: _Builder, pickle_bytes: bytes, payload: int, fetcher: Fetcher,
-                 slab_bytes: int, progress: Progress) -> None:
+def _write_small(
+    f: Any,
+    structure: Any,
+    builder: _Builder,
+    pickle_bytes: bytes,
+    payload: int,
+    fetcher: Fetcher,
+    slab_bytes: int,
+    progress: Progress,
+) -> None:
     """An archive whose tensors are held in memory: its bytes assembled, then written at once."""
     if type(structure) is LazyTensor and _write_from_template(f, builder, pickle_bytes, payload, fetcher):
         progress.advance(payload)
@@ -269,8 +286,9 @@ def _write_small(f: Any, structure: Any, builder: _Builder, pickle_bytes: bytes,
     f.write(whole)
 
 
-def _records_archive(builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher, slab_bytes: int,
-                     progress: Progress) -> bytes | None:
+def _records_archive(
+    builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher, slab_bytes: int, progress: Progress
+) -> bytes | None:
     """The bytes _write_zip writes for a small archive (its tensors' bytes held in memory), with
     each zip record packed directly (zip_records), not through zipfile's per-member objects: a
     ZeRO-3 model-states file is 20k empty placeholder tensors. None where the records would not
@@ -334,10 +352,10 @@ class _Template:
 
     def fill(self, data: bytes) -> bytes:
         out = bytearray(self.blank)
-        out[self.data_at:self.data_at + self.nbytes] = data
+        out[self.data_at : self.data_at + self.nbytes] = data
         crc = _CRC.pack(zlib.crc32(data))
         for at in self.crc_at:
-            out[at:at + 4] = crc
+            out[at : at + 4] = crc
         return bytes(out)
 
 
@@ -389,9 +407,9 @@ def _central_crc_at(blank: bytes, start: int, name: str) -> int | None:
     """Where the CRC32 of member `name` lies in the central directory starting at `start`."""
     at = start
     raw = name.encode()
-    while blank[at:at + 4] == b"PK\x01\x02":
+    while blank[at : at + 4] == b"PK\x01\x02":
         name_len, extra_len, comment_len = struct.unpack_from("<HHH", blank, at + 28)
-        if blank[at + 46:at + 46 + name_len] == raw:
+        if blank[at + 46 : at + 46 + name_len] == raw:
             return at + 16
         at += 46 + name_len + extra_len + comment_len
     return None
@@ -416,8 +434,9 @@ def _write_from_template(f: Any, builder: _Builder, pickle_bytes: bytes, payload
     return True
 
 
-def small_tensor_archive(entry: TensorEntry, shape: tuple[int, ...], start: int, fetcher: Fetcher,
-                         slab_bytes: int) -> bytes | None:
+def small_tensor_archive(
+    entry: TensorEntry, shape: tuple[int, ...], start: int, fetcher: Fetcher, slab_bytes: int
+) -> bytes | None:
     """The archive write_archive_to writes for a LazyTensor of `shape` holding elements
     [start, start + numel) of `entry`'s flattening (a DCP item that is one flat run of its
     tensor), as bytes: its template filled from the run's byte ranges, with no virtual entry,
@@ -443,8 +462,9 @@ def small_tensor_archive(entry: TensorEntry, shape: tuple[int, ...], start: int,
     return template.fill(data) if len(data) == payload else None
 
 
-def _write_zip(zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher,
-               slab_bytes: int, progress: Progress) -> None:
+def _write_zip(
+    zip_file: Any, f: Any, builder: _Builder, pickle_bytes: bytes, fetcher: Fetcher, slab_bytes: int, progress: Progress
+) -> None:
     """The archive's records into `zip_file`; tensors copied in the kernel into `f` where it is
     given, else read from their byte ranges (no torch needed either way)."""
     with zipfile.ZipFile(zip_file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:

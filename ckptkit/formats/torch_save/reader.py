@@ -4,6 +4,7 @@ The pickle is run through the restricted unpickler with lazy storages, so a mult
 a few small reads: each tensor becomes one piece pointing at its storage bytes, with its strides.
 Tensors sharing a storage (tied weights) point at the same bytes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -32,8 +33,9 @@ def read_index(source: Source, rel: str) -> CheckpointIndex:
     try:
         add_structure(index, archive, structure, prefix=())
     except RecursionError:
-        raise FormatError(f"{archive.label}: the state dict is nested too deeply (or refers to "
-                          f"itself) to be a checkpoint") from None
+        raise FormatError(
+            f"{archive.label}: the state dict is nested too deeply (or refers to itself) to be a checkpoint"
+        ) from None
     except NameCollision as e:
         raise FormatError(f"{archive.label}: {e.detail}") from None
     return index
@@ -47,15 +49,17 @@ def add_structure(index: CheckpointIndex, archive: Archive, structure: Any, pref
         _check_state_dicts(structure, archive.label)
         leaves = [(prefix + p, v) for p, v in flatten(structure, lambda v: isinstance(v, TensorRef))]
     else:
-        raise FormatError(f"{archive.label}: expected a state dict (a mapping) at the top level, "
-                          f"found {type(structure).__name__}")
+        raise FormatError(
+            f"{archive.label}: expected a state dict (a mapping) at the top level, found {type(structure).__name__}"
+        )
     values: list[tuple[tuple, Any]] = []
     for path, value in leaves:
         key = key_of(path)
         if isinstance(value, TensorRef):
             dtype, loc = tensor_location(archive, value, key)
-            index.add_tensor(TensorEntry(key, dtype, tuple(value.size),
-                                         [Piece(Box.whole(tuple(value.size)), loc)], path=path))
+            index.add_tensor(
+                TensorEntry(key, dtype, tuple(value.size), [Piece(Box.whole(tuple(value.size)), loc)], path=path)
+            )
         else:
             values.append((path, value))
     loaded = materialize([v for _, v in values], archive)  # one shared read per storage for them all
@@ -69,8 +73,10 @@ def _check_state_dicts(structure: Mapping, label: str) -> None:
     for key in STATE_DICT_KEYS:
         value = structure.get(key)
         if isinstance(value, (list, tuple)):
-            raise FormatError(f"{label}: {key!r} is a {type(value).__name__} of {len(value)} values, expected "
-                              f"a mapping of parameter names to tensors (a state dict)")
+            raise FormatError(
+                f"{label}: {key!r} is a {type(value).__name__} of {len(value)} values, expected "
+                f"a mapping of parameter names to tensors (a state dict)"
+            )
 
 
 def check_listed_state_dicts(index: CheckpointIndex, label: str) -> None:
@@ -79,8 +85,10 @@ def check_listed_state_dicts(index: CheckpointIndex, label: str) -> None:
     for e in index.tensors.values():
         path = e.path
         if path and len(path) > 1 and type(path[1]) is int and path[0] in STATE_DICT_KEYS:
-            raise FormatError(f"{label}: {path[0]!r} is a list of values, expected a mapping of parameter names "
-                              f"to tensors (a state dict)")
+            raise FormatError(
+                f"{label}: {path[0]!r} is a list of values, expected a mapping of parameter names "
+                f"to tensors (a state dict)"
+            )
 
 
 def materialize(value: Any, archive: Archive) -> Any:

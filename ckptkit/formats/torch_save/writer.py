@@ -3,6 +3,7 @@
 Nesting is rebuilt from each entry's path; tensors that share bytes in the source (tied weights)
 share one storage in the output, as in the original file.
 """
+
 from __future__ import annotations
 
 from ...context import RunContext
@@ -15,9 +16,17 @@ from ...storage.commit import Output
 from .archive_writer import LazyTensor, write_archive
 
 
-def write_torch_save(out: Output, name: str, index: CheckpointIndex, fetcher: Fetcher, *,
-                     ctx: RunContext, keys: list[str] | None = None, include_objects: bool = True,
-                     key_map: dict[str, tuple] | None = None) -> None:
+def write_torch_save(
+    out: Output,
+    name: str,
+    index: CheckpointIndex,
+    fetcher: Fetcher,
+    *,
+    ctx: RunContext,
+    keys: list[str] | None = None,
+    include_objects: bool = True,
+    key_map: dict[str, tuple] | None = None,
+) -> None:
     """Write index tensors (and objects) as one torch.save file `name` in `out`."""
     keys = list(index.tensors) if keys is None else keys
     aliases = find_aliases({k: index.tensors[k] for k in keys})
@@ -31,6 +40,8 @@ def write_torch_save(out: Output, name: str, index: CheckpointIndex, fetcher: Fe
         for obj in index.objects.values():
             items.append(((key_map or {}).get(obj.key) or (tuple(obj.path) if obj.path else (obj.key,)), obj.data))
     structure = unflatten(items)
-    run_jobs([lambda: write_archive(out, name, structure, fetcher, slab_bytes=ctx.slab_bytes,
-                                    progress=ctx.progress)], 1,
-             group=out.group)
+    run_jobs(
+        [lambda: write_archive(out, name, structure, fetcher, slab_bytes=ctx.slab_bytes, progress=ctx.progress)],
+        1,
+        group=out.group,
+    )

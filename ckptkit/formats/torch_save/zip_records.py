@@ -8,6 +8,7 @@ sizes in the local header where zipfile is asked for force_zip64, ZIP64 end reco
 members or 4 GiB). `matches_zipfile` checks the bytes against zipfile itself once per process;
 the archive writer uses zipfile wherever it does not match.
 """
+
 from __future__ import annotations
 
 import io
@@ -50,8 +51,25 @@ class Records:
         if align:
             pad = (-(self.pos + 30 + len(raw) + 20 + 4)) % align
             extra = b"FB" + pad.to_bytes(2, "little") + b"Z" * pad
-            local = _LOCAL.pack(b"PK\x03\x04", _ZIP64, 0, 0, 0, self._time, self._date, crc, 0xFFFFFFFF,
-                                0xFFFFFFFF, len(raw), len(extra) + 20) + raw + extra + _ZIP64_EXTRA.pack(1, 16, n, n)
+            local = (
+                _LOCAL.pack(
+                    b"PK\x03\x04",
+                    _ZIP64,
+                    0,
+                    0,
+                    0,
+                    self._time,
+                    self._date,
+                    crc,
+                    0xFFFFFFFF,
+                    0xFFFFFFFF,
+                    len(raw),
+                    len(extra) + 20,
+                )
+                + raw
+                + extra
+                + _ZIP64_EXTRA.pack(1, 16, n, n)
+            )
             version = _ZIP64
         else:
             extra = b""
@@ -59,9 +77,31 @@ class Records:
             version = _PLAIN
         if n > _LIMIT or self.pos > _LIMIT:  # zipfile's central record would carry ZIP64 fields
             raise OverflowError("member past zipfile's ZIP64 limit")
-        self._central.append(_CENTRAL.pack(b"PK\x01\x02", version, _CREATE_SYSTEM, version, 0, 0, 0, self._time,
-                                           self._date, crc, n, n, len(raw), len(extra), 0, 0, 0, _MODE, self.pos)
-                             + raw + extra)
+        self._central.append(
+            _CENTRAL.pack(
+                b"PK\x01\x02",
+                version,
+                _CREATE_SYSTEM,
+                version,
+                0,
+                0,
+                0,
+                self._time,
+                self._date,
+                crc,
+                n,
+                n,
+                len(raw),
+                len(extra),
+                0,
+                0,
+                0,
+                _MODE,
+                self.pos,
+            )
+            + raw
+            + extra
+        )
         self.parts.append(local)
         self.parts.append(data)
         self.pos += len(local) + n

@@ -2,6 +2,7 @@
 flatten_state_dict makes it: torch's load rebuilds the state dict along these paths, and one that
 names another place (another entry's path, a level more or less, a list index for a key) makes it
 fail or put the value elsewhere, where ckptkit read on under the name."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,10 +35,8 @@ CHANGES = {
 def test_a_planner_path_that_does_not_join_to_its_name_is_refused(tmp_path, change):
     src = _mutated(tmp_path, CHANGES[change])
     scene = Scene(src, tmp_path / "out")
-    check_refused(run_ckptkit("verify", "--deep", str(src)), str(src), "planner_data", "model.w0",
-                  scene=scene, code=1)
-    check_refused(run_ckptkit("consolidate", str(src), str(tmp_path / "out")), str(src), "planner_data",
-                  scene=scene)
+    check_refused(run_ckptkit("verify", "--deep", str(src)), str(src), "planner_data", "model.w0", scene=scene, code=1)
+    check_refused(run_ckptkit("consolidate", str(src), str(tmp_path / "out")), str(src), "planner_data", scene=scene)
 
 
 def test_planner_paths_torch_writes_read_as_dcp_load_reads_them(tmp_path):

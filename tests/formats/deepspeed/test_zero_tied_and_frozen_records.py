@@ -3,6 +3,7 @@ refused: a `shared_params` tie naming a parameter the checkpoint holds itself (z
 overwrites the held values with the owner's, ckptkit kept the held ones), and a stage-2 frozen
 fragment whose own shape differs from `frozen_param_shapes` (zero_to_fp32 takes the fragment's,
 ckptkit took the listed one)."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,11 @@ def _edited(tmp_path, fixture, change):
 
 
 @pytest.mark.parametrize("fixture", ["z2_fp32_w2", "z3_fp32_w2"])
-@pytest.mark.parametrize("tie", [{"pos": "gate"}, {"block.fc_in.bias": "norm.bias"}, {"positions": "pos"}],
-                         ids=["parameter", "same-shape-parameter", "buffer"])
+@pytest.mark.parametrize(
+    "tie",
+    [{"pos": "gate"}, {"block.fc_in.bias": "norm.bias"}, {"positions": "pos"}],
+    ids=["parameter", "same-shape-parameter", "buffer"],
+)
 def test_a_tie_naming_a_held_tensor_is_refused(tmp_path, fixture, tie):
     src = _edited(tmp_path, fixture, lambda m: m["shared_params"].update(tie))
     alias = next(iter(tie))
@@ -41,10 +45,15 @@ def test_a_stage2_frozen_fragment_of_another_shape_is_refused(tmp_path):
     def reverse(m):
         shapes = m["frozen_param_shapes"]
         shapes["frozen.weight"] = torch.Size(list(shapes["frozen.weight"])[::-1])
+
     src = _edited(tmp_path, "z2_fp32_w2", reverse)
     scene = Scene(src, tmp_path / "out")
-    check_refused(run_ckptkit("consolidate", str(src), str(tmp_path / "out")), "frozen fragment frozen.weight",
-                  "frozen_param_shapes", scene=scene)
+    check_refused(
+        run_ckptkit("consolidate", str(src), str(tmp_path / "out")),
+        "frozen fragment frozen.weight",
+        "frozen_param_shapes",
+        scene=scene,
+    )
 
 
 def test_the_fixtures_own_tie_is_still_an_alias(tmp_path):

@@ -3,6 +3,7 @@ folder, a version record torch reads, a storage alignment that is a number, a se
 that is text) are checked by ckptkit
 the same way: an archive torch.load refuses for them is refused in one sentence, one it reads is
 read to the same values."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -23,7 +24,7 @@ def _saved(tmp_path):
 
 def _drop(members, suffix):
     i = find(members, suffix)
-    return members[:i] + members[i + 1:]
+    return members[:i] + members[i + 1 :]
 
 
 def _moved(members, suffix):
@@ -40,10 +41,16 @@ REFUSED = {  # change -> (words of ckptkit's sentence, words of torch's refusal)
     "version-zero": (lambda m: with_data(m, find(m, "version"), b"0"), "version record", "version"),
     "version-no-number": (lambda m: with_data(m, find(m, "version"), b"abc"), "version record", "parse"),
     "member-outside-the-folder": (lambda m: _moved(m, "byteorder"), "outside the archive's folder", "subdirectory"),
-    "storage-alignment-no-number": (lambda m: with_data(m, find(m, ".storage_alignment"), b""),
-                                    ".storage_alignment", "invalid literal"),
-    "serialization-id-no-text": (lambda m: with_data(m, find(m, ".data/serialization_id"), b"\x95" * 40),
-                                 "serialization_id", "utf-8"),
+    "storage-alignment-no-number": (
+        lambda m: with_data(m, find(m, ".storage_alignment"), b""),
+        ".storage_alignment",
+        "invalid literal",
+    ),
+    "serialization-id-no-text": (
+        lambda m: with_data(m, find(m, ".data/serialization_id"), b"\x95" * 40),
+        "serialization_id",
+        "utf-8",
+    ),
 }
 
 

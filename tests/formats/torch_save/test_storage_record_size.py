@@ -2,6 +2,7 @@
 storage type's element size), as torch.load requires: a longer record was read by ckptkit as the
 first bytes of it, so a storage type changed from Float to Half read half-floats out of float bytes
 while torch refuses the file."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -37,8 +38,11 @@ def _storage_type_half(members):
     return with_data(members, i, P.encode(P.set_storage_type(ops, pid, "HalfStorage")))
 
 
-@pytest.mark.parametrize("change", [_record_longer, _record_shorter, _storage_type_half],
-                         ids=["record-longer", "record-shorter", "float-record-read-as-half"])
+@pytest.mark.parametrize(
+    "change",
+    [_record_longer, _record_shorter, _storage_type_half],
+    ids=["record-longer", "record-shorter", "float-record-read-as-half"],
+)
 def test_a_storage_record_of_another_size_than_declared_is_refused(tmp_path, change):
     src = tmp_path / "bad.pt"
     write(src, change(read_members(_saved(tmp_path))))
