@@ -50,9 +50,9 @@ def _writer_spy(monkeypatch, module, name: str) -> list[RunContext]:
 
 
 def test_reshard_builds_one_context_and_hands_it_to_the_writer(tmp_path, made, monkeypatch):
-    from ckptkit.formats import adapters
+    from ckptkit.formats.dcp import format as dcp_format
 
-    seen = _writer_spy(monkeypatch, adapters, "write_dcp")
+    seen = _writer_spy(monkeypatch, dcp_format, "write_dcp")
     res = CliRunner().invoke(
         cli_main.cli,
         [
@@ -86,9 +86,9 @@ def test_reshard_builds_one_context_and_hands_it_to_the_writer(tmp_path, made, m
 @pytest.mark.parametrize(
     "to,module,name",
     [
-        ("torch", "ckptkit.formats.adapters", "write_torch_save"),
-        ("zero2", "ckptkit.formats.adapters", "write_zero_files"),
-        ("hf", "ckptkit.formats.adapters", "write_safetensors"),
+        ("torch", "ckptkit.formats.torch_save.format", "write_torch_save"),
+        ("zero2", "ckptkit.formats.deepspeed.format", "write_zero_files"),
+        ("hf", "ckptkit.formats.safetensors.format", "write_safetensors"),
     ],
 )
 def test_convert_hands_its_one_context_to_the_writer(tmp_path, made, monkeypatch, to, module, name):

@@ -109,7 +109,7 @@ class _Target:
 
 def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cfg: dict) -> ZeroTemplatesTarget:
     """The ZeRO checkpoint of `state` at `stage` for `world_size` ranks, laid out by the DeepSpeed
-    config `cfg`: templates the DeepSpeed writer (formats/adapters.py) turns into files."""
+    config `cfg`: templates the DeepSpeed writer (formats/deepspeed/format.py) turns into files."""
     moe.refuse_rewrite(state.source.index)  # a MoE source's experts need expert groups: not laid out yet
     target = _target(state, stage, world_size, cfg)
     group_keys = _group_state_keys(state, target.optimizer)

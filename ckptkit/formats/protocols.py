@@ -2,7 +2,7 @@
 
 Operations never ask which format a checkpoint is; they ask the registry (formats/registry.py)
 what its format can do: "can it be resharded in its own format?", "are its tensors flat ZeRO
-partitions?". A new format is one adapter object (formats/adapters.py) that answers these
+partitions?". A new format is one adapter object (formats/<format>/format.py) that answers these
 through its `capabilities`, registered once; no operation changes (Orbax's one handler
 contract per kind of item).
 """
@@ -55,6 +55,15 @@ class Capabilities:
 
     def writes_world(self, world_size: int) -> bool:
         return world_size >= 1 and (self.world_sizes == ANY_WORLD or world_size == 1)
+
+
+class CannotReshard:
+    """A format whose output is one whole copy: there is nothing laid out per rank to redo."""
+
+    name: str
+
+    def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
+        raise NotImplementedError(f"{self.name} is not laid out by world size (capabilities.reshards is False)")
 
 
 @runtime_checkable
@@ -153,6 +162,7 @@ class SafetensorsTarget:
 
 __all__ = [
     "Capabilities",
+    "CannotReshard",
     "Reader",
     "Writer",
     "DcpTarget",

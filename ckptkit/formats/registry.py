@@ -5,7 +5,7 @@ Every command takes a path (a folder or a file) and lands here. Detection is by 
 (DCP's .metadata, safetensors headers, torch.save's zip magic), never by trust in a name alone;
 a path nothing recognises gets one sentence saying what was looked for and what was found.
 
-The formats are Reader/Writer adapters (formats/adapters.py, the contract in protocols.py),
+The formats are Reader/Writer adapters (each format package's format.py, the contract in protocols.py),
 registered in FORMATS with their capabilities. Operations ask `capabilities_of(index)` or
 `format_of(index)`, never compare format names. The folder kinds around them (run folders,
 accelerate's subfolders, HF Trainer and Lightning folders) are resolvers here: each finds one of
@@ -20,11 +20,14 @@ from ..errors import NotACheckpointError, UnsupportedError, name_of
 from ..index.types import CheckpointIndex
 from ..storage.source import Source, is_url, local_path, open_source
 from . import accelerate, lightning, run_folder, trainer
-from .adapters import DCP, DEEPSPEED, SAFETENSORS, TORCH_SAVE, TORCH_SUFFIXES, looks_like_safetensors, torch_files
+from .dcp.format import DCP
+from .deepspeed.format import DEEPSPEED
 from .deepspeed import files as ds_files
 from .opened import Opened
 from .protocols import Capabilities, Reader, Writer
 from .safetensors import reader as st_reader
+from .safetensors.format import SAFETENSORS, looks_like_safetensors
+from .torch_save.format import TORCH_SAVE, TORCH_SUFFIXES, torch_files
 from .torch_save.reader import check_listed_state_dicts
 from ..runner.heap import paused_collector
 from ..runner.torch_archive import ZIP_MAGIC

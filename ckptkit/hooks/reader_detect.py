@@ -11,7 +11,7 @@ import os
 
 from ..errors import CkptkitError
 from ..formats import accelerate, run_folder
-from ..formats.adapters import looks_like_safetensors
+from ..formats.safetensors.format import looks_like_safetensors
 from ..formats.registry import detect
 from ..runner.torch_archive import ZIP_MAGIC
 from ..storage.source import Source, local_path, open_source
