@@ -109,14 +109,14 @@ def detect(source: Source, names: list[str] | None = None) -> tuple[str, list[En
     itself a checkpoint (DCP .metadata, DeepSpeed `latest` or rank files, accelerate's parts,
     safetensors weights beside no checkpoint-N/) is not one."""
     from . import accelerate
-    from .deepspeed import files as ds_files
+    from .deepspeed.names import LATEST, looks_like_tag_folder
 
     if not source.isdir(""):
         return None
     names = source.listdir("") if names is None else names
-    if ".metadata" in names or ds_files.looks_like_tag_folder(names):
+    if ".metadata" in names or looks_like_tag_folder(names):
         return None
-    if "latest" in names and not source.isdir("latest"):
+    if LATEST in names and not source.isdir(LATEST):
         return (CHECKPOINTER, _checkpointer_entries(source, names)) if _points_to_step(source) else None
     hf = [Entry(n, int(m.group(1))) for n in names if (m := HF_ENTRY.fullmatch(n)) and _is_dir(source, n)]
     if hf:
@@ -126,7 +126,7 @@ def detect(source: Source, names: list[str] | None = None) -> tuple[str, list[En
     steps = _checkpointer_entries(source, names)
     if steps:
         return CHECKPOINTER, steps
-    tags = [n for n in names if _is_dir(source, n) and ds_files.looks_like_tag_folder(_safe_listdir(source, n))]
+    tags = [n for n in names if _is_dir(source, n) and looks_like_tag_folder(_safe_listdir(source, n))]
     if tags:
         return DEEPSPEED, _ordered(source, [Entry(n, _number(TRAILING_NUMBER, n)) for n in tags])
     if any(n.endswith(".safetensors") for n in names):

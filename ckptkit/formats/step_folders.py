@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from .. import safe_json
 from ..errors import CkptkitError
 from ..storage.paths import nameable
+from .deepspeed.names import LATEST
 from .opened import Opener
 from .structure import structural_problems
 
@@ -32,7 +33,7 @@ FORMATS = ("dcp", "deepspeed")
 MAX_MARKER_BYTES = 16 << 20
 MAX_DEPTH = 8
 _STEP_NAME = re.compile(r"step_([0-9]+)", re.ASCII)
-POINTER = "latest"  # the folder name of the newest complete step (hooks/pointer.py writes it)
+POINTER = LATEST  # the folder name of the newest complete step (hooks/pointer.py writes it), named as DeepSpeed does
 POINTER_MAX_BYTES = 1024
 
 
@@ -196,6 +197,11 @@ def _marker_problem(path: str, doc: dict, step: int) -> str:
     return ""
 
 
+def unmarked_format(folder: str) -> str:
+    """The format of a step folder from before markers: a DeepSpeed engine's save has `latest`."""
+    return "deepspeed" if os.path.exists(os.path.join(folder, LATEST)) else "dcp"
+
+
 def _unmarked_problem(path: str, step: int, open_checkpoint: Opener) -> str:
     """A folder from before markers counts when ckptkit's reader indexes it whole: a DeepSpeed
     save of tag global_step<step>, or a DCP save whose `ckptkit.step` record is `step`."""
@@ -203,7 +209,7 @@ def _unmarked_problem(path: str, step: int, open_checkpoint: Opener) -> str:
         names = os.listdir(path)
         if not names:
             return f"is an empty folder without {MARKER}"
-        if "latest" in names:
+        if LATEST in names:  # a DeepSpeed engine's save
             opened = open_checkpoint(path, tag=f"global_step{step}")
         else:
             opened = open_checkpoint(path, expect="dcp")

@@ -31,6 +31,7 @@ from ..errors import CkptkitError
 from ..storage.source import Source
 from .accelerate import MODEL_DIR, OPTIM_DIR, SubSource
 from .dcp import reader as dcp_reader
+from .deepspeed.names import HELPER_SCRIPTS, LATEST
 
 TRAINER_STATE = "trainer_state.json"
 RNG_SINGLE = "rng_state.pth"
@@ -48,8 +49,7 @@ SIDE_FILES = {
     "scaler.pt": "gradient scaler state",
     "config.json": "model config",
     "generation_config.json": "generation config",
-    "zero_to_fp32.py": "DeepSpeed's recovery script",
-    "zero_to_torch.py": "DeepSpeed's recovery script",
+    **{script: "DeepSpeed's recovery script" for script in HELPER_SCRIPTS},
     "README.md": "model card",
     "adapter_config.json": "PEFT adapter config",
     "preprocessor_config.json": "processor config",
@@ -139,7 +139,7 @@ def describe(source: Source, tag: str | None = None) -> TrainerFolder | None:
     if not parts or not trainer and not (layout == "fsdp" and parts[0].sharded):
         return None
     kind = TRAINER if trainer else ACCELERATE
-    taken = {p.name for p in parts} | ({"latest"} if layout == "deepspeed" else set())
+    taken = {p.name for p in parts} | ({LATEST} if layout == "deepspeed" else set())
     side, rng, unknown = [], {}, []
     for name in names:
         if name in taken:
@@ -175,7 +175,7 @@ def _isdir(source: Source, name: str) -> bool:
 
 
 def _parts(source: Source, names: list[str], tag: str | None) -> tuple[list[Part], str]:
-    if "latest" in names and not _isdir(source, "latest") or tag is not None:
+    if LATEST in names and not _isdir(source, LATEST) or tag is not None:
         chosen = tag or _read_latest(source)
         if chosen and chosen in names and _isdir(source, chosen):
             return [Part(chosen, "deepspeed", True)], "deepspeed"
@@ -204,10 +204,10 @@ def _parts(source: Source, names: list[str], tag: str | None) -> tuple[list[Part
 
 def _read_latest(source: Source) -> str | None:
     try:
-        size = source.size("latest")
+        size = source.size(LATEST)
         if size > 4096:
             return None
-        return source.read("latest", 0, size).decode("utf-8").strip() or None
+        return source.read(LATEST, 0, size).decode("utf-8").strip() or None
     except (CkptkitError, UnicodeDecodeError):
         return None
 

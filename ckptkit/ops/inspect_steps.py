@@ -52,7 +52,11 @@ def describe(path: str) -> StepsReport:
         for name in names:
             f = step_folders.examine(path, name, step, open_checkpoint)
             doc, _ = step_folders.read_marker(os.path.join(path, name)) if f.complete else (None, "")
-            fmt = doc.get("format") if f.marked and doc else ("-" if not f.complete else _unmarked_format(path, name))
+            fmt = (
+                doc.get("format")
+                if f.marked and doc
+                else ("-" if not f.complete else step_folders.unmarked_format(os.path.join(path, name)))
+            )
             world = doc.get("world_size") if f.marked and doc else None
             rows.append(StepRow(step, name, f.complete, f.why, str(fmt), world, _size(os.path.join(path, name))))
     return StepsReport(path, rows, step_folders.read_pointer(path))
@@ -92,10 +96,6 @@ def to_json(report: StepsReport) -> dict:
         "latest": report.latest,
         "newest_complete": newest.step if newest else None,
     }
-
-
-def _unmarked_format(path: str, name: str) -> str:
-    return "deepspeed" if os.path.exists(os.path.join(path, name, "latest")) else "dcp"
 
 
 def _size(path: str) -> int:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 from ...errors import CkptkitError, FormatError, NotACheckpointError, UnsupportedError, quote
 from ...index import problems
 from ...runner.torch_archive import load_structure, open_archive
 from ...storage.source import Source
-
-MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-MAX_LATEST_BYTES = 1024  # `latest` holds one tag (a folder name: 255 bytes on most filesystems)
-EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_(\d+)_model_states\.pt$")
-EXPERT_ID = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_\d+_model_states\.pt$")
+from .names import EXPERT, EXPERT_ID, LATEST, MAX_LATEST_BYTES, MODEL_STATES, OPTIM_STATES, OFFLOADED_TENSORS
+from .names import ANY_MODEL_FILE, ANY_OPTIM_FILE, expert_file, looks_like_tag_folder, optim_file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,15 +36,11 @@ def _tag_names(source: Source, rel: str) -> list[str]:
     return source.listdir(rel) if source.isdir(rel) else []
 
 
-def looks_like_tag_folder(names: list[str]) -> bool:
-    return any(MODEL_STATES.match(n) for n in names) and any(OPTIM_STATES.match(n) for n in names)
-
-
 def detect(source: Source) -> bool:
     if not source.isdir(""):
         return False
     names = source.listdir("")
-    if "latest" in names and not source.isdir("latest"):
+    if LATEST in names and not source.isdir(LATEST):
         return True
     return looks_like_tag_folder(names)
 
@@ -57,9 +48,9 @@ def detect(source: Source) -> bool:
 def read_latest(source: Source) -> str:
     """The tag `latest` names: a short line of text. It is read only as far as a tag can go, and
     never shown unquoted (it may be anything: a link, a huge file, escape sequences)."""
-    label = source.label("latest")
-    size = source.size("latest")
-    head = source.read("latest", 0, min(size, MAX_LATEST_BYTES + 1))
+    label = source.label(LATEST)
+    size = source.size(LATEST)
+    head = source.read(LATEST, 0, min(size, MAX_LATEST_BYTES + 1))
     if size > MAX_LATEST_BYTES:
         raise FormatError(
             f"{label}: is {size} bytes, expected a tag name (a folder name of at most "
@@ -70,9 +61,9 @@ def read_latest(source: Source) -> str:
 
 def locate(source: Source, tag: str | None = None) -> ZeroFiles:
     names = source.listdir("")
-    named_by = "--tag" if tag is not None else "latest"
+    named_by = "--tag" if tag is not None else LATEST
     if tag is None and not looks_like_tag_folder(names):
-        if "latest" not in names:
+        if LATEST not in names:
             raise NotACheckpointError(f"{source.label('')}: no `latest` file and no ZeRO rank files")
         tag = read_latest(source)
     if tag is not None:
@@ -107,7 +98,7 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
             bf16_prefix = bool(m.group(1))
         elif m := EXPERT.match(name):
             experts.setdefault(int(m.group(1)), []).append(name)
-        elif name == "offloaded_tensors":
+        elif name == OFFLOADED_TENSORS:
             raise UnsupportedError(
                 f"{source.label(prefix + name)}: NVMe-offloaded optimizer state "
                 f"(offloaded_tensors) is not supported yet"
@@ -151,7 +142,7 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
         ):
             raise FormatError(
                 f"{source.label(prefix or '')}: model-parallel rank(s) {lacking} have no expert files "
-                f"(layer_<L>_expert_<G>_mp_rank_{lacking[0]:02d}_model_states.pt), the other ranks do"
+                f"({expert_file('<L>', '<G>', lacking[0])}), the other ranks do"
             )
         whole = True
     if whole:
@@ -191,8 +182,7 @@ def _experts_whole(source: Source, prefix: str, experts: dict[int, list[str]], m
     if not shared:
         return True
     (layer, expert), mps = shared[0]
-    lead = f"layer_{layer}_" if layer is not None else ""
-    name, other = (f"{lead}expert_{expert}_mp_rank_{mp:02d}_model_states.pt" for mp in mps[:2])
+    name, other = (expert_file(layer, expert, mp) for mp in mps[:2])
     raise FormatError(
         f"{source.label(prefix + name)}: expert {expert} of MoE layer {layer or 0} is saved by "
         f"model-parallel ranks {mps} (also as {other}), while no mp rank holds every expert; "
@@ -236,12 +226,12 @@ def _check_ranks(source: Source, files: ZeroFiles) -> None:
                 "weights; DeepSpeed cannot load such a checkpoint either)"
             )
         raise FormatError(
-            f"{source.label(prefix or '')}: no *_model_states.pt file{which} in the DeepSpeed tag folder{why}"
+            f"{source.label(prefix or '')}: no {ANY_MODEL_FILE} file{which} in the DeepSpeed tag folder{why}"
         )
     if not files.optim_files:
         which = f" of model-parallel rank {files.mp_rank}" if files.mp_rank else ""
         raise FormatError(
-            f"{source.label(prefix or '')}: no *_optim_states.pt files{which} (a checkpoint saved "
+            f"{source.label(prefix or '')}: no {ANY_OPTIM_FILE} files{which} (a checkpoint saved "
             f"without optimizer state cannot be read yet)"
         )
     world = max(files.optim_files) + 1
@@ -254,13 +244,8 @@ def _check_ranks(source: Source, files: ZeroFiles) -> None:
         if not problems.collecting_now():
             raise error
         for rank in missing:  # verify: one problem per missing file, the other ranks still checked
-            name = optim_file_name(rank, files.bf16_prefix, files.mp_rank)
+            name = optim_file(rank, files.bf16_prefix, files.mp_rank)
             problems.tolerate(
                 FormatError(f"{source.label(prefix + name)}: file is missing (rank {rank} of {world})"),
                 source.label(prefix + name),
             )
-
-
-def optim_file_name(rank: int, bf16_prefix: bool, mp_rank: int = 0) -> str:
-    """The name DeepSpeed gives rank `rank`'s optim-states file of model-parallel rank `mp_rank`."""
-    return f"{'bf16_' if bf16_prefix else ''}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"

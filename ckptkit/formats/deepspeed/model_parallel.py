@@ -40,6 +40,7 @@ from ...runner.fetch import Fetcher
 from ...storage import kernel_copy
 from ...storage.source import Source
 from .files import ZeroFiles
+from .names import mp_rank
 
 COMPARE_ELEMENTS_BYTES = 16 << 20  # bytes of each copy compared at a time (user-declared replicas)
 
@@ -157,7 +158,7 @@ def _check_recorded_tp(first: CheckpointIndex, tp: int, label: str) -> None:
     if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != tp:
         raise FormatError(
             f"{label}: {key} says the tensor-parallel size is {recorded}, but the tag folder has "
-            f"model-states files of {tp} mp ranks (mp_rank_00..mp_rank_{tp - 1:02d})"
+            f"model-states files of {tp} mp ranks ({mp_rank(0)}..{mp_rank(tp - 1)})"
         )
 
 

@@ -34,8 +34,8 @@ from .entries import tensor_of
 from .files import ZeroFiles
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, stage_names
+from .names import EXPERT_FILE, expert_file
 
-EXPERT_FILE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 MARK = ".deepspeed_moe.experts.deepspeed_experts."
 GROUP_NAME = re.compile(r"^ep_size_(\d+)$")
 NOT_RESHARDABLE = (
@@ -260,7 +260,7 @@ def _expert_files(
         for expert in range(count):
             name = found.pop((layer, expert), None)
             ep_rank = expert // layout.local_experts(prefix)
-            expected = f"layer_{layer}_expert_{expert}_mp_rank_{mp_of(ep_rank):02d}_model_states.pt"
+            expected = expert_file(layer, expert, mp_of(ep_rank))
             if name is None:
                 raise FormatError(
                     f"{source.label(files.prefix + expected)}: expert file is missing (MoE layer "

@@ -24,6 +24,7 @@ from ...errors import FormatError, UnsupportedError, quote
 from ...index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ...storage.source import Source
 from .files import ZeroFiles
+from .names import layer_file, mp_rank
 
 NOT_RESHARDABLE = "resharding a mixture-of-experts PipelineModule checkpoint is not supported yet"
 
@@ -66,7 +67,7 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
     if pp != len(subs):
         raise FormatError(
             f"{label}: checkpoint_parallel_dimensions.pp_degree says {pp} pipeline stages, but the "
-            f"tag folder has model-states files of {len(subs)} (mp_rank_00..mp_rank_{len(subs) - 1:02d})"
+            f"tag folder has model-states files of {len(subs)} ({mp_rank(0)}..{mp_rank(len(subs) - 1)})"
         )
     for stage, sub in subs.items():
         if "deepspeed_moe" not in sub.metadata:
@@ -74,7 +75,7 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
             raise FormatError(
                 f"{source.label(files.prefix + name)}: pipeline stage {stage} of a mixture-of-experts "
                 f"PipelineModule checkpoint has no expert files (DeepSpeed saves a pipeline without "
-                f"MoE layers as layer_XX-model_states.pt files)"
+                f"MoE layers as {layer_file('XX')} files)"
             )
     first = subs[0]
     dp = int(first.metadata.get("deepspeed", {}).get("world_size") or 1)

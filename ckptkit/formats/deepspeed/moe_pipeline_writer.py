@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import OrderedDict
 from typing import Any
 
@@ -33,7 +32,7 @@ from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
-from .files import optim_file_name
+from .names import EXPERT_FILE, expert_file, model_file, optim_file
 from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
@@ -45,7 +44,6 @@ from .templates import lazify, template_of
 
 __all__ = ["is_pipeline_moe", "write_pipeline_moe_zero"]
 
-EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 NO_MOE_STAGE = (
     "DeepSpeed 0.19.8 cannot train a MoE PipelineModule with a stage that holds no MoE layer (its first "
     "train_batch hangs)"
@@ -250,17 +248,15 @@ def write_pipeline_moe_zero(
             StatePlanner(stage_index, fetcher),
         ).items():
             base = name.rsplit("/", 1)[1]
-            if base == "mp_rank_00_model_states.pt":
-                files[f"{tag}/mp_rank_{stage:02d}_model_states.pt"] = (structure, fetcher)
+            if base == model_file(0):
+                files[f"{tag}/{model_file(stage)}"] = (structure, fetcher)
             else:
                 d = int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])
-                files[f"{tag}/{optim_file_name(d, z0.files.bf16_prefix, mp_rank=stage)}"] = (structure, fetcher)
+                files[f"{tag}/{optim_file(d, z0.files.bf16_prefix, mp=stage)}"] = (structure, fetcher)
         new_id = {prefix: n for n, prefix in enumerate(counts)}
         for (src_stage, _), (rel, expert, prefix) in sorted(layer_id.items()):
             if prefix in new_id:
-                copied.append(
-                    (rel, f"{tag}/layer_{new_id[prefix]}_expert_{expert}_mp_rank_{stage:02d}_model_states.pt")
-                )
+                copied.append((rel, f"{tag}/{expert_file(new_id[prefix], expert, stage)}"))
     copied.sort(key=lambda c: c[1])
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=z0.files.tag is not None)
 
@@ -274,7 +270,7 @@ def _source_layer_ids(index: CheckpointIndex) -> dict[tuple[int, str], tuple[str
         prefixes = sorted(info.num_experts[stage], key=lambda p: _layer_of(p) or 0)
         for name in zinfo.files.expert_files:
             m = EXPERT_FILE.match(name)
-            if m is None or int(m.group(1)) >= len(prefixes):
+            if m is None or m.group(1) is None or int(m.group(1)) >= len(prefixes):
                 raise UnsupportedError(
                     f"{index.root}: expert file {quote(name)} of pipeline stage {stage} names a "
                     f"MoE layer the stage does not have ({len(prefixes)} MoE layers)"

@@ -33,7 +33,7 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
-from .files import optim_file_name
+from .names import expert_file, model_file, optim_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
@@ -89,9 +89,9 @@ def write_moe_tp_zero(
             )
         )
         model = _module_slices(laid_out.pop("model"), rank_index)
-        files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
+        files[f"{tag}/{model_file(t)}"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
         for d, structure in laid_out.items():
-            files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)}"] = (structure, fetcher)
+            files[f"{tag}/{optim_file(d, zinfo.files.bf16_prefix, mp=t)}"] = (structure, fetcher)
         if sizes.tp == info.tp:
             copied += [(zinfo.files.prefix + n, f"{tag}/{n}") for n in sorted(zinfo.files.expert_files)]
         else:
@@ -121,7 +121,7 @@ def by_rank(files: dict[str, Any]) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for name, structure in files.items():
         base = name.rsplit("/", 1)[1]
-        if base == "mp_rank_00_model_states.pt":
+        if base == model_file(0):
             out["model"] = structure
         else:
             out[int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])] = structure
@@ -171,7 +171,7 @@ def _expert_files(rank_index: CheckpointIndex, counts: dict[str, int], t: int) -
     for layer, (prefix, count) in enumerate(counts.items()):
         for expert in range(count):
             head = f"ds_module.{prefix}{MARK}{expert}."
-            out[f"layer_{layer}_expert_{expert}_mp_rank_{t:02d}_model_states.pt"] = dict(  # as DeepSpeed saves it
+            out[expert_file(layer, expert, t)] = dict(  # as DeepSpeed saves it
                 (key[len("ds_module.") :], LazyTensor(entry))
                 for key, entry in rank_index.tensors.items()
                 if key.startswith(head)

@@ -28,7 +28,7 @@ from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
-from .files import EXPERT_ID, optim_file_name
+from .names import EXPERT_ID, expert_file, model_file, optim_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
@@ -121,10 +121,10 @@ def write_whole_experts(
             )
         )
         model = _module_slices(experts["model"], rank_index)
-        files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
+        files[f"{tag}/{model_file(t)}"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
         for d in range(sizes.dp):
             merged = _merge(dense[d], experts[t + sizes.tp * d])
-            files[f"{tag}/{optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)}"] = (merged, fetcher)
+            files[f"{tag}/{optim_file(d, zinfo.files.bf16_prefix, mp=t)}"] = (merged, fetcher)
     copied = _expert_copies(index, info, tag, sizes)
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo0.files.tag is not None)
 
@@ -163,7 +163,7 @@ def _expert_copies(
             copied.append(
                 (
                     prefix + found[(layer, expert)],
-                    f"{tag}/layer_{layer}_expert_{expert}_mp_rank_{mp:02d}_model_states.pt",
+                    f"{tag}/{expert_file(layer, expert, mp)}",
                 )
             )
     return copied

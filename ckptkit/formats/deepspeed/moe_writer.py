@@ -40,7 +40,7 @@ from ...storage.source import Source
 from ...torch_types import Size
 from . import standins
 from .entries import shape_of
-from .files import optim_file_name
+from .names import model_file, optim_file
 from .group_plan import GroupPlan, StatePlanner, plan_group
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK, split_expert_name
@@ -248,14 +248,12 @@ def _files(
             )
             for r in range(target.world)
         ]
-    files: dict[str, Any] = {
-        f"{tag}/mp_rank_00_model_states.pt": _model(m0, marchive, shapes, layouts, new_locals, target)
-    }
+    files: dict[str, Any] = {f"{tag}/{model_file(0)}": _model(m0, marchive, shapes, layouts, new_locals, target)}
     order = sorted(plans)
     for r in range(target.world):
         osd = _optim(osd_t, oarchive, [plans[i][r] for i in order], groups_meta, expert_ids, new_paddings, target)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-        files[f"{tag}/{optim_file_name(r, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
+        files[f"{tag}/{optim_file(r, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
     return files
 
 

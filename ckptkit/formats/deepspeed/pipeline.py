@@ -27,7 +27,6 @@ copies agree); it appears once, from the lowest stage. The layer files give `ds_
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +39,21 @@ from ...storage.source import Source
 from . import pipeline_tp
 from . import reader as zero
 from .entries import entry, tensor_of
-from .files import MODEL_STATES, OPTIM_STATES, ZeroFiles, locate, looks_like_tag_folder, read_latest
+from .files import ZeroFiles, locate, read_latest
+from .names import (
+    LATEST,
+    LAYER_FILE,
+    MODEL_STATES,
+    OPTIM_STATES,
+    layer_file,
+    looks_like_tag_folder,
+    model_file,
+    mp_rank,
+)
+from .names import tp_suffix
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
 
-LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 NOT_RESHARDABLE = (
     "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it "
     "with --to pp=...,dp=... (pipeline_writer.py), or convert it --to torch, dcp or fsdp2"
@@ -97,7 +106,7 @@ def _tag_listing(source: Source, tag: str | None) -> tuple[str, list[str]] | Non
         if tag is None and looks_like_tag_folder(names) or tag is None and any(LAYER_FILE.match(n) for n in names):
             return "", names
         if tag is None:
-            if "latest" not in names or source.isdir("latest"):
+            if LATEST not in names or source.isdir(LATEST):
                 return None
             tag = read_latest(source)
         if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not source.isdir(tag):
@@ -124,7 +133,7 @@ def read_index(source: Source, tag: str | None = None, tp_rules: Any = None) -> 
         raise UnsupportedError(
             f"{source.label(listing[0])}: a pipeline checkpoint without ZeRO optim-states files "
             f"(ZeRO stage 0 in fp32 or fp16 keeps the optimizer's state in the "
-            f"mp_rank_XX_model_states.pt files) is not supported yet"
+            f"{model_file('XX')} files) is not supported yet"
         )
     files = locate(source, tag)
     if tp_size(files) > 1:  # pipeline x tensor parallel
@@ -184,8 +193,8 @@ def _read_3d(source: Source, files: ZeroFiles, tp: int, tp_rules: Any) -> Checkp
     label = source.label(files.prefix + (files.model_files[min(files.model_files)] if files.model_files else ""))
     if len(ranks) % tp:
         raise FormatError(
-            f"{label}: layer files name {tp} tensor-parallel ranks (-model_00..-model_{tp - 1:02d}), "
-            f"but there are {len(ranks)} model-parallel ranks (mp_rank_XX), not a multiple of {tp}"
+            f"{label}: layer files name {tp} tensor-parallel ranks ({tp_suffix(0)}..{tp_suffix(tp - 1)}), "
+            f"but there are {len(ranks)} model-parallel ranks ({mp_rank('XX')}), not a multiple of {tp}"
         )
     _check_tp_layer_files(source, files, tp)
     pp = len(ranks) // tp
@@ -205,7 +214,7 @@ def _check_tp_layer_files(source: Source, files: ZeroFiles, tp: int) -> None:
             if layer not in have:
                 other = next(r for r in range(tp) if layer in per_rank[r])
                 raise FormatError(
-                    f"{source.label(files.prefix + f'layer_{layer:02d}-model_{t:02d}-model_states.pt')}: "
+                    f"{source.label(files.prefix + layer_file(layer, t))}: "
                     f"file is missing (tensor-parallel rank {other} has layer {layer}'s file; a pipeline "
                     f"with {tp} tensor-parallel ranks writes one per rank)"
                 )
@@ -224,7 +233,7 @@ def _check_stage_count(source: Source, files: ZeroFiles, stages: dict[int, "_Sta
         missing = [s for s in range(pp) if s not in stages]
         raise FormatError(
             f"{stages[0].label}: says the pipeline has {pp} stages, but the model- and optim-states "
-            f"files of stage(s) {missing} (mp_rank_{missing[0]:02d}_...) are missing"
+            f"files of stage(s) {missing} ({mp_rank(missing[0])}_...) are missing"
         )
 
 
@@ -414,9 +423,9 @@ def _assign_layers(source: Source, files: ZeroFiles, stages: dict[int, _Stage], 
     for layer, s in sorted(known.items()):
         if layer not in on_disk:
             names = [n for n in [*stages[s].shapes, *stages[s].buffers] if (_layer_names(n) or (None,))[0] == layer]
-            model = f"-model_{model_rank:02d}" if any(LAYER_FILE.match(n).group(2) for n in on_disk.values()) else ""
+            tp_rank = model_rank if any(LAYER_FILE.match(n).group(2) for n in on_disk.values()) else None
             raise FormatError(
-                f"{source.label(files.prefix + f'layer_{layer:02d}{model}-model_states.pt')}: file is missing "
+                f"{source.label(files.prefix + layer_file(layer, tp_rank))}: file is missing "
                 f"(pipeline stage {s} holds layer {layer}'s {', '.join(names[:3])})"
             )
     layers = dict(known)

@@ -28,7 +28,7 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ..torch_save.archive_writer import LazyTensor
 from . import pipeline_writer as ppw
-from .files import optim_file_name
+from .names import layer_file, model_file, optim_file
 from .group_plan import StatePlanner, plan_group
 from .info import ZeroInfo
 from .pipeline_partition import chosen_layer_types, chosen_partition_method
@@ -133,16 +133,16 @@ def write_3d_zero(
                     "pp_degree": target.pp,
                     "tp_degree": target.tp,
                 }
-            files[f"{tag}/mp_rank_{mp_rank:02d}_model_states.pt"] = (model, fetcher)
+            files[f"{tag}/{model_file(mp_rank)}"] = (model, fetcher)
             for d in range(target.dp):
                 osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
                 if "param_alignment_paddings" in osd:
                     osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
                 top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-                name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=mp_rank)
+                name = optim_file(d, zinfo.files.bf16_prefix, mp=mp_rank)
                 files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
         for layer, rel in sorted(pinfo.layer_files.items()):
-            files[f"{tag}/layer_{layer:02d}-model_{t:02d}-model_states.pt"] = (
+            files[f"{tag}/{layer_file(layer, t)}"] = (
                 _layer_state(index, pinfo, rank_index, layer),
                 fetcher,
             )

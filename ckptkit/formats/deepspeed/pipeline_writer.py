@@ -39,7 +39,7 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
-from .files import optim_file_name
+from .names import model_file, optim_file
 from .group_plan import GroupPlan, StatePlanner, plan_group, virtual
 from .info import ZeroGroup, ZeroInfo
 from .pipeline import PipelineInfo
@@ -320,7 +320,7 @@ def write_pp_zero(
             )
             for g in plan.groups
         ]
-        model = files[f"{tag}/mp_rank_{plan.stage:02d}_model_states.pt"] = _model(m0, marchive, plan, target)
+        model = files[f"{tag}/{model_file(plan.stage)}"] = _model(m0, marchive, plan, target)
         for d in range(target.dp):
             osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
             if "param_alignment_paddings" in osd:
@@ -330,7 +330,7 @@ def write_pp_zero(
             if d == 0 and isinstance(model.get("optimizer"), dict):  # BF16_Optimizer: dp rank 0's state here too
                 model["optimizer"] = osd
             top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-            name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=plan.stage)
+            name = optim_file(d, zinfo.files.bf16_prefix, mp=plan.stage)
             files[f"{tag}/{name}"] = {"optimizer_state_dict": osd, **top}
     copied = [(rel, f"{tag}/{rel.rpartition('/')[2]}") for _, rel in sorted(info.layer_files.items())]
     return write_tag(

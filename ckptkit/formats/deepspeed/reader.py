@@ -34,7 +34,8 @@ from ..torch_save.reader import materialize
 from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
 from . import model_parallel, moe, moe_pipeline, moe_whole, partition, standins
 from .entries import entry, plain_shape, shape_of, tensor_of
-from .files import ZeroFiles, locate, optim_file_name
+from .files import ZeroFiles, locate
+from .names import optim_file, zero_model_file
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, ZeroInfo, stage_names
 
@@ -219,9 +220,7 @@ def _check_world(source: Source, files: ZeroFiles, stage: int, world: int, m0: A
         )
     dp = m0.get("dp_world_size") if isinstance(m0, dict) else None
     if isinstance(dp, int) and dp > world:  # the last ranks' files are gone: name them
-        names = ", ".join(
-            optim_file_name(r, files.bf16_prefix, files.mp_rank) for r in range(world, min(dp, world + 3))
-        )
+        names = ", ".join(optim_file(r, files.bf16_prefix, files.mp_rank) for r in range(world, min(dp, world + 3)))
         more = f" and {dp - world - 3} more" if dp - world > 3 else ""
         which = f"file of rank {world} is" if dp - world == 1 else f"files of ranks {world}..{dp - 1} are"
         raise FormatError(f"{label}: says dp_world_size {dp}, but the optim-states {which} missing ({names}{more})")
@@ -457,7 +456,7 @@ def _tolerate_missing_models(source: Source, files: ZeroFiles, world: int) -> bo
         return False
     for rank in range(world):
         if rank not in files.model_files:
-            name = files.prefix + f"zero_pp_rank_{rank}_mp_rank_{files.mp_rank:02d}_model_states.pt"
+            name = files.prefix + zero_model_file(rank, files.mp_rank)
             problems.tolerate(
                 FormatError(f"{source.label(name)}: file is missing (rank {rank} of {world})"), source.label(name)
             )

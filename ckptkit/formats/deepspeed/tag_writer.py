@@ -22,11 +22,11 @@ from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ..torch_save.archive_writer import SMALL_ARCHIVE, LazyTensor, small_archive_bytes, write_archive
+from .names import HELPER_SCRIPTS, LATEST
 
 MODEL_PARALLEL = ("tp", "pp", "ep")
 _LONG = {"tp": "tensor-parallel size", "pp": "pipeline size", "ep": "expert-parallel size"}
 _ADDING = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
-HELPER_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them next to every save
 COPY_BLOCK = 8 << 20
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -234,5 +234,5 @@ def write_tag(
     mine = group.assign(list(weights)) if group is not None and group.distributed else range(len(weights))
     retotal(ctx.progress, sum(weights[i] for i in mine))
     run_jobs(jobs, ctx.workers, group=out.group, weights=weights)
-    out.write_bytes("latest", tag.encode())
-    return ["latest", *structures, *(b for _, b in copies)]
+    out.write_bytes(LATEST, tag.encode())
+    return [LATEST, *structures, *(b for _, b in copies)]

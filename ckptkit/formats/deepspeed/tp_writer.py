@@ -38,7 +38,7 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
-from .files import optim_file_name
+from .names import model_file, optim_file, zero_model_file
 from .group_plan import StatePlanner, plan_group, state_templates, target_groups
 from .info import ZeroGroup, ZeroInfo
 from .model_parallel import ModelParallelInfo, _param_name
@@ -98,19 +98,19 @@ def write_tp_zero(
             for g, tmpl in zip(groups, templates)
         ]
         if zinfo.stage < 3:
-            files[f"{tag}/mp_rank_{t:02d}_model_states.pt"] = (
+            files[f"{tag}/{model_file(t)}"] = (
                 _model(m0, marchive, rank_index, groups, target),
                 fetcher,
             )
         for d in range(target.dp):
             if zinfo.stage == 3:
                 model = _sizes(stage3_model(rank_index, local, groups, target.dp, d), target)
-                files[f"{tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt"] = (model, fetcher)
+                files[f"{tag}/{zero_model_file(d, t)}"] = (model, fetcher)
                 osd = stage3_optim(osd_t, oarchive, plans, d, target.dp)
             else:
                 osd = stage12_optim(osd_t, oarchive, plans, d, target.dp)
             top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-            name = optim_file_name(d, zinfo.files.bf16_prefix, mp_rank=t)
+            name = optim_file(d, zinfo.files.bf16_prefix, mp=t)
             files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
     return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
 

@@ -29,7 +29,7 @@ from ...storage.source import Source
 from ...torch_types import Size
 from ...runner.torch_archive import Archive
 from . import moe, partition, standins
-from .files import optim_file_name
+from .names import model_file, optim_file, zero_model_file
 from .group_plan import GroupPlan, StatePlanner, plan_group, state_templates, target_groups, virtual
 from .info import ZeroGroup, ZeroInfo, stage_names
 from .model_parallel import NOT_RESHARDABLE, ModelParallelInfo
@@ -93,7 +93,7 @@ def _files(
     groups = target_groups(info, world, sub_group_size)
     files: dict[str, Any] = {}
     if info.stage < 3:
-        files[f"{tag}/mp_rank_00_model_states.pt"] = _stage12_model(info, world)
+        files[f"{tag}/{model_file(0)}"] = _stage12_model(info, world)
     o0, oarchive = template_of(info, "optim", 0)
     osd_t = o0["optimizer_state_dict"]
     if info.stage == 3 and "ds_zero_partition_groups" in osd_t:
@@ -106,12 +106,10 @@ def _files(
     shared: dict = {}  # the ranks' model-states files share their template's lazy tensors and param_shapes
     for rank in range(world):
         if info.stage == 3:
-            files[f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = stage3_model(
-                index, info, groups, world, rank, shared
-            )
+            files[f"{tag}/{zero_model_file(rank, 0)}"] = stage3_model(index, info, groups, world, rank, shared)
         osd = (stage12_optim if info.stage < 3 else stage3_optim)(osd_t, oarchive, plans, rank, world)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-        files[f"{tag}/{optim_file_name(rank, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
+        files[f"{tag}/{optim_file(rank, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
     return files
 
 
