@@ -25,7 +25,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers_corrupt import (
+from helpers.corrupt import (
     DATA,
     copy_fixture,
     good_header,

@@ -19,7 +19,7 @@ import ckptkit
 from ckptkit.errors import CkptkitError, FormatError, NotACheckpointError, UnsafePickleError
 from ckptkit.index.dtypes import torch_dtype
 from conftest import DATA, ROOT, assert_tensor_equal
-from ds_helpers import DS_DATA
+from helpers.ds_fixtures import DS_DATA
 
 sys.path.insert(0, str(ROOT / "fixtures"))
 import models  # noqa: E402

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import DATA, ROOT, subprocess_env, torchrun_cmd
-from ds_helpers import DS_DATA
+from helpers.ds_fixtures import DS_DATA
 
 
 def _hf_folder(where) -> None:

@@ -16,7 +16,7 @@ from ckptkit.convert import hf_ties
 from ckptkit_cli.main import cli
 from conftest import ROOT as REPO, subprocess_env, torchrun_cmd
 from hf_folders import edit_config, gpt2_folder, llama_folder
-from hostile import Scene, check_refused, run_ckptkit
+from helpers.hostile import Scene, check_refused, run_ckptkit
 
 transformers = pytest.importorskip("transformers", reason="the HF folders are written by transformers")
 

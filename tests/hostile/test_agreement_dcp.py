@@ -23,7 +23,7 @@ from typing import Callable
 import pytest
 import torch
 
-from agreement import DATA, FSDP2, assert_same, consolidated, needs, refused_everywhere
+from helpers.agreement import DATA, FSDP2, assert_same, consolidated, needs, refused_everywhere
 
 # ---- DCP: storage records torch looks up by name and offsets only ---------------------------
 

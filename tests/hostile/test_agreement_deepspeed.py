@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 import torch
 
-from agreement import DATA, assert_same, consolidated, needs, refused_everywhere
+from helpers.agreement import DATA, assert_same, consolidated, needs, refused_everywhere
 
 ZERO2 = DATA / "deepspeed" / "z2_fp32_w2"
 MODEL_STATES = "global_step2/mp_rank_00_model_states.pt"

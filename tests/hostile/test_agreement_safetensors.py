@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from agreement import HF, assert_same, bits, consolidated, needs, refused_everywhere
-from hostile import run_ckptkit
+from helpers.agreement import HF, assert_same, bits, consolidated, needs, refused_everywhere
+from helpers.hostile import run_ckptkit
 
 # ---- safetensors: ckptkit's own metadata never overrides a file's content --------------------
 

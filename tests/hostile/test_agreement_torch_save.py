@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 import torch
 
-from agreement import PLAIN, assert_same, consolidated, needs, refused_everywhere
+from helpers.agreement import PLAIN, assert_same, consolidated, needs, refused_everywhere
 
 # ---- torch.save: records ---------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hostile import Scene, check_refused, run_ckptkit
+from helpers.hostile import Scene, check_refused, run_ckptkit
 
 PERIOD = 997  # distinct chunk archives (a prime: rows of a grid do not line up with it)
 GUARD_S = 600.0  # far above what a run takes, far below the hours n squared took at 100k

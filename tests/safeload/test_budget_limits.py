@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import hostile
-from trust_memory_craft import save_dcp
+from helpers import hostile
+from helpers.memory_craft import save_dcp
 
 from ckptkit import safeload
 from ckptkit.errors import CkptkitError

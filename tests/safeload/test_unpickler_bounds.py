@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import hostile
-from trust_memory_craft import replace_item, save_dcp
+from helpers import hostile
+from helpers.memory_craft import replace_item, save_dcp
 
 from ckptkit import safeload_dcp, safeload_torchsave
 

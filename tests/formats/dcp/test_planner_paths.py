@@ -10,7 +10,7 @@ import torch
 
 from conftest import read_all, save_random_dcp
 from helpers.oracle_dcp import dumps, framework_load, load_meta
-from hostile import Scene, check_refused, run_ckptkit
+from helpers.hostile import Scene, check_refused, run_ckptkit
 
 
 def _mutated(tmp_path, change):

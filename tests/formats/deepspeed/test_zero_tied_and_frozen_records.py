@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DATA
-from hostile import Scene, check_refused, run_ckptkit
+from helpers.hostile import Scene, check_refused, run_ckptkit
 
 
 def _edited(tmp_path, fixture, change):

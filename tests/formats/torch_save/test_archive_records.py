@@ -13,7 +13,7 @@ import torch
 
 from conftest import read_all
 from helpers.oracle_zip import find, read_members, with_data, write
-from hostile import Scene, check_refused, run_ckptkit
+from helpers.hostile import Scene, check_refused, run_ckptkit
 
 
 def _saved(tmp_path):

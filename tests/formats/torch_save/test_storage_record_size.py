@@ -12,7 +12,7 @@ import torch
 
 from helpers import oracle_pickle as P
 from helpers.oracle_zip import find, read_members, with_data, write
-from hostile import Scene, check_refused, run_ckptkit
+from helpers.hostile import Scene, check_refused, run_ckptkit
 
 
 def _saved(tmp_path):

@@ -1,0 +1,328 @@
+"""A DeepSpeed MoE model inside a PipelineModule (pp=2 x dp=2, ep=2, ZeRO 1, fp32):
+fixtures/generate_ds_pp_moe.py. DeepSpeed 0.19.8 saves it as one MoE checkpoint per stage under
+mp_rank_<stage> (no layer files); moe_pipeline.py joins the stages. Read and consolidated bit for
+bit against the truth of safe_get_full_fp32_param / safe_get_full_optimizer_state; `inspect` shows
+pp and ep. reshard at a new ep and dp, the stages kept (moe_pipeline_writer.py), reads back equal,
+is DeepSpeed's own files at the same sizes, and DeepSpeed loads pp=2,ep=1,dp=2 (one launch,
+tests/dist/ds_pp_moe_load_check.py: every master, moment and module weight bit for bit, a
+train_batch). At a new pp (2 -> 1) the layers move, the per-stage MoE layer ids of the expert files
+are renumbered: DeepSpeed loads pp=1,ep=2,dp=2 bit for bit, trains, and what it saves from it is
+our output object for object (one launch). A new pp that leaves a stage without MoE, and other
+sizes that cannot be written, are refused in one sentence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ckptkit.ops.consolidate import consolidate
+from ckptkit.ops.reshard import reshard
+from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
+from helpers.ds_fixtures import needs_deepspeed
+from test_ds_moe_tp import _same
+
+PM_DATA = DATA / "ds_pp_moe"
+NAME = "ppmoe_z1_fp32_pp2_ep2_w4"
+pytestmark = pytest.mark.skipif(not (PM_DATA / NAME).is_dir(), reason="run fixtures/generate_ds_pp_moe.py")
+
+
+def _truth():
+    return torch.load(PM_DATA / f"{NAME}.truth.pt", weights_only=True)
+
+
+def _params(truth) -> list[str]:
+    return [k[len("fp32.") :] for k in truth if k.startswith("fp32.")]
+
+
+def _cli(*args):
+    from ckptkit_cli.main import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_fixture_is_the_moe_layout_per_stage():
+    """What DeepSpeed wrote: MoE files under mp_rank_<stage>, no PipelineModule layer files."""
+    info = json.loads((PM_DATA / NAME / "fixture.json").read_text())
+    assert not [f for f in info["files"] if f.startswith("layer_") and "-model_" in f]
+    assert {f"mp_rank_{s:02d}_model_states.pt" for s in range(2)} <= set(info["files"])
+
+
+def test_reader_equals_deepspeed_truth_with_pp_and_ep_marked():
+    truth = _truth()
+    opened, tensors, objects = read_all(PM_DATA / NAME)
+    index = opened.index
+    params = _params(truth)
+    for p in params:
+        assert_tensor_equal(tensors[f"model.{p}"], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+        assert_tensor_equal(tensors[f"ds_module.{p}"], truth[f"module.{p}"], f"module {p}")
+    assert len(params) == len([k for k in index.tensors if k.startswith("model.")]) == 37
+    assert index.metadata["parallel"] == {"pp": 2, "ep": 2, "dp": 2}
+    assert index.metadata["deepspeed_moe"]["num_experts"] == {"1.moe": 4, "2.moe": 4}
+    expert = index.tensors["model.2.moe.deepspeed_moe.experts.deepspeed_experts.3.fc1.weight"]
+    assert expert.attrs["parallel"] == {"ep": {"rank": 1, "size": 2}, "pp": {"stage": 1, "size": 2}}
+    assert index.tensors["model.0.e.weight"].attrs["parallel"] == {"pp": {"stage": 0, "size": 2}}
+    listed = [n for g in range(4) for n in objects.get(f"optim.param_groups.{g}.params", [])]
+    assert sorted(listed) == sorted(params)
+    assert objects["ds.global_steps"] == truth["global_steps"] == 2
+
+
+def test_consolidate_with_optimizer_bit_exact(tmp_path):
+    truth = _truth()
+    consolidate(str(PM_DATA / NAME), str(tmp_path / "out"), include_optimizer=True)
+    model = load_file(str(tmp_path / "out" / "model.safetensors"))
+    optim = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
+    assert set(model) == set(_params(truth))
+    for p in _params(truth):
+        assert_tensor_equal(model[p], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(optim[f"state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+
+
+def test_inspect_shows_pp_and_ep():
+    res = _cli("inspect", PM_DATA / NAME)
+    assert res.exit_code == 0, res.output
+    assert "pp 2 x ep 2 x dp 2" in res.output and "pp stage 1/2" in res.output
+
+
+@pytest.mark.parametrize("to,sizes", [("pp=2,ep=1,dp=3", (1, 3)), ("pp=2,ep=4,dp=4", (4, 4)), ("8", (2, 4))])
+def test_reshard_reads_back_equal_to_the_truth(tmp_path, to, sizes):
+    ep, dp = sizes
+    res = _cli("reshard", PM_DATA / NAME, tmp_path / "out", "--to", to)
+    assert res.exit_code == 0, res.output
+    truth = _truth()
+    opened, tensors, objects = read_all(tmp_path / "out")
+    for p in _params(truth):
+        assert_tensor_equal(tensors[f"model.{p}"], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+        assert_tensor_equal(tensors[f"ds_module.{p}"], truth[f"module.{p}"], f"module {p}")
+    assert opened.index.metadata["parallel"] == {"pp": 2, "ep": ep, "dp": dp}
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]
+        + [f"layer_0_expert_{e}_mp_rank_{s:02d}_model_states.pt" for s in range(2) for e in range(4)]
+        + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(2) for d in range(dp)]
+    )
+
+
+@needs_deepspeed
+def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path):
+    res = _cli("reshard", PM_DATA / NAME, tmp_path / "out", "--to", "pp=2,ep=2,dp=2")
+    assert res.exit_code == 0, res.output
+    src = PM_DATA / NAME / "global_step2"
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
+    for f in sorted(src.iterdir()):
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["reshard", "--to", "pp=3,ep=2,dp=2"], "new pipeline stage 2 (layers 3..3) would hold no MoE layer"),
+        (["reshard", "--to", "pp=4,ep=2,dp=2", "--partition-method", "uniform"], "would hold no MoE layer"),
+        (["reshard", "--to", "pp=5,ep=2,dp=2"], "has 4 layers, fewer than the 5 pipeline stages"),
+        (
+            [
+                "reshard",
+                "--to",
+                "pp=1,ep=2,dp=2",
+                "--partition-method",
+                "type:Head",
+                "--layer-types",
+                "Embed,MoEBlock*2,Head",
+            ],
+            "do not split into its 2 stages",
+        ),
+        (["reshard", "--to", "pp=2,ep=3,dp=3"], "has 4 experts"),
+        (["reshard", "--to", "tp=2,pp=2,ep=2,dp=2"], "tensor parallelism"),
+        (["convert", "--to", "zero2"], "mixture-of-experts"),
+    ],
+)
+def test_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, args, needle):
+    res = _cli(args[0], PM_DATA / NAME, tmp_path / "out", *args[1:])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert needle in res.output, res.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to,ep,dp", [("pp=1,ep=2,dp=2", 2, 2), ("pp=1,ep=1,dp=3", 1, 3), ("pp=1,ep=4,dp=4", 4, 4)])
+def test_new_pp_reads_back_equal_with_expert_files_renumbered(tmp_path, to, ep, dp):
+    """pp 2 -> 1: the one stage holds both MoE layers, 1.moe as layer 0 and 2.moe as layer 1 (source:
+    layer 0 of stages 0 and 1); read back as a plain MoE checkpoint equal to the truth."""
+    res = _cli("reshard", PM_DATA / NAME, tmp_path / "out", "--to", to)
+    assert res.exit_code == 0, res.output
+    truth = _truth()
+    opened, tensors, _ = read_all(tmp_path / "out")
+    for p in _params(truth):
+        assert_tensor_equal(tensors[f"model.{p}"], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+        assert_tensor_equal(tensors[f"ds_module.{p}"], truth[f"module.{p}"], f"module {p}")
+    assert opened.index.metadata["deepspeed_moe"]["num_experts"] == {"1.moe": 4, "2.moe": 4}
+    tag = tmp_path / "out" / "global_step2"
+    assert sorted(p.name for p in tag.iterdir()) == sorted(
+        ["mp_rank_00_model_states.pt"]
+        + [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp)]
+        + [f"layer_{L}_expert_{e}_mp_rank_00_model_states.pt" for L in range(2) for e in range(4)]
+    )
+    for L, moe in enumerate(("1.moe", "2.moe")):
+        keys = torch.load(tag / f"layer_{L}_expert_3_mp_rank_00_model_states.pt", weights_only=True)
+        assert all(k.startswith(f"{moe}.deepspeed_moe.experts.deepspeed_experts.3.") for k in keys), keys
+    model = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)  # trusted: our output
+    assert model["num_experts"] == [4, 4] and model["checkpoint_parallel_dimensions"]["pp_degree"] == 1
+    assert list(model["module"]) == [
+        "0.e.weight",
+        "1.moe.deepspeed_moe.gate.wg.weight",
+        "2.moe.deepspeed_moe.gate.wg.weight",
+        "3.h.weight",
+        "3.h.bias",
+    ]
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_loads_the_moe_pipeline_at_a_new_pp_and_saves_our_files(tmp_path):
+    """pp 2 -> 1 (2 ranks): loaded bit for bit, one train_batch, and engine.save_checkpoint of what
+    it loaded (DeepSpeed's own files at pp=1) equals our output object for object."""
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    reshard(str(PM_DATA / NAME), str(out), "pp=1,ep=2,dp=2")
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(2) + [
+        str(ROOT / "tests" / "dist" / "ds_pp_moe_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        NAME,
+        "--pp",
+        "1",
+        "--ep",
+        "2",
+        "--result",
+        str(result),
+        "--save",
+        str(saved),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
+    assert r["world_size"] == 2 and r["pp"] == 1 and r["trained_step"] and r["compared"] > 0
+    ours, theirs = out / "global_step2", saved / "global_step2"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for f in sorted(theirs.iterdir()):
+        # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): its save and our output
+        _same(torch.load(f, weights_only=False), torch.load(ours / f.name, weights_only=False), f.name)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_loads_the_resharded_moe_pipeline_and_trains(tmp_path):
+    out = tmp_path / "out"
+    reshard(str(PM_DATA / NAME), str(out), "pp=2,ep=1,dp=2")
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(4) + [
+        str(ROOT / "tests" / "dist" / "ds_pp_moe_load_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        NAME,
+        "--ep",
+        "1",
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
+    assert r["world_size"] == 4 and r["ep"] == 1 and r["trained_step"] and r["compared"] > 0
+
+
+def test_pp_degree_that_lies_is_one_sentence(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(PM_DATA / NAME, src)
+    for s in range(2):
+        path = src / "global_step2" / f"mp_rank_{s:02d}_model_states.pt"
+        obj = torch.load(path, weights_only=False)  # trusted: a copy of our own fixture
+        obj["checkpoint_parallel_dimensions"]["pp_degree"] = 3
+        torch.save(obj, path)
+    res = _cli("consolidate", src, tmp_path / "out")
+    assert res.exit_code == 2, res.output
+    assert "pp_degree says 3 pipeline stages" in res.output and "mp_rank_00_model_states.pt" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+MOE4 = "ppmoe_z1_fp32_pp2_ep2_w4_moe4"  # Embed, MoEBlock*2 | MoEBlock*2, Head: MoE layer ids 0, 1 per stage
+
+
+@pytest.mark.skipif(not (PM_DATA / MOE4).is_dir(), reason="run fixtures/generate_ds_pp_moe.py")
+@pytest.mark.parametrize(
+    "to,method,stages",
+    [
+        ("pp=3,ep=2,dp=2", "uniform", [["1.moe"], ["2.moe", "3.moe"], ["4.moe"]]),  # uniform: [0, 2, 4, 6]
+        ("pp=4,ep=2,dp=4", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
+        ("pp=4,ep=1,dp=1", "parameters", [["1.moe"], ["2.moe"], ["3.moe"], ["4.moe"]]),
+        ("pp=1,ep=4,dp=4", "parameters", [["1.moe", "2.moe", "3.moe", "4.moe"]]),
+    ],
+)
+def test_new_pp_moves_moe_layers_and_renumbers_their_expert_files(tmp_path, to, method, stages):
+    """Each new stage's expert files count its own MoE layers from 0 (layer_<L>_..._mp_rank_<stage>),
+    holding the global names they held before; reads back equal to the truth."""
+    res = _cli("reshard", PM_DATA / MOE4, tmp_path / "out", "--to", to, "--partition-method", method)
+    assert res.exit_code == 0, res.output
+    truth = torch.load(PM_DATA / f"{MOE4}.truth.pt", weights_only=True)
+    opened, tensors, _ = read_all(tmp_path / "out")
+    for p in _params(truth):
+        assert_tensor_equal(tensors[f"model.{p}"], truth[f"fp32.{p}"], p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_equal(tensors[f"optim.state.{p}.{key}"], truth[f"{key}.{p}"], f"{p}.{key}")
+    tag = tmp_path / "out" / "global_step2"
+    experts = sorted(p.name for p in tag.iterdir() if p.name.startswith("layer_"))
+    assert experts == sorted(
+        f"layer_{L}_expert_{e}_mp_rank_{s:02d}_model_states.pt"
+        for s, moes in enumerate(stages)
+        for L in range(len(moes))
+        for e in range(4)
+    )
+    for s, moes in enumerate(stages):
+        for L, moe in enumerate(moes):
+            keys = torch.load(tag / f"layer_{L}_expert_2_mp_rank_{s:02d}_model_states.pt", weights_only=True)
+            assert keys and all(k.startswith(f"{moe}.deepspeed_moe.experts.deepspeed_experts.2.") for k in keys)
+        model = torch.load(tag / f"mp_rank_{s:02d}_model_states.pt", weights_only=False)  # trusted: our output
+        assert model["num_experts"] == [4] * len(moes) and model["mp_world_size"] == len(stages)
+
+
+@pytest.mark.skipif(not (PM_DATA / MOE4).is_dir(), reason="run fixtures/generate_ds_pp_moe.py")
+@needs_deepspeed
+def test_same_sizes_rewrite_of_two_moe_layers_per_stage_is_deepspeeds_own_files(tmp_path):
+    res = _cli("reshard", PM_DATA / MOE4, tmp_path / "out", "--to", "pp=2,ep=2,dp=2")
+    assert res.exit_code == 0, res.output
+    src = PM_DATA / MOE4 / "global_step2"
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
+    for f in sorted(src.iterdir()):
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )

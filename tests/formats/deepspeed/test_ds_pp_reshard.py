@@ -1,0 +1,395 @@
+"""reshard of DeepSpeed pipeline checkpoints to a new pp and dp: `reshard --to pp=P,dp=W`
+(formats/deepspeed/pipeline_writer.py; layers to stages by --partition-method, pipeline_partition.py).
+
+Structural checks need no engine: ckptkit's own pipeline reader reads each output back equal, bit for
+bit, to the source (every fp32 master, Adam moment, step, module weight and buffer), with the file
+set DeepSpeed writes at the new sizes; a rewrite at the same sizes is DeepSpeed's own files object for
+object. The partition functions equal DeepSpeed's. Two DeepSpeed launches
+(tests/dist/ds_pp_reshard_check.py) load outputs with the PipelineModule at the new sizes, compare
+every master, moment, step and module weight with the truth of fixtures/generate_ds_pp.py, and
+train a step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+
+import pytest
+import torch
+
+from ckptkit.errors import UsageError
+from ckptkit.ops.reshard import reshard
+from ckptkit.formats.deepspeed import pipeline_partition
+from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
+from helpers.ds_fixtures import needs_deepspeed
+from helpers.corrupt import run_cli
+
+PP_DATA = DATA / "ds_pp"
+pytestmark = pytest.mark.skipif(
+    not (PP_DATA / "pp2_dp2_z1_fp32").is_dir(), reason="no pipeline fixtures (run fixtures/generate_ds_pp.py)"
+)
+
+# the "type" fixture's partition_method and its layers' class names (fixtures/generate_ds_pp.py
+# TYPE_METHOD, LAYER_TYPES): FrozenBlock and LayerNorm weigh 1, stages [0, 4, 6] at pp 2
+TYPE = "type:layernorm|frozen"
+LAYER_TYPES = "Embed,Block,FrozenBlock,Block,LayerNorm,Embed"
+
+# (fixture, --to, --partition-method, (pp, dp), stage boundaries DeepSpeed gives its 6 layers)
+COMBOS = [
+    ("pp2_dp2_z1_fp32", "pp=1,dp=1", "uniform", (1, 1), [0, 6]),
+    ("pp2_dp2_z1_fp32", "pp=1,dp=3", "uniform", (1, 3), [0, 6]),
+    ("pp2_dp2_z1_fp32", "pp=2,dp=1", "parameters", (2, 1), [0, 3, 6]),
+    ("pp2_dp2_z1_fp32", "pp=3,dp=2", "uniform", (3, 2), [0, 2, 4, 6]),
+    ("pp2_dp2_z1_fp32", "pp=4,dp=1", "parameters", (4, 1), [0, 1, 3, 5, 6]),
+    ("pp2_dp2_z1_fp32", "pp=4,dp=3", "uniform", (4, 3), [0, 2, 4, 5, 6]),
+    ("pp2_dp2_z1_fp32", "pp=6,dp=1", "uniform", (6, 1), [0, 1, 2, 3, 4, 5, 6]),
+    ("pp2_dp2_z1_fp32", "6", "uniform", (2, 3), [0, 3, 6]),
+    ("pp2_dp2_z1_bf16", "pp=1,dp=2", "uniform", (1, 2), [0, 6]),
+    ("pp2_dp2_z1_bf16", "pp=3,dp=3", "parameters", (3, 3), [0, 2, 4, 6]),
+    ("pp2_dp2_z1_fp16", "pp=4,dp=2", "uniform", (4, 2), [0, 2, 4, 5, 6]),
+    ("pp2_dp1_z1_fp32_tiedhead", "pp=3,dp=1", "uniform", (3, 1), [0, 2, 4, 6]),
+    ("pp2_dp2_z1_fp32_mptopo", "pp=1,dp=2", "uniform", (1, 2), [0, 6]),
+    ("pp2_dp2_z0_bf16", "pp=1,dp=3", "uniform", (1, 3), [0, 6]),
+    ("pp2_dp2_z0_bf16", "pp=3,dp=1", "parameters", (3, 1), [0, 2, 4, 6]),
+    ("pp2_dp1_z1_fp32_type", "pp=3,dp=1", TYPE, (3, 1), [0, 4, 5, 6]),
+    ("pp2_dp1_z1_fp32_type", "pp=4,dp=2", TYPE, (4, 2), [0, 3, 4, 5, 6]),
+    ("pp2_dp1_z1_fp32_type", "pp=1,dp=2", TYPE, (1, 2), [0, 6]),
+    ("pp2_dp2_z1_fp32", "pp=3,dp=1", "type:block", (3, 1), [0, 2, 3, 6]),  # Block, FrozenBlock: [0, 3, 6] at pp 2
+]
+
+
+def _files(name: str, pp: int, dp: int) -> list[str]:
+    src = PP_DATA / name / "global_step2"
+    layers = sorted(p.name for p in src.glob("layer_*"))
+    prefix = "bf16_" if any(src.glob("bf16_*")) else ""
+    return sorted(
+        layers
+        + [f"mp_rank_{s:02d}_model_states.pt" for s in range(pp)]
+        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(pp) for d in range(dp)]
+    )
+
+
+@pytest.mark.parametrize("name,to,method,sizes,parts", COMBOS)
+def test_output_reads_back_equal_to_the_source(tmp_path, name, to, method, sizes, parts):
+    pp, dp = sizes
+    types = ["--layer-types", LAYER_TYPES] if method.startswith("type:") else []
+    res = run_cli("reshard", PP_DATA / name, tmp_path / "out", "--to", to, "--partition-method", method, *types)
+    assert res.code == 0, res.output
+    _, want, _ = read_all(PP_DATA / name)
+    opened, got, objects = read_all(tmp_path / "out")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert_tensor_equal(got[key], want[key], key)
+    index = opened.index
+    assert index.world_size == pp * dp and index.metadata["parallel"] == {"pp": pp, "dp": dp}
+    layers = index.metadata["deepspeed"]["pipeline"]["layers"]  # layer -> stage, as read back
+    assert all(parts[s] <= int(layer) < parts[s + 1] for layer, s in layers.items()), (layers, parts)
+    assert objects["ds.mp_world_size"] == pp and objects["ds.dp_world_size"] == dp
+    assert objects["ds.checkpoint_parallel_dimensions"]["pp_degree"] == pp
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == _files(name, pp, dp)
+    for f in (PP_DATA / name / "global_step2").glob("layer_*"):  # a layer's own state: copied byte for byte
+        assert (tmp_path / "out" / "global_step2" / f.name).read_bytes() == f.read_bytes()
+
+
+def _same(a, b, where: str) -> None:
+    """Two unpickled DeepSpeed structures equal object for object (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert_tensor_equal(b, a, where)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif type(a).__name__ == "fragment_address":
+        assert type(b).__name__ == "fragment_address" and (a.numel, a.start) == (b.numel, b.start), where
+    else:
+        assert type(a) is type(b) and repr(a) == repr(b), where
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "name",
+    ["pp2_dp2_z1_fp32", "pp2_dp2_z1_bf16", "pp2_dp2_z0_bf16", "pp2_dp1_z1_fp32_tiedhead", "pp2_dp2_z1_fp32_mptopo"],
+)
+def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
+    """pp and dp unchanged: every file equals what DeepSpeed saved (param_shapes and buffer_names of
+    each stage, flat partitions, slice mappings, world sizes)."""
+    info = json.loads((PP_DATA / name / "fixture.json").read_text())
+    res = run_cli(
+        "reshard",
+        PP_DATA / name,
+        tmp_path / "out",
+        "--to",
+        f"pp={info['pp']},dp={info['dp']}",
+        "--partition-method",
+        "uniform",
+    )
+    assert res.code == 0, res.output
+    src = PP_DATA / name / "global_step2"
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
+    for f in sorted(src.iterdir()):
+        # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): our fixtures and our output
+        _same(
+            torch.load(f, weights_only=False),
+            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
+            f.name,
+        )
+
+
+def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
+    """pp 2 -> 3 -> 2 (dp 2 -> 1 -> 2): the files equal the first rewrite at pp 2 byte for byte."""
+    src = str(PP_DATA / "pp2_dp2_z1_fp32")
+    reshard(src, str(tmp_path / "a"), "pp=2,dp=2")
+    reshard(src, str(tmp_path / "b"), "pp=3,dp=1")
+    reshard(str(tmp_path / "b"), str(tmp_path / "c"), "pp=2,dp=2")
+    for f in sorted((tmp_path / "a" / "global_step2").iterdir()):
+        assert (tmp_path / "c" / "global_step2" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_world_size_keeps_pp_and_equals_the_explicit_sizes(tmp_path):
+    assert run_cli("reshard", PP_DATA / "pp2_dp2_z1_fp32", tmp_path / "n", "--to", "8").code == 0
+    assert run_cli("reshard", PP_DATA / "pp2_dp2_z1_fp32", tmp_path / "s", "--to", "pp=2,dp=4").code == 0
+    names = sorted(p.name for p in (tmp_path / "s" / "global_step2").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "n" / "global_step2").iterdir())
+    for n in names:
+        assert (tmp_path / "n" / "global_step2" / n).read_bytes() == (tmp_path / "s" / "global_step2" / n).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "name,args,code,needles",
+    [
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "tp=2,pp=2,dp=1"],
+            2,
+            ["adding tensor parallelism", "give pp=...,dp=... with tp=1"],
+        ),
+        ("pp2_dp2_z1_fp32", ["--to", "ep=2,pp=2"], 2, ["no mixture-of-experts layers, so ep must be 1"]),
+        ("pp2_dp2_z1_fp32", ["--to", "3"], 2, ["pipeline size 2 does not divide 3 ranks", "--to pp=1,dp=3"]),
+        ("pp2_dp2_z1_fp32", ["--to", "pp=7,dp=1"], 2, ["has 6 layers, fewer than the 7 pipeline stages"]),
+        ("pp1_dp2_z1_fp32", ["--to", "pp=2,dp=1"], 2, ["single-stage pipeline checkpoint with tied modules (embed)"]),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=2,dp=1", "--partition-method", "type:Block"],
+            2,
+            ["does not record its layers' class names, which type: matches; give them with --layer-types"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--partition-method", "type:zzz", "--layer-types", LAYER_TYPES],
+            2,
+            ["no name in --layer-types matches 'zzz'"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--partition-method", "type:(", "--layer-types", LAYER_TYPES],
+            2,
+            ["'(' is not a regular expression"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--partition-method", "blocks"],
+            2,
+            ["'blocks': expected one of parameters, uniform, type:REGEX"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*"],
+            2,
+            ["'Block*' is not a layer's class"],
+        ),
+        (
+            "pp2_dp2_z1_fp32",
+            ["--to", "pp=3,dp=1", "--layer-types", "Embed,Block*4"],
+            2,
+            ["--layer-types names 5 layers, but", "holds state of layer 5"],
+        ),
+        (
+            "pp2_dp1_z1_fp32_type",
+            ["--to", "pp=3,dp=1", "--partition-method", "uniform"],
+            2,  # 8 layers would fit
+            ["depends on how many state-less layers follow layer 5", "without --layer-types"],
+        ),
+        (
+            "pp2_dp1_z1_fp32_type",
+            ["--to", "pp=3,dp=1", "--partition-method", "uniform", "--layer-types", LAYER_TYPES],
+            2,
+            ["do not split into its 2 stages with --partition-method uniform (layer 3 is on stage 0"],
+        ),
+        (
+            "pp2_dp1_z1_fp32_type",
+            ["--to", "pp=3,dp=1", "--partition-method", "type:block", "--layer-types", LAYER_TYPES],
+            2,
+            ["(as inferred from the checkpoint and --layer-types (6 layers)) do not split into its 2 stages"],
+        ),
+    ],
+)
+def test_sizes_that_cannot_be_written_are_refused(tmp_path, name, args, code, needles):
+    res = run_cli("reshard", PP_DATA / name, tmp_path / "out", *args)
+    assert res.code == code, res.output
+    assert all(n in res.output for n in needles) and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_stages_the_checkpoint_does_not_determine_are_refused():
+    """new_stages' checks can fire: a source whose layer stages the method cannot give, and one that
+    says nothing of its stages (so unseen trailing state-less layers would move the boundaries)."""
+    from ckptkit.errors import UnsupportedError
+    from ckptkit.formats.deepspeed import pipeline_writer
+    from ckptkit.formats.registry import open_checkpoint
+
+    index = open_checkpoint(str(PP_DATA / "pp2_dp2_z1_fp32")).index
+    layers, stage_of = pipeline_writer.layer_table(index)
+    assert [x.kind for x in layers] == ["tied", "layer", "layer", "layer", "layer", "tied"]
+    assert stage_of == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    _, parts = pipeline_writer.new_stages(index, layers, stage_of, "uniform", 4)
+    assert parts == [0, 2, 4, 5, 6]
+    with pytest.raises(UnsupportedError, match=r"do not split into its 2 stages with --partition-method uniform"):
+        pipeline_writer.new_stages(index, layers, {0: 1}, "uniform", 4)
+    with pytest.raises(UnsupportedError, match=r"depends on how many state-less layers follow layer 5"):
+        pipeline_writer.new_stages(index, layers, {}, "uniform", 4)
+
+
+def test_layer_types_fix_the_layer_count():
+    """Unseen trailing state-less layers: refused without --layer-types, placed with them."""
+    from ckptkit.formats.deepspeed import pipeline_writer
+    from ckptkit.formats.registry import open_checkpoint
+
+    index = open_checkpoint(str(PP_DATA / "pp2_dp2_z1_fp32")).index
+    layers, _ = pipeline_writer.layer_table(index)
+    with pytest.raises(UsageError, match=r"does not record its layers' class names"):
+        pipeline_writer.new_stages(index, layers, {}, "type:block", 4)
+    types = pipeline_partition.parse_layer_types(LAYER_TYPES + ",head*2")
+    cand, parts = pipeline_writer.new_stages(index, layers, {}, "uniform", 4, types)
+    assert len(cand) == 8 and parts == [0, 2, 4, 6, 8]  # partition_uniform(8, 4)
+    cand, parts = pipeline_writer.new_stages(index, layers, {}, "type:block|head", 4, types)
+    assert len(cand) == 8 and parts == pipeline_partition.partition_balanced([0, 1, 1, 1, 0, 0, 1, 1], 4)
+
+
+@needs_deepspeed
+def test_type_weights_equal_deepspeeds_find_layer_type():
+    """type:REGEX: the layers DeepSpeed's PipelineModule._find_layer_type finds (LayerSpec, tied,
+    module and function layers, lambdas), from the names --layer-types gives, and the stages."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.utils import partition_balanced
+
+    class EmbeddingPipe(nn.Linear):
+        pass
+
+    class ParallelTransformerLayerPipe(nn.Linear):
+        pass
+
+    def float16_to_fp32(x):
+        return x
+
+    specs = [
+        TiedLayerSpec("embed", EmbeddingPipe, 2, 2),
+        lambda x: x,
+        *[LayerSpec(ParallelTransformerLayerPipe, 2, 2) for _ in range(5)],
+        lambda x: x,
+        LayerSpec(nn.LayerNorm, 2),
+        TiedLayerSpec("embed", EmbeddingPipe, 2, 2, forward_fn=lambda m, x: x),
+        float16_to_fp32,
+        nn.ReLU(),
+    ]
+    types = pipeline_partition.parse_layer_types(
+        "EmbeddingPipe,<lambda>,ParallelTransformerLayerPipe*5,<lambda>,LayerNorm,EmbeddingPipe,float16_to_fp32,ReLU"
+    )
+    assert len(types) == len(specs)
+    stub = SimpleNamespace(_layer_specs=specs)
+    for method in [
+        "type:transformer",
+        "type:Transformer|embedding",
+        "type:^layernorm$",
+        "type:fp32|lambda",
+        "type:relu",
+        "type:pipe:ignored after the second colon",
+        "type:[A-Z]mbed",
+    ]:
+        want = [0] * len(specs)
+        for i in PipelineModule._find_layer_type(stub, method.lower().split(":")[1]):  # as _partition_layers
+            want[i] = 1
+        assert pipeline_partition.type_weights(method, types) == want, method
+        for m in range(1, 8):
+            assert pipeline_partition.partition(method, want, m) == [int(x) for x in partition_balanced(want, m)]
+    with pytest.raises(RuntimeError, match="found no valid layers"):
+        PipelineModule._find_layer_type(stub, "zzz")
+    with pytest.raises(UsageError, match="no name in --layer-types matches 'zzz'"):
+        pipeline_partition.type_weights("type:zzz", types)
+
+
+@needs_deepspeed
+def test_partition_functions_equal_deepspeeds():
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    rng = random.Random(7)
+    for n in range(0, 11):
+        for m in range(1, 8):
+            assert pipeline_partition.partition_uniform(n, m) == list(partition_uniform(n, m)), (n, m)
+            for _ in range(6):
+                w = [rng.choice([0, 1, 16, 72, 88, 110, rng.randint(0, 500)]) for _ in range(n)]
+                want = [int(x) for x in partition_balanced(w, m)]
+                assert pipeline_partition.partition_balanced(w, m) == want, (w, m)
+
+
+# world -> (fixture, --to, pp, --partition-method): 4 ranks: fp32 pp 2 x dp 2 -> pp 4 (parameters,
+# layers [0, 1, 3, 5, 6], a stage holding only the tied embedding, another only the tied head);
+# 2 ranks: bf16 (ZeRO-1) pp 2 x dp 2 -> one stage over 2 ranks (both tied layers on one stage)
+# 3 ranks: the fixture DeepSpeed wrote with partition_method type:layernorm|frozen (stages [0, 4, 6])
+# -> pp 3, whose PipelineModule(partition_method=TYPE) builds [0, 4, 5, 6]
+ENGINE_PLAN = {
+    4: ("pp2_dp2_z1_fp32", "pp=4,dp=1", 4, "parameters"),
+    2: ("pp2_dp2_z1_bf16", "pp=1,dp=2", 1, "uniform"),
+    3: ("pp2_dp1_z1_fp32_type", "pp=3,dp=1", 3, TYPE),
+}
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.parametrize("world", sorted(ENGINE_PLAN))
+def test_deepspeed_loads_the_resharded_pipeline_and_trains(tmp_path, world):
+    name, to, pp, method = ENGINE_PLAN[world]
+    out = tmp_path / "out"
+    pipeline_partition.use_partition_method(method)
+    pipeline_partition.use_layer_types(LAYER_TYPES if method.startswith("type:") else None)
+    try:
+        reshard(str(PP_DATA / name), str(out), to)
+    finally:
+        pipeline_partition.use_partition_method(None)
+        pipeline_partition.use_layer_types(None)
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(world) + [
+        str(ROOT / "tests" / "dist" / "ds_pp_reshard_check.py"),
+        "--ckpt",
+        str(out),
+        "--fixture",
+        name,
+        "--pp",
+        str(pp),
+        "--partition-method",
+        method,
+        "--result",
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["ok"], [{k: p.get(k) for k in ("error", "mismatches")} for p in r["ranks"]]
+    # per rank: each of its stage's trainable params gives fp32, exp_avg, exp_avg_sq, step, module
+    # (5 each), frozen weights 2 (module, frozen), buffers 1, plus global counters none
+    assert r["world_size"] == world and r["pp"] == pp and r["compared"] >= 5 * 13
+    if method == TYPE:  # DeepSpeed's own stages at pp 3 are the ones the output was laid out for
+        assert all(p["parts"] == [0, 4, 5, 6] for p in r["ranks"]), [p["parts"] for p in r["ranks"]]
