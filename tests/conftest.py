@@ -17,10 +17,6 @@ TESTS = Path(__file__).resolve().parent
 # A few test files import shared pieces from another test file by its module name (`from test_mesh
 # import ...`), the name pytest's rootdir import mode gives it: every folder holding test files is on
 # sys.path from the start, so such an import does not depend on which folder pytest collected first.
-# The repository root too: its `cli` package must win over the test folder tests/cli (a namespace
-# package once tests/ is on sys.path) also under the `pytest` script, which does not put the cwd there.
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))
 for _folder in sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS}):
     if str(_folder) not in sys.path:
         sys.path.append(str(_folder))
