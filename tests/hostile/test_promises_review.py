@@ -45,7 +45,7 @@ def _user_replicated(pattern: str):
 def test_replicated_slices_of_different_shapes_are_refused_by_name():
     """Rank 0 [8], rank 1 [4]: a tensor whole on every rank cannot have two shapes; the rule is wrong."""
     from ckptkit.errors import CkptkitError
-    from ckptkit.formats.deepspeed.model_parallel import _full_entry
+    from ckptkit.formats.deepspeed.model_parallel import full_entry
     from ckptkit.index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
 
     def entry(n: int) -> TensorEntry:
@@ -60,7 +60,7 @@ def test_replicated_slices_of_different_shapes_are_refused_by_name():
     first = CheckpointIndex(format="deepspeed", root="r")
     first.add_tensor(entry(8))
     with pytest.raises(CkptkitError) as exc:
-        _full_entry([entry(8), entry(4)], "ln.weight", first, _user_replicated("ln.weight"), {}, 2, "ckpt")
+        full_entry([entry(8), entry(4)], "ln.weight", first, _user_replicated("ln.weight"), {}, 2, "ckpt")
     msg = str(exc.value)
     assert "model.ln.weight" in msg and "replicated" in msg
     assert "rank 0: [8]" in msg and "rank 1: [4]" in msg, msg

@@ -3,20 +3,15 @@
 A TP checkpoint is `tp` ordinary ZeRO checkpoints side by side (`mp_rank_XX` model files, optim
 files per (dp, mp) rank); the reader indexes each (`read_one`) and this module joins them: every
 parameter's master, optimizer state and module weight becomes one tensor of the full model's
-shape whose pieces point straight into the rank files (no hidden per-rank entries):
+shape whose pieces point straight into the rank files (no hidden per-rank entries).
 
-* split along `dim`: rank r's slice is the box at r * local along `dim`;
-* fused blocks (Megatron's QKV: rank r holds [q_r; k_r; v_r]): each rank contributes one box per
-  block, at the block's start + r * its local size, so one rank gives several pieces;
-* replicated: rank 0's pieces; the other ranks' copies must be the same bytes, which
-  `verify --deep` checks (`ModelParallelInfo.replica_entries`). Copies of another shape are
-  refused; so are copies of other bytes where a `--tp-rules` rule of the user declared the tensor
-  replicated (a rule naming a split tensor would give rank 0's slice as the whole): those copies
-  are read and compared here, the only tensor payload this reader reads.
-
-A local piece (a flat ZeRO range, or a whole module tensor) becomes flat ranges of the full
-tensor when the split dimension has only size-1 dimensions before it (dim 0), else row-major
-boxes (geometry.flat_to_boxes) cut at block edges, each read with the local tensor's strides.
+Where each rank's slice lies in the full tensor (split along a dimension, fused blocks such as
+Megatron's QKV, or replicated: rank 0's pieces) is tp_geometry.py's `TpGeometry`, the one
+description the writers split with too. The other ranks' copies of a replicated tensor must be the
+same bytes, which `verify --deep` checks (`ModelParallelInfo.replica_entries`). Copies of another
+shape are refused; so are copies of other bytes where a `--tp-rules` rule of the user declared the
+tensor replicated (a rule naming a split tensor would give rank 0's slice as the whole): those
+copies are read and compared here, the only tensor payload this reader reads.
 
 The split of each parameter comes first from what the checkpoint records
 (`universal_checkpoint_info`: Megatron-DeepSpeed's or AutoTP's pattern lists), then from the split
@@ -33,14 +28,13 @@ from typing import Any
 from ...convert.tp_rules import HOW_TO, TpRules, TpSplit, recorded_rules
 from ...errors import FormatError, UnsupportedError, quote
 from ...index.dtypes import itemsize
-from ...index.geometry import flat_to_boxes
-from ...index.strides import row_major_strides, strided_span
-from ...index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
+from ...index.types import CheckpointIndex, Piece, TensorEntry
 from ...runner.fetch import Fetcher
 from ...storage import kernel_copy
 from ...storage.source import Source
 from .files import ZeroFiles
 from .names import mp_rank
+from .tp_geometry import for_slices, param_name
 
 COMPARE_ELEMENTS_BYTES = 16 << 20  # bytes of each copy compared at a time (user-declared replicas)
 
@@ -69,16 +63,6 @@ class ModelParallelInfo:
         }
 
 
-@dataclass(frozen=True)
-class _Block:
-    """One block of the split dimension: where it starts in a rank's slice, its size there, and
-    where that rank's share of it starts in the full tensor."""
-
-    local_start: int
-    local_size: int
-    full_start: int
-
-
 def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex], rules: TpRules) -> CheckpointIndex:
     """The full-model index of a TP checkpoint from its per-mp-rank indexes."""
     tp = len(subs)
@@ -103,8 +87,8 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
             aliases.append(e0)
             continue
         entries = [_same_entry(subs, r, key, e0, files, source) for r in range(tp)]
-        name = _param_name(e0)
-        full = _full_entry(entries, name, first, chain, splits, tp, label)
+        name = param_name(e0)
+        full = full_entry(entries, name, first, chain, splits, tp, label)
         index.add_tensor(full)
         if full.attrs["parallel"]["tp"]["dim"] is None:
             replicas[key] = list(enumerate(entries))[1:]
@@ -179,17 +163,7 @@ def _same_entry(
     return entry
 
 
-def _param_name(e: TensorEntry) -> str | None:
-    """The parameter an entry belongs to: model.<name>, optim.state.<name>.<key>, ds_module.<name>."""
-    path = e.path or ()
-    if len(path) == 2 and path[0] in ("model", "ds_module"):
-        return str(path[1])
-    if len(path) == 4 and path[:2] == ("optim", "state"):
-        return str(path[2])
-    return None
-
-
-def _full_entry(
+def full_entry(
     entries: list[TensorEntry],
     name: str | None,
     first: CheckpointIndex,
@@ -221,12 +195,8 @@ def _full_entry(
             f"tensor-parallel rule {quote(split.rule)} splits dimension {dim} of {quote(name)}, "
             f"whose slices have shape {list(local)}; {HOW_TO}"
         )
-    blocks_of = _blocks(split, local, dim, tp, e0.key)
-    full = local[:dim] + (local[dim] * tp,) + local[dim + 1 :]
-    pieces: list[Piece] = []
-    for rank, entry in enumerate(entries):
-        pieces.extend(_place(entry, local, full, dim, blocks_of(rank)))
-    return _with_tp(e0, pieces, full, dim, tp, split)
+    geometry = for_slices(split, local, dim, tp, e0.key)
+    return _with_tp(e0, geometry.join(entries), geometry.full_shape(local), dim, tp, split)
 
 
 def _check_replica_shapes(entries: list[TensorEntry], split: TpSplit, label: str) -> None:
@@ -306,101 +276,6 @@ def _decide(rules: TpRules, name: str, shapes: list[tuple[int, ...]], label: str
             f"slices: {per_rank}), and the checkpoint records none; {HOW_TO}"
         )
     return split
-
-
-def _blocks(split: TpSplit, local: tuple[int, ...], dim: int, tp: int, key: str):
-    """rank -> the blocks of the split dimension (one for a plain split, one per fused part)."""
-    if split.kind == "split":
-        return lambda rank: [_Block(0, local[dim], rank * local[dim])]
-    if split.parts is not None:
-        if any(p % tp for p in split.parts) or sum(split.parts) != local[dim] * tp:
-            raise UnsupportedError(
-                f"{key}: rule {quote(split.rule)} fuses blocks {list(split.parts)} along dim "
-                f"{dim}, which {tp} tensor-parallel slices of {local[dim]} cannot hold"
-            )
-        sizes = [p // tp for p in split.parts]
-    else:
-        count = split.count or 1
-        if local[dim] % count:
-            raise UnsupportedError(
-                f"{key}: rule {quote(split.rule)} fuses {count} equal blocks along dim {dim}, "
-                f"but a tensor-parallel slice has {local[dim]} there"
-            )
-        sizes = [local[dim] // count] * count
-
-    def blocks(rank: int) -> list[_Block]:
-        out, local_start, full_start = [], 0, 0
-        for size in sizes:
-            out.append(_Block(local_start, size, full_start + rank * size))
-            local_start += size
-            full_start += size * tp
-        return out
-
-    return blocks
-
-
-def _place(
-    entry: TensorEntry, local: tuple[int, ...], full: tuple[int, ...], dim: int, blocks: list[_Block]
-) -> list[Piece]:
-    """One rank's pieces as pieces of the full tensor."""
-    item = itemsize(entry.dtype)
-    out: list[Piece] = []
-    for piece in entry.pieces:
-        loc = piece.location
-        start, length = _flat_extent(entry, piece, local)
-        if length == 0:
-            continue
-        if math.prod(full[:dim]) == 1:  # each block of a slice is one run of the full tensor
-            inner = math.prod(local[dim + 1 :])
-            for b in blocks:
-                lo = max(start, b.local_start * inner)
-                hi = min(start + length, (b.local_start + b.local_size) * inner)
-                if hi > lo:
-                    out.append(
-                        Piece(
-                            FlatRange(b.full_start * inner + lo - b.local_start * inner, hi - lo),
-                            Location(loc.file, loc.offset + (lo - start) * item, (hi - lo) * item),
-                        )
-                    )
-            continue
-        strides = row_major_strides(local)
-        for box, _ in flat_to_boxes(FlatRange(start, length), local):
-            for b in blocks:
-                lo = max(box.offsets[dim], b.local_start)
-                hi = min(box.offsets[dim] + box.sizes[dim], b.local_start + b.local_size)
-                if hi <= lo:
-                    continue
-                offsets = box.offsets[:dim] + (lo,) + box.offsets[dim + 1 :]
-                sizes = box.sizes[:dim] + (hi - lo,) + box.sizes[dim + 1 :]
-                first = sum(o * s for o, s in zip(offsets, strides))
-                target = offsets[:dim] + (b.full_start + lo - b.local_start,) + offsets[dim + 1 :]
-                byte = loc.offset + (first - start) * item
-                if _contiguous(sizes, local):
-                    where = Location(loc.file, byte, math.prod(sizes) * item)
-                else:
-                    where = Location(loc.file, byte, strided_span(sizes, strides) * item, stride=strides)
-                out.append(Piece(Box(target, sizes), where))
-    return out
-
-
-def _flat_extent(entry: TensorEntry, piece: Piece, local: tuple[int, ...]) -> tuple[int, int]:
-    """(start, length) of a piece as a run of its rank's slice (a flat range, or the whole tensor)."""
-    loc = piece.location
-    if loc.encoding != Encoding.RAW:
-        raise UnsupportedError(f"{entry.key}: a {loc.encoding} piece cannot be placed in a tensor-parallel tensor yet")
-    if isinstance(piece.region, FlatRange):
-        return piece.region.start, piece.region.length
-    if piece.region == Box.whole(local) and loc.stride is None:
-        return 0, math.prod(local)
-    raise UnsupportedError(f"{entry.key}: a strided or partial piece cannot be placed in a tensor-parallel tensor yet")
-
-
-def _contiguous(sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    """A box whose elements are one run of the row-major tensor of `shape`."""
-    for i, n in enumerate(sizes):
-        if n > 1:
-            return tuple(sizes[i + 1 :]) == tuple(shape[i + 1 :])
-    return True
 
 
 def _with_tp(

@@ -14,7 +14,7 @@ rank d % E and expert-data-parallel rank d // E):
                                                   dp rank d's partition of rank t's dense groups
                                                   and of its expert groups (moe_writer.py's layout)
 So each new mp rank t is written as moe_writer.py writes a MoE checkpoint, from a *rank index*
-(tp_writer._Slicer: rank t's slice of every full tensor, as REF ranges of it) and templates with
+(tp_geometry.TpSlicer: rank t's slice of every full tensor, as REF ranges of it) and templates with
 rank t's slice shapes. At the source's tp the expert files are copied byte for byte (they do not
 change with ep or dp); at a new tp each is written from rank t's slices.
 """
@@ -41,7 +41,8 @@ from .moe import MARK
 from .moe_whole import is_whole
 from .moe_writer import MoeTarget, _files as moe_files, check_expert_sizes
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
-from .tp_writer import TpTarget, _local_group, _sizes, _Slicer
+from .tp_geometry import TpSlicer
+from .tp_writer import TpTarget, _local_group, _sizes
 
 
 def is_moe_tp(index: CheckpointIndex) -> bool:
@@ -108,7 +109,7 @@ def tp_lanes(
     info: ModelParallelInfo = index.native
     zinfo0: ZeroInfo = info.ranks[0]
     align = alignment(zero_config(index), zinfo0.dtype)
-    slicer = _Slicer(index, info, sizes.tp)
+    slicer = TpSlicer(index, info.splits, sizes.tp)
     for t in range(sizes.tp):
         rank_index = slicer.rank_index(t, sizes.dp)
         rank_index.metadata["deepspeed_moe"] = index.metadata["deepspeed_moe"]

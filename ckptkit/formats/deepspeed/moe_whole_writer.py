@@ -11,9 +11,9 @@ naming E's local experts, mp_world_size T, dp_world_size W). Expert G (ep rank e
 global rank e, mp rank e % T: its file, the same bytes at any size, is copied under that name.
 
 Both partitions come from moe_writer's layout of one tp lane's slice index (moe_tp_writer's
-_Slicer and templates): once over the W dp ranks (the dense groups) and once over all T*W ranks
-as ep E (the expert groups and the model file), each file taking its groups from the layout they
-belong to.
+tp_lanes: tp_geometry's slices and the lane's templates): once over the W dp ranks (the dense
+groups) and once over all T*W ranks as ep E (the expert groups and the model file), each file
+taking its groups from the layout they belong to.
 """
 
 from __future__ import annotations

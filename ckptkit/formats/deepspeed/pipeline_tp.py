@@ -22,6 +22,7 @@ from ...errors import FormatError, UnsupportedError
 from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
 from . import model_parallel as mp
+from .tp_geometry import param_name
 
 NOT_RESHARDABLE = (
     "converting a pipeline x tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet; "
@@ -75,7 +76,7 @@ def join(
     replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
     for key, e0 in first.tensors.items():
         entries = [_same_entry(subs, t, key, e0, label) for t in range(tp)]
-        full = mp._full_entry(entries, mp._param_name(e0), first, chain, splits, tp, label)
+        full = mp.full_entry(entries, param_name(e0), first, chain, splits, tp, label)
         full.attrs = {**full.attrs, "parallel": {**e0.attrs.get("parallel", {}), **full.attrs["parallel"]}}
         index.add_tensor(full)
         if full.attrs["parallel"]["tp"]["dim"] is None:

@@ -2,7 +2,7 @@
 (`reshard --to tp=T,pp=P,dp=W`; `--to N` keeps the source's tp and pp).
 
 The reader (pipeline_tp.py) joins the source into full tensors with each parameter's tp split.
-Here tp_writer's slicer gives new tp rank t's slice of every tensor (a rank index of virtual
+Here tp_geometry's TpSlicer gives new tp rank t's slice of every tensor (a rank index of virtual
 tensors over the full ones), and pipeline_writer lays rank t's slices out as a pipeline of P
 stages (the layers assigned by --partition-method, computed on rank t's local parameter counts as
 PipelineModule does on that rank), each stage one ZeRO-1 checkpoint over W data-parallel ranks.
@@ -35,7 +35,7 @@ from .pipeline_partition import chosen_layer_types, chosen_partition_method
 from .pipeline_tp import PipelineTpInfo
 from .templates import lazify, template_of
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
-from .tp_writer import _Slicer
+from .tp_geometry import TpSlicer
 from .writer import stage12_optim
 
 
@@ -84,7 +84,7 @@ def write_3d_zero(
             f"sizes yet (ZeRO stage 1 is)"
         )
     align = alignment(zero_config(index), zinfo.dtype)
-    slicer = _Slicer(index, info, target.tp)
+    slicer = TpSlicer(index, info.splits, target.tp)
     tag = tag_name(zinfo.files.tag, index)
     m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
     o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))

@@ -3,9 +3,10 @@
 
 The reader (model_parallel.py) joins the source's mp ranks into full tensors and records each
 parameter's split (`ModelParallelInfo.splits`: split dim, replicated, fused blocks). Here each new
-mp rank t gets a *rank index*: the full tensors under hidden keys, and under the usual keys
-(model.<name>, optim.state.<name>.<key>, ds_module.<name>) rank t's slice of each, a virtual
-tensor whose pieces are flat REF ranges of the full one (replicated tensors: the full entry).
+mp rank t gets a *rank index* (tp_geometry.TpSlicer, from the geometry the reader joined with):
+the full tensors under hidden keys, and under the usual keys (model.<name>,
+optim.state.<name>.<key>, ds_module.<name>) rank t's slice of each, a virtual tensor whose pieces
+are flat REF ranges of the full one (replicated tensors: the full entry).
 With that index the ZeRO writer's group plans (group_plan.py) partition rank t's params over W
 data-parallel ranks exactly as they re-partition a plain ZeRO checkpoint, bytes streamed from
 the source. Files, as DeepSpeed 0.19 names and loads them (engine._load_checkpoint reads
@@ -29,10 +30,8 @@ from collections import OrderedDict
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UsageError, quote
 from ...index.parallel_spec import ParallelSizes
-from ...index.types import CheckpointIndex, TensorEntry
-from ...index.virtual import Part, flat_concat
+from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
@@ -41,12 +40,11 @@ from ..torch_save.archive_writer import LazyTensor
 from .names import model_file, optim_file, zero_model_file
 from .group_plan import StatePlanner, plan_group, state_templates, target_groups
 from .info import ZeroGroup, ZeroInfo
-from .model_parallel import ModelParallelInfo, _param_name
+from .model_parallel import ModelParallelInfo
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tp_geometry import TpSlicer
 from .writer import DEFAULT_SUB_GROUP_SIZE, stage12_optim, stage3_model, stage3_optim
-
-FULL = "tp.full:"  # hidden keys of the full tensors in a rank index
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,7 +73,7 @@ def write_tp_zero(
     zinfo: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
     align = alignment(zero_cfg, zinfo.dtype)
-    slicer = _Slicer(index, info, target.tp)
+    slicer = TpSlicer(index, info.splits, target.tp)
     tag = tag_name(zinfo.files.tag, index)
     files: dict[str, tuple[Any, Fetcher]] = {}
     for t in range(target.tp):
@@ -113,86 +111,6 @@ def write_tp_zero(
             name = optim_file(d, zinfo.files.bf16_prefix, mp=t)
             files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
     return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
-
-
-class _Slicer:
-    """Each new mp rank's slice of every full tensor, as REF parts of the full one."""
-
-    def __init__(self, index: CheckpointIndex, info: ModelParallelInfo, tp: int) -> None:
-        self.index, self.info, self.tp = index, info, tp
-
-    def blocks(self, entry: TensorEntry, t: int) -> tuple[int, list[tuple[int, int]]] | None:
-        """(dim, [(start, size)] along it) of rank t's share of `entry`, None when replicated/whole."""
-        tp_attr = (entry.attrs.get("parallel") or {}).get("tp") or {}
-        dim = tp_attr.get("dim")
-        if dim is None:
-            return None
-        name = _param_name(entry)
-        split = self.info.splits.get(name) if name is not None else None
-        length = entry.shape[dim]
-        if split is not None and split.kind == "fused":
-            parts = (
-                list(split.parts) if split.parts is not None else [length // (split.count or 1)] * (split.count or 1)
-            )
-        else:
-            parts = [length]
-        if sum(parts) != length or any(p % self.tp for p in parts):
-            what = f"its fused parts {parts}" if len(parts) > 1 else f"its size {length}"
-            raise UsageError(
-                f"--to tp={self.tp}: {quote(entry.key)} is split along dim {dim} with {what}, which "
-                f"{self.tp} tensor-parallel ranks cannot share equally"
-            )
-        out, start = [], 0
-        for p in parts:
-            n = p // self.tp
-            out.append((start + t * n, n))
-            start += p
-        return dim, out
-
-    def local_shape(self, entry: TensorEntry) -> tuple[int, ...]:
-        found = self.blocks(entry, 0)
-        if found is None:
-            return tuple(entry.shape)
-        dim, blocks = found
-        return tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1 :])
-
-    def rank_index(self, t: int, dp: int) -> CheckpointIndex:
-        index = self.index
-        out = CheckpointIndex(format=index.format, root=index.root, world_size=dp)
-        out.files.update(index.files)
-        for key, entry in index.tensors.items():
-            found = self.blocks(entry, t)
-            if found is None:
-                out.add_tensor(entry)
-                continue
-            hidden = FULL + key
-            out.add_tensor(TensorEntry(hidden, entry.dtype, entry.shape, list(entry.pieces)))
-            dim, blocks = found
-            local = tuple(entry.shape[:dim]) + (sum(n for _, n in blocks),) + tuple(entry.shape[dim + 1 :])
-            flat = flat_concat(key, entry.dtype, _parts(hidden, tuple(entry.shape), dim, blocks))
-            out.add_tensor(
-                TensorEntry(
-                    key, entry.dtype, local, flat.pieces, path=entry.path, attrs={**entry.attrs, "virtual": True}
-                )
-            )
-        for obj in index.objects.values():
-            out.add_object(obj)
-        out.step = index.step
-        return out
-
-
-def _parts(ref: str, full: tuple[int, ...], dim: int, blocks: list[tuple[int, int]]) -> list[Part]:
-    """Row-major flat runs of the full tensor making up the blocks along `dim`, merged when adjacent."""
-    outer, inner, length = math.prod(full[:dim]), math.prod(full[dim + 1 :]), full[dim]
-    parts: list[Part] = []
-    for o in range(outer):
-        for start, size in blocks:
-            begin = (o * length + start) * inner
-            if parts and parts[-1].start + parts[-1].length == begin:
-                parts[-1] = Part(ref, parts[-1].start, parts[-1].length + size * inner)
-            else:
-                parts.append(Part(ref, begin, size * inner))
-    return parts
 
 
 def _local_group(group: ZeroGroup, rank_index: CheckpointIndex, align: int) -> ZeroGroup:

@@ -1,0 +1,273 @@
+"""How one parameter's full tensor maps to the pieces its tensor-parallel ranks hold, in both
+directions: `join` (the reader: rank slices on disk -> pieces of the full tensor) and `split` (the
+writers: the full tensor -> each new rank's slice, as flat runs of it).
+
+A `TpGeometry` is the one description both derive from, as DeepSpeed's `checkpoint/affine.py`
+derives `rebuild` and `extract` from one `ParamAffineMap` (and Megatron's `merge_fn` and
+`build_fn` from one sharding): the split dimension (None: replicated, every rank holds the whole
+tensor) and the sizes of the blocks along it in the full tensor (one block for a plain split;
+Megatron's fused QKV: three, rank r holding [q_r; k_r; v_r]). Rank r's share of a block of size p
+is the run at the block's start + r * p/tp, of size p/tp, placed after its shares of the blocks
+before it.
+
+The split rule of a parameter (convert/tp_rules.py) says what it is; `for_slices` builds its
+geometry from the ranks' slice shape (reading) and `for_full` from the full tensor's (writing),
+each refusing, in its own words, sizes the ranks cannot share equally.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...convert.tp_rules import TpSplit
+from ...errors import UnsupportedError, UsageError, quote
+from ...index.dtypes import itemsize
+from ...index.geometry import flat_to_boxes
+from ...index.strides import row_major_strides, strided_span
+from ...index.types import Box, CheckpointIndex, Encoding, FlatRange, Location, Piece, TensorEntry
+from ...index.virtual import Part, flat_concat
+
+FULL = "tp.full:"  # hidden keys of the full tensors in a rank index
+
+
+@dataclass(frozen=True)
+class TpBlock:
+    """One block of the split dimension as one rank holds it: where it starts in the rank's
+    slice, its size there, and where that share starts in the full tensor."""
+
+    local_start: int
+    local_size: int
+    full_start: int
+
+
+@dataclass(frozen=True)
+class TpGeometry:
+    """A parameter split over `tp` ranks along `dim` in blocks of `parts` (full-tensor sizes,
+    each a multiple of tp); `dim` None: replicated."""
+
+    tp: int
+    dim: int | None
+    parts: tuple[int, ...] = ()
+
+    def blocks(self, rank: int) -> list[TpBlock]:
+        """Rank `rank`'s share of every block, in the order its slice holds them."""
+        out, local_start, full_start = [], 0, 0
+        for part in self.parts:
+            size = part // self.tp
+            out.append(TpBlock(local_start, size, full_start + rank * size))
+            local_start += size
+            full_start += part
+        return out
+
+    def local_shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        """A rank's slice shape for the full shape `full`."""
+        if self.dim is None:
+            return tuple(full)
+        return tuple(full[: self.dim]) + (full[self.dim] // self.tp,) + tuple(full[self.dim + 1 :])
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The full shape for a rank's slice shape `local`."""
+        if self.dim is None:
+            return tuple(local)
+        return tuple(local[: self.dim]) + (local[self.dim] * self.tp,) + tuple(local[self.dim + 1 :])
+
+    def split(self, ref: str, full: tuple[int, ...], rank: int) -> list[Part]:
+        """Rank `rank`'s slice of the full tensor `ref` (shape `full`): its row-major flat runs,
+        merged when adjacent (replicated: the whole tensor)."""
+        if self.dim is None:
+            return [Part(ref, 0, math.prod(full))]
+        dim = self.dim
+        outer, inner, length = math.prod(full[:dim]), math.prod(full[dim + 1 :]), full[dim]
+        parts: list[Part] = []
+        for o in range(outer):
+            for b in self.blocks(rank):
+                begin = (o * length + b.full_start) * inner
+                if parts and parts[-1].start + parts[-1].length == begin:
+                    parts[-1] = Part(ref, parts[-1].start, parts[-1].length + b.local_size * inner)
+                else:
+                    parts.append(Part(ref, begin, b.local_size * inner))
+        return parts
+
+    def join(self, entries: list[TensorEntry]) -> list[Piece]:
+        """The full tensor's pieces from every rank's slice entry (their pieces placed where the
+        rank's share lies; replicated: rank 0's)."""
+        if self.dim is None:
+            return list(entries[0].pieces)
+        local = tuple(entries[0].shape)
+        full = self.full_shape(local)
+        pieces: list[Piece] = []
+        for rank, entry in enumerate(entries):
+            pieces.extend(place(entry, local, full, self.dim, self.blocks(rank)))
+        return pieces
+
+
+def for_slices(split: TpSplit, local: tuple[int, ...], dim: int, tp: int, key: str) -> TpGeometry:
+    """The geometry of a parameter read as `tp` slices of shape `local`, split along `dim`."""
+    if split.kind != "fused":
+        return TpGeometry(tp, dim, (local[dim] * tp,))
+    if split.parts is not None:
+        if any(p % tp for p in split.parts) or sum(split.parts) != local[dim] * tp:
+            raise UnsupportedError(
+                f"{key}: rule {quote(split.rule)} fuses blocks {list(split.parts)} along dim "
+                f"{dim}, which {tp} tensor-parallel slices of {local[dim]} cannot hold"
+            )
+        return TpGeometry(tp, dim, tuple(split.parts))
+    count = split.count or 1
+    if local[dim] % count:
+        raise UnsupportedError(
+            f"{key}: rule {quote(split.rule)} fuses {count} equal blocks along dim {dim}, "
+            f"but a tensor-parallel slice has {local[dim]} there"
+        )
+    return TpGeometry(tp, dim, (local[dim] // count * tp,) * count)
+
+
+def for_full(split: TpSplit | None, full: tuple[int, ...], dim: int | None, tp: int, key: str) -> TpGeometry:
+    """The geometry of the full tensor `key` (shape `full`, split along `dim`, None when whole) cut
+    for `tp` ranks; UsageError when they cannot share it equally."""
+    if dim is None:
+        return TpGeometry(tp, None)
+    length = full[dim]
+    if split is not None and split.kind == "fused":
+        count = split.count or 1
+        parts = list(split.parts) if split.parts is not None else [length // count] * count
+    else:
+        parts = [length]
+    if sum(parts) != length or any(p % tp for p in parts):
+        what = f"its fused parts {parts}" if len(parts) > 1 else f"its size {length}"
+        raise UsageError(
+            f"--to tp={tp}: {quote(key)} is split along dim {dim} with {what}, which "
+            f"{tp} tensor-parallel ranks cannot share equally"
+        )
+    return TpGeometry(tp, dim, tuple(parts))
+
+
+def param_name(e: TensorEntry) -> str | None:
+    """The parameter an entry belongs to: model.<name>, optim.state.<name>.<key>, ds_module.<name>."""
+    path = e.path or ()
+    if len(path) == 2 and path[0] in ("model", "ds_module"):
+        return str(path[1])
+    if len(path) == 4 and path[:2] == ("optim", "state"):
+        return str(path[2])
+    return None
+
+
+class TpSlicer:
+    """Each new tp rank's slice of every full tensor of a joined index, as REF runs of the full
+    one. `splits` (name -> TpSplit) are the ones the reader decided; a tensor's split dimension is
+    its attrs["parallel"]["tp"]["dim"]."""
+
+    def __init__(self, index: CheckpointIndex, splits: dict[str, TpSplit], tp: int) -> None:
+        self.index, self.splits, self.tp = index, splits, tp
+
+    def geometry(self, entry: TensorEntry) -> TpGeometry:
+        dim = ((entry.attrs.get("parallel") or {}).get("tp") or {}).get("dim")
+        name = param_name(entry)
+        split = self.splits.get(name) if name is not None else None
+        return for_full(split, tuple(entry.shape), dim, self.tp, entry.key)
+
+    def rank_index(self, t: int, dp: int) -> CheckpointIndex:
+        """An index of rank t's slices under the usual keys, the full tensors under hidden ones."""
+        index = self.index
+        out = CheckpointIndex(format=index.format, root=index.root, world_size=dp)
+        out.files.update(index.files)
+        for key, entry in index.tensors.items():
+            geometry = self.geometry(entry)
+            if geometry.dim is None:
+                out.add_tensor(entry)
+                continue
+            hidden = FULL + key
+            out.add_tensor(TensorEntry(hidden, entry.dtype, entry.shape, list(entry.pieces)))
+            full = tuple(entry.shape)
+            flat = flat_concat(key, entry.dtype, geometry.split(hidden, full, t))
+            out.add_tensor(
+                TensorEntry(
+                    key,
+                    entry.dtype,
+                    geometry.local_shape(full),
+                    flat.pieces,
+                    path=entry.path,
+                    attrs={**entry.attrs, "virtual": True},
+                )
+            )
+        for obj in index.objects.values():
+            out.add_object(obj)
+        out.step = index.step
+        return out
+
+
+def place(
+    entry: TensorEntry, local: tuple[int, ...], full: tuple[int, ...], dim: int, blocks: list[TpBlock]
+) -> list[Piece]:
+    """One rank's pieces as pieces of the full tensor: flat ranges when only size-1 dimensions
+    precede `dim`, else row-major boxes cut at block edges, read with the slice's strides."""
+    item = itemsize(entry.dtype)
+    out: list[Piece] = []
+    for piece in entry.pieces:
+        start, length = _flat_extent(entry, piece, local)
+        if length == 0:
+            continue
+        if math.prod(full[:dim]) == 1:  # each block of a slice is one run of the full tensor
+            out.extend(_flat_pieces(piece.location, start, length, math.prod(local[dim + 1 :]), item, blocks))
+        else:
+            out.extend(_box_pieces(piece.location, start, length, local, dim, item, blocks))
+    return out
+
+
+def _flat_pieces(loc: Location, start: int, length: int, inner: int, item: int, blocks: list[TpBlock]) -> list[Piece]:
+    out = []
+    for b in blocks:
+        lo = max(start, b.local_start * inner)
+        hi = min(start + length, (b.local_start + b.local_size) * inner)
+        if hi > lo:
+            out.append(
+                Piece(
+                    FlatRange(b.full_start * inner + lo - b.local_start * inner, hi - lo),
+                    Location(loc.file, loc.offset + (lo - start) * item, (hi - lo) * item),
+                )
+            )
+    return out
+
+
+def _box_pieces(
+    loc: Location, start: int, length: int, local: tuple[int, ...], dim: int, item: int, blocks: list[TpBlock]
+) -> list[Piece]:
+    out = []
+    strides = row_major_strides(local)
+    for box, _ in flat_to_boxes(FlatRange(start, length), local):
+        for b in blocks:
+            lo = max(box.offsets[dim], b.local_start)
+            hi = min(box.offsets[dim] + box.sizes[dim], b.local_start + b.local_size)
+            if hi <= lo:
+                continue
+            offsets = box.offsets[:dim] + (lo,) + box.offsets[dim + 1 :]
+            sizes = box.sizes[:dim] + (hi - lo,) + box.sizes[dim + 1 :]
+            first = sum(o * s for o, s in zip(offsets, strides))
+            target = offsets[:dim] + (b.full_start + lo - b.local_start,) + offsets[dim + 1 :]
+            byte = loc.offset + (first - start) * item
+            if _contiguous(sizes, local):
+                where = Location(loc.file, byte, math.prod(sizes) * item)
+            else:
+                where = Location(loc.file, byte, strided_span(sizes, strides) * item, stride=strides)
+            out.append(Piece(Box(target, sizes), where))
+    return out
+
+
+def _flat_extent(entry: TensorEntry, piece: Piece, local: tuple[int, ...]) -> tuple[int, int]:
+    """(start, length) of a piece as a run of its rank's slice (a flat range, or the whole tensor)."""
+    loc = piece.location
+    if loc.encoding != Encoding.RAW:
+        raise UnsupportedError(f"{entry.key}: a {loc.encoding} piece cannot be placed in a tensor-parallel tensor yet")
+    if isinstance(piece.region, FlatRange):
+        return piece.region.start, piece.region.length
+    if piece.region == Box.whole(local) and loc.stride is None:
+        return 0, math.prod(local)
+    raise UnsupportedError(f"{entry.key}: a strided or partial piece cannot be placed in a tensor-parallel tensor yet")
+
+
+def _contiguous(sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A box whose elements are one run of the row-major tensor of `shape`."""
+    for i, n in enumerate(sizes):
+        if n > 1:
+            return tuple(sizes[i + 1 :]) == tuple(shape[i + 1 :])
+    return True
