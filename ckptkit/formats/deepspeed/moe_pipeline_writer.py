@@ -37,7 +37,7 @@ from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
 from .moe_pipeline import PipelineMoeInfo, is_pipeline_moe
-from .moe_writer import MoeTarget, _files as moe_files, check_expert_sizes
+from .moe_writer import MoeTarget, check_expert_sizes, moe_files
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .templates import lazify, template_of

@@ -39,10 +39,10 @@ from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe import MARK
 from .moe_whole import is_whole
-from .moe_writer import MoeTarget, _files as moe_files, check_expert_sizes
+from .moe_writer import MoeTarget, check_expert_sizes, moe_files
 from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
 from .tp_geometry import TpSlicer
-from .tp_writer import TpTarget, _local_group, _sizes
+from .tp_writer import TpTarget, local_group, record_tp_sizes
 
 
 def is_moe_tp(index: CheckpointIndex) -> bool:
@@ -89,8 +89,8 @@ def write_moe_tp_zero(
                 StatePlanner(rank_index, fetcher),
             )
         )
-        model = _module_slices(laid_out.pop("model"), rank_index)
-        files[f"{tag}/{model_file(t)}"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
+        model = module_slices(laid_out.pop("model"), rank_index)
+        files[f"{tag}/{model_file(t)}"] = (record_tp_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
         for d, structure in laid_out.items():
             files[f"{tag}/{optim_file(d, zinfo.files.bf16_prefix, mp=t)}"] = (structure, fetcher)
         if sizes.tp == info.tp:
@@ -131,7 +131,7 @@ def by_rank(files: dict[str, Any]) -> dict[Any, Any]:
 
 def _rank_templates(zinfo: ZeroInfo, rank_index: CheckpointIndex, align: int) -> ZeroInfo:
     """The mp rank's templates with its new slice shapes: groups and the model file's param_shapes."""
-    groups = [_local_group(g, rank_index, align) for g in zinfo.groups]
+    groups = [local_group(g, rank_index, align) for g in zinfo.groups]
     first = min(zinfo.model_states)
     m0 = zinfo.model_states[first]
     # names of ep rank 0's local experts, whose local ids are their global ones
@@ -155,7 +155,7 @@ def _shape_like(saved: Any, shape: tuple[int, ...]) -> Any:
     return tuple(shape) if type(saved) is tuple else Size(shape)
 
 
-def _module_slices(model: dict, rank_index: CheckpointIndex) -> dict:
+def module_slices(model: dict, rank_index: CheckpointIndex) -> dict:
     """The model file's dense module weights: the rank's slices (the same bytes at the source's tp)."""
     module = model.get("module")
     if isinstance(module, dict):

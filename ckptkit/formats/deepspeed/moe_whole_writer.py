@@ -33,10 +33,10 @@ from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe_whole import is_whole
-from .moe_tp_writer import _module_slices, by_rank, tp_lanes
-from .moe_writer import MoeTarget, _files as moe_files, check_expert_counts
+from .moe_tp_writer import by_rank, module_slices, tp_lanes
+from .moe_writer import MoeTarget, check_expert_counts, moe_files
 from .tag_writer import keep_parallel_sizes, tag_name, write_tag, zero_config
-from .tp_writer import TpTarget, _sizes
+from .tp_writer import TpTarget, record_tp_sizes
 
 # the per-group entries of a stage 1/2 optimizer_state_dict, one item per group
 PER_GROUP = (
@@ -120,8 +120,8 @@ def write_whole_experts(
                 rank_index, zinfo, MoeTarget(ep=sizes.ep, world=ranks), tag, zero_cfg, StatePlanner(rank_index, fetcher)
             )
         )
-        model = _module_slices(experts["model"], rank_index)
-        files[f"{tag}/{model_file(t)}"] = (_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
+        model = module_slices(experts["model"], rank_index)
+        files[f"{tag}/{model_file(t)}"] = (record_tp_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
         for d in range(sizes.dp):
             merged = _merge(dense[d], experts[t + sizes.tp * d])
             files[f"{tag}/{optim_file(d, zinfo.files.bf16_prefix, mp=t)}"] = (merged, fetcher)

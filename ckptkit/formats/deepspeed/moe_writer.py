@@ -156,7 +156,7 @@ def write_moe_zero(
     zero_cfg = zero_config(index)
     tag = tag_name(info.files.tag, index)
     fetcher = Fetcher(source, index=index)
-    files = _files(index, info, target, tag, zero_cfg, StatePlanner(index, fetcher))
+    files = moe_files(index, info, target, tag, zero_cfg, StatePlanner(index, fetcher))
     copied = [(info.files.prefix + name, f"{tag}/{name}") for name in sorted(info.files.expert_files)]
     return write_tag(
         out,
@@ -179,7 +179,7 @@ class _RankGroup:
     local: dict[str, str]  # index (global) name -> the rank's param name
 
 
-def _files(
+def moe_files(
     index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, zero_cfg: dict, states: StatePlanner
 ) -> dict[str, Any]:
     meta = index.metadata["deepspeed_moe"]

@@ -125,7 +125,7 @@ def write_3d_zero(
                 )
                 for g in plan.groups
             ]
-            model = ppw._model(m0, marchive, plan, ppw.PpTarget(pp=target.pp, dp=target.dp))
+            model = ppw.stage_model(m0, marchive, plan, ppw.PpTarget(pp=target.pp, dp=target.dp))
             model["mp_world_size"] = target.pp * target.tp
             if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
                 model["checkpoint_parallel_dimensions"] = {

@@ -320,7 +320,7 @@ def write_pp_zero(
             )
             for g in plan.groups
         ]
-        model = files[f"{tag}/{model_file(plan.stage)}"] = _model(m0, marchive, plan, target)
+        model = files[f"{tag}/{model_file(plan.stage)}"] = stage_model(m0, marchive, plan, target)
         for d in range(target.dp):
             osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
             if "param_alignment_paddings" in osd:
@@ -358,7 +358,7 @@ def _padded_masters(plan: GroupPlan, rank: int) -> LazyTensor:
     return virtual(f"fp32.padded.{plan.group.index}.{rank}", plan.master_dtype, parts, 0, share.size)
 
 
-def _model(m0: dict, marchive: Any, plan: StagePlan, target: PpTarget) -> dict:
+def stage_model(m0: dict, marchive: Any, plan: StagePlan, target: PpTarget) -> dict:
     """Stage S's model-states file: the source stage 0's, with this stage's names and the new sizes."""
     model = lazify(m0, marchive, {})
     model["buffer_names"] = list(plan.buffers)

@@ -80,7 +80,7 @@ def write_tp_zero(
         rank_index = slicer.rank_index(t, target.dp)
         fetcher = Fetcher(source, index=rank_index)
         states = StatePlanner(rank_index, fetcher)
-        groups = [_local_group(g, rank_index, align) for g in zinfo.groups]
+        groups = [local_group(g, rank_index, align) for g in zinfo.groups]
         m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
         o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
         osd_t = o0["optimizer_state_dict"]
@@ -102,7 +102,7 @@ def write_tp_zero(
             )
         for d in range(target.dp):
             if zinfo.stage == 3:
-                model = _sizes(stage3_model(rank_index, local, groups, target.dp, d), target)
+                model = record_tp_sizes(stage3_model(rank_index, local, groups, target.dp, d), target)
                 files[f"{tag}/{zero_model_file(d, t)}"] = (model, fetcher)
                 osd = stage3_optim(osd_t, oarchive, plans, d, target.dp)
             else:
@@ -113,7 +113,7 @@ def write_tp_zero(
     return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
 
 
-def _local_group(group: ZeroGroup, rank_index: CheckpointIndex, align: int) -> ZeroGroup:
+def local_group(group: ZeroGroup, rank_index: CheckpointIndex, align: int) -> ZeroGroup:
     """The group with rank t's slice shapes (and DeepSpeed's alignment paddings for them)."""
     params = tuple((n, tuple(rank_index.tensors[f"model.{n}"].shape)) for n, _ in group.params)
     paddings = None
@@ -138,10 +138,10 @@ def _model(m0: dict, marchive: Any, rank_index: CheckpointIndex, groups: list[Ze
         )
     if isinstance(model.get("param_shapes"), list):
         model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in groups]
-    return _sizes(model, target)
+    return record_tp_sizes(model, target)
 
 
-def _sizes(model: dict, target: TpTarget) -> dict:
+def record_tp_sizes(model: dict, target: TpTarget) -> dict:
     """What DeepSpeed records of the sizes in a model-states file, for the new ones."""
     model["mp_world_size"] = target.tp
     model["dp_world_size"] = target.dp
