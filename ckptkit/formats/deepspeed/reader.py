@@ -178,15 +178,16 @@ def _load_ranks(source: Source, files: ZeroFiles, names: dict[int, str], archive
         try:
             archive = open_archive(source, rel)
             structure = load_structure(archive, eager=False, memo=alike)
-        except CkptkitError:
+        except CkptkitError as exc:
             if not problems.collecting_now():
                 raise
+            problem = exc
             if _truncated_zip(source, rel):
-                exc = FormatError(
+                problem = FormatError(
                     f"{source.label(rel)}: is truncated: a zip archive without its end record "
                     f"({source.size(rel)} bytes; the file was cut short)"
                 )
-            problems.tolerate(exc, source.label(rel))
+            problems.tolerate(problem, source.label(rel))
             continue
         archives[rel] = archive
         if structure is not None:
