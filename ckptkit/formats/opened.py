@@ -53,5 +53,11 @@ class Opener(Protocol):
     """The registry's open_checkpoint, handed to what opens checkpoints below it."""
 
     def __call__(
-        self, path: str, expect: str | None = None, tag: str | None = None, follow_links: bool | None = None
+        self,
+        path: str,
+        expect: str | None = None,
+        tag: str | None = None,
+        follow_links: bool | None = None,
+        *,
+        optimizer: bool = True,
     ) -> Opened: ...

@@ -49,6 +49,9 @@ class Capabilities:
     flat_partitions: bool = False  # its tensors are flat partitions: the training state comes from its own records
     recipe_keys: bool = False  # its keys are already torch's state-dict flattening (ckptkit.load reads it as is)
     library_check: bool = False  # verify --deep also has the format's own library open every file
+    tags: bool = False  # its reader takes --tag (a DeepSpeed tag); --tag on any other format is refused
+    # file names its reader is handed when no format recognised a file's content, to say precisely why
+    suffixes: tuple[str, ...] = ()
 
     def writes(self, layout: str) -> bool:
         return layout in self.layouts
@@ -72,13 +75,21 @@ class Reader(Protocol):
 
     name: str
 
-    def detect(self, source: "Source", name: str | None = None) -> bool:
-        """Is `source` (a folder; or its file `name`) this format? By content, never by name alone."""
+    def detect(self, source: "Source", name: str | None = None, *, tag: str | None = None) -> bool:
+        """Is `source` (a folder; or its file `name`) this format? By content, never by name alone;
+        positive only: which format wins when two would is the registry's order, not a detect's."""
 
     def read_index(
-        self, source: "Source", ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+        self,
+        source: "Source",
+        ctx: "RunContext | None" = None,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        optimizer: bool = True,
     ) -> "CheckpointIndex":
-        """The canonical index of `source` (`name`: its one file; `tag`: a DeepSpeed tag)."""
+        """The canonical index of `source` (`name`: its one file; `tag`: a DeepSpeed tag; `optimizer`
+        False: the optimizer's per-parameter state may be counted instead of indexed)."""
 
 
 @runtime_checkable

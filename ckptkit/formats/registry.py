@@ -1,15 +1,18 @@
-"""The one registry of formats: find a checkpoint's format from its path, build its index, and
-answer what a format can do.
+"""The one registry of formats: find what a path is, build its index, and answer what a format
+can do.
 
-Every command takes a path (a folder or a file) and lands here. Detection is by content
-(DCP's .metadata, safetensors headers, torch.save's zip magic), never by trust in a name alone;
-a path nothing recognises gets one sentence saying what was looked for and what was found.
+Every command takes a path (a folder or a file) and lands in `open_checkpoint`: one loop over one
+ordered list, ORDER (the folder kinds of formats/kinds.py: run folder, HF Trainer folder,
+Lightning's sharded folder, accelerate's folder; then every registered format in precedence
+order). The first kind whose `detect` is positive opens the path; a detect never says "and not
+another kind", precedence is the list's order. Detection is by content (DCP's .metadata,
+safetensors headers, torch.save's zip magic), never by trust in a name alone; a path nothing
+recognises gets one sentence saying what was looked for and what was found.
 
-The formats are Reader/Writer adapters (each format package's format.py, the contract in protocols.py),
-registered in FORMATS with their capabilities. Operations ask `capabilities_of(index)` or
-`format_of(index)`, never compare format names. The folder kinds around them (run folders,
-accelerate's subfolders, HF Trainer and Lightning folders) are resolvers here: each finds one of
-the registered formats inside a folder.
+The formats are Reader/Writer adapters (each format package's format.py, the contract in
+protocols.py), registered once in FORMATS (`register`) with their capabilities. Operations ask
+`capabilities_of(index)` or `format_of(index)`, never compare format names, and import nothing
+inside a format package.
 """
 
 from __future__ import annotations
@@ -18,21 +21,35 @@ import os
 
 from ..errors import NotACheckpointError, UnsupportedError, name_of
 from ..index.types import CheckpointIndex
+from ..runner.heap import paused_collector
 from ..storage.source import Source, is_url, local_path, open_source
-from . import accelerate, lightning, run_folder, trainer
+from . import accelerate, lightning, run_folder
 from .dcp.format import DCP
 from .deepspeed.format import DEEPSPEED
-from .deepspeed import files as ds_files
+from .kinds import AccelerateKind, FormatKind, Kind, LightningKind, RunFolderKind, Spot, TrainerKind, read_as
 from .opened import Opened
 from .protocols import Capabilities, Reader, Writer
-from .safetensors import reader as st_reader
-from .safetensors.format import SAFETENSORS, looks_like_safetensors
+from .safetensors.format import SAFETENSORS
+from .structure import check_listed_state_dicts
 from .torch_save.format import TORCH_SAVE, TORCH_SUFFIXES, torch_files
-from .torch_save.reader import check_listed_state_dicts
-from ..runner.heap import paused_collector
-from ..runner.torch_archive import ZIP_MAGIC
 
-FORMATS: tuple = (DEEPSPEED, DCP, SAFETENSORS, TORCH_SAVE)  # each a Reader and a Writer; folder kinds resolve to them
+# each a Reader and a Writer, in precedence order; the folder kinds resolve to them
+FORMATS: tuple = (DEEPSPEED, DCP, SAFETENSORS, TORCH_SAVE)
+
+# the one ordered list a path is tried against: folder kinds first, then every format
+ORDER: list[Kind] = [RunFolderKind(), TrainerKind(), LightningKind(DCP), AccelerateKind()]
+ORDER += [FormatKind(fmt) for fmt in FORMATS]
+
+
+def register(fmt: "Reader | Writer") -> "Reader | Writer":
+    """Add a format (a Reader and a Writer, formats/protocols.py) after those registered: it is
+    detected, opened, inspected, verified and written like them, by its name and capabilities."""
+    global FORMATS
+    if any(f.name == fmt.name for f in FORMATS):
+        raise UnsupportedError(f"a format named {fmt.name!r} is already registered")
+    FORMATS = (*FORMATS, fmt)
+    ORDER.append(FormatKind(fmt))
+    return fmt
 
 
 def format_named(name: str) -> "Reader | Writer":
@@ -56,8 +73,20 @@ def capabilities_of(index: CheckpointIndex) -> Capabilities:
 
 
 def detect(source: Source, name: str | None = None) -> list[str]:
-    """The names of the formats whose reader recognises `source` (or its file `name`)."""
-    return [fmt.name for fmt in FORMATS if fmt.detect(source, name)]
+    """What the registry's loop opens `source` (a folder; or its file `name`) as: [] when nothing
+    recognises it, else the one format (or folder kind, a run folder) it is read as."""
+    spot = Spot(source.root, source, name is None and source.isdir(""), name)
+    kind = _first(spot, ORDER, wrapped=False)
+    return [] if kind is None else [kind.format or kind.name]
+
+
+def _first(spot: Spot, kinds: list[Kind], wrapped: bool = True) -> Kind | None:
+    """The first of `kinds` that detects `spot` (`wrapped` False: the kinds that wrap another are
+    passed over unasked: what they wrap is what is found)."""
+    for kind in kinds:
+        if (wrapped or not kind.wraps) and kind.detect(spot):
+            return kind
+    return None
 
 
 def _parent_and_name(path: str) -> tuple[str, str]:
@@ -91,51 +120,37 @@ def _open_checkpoint(
 ) -> Opened:
     source = open_source(path, follow_links)
     _refuse_unfinished(path, source)
-    run = run_folder.resolve(path, source, open_checkpoint, tag, follow_links) if source.isdir("") else None
-    if run is not None:  # a training output folder: its newest complete checkpoint (or the one --tag names)
-        opened = (
-            run.opened
-            if run.opened is not None and expect is None  # read whole while choosing
-            else open_checkpoint(run.path, expect, run.tag, follow_links, optimizer=optimizer)
-        )
-        run.opened = None
-        opened.run = run
-        if opened.index.step is None:
-            opened.index.step = run.step
-        run_folder.announce(run)
-        return opened
-    tag_folder = (
-        tag is not None
-        and source.isdir("")
-        and source.isdir(tag)
-        and ds_files.looks_like_tag_folder(source.listdir(tag))
-    )
-    if tag is not None and not (source.isdir("") and ds_files.detect(source) or tag_folder):
-        raise NotACheckpointError(f"{path}: --tag is for DeepSpeed checkpoints, and this is not one")
-    if source.isdir("") and (ds_files.detect(source) or tag_folder):
-        opened = Opened(source, DEEPSPEED.read_index(source, tag=tag, optimizer=optimizer), path)
-    elif source.isdir(""):
-        opened = _open_folder(path, source)
+    folder = source.isdir("")
+    if folder:
+        spot = Spot(path, source, True, None, tag, follow_links, optimizer, expect, open_checkpoint)
     else:
-        opened = _open_file(path, follow_links)
-    check_listed_state_dicts(opened.index, path)
+        parent, name = _parent_and_name(path)
+        inside = open_source(parent, follow_links, only=name)
+        spot = Spot(path, inside, False, name, tag, follow_links, optimizer, expect, open_checkpoint)
+    return _open_from(spot, 0)
+
+
+def _open_from(spot: Spot, start: int) -> Opened:
+    """The loop: the first kind from ORDER[start] on that detects `spot` opens it (a kind that wraps
+    another hands it on to the kinds after it); nothing detecting it, one refusal."""
+    for i in range(start, len(ORDER)):
+        kind = ORDER[i]
+        if not kind.detect(spot):
+            continue
+        if spot.tag is not None and not kind.takes_tag:
+            raise NotACheckpointError(f"{spot.path}: --tag is for DeepSpeed checkpoints, and this is not one")
+        opened = kind.open(spot, lambda: _open_from(spot, i + 1))
+        return opened if kind.finishes else _finish(opened, spot)
+    return _finish(_unrecognised(spot), spot)
+
+
+def _finish(opened: Opened, spot: Spot) -> Opened:
+    """What every opened checkpoint gets: no state dict stored as a list, Lightning's marks, `expect`."""
+    check_listed_state_dicts(opened.index, spot.path)
     lightning.annotate(opened.index)
-    if expect is not None and opened.index.format != expect:
-        raise NotACheckpointError(f"{path}: is a {opened.index.format} checkpoint, expected {expect}")
-    if opened.source is source:
-        _note_trainer(opened, tag)
+    if spot.expect is not None and opened.index.format != spot.expect:
+        raise NotACheckpointError(f"{spot.path}: is a {opened.index.format} checkpoint, expected {spot.expect}")
     return opened
-
-
-def _note_trainer(opened: Opened, tag: str | None) -> None:
-    """An HF Trainer folder: its parts and side files, and the step trainer_state.json records."""
-    folder = trainer.describe(opened.source, tag)
-    if folder is None:
-        return
-    opened.trainer = folder
-    opened.index.metadata["hf_trainer"] = folder.as_json()
-    if folder.step is not None:
-        opened.index.step = folder.step
 
 
 def _refuse_unfinished(path: str, source: Source) -> None:
@@ -149,33 +164,21 @@ def _refuse_unfinished(path: str, source: Source) -> None:
         )
 
 
-def _open_file(path: str, follow_links: bool | None) -> Opened:
-    parent, name = _parent_and_name(path)
-    source = open_source(parent, follow_links, only=name)
-    head = source.read(name, 0, min(8, source.size(name)))
-    if head[:4] == ZIP_MAGIC:
-        index = TORCH_SAVE.read_index(source, name=name)
-    elif name.endswith(".safetensors") or looks_like_safetensors(source, name):
-        index = SAFETENSORS.read_index(source, name=name)
-    elif name.endswith(TORCH_SUFFIXES):
-        index = TORCH_SAVE.read_index(source, name=name)  # raises a precise error (legacy / damaged)
-    else:
+def _unrecognised(spot: Spot) -> Opened:
+    """Nothing recognised `spot`: one sentence saying what was looked for and what was found. A
+    file named as a format's own (`.safetensors`, `.pt`...) is handed to that format's reader, which
+    says precisely what is wrong with it; a folder of a known kind's broken parts, the same."""
+    path = spot.path
+    if spot.tag is not None:
+        raise NotACheckpointError(f"{path}: --tag is for DeepSpeed checkpoints, and this is not one")
+    if not spot.folder:
+        named = next((f for f in FORMATS if spot.name.endswith(f.capabilities.suffixes)), None)
+        if named is not None:
+            return read_as(named, spot)
         raise NotACheckpointError(
             f"{path}: not a checkpoint ckptkit recognises (not a torch.save archive nor a safetensors file)"
         )
-    index.root = path
-    return Opened(source, index, path)
-
-
-def _open_folder(path: str, source: Source) -> Opened:
-    names = source.listdir("")
-    if DCP.detect(source):
-        index = DCP.read_index(source)
-        lightning.add_meta(source, index)  # Lightning's FSDP sharded checkpoint: meta.pt beside the DCP files
-        return Opened(source, index, path)
-    subdirs = accelerate.parts(source)
-    if subdirs:
-        return Opened(source, accelerate.read_index(source, subdirs), path)
+    source, names = spot.source, spot.source.listdir("")
     local = accelerate.has_local_state_dict(source)
     if local:  # reading one explains (ShardedTensor flat parameters) in one sentence
         TORCH_SAVE.read_index(source, name=local[0])
@@ -183,13 +186,8 @@ def _open_folder(path: str, source: Source) -> Opened:
         raise NotACheckpointError(
             f"{path}: has .distcp data files but no .metadata: an incomplete DCP checkpoint (the save did not finish)"
         )
-    if st_reader.safetensors_files(source):
-        return Opened(source, SAFETENSORS.read_index(source), path)
-    found = torch_files(source)
-    if len(found) == 1:
-        return Opened(source, TORCH_SAVE.read_index(source), path)
     raise NotACheckpointError(
-        f"{path}: not a checkpoint ckptkit recognises; {_found(source, names, found)}. "
+        f"{path}: not a checkpoint ckptkit recognises; {_found(source, names, torch_files(source))}. "
         f"Recognised: a DCP checkpoint (.metadata), a DeepSpeed save (`latest` or ZeRO rank "
         f"files), *.safetensors, one torch.save file ({', '.join(TORCH_SUFFIXES)}), "
         f"accelerate's pytorch_model_fsdp_N/, or {run_folder.RECOGNISED}"

@@ -180,24 +180,37 @@ def _rule(kind: str, entries: list[Entry]) -> str:
 # ---- choosing ----------------------------------------------------------------------------------
 
 
-def resolve(
-    path: str, source: Source, open_checkpoint: Opener, tag: str | None = None, follow_links: bool | None = None
-) -> RunChoice | None:
-    """The checkpoint to read when `path` is a run folder (None when it is not one): the entry
-    `tag` names, or else the newest complete one, opened with `open_checkpoint` (the registry's,
-    which resolves run folders here) to tell. A DeepSpeed save folder's --tag is left to the
-    DeepSpeed reader (None), as for any DeepSpeed checkpoint. Inside an entry being opened, None:
-    an entry is read as a checkpoint, not as another run folder."""
+def resolvable(source: Source, tag: str | None = None) -> tuple[str, list[Entry]] | None:
+    """(kind, entries) when `resolve` picks an entry of this folder, else None: a run folder with
+    entries, outside an entry being opened, and not a DeepSpeed save folder given a --tag (a
+    DeepSpeed save folder's --tag is left to the DeepSpeed reader, as for any DeepSpeed checkpoint).
+    Inside an entry being opened, None: an entry is read as a checkpoint, not as another run folder."""
     if _inside_entry.get():
         return None
     found = detect(source)
     if found is None:
         return None
     kind, entries = found
-    if kind == DEEPSPEED and tag is not None:
+    if not entries or kind == DEEPSPEED and tag is not None:
         return None
-    if not entries:
+    return found
+
+
+def resolve(
+    path: str,
+    source: Source,
+    open_checkpoint: Opener,
+    tag: str | None = None,
+    follow_links: bool | None = None,
+    found: tuple[str, list[Entry]] | None = None,
+) -> RunChoice | None:
+    """The checkpoint to read when `path` is a run folder (None when `resolvable` says it is not
+    one; `found`: what it said): the entry `tag` names, or else the newest complete one, opened
+    with `open_checkpoint` (the registry's, which resolves run folders here) to tell."""
+    found = found or resolvable(source, tag)
+    if found is None:
         return None
+    kind, entries = found
     if tag is not None:
         return _asked(path, source, kind, entries, tag)
     return _newest_complete(path, source, kind, entries, follow_links, open_checkpoint)

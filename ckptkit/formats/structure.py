@@ -5,13 +5,18 @@ directory asks them too, below the operations."""
 
 from __future__ import annotations
 
-from ..errors import CkptkitError
+from ..errors import CkptkitError, FormatError
 from ..index import geometry, problems as P
 from ..index.dtypes import itemsize
 from ..index.problems import Problem
 from ..index.strides import strided_span
-from ..index.types import Box, Encoding, FlatRange
+from ..index.types import Box, CheckpointIndex, Encoding, FlatRange
 from .opened import Opened
+
+# Top-level keys that hold a model's state dict: Lightning's `state_dict`, DeepSpeed's `module`,
+# accelerate's and FSDP full state dicts' `model`, the `model_state_dict` of training scripts
+# (convert/keys.MODEL_CONTAINERS, where the model is looked for; the formats layer cannot import it).
+STATE_DICT_KEYS = ("model", "module", "state_dict", "model_state_dict")
 
 
 def structural_problems(opened: Opened) -> list[str]:
@@ -107,3 +112,15 @@ def _region_text(region) -> str:
     if isinstance(region, Box):
         return f"offsets {list(region.offsets)} sizes {list(region.sizes)}"
     return f"flat range {region.start}..{region.end}"
+
+
+def check_listed_state_dicts(index: CheckpointIndex, label: str) -> None:
+    """The same refusal for any format's index (a DCP folder flattens a list under "model" to
+    model.0, model.1): a tensor whose path is a known state-dict key then a list position."""
+    for e in index.tensors.values():
+        path = e.path
+        if path and len(path) > 1 and type(path[1]) is int and path[0] in STATE_DICT_KEYS:
+            raise FormatError(
+                f"{label}: {path[0]!r} is a list of values, expected a mapping of parameter names "
+                f"to tensors (a state dict)"
+            )

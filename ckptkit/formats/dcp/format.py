@@ -30,11 +30,17 @@ class DcpFormat:
         recipe_keys=True,
     )
 
-    def detect(self, source: Source, name: str | None = None) -> bool:
+    def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
         return name is None and dcp_reader.detect(source)
 
     def read_index(
-        self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+        self,
+        source: Source,
+        ctx: "RunContext | None" = None,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        optimizer: bool = True,
     ) -> CheckpointIndex:
         return dcp_reader.read_index(source)
 

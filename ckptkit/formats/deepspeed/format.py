@@ -31,11 +31,20 @@ if TYPE_CHECKING:
 class DeepSpeedFormat:
     name = "deepspeed"
     capabilities = Capabilities(
-        layouts=(ZERO_PARTITIONS,), world_sizes=ANY_WORLD, optimizer_state=True, reshards=True, flat_partitions=True
+        layouts=(ZERO_PARTITIONS,),
+        world_sizes=ANY_WORLD,
+        optimizer_state=True,
+        reshards=True,
+        flat_partitions=True,
+        tags=True,
     )
 
-    def detect(self, source: Source, name: str | None = None) -> bool:
-        return name is None and ds_files.detect(source)
+    def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
+        """A ZeRO save folder (`latest` or rank files), or a folder whose --tag subfolder holds rank files."""
+        if name is not None or not source.isdir(""):
+            return False
+        tag_folder = tag is not None and source.isdir(tag) and ds_files.looks_like_tag_folder(source.listdir(tag))
+        return ds_files.detect(source) or tag_folder
 
     def read_index(
         self,

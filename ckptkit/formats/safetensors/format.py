@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 from ...index.types import CheckpointIndex
 from ...runner.torch_archive import ZIP_MAGIC
 from ...storage.source import Source
-from ..dcp import reader as dcp_reader
-from ..deepspeed import files as ds_files
 from ..protocols import ONE_WORLD, WHOLE_TENSORS, Capabilities, CannotReshard, OutTensor, SafetensorsTarget
 from . import reader as st_reader
 from .writer import plan_shards, write_safetensors
@@ -21,18 +19,28 @@ if TYPE_CHECKING:
 class SafetensorsFormat(CannotReshard):
     name = "safetensors"
     capabilities = Capabilities(
-        layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=False, reshards=False, library_check=True
+        layouts=(WHOLE_TENSORS,),
+        world_sizes=ONE_WORLD,
+        optimizer_state=False,
+        reshards=False,
+        library_check=True,
+        suffixes=(".safetensors",),
     )
 
-    def detect(self, source: Source, name: str | None = None) -> bool:
+    def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
+        """A file with a safetensors header (never a zip archive); a folder of *.safetensors shards."""
         if name is not None:
             return source.read(name, 0, min(4, source.size(name))) != ZIP_MAGIC and looks_like_safetensors(source, name)
-        return (
-            not dcp_reader.detect(source) and not ds_files.detect(source) and bool(st_reader.safetensors_files(source))
-        )
+        return bool(st_reader.safetensors_files(source))
 
     def read_index(
-        self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+        self,
+        source: Source,
+        ctx: "RunContext | None" = None,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        optimizer: bool = True,
     ) -> CheckpointIndex:
         return st_reader.read_index(source, [name] if name is not None else st_reader.safetensors_files(source))
 

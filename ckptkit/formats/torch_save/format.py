@@ -8,10 +8,7 @@ from typing import TYPE_CHECKING
 from ...index.types import CheckpointIndex
 from ...runner.torch_archive import ZIP_MAGIC
 from ...storage.source import Source
-from ..dcp import reader as dcp_reader
-from ..deepspeed import files as ds_files
 from ..protocols import ONE_WORLD, WHOLE_TENSORS, Capabilities, CannotReshard, TorchSaveTarget
-from ..safetensors import reader as st_reader
 from . import reader as ts_reader
 from .writer import write_torch_save
 
@@ -23,20 +20,24 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
 class TorchSaveFormat(CannotReshard):
     name = "torch_save"
-    capabilities = Capabilities(layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=True, reshards=False)
+    capabilities = Capabilities(
+        layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=True, reshards=False, suffixes=TORCH_SUFFIXES
+    )
 
-    def detect(self, source: Source, name: str | None = None) -> bool:
+    def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
+        """A zip archive; a folder holding exactly one torch.save file (several: which is meant is unsaid)."""
         if name is not None:
             return source.read(name, 0, min(4, source.size(name))) == ZIP_MAGIC
-        return (
-            not dcp_reader.detect(source)
-            and not ds_files.detect(source)  # one file, no other checkpoint
-            and not st_reader.safetensors_files(source)
-            and len(torch_files(source)) == 1
-        )
+        return len(torch_files(source)) == 1
 
     def read_index(
-        self, source: Source, ctx: "RunContext | None" = None, *, name: str | None = None, tag: str | None = None
+        self,
+        source: Source,
+        ctx: "RunContext | None" = None,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        optimizer: bool = True,
     ) -> CheckpointIndex:
         return ts_reader.read_index(source, name if name is not None else torch_files(source)[0])
 

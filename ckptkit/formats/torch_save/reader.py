@@ -15,13 +15,10 @@ from ...index.flatten import flatten, key_of
 from ...index.types import Box, CheckpointIndex, NameCollision, ObjectEntry, Piece, TensorEntry
 from ...safeload import TensorRef
 from ...storage.source import Source
+from ..structure import STATE_DICT_KEYS
 from ...runner.torch_archive import Archive, load_structure, load_values, open_archive, tensor_location
 
 FORMAT = "torch_save"
-# Top-level keys that hold a model's state dict: Lightning's `state_dict`, DeepSpeed's `module`,
-# accelerate's and FSDP full state dicts' `model`, the `model_state_dict` of training scripts
-# (convert/keys.MODEL_CONTAINERS, where the model is looked for; the formats layer cannot import it).
-STATE_DICT_KEYS = ("model", "module", "state_dict", "model_state_dict")
 
 
 def read_index(source: Source, rel: str) -> CheckpointIndex:
@@ -76,18 +73,6 @@ def _check_state_dicts(structure: Mapping, label: str) -> None:
             raise FormatError(
                 f"{label}: {key!r} is a {type(value).__name__} of {len(value)} values, expected "
                 f"a mapping of parameter names to tensors (a state dict)"
-            )
-
-
-def check_listed_state_dicts(index: CheckpointIndex, label: str) -> None:
-    """The same refusal for any format's index (a DCP folder flattens a list under "model" to
-    model.0, model.1): a tensor whose path is a known state-dict key then a list position."""
-    for e in index.tensors.values():
-        path = e.path
-        if path and len(path) > 1 and type(path[1]) is int and path[0] in STATE_DICT_KEYS:
-            raise FormatError(
-                f"{label}: {path[0]!r} is a list of values, expected a mapping of parameter names "
-                f"to tensors (a state dict)"
             )
 
 
