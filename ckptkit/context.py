@@ -1,6 +1,6 @@
 """One RunContext per run: what every layer that moves bytes shares.
 
-The command line builds exactly one (cli/main.py) and passes it down: operations hand it to the
+The command line builds exactly one (cli/context.py) and passes it down: operations hand it to the
 readers and writers they call, writers to the executor. It holds the memory budget, the worker
 count, the progress callback, the torchrun group sharing the run, how Ctrl-C reaches it, and the
 output options. No layer keeps a private default of its own (a writer's `workers=4`, a check's

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import cli.main as cli_main
+from cli.context import Context as CliContext
 from ckptkit import knobs
 from ckptkit.context import RunContext
 from ckptkit.ops.options import RunOptions
@@ -27,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def made(monkeypatch):
     """Every RunContext the CLI builds, in order."""
     contexts: list[RunContext] = []
-    build = cli_main.make_run_context
+    build = CliContext.make_run_context
 
     def recording(ctx, flags):
         contexts.append(build(ctx, flags))
         return contexts[-1]
 
-    monkeypatch.setattr(cli_main, "make_run_context", recording)
+    monkeypatch.setattr(CliContext, "make_run_context", recording)
     return contexts
 
 

@@ -526,7 +526,7 @@ def test_dump_json_writes_what_the_finite_copy_would():
     import json as _json
     import random
 
-    from ckptkit_cli.main import _finite, dump_json
+    from ckptkit_cli.json_output import dump_json, finite
 
     rng = random.Random(3)
     specials = [float("nan"), float("inf"), float("-inf")]
@@ -545,7 +545,7 @@ def test_dump_json_writes_what_the_finite_copy_would():
         value = doc(4, special=i % 2 == 1)
         text = dump_json(value)
         strict = _json.loads(text, parse_constant=lambda token: (_ for _ in ()).throw(AssertionError(token)))
-        assert strict == _json.loads(_json.dumps(_finite(value), allow_nan=False))
-        assert text == _indented_two_levels(_finite(value))
+        assert strict == _json.loads(_json.dumps(finite(value), allow_nan=False))
+        assert text == _indented_two_levels(finite(value))
         seen_special += any(t in text for t in ('"nan"', '"inf"', '"-inf"'))
     assert seen_special > 10

@@ -21,9 +21,13 @@ from ckptkit.index.types import Box
 from ckptkit.runner.plan import ReadPlan, ReadSpan
 from ckptkit.text import escape
 
+from ..context import Context, follow_links
+from ..failure import handle_errors
+from ..options import TAG_HELP, examples, follow_links_option, quiet_option, step_option, tp_rules_option
+
 
 def options(tag_help: str) -> Callable[[Callable], Callable]:
-    """The command's argument and options (cli/main.py adds the shared ones and the error handling)."""
+    """The command's own argument and options (`plan` below adds the shared ones and the error handling)."""
 
     def decorate(fn: Callable) -> Callable:
         for option in reversed(
@@ -154,3 +158,22 @@ def _totals(plans: list[ReadPlan]) -> dict[str, Any]:
         encodings.update(p.encodings())
         spans += sum(1 for _ in p.walk())
     return {"spans": spans, "bytes_per_file": dict(sorted(files.items())), "encodings": dict(sorted(encodings.items()))}
+
+
+@click.command(
+    short_help="Print what consolidating SRC would read (no tensor data read).",
+    epilog=examples(
+        "ckptkit plan dcp_ckpt", "ckptkit plan --json --tensor 'model.*' ds_ckpt", "ckptkit plan --to 4 dcp_ckpt"
+    ),
+)
+@options(TAG_HELP)
+@quiet_option
+@follow_links_option
+@tp_rules_option
+@click.pass_obj
+@handle_errors
+@step_option
+def plan(ctx: Context, src: str, as_json: bool, globs: tuple[str, ...], to: int | None, tag: str | None) -> None:
+    """Print, for every tensor of SRC, the byte spans consolidate reads (file, offset, length,
+    encoding, the box each fills), then the totals. Reads the index only."""
+    run(src, as_json=as_json, globs=globs, to=to, tag=tag, follow_links=follow_links())
