@@ -177,7 +177,7 @@ def test_async_saves_copy_into_the_last_saves_staging_and_keep_their_own_values(
     for step in (1, 2, 3):
         truths[step] = _flat(model, optim)
         ck.save(step, model, optim)
-        pointers.append(list(ck._staging))  # held: a new allocation could not land on a freed buffer
+        pointers.append(list(ck._background.buffers))  # held: a new allocation could not land on a freed buffer
         models.train_steps(model, optim, 1, models.DATA_SEED + step)  # changes every tensor at once
     ck.wait()
     assert len(pointers[0]) > 4 and all(a is b is c for a, b, c in zip(*pointers))  # the same buffers each save
@@ -188,11 +188,11 @@ def test_async_saves_copy_into_the_last_saves_staging_and_keep_their_own_values(
 
 
 def test_staging_takes_new_memory_for_a_tensor_whose_layout_changed():
-    from ckptkit.hooks.checkpointer import _stage
+    from ckptkit.hooks.staging import stage
 
     a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4)
-    staged, made = _stage({"a": a, "b": b})
-    again, reused = _stage({"a": a.t(), "b": b * 2}, made)  # a: other shape and strides; b: as before
+    staged, made = stage({"a": a, "b": b})
+    again, reused = stage({"a": a.t(), "b": b * 2}, made)  # a: other shape and strides; b: as before
     assert reused[1].data_ptr() == made[1].data_ptr() and torch.equal(again["b"], b * 2)
     assert reused[0].data_ptr() != made[0].data_ptr() and torch.equal(again["a"], a.t())
     assert again["a"].stride() == a.t().clone().stride()
