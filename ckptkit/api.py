@@ -140,7 +140,7 @@ def load(
 def load_opened(state_dict: dict[str, Any], opened: Any, path: str) -> dict[str, Any]:
     """`load` from a checkpoint already opened (`open_checkpoint(path)`): the Checkpointer reads
     the step's index once for its templates and for the load."""
-    index, fetcher = _loadable(opened)
+    index, fetcher = loadable(opened)
     leaves = flatten(state_dict, lambda v: isinstance(v, torch.Tensor))
     keys = _keys_in(index, state_dict, [key_of(p) for p, _ in leaves])
     missing = [k for k in keys if k not in index.tensors and k not in index.objects]
@@ -173,7 +173,7 @@ def _keys_in(index: CheckpointIndex, state_dict: Mapping[str, Any], keys: list[s
     return keys
 
 
-def _loadable(opened: Any, rules: Any = None) -> tuple[CheckpointIndex, Any]:
+def loadable(opened: Any, rules: Any = None) -> tuple[CheckpointIndex, Any]:
     """The index whose keys are the state dict's, and the fetcher that reads its tensors.
     `rules` (convert's KeyRules: --strip-prefix, --rename) rename the parameters: the checkpoint
     is then read through the canonical training state whatever its format."""

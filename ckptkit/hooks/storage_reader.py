@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..api import _loadable
+from ..api import loadable
 from ..convert.names import KeyRules
 from ..errors import FormatError
 from ..index.dtypes import torch_dtype
@@ -88,7 +88,7 @@ class StorageReader(dcp.StorageReader):
 
         path = path_text(checkpoint_id, "ckptkit.StorageReader")
         opened = open_checkpoint(path, tag=self.tag, follow_links=self.follow_links)
-        self.index, self.fetcher = _loadable(opened, self.rules)
+        self.index, self.fetcher = loadable(opened, self.rules)
         self.names = presented_names(self.index, self.model_prefix, self.optim_prefix)
         self.path = path
         self._metadata: Metadata | None = None

@@ -169,37 +169,21 @@ def convert(
             f"--world-size {mesh} applies only to --to dcp, fsdp or fsdp2 (DCP on a device mesh); "
             f"give --to {to} a world size"
         )
-    opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
-    if expect_from is not None:
-        stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
-        check_source(src, opened.index.format, stage, expect_from)
-    world = world_size or opened.index.world_size or 1
-    if target.startswith("zero"):
-        check_deepspeed_ranks(world, f"--world-size {world}")
-    if target in ZERO_TARGETS:  # a pipeline source has no ZeRO layout yet
-        refuse_pipeline_reshard(src, opened.index)
+    opened, world = _open_source(src, tag, ctx, expect_from, target, world_size)
     single = file_output(out, target)
     rules, notes = _output_rules(opened, target, rules)
     state = read_state(opened, rules, frozen, ctx)
     notes = notes + state.notes  # what config.json says that could not be honoured
     reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
-    if mesh is not None and (opened.trainer is not None or _is_lightning(opened)):
-        raise UnsupportedError(
-            f"{src}: --world-size {mesh} writes a plain DCP folder; writing "
-            f"{'an HF Trainer' if opened.trainer is not None else 'a Lightning'} folder "
-            f"on a device mesh is not supported yet (give a world size)"
-        )
+    if mesh is not None:
+        _refuse_folder_on_a_mesh(src, opened, mesh)
     if target == "dcp" and not single:
         done = _as_lightning_folder(opened, out, world, state, ctx, src, reshaped)
         if done is not None:
             return done
     apply_drops(state, model_only, tuple(drop))
-    if target in ZERO_TARGETS and (opened.index.metadata.get("parallel") or {}).get("tp", 1) > 1:
-        raise UnsupportedError(
-            f"{src}: converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported "
-            f"yet; reshard it (--to tp=1,dp=N gives a plain ZeRO checkpoint), or convert it to "
-            f"torch, safetensors or DCP"
-        )
+    if target in ZERO_TARGETS:
+        _refuse_tensor_parallel(src, opened)
     cfg = _load_config(ds_config, target, state) if target in ZERO_TARGETS else None
     if target == "zero":
         target = f"zero{_config_stage(cfg, ds_config)}"
@@ -208,10 +192,7 @@ def convert(
         if done is not None:
             return done
     if mesh is not None:  # a source with overlapping chunks or gaps: said first, not as a missing tp rule
-        from ..runner.plan import check_tiling
-
-        for entry in opened.index.tensors.values():
-            check_tiling(entry, lambda _rel: src)
+        _check_tiling(src, opened)
     laid_out_notes: list[str] = []  # what the mesh layout decided, said in the summary
     files, safetensors = _write(
         opened, out, target, state, world, cfg, single, ctx, (src, ds_config), (mesh, laid_out_notes)
@@ -228,6 +209,51 @@ def convert(
         files,
         notes,
     )
+
+
+def _open_source(
+    src: str, tag: str | None, ctx: RunContext, expect_from: str | None, target: str, world_size: int | None
+) -> tuple[Opened, int]:
+    """SRC opened and checked against --from, and the world size the target is laid out for; a
+    world size or a source the target cannot take refused before anything is read."""
+    opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
+    if expect_from is not None:
+        stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
+        check_source(src, opened.index.format, stage, expect_from)
+    world = world_size or opened.index.world_size or 1
+    if target.startswith("zero"):
+        check_deepspeed_ranks(world, f"--world-size {world}")
+    if target in ZERO_TARGETS:  # a pipeline source has no ZeRO layout yet
+        refuse_pipeline_reshard(src, opened.index)
+    return opened, world
+
+
+def _refuse_folder_on_a_mesh(src: str, opened: Opened, mesh: MeshSpec) -> None:
+    """A device mesh writes a plain DCP folder: a trainer's or Lightning's folder is refused."""
+    if opened.trainer is not None or _is_lightning(opened):
+        raise UnsupportedError(
+            f"{src}: --world-size {mesh} writes a plain DCP folder; writing "
+            f"{'an HF Trainer' if opened.trainer is not None else 'a Lightning'} folder "
+            f"on a device mesh is not supported yet (give a world size)"
+        )
+
+
+def _refuse_tensor_parallel(src: str, opened: Opened) -> None:
+    """A tensor-parallel DeepSpeed source has no ZeRO target yet: reshard it first."""
+    if (opened.index.metadata.get("parallel") or {}).get("tp", 1) > 1:
+        raise UnsupportedError(
+            f"{src}: converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported "
+            f"yet; reshard it (--to tp=1,dp=N gives a plain ZeRO checkpoint), or convert it to "
+            f"torch, safetensors or DCP"
+        )
+
+
+def _check_tiling(src: str, opened: Opened) -> None:
+    """Every tensor of SRC tiled by its chunks exactly (no overlap, no gap), as a mesh needs."""
+    from ..runner.plan import check_tiling
+
+    for entry in opened.index.tensors.values():
+        check_tiling(entry, lambda _rel: src)
 
 
 def _world_or_mesh(world_size: "int | str | MeshSpec | None") -> tuple[int | None, MeshSpec | None]:

@@ -171,10 +171,10 @@ def test_a_file_url_naming_a_file_verifies_and_consolidates_like_its_path(tmp_pa
 def test_a_bare_model_state_dict_loads_what_model_keys_load(source):
     """`ckptkit.load(model.state_dict(), ...)`: the checkpoint's model.<fqn> tensors, as
     {"model": model.state_dict()} gets them."""
-    from ckptkit.api import _loadable
+    from ckptkit.api import loadable
     from ckptkit.formats.registry import open_checkpoint
 
-    index, _ = _loadable(open_checkpoint(str(source)))
+    index, _ = loadable(open_checkpoint(str(source)))
     shapes = {k[len("model.") :]: e for k, e in index.tensors.items() if k.startswith("model.")}
     assert shapes
     dtype = {
