@@ -3,21 +3,19 @@
 The restricted unpickler (safeload) builds these for what checkpoints pickle besides tensor
 data: torch.Size, dtypes, small tensors loaded whole (a step counter, an RNG state). repickle
 writes them back as torch's own objects, with the opcodes pickle writes for the real ones, and
-`realize()` turns them into torch objects where values leave ckptkit for torch code or the user
-(ObjectEntry.value, diff and convert arithmetic, the Checkpointer's extras).
+`safeload.realize()` turns them into torch objects where values leave ckptkit for torch code or
+the user.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections import OrderedDict
 from typing import Any
 
 from .errors import FormatError, UnsupportedError
 from .index.dtypes import ALIASES, FLOATING, itemsize, torch_dtype
 from .index.strides import row_major_strides, strided_span
-from .safeload_inert import Inert
 
 
 class Size(tuple):
@@ -255,47 +253,3 @@ def _gather(storage: bytes, offset: int, shape: tuple[int, ...], stride: tuple[i
         raw[offset * item :], shape=(*shape, item), strides=(*(st * item for st in stride), 1), writeable=False
     )
     return elements.tobytes()
-
-
-def realize(value: Any) -> Any:
-    """`value` with torch's own objects in place of the stand-ins (imports torch only if it
-    holds any); containers are rebuilt, everything else is returned as is."""
-    if isinstance(value, SmallTensor):
-        return value.to_torch()
-    if isinstance(value, DType):
-        return torch_dtype(value.name)
-    if isinstance(value, Size):
-        import torch
-
-        return torch.Size(value)
-    if isinstance(value, Inert):
-        return _realize_inert(value)
-    if isinstance(value, GlobalRef) and value.module == "torch":
-        import torch
-
-        return getattr(torch, value.name)
-    if type(value) is dict or type(value) is OrderedDict:
-        return type(value)((k, realize(v)) for k, v in value.items())
-    if type(value) is list:
-        return [realize(v) for v in value]
-    if type(value) is tuple:
-        return tuple(realize(v) for v in value)
-    return value  # plain values, torch's own objects, other containers
-
-
-def _realize_inert(value: Any) -> Any:
-    """torch.device and layouts become torch's objects; other stand-ins keep their class with
-    realized state (a DeepSpeed loss scaler holding a dtype, ...)."""
-    qualname = value._qualname
-    args = value.__dict__.get("_args", ())
-    if qualname == "torch.device":
-        import torch
-
-        return torch.device(*args)
-    if qualname == "torch.serialization._get_layout":
-        import torch
-
-        return getattr(torch, str(args[0]).removeprefix("torch."))
-    copy = type(value).__new__(type(value))
-    copy.__dict__.update({k: realize(v) for k, v in value.__dict__.items()})
-    return copy

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import FormatError, quote
 from ..lazy_torch import is_instance, is_tensor
-from ..safeload_inert import Inert
+from ..safeload import Inert
 from ..torch_types import DType, Size, SmallTensor
 from .types import Box, CheckpointIndex, Encoding, FlatRange, IntegrityCheck, Location, ObjectEntry, Piece, TensorEntry
 

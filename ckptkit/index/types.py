@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any, Iterable, Iterator, NamedTuple, Union
 
 from ..errors import FormatError, quote
-from ..torch_types import realize
+from ..safeload import realize
 from .dtypes import itemsize
 
 

@@ -47,17 +47,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "values",
         (
-            "ckptkit.safeload_inert",
             "ckptkit.torch_types",
-            "ckptkit.safeload_refs",
-            "ckptkit.safeload_rules",
-            "ckptkit.safeload_vm",
-            "ckptkit.safeload_grammar",
-            "ckptkit.safeload_numpy",
-            "ckptkit.safeload_keys",
-            "ckptkit.safeload_fence",
-            "ckptkit.safeload_dcp",
-            "ckptkit.safeload_torchsave",
+            # the package: stand-ins of foreign classes (inert), tensor references (refs), the
+            # grammar's vocabulary (rules), the pickle machine (vm), the grammar (grammar, numpy),
+            # the fenced C roads (keys, fence, dcp, torchsave), and the facade that re-exports them
             "ckptkit.safeload",
             "ckptkit.repickle",
         ),

@@ -26,7 +26,8 @@ from ckptkit.index.serialize import safe_value
 from ckptkit.index.types import Box, CheckpointIndex, ObjectEntry, TensorEntry
 from ckptkit.runner.fetch import Fetcher
 from ckptkit.safeload import restricted_loads
-from ckptkit.torch_types import DType, Size, SmallTensor, realize
+from ckptkit.safeload import realize
+from ckptkit.torch_types import DType, Size, SmallTensor
 
 DS = FIXTURES / "deepspeed"
 

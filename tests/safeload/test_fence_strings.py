@@ -1,4 +1,4 @@
-"""safeload_fence.scan matches short strings (BINUNICODE, SHORT_BINUNICODE) in its regex rather
+"""safeload.fence.scan matches short strings (BINUNICODE, SHORT_BINUNICODE) in its regex rather
 than one loop iteration each (issue 17: a ZeRO-3 model-states data.pkl holds 60k of them), and
 takes or declines exactly what it did with the loop alone."""
 
@@ -8,7 +8,7 @@ import pickle
 import random
 import zipfile
 
-import ckptkit.safeload_fence as fence
+import ckptkit.safeload.fence as fence
 from conftest import DATA
 
 

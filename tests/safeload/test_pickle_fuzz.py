@@ -341,7 +341,7 @@ def check(data: bytes, storages, eager: bool) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def _warm():
     """numpy's part of the grammar is built once, outside the measured allocations."""
-    from ckptkit import safeload_numpy
+    from ckptkit.safeload import numpy as safeload_numpy
 
     safeload_numpy.grammar()
 

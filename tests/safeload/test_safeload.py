@@ -24,7 +24,7 @@ import torch
 from ckptkit.errors import CkptkitError, FormatError, UnsafePickleError
 from ckptkit.runner.torch_archive import load_bytes_archive
 from ckptkit.safeload import restricted_loads
-from ckptkit.torch_types import realize
+from ckptkit.safeload import realize
 from helpers.corrupt import (
     EXIT_ERROR,
     EXIT_PROBLEMS,

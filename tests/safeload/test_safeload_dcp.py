@@ -1,6 +1,6 @@
-"""DCP's `.metadata` through Python's C unpickler inside safeload_dcp's fences (issue 17).
+"""DCP's `.metadata` through Python's C unpickler inside safeload.dcp's fences (issue 17).
 
-The fast road must give exactly what ckptkit's own pickle machine (safeload_vm) gives, or decline
+The fast road must give exactly what ckptkit's own pickle machine (safeload.vm) gives, or decline
 (None: the machine then reads the file and words any refusal). Proven on every DCP `.metadata`
 that torch wrote for the fixtures, on ckptkit's own writer's output (protocol 2, LONG_BINPUT),
 on opcode-level mutations (test_pickle_fuzz's strategy) and byte-level ones of a real file, and
@@ -22,13 +22,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptkit import safeload_dcp, safeload_fence
+from ckptkit.safeload import dcp as safeload_dcp, fence as safeload_fence
 from ckptkit.errors import CkptkitError, UnsafePickleError
 from ckptkit.formats.dcp.metadata_pickle import metadata_pickle
 from ckptkit.formats.dcp.writer import DCP_VERSION
 from ckptkit.repickle import dumps
 from ckptkit.safeload import restricted_loads, restricted_loads_dcp_metadata
-from ckptkit.safeload_inert import inert_class
+from ckptkit.safeload.inert import inert_class
 from ckptkit.torch_types import DType, Size
 from conftest import DATA, ROOT
 from test_dcp_metadata_pickle import SAVE_ID, _many
@@ -291,7 +291,7 @@ def test_globals_outside_dcp_metadata_are_declined(module, name):
 
 def test_a_registered_stand_in_of_the_same_name_sends_everything_to_the_machine(monkeypatch):
     """A format may re-map a global (register_allowed): only the grammar knows what to build then."""
-    from ckptkit import safeload_rules
+    from ckptkit.safeload import rules as safeload_rules
 
     monkeypatch.setitem(safeload_rules._EXTRA, (META, "Metadata"), inert_class(f"{META}.Metadata"))
     assert safeload_dcp.load(SEED.read_bytes()) is None

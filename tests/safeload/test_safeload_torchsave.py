@@ -1,4 +1,4 @@
-"""A torch.save data.pkl through Python's C unpickler inside safeload_torchsave's fences (issue 17).
+"""A torch.save data.pkl through Python's C unpickler inside safeload.torchsave's fences (issue 17).
 
 The fast road (lazy loads) must give exactly what ckptkit's own pickle machine gives, or decline
 (None: the machine then reads the pickle and words any refusal). Proven on every torch.save
@@ -22,10 +22,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ckptkit.formats.deepspeed.standins  # noqa: F401  (DeepSpeed's classes join the allowlist)
-from ckptkit import safeload_torchsave
+from ckptkit.safeload import torchsave as safeload_torchsave
 from ckptkit.errors import CkptkitError
 from ckptkit.safeload import StorageRef, restricted_loads, storage_pid, typed_storage
-from ckptkit.safeload_refs import TensorRef
+from ckptkit.safeload.refs import TensorRef
 from ckptkit.torch_types import DType
 from conftest import ROOT
 from test_pickle_fuzz import FUZZ, SEEDS, mutated
@@ -156,7 +156,7 @@ def test_build_cannot_change_a_storage_type():
         b"\x80\x02" + _global("torch", "FloatStorage") + b"N}" + _text("dtype") + _global("torch", "int8") + b"s\x86b."
     )
     assert safeload_torchsave.load(data, _lazy) is None
-    from ckptkit.safeload_grammar import table
+    from ckptkit.safeload.grammar import table
 
     assert table()[0][("torch", "FloatStorage")].dtype == DType("float32")
 

@@ -771,8 +771,8 @@ def test_each_limit_names_the_file_and_the_knob(knob, value, data, monkeypatch):
 
 def test_limits_leave_real_checkpoints_alone():
     """The largest fixtures' pickles load well within every limit (sizes measured, not assumed)."""
-    from ckptkit.safeload_grammar import RestrictedGrammar
-    from ckptkit.safeload_vm import Machine
+    from ckptkit.safeload.grammar import RestrictedGrammar
+    from ckptkit.safeload.vm import Machine
 
     data = (ROOT / "fixtures" / "data" / "fsdp2_w2" / ".metadata").read_bytes()
     m = Machine(data, RestrictedGrammar("md", None))

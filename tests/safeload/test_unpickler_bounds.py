@@ -29,7 +29,7 @@ import torch
 from helpers import hostile
 from helpers.memory_craft import replace_item, save_dcp
 
-from ckptkit import safeload_dcp, safeload_torchsave
+from ckptkit.safeload import dcp as safeload_dcp, torchsave as safeload_torchsave
 
 BUDGET = "64MB"
 BUDGET_BYTES = 64 * 10**6

@@ -3,7 +3,7 @@
 restricted_loads used to turn every exception into "cannot read pickle" (a FormatError, exit 2) and
 drop its cause, so a TypeError of ckptkit's own read as a user's broken file. Now only the
 unpickler's refusals and malformed input are CkptkitErrors; the bug here is injected by replacing
-the grammar's call with one that raises, and the fenced C road's call too (safeload_fence: a bug
+the grammar's call with one that raises, and the fenced C road's call too (safeload.fence: a bug
 there makes the road decline, and the machine, meeting the same bug, reports it).
 """
 
@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from cli.main import cli
 from ckptkit.errors import FormatError, InternalError, UnsafePickleError
 from ckptkit.safeload import restricted_loads
-from ckptkit.safeload_fence import Call
-from ckptkit.safeload_grammar import RestrictedGrammar
+from ckptkit.safeload.fence import Call
+from ckptkit.safeload.grammar import RestrictedGrammar
 from conftest import DATA
 
 SRC = DATA / "plain_state_dict.pt"  # its pickle calls torch's tensor rebuild: the grammar's call runs

@@ -201,7 +201,8 @@ def test_views_of_one_storage_in_a_deepspeed_file_are_not_copied_per_view(cmd, t
 def test_views_share_their_storage_and_copy_only_their_own_elements_when_asked():
     """Loaded whole, 2,500 views hold one storage; each view's values are still exactly torch's."""
     from ckptkit.runner.torch_archive import load_bytes_archive
-    from ckptkit.torch_types import SmallTensor, realize
+    from ckptkit.safeload import realize
+    from ckptkit.torch_types import SmallTensor
 
     base = torch.arange(1000, dtype=torch.float32)
     views = (base[3:10], base.view(10, 100).t()[2:5], base[::7], torch.tensor([2.5]).expand(4, 3), base)

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy
 
-from .errors import FormatError
-from .safeload_rules import Refused, Rule
-from .safeload_vm import Placeholder
+from ..errors import FormatError
+from .rules import Refused, Rule
+from .vm import Placeholder
 
 # numpy's pickled spec for each plain dtype (numpy.dtype(x).__reduce__()[1][0])
 PLAIN = frozenset({"b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"})

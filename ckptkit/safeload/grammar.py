@@ -7,7 +7,7 @@ from numbers; slice from ints; OrderedDict from nothing or a list of pairs; torc
 functions from storages, ints and dtypes; pathlib from strings ...) and builds the value with
 ckptkit's own code. BUILD (an object's state) is accepted on ckptkit's stand-ins (Inert) only, and
 on an OrderedDict as plain attributes (torch's state_dict()._metadata); numpy's dtypes and arrays
-are completed by safeload_numpy, never by numpy's __setstate__. Anything else is an
+are completed by safeload.numpy, never by numpy's __setstate__. Anything else is an
 UnsafePickleError naming the global.
 """
 
@@ -17,14 +17,14 @@ import collections
 import pathlib
 from typing import Any, Callable
 
-from . import knobs
-from .errors import FormatError, UnsafePickleError, UnsupportedError, quote
-from .index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
-from .safeload_inert import Inert, _attrs, apply_inert_state, inert_class
-from .safeload_refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage
-from .safeload_rules import Refused, Rule, extra_allowed
-from .safeload_vm import Placeholder, check_keys
-from .torch_types import DType, GlobalRef, Size, SmallTensor
+from .. import knobs
+from ..errors import FormatError, UnsafePickleError, UnsupportedError, quote
+from ..index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
+from .inert import Inert, _attrs, apply_inert_state, inert_class
+from .refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage
+from .rules import Refused, Rule, extra_allowed
+from .vm import Placeholder, check_keys
+from ..torch_types import DType, GlobalRef, Size, SmallTensor
 
 
 def _kinds(args: tuple) -> str:
@@ -480,9 +480,9 @@ class RestrictedGrammar:
 
     def _numpy_grammar(self) -> Any:
         if self._numpy is None:
-            from . import safeload_numpy
+            from . import numpy as numpy_grammar
 
-            self._numpy = safeload_numpy.grammar()
+            self._numpy = numpy_grammar.grammar()
         return self._numpy
 
     def _name(self, value: Any) -> str:

@@ -1,5 +1,5 @@
-"""The fences inside which Python's C unpickler may build a pickle's values (safeload_dcp,
-safeload_torchsave): it is 5x faster than ckptkit's own pickle machine (safeload_vm), and no
+"""The fences inside which Python's C unpickler may build a pickle's values (safeload.dcp,
+safeload.torchsave): it is 5x faster than ckptkit's own pickle machine (safeload.vm), and no
 restricted loader on its own (a 9-byte LONG_BINPUT makes it allocate gigabytes; it builds any
 nesting and any sharing; BUILD sets state on whatever it is given).
 
@@ -28,8 +28,8 @@ import re
 from functools import lru_cache
 from typing import Any, Callable
 
-from . import knobs
-from .safeload_keys import (
+from .. import knobs
+from .keys import (
     CHECKED,
     SENTINEL,
     Declined,
@@ -42,9 +42,9 @@ from .safeload_keys import (
     patched,
     read_tuple,
 )
-from .safeload_rules import Refused, pickle_account
-from .safeload_inert import FENCE
-from .torch_types import Size
+from .rules import Refused, pickle_account
+from .inert import FENCE
+from ..torch_types import Size
 
 __all__ = ["Call", "Decline", "MAX_WIDE_VALUES", "SizeCall", "run", "scan"]
 
@@ -88,7 +88,7 @@ def _strings(short: int) -> bytes:
 def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
     """The opcodes the regex takes (scan's loop takes the rest, or declines): every value
     opcode with at most one memo opcode after it (BINPUT, MEMOIZE, LONG_BINPUT of an index below
-    (top + 1) * 2**16), and tuples only in the shapes safeload_keys describes:
+    (top + 1) * 2**16), and tuples only in the shapes safeload.keys describes:
 
     - a tuple of at most 64 single-opcode items other than memo fetches (numbers, strings of
       fewer than `short` bytes, None, booleans, empty tuples), optionally wrapped once and
@@ -96,7 +96,7 @@ def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
     - TUPLE after a MARK whose items are any values, passed straight to REDUCE, BUILD or
       BINPERSID (where `persistent`), or wrapped once and passed to REDUCE;
     - where a tuple of single-opcode items including a memo fetch begins (at a memo fetch or a
-      MARK), the regex stops: the loop reads it (safeload_keys.read_tuple).
+      MARK), the regex stops: the loop reads it (safeload.keys.read_tuple).
     """
     memo = b"(?:\\x94|q.|" + (b"r..[\\x00-" + re.escape(bytes([top])) + b"]\\x00" if top < 256 else b"r...\\x00") + b")"
     memo_opt = b"(?:" + memo + b")?+"
@@ -157,7 +157,7 @@ _NOT_MAKERS = bytes(c for c in range(256) if c not in _MAKERS)
 MAX_WIDE_VALUES = 1 << 14
 # the longest module or name line of a GLOBAL (protocol 2)
 _MAX_NAME = 256
-# tuples of other values that go to no call (safeload_keys): one may hold the one before, so they
+# tuples of other values that go to no call (safeload.keys): one may hold the one before, so they
 # bound the depth of a dictionary key the C unpickler hashes (recursively, on the C stack)
 MAX_LOOSE_TUPLES = 10_000
 # bytes the C unpickler may spend on one object, and on one memo index (its memo doubles as it
@@ -176,7 +176,7 @@ class Decline(Exception):
 
 def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[Edits, list[int]]:
     """Raise Decline unless `data` is made only of the opcodes above (BINFLOAT where `floats`,
-    BINPERSID where `persistent`), within the limits; else the edits safeload_keys.patched makes
+    BINPERSID where `persistent`), within the limits; else the edits safeload.keys.patched makes
     (the tuples holding memo fetches checked, the others' memo entries made unfetchable) and the
     positions of the FRAMEs."""
     n = len(data)

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any, Protocol
 
-from . import knobs
-from .errors import FormatError, UnsafePickleError
-from .safeload_rules import pickle_account
+from .. import knobs
+from ..errors import FormatError, UnsafePickleError
+from .rules import pickle_account
 
 
 class Placeholder:
@@ -47,7 +47,7 @@ class Placeholder:
 
 
 class Grammar(Protocol):
-    """What the machine asks about globals and calls; see safeload_grammar for ckptkit's."""
+    """What the machine asks about globals and calls; see safeload.grammar for ckptkit's."""
 
     def find_class(self, module: str, name: str) -> Any: ...
 

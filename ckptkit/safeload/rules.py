@@ -1,4 +1,4 @@
-"""The vocabulary of the unpickler's grammar, shared by safeload_grammar and safeload_numpy: a Rule
+"""The vocabulary of the unpickler's grammar, shared by safeload.grammar and safeload.numpy: a Rule
 checks a call's arguments, Refused says they are outside the grammar, and formats add their own
 stand-ins to the allowlist with register_allowed.
 """
@@ -31,6 +31,6 @@ def pickle_account(nbytes: int) -> int:
     """The bytes unpickling `nbytes` of pickle may cause to be allocated, all charged to one
     account: the memory budget of this process (--memory-budget, CKPTKIT_MEMORY_BUDGET), or twice
     the pickle's size where that is more (the promise of docs/reliability.md)."""
-    from .runner import limits  # (foundation: the budget a CLI command set)
+    from ..runner import limits  # (foundation: the budget a CLI command set)
 
     return max(limits.budget(), 2 * nbytes)

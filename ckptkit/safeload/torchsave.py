@@ -1,8 +1,8 @@
 """A torch.save archive's data.pkl, read lazily at C speed: Python's C unpickler, fenced in.
 
 A DeepSpeed ZeRO-3 model-states file of 20k parameters pickles 40k tensors (20k of them empty
-placeholders) and their shapes: ckptkit's own pickle machine (safeload_vm) takes ~1 s for it,
-Python's C unpickler 0.3 s. It runs inside safeload_fence's fences (the opcodes scanned first,
+placeholders) and their shapes: ckptkit's own pickle machine (safeload.vm) takes ~1 s for it,
+Python's C unpickler 0.3 s. It runs inside safeload.fence's fences (the opcodes scanned first,
 floats and persistent ids allowed here; only the grammar's own values and rules for torch's
 rebuild functions, tensor classes, torch.Size, dtypes, layouts, memory formats, devices, legacy
 storage types, OrderedDict and the inert stand-ins, DeepSpeed's among them), and this road adds
@@ -24,13 +24,13 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-from . import knobs
-from .safeload_fence import Call, Decline, SizeCall, run
-from .safeload_grammar import _ORDERED_DICT_ATTRS, RestrictedGrammar, _rebuild_from_type_v2_marker, table
-from .safeload_inert import Inert, _attrs
-from .safeload_refs import StorageRef, TensorRef, _StorageType, _TypedStorage
-from .safeload_rules import extra_allowed
-from .torch_types import DType, GlobalRef, Size
+from .. import knobs
+from .fence import Call, Decline, SizeCall, run
+from .grammar import _ORDERED_DICT_ATTRS, RestrictedGrammar, _rebuild_from_type_v2_marker, table
+from .inert import Inert, _attrs
+from .refs import StorageRef, TensorRef, _StorageType, _TypedStorage
+from .rules import extra_allowed
+from ..torch_types import DType, GlobalRef, Size
 
 __all__ = ["load"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import FormatError, quote
-from .torch_types import DType
+from ..errors import FormatError, quote
+from ..torch_types import DType
 
 
 class _Sealed:

@@ -1,7 +1,7 @@
 """The one place ckptkit unpickles anything: data only, within limits.
 
-`restricted_loads` runs a pickle through ckptkit's own pickle machine (safeload_vm) under an
-explicit grammar (safeload_grammar, safeload_numpy): each global a checkpoint may name is either
+`restricted_loads` runs a pickle through ckptkit's own pickle machine (safeload.vm) under an
+explicit grammar (safeload.grammar, safeload.numpy): each global a checkpoint may name is either
 plain data (a dtype, a stand-in class) or a call whose arguments are checked before anything is
 built. Tensors are rebuilt by our own functions (lazily, as references to storage bytes, or eagerly
 from bytes we read); the classes a checkpoint's metadata references (DCP metadata, DeepSpeed's
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .errors import CkptkitError, FormatError, InternalError, quote
-from . import safeload_dcp, safeload_torchsave
-from .safeload_grammar import RestrictedGrammar, table
-from .safeload_inert import Inert, inert_class
-from .safeload_refs import RawStorage, StorageRef, TensorRef, storage_pid, typed_storage
-from .safeload_rules import extra_allowed, register_allowed
-from .safeload_vm import run
+from ..errors import CkptkitError, FormatError, InternalError, quote
+from . import dcp, torchsave
+from .grammar import RestrictedGrammar, table
+from .inert import Inert, inert_class
+from .realize import realize
+from .refs import RawStorage, StorageRef, TensorRef, storage_pid, typed_storage
+from .rules import extra_allowed, register_allowed
+from .vm import run
 
 # the names readers and writers take from here (defined beside the unpickler, re-exported)
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "inert_class",
     "fenced_torch_save_loads",
     "register_allowed",
+    "realize",
     "restricted_loads",
     "restricted_loads_dcp_metadata",
     "storage_pid",
@@ -49,8 +51,8 @@ def allowlist() -> dict[tuple[str, str], Any]:
 
 
 class _RestrictedUnpickler:
-    """One restricted load: ckptkit's grammar (safeload_grammar) run by the data-only pickle
-    machine (safeload_vm) under the limits of ckptkit.knobs."""
+    """One restricted load: ckptkit's grammar (safeload.grammar) run by the data-only pickle
+    machine (safeload.vm) under the limits of ckptkit.knobs."""
 
     def __init__(self, data: bytes, file: str, persistent_load: Callable[[Any], Any] | None) -> None:
         self._data = data
@@ -82,17 +84,17 @@ def restricted_loads(data: bytes, file: str, persistent_load: Callable[[Any], An
 
 
 def restricted_loads_dcp_metadata(data: bytes, file: str) -> Any:
-    """A DCP `.metadata`: through the fenced C unpickler (safeload_dcp) when it is torch's own
+    """A DCP `.metadata`: through the fenced C unpickler (safeload.dcp) when it is torch's own
     shape, which gives what the restricted machine would, 5x faster; else `restricted_loads`."""
-    value = safeload_dcp.load(data)
+    value = dcp.load(data)
     return value if value is not None else restricted_loads(data, file)
 
 
 def fenced_torch_save_loads(data: bytes, persistent_load: Callable[[Any], Any]) -> Any | None:
-    """A torch.save data.pkl loaded lazily through the fenced C unpickler (safeload_torchsave),
+    """A torch.save data.pkl loaded lazily through the fenced C unpickler (safeload.torchsave),
     or None where it declines: the caller then runs `restricted_loads` (and undoes what its
     `persistent_load` recorded)."""
-    return safeload_torchsave.load(data, persistent_load)
+    return torchsave.load(data, persistent_load)
 
 
 def _with_file(exc: CkptkitError, file: str) -> CkptkitError:

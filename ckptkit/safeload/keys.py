@@ -1,4 +1,4 @@
-"""What Python's C unpickler may hash, bounded before it runs (used by safeload_fence).
+"""What Python's C unpickler may hash, bounded before it runs (used by safeload.fence).
 
 The C unpickler hashes every dictionary key in C, recursively through nested tuples, with no
 recursion limit, no Ctrl-C and no clock: a key nested a million deep overflows the C stack, a key
@@ -15,7 +15,7 @@ unpickler only in shapes whose hash is small:
   `read_tuple` reads it in Python, and the pickle is rewritten (`patched`) to pass it through
   `checked` as soon as it is made, which declines it (with `bounded`) before anything can fetch it;
 - a tuple of any items that goes to no call (torch's `_rebuild_from_type_v2` arguments, an item of
-  the call's own tuple): at most MAX_LOOSE of them (safeload_fence), and its memo entry rewritten to
+  the call's own tuple): at most MAX_LOOSE of them (safeload.fence), and its memo entry rewritten to
   hold `Fetched` instead: a pickle that fetches it gets a value that declines the load when hashed,
   compared, called or seen by the road's check (a pickler only fetches what it wrote twice).
 
@@ -29,7 +29,7 @@ import bisect
 from array import array
 from typing import Any, Callable
 
-from .safeload_inert import FENCE, Inert
+from .inert import FENCE, Inert
 
 __all__ = [
     "CHECKED",
@@ -57,7 +57,7 @@ _POP = b"0"
 
 
 class Declined(Exception):
-    """Raised where a fenced load must stop (safeload_fence turns it into a Decline)."""
+    """Raised where a fenced load must stop (safeload.fence turns it into a Decline)."""
 
 
 class Fetched:

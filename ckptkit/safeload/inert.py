@@ -11,13 +11,13 @@ import os
 import threading
 from typing import Any
 
-from .errors import UnsafePickleError, quote
+from ..errors import UnsafePickleError, quote
 
 _HASH_SALT = int.from_bytes(os.urandom(8), "little")
 
 
-# set by safeload_fence while Python's C unpickler runs: the check the stand-ins' arguments and
-# tuple states pass first (safeload_keys.check_call)
+# set by safeload.fence while Python's C unpickler runs: the check the stand-ins' arguments and
+# tuple states pass first (safeload.keys.check_call)
 FENCE = threading.local()
 
 
@@ -35,7 +35,7 @@ class Inert:
             self.__dict__["_kwargs"] = kwargs
 
     def __setstate__(self, state: Any) -> None:
-        # the grammar's BUILD, whoever unpickles a stand-in (the C unpickler in safeload_dcp
+        # the grammar's BUILD, whoever unpickles a stand-in (the C unpickler in safeload.dcp
         # calls this for each of a .metadata's 500k objects: the plain case inline)
         kind = type(state)
         if kind is dict and set(map(type, state)) <= _STR and state.keys().isdisjoint(_INERT_ATTRS):

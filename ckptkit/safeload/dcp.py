@@ -1,8 +1,8 @@
 """DCP's `.metadata` as torch writes it, read at C speed: Python's C unpickler, fenced in.
 
-A `.metadata` of 100k tensors is 10M opcodes; ckptkit's own pickle machine (safeload_vm) spends
+A `.metadata` of 100k tensors is 10M opcodes; ckptkit's own pickle machine (safeload.vm) spends
 ~0.7 us on each, while Python's C unpickler builds the same objects 5x faster. It runs inside
-safeload_fence's fences (the opcodes scanned first; only the grammar's own values and rules for
+safeload.fence's fences (the opcodes scanned first; only the grammar's own values and rules for
 the DCP stand-ins, torch.Size, dtypes, layouts, memory formats and paths), and this road adds
 two more on the result, else `load` hands back None and the restricted machine reads the file:
 
@@ -22,11 +22,11 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from .safeload_fence import Call, Decline, SizeCall, run
-from .safeload_grammar import _LAYOUT, table
-from .safeload_inert import inert_class
-from .safeload_rules import extra_allowed
-from .torch_types import DType, GlobalRef, Size
+from .fence import Call, Decline, SizeCall, run
+from .grammar import _LAYOUT, table
+from .inert import inert_class
+from .rules import extra_allowed
+from ..torch_types import DType, GlobalRef, Size
 
 __all__ = ["load"]
 
