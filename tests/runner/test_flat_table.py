@@ -227,11 +227,11 @@ def test_ranges_far_apart_are_not_read_as_one_block(tmp_path, monkeypatch) -> No
 )
 def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) -> None:
     """The ZeRO-3 module's empty placeholders are located without the view checks (tensor_location's
-    empty_view road): the same dtype and Location as the checks (_located) give, for every one."""
+    empty_view road): the same dtype and Location as the checks (locate_view) give, for every one."""
     from ckptkit.formats.deepspeed.templates import lazify, template_of
     from ckptkit.formats.registry import open_checkpoint
     from ckptkit.index.types import Location
-    from ckptkit.runner.torch_archive import _located, empty_view
+    from ckptkit.runner.archive_values import empty_view, locate_view
     from ckptkit.safeload import TensorRef
 
     info = open_checkpoint(str(Path(__file__).parents[2] / "fixtures/data/deepspeed" / name)).index.native
@@ -253,7 +253,7 @@ def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) ->
     for ref in refs:
         entry = lazify(ref, archive, {}).entry
         member = archive.storage_member(ref.storage.key)
-        dtype, start, length, stride = _located(archive, ref, "tensor", member)
+        dtype, start, length, stride = locate_view(archive, ref, "tensor", member)
         assert (entry.dtype, entry.pieces[0].location) == (
             dtype,
             Location(archive.file, member.data_offset + start, length, stride=stride),

@@ -47,7 +47,8 @@ from ...runner.torch_archive import (
 )
 
 # (the item template reuses the layout memo's skeleton and its way of making NamedTuples)
-from ...runner.torch_archive import _Layout, _new_tuple, _plain_directory
+from ...runner.structure_memo import ZipLayout
+from ...runner.zip_directory import new_tuple, plain_directory
 from ...runner.archive_records import ident_is_text, ident_name, record_names
 from .conflicts import refuse_twin, same_entry
 
@@ -549,11 +550,11 @@ class _ItemTemplate:
     the building of their piece and checks.
 
     Why a match gives what the full path gives: the comparison covers every byte of the zip layout
-    the layout memo compares (_Layout's skeleton: all that open_archive's checks read but the
+    the layout memo compares (ZipLayout's skeleton: all that open_archive's checks read but the
     CRC32 fields, which are unpacked here and, where the local header carries one, compared with
     the directory's as they would be) and every byte of data.pkl. An archive of the same length
     equal on them therefore gets from open_archive the same members (at its own offset, with its
-    own CRCs: _Layout's argument), from load_structure the same tensor (the same data.pkl, over
+    own CRCs: ZipLayout's argument), from load_structure the same tensor (the same data.pkl, over
     storage members of the same names and sizes), from tensor_location the same view checks and
     the same location relative to the archive, and its dtype and shape are the metadata's (the
     kind is looked up by them). Anything else goes through the full path, which refuses it with
@@ -578,7 +579,7 @@ class _ItemTemplate:
         self,
         mask: int,
         want: int,
-        layout: _Layout,
+        layout: ZipLayout,
         members: tuple[tuple[int, int, str], ...],
         start: int,
         length: int,
@@ -600,10 +601,10 @@ class _ItemTemplate:
         """The template of `archive` (read whole), which gave `loc` and `checks`; None when its
         layout is not one the layout memo can remember, or the template would not give them."""
         copy, offset = archive.copy, archive.base
-        plain = _plain_directory(copy)
+        plain = plain_directory(copy)
         pkl = archive.members.get(f"{archive.prefix}/data.pkl")
         layout = (
-            _Layout.of(copy, offset, plain[1], archive.members, archive.prefix)
+            ZipLayout.of(copy, offset, plain[1], archive.members, archive.prefix)
             if plain is not None and pkl is not None
             else None
         )
@@ -677,7 +678,7 @@ class _MatchedChecks:
         file, offset = self.file, self.offset
         return iter(
             [
-                _new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
+                new_tuple(IntegrityCheck, (file, offset + at, size, crc, what))
                 for at, size, crc, what in zip(self.template.ats, self.template.sizes, self.crcs, self.template.whats)
             ]
         )

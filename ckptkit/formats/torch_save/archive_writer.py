@@ -382,11 +382,11 @@ def _template(pickle_bytes: bytes, nbytes: int) -> _Template | None:
     key = (pickle_bytes, nbytes)
     if key in _TEMPLATES:
         return _TEMPLATES[key]
-    from ...runner.torch_archive import _plain_directory
+    from ...runner.zip_directory import plain_directory
 
     blank = _zip_of(pickle_bytes, bytes(nbytes))
     made = None
-    found = _plain_directory(blank)
+    found = plain_directory(blank)
     records = [e for e in found[0] if e.filename == f"{ROOT}/data/0"] if found is not None else []
     if len(records) == 1:
         entry = records[0]

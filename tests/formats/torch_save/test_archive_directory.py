@@ -1,10 +1,10 @@
 """The zip directory of a torch.save archive too big to read whole (issue 17: a ZeRO-3
 model-states file lists a storage record per parameter, 20k of them):
 
-- `_tail_directory` reads the end records and central directory from the end of the file and
+- `tail_directory` reads the end records and central directory from the end of the file and
   parses them once, exactly as zipfile does, and declines (None: zipfile reads it) anything
   unusual, entries with extra fields included;
-- the local headers `_members` checks are read a window at a time (`_HeaderReads`), and a
+- the local headers `checked_members` checks are read a window at a time (`HeaderReads`), and a
   damaged one is refused with the very sentence of a read of its own."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from ckptkit.errors import FormatError
 from ckptkit.runner import torch_archive as ta
+from ckptkit.runner import zip_directory
 from ckptkit.storage.source import BytesSource
 from test_small_archives import _central_damaged, _cut, _prefixed, _two_disks, _with_comment  # the same damages
 
@@ -57,14 +58,14 @@ class _Counting(BytesSource):
 
 def _open(data: bytes, monkeypatch=None, fast: bool = True) -> ta.Archive:
     if not fast:
-        monkeypatch.setattr(ta, "_tail_directory", lambda *a: None)
-        monkeypatch.setattr(ta, "_GAP", -1)  # every header read on its own
+        monkeypatch.setattr(ta, "tail_directory", lambda *a: None)
+        monkeypatch.setattr(zip_directory, "_GAP", -1)  # every header read on its own
     return ta.open_archive(BytesSource(data, "big.pt"), "")
 
 
 def test_tail_directory_reads_what_zipfile_reads():
     data = _big()
-    found = ta._tail_directory(BytesSource(data, "big.pt"), "", 0, len(data))
+    found = zip_directory.tail_directory(BytesSource(data, "big.pt"), "", 0, len(data))
     assert found is not None  # torch.save's big archives (zip64 end records included) take it
     entries, start = found
     zf = zipfile.ZipFile(io.BytesIO(data))
@@ -107,7 +108,7 @@ def _corrupt_extra(data: bytes) -> bytes:
 @pytest.mark.parametrize("damage", [_with_comment, _prefixed, _two_disks, _cut, _central_damaged, _corrupt_extra])
 def test_anything_unusual_is_left_to_zipfile(damage):
     data = damage(_big())
-    assert ta._tail_directory(BytesSource(data, "big.pt"), "", 0, len(data)) is None
+    assert zip_directory.tail_directory(BytesSource(data, "big.pt"), "", 0, len(data)) is None
 
 
 @pytest.mark.parametrize("damage", [_two_disks, _cut, _central_damaged, _corrupt_extra])

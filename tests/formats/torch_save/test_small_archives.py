@@ -1,7 +1,7 @@
 """The fast path for small torch.save archives (issue 17: a DCP checkpoint of 100k small tensors
 is 100k archives to open while indexing).
 
-- `_plain_directory` parses the zip directory of an archive torch.save wrote exactly as zipfile
+- `plain_directory` parses the zip directory of an archive torch.save wrote exactly as zipfile
   does, and declines (None: zipfile reads it) anything it does not handle;
 - `StructureMemo` unpickles a data.pkl once per distinct bytes, and a hit still checks the
   archive's own storage records."""
@@ -18,6 +18,7 @@ import torch
 
 from ckptkit.errors import FormatError
 from ckptkit.runner import torch_archive as ta
+from ckptkit.runner.zip_directory import plain_directory
 from ckptkit.storage.source import BytesSource
 
 FIELDS = (
@@ -50,7 +51,7 @@ ARCHIVES = {
 @pytest.mark.parametrize("name", list(ARCHIVES))
 def test_plain_directory_reads_what_zipfile_reads(name):
     data = ARCHIVES[name]()
-    plain = ta._plain_directory(data)
+    plain = plain_directory(data)
     assert plain is not None  # torch.save's archives (zip64 end records included) take the fast path
     entries, start = plain
     zf = zipfile.ZipFile(io.BytesIO(data))
@@ -90,7 +91,7 @@ def _central_damaged(data: bytes) -> bytes:
 @pytest.mark.parametrize("damage", [_with_comment, _prefixed, _two_disks, _cut, _central_damaged])
 def test_anything_unusual_is_left_to_zipfile(damage):
     data = damage(ARCHIVES["small tensor"]())
-    assert ta._plain_directory(data) is None
+    assert plain_directory(data) is None
 
 
 @pytest.mark.parametrize("damage", [_two_disks, _cut, _central_damaged])
