@@ -17,6 +17,7 @@ import torch
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.dcp import reader
+from ckptkit.formats.dcp.item_templates import ItemTemplates
 from ckptkit.index.types import Box, IntegrityCheck, Location, Piece, TensorEntry
 from ckptkit.storage.source import LocalSource
 from conftest import dataclass_fields as _fields, save_random_dcp
@@ -67,7 +68,7 @@ def _read(source, jobs, monkeypatch, fast: bool) -> list:
     with monkeypatch.context() as m:
         if not fast:
             m.setattr(reader, "StructureMemo", lambda: None)
-            m.setattr(reader._Templates, "item", lambda self, *a: None)
+            m.setattr(ItemTemplates, "item", lambda self, *a: None)
         results = reader._read_items(source, jobs, 1)
     out = []
     for got in results:
@@ -84,14 +85,14 @@ def _read(source, jobs, monkeypatch, fast: bool) -> list:
 def _served(monkeypatch) -> list:
     """Counts the items a template served."""
     served = []
-    real = reader._Templates.item
+    real = ItemTemplates.item
 
     def counting(self, *a):
         got = real(self, *a)
         served.append(got is not None)
         return got
 
-    monkeypatch.setattr(reader._Templates, "item", counting)
+    monkeypatch.setattr(ItemTemplates, "item", counting)
     return served
 
 
@@ -127,7 +128,7 @@ def test_mixed_kinds_read_the_same_with_and_without_templates(tmp_path, monkeypa
     fast = reader.read_index(LocalSource(str(tmp_path)), parallel=1)
     assert sum(served) >= 5 * 3
     monkeypatch.setattr(reader, "StructureMemo", lambda: None)
-    monkeypatch.setattr(reader._Templates, "item", lambda self, *a: None)
+    monkeypatch.setattr(ItemTemplates, "item", lambda self, *a: None)
     full = reader.read_index(LocalSource(str(tmp_path)), parallel=1)
     assert fast.checks == full.checks and len(full.checks) > 100
     assert {k: (t.dtype, t.shape, t.pieces) for k, t in fast.tensors.items()} == {

@@ -16,6 +16,7 @@ import pytest
 
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.dcp import reader
+from ckptkit.formats.dcp.item_templates import ReadWindow
 from ckptkit.runner import torch_archive as ta
 from ckptkit.storage.source import BytesSource, LocalSource
 from conftest import save_random_dcp
@@ -73,7 +74,7 @@ def test_read_index_is_the_same_with_and_without_the_layout_memo(tmp_path, monke
         m.setattr(reader, "LocalSource", type("Remote", (), {}))  # as a remote source is: in threads
         threaded = reader.read_index(LocalSource(str(tmp_path)), parallel=8)
     monkeypatch.setattr(reader, "StructureMemo", lambda: None)  # no memo at all: every check run per item
-    monkeypatch.setattr(reader._Window, "read", lambda self, rel, offset, length, size: None)  # one read per item
+    monkeypatch.setattr(ReadWindow, "read", lambda self, rel, offset, length, size: None)  # one read per item
     full = reader.read_index(LocalSource(str(tmp_path)), parallel=1)
     for index in (fast, threaded):
         assert index.checks == full.checks
@@ -138,7 +139,7 @@ class _CountingSource(BytesSource):
 def test_the_read_ahead_window_serves_the_bytes_asked_for():
     data = bytes(range(256)) * 400
     source = _CountingSource(data)
-    window = reader._Window(source)
+    window = ReadWindow(source)
     spans = [(i * 100, 100) for i in range(300)]  # in file order, back to back
     assert all(window.read("", o, n, len(data)) == data[o : o + n] for o, n in spans)
     assert source.reads < 20
