@@ -23,7 +23,7 @@ import pathlib
 from typing import Any
 
 from .fence import Call, Decline, SizeCall, run
-from .grammar import _LAYOUT, table
+from .grammar import LAYOUT, table
 from .inert import inert_class
 from .rules import extra_allowed
 from ..torch_types import DType, GlobalRef, Size
@@ -61,7 +61,7 @@ def _globals() -> dict[tuple[str, str], Any]:
 # ---- the result's shape, nothing of unbounded size shared ---------------------------------------
 
 _PATHS = (pathlib.PurePosixPath, pathlib.PureWindowsPath)  # what the grammar makes of pickled Paths
-_LEAF_ARGS = {_LAYOUT: str, f"{_META}._MEM_FORMAT_ENCODING": int}
+_LEAF_ARGS = {LAYOUT: str, f"{_META}._MEM_FORMAT_ENCODING": int}
 
 
 def _classes() -> dict[str, type]:
@@ -76,7 +76,7 @@ def _classes() -> dict[str, type]:
             f"{_META}.MetadataIndex",
             f"{_META}.StorageMeta",
             _STORAGE_INFO,
-            _LAYOUT,
+            LAYOUT,
             f"{_META}._MEM_FORMAT_ENCODING",
         )
     }
@@ -172,7 +172,7 @@ class _Shape:
             if type(dtype) is not DType or type(requires_grad) is not bool or type(pin_memory) is not bool:
                 raise Decline
             if id(layout) not in leaves:
-                self.leaf(layout, _LAYOUT)
+                self.leaf(layout, LAYOUT)
             if id(memory_format) not in leaves:
                 self.leaf(memory_format, f"{_META}._MEM_FORMAT_ENCODING")
             for chunk in chunks:

@@ -35,8 +35,8 @@ from .keys import (
     Declined,
     Edits,
     Fetched,
-    _item,
-    _memo,
+    read_item,
+    read_memo,
     check_call,
     checked,
     patched,
@@ -215,7 +215,7 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
                 loose += 1
                 if loose > MAX_LOOSE_TUPLES:
                     raise Decline  # (each may hold the one before: they bound a key's depth)
-                pos, span = _memo(data, pos + 1, memo_ok)
+                pos, span = read_memo(data, pos + 1, memo_ok)
                 if span is not None:
                     edits.loose(*span)
                 continue
@@ -224,7 +224,7 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
                 if one is not None:
                     made = one.end()
                     edits.call(pos, made)
-                    pos = _memo(data, made, memo_ok)[0]
+                    pos = read_memo(data, made, memo_ok)[0]
                     continue
             if op in _ITEM_OPS:
                 got = read_tuple(data, pos, memo_ok, count_wide, floats, blob, frames)
@@ -237,7 +237,7 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
                 if op == 0x28:
                     raise Decline  # (a MARK the regex left: a tuple it cannot take)
             pos = _value(data, pos, op, count_wide, floats, blob)
-            pos = _memo(data, pos, memo_ok)[0]
+            pos = read_memo(data, pos, memo_ok)[0]
             if pos > n:
                 raise Decline
     except (Declined, IndexError):
@@ -268,7 +268,7 @@ def _value(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: boo
             raise Declined
         return end + 1
     if op in _ITEM_OPS:
-        return _item(data, pos, op, wide, floats, blob)
+        return read_item(data, pos, op, wide, floats, blob)
     raise Declined
 
 
@@ -276,15 +276,15 @@ class Call:
     """A global the grammar lets a pickle call: its rule builds the value. Takes no state and
     no attributes (a pickle cannot change it for the next one)."""
 
-    __slots__ = ("_rule",)
+    __slots__ = ("rule",)
 
     def __init__(self, rule: Any) -> None:
-        object.__setattr__(self, "_rule", rule)
+        object.__setattr__(self, "rule", rule)
 
     def __call__(self, *args: Any) -> Any:
         check_call(args)
         try:
-            return self._rule(args)
+            return self.rule(args)
         except Refused:
             raise Decline from None
 

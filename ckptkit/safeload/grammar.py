@@ -20,8 +20,8 @@ from typing import Any, Callable
 from .. import knobs
 from ..errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from ..index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS, dtype_name
-from .inert import Inert, _attrs, apply_inert_state, inert_class
-from .refs import RawStorage, StorageRef, TensorRef, _StorageType, _TypedStorage
+from .inert import Inert, plain_attrs, apply_inert_state, inert_class
+from .refs import RawStorage, StorageRef, TensorRef, StorageType, TypedStorage
 from .rules import Refused, Rule, extra_allowed
 from .vm import Placeholder, check_keys
 from ..torch_types import DType, GlobalRef, Size, SmallTensor
@@ -63,7 +63,7 @@ def _int(value: Any, what: str, low: int = 0) -> int:
 
 
 def _storage(value: Any) -> Any:
-    if not isinstance(value, (_TypedStorage, StorageRef, RawStorage)):
+    if not isinstance(value, (TypedStorage, StorageRef, RawStorage)):
         raise Refused("the first argument must be a storage of the archive")
     return value
 
@@ -96,13 +96,13 @@ def _itemsize(dtype: DType) -> int:
 
 
 def _storage_dtype(storage: Any) -> DType:
-    if isinstance(storage, (_TypedStorage, StorageRef)):
+    if isinstance(storage, (TypedStorage, StorageRef)):
         return storage.dtype
     return DType("uint8")
 
 
 def _unwrap(storage: Any) -> Any:
-    return storage.ref if isinstance(storage, _TypedStorage) else storage
+    return storage.ref if isinstance(storage, TypedStorage) else storage
 
 
 def _tensor_tail(args: tuple, first: int) -> None:
@@ -292,14 +292,14 @@ def _device(args: tuple) -> Any:
     return inert_class("torch.device")(*args)
 
 
-_LAYOUT = "torch.serialization._get_layout"
+LAYOUT = "torch.serialization._get_layout"
 
 
 def _get_layout(args: tuple) -> Any:
     """A layout as torch pickles it (`_get_layout("torch.strided")`), kept as that call."""
     if len(args) != 1 or args[0] not in ("torch.strided", "torch.sparse_coo"):
         raise Refused("takes 'torch.strided' or 'torch.sparse_coo'")
-    return inert_class(_LAYOUT)(args[0])
+    return inert_class(LAYOUT)(args[0])
 
 
 def _reconstructor(args: tuple) -> Any:
@@ -326,7 +326,7 @@ def _inert(cls: type) -> Rule:
 
 # ---- state (BUILD) -----------------------------------------------------------------------------
 
-_ORDERED_DICT_ATTRS = frozenset(dir(collections.OrderedDict))
+ORDERED_DICT_ATTRS = frozenset(dir(collections.OrderedDict))
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -342,13 +342,13 @@ def _storage_types() -> dict[tuple[str, str], Any]:
     }
     table: dict[tuple[str, str], Any] = {}
     for name, dtype in {**LEGACY_STORAGE, **quantized}.items():
-        table[("torch", name)] = _StorageType(DType(dtype))
-    table[("torch", "UntypedStorage")] = _StorageType(DType("uint8"))
-    table[("torch.storage", "UntypedStorage")] = _StorageType(DType("uint8"))
+        table[("torch", name)] = StorageType(DType(dtype))
+    table[("torch", "UntypedStorage")] = StorageType(DType("uint8"))
+    table[("torch.storage", "UntypedStorage")] = StorageType(DType("uint8"))
     return table
 
 
-def _rebuild_from_type_v2_marker(args: tuple) -> Any:  # replaced by RestrictedGrammar.call
+def rebuild_from_type_v2_marker(args: tuple) -> Any:  # replaced by RestrictedGrammar.call
     raise Refused("is handled by the grammar")
 
 
@@ -367,7 +367,7 @@ def build_table() -> tuple[dict[tuple[str, str], Any], dict[int, tuple[Any, Rule
     add("torch._utils", "_rebuild_tensor", rebuild_tensor, rebuild_tensor)
     add("torch._utils", "_rebuild_parameter", rebuild_parameter, rebuild_parameter)
     add("torch._utils", "_rebuild_parameter_with_state", rebuild_parameter, rebuild_parameter)
-    add("torch._tensor", "_rebuild_from_type_v2", _rebuild_from_type_v2_marker, _rebuild_from_type_v2_marker)
+    add("torch._tensor", "_rebuild_from_type_v2", rebuild_from_type_v2_marker, rebuild_from_type_v2_marker)
     add("torch", "Size", Size, _size)
     add("torch", "device", inert_class("torch.device"), _device)
     add("torch.nn.parameter", "Parameter", inert_class("torch.nn.parameter.Parameter"))
@@ -518,13 +518,13 @@ class RestrictedGrammar:
                 f"grammar; nothing was executed)"
             )
         try:
-            if rule is _rebuild_from_type_v2_marker:
-                return self._rebuild_from_type_v2(args)
+            if rule is rebuild_from_type_v2_marker:
+                return self.rebuild_from_type_v2(args)
             return rule(args)
         except Refused as exc:
             raise self._refuse(func, args, str(exc)) from None
 
-    def _rebuild_from_type_v2(self, args: tuple) -> Any:
+    def rebuild_from_type_v2(self, args: tuple) -> Any:
         """torch._tensor._rebuild_from_type_v2(func, new_type, args, state): only our rebuilders."""
         if len(args) != 4 or type(args[2]) is not tuple:
             raise Refused("takes a rebuild function, a tensor class, its arguments and a state")
@@ -566,7 +566,7 @@ class RestrictedGrammar:
             Inert.__setstate__(obj, state)  # (the grammar's BUILD, whoever unpickles a stand-in)
             return obj
         if type(obj) is collections.OrderedDict:  # torch's state_dict() carries `_metadata`
-            obj.__dict__.update(_attrs(state, _ORDERED_DICT_ATTRS, "an OrderedDict"))
+            obj.__dict__.update(plain_attrs(state, ORDERED_DICT_ATTRS, "an OrderedDict"))
             return obj
         if isinstance(obj, Placeholder) and self._numpy is not None:
             return self._numpy.build(obj, state)
@@ -580,7 +580,7 @@ class RestrictedGrammar:
             raise FormatError("pickle references external storage outside a torch.save archive")
         return self._persistent(pid)
 
-    atoms = frozenset({DType, GlobalRef, _StorageType})
+    atoms = frozenset({DType, GlobalRef, StorageType})
 
     def children(self, value: Any) -> Any:
         if isinstance(value, Inert):

@@ -126,7 +126,7 @@ def _values_inside(value: Any) -> int:
 _STR = {str}
 
 
-def _attrs(state: Any, reserved: frozenset, what: str) -> dict:
+def plain_attrs(state: Any, reserved: frozenset, what: str) -> dict:
     if type(state) is not dict or state.keys() & reserved or not set(map(type, state)) <= _STR:
         bad = next((k for k in state if type(k) is not str or k in reserved), None) if isinstance(state, dict) else None
         raise UnsafePickleError(
@@ -140,7 +140,7 @@ def apply_inert_state(obj: Inert, state: Any) -> None:
     other value kept as `_state`; attributes never shadow the stand-in's own methods."""
     what = f"a {obj._qualname} stand-in"
     if isinstance(state, dict):
-        obj.__dict__.update(_attrs(state, _INERT_ATTRS, what))
+        obj.__dict__.update(plain_attrs(state, _INERT_ATTRS, what))
     elif (
         type(state) is tuple
         and len(state) == 2
@@ -149,7 +149,7 @@ def apply_inert_state(obj: Inert, state: Any) -> None:
     ):
         for part in state:
             if part:
-                obj.__dict__.update(_attrs(part, _INERT_ATTRS, what))
+                obj.__dict__.update(plain_attrs(part, _INERT_ATTRS, what))
     else:
         obj.__dict__["_state"] = state
 

@@ -258,12 +258,12 @@ def read_tuple(
         if len(items) == (MAX_ITEMS if mark else 3) or op not in _ITEMS or (op == 0x47 and not floats):
             return None
         items.append(pos)
-        pos = _memo(data, _item(data, pos, op, _no_count, floats, blob), memo_ok)[0]
+        pos = read_memo(data, read_item(data, pos, op, _no_count, floats, blob), memo_ok)[0]
     for at in items:  # (counted once the tuple is known: the loop reads a lone item too)
         if data[at] == 0x8A and data[at + 1] > 4 or data[at] == 0x47:
             wide()
     frames += seen
-    return pos, _memo(data, pos, memo_ok)[0], any(data[at] in _GETS for at in items)
+    return pos, read_memo(data, pos, memo_ok)[0], any(data[at] in _GETS for at in items)
 
 
 def _no_count() -> None:
@@ -273,7 +273,7 @@ def _no_count() -> None:
 _ITEMS = frozenset(_FIXED) | {0x8C, 0x58, 0x8A, 0x47}
 
 
-def _item(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: bool, blob: int) -> int:
+def read_item(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: bool, blob: int) -> int:
     width = _FIXED.get(op)
     if width is not None:
         return pos + 1 + width
@@ -292,7 +292,7 @@ def _item(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: bool
     raise Declined
 
 
-def _memo(data: bytes, pos: int, memo_ok: Callable[[int, int], bool]) -> tuple[int, tuple[int, int] | None]:
+def read_memo(data: bytes, pos: int, memo_ok: Callable[[int, int], bool]) -> tuple[int, tuple[int, int] | None]:
     op = data[pos] if pos < len(data) else -1
     width = 0 if op == 0x94 else 1 if op == 0x71 else 4 if op == 0x72 else -1
     if width < 0:

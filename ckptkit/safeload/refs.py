@@ -76,6 +76,12 @@ class _StorageType:
         return _StorageType, (self.dtype,)
 
 
+# the names the grammar and the fenced road use; the classes keep their own names, which refusal
+# sentences show (`type(value).__name__`)
+TypedStorage = _TypedStorage
+StorageType = _StorageType
+
+
 def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
     """Decode torch.save's persistent id ('storage', type, key, location, numel)."""
     if not (type(pid) is tuple and len(pid) == 5 and pid[0] in ("storage", b"storage")):
@@ -95,5 +101,5 @@ def storage_pid(pid: Any, file: str) -> tuple[str, DType, int]:
     return key, storage_type.dtype, numel
 
 
-def typed_storage(ref: Any, dtype: DType) -> _TypedStorage:
+def typed_storage(ref: Any, dtype: DType) -> TypedStorage:
     return _TypedStorage(ref, dtype)

@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 from .. import knobs
 from .fence import Call, Decline, SizeCall, run
-from .grammar import _ORDERED_DICT_ATTRS, RestrictedGrammar, _rebuild_from_type_v2_marker, table
-from .inert import Inert, _attrs
-from .refs import StorageRef, TensorRef, _StorageType, _TypedStorage
+from .grammar import ORDERED_DICT_ATTRS, RestrictedGrammar, rebuild_from_type_v2_marker, table
+from .inert import Inert, plain_attrs
+from .refs import StorageRef, TensorRef, StorageType, TypedStorage
 from .rules import extra_allowed
 from ..torch_types import DType, GlobalRef, Size
 
@@ -46,7 +46,7 @@ _MODULES = {
     "argparse",
 }
 _LEAVES = frozenset(
-    {str, int, float, bool, type(None), DType, GlobalRef, Size, TensorRef, StorageRef, _TypedStorage, _StorageType}
+    {str, int, float, bool, type(None), DType, GlobalRef, Size, TensorRef, StorageRef, TypedStorage, StorageType}
 )
 # the walk's depth limit: the machine counts the depth of a rebuilt value's arguments too
 _DEPTH_MARGIN = 16
@@ -60,7 +60,7 @@ class _FromTypeCall(Call):
 
     def __call__(self, *args: Any) -> Any:
         if len(args) == 4 and isinstance(args[0], Call):
-            args = (args[0]._rule, *args[1:])
+            args = (args[0].rule, *args[1:])
         return Call.__call__(self, *args)
 
 
@@ -77,8 +77,8 @@ def _names() -> dict[tuple[str, str], Any]:
             if module not in _MODULES:
                 continue
             entry = calls.get(id(value))
-            if value is _rebuild_from_type_v2_marker:
-                found[(module, name)] = _FromTypeCall(grammar._rebuild_from_type_v2)
+            if value is rebuild_from_type_v2_marker:
+                found[(module, name)] = _FromTypeCall(grammar.rebuild_from_type_v2)
             elif entry is None:
                 found[(module, name)] = value  # stand-in classes, dtypes, globals, storage types
             else:  # rebuild functions, torch.Size, torch.device, _get_layout, OrderedDict ...
@@ -108,7 +108,7 @@ def _check(value: Any, budget: int) -> None:
             if t is not dict:
                 attrs = v.__dict__  # torch's state_dict()._metadata, set by BUILD
                 if attrs:
-                    push((_attrs(attrs, _ORDERED_DICT_ATTRS, "an OrderedDict"), depth))  # (the grammar's check)
+                    push((plain_attrs(attrs, ORDERED_DICT_ATTRS, "an OrderedDict"), depth))  # (the grammar's check)
             for k, x in v.items():
                 if type(k) not in leaves:
                     push((k, depth))

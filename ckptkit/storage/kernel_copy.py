@@ -28,7 +28,7 @@ _BUFFER = 8 << 20
 # a range this small is read with one pread (into memory) rather than mapped or copied in the
 # kernel: a map or a copy_file_range costs more than the bytes; _PER_RANGE weighs a range's
 # fixed cost against bytes, so a Ctrl-C is checked after about a window's worth of work
-_SMALL = 64 << 10
+SMALL_READ = 64 << 10
 _PER_RANGE = 4 << 10
 # small ranges of one file that lie close together are read as one block of at most _BLOCK bytes:
 # a gap of up to _GAP bytes between them costs less to read than another call (and, from a
@@ -81,7 +81,7 @@ class _SmallReads:
         self.blocks: list[list[Any]] = []  # [file, start, end]
         last: dict[str, int] = {}  # file -> its latest block
         for rel, offset, nbytes in ranges:
-            if type(rel) is not str or nbytes > _SMALL:
+            if type(rel) is not str or nbytes > SMALL_READ:
                 self.block_of.append(-1)
                 continue
             b = last.get(rel)
@@ -110,7 +110,7 @@ class _SmallReads:
         return held[1][offset - start : offset - start + nbytes]
 
 
-def _pread_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
+def pread_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
     """nbytes at offset of a source file, in one positional read."""
     data = os.pread(source.fileno(rel), nbytes, offset)
     if len(data) != nbytes:
@@ -118,7 +118,7 @@ def _pread_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
     return data
 
 
-def _source_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
+def source_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
     """nbytes at offset of a source file, through the source's own reads (any storage)."""
     return source.read(rel, offset, nbytes)
 
@@ -140,13 +140,13 @@ def _crc_window(source: Any, rel: str, offset: int, nbytes: int, crc: int) -> in
 def read(source: Any, ranges: Ranges) -> bytes:
     """The concatenated ranges in memory (for small values; any source that can read)."""
     parts: list[Any] = []
-    small = _SmallReads(source, ranges, _source_block)
+    small = _SmallReads(source, ranges, source_block)
     for i, (rel, offset, nbytes) in enumerate(ranges):
         if rel is None:
             parts.append(bytes(nbytes))
         elif isinstance(rel, bytes):
             parts.append(rel[offset : offset + nbytes])
-        elif nbytes <= _SMALL:
+        elif nbytes <= SMALL_READ:
             parts.append(small.get(i, rel, offset, nbytes))
         else:
             parts.append(source.read(rel, offset, nbytes))
@@ -176,7 +176,7 @@ def _copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], A
     total = crc = 0
     pending = bytearray()  # small ranges read, not yet written
     since_check = _WINDOW  # the first range checks: a Ctrl-C already pending stops at once
-    small = _SmallReads(source, ranges, _pread_block)
+    small = _SmallReads(source, ranges, pread_block)
 
     def flush() -> None:
         if pending:
@@ -189,7 +189,7 @@ def _copy(source: Any, ranges: Ranges, out: BinaryIO, advance: Callable[[int], A
         if since_check >= _WINDOW:
             interrupts.check()
             since_check = 0
-        if nbytes <= _SMALL:
+        if nbytes <= SMALL_READ:
             if rel is None:
                 data: Any = _ZEROS[:nbytes]
             elif isinstance(rel, bytes):

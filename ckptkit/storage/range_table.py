@@ -88,12 +88,12 @@ def copy_with_crc(
 
 def _large(table: RangeTable) -> bool:
     """Whether a range is larger than a small one: kernel_copy copies those in the kernel."""
-    return bool(len(table)) and int(table.nbytes.max()) > kernel_copy._SMALL
+    return bool(len(table)) and int(table.nbytes.max()) > kernel_copy.SMALL_READ
 
 
 def _gathered(source: Any, table: RangeTable, read_block: Callable[[Any, str, int, int], bytes]) -> Iterator[Any]:
     """The ranges' bytes in order, a window of about _WINDOW bytes at a time (every range at
-    most kernel_copy._SMALL bytes)."""
+    most kernel_copy.SMALL_READ bytes)."""
     import numpy as np  # here, not at import: only a flat table's ranges need it
 
     nbytes, fids, offsets = table.nbytes, table.fids, table.offsets
@@ -156,8 +156,8 @@ def _window(
 
 
 def _pread_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
-    return kernel_copy._pread_block(source, rel, offset, nbytes)
+    return kernel_copy.pread_block(source, rel, offset, nbytes)
 
 
 def _source_block(source: Any, rel: str, offset: int, nbytes: int) -> bytes:
-    return kernel_copy._source_block(source, rel, offset, nbytes)
+    return kernel_copy.source_block(source, rel, offset, nbytes)

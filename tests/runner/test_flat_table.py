@@ -179,7 +179,7 @@ def test_the_gathered_copy_writes_kernel_copys_bytes(tmp_path, monkeypatch, seed
         if kind < 0.1:
             ranges.append((None, 0, n))
         elif kind < 0.12 and seed % 3 == 0:  # larger than a small range: kernel_copy's path
-            ranges.append(("a", unit * rng.randint(0, 1000), (kernel_copy._SMALL // unit + 1) * unit))
+            ranges.append(("a", unit * rng.randint(0, 1000), (kernel_copy.SMALL_READ // unit + 1) * unit))
         elif kind < 0.15:  # far apart: the window is read range by range
             ranges.append((rng.choice("ab"), unit * rng.randint(0, (1 << 20) // unit - 50), n))
         else:
@@ -208,7 +208,7 @@ def test_ranges_far_apart_are_not_read_as_one_block(tmp_path, monkeypatch) -> No
     between them (kernel_copy's reads), and still give the same bytes."""
     source = _source(tmp_path, {"a": 2 << 20})
     blocks = []
-    for name in ("_pread_block", "_source_block"):
+    for name in ("pread_block", "source_block"):
         real = getattr(kernel_copy, name)
         monkeypatch.setattr(kernel_copy, name, lambda s, rel, o, n, real=real: blocks.append(n) or real(s, rel, o, n))
     table = RangeTable(["a"], np.array([0, 0]), np.array([0, (2 << 20) - 64]), np.array([64, 64]))

@@ -126,8 +126,8 @@ def test_a_partitions_slices_are_read_a_block_at_a_time(tmp_path, monkeypatch) -
     ranges = [(f"r{i % 2}", (i // 2) * 128, 88) for i in range(10_000)]
     want = b"".join(files[rel][at : at + n] for rel, at, n in ranges)
     reads: list[int] = []
-    real = kernel_copy._pread_block
-    monkeypatch.setattr(kernel_copy, "_pread_block", lambda *a: reads.append(a[3]) or real(*a))
+    real = kernel_copy.pread_block
+    monkeypatch.setattr(kernel_copy, "pread_block", lambda *a: reads.append(a[3]) or real(*a))
     source = LocalSource(str(tmp_path))
     try:
         with open(tmp_path / "out", "wb") as out:
