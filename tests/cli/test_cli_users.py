@@ -1,4 +1,4 @@
-"""The command line as a new user meets it (issue 16): names, outputs, --dtype, progress.
+"""The command line as a new user meets it: names, outputs, --dtype, progress.
 
 Every test runs `python -m ckptkit` in a subprocess whose stderr is not a terminal (a pipe), as
 in a CI log, except the pty test, which gives it a terminal to check the tqdm bar."""

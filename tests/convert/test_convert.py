@@ -1,6 +1,6 @@
 """ckptkit convert without launching a framework: every direction read back and compared with the
 truth the frameworks wrote, names mapped, bad input refused in one sentence.
-(tests/test_convert_frameworks.py closes the loop with real FSDP2 and DeepSpeed jobs.)"""
+(tests/convert/test_convert_frameworks.py closes the loop with real FSDP2 and DeepSpeed jobs.)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""What the test_hostile_scout3_* files share: the fixtures they attack, a fresh `python -m ckptkit`
-run (with added variables or a file size cap) and the exit-status contract it must keep.
+"""What the hostile tests of options, URLs, writes and the in-job API share: the fixtures they
+attack, a fresh `python -m ckptkit` run (with added variables or a file size cap) and the
+exit-status contract it must keep.
 
-Each test there pins a promise of README.md / docs/cli.md / docs/hooks.md that a careless user or
-an attacker broke: bad input gets one `error: ...` sentence and exit 2 (docs/cli.md, "Exit
+Each test there pins a promise of README.md / docs/cli.md / docs/hooks.md against a careless user
+or an attacker: bad input gets one `error: ...` sentence and exit 2 (docs/cli.md, "Exit
 status"); exit 3 ("internal error") and a Python traceback are bugs; an API call refuses with a
 CkptkitError naming what is wrong.
 """

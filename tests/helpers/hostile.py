@@ -73,7 +73,7 @@ def run_python(
     """Run `python CODE...` limited and measured; `interrupt_after` sends SIGINT to the
     command after that many seconds.
 
-    The command runs under tests/_measured.py, which reports its exit status and its own peak RSS."""
+    The command runs under tests/helpers/_measured.py, which reports its exit status and its own peak RSS."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report")

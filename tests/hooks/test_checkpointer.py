@@ -1,6 +1,6 @@
 """ckptkit.Checkpointer in real jobs (torchrun, gloo): resume after a crash at another world size,
 async saves that keep the values of their step, retention; and a DeepSpeed ZeRO-3 run saved at
-4 ranks resumed at 3. The single-process behaviour is in tests/test_api.py."""
+4 ranks resumed at 3. The single-process behaviour is in tests/api/test_api.py."""
 
 from __future__ import annotations
 

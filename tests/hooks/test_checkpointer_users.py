@@ -1,4 +1,4 @@
-"""The Checkpointer as a user expects it (issue 16): `states` (a scheduler, a stateful object),
+"""The Checkpointer as a user expects it: `states` (a scheduler, a stateful object),
 per-rank RNG state, tensors in `extra`, the pointer file `latest`, no warning in one process, and
 `ckptkit inspect DIR`. One process with a real model + AdamW + StepLR, each promise bit for bit;
 then one short 2-rank job (tests/dist/checkpointer_users_job.py) checking the same per rank."""

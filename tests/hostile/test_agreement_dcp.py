@@ -4,7 +4,7 @@ torch looks a storage record up by MetadataIndex's fqn and offset only (the inde
 leaves out of comparisons and hashing): two records for one chunk that differ only in the hint
 collapse to one when torch unpickles the .metadata, so dcp.load reads one of them. Crafted from
 fsdp2_w2: such twins (after, before, without a hint, of a value) are refused under
-tests/hostile.py's whole contract; wrong hints alone are read as dcp_to_torch_save reads them,
+tests/helpers/hostile.py's whole contract; wrong hints alone are read as dcp_to_torch_save reads them,
 bit for bit.
 """
 

@@ -5,7 +5,7 @@ ckptkit's writer stored once; it never replaces a tensor or value a file really 
 shards give one alias two targets. A header the safetensors library reads otherwise (a key given
 twice, bytes no tensor holds) is refused as the library refuses it. Crafted from a Hugging Face
 Trainer's model.safetensors and files written by safetensors itself; refusals go through
-tests/hostile.py's whole contract, and what ckptkit reads is compared with load_file bit for bit.
+tests/helpers/hostile.py's whole contract, and what ckptkit reads is compared with load_file bit for bit.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Crafted from plain_state_dict.pt: records that decide how torch reads the archiv
 version and .data/version, .storage_alignment, the folder every member must lie in, taken from
 the first member) and persistent ids that name one storage key with two storage types or sizes
 (torch builds the first and hands it to every later id of the key) or as bytes. Refusals go
-through tests/hostile.py's whole contract and verify --deep must not say ok; what torch accepts
+through tests/helpers/hostile.py's whole contract and verify --deep must not say ok; what torch accepts
 and ckptkit reads is compared with torch.load bit for bit.
 """
 

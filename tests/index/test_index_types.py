@@ -73,7 +73,7 @@ def test_unchecked_values_stay_frozen():
 
 
 def test_check_table_gives_back_the_checks_put_in():
-    """CheckTable (issue 17: an index's checks as columns) iterates, indexes, compares and pickles
+    """CheckTable (an index's checks as columns) iterates, indexes, compares and pickles
     as the list of IntegrityChecks it stands for; a list given to the index is made one."""
     from ckptkit.index.types import CheckpointIndex, CheckTable, IntegrityCheck
 

@@ -1,7 +1,7 @@
 """Checks over pieces grow as n log n, not n squared, in any layout: one DCP tensor stored as up to
 100k chunks tiled along rows, along columns, in 2-D and 3-D blocks and in bands cut differently,
 is verified (--deep) and consolidated within a generous time guard, and equals what torch reads;
-an overlapping and a gapped variant are refused in one sentence (tests/hostile.py's contract).
+an overlapping and a gapped variant are refused in one sentence (tests/helpers/hostile.py's contract).
 
 The checkpoints are what torch's FileSystemWriter writes: each chunk a torch.save archive, one
 after the other in `__0_0.distcp`, and a `.metadata` that pickles torch's own Metadata classes.

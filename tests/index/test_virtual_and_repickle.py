@@ -42,7 +42,7 @@ def test_flat_concat_and_slices_equal_torch_cat(opened):
 
 
 def _reference_slice(key, dtype, parts, start, length):
-    """flat_slice and flat_concat as they were written before issue 17 (every part copied, a
+    """flat_slice and flat_concat as they were first written (every part copied, a
     zeros Location per padding piece)."""
     from ckptkit.index.types import FlatRange, Location, Piece, TensorEntry
     from ckptkit.index.virtual import REF, ZEROS

@@ -1,4 +1,4 @@
-"""verify and diff as users expect them (issue 16), through `python -m ckptkit` in a subprocess.
+"""verify and diff as users expect them, through `python -m ckptkit` in a subprocess.
 
 verify lists every problem (a truncated rank file AND a missing one), each with its file, key and
 kind, as text and as strict JSON. diff compares extras and the step besides tensors, gives each

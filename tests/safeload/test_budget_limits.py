@@ -4,7 +4,7 @@ the file's size, and a value is cut to what will be shown before it is expanded.
 Crafted as an attacker would, several shapes each: many small objects (empty dicts, empty lists,
 stand-ins), bytes rebuilt by a grammar rule (bytearray, bytes), pathlib paths from thousands of
 long parts, and a value referencing one long string thousands of times (printed and --json). Each
-runs through the CLI under tests/hostile.py: refused in one sentence (or, for the shared string,
+runs through the CLI under tests/helpers/hostile.py: refused in one sentence (or, for the shared string,
 shown cut) within max(budget, 2 x file) + 100 MB, under --memory-budget 64MB.
 """
 

@@ -1,5 +1,5 @@
 """safeload.fence.scan matches short strings (BINUNICODE, SHORT_BINUNICODE) in its regex rather
-than one loop iteration each (issue 17: a ZeRO-3 model-states data.pkl holds 60k of them), and
+than one loop iteration each (a ZeRO-3 model-states data.pkl holds 60k of them), and
 takes or declines exactly what it did with the loop alone."""
 
 from __future__ import annotations

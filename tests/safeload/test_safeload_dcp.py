@@ -1,4 +1,4 @@
-"""DCP's `.metadata` through Python's C unpickler inside safeload.dcp's fences (issue 17).
+"""DCP's `.metadata` through Python's C unpickler inside safeload.dcp's fences.
 
 The fast road must give exactly what ckptkit's own pickle machine (safeload.vm) gives, or decline
 (None: the machine then reads the file and words any refusal). Proven on every DCP `.metadata`

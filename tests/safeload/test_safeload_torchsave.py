@@ -1,4 +1,4 @@
-"""A torch.save data.pkl through Python's C unpickler inside safeload.torchsave's fences (issue 17).
+"""A torch.save data.pkl through Python's C unpickler inside safeload.torchsave's fences.
 
 The fast road (lazy loads) must give exactly what ckptkit's own pickle machine gives, or decline
 (None: the machine then reads the pickle and words any refusal). Proven on every torch.save

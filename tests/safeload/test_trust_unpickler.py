@@ -14,7 +14,7 @@ main and then for its class:
 4. JSON nested 1e5 deep in a safetensors header, an index.json, a __metadata__ value, a
    --ds-config.
 
-CLI cases run through tests/hostile.py: exit 2, one sentence naming the file, no traceback, peak
+CLI cases run through tests/helpers/hostile.py: exit 2, one sentence naming the file, no traceback, peak
 RSS under the bound, within the timeout, the source byte-identical.
 """
 

@@ -6,7 +6,7 @@ several shapes (fresh nesting through TUPLE1, TUPLE2 and MARK/TUPLE; nesting and
 the memo by BINPUT/BINGET, MEMOIZE/LONG_BINGET, DUP and a stand-in's arguments; a memo index near
 the file's size; a flood of MEMOIZE) and put where the fenced roads read pickles: a DCP
 `.metadata`, a torch.save `data.pkl`, and a torch.save archive inside a DCP bytes item. Each is run
-through the CLI under tests/hostile.py: exit 2 with one sentence naming the file (verify: its
+through the CLI under tests/helpers/hostile.py: exit 2 with one sentence naming the file (verify: its
 problem listed, exit 1), within the time and memory bound (max(budget, 2 x file) + 100 MB),
 source unchanged.
 """

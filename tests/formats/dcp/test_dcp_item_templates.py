@@ -1,4 +1,4 @@
-"""The DCP reader's item templates (issue 17: a DCP checkpoint of 100k small tensors is 100k
+"""The DCP reader's item templates (a DCP checkpoint of 100k small tensors is 100k
 torch.save archives to check while indexing).
 
 After an item of a kind (archive length, dtype, shape) passed the full path, a template serves the

@@ -1,5 +1,5 @@
 """The DCP reader reads torch's own kind of metadata (torch.Size of non-negative ints in chunk
-objects) without a check per field (issue 17), and everything else through the checked path:
+objects) without a check per field, and everything else through the checked path:
 the same boxes and storage keys either way, and the checked path's sentence for what is wrong."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The DCP writer's small items (issue 17): a chunk that is one small flat run of its tensor is
+"""The DCP writer's small items: a chunk that is one small flat run of its tensor is
 written from its archive template straight from the tensor's byte ranges, gathered into one
 write per run of items; the files are byte for byte those written item by item through
 write_archive_to, and torch loads them."""

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1/2/3 checkpoints of optimizers other than DeepSpeed's Adam (issue 13).
+"""DeepSpeed ZeRO 1/2/3 checkpoints of optimizers other than DeepSpeed's Adam.
 
 Fixtures (fixtures/data/deepspeed_optimizers, written by real DeepSpeed runs of
 fixtures/generate_deepspeed.py's OPTIM_FIXTURES): torch's AdamW ("torch_adam": true, or a client

@@ -1,4 +1,4 @@
-"""The ranks of a ZeRO checkpoint whose files pickle alike are unpickled once (issue 17).
+"""The ranks of a ZeRO checkpoint whose files pickle alike are unpickled once.
 
 DeepSpeed writes ZeRO-3's model-states file with a placeholder tensor per parameter on every
 rank, and the ranks after the first (often the first too) pickle it to the very same bytes. The

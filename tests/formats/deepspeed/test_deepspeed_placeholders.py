@@ -1,5 +1,5 @@
 """ZeRO-3 placeholders (the empty tensors `module` holds for partitioned parameters) are skipped
-without being located (issue 17), yet one whose view tensor_location would refuse is still
+without being located, yet one whose view tensor_location would refuse is still
 refused with tensor_location's sentence."""
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def _copy(name, tmp_path):
     "case,message",
     [
         # a model-parallel rank's model file without its optim files (tensor parallelism is read:
-        # tests/test_ds_tp*.py)
+        # tests/formats/deepspeed/test_ds_tp*.py)
         ("mp_rank_01", r"no \*_optim_states.pt files of model-parallel rank 1"),
         ("expert", "mixture-of-experts"),
         ("offloaded", "NVMe-offloaded"),

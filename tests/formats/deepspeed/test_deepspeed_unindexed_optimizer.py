@@ -1,6 +1,6 @@
 """consolidate without --include-optimizer opens a ZeRO checkpoint with `optimizer=False`: the
 reader reads and checks the optimizer state as always but only counts its per-parameter entries
-(formats/protocols.UNINDEXED_OPTIMIZER) instead of indexing them (issue 17: 40k entries of a 20k
+(formats/protocols.UNINDEXED_OPTIMIZER) instead of indexing them (40k entries of a 20k
 parameter ZeRO-3 checkpoint that consolidate never writes).
 
 Checked on the real fixtures: such an index is the full index less exactly the optimizer's

@@ -178,7 +178,7 @@ def test_missing_rank_optim_file(tmp_path, rank, needle):
     _one_sentence_exit_2(_cli("consolidate", src, tmp_path / "o"), needle)
 
 
-@pytest.mark.parametrize("args", [("convert", "--to", "zero2")])  # reshard: tests/test_ds_moe_reshard.py
+@pytest.mark.parametrize("args", [("convert", "--to", "zero2")])  # reshard: test_ds_moe_reshard.py
 def test_converting_to_zero_is_refused(tmp_path, args):
     command, *rest = args
     res = _cli(command, MOE_DATA / FIXTURES[0], tmp_path / "o", *rest)

@@ -194,7 +194,7 @@ def _wrong_shape(tag):
             "mptopo_missing_layer",
             r"layer_04-model_00-model_states.pt: file is missing \(pipeline stage 1 holds layer 4's",
         ),
-        # a `-model_01` file says tp 2: every layer then needs one (tests/test_ds_3d.py reads real ones)
+        # a `-model_01` file says tp 2: every layer then needs one (test_ds_3d.py reads real ones)
         (
             "mptopo_tp_layer_file",
             r"layer_00-model_01-model_states.pt: file is missing \(tensor-parallel rank 0 has layer "

@@ -1,4 +1,4 @@
-"""The progress count of a DeepSpeed write ends at exactly its total (issue 14).
+"""The progress count of a DeepSpeed write ends at exactly its total.
 
 The operation starts its progress with the source's tensor bytes; a DeepSpeed writer then writes
 something else (each rank's flat partitions with their padding, tensors repeated on every tp or

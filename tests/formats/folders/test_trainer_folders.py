@@ -1,4 +1,4 @@
-"""HF Trainer `checkpoint-N/` folders as a unit (issue 13, item 3), on real Trainer runs.
+"""HF Trainer `checkpoint-N/` folders as a unit, on real Trainer runs.
 
 fixtures/generate_trainer.py wrote fixtures/data/trainer/<layout>/checkpoint-2 with transformers'
 Trainer on 2 CPU processes (DeepSpeed ZeRO-2 with torch's AdamW, ZeRO-3, FSDP1 and FSDP2 through

@@ -1,4 +1,4 @@
-"""The zip directory of a torch.save archive too big to read whole (issue 17: a ZeRO-3
+"""The zip directory of a torch.save archive too big to read whole (a ZeRO-3
 model-states file lists a storage record per parameter, 20k of them):
 
 - `tail_directory` reads the end records and central directory from the end of the file and

@@ -1,4 +1,4 @@
-"""The layout memo of small torch.save archives and the DCP item reading around it (issue 17: a
+"""The layout memo of small torch.save archives and the DCP item reading around it (a
 DCP checkpoint of 30k small tensors is 30k archives to check while indexing).
 
 StructureMemo remembers the layout of an archive that passed open_archive's checks; a later

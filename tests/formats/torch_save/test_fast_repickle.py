@@ -1,4 +1,4 @@
-"""repickle._fast_dumps writes FaithfulPickler's bytes exactly (issue 17: DCP's `.metadata` of
+"""repickle._fast_dumps writes FaithfulPickler's bytes exactly (DCP's `.metadata` of
 100k tensors is a million objects, too many for pickle._Pickler's per-object machinery).
 
 Every value _fast_dumps accepts must pickle to the same bytes as FaithfulPickler (which is

@@ -1,4 +1,4 @@
-"""repickle.fast_dumps with the torch.save archive writer's hooks (issue 17: a ZeRO-3 model
+"""repickle.fast_dumps with the torch.save archive writer's hooks (a ZeRO-3 model
 states file holds one tensor per parameter, 100k of them, too many for pickle._Pickler's
 per-object machinery) writes the FaithfulPickler's bytes and records the same storages.
 

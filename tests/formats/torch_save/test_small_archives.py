@@ -1,4 +1,4 @@
-"""The fast path for small torch.save archives (issue 17: a DCP checkpoint of 100k small tensors
+"""The fast path for small torch.save archives (a DCP checkpoint of 100k small tensors
 is 100k archives to open while indexing).
 
 - `plain_directory` parses the zip directory of an archive torch.save wrote exactly as zipfile

@@ -1,4 +1,4 @@
-"""zip_records packs zip records directly (issue 17: a ZeRO-3 model-states file is 20k empty
+"""zip_records packs zip records directly (a ZeRO-3 model-states file is 20k empty
 placeholder tensors, each a zipfile member). Its bytes must be zipfile's own: checked here on
 random archives (plain and aligned members, empty and not, past 255 and 65535 members), and at
 run time by matches_zipfile, which the archive writer asks before using it."""

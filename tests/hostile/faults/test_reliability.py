@@ -1,5 +1,5 @@
 """Faults: damage inside compressed items, a full disk, and fuzzed inputs for every parser.
-(Crafted pickles: test_safeload.py, test_cli_bad_input.py, test_deepspeed_hostile.py; kills:
+(Crafted pickles: test_safeload.py, test_cli_bad_input.py, test_code_in_deepspeed_pickles.py; kills:
 test_crash.py.)"""
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""Adversarial pass over Trainer folders and the Checkpointer / ckptkit.save / ckptkit.load.
+"""Hostile Trainer folders and hostile inputs to the Checkpointer / ckptkit.save / ckptkit.load.
 
 Each case is crafted from a real fixture (copied into tmp_path, never modified in place) or from a
 checkpoint saved by the Checkpointer in this process, the way an attacker or a careless user would
 break it, and held to the promise of README.md / docs/reliability.md: one sentence naming the
 file and a non-zero exit (a CkptkitError from the API), never a traceback, never a silently wrong
-value, nothing left that looks complete. Most tests here were bugs when this pass found them
-(they were strict xfails in f4078db, saying what happened then), fixed in e86e653 and bf84c20.
+value, nothing left that looks complete.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every size a file declares (a zstd frame's output, a zip member, a storage, a view's extent) is
 checked before anything that size is allocated. Each class of attack is crafted here as an
-attacker would (torch, zstandard, zipfile and struct edits; tests/trust_memory_craft.py) and run
-through the CLI under tests/hostile.py: exit 2 (verify: 1, its problems listed) with a sentence
+attacker would (torch, zstandard, zipfile and struct edits; tests/helpers/memory_craft.py) and run
+through the CLI under tests/helpers/hostile.py: exit 2 (verify: 1, its problems listed) with a sentence
 naming the file, no traceback, peak RSS <= max(budget, 2 x the hostile file's size) + 100 MB over
 the interpreter's own, within the timeout, source unchanged, nothing left beside OUT.
 """

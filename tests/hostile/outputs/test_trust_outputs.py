@@ -1,6 +1,6 @@
 """An output never touches its source; --overwrite is atomic and leaves nothing; locks cannot race.
 
-Through the CLI (tests/hostile.py: exit 2, one sentence naming the paths, source byte-identical,
+Through the CLI (tests/helpers/hostile.py: exit 2, one sentence naming the paths, source byte-identical,
 nothing left in OUT's parent) for consolidate, reshard and convert: OUT that is SRC, inside SRC,
 contains SRC or is a file of SRC, directly or through symlinks, hard links and bind mounts, with and
 without --overwrite; odd things at OUT and at the lock path. In one process: the lock protocol

@@ -3,7 +3,7 @@
 Every case is crafted here as an attacker would: a data file linked to /etc/passwd or to another
 user's checkpoint, a DeepSpeed `latest` linked out or full of escape sequences, FIFOs, character
 devices and sockets in place of files, tag folders linked out, link loops. Each runs through the
-CLI in a subprocess (tests/hostile.py) with a short timeout, so a hang fails instead of blocking the
+CLI in a subprocess (tests/helpers/hostile.py) with a short timeout, so a hang fails instead of blocking the
 suite, and checks the whole contract: exit 2 (verify: 1, the problem listed), one sentence naming
 the file, nothing read from outside, source unchanged, nothing left next to OUT. What must keep
 working does: links inside SRC, SRC itself a link, the Hugging Face cache layout (snapshot files

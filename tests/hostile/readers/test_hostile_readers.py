@@ -1,17 +1,13 @@
-"""Hostile inputs against the DCP and safetensors readers (an adversarial pass after 8c29bfa).
+"""Hostile inputs against the DCP and safetensors readers, held to docs/reliability.md (bad input
+gets one sentence and a non-zero exit, never exit 0 with wrong values or an output no loader
+accepts, never an internal error):
 
-Each test here was a broken promise of docs/reliability.md when it was written (bad input must get one
-sentence and a non-zero exit, never exit 0 with wrong values or an output no loader accepts, never an
-internal error), now kept:
-
-- Was: a compressed DCP item (stream.zstd) was checked against .metadata only when decoded, and
-  Fetcher._decoded caches the decoded item by (file, offset): a second storage record pointing at the
-  same bytes gets the cached tensor without the dtype/shape check, so int64 [0,1,2,3,4] is written
-  as float32 noise cast to int64 (zeros), exit 0; or a shape mismatch ends in an internal error.
-- Was: the safetensors header check was looser than the format: the overlap check compares neighbours
-  only (a zero-length tensor between two overlapping ones hides the overlap), `true` passes as a
-  dimension (bool is an int), and dimensions whose product exceeds 64 bits pass when another is 0;
-  consolidate copies such a header into an output safetensors itself refuses to load.
+- a compressed DCP item (stream.zstd) is checked against .metadata for every storage record that
+  points at it, also when the decoded item is cached by (file, offset): a second record reading the
+  same bytes as another dtype or shape is refused, not written as the first record's values;
+- the safetensors header is checked as strictly as the format: overlaps hidden behind a zero-length
+  tensor, `true` as a dimension (bool is an int), and dimensions whose product exceeds 64 bits when
+  another is 0 are refused, never copied into an output safetensors itself refuses to load.
 """
 
 from __future__ import annotations

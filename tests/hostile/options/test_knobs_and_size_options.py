@@ -1,5 +1,5 @@
-"""A careless user and an attacker, third pass: environment knobs set to garbage, size and
-tolerance options (what they share and the contract: tests/scout_cli.py).
+"""A careless user and an attacker against environment knobs set to garbage and the size and
+tolerance options (what they share and the contract: tests/helpers/cli_contract.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ zero_to_fp32 fills one dict: buffers, then frozen parameters, then each group's 
 so a later name replaces an earlier one. Crafted from z2_fp32_w2's model-states file (rewritten
 with torch.save, as DeepSpeed writes it): a frozen parameter or a buffer named like a trainable
 parameter is read as zero_to_fp32 reads it, bit for bit; one name in two parameter groups is
-refused under tests/hostile.py's whole contract (its pieces would not tile one tensor).
+refused under tests/helpers/hostile.py's whole contract (its pieces would not tile one tensor).
 """
 
 from __future__ import annotations

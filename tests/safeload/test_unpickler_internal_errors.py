@@ -1,8 +1,8 @@
 """A bug inside ckptkit's unpickler is reported as a bug (exit 3, cause under --debug), not as bad input.
 
-restricted_loads used to turn every exception into "cannot read pickle" (a FormatError, exit 2) and
-drop its cause, so a TypeError of ckptkit's own read as a user's broken file. Now only the
-unpickler's refusals and malformed input are CkptkitErrors; the bug here is injected by replacing
+Turning every exception into "cannot read pickle" (a FormatError, exit 2) and dropping its cause
+would make a TypeError of ckptkit's own read as a user's broken file: only the unpickler's
+refusals and malformed input are CkptkitErrors; the bug here is injected by replacing
 the grammar's call with one that raises, and the fenced C road's call too (safeload.fence: a bug
 there makes the road decline, and the machine, meeting the same bug, reports it).
 """

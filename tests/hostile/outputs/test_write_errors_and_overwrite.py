@@ -1,5 +1,5 @@
-"""A careless user and an attacker, third pass: write errors other than a full disk, and
---overwrite of what no conversion means to replace (the contract: tests/scout_cli.py).
+"""A careless user and an attacker against writes: write errors other than a full disk, and
+--overwrite of what no conversion means to replace (the contract: tests/helpers/cli_contract.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""More hostile Trainer folders and Checkpointer markers, beyond tests/test_hostile_folders.py:
-the same bugs' other spellings (accelerate's RNG files, a name with a trailing line break, a
-marker path no file system can name) and verify's promise that a folder reshard refuses is not "ok".
+"""Hostile Trainer folders and Checkpointer markers in the spellings test_hostile_folders.py does
+not cover: accelerate's RNG files, a name with a trailing line break, a marker path no file system
+can name; and verify never calls "ok" a folder that reshard refuses.
 """
 
 from __future__ import annotations

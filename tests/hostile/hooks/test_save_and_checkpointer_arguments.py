@@ -1,5 +1,5 @@
-"""A careless user and an attacker, third pass: the in-job API, ckptkit.save and the
-Checkpointer (what they share and the contract: tests/scout_cli.py).
+"""A careless user and an attacker against the in-job API: the arguments of ckptkit.save and the
+Checkpointer (what they share and the contract: tests/helpers/cli_contract.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A careless user and an attacker, third pass: fsspec URLs as SRC and OUT, file:// URLs, and
-loading a bare model state dict (what they share and the contract: tests/scout_cli.py).
+"""A careless user and an attacker against fsspec URLs as SRC and OUT, file:// URLs, and loading a
+bare model state dict (what they share and the contract: tests/helpers/cli_contract.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Hostile ZeRO rank files against the recent ZeRO read/write path (flat_groups, SourceRuns'
-batch path): a flat partition (fp32 masters or a partitioned optimizer state) stored as a view that
-is not contiguous is refused in one sentence naming the rank file, by every command, and nothing is
-written; before, it was read as contiguous bytes (the wrong elements, or bytes past its storage) into
-an output that looked valid."""
+"""Hostile ZeRO rank files against the flat-partition read path (flat_groups, SourceRuns' batch
+path): a flat partition (fp32 masters or a partitioned optimizer state) stored as a view that is not
+contiguous is refused in one sentence naming the rank file, by every command, and nothing is
+written; read as contiguous bytes it would give the wrong elements, or bytes past its storage, in an
+output that looks valid."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Red team for the model-parallel readers and writers (issue 14): hostile or careless variants of
+"""Hostile model-parallel DeepSpeed checkpoints against the readers and writers: variants of
 the real TP / pipeline / MoE / mesh fixtures, each run through the CLI and held to the error
 contract (exit 2, one `error: ` sentence naming the file and the key, no traceback, no OUT left).
 
-Each case is a hole this red team found; the variants are crafted from copies of the committed
-fixtures with torch's own pickle on the test side (trusted files we generated), as the other
+The variants, as an attacker or a careless user would make them, are crafted from copies of the
+committed fixtures with torch's own pickle on the test side (trusted files we generated), as the other
 hostile tests do.
 """
 
