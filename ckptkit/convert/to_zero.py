@@ -28,6 +28,7 @@ from ..errors import UnsupportedError, UsageError
 from ..formats.deepspeed import moe
 from ..formats.deepspeed.files import ZeroFiles
 from ..formats.deepspeed.info import ZeroGroup, ZeroInfo
+from ..formats.deepspeed.names import step_tag
 from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE
 from ..formats.protocols import ZeroTemplatesTarget
 from ..index.dtypes import itemsize
@@ -121,7 +122,7 @@ def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cf
     groups = _zero_groups(state, target)
     model_t = _model_template(state, target, module, groups, index)
     optim_t = _optim_template(target, hypers, group_whole, group_keys, groups)
-    tag = f"global_step{target.step}"
+    tag = step_tag(target.step)
     files = ZeroFiles(
         tag=tag,
         prefix=f"{tag}/",

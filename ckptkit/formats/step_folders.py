@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from .. import safe_json
 from ..errors import CkptkitError
 from ..storage.paths import nameable
-from .deepspeed.names import LATEST
+from .deepspeed.names import LATEST, step_tag
 from .opened import Opener
 from .structure import structural_problems
 
@@ -181,7 +181,7 @@ def _marker_problem(path: str, doc: dict, step: int) -> str:
         return f"has a {MARKER} with world_size {world!r:.40}, expected a positive int"
     if not isinstance(files, dict) or not files:
         return f"has a {MARKER} without its list of files"
-    needed = ".metadata" if fmt == "dcp" else f"global_step{step}/"
+    needed = ".metadata" if fmt == "dcp" else f"{step_tag(step)}/"
     if not any(rel == needed if fmt == "dcp" else rel.startswith(needed) for rel in files if isinstance(rel, str)):
         return f"has a {MARKER} listing no {needed} (a {fmt} checkpoint of step {step} has one)"
     for rel, size in files.items():
@@ -210,7 +210,7 @@ def _unmarked_problem(path: str, step: int, open_checkpoint: Opener) -> str:
         if not names:
             return f"is an empty folder without {MARKER}"
         if LATEST in names:  # a DeepSpeed engine's save
-            opened = open_checkpoint(path, tag=f"global_step{step}")
+            opened = open_checkpoint(path, tag=step_tag(step))
         else:
             opened = open_checkpoint(path, expect="dcp")
             record = opened.index.objects.get("ckptkit.step")

@@ -6,22 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...errors import UnsupportedError
 from ...index.types import CheckpointIndex
 from ...storage.source import Source
 from ..protocols import ANY_WORLD, ZERO_PARTITIONS, Capabilities, ZeroTarget, ZeroTemplatesTarget
 from . import files as ds_files
 from . import pipeline as ds_pipeline
-from . import pipeline_tp_writer as ds_3d_writer
-from . import pipeline_writer as ds_pp_writer
-from . import moe as ds_moe
-from . import moe_pipeline_writer as ds_moe_pp_writer
-from . import moe_tp_writer as ds_moe_tp_writer
-from . import moe_whole_writer as ds_moe_whole_writer
 from . import reader as ds_reader
-from .moe_writer import write_moe_zero
-from . import tp_writer as ds_tp_writer
-from .writer import write_zero, write_zero_files
+from .resharding import write_at_world_size, write_resharded
+from .writer import write_zero_files
 
 if TYPE_CHECKING:
     from ...context import RunContext
@@ -74,48 +66,16 @@ class DeepSpeedFormat:
                 target.sub_group_size,
                 ctx=ctx,
             )
-        if ds_moe.is_moe(target.index):  # experts keep the source's ep size (moe_writer.target_sizes)
-            return write_moe_zero(out, target.index, target.source, target.world_size, ctx=ctx)
-        return write_zero(out, target.index, target.source, target.world_size, ctx=ctx)
+        return write_at_world_size(out, target.index, target.source, target.world_size, ctx=ctx)
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
-        if ds_3d_writer.is_pipeline_tp(opened.index):  # pipeline x tp: --to N keeps tp and pp
-            return ds_3d_writer.write_3d_zero(out, opened.index, opened.source, world_size, ctx=ctx)
-        if ds_pp_writer.is_pipeline(opened.index):  # --to N keeps the source's pp
-            return ds_pp_writer.write_pp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
-        if ds_moe_pp_writer.is_pipeline_moe(opened.index):  # MoE in a PipelineModule: --to N keeps pp and ep
-            return ds_moe_pp_writer.write_pipeline_moe_zero(out, opened.index, opened.source, world_size, ctx=ctx)
-        if ds_moe_whole_writer.is_moe_whole_tp(opened.index):  # whole experts with tp: --to N keeps tp and ep
-            return ds_moe_whole_writer.write_whole_experts(out, opened.index, opened.source, world_size, ctx=ctx)
-        if ds_moe_tp_writer.is_moe_tp(opened.index):  # experts with tp: --to N keeps tp and ep
-            return ds_moe_tp_writer.write_moe_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
-        if ds_tp_writer.is_tensor_parallel(opened.index):  # --to N keeps the source's tp
-            return ds_tp_writer.write_tp_zero(out, opened.index, opened.source, world_size, ctx=ctx)
-        return self.write(ZeroTarget(opened.index, opened.source, world_size), out, ctx)
+        """`--to N`: the writer of the source's layout family (resharding.py) keeps its
+        model-parallel sizes."""
+        return write_resharded(out, opened.index, opened.source, world_size, ctx=ctx)
 
     def reshard_parallel(self, opened: Any, out: object, sizes: "ParallelSizes", ctx: "RunContext") -> list[str]:
-        """`--to tp=..,pp=..,ep=..,dp=..`: the writer of the source's kind lays it out."""
-        index = opened.index
-        if ds_3d_writer.is_pipeline_tp(index):  # pipeline x tp: tp=T,pp=P,dp=W
-            return ds_3d_writer.write_3d_zero(out, index, opened.source, sizes, ctx=ctx)
-        if ds_pp_writer.is_pipeline(index):  # pipeline: pp=P,dp=W (tp 1)
-            return ds_pp_writer.write_pp_zero(out, index, opened.source, sizes, ctx=ctx)
-        if ds_moe_pp_writer.is_pipeline_moe(index):  # MoE in a PipelineModule: pp=P (the source's),ep=E,dp=W
-            return ds_moe_pp_writer.write_pipeline_moe_zero(out, index, opened.source, sizes, ctx=ctx)
-        if ds_moe_whole_writer.is_moe_whole_tp(index):  # whole experts (no expert TP): tp=T,ep=E,dp=W
-            return ds_moe_whole_writer.write_whole_experts(out, index, opened.source, sizes, ctx=ctx)
-        if ds_moe_tp_writer.is_moe_tp(index):  # experts with tensor parallelism: tp=T,ep=E,dp=W
-            return ds_moe_tp_writer.write_moe_tp_zero(out, index, opened.source, sizes, ctx=ctx)
-        if ds_tp_writer.is_tensor_parallel(index):  # tensor parallel: tp=T,dp=W
-            return ds_tp_writer.write_tp_zero(out, index, opened.source, sizes, ctx=ctx)
-        if ds_moe.is_moe(index):  # mixture of experts: ep=E',dp=W'
-            return write_moe_zero(out, index, opened.source, sizes, ctx=ctx)
-        if sizes.tp == sizes.pp == sizes.ep == 1:  # dp alone: a world size
-            return self.reshard(opened, out, sizes.dp, ctx)
-        raise UnsupportedError(
-            f"--to {sizes}: not supported yet for {index.root} (ep=... needs a mixture-of-experts "
-            f"checkpoint; give a world size to reshard its data-parallel ranks)"
-        )
+        """`--to tp=..,pp=..,ep=..,dp=..`: the writer of the source's layout family lays it out."""
+        return write_resharded(out, opened.index, opened.source, sizes, ctx=ctx)
 
 
 DEEPSPEED = DeepSpeedFormat()

@@ -82,14 +82,10 @@ def split_expert_name(name: str, where: str = "param_shapes") -> tuple[str, int,
     return prefix, int(expert), rest
 
 
-def is_moe(index: CheckpointIndex) -> bool:
-    return "deepspeed_moe" in index.metadata
-
-
 def refuse_rewrite(index: CheckpointIndex) -> None:
     """convert --to zero* calls this: expert groups from a canonical state are not laid out yet
     (reshard writes them from the source's own files: moe_writer.py)."""
-    if is_moe(index):
+    if "deepspeed_moe" in index.metadata:  # any index: convert asks of every source
         ep = index.metadata["deepspeed_moe"]["ep_size"]
         raise UnsupportedError(
             f"{index.root}: {NOT_RESHARDABLE} (expert-parallel size {ep}); consolidate it or "

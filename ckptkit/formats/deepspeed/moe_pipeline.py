@@ -51,10 +51,6 @@ def recorded_pp(sub: CheckpointIndex) -> tuple[int, int] | None:
     return pp, tp if isinstance(tp, int) and not isinstance(tp, bool) else 1
 
 
-def is_pipeline_moe(index: CheckpointIndex) -> bool:
-    return isinstance(index.native, PipelineMoeInfo)
-
-
 def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> CheckpointIndex:
     """One index of the stages' MoE checkpoints (mp rank = stage)."""
     label = source.label(files.prefix + files.model_files[min(files.model_files)])
@@ -128,7 +124,7 @@ def _stage_of(index: CheckpointIndex, key: str) -> int:
 
 
 def refuse_reshard(index: CheckpointIndex) -> None:
-    if is_pipeline_moe(index):
+    if isinstance(index.native, PipelineMoeInfo):
         raise UnsupportedError(
             f"{index.root}: {NOT_RESHARDABLE} ({index.native.pp} pipeline stages); consolidate "
             f"it or convert it to torch, safetensors or DCP instead"

@@ -32,17 +32,18 @@ from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
+from .layout import DeepSpeedLayout
 from .names import EXPERT_FILE, expert_file, model_file, optim_file
 from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
-from .moe_pipeline import PipelineMoeInfo, is_pipeline_moe
-from .moe_writer import MoeTarget, check_expert_sizes, moe_files
+from .moe_pipeline import PipelineMoeInfo
+from .moe_writer import MoeTarget, moe_files
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
-from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .templates import lazify, template_of
 
-__all__ = ["is_pipeline_moe", "write_pipeline_moe_zero"]
+__all__ = ["write_pipeline_moe_zero"]
 
 NO_MOE_STAGE = (
     "DeepSpeed 0.19.8 cannot train a MoE PipelineModule with a stage that holds no MoE layer (its first "
@@ -52,17 +53,7 @@ NO_MOE_STAGE = (
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
     """(P, E, W) from `--to`: E must divide W and every layer's expert count."""
-    info: PipelineMoeInfo = index.native
-    meta = index.metadata["deepspeed_moe"]
-    sizes = keep_parallel_sizes(
-        index,
-        to,
-        ParallelSizes(pp=info.pp, ep=int(meta["ep_size"])),
-        resizable=("pp", "ep"),
-        kind="mixture-of-experts PipelineModule",
-    )
-    check_expert_sizes(sizes, sizes.ep, sizes.dp, dict(meta["num_experts"]), group_of=" of a stage")
-    return sizes
+    return DeepSpeedLayout.of(index).resized(to, index.root)
 
 
 def _layer_of(name: str) -> int | None:

@@ -33,37 +33,21 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
+from .layout import DeepSpeedLayout
 from .names import expert_file, model_file, optim_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe import MARK
-from .moe_whole import is_whole
-from .moe_writer import MoeTarget, check_expert_sizes, moe_files
-from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .moe_writer import MoeTarget, moe_files
+from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .tp_geometry import TpSlicer
 from .tp_writer import TpTarget, local_group, record_tp_sizes
 
 
-def is_moe_tp(index: CheckpointIndex) -> bool:
-    """A tensor-parallel checkpoint with experts (tp_writer alone would drop the expert files), each
-    expert sliced over tp (whole experts: moe_whole_writer.py)."""
-    return isinstance(index.native, ModelParallelInfo) and "deepspeed_moe" in index.metadata and not is_whole(index)
-
-
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
     """(T, E, W) from `--to`, E checked against dp and every MoE layer's expert count."""
-    info: ModelParallelInfo = index.native
-    meta = index.metadata["deepspeed_moe"]
-    sizes = keep_parallel_sizes(
-        index,
-        to,
-        ParallelSizes(tp=info.tp, ep=int(meta["ep_size"])),
-        resizable=("tp", "ep"),
-        kind="mixture-of-experts tensor-parallel",
-    )
-    check_expert_sizes(sizes, sizes.ep, sizes.dp, dict(meta["num_experts"]), group_of=" of a tensor-parallel lane")
-    return sizes
+    return DeepSpeedLayout.of(index).resized(to, index.root)
 
 
 def write_moe_tp_zero(

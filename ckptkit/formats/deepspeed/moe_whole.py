@@ -24,7 +24,6 @@ only (no tp: they are not split).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from ...errors import FormatError
 from ...index.state_keys import param_group_key, param_group_path
@@ -105,9 +104,3 @@ def read_experts(source: Source, files: ZeroFiles, index: CheckpointIndex, subs:
         "num_experts": dict(layout.layers),
         "experts": "whole",
     }
-
-
-def is_whole(index: CheckpointIndex) -> bool:
-    """A MoE + TP index whose experts are whole (this module's layout)."""
-    meta: Any = index.metadata.get("deepspeed_moe")
-    return isinstance(meta, dict) and meta.get("experts") == "whole"

@@ -22,20 +22,19 @@ import math
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UsageError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
+from .layout import DeepSpeedLayout
 from .names import EXPERT_ID, expert_file, model_file, optim_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
-from .moe_whole import is_whole
 from .moe_tp_writer import by_rank, module_slices, tp_lanes
-from .moe_writer import MoeTarget, check_expert_counts, moe_files
-from .tag_writer import keep_parallel_sizes, tag_name, write_tag, zero_config
+from .moe_writer import MoeTarget, moe_files
+from .tag_writer import tag_name, write_tag, zero_config
 from .tp_writer import TpTarget, record_tp_sizes
 
 # the per-group entries of a stage 1/2 optimizer_state_dict, one item per group
@@ -52,44 +51,7 @@ def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSiz
     """(T, E, W) from `--to`: E must divide the T*W ranks (DeepSpeed's expert groups are consecutive
     global ranks) and every MoE layer's expert count, and T must divide E (else DeepSpeed cannot load
     the experts: at tp 4, ep 2 rank 2 reads layer_0_expert_0_mp_rank_02, which rank 0 never saves)."""
-    info: ModelParallelInfo = index.native
-    meta = index.metadata["deepspeed_moe"]
-    source = ParallelSizes(tp=info.tp, ep=int(meta["ep_size"]))
-    if isinstance(to, ParallelSizes):
-        sizes = keep_parallel_sizes(
-            index, to, source, resizable=("tp", "ep"), kind="mixture-of-experts tensor-parallel"
-        )
-    else:
-        world = int(to)
-        if world % source.tp or world % source.ep:
-            raise UsageError(
-                f"--to {world}: the source's tp {source.tp} and ep {source.ep} must both divide {world} "
-                f"ranks; give the new sizes, e.g. --to tp=1,ep={math.gcd(source.ep, world)},dp={world}"
-            )
-        sizes = ParallelSizes(tp=source.tp, ep=source.ep, dp=world // source.tp)
-    ranks = sizes.tp * sizes.dp
-    if ranks % sizes.ep:
-        raise UsageError(
-            f"--to {sizes}: the expert-parallel size must divide the {ranks} ranks (tp x dp: "
-            f"DeepSpeed groups experts over consecutive ranks when enable_expert_tensor_parallelism "
-            f"is False)"
-        )
-    check_expert_counts(sizes, sizes.ep, dict(meta["num_experts"]))
-    if sizes.ep % sizes.tp:
-        r = next(r for r in range(ranks) if r % sizes.tp != (r % sizes.ep) % sizes.tp)
-        expert = (r % sizes.ep) * (next(iter(dict(meta["num_experts"]).values())) // sizes.ep)
-        raise UsageError(
-            f"--to {sizes}: the tensor-parallel size must divide the expert-parallel size: DeepSpeed "
-            f"0.19.8 saves ep rank e's experts under mp rank e % tp but each rank loads its experts under "
-            f"its own mp rank, so rank {r} would look for layer_0_expert_{expert}_mp_rank_"
-            f"{r % sizes.tp:02d}_model_states.pt, which no rank saves"
-        )
-    return sizes
-
-
-def is_moe_whole_tp(index: CheckpointIndex) -> bool:
-    """A tensor-parallel MoE checkpoint whose experts are whole (moe_whole.py's layout)."""
-    return isinstance(index.native, ModelParallelInfo) and is_whole(index)
+    return DeepSpeedLayout.of(index).resized(to, index.root)
 
 
 def write_whole_experts(

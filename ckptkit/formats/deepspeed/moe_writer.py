@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UnsupportedError, UsageError, quote
+from ...errors import UnsupportedError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...repickle import stand_in
@@ -40,12 +40,13 @@ from ...storage.source import Source
 from ...torch_types import Size
 from . import standins
 from .entries import shape_of
+from .layout import DeepSpeedLayout
 from .names import model_file, optim_file
 from .group_plan import GroupPlan, StatePlanner, plan_group
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK, split_expert_name
 from .moe_pipeline import refuse_reshard
-from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .templates import lazify, ordered_like, template_of
 
 # split_params_into_different_moe_groups_for_optimizer's default: a larger expert group is split
@@ -67,40 +68,8 @@ class MoeTarget:
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> MoeTarget:
     """(E', W') from `--to`, checked against every MoE layer's expert count; a plain world size keeps
     the source's E when it divides it."""
-    meta = index.metadata["deepspeed_moe"]
-    counts = dict(meta["num_experts"])
-    sizes = keep_parallel_sizes(
-        index, to, ParallelSizes(ep=int(meta["ep_size"])), resizable=("ep",), kind="mixture-of-experts"
-    )
-    ep, world = sizes.ep, sizes.dp
-    check_expert_sizes(f"ep={ep},dp={world}", ep, world, counts, "world size", "")
-    return MoeTarget(ep=ep, world=world)
-
-
-def check_expert_sizes(
-    sizes: object, ep: int, dp: int, counts: dict[str, int], dp_word: str = "size", group_of: str = ""
-) -> None:
-    """Refuse an expert-parallel size that does not divide the data-parallel size or every MoE
-    layer's expert count (the sentences every MoE writer gives; `sizes` is the --to text shown,
-    `group_of` what an expert-data-parallel group's ranks belong to, e.g. " of a stage")."""
-    if dp % ep:
-        raise UsageError(
-            f"--to {sizes}: the expert-parallel size must divide the data-parallel {dp_word} (each "
-            f"expert-data-parallel group holds dp/ep ranks{group_of})"
-        )
-    check_expert_counts(sizes, ep, counts)
-
-
-def check_expert_counts(sizes: object, ep: int, counts: dict[str, int]) -> None:
-    """Refuse an expert-parallel size that does not divide every MoE layer's expert count."""
-    odd = {prefix: n for prefix, n in counts.items() if n % ep}
-    if odd:
-        prefix, n = next(iter(odd.items()))
-        raise UsageError(
-            f"--to {sizes}: MoE layer {quote(prefix)} has {n} experts, which {ep} expert-parallel "
-            f"ranks cannot share equally (ep must divide every layer's expert count: "
-            f"{sorted(set(counts.values()))})"
-        )
+    sizes = DeepSpeedLayout.of(index).resized(to, index.root)
+    return MoeTarget(ep=sizes.ep, world=sizes.dp)
 
 
 @dataclass(frozen=True, kw_only=True)

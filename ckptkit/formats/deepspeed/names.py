@@ -33,6 +33,11 @@ EXPERT_FILE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_st
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")  # (layer, tp rank)
 
 
+def step_tag(step: int) -> str:
+    """`global_stepN`, the tag engine.save_checkpoint gives a save by default."""
+    return f"global_step{step}"
+
+
 def mp_rank(mp: int | str) -> str:
     """`mp_rank_XX`, the part of a name that says its model-parallel rank (a placeholder string kept)."""
     return f"mp_rank_{mp:02d}" if isinstance(mp, int) else f"mp_rank_{mp}"

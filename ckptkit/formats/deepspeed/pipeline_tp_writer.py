@@ -28,13 +28,14 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ..torch_save.archive_writer import LazyTensor
 from . import pipeline_writer as ppw
+from .layout import DeepSpeedLayout
 from .names import layer_file, model_file, optim_file
 from .group_plan import StatePlanner, plan_group
 from .info import ZeroInfo
 from .pipeline_partition import chosen_layer_types, chosen_partition_method
 from .pipeline_tp import PipelineTpInfo
 from .templates import lazify, template_of
-from .tag_writer import alignment, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .tp_geometry import TpSlicer
 from .writer import stage12_optim
 
@@ -46,20 +47,9 @@ class Target3d:
     dp: int
 
 
-def is_pipeline_tp(index: CheckpointIndex) -> bool:
-    return isinstance(index.native, PipelineTpInfo)
-
-
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> Target3d:
     """(T, P, W) from `--to`: tp=T,pp=P,dp=W, or a world size N that keeps the source's tp and pp."""
-    info: PipelineTpInfo = index.native
-    sizes = keep_parallel_sizes(
-        index,
-        to,
-        ParallelSizes(tp=info.tp, pp=info.pp),
-        resizable=("tp", "pp"),
-        kind="3-D (pipeline x tensor-parallel)",
-    )
+    sizes = DeepSpeedLayout.of(index).resized(to, index.root)
     return Target3d(tp=sizes.tp, pp=sizes.pp, dp=sizes.dp)
 
 

@@ -39,13 +39,14 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
+from .layout import DeepSpeedLayout
 from .names import model_file, optim_file
 from .group_plan import GroupPlan, StatePlanner, plan_group, virtual
 from .info import ZeroGroup, ZeroInfo
 from .pipeline import PipelineInfo
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .templates import lazify, template_of
-from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .writer import stage12_optim
 
 
@@ -64,14 +65,9 @@ class Layer:
     key: str | None = None
 
 
-def is_pipeline(index: CheckpointIndex) -> bool:
-    return isinstance(index.native, PipelineInfo)
-
-
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> PpTarget:
     """(P, W) from `--to`: pp=P,dp=W (tp and ep 1), or a world size N that keeps the source's pp."""
-    info: PipelineInfo = index.native
-    sizes = keep_parallel_sizes(index, to, ParallelSizes(pp=info.pp), resizable=("pp",), kind="pipeline")
+    sizes = DeepSpeedLayout.of(index).resized(to, index.root)
     return PpTarget(pp=sizes.pp, dp=sizes.dp)
 
 

@@ -13,8 +13,7 @@ import math
 from typing import Any
 
 from ...context import RunContext
-from ...errors import UnsupportedError, UsageError
-from ...index.parallel_spec import ParallelSizes
+from ...errors import UnsupportedError
 from ...index.types import CheckpointIndex
 from ...progress import Progress, retotal
 from ...runner.executor import run_jobs
@@ -22,60 +21,10 @@ from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ..torch_save.archive_writer import SMALL_ARCHIVE, LazyTensor, small_archive_bytes, write_archive
-from .names import HELPER_SCRIPTS, LATEST
+from .names import HELPER_SCRIPTS, LATEST, step_tag
 
-MODEL_PARALLEL = ("tp", "pp", "ep")
-_LONG = {"tp": "tensor-parallel size", "pp": "pipeline size", "ep": "expert-parallel size"}
-_ADDING = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
 COPY_BLOCK = 8 << 20
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def keep_parallel_sizes(
-    index: CheckpointIndex, to: int | ParallelSizes, source: ParallelSizes, *, resizable: tuple[str, ...], kind: str
-) -> ParallelSizes:
-    """The target sizes of a reshard from `--to`, for a writer that lays out new `resizable`
-    model-parallel sizes (and dp) of a `kind` checkpoint whose own sizes are `source`.
-
-    ParallelSizes: taken as given, refusing a model-parallel size the writer cannot change (one the
-    source has not, such as pipeline parallelism for a tensor-parallel checkpoint). A world size N
-    keeps the source's model-parallel sizes: dp = N / (tp * pp), refused when they do not divide N
-    (ep is carved out of dp, as DeepSpeed's MoE groups are: it must divide dp)."""
-    if isinstance(to, ParallelSizes):
-        for dim in MODEL_PARALLEL:
-            if dim in resizable or getattr(to, dim) == getattr(source, dim):
-                continue
-            if dim == "ep" and source.ep == 1:
-                raise UnsupportedError(f"--to {to}: {index.root} has no mixture-of-experts layers, so ep must be 1")
-            fixed = ",".join(
-                f"{d}={getattr(source, d)}"
-                for d in MODEL_PARALLEL
-                if d not in resizable and not (d == "ep" and source.ep == 1)
-            )
-            verb = "adding" if getattr(source, dim) == 1 else "changing the source's"
-            raise UnsupportedError(
-                f"--to {to}: {verb} {_ADDING[dim]} to the {kind} checkpoint {index.root} is not "
-                f"supported yet (give {','.join(f'{d}=...' for d in resizable)},dp=... with {fixed})"
-            )
-        return to
-    world = int(to)
-    kept = [d for d in MODEL_PARALLEL if getattr(source, d) != 1]
-    consumed = source.tp * source.pp
-    if world % consumed or (world // consumed) % source.ep:
-        label = (
-            f"{_LONG[kept[0]]} {getattr(source, kept[0])}"
-            if len(kept) == 1
-            else f"{' x '.join(kept)} = {' x '.join(str(getattr(source, d)) for d in kept)}"
-        )
-        hint, rest = {}, world
-        for d in kept:  # the largest sizes at most the source's that fit N ranks
-            hint[d] = math.gcd(getattr(source, d), rest)
-            rest //= hint[d] if d != "ep" else 1
-        example = ",".join(f"{d}={hint[d]}" for d in kept) + f",dp={rest}"
-        raise UsageError(
-            f"--to {world}: the source's {label} does not divide {world} ranks; give the new sizes, e.g. --to {example}"
-        )
-    return ParallelSizes(tp=source.tp, pp=source.pp, ep=source.ep, dp=world // consumed)
 
 
 def saved_config(index: CheckpointIndex) -> dict:
@@ -115,7 +64,7 @@ def alignment_paddings(shapes: list[tuple[int, ...]], align: int) -> list[int]:
 
 def tag_name(tag: str | None, index: CheckpointIndex) -> str:
     """The source's tag, or DeepSpeed's default name for the step when it was given as the tag folder."""
-    return tag or (f"global_step{index.step}" if index.step is not None else "global_step0")
+    return tag or step_tag(index.step if index.step is not None else 0)
 
 
 def structure_bytes(value: Any, seen: set[int] | None = None) -> int:

@@ -37,12 +37,13 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
+from .layout import DeepSpeedLayout
 from .names import model_file, optim_file, zero_model_file
 from .group_plan import StatePlanner, plan_group, state_templates, target_groups
 from .info import ZeroGroup, ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .templates import lazify, template_of
-from .tag_writer import alignment, alignment_paddings, keep_parallel_sizes, tag_name, write_tag, zero_config
+from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .tp_geometry import TpSlicer
 from .writer import DEFAULT_SUB_GROUP_SIZE, stage12_optim, stage3_model, stage3_optim
 
@@ -53,14 +54,9 @@ class TpTarget:
     dp: int
 
 
-def is_tensor_parallel(index: CheckpointIndex) -> bool:
-    return isinstance(index.native, ModelParallelInfo)
-
-
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> TpTarget:
     """(T, W) from `--to`: tp=T,dp=W, or a world size N that keeps the source's tp (W = N / tp)."""
-    info: ModelParallelInfo = index.native
-    sizes = keep_parallel_sizes(index, to, ParallelSizes(tp=info.tp), resizable=("tp",), kind="tensor-parallel")
+    sizes = DeepSpeedLayout.of(index).resized(to, index.root)
     return TpTarget(tp=sizes.tp, dp=sizes.dp)
 
 
