@@ -39,3 +39,26 @@ def truth_key(kind: str, name: str) -> str | None:
         "buffer": f"model.{name}",
         "module": f"ds_module.{name}",
     }.get(kind)
+
+
+def assert_same_pickled(a, b, where: str) -> None:
+    """Two unpickled DeepSpeed structures equal object for object (tensors bit for bit)."""
+    import torch
+
+    from conftest import assert_tensor_equal
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert_tensor_equal(b, a, where)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b), where
+        for k in a:
+            assert_same_pickled(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_pickled(x, y, f"{where}[{i}]")
+    elif type(a).__name__ == "fragment_address":
+        assert type(b).__name__ == "fragment_address" and (a.numel, a.start) == (b.numel, b.start), where
+    else:
+        assert type(a) is type(b) and repr(a) == repr(b), where

@@ -124,52 +124,6 @@ def test_verify_deep_names_a_tp_replica_that_differs(tmp_path):
     )
 
 
-def _same(a, b, where: str) -> None:
-    """Two unpickled DeepSpeed structures equal object for object (tensors bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert_tensor_equal(b, a, where)
-    elif isinstance(a, dict):
-        assert type(a) is type(b) and list(a) == list(b), where
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif type(a).__name__ == "fragment_address":
-        assert type(b).__name__ == "fragment_address" and (a.numel, a.start) == (b.numel, b.start), where
-    else:
-        assert type(a) is type(b) and repr(a) == repr(b), where
-
-
-@pytest.mark.parametrize("name", FIXTURES)
-def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
-    """tp, pp and dp unchanged: every file equals what DeepSpeed saved, object for object (layer
-    files re-sliced from the joined tensors, param_shapes, flat partitions, world sizes)."""
-    info = _info(name)
-    res = run_cli(
-        "reshard",
-        D3 / name,
-        tmp_path / "out",
-        "--to",
-        f"tp={info['tp']},pp={info['pp']},dp={info['dp']}",
-        "--partition-method",
-        "uniform",
-    )
-    assert res.code == 0, res.output
-    src = D3 / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
-        p.name for p in src.iterdir()
-    )
-    for f in sorted(src.iterdir()):
-        _same(
-            torch.load(f, weights_only=False),
-            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
-            f.name,
-        )
-
-
 @pytest.mark.parametrize(
     "args, message",
     [

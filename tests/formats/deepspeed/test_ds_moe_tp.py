@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from ckptkit.ops.consolidate import consolidate
 from ckptkit.ops.reshard import reshard
 from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
-from helpers.ds_fixtures import needs_deepspeed
+from helpers.ds_fixtures import assert_same_pickled, needs_deepspeed
 
 MT_DATA = DATA / "ds_moe_tp"
 FIXTURES = (
@@ -154,44 +154,6 @@ def test_reshard_reads_back_equal_to_the_truth(tmp_path, name, to, sizes):
     )
 
 
-def _same(a, b, where: str) -> None:
-    """Two unpickled DeepSpeed structures equal object for object (tensors bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert_tensor_equal(b, a, where)
-    elif isinstance(a, dict):
-        assert type(a) is type(b) and list(a) == list(b), where
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif type(a).__name__ == "fragment_address":
-        assert type(b).__name__ == "fragment_address" and (a.numel, a.start) == (b.numel, b.start), where
-    else:
-        assert type(a) is type(b) and repr(a) == repr(b), where
-
-
-@needs_deepspeed
-@pytest.mark.parametrize("name", FIXTURES)
-def test_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
-    """tp, ep and dp unchanged: every file equals what DeepSpeed saved."""
-    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", f"tp=2,ep=2,dp={_info(name)['dp']}")
-    assert res.exit_code == 0, res.output
-    src = MT_DATA / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
-        p.name for p in src.iterdir()
-    )
-    for f in sorted(src.iterdir()):
-        # DeepSpeed's own pickles (fragment_address, ZeroStageEnum): our fixtures and our output
-        _same(
-            torch.load(f, weights_only=False),
-            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
-            f.name,
-        )
-
-
 def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
     """tp 2 -> 4 -> 2 and ep 2 -> 1 -> 2: the files equal the same-size rewrite byte for byte."""
     name = "moetp_z2_fp32_tp2_ep2_w4"
@@ -200,7 +162,7 @@ def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
     reshard(str(tmp_path / "b"), str(tmp_path / "c"), "tp=2,ep=2,dp=2")
     for f in sorted((tmp_path / "a" / "global_step2").iterdir()):
         if "expert" in f.name:  # copied from the source in a, written from slices in c: same tensors
-            _same(
+            assert_same_pickled(
                 torch.load(f, weights_only=True),
                 torch.load(tmp_path / "c" / "global_step2" / f.name, weights_only=True),
                 f.name,
@@ -346,23 +308,6 @@ def test_whole_experts_reshard_reads_back_equal_to_the_truth(tmp_path, name, to,
         + [f"layer_0_expert_{g}_mp_rank_{(g // local) % tp:02d}_model_states.pt" for g in range(4)]
         + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)]
     )
-
-
-@needs_deepspeed
-@pytest.mark.parametrize("name", WHOLE)
-def test_whole_experts_same_sizes_rewrite_is_deepspeeds_own_files(tmp_path, name):
-    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", "tp=2,ep=2,dp=2")
-    assert res.exit_code == 0, res.output
-    src = MT_DATA / name / "global_step2"
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
-        p.name for p in src.iterdir()
-    )
-    for f in sorted(src.iterdir()):
-        _same(
-            torch.load(f, weights_only=False),
-            torch.load(tmp_path / "out" / "global_step2" / f.name, weights_only=False),
-            f.name,
-        )
 
 
 @pytest.mark.parametrize(
