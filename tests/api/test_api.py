@@ -268,7 +268,7 @@ def test_pyproject_lets_setuptools_find_every_package():
 
 @pytest.mark.parametrize("url", ["memory://bucket/ckpt", "s3://bucket/ckpt"])
 def test_save_and_checkpointer_refuse_a_url_and_write_nothing(url, tmp_path, monkeypatch):
-    """torch's writer fills a local folder: a URL used to send the shards into the working directory
+    """torch's writer fills a local folder: a URL would send the shards into the working directory
     (and the markers to the store). Refused before anything is written, anywhere."""
     from ckptkit.errors import UnsupportedError
 

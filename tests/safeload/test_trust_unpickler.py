@@ -1,8 +1,8 @@
 """The restricted unpickler accepts DATA ONLY, within limits; JSON from a checkpoint is bounded too.
 
 Four classes of attack, each crafted here as an attacker would (pickle opcodes, numpy states,
-torch.save archives planted into real DCP checkpoints), each first for the instance found on
-main and then for its class:
+torch.save archives planted into real DCP checkpoints), each first as one concrete instance
+and then as its class:
 
 1. memory corruption through state: numpy rebuilt through BUILD / __setstate__ (a structured
    dtype whose field lies past the item crashed `verify`, `inspect` and `Checkpointer.restore`);

@@ -2,7 +2,7 @@
 
 The operation starts its progress with the source's tensor bytes; a DeepSpeed writer then writes
 something else (each rank's flat partitions with their padding, tensors repeated on every tp or
-dp rank, copied layer and expert files), so at dp=64 the count used to pass 100%. write_tag
+dp rank, copied layer and expert files), so at dp=64 a count of the source bytes would pass 100%. write_tag
 (formats/deepspeed/tag_writer.py) corrects the total to what it will write (progress.retotal):
 the bytes declared must equal the bytes advanced.
 """

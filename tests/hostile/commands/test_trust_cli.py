@@ -431,8 +431,8 @@ def test_kernel_crc_windows_never_turn_ctrl_c_into_buffer_error(big_source):
     """The root cause of "internal error: BufferError" on Ctrl-C: a KeyboardInterrupt raised
     inside the CRC of a memory-mapped window kept a view of the map alive (in its traceback) as
     the map closed. Interrupted 150 times at random points (in a child process, so a stray
-    interrupt cannot reach pytest), only KeyboardInterrupt comes out (before the fix: ~120
-    BufferErrors in 150)."""
+    interrupt cannot reach pytest), only KeyboardInterrupt comes out (a view kept alive
+    gives ~120 BufferErrors in 150)."""
     run = hostile.run_python(["-c", _CRC_UNDER_INTERRUPTS, str(big_source), next(big_source.glob("*.distcp")).name])
     assert run.code == 0, run.detail()
     assert json.loads(run.stdout) == {"KeyboardInterrupt": 150}

@@ -153,7 +153,7 @@ CASES = [
         ["inspect", "SRC"],
         ["mp_rank_00_model_states.pt", "tp_degree"],
     ),
-    # universal_checkpoint_info's pattern lists: each used to end in a TypeError / re.error (exit 3)
+    # universal_checkpoint_info's pattern lists: each could end in a TypeError / re.error (exit 3)
     # or, for a pattern that backtracks exponentially on a parameter name, run for hours
     (
         "uc-pattern-not-a-string",
@@ -393,8 +393,8 @@ RULES = [
 
 @pytest.mark.parametrize("case", RULES, ids=[c[0] for c in RULES])
 def test_hostile_tp_rules_file_is_one_sentence(tmp_path: Path, case) -> None:
-    """Each used to be accepted (the fused ones silently, the others after minutes to hours of
-    matching); now refused before anything is written."""
+    """Unchecked, each would be accepted (the fused ones silently, the others after minutes to
+    hours of matching): refused before anything is written."""
     _, file_name, text, names = case
     if not (DATA / PIPELINE).is_dir():
         pytest.skip(f"fixture {PIPELINE} not generated")
@@ -422,9 +422,9 @@ def test_hostile_tp_rules_file_is_one_sentence(tmp_path: Path, case) -> None:
 
 
 def test_layout_on_a_mesh_of_many_ranks_is_linear_in_ranks() -> None:
-    """Each rank's box used to be found by building every rank's torch.chunk piece (ranks x ranks per
-    tensor shape): reshard --to mesh=dp_shard:4096,tp:2 of a 4-rank fixture took 83 s, one of
-    dp_shard:8192 more than 2 minutes, and 2^20 ranks (within the rank cap) would have run for days."""
+    """Finding each rank's box by building every rank's torch.chunk piece (ranks x ranks per tensor
+    shape) is quadratic: reshard --to mesh=dp_shard:4096,tp:2 of a 4-rank fixture took 83 s that way,
+    one of dp_shard:8192 more than 2 minutes, and 2^20 ranks (within the rank cap) would run for days."""
     import time
 
     from ckptkit.index.mesh import Placement, rank_boxes
@@ -473,8 +473,8 @@ def test_mesh_reshard_of_a_source_with_broken_chunks_names_the_tensor(tmp_path: 
 
 @pytest.mark.parametrize("command", [["reshard", "--to"], ["convert", "--to", "dcp", "--world-size"]])
 def test_a_mesh_beyond_the_stated_bound_is_refused_before_any_work(tmp_path: Path, command) -> None:
-    """131,072 ranks (within the 2^20-rank cap) used to lay out for minutes in GBs (2^20: ~25 min,
-    ~12 GB); a mesh over MAX_MESH_RANKS is now refused in one sentence, nothing written."""
+    """131,072 ranks (within the 2^20-rank cap) would lay out for minutes in GBs (2^20: ~25 min,
+    ~12 GB): a mesh over MAX_MESH_RANKS is refused in one sentence, nothing written."""
     from ckptkit.index.parallel_spec import MAX_MESH_RANKS
 
     fixture = DATA / "mesh" / "fsdp_tp_d2t2"
