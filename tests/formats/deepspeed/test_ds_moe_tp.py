@@ -6,13 +6,14 @@ on every rank, assembled over tp.
 
 Read (moe.py per mp rank, joined by model_parallel.py) and consolidated bit for bit; `inspect` shows
 each tensor's tp and ep split; reshard (moe_tp_writer.py) to new tp, ep and dp reads back equal,
-and at the same sizes is DeepSpeed's own files object for object. One DeepSpeed launch
+and at the same sizes is DeepSpeed's own files object for object (both in test_layout_matrix.py). One
+DeepSpeed launch
 (tests/dist/ds_moe_tp_load_check.py) loads a reshard at tp=4,ep=1,dp=1, compares every master,
 moment and module weight with the truth cut for its rank, and trains a step.
 
 Whole experts (enable_expert_tensor_parallelism=False, fixture moetp_noexptp_*: moe_whole.py,
 moe_whole_writer.py): read and consolidated bit for bit, resharded to new tp/ep/dp (read back equal,
-same sizes = DeepSpeed's files), one DeepSpeed launch loading tp=4,ep=4,dp=1.
+same sizes = DeepSpeed's files: test_layout_matrix.py), one DeepSpeed launch loading tp=4,ep=4,dp=1.
 """
 
 from __future__ import annotations
@@ -122,36 +123,6 @@ def test_inspect_shows_the_tp_and_ep_splits():
     assert res.exit_code == 0, res.output
     assert "tp 2 x ep 2 x dp 2" in res.output
     assert "tp dim 1/2, ep rank 1/2" in res.output and "tp fused(3) dim 0/2" in res.output
-
-
-# (fixture, --to, (tp, ep, dp)): tp merged away / grown, ep merged / split, dp grown; a world size
-COMBOS = [
-    ("moetp_z2_fp32_tp2_ep2_w4", "tp=1,ep=2,dp=4", (1, 2, 4)),
-    ("moetp_z2_fp32_tp2_ep2_w4", "tp=4,ep=1,dp=1", (4, 1, 1)),
-    ("moetp_z2_fp32_tp2_ep2_w4", "tp=2,ep=4,dp=4", (2, 4, 4)),
-    ("moetp_z2_fp32_tp2_ep2_w4", "8", (2, 2, 4)),
-    ("moetp_z1_bf16_tp2_ep2_w4", "tp=1,ep=4,dp=4", (1, 4, 4)),
-    ("moetp_z1_bf16_tp2_ep2_w4", "tp=2,ep=1,dp=3", (2, 1, 3)),
-    ("moetp_z2_fp32_tp2_ep2_w8", "tp=1,ep=2,dp=2", (1, 2, 2)),
-    ("moetp_z2_fp32_tp2_ep2_w8", "tp=4,ep=4,dp=4", (4, 4, 4)),
-]
-
-
-@pytest.mark.parametrize("name,to,sizes", [c for c in COMBOS if c[0] in FIXTURES])
-def test_reshard_reads_back_equal_to_the_truth(tmp_path, name, to, sizes):
-    tp, ep, dp = sizes
-    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", to)
-    assert res.exit_code == 0, res.output
-    opened, tensors, objects = read_all(tmp_path / "out")
-    _equal_to_truth(tensors, _truth(name))
-    assert opened.index.metadata["parallel"] == ({"tp": tp} if tp > 1 else {}) | {"ep": ep, "dp": dp}
-    assert objects["ds.mp_world_size"] == tp and objects["ds.dp_world_size"] == dp
-    prefix = "bf16_" if "bf16" in name else ""
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
-        [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
-        + [f"layer_0_expert_{e}_mp_rank_{t:02d}_model_states.pt" for t in range(tp) for e in range(4)]
-        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)]
-    )
 
 
 def test_a_rewrite_of_a_rewrite_is_the_source_again(tmp_path):
@@ -275,39 +246,6 @@ def test_inspect_shows_whole_experts_by_ep_rank_only():
     expert_rows = [ln for ln in res.output.splitlines() if "deepspeed_experts.3." in ln]
     assert expert_rows and all(ln.rstrip().endswith("ep rank 1/2") for ln in expert_rows), expert_rows
     assert "tp fused(3) dim 0/2" in res.output
-
-
-# whole experts (enable_expert_tensor_parallelism=False) at new sizes: (--to, (tp, ep, dp)); tp
-# grown with ep (4, 4), ep beyond tp (ep 4 at tp 2), a world size with dp 3, tp merged away (a plain
-# MoE checkpoint)
-WHOLE_COMBOS = [
-    (NO_EXPERT_TP, "tp=4,ep=4,dp=1", (4, 4, 1)),
-    (NO_EXPERT_TP, "tp=2,ep=4,dp=2", (2, 4, 2)),
-    (NO_EXPERT_TP, "6", (2, 2, 3)),
-    (NO_EXPERT_TP, "tp=1,ep=2,dp=2", (1, 2, 2)),
-    (WHOLE[1], "tp=1,ep=4,dp=4", (1, 4, 4)),
-    (WHOLE[1], "tp=4,ep=4,dp=2", (4, 4, 2)),
-]
-
-
-@pytest.mark.parametrize("name,to,sizes", WHOLE_COMBOS)
-def test_whole_experts_reshard_reads_back_equal_to_the_truth(tmp_path, name, to, sizes):
-    """Each expert file under the mp rank that saves it at the new sizes (ep rank e's: e % tp),
-    copied; the dense groups over dp within each tp lane, the expert groups over tp x dp / ep."""
-    tp, ep, dp = sizes
-    res = _cli("reshard", MT_DATA / name, tmp_path / "out", "--to", to)
-    assert res.exit_code == 0, res.output
-    opened, tensors, objects = read_all(tmp_path / "out")
-    assert _equal_to_truth(tensors, _truth(name)) == 28
-    assert opened.index.metadata["parallel"] == ({"tp": tp} if tp > 1 else {}) | {"ep": ep, "dp": dp}
-    assert opened.index.metadata["deepspeed_moe"]["expert_dp_size"] == tp * dp // ep
-    assert objects["ds.mp_world_size"] == tp and objects["ds.dp_world_size"] == dp
-    local, prefix = 4 // ep, "bf16_" if "bf16" in name else ""
-    assert sorted(p.name for p in (tmp_path / "out" / "global_step2").iterdir()) == sorted(
-        [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
-        + [f"layer_0_expert_{g}_mp_rank_{(g // local) % tp:02d}_model_states.pt" for g in range(4)]
-        + [f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for t in range(tp) for d in range(dp)]
-    )
 
 
 @pytest.mark.parametrize(
