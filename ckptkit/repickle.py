@@ -150,6 +150,9 @@ _TUPLE_OPS = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 _BATCH = pickle._Pickler._BATCHSIZE  # type: ignore[attr-defined]
 
 
+# Exempt from the 80-line rule: the fast pickle writer emits every opcode inline from local
+# variables (one pass over 100k-tensor states); splitting it into calls per value would cost more
+# than writing the value.
 def _fast_dumps(
     obj: Any,
     persistent_id: Callable[[Any], Any] | None = None,
