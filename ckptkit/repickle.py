@@ -150,6 +150,23 @@ _TUPLE_OPS = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 _BATCH = pickle._Pickler._BATCHSIZE  # type: ignore[attr-defined]
 
 
+def _plain_rebuild_args(storage: Any, offset: Any, flag: Any, state: Any, memo: dict, hooked: tuple) -> bool:
+    """A tensor rebuild's arguments as _fast_dumps' save_rebuild writes them in one pass: a new
+    `hooked` storage (no stand-in), a small int offset, requires_grad False, a new empty OrderedDict."""
+    return not (
+        type(storage) not in hooked
+        or isinstance(storage, (GlobalRef, DType, Size, Inert))
+        or id(storage) in memo
+        or type(offset) is not int
+        or not 0 <= offset <= 0xFF
+        or flag is not False
+        or type(state) is not OrderedDict
+        or state
+        or id(state) in memo
+        or vars(state)
+    )
+
+
 # Exempt from the 80-line rule: the fast pickle writer emits every opcode inline from local
 # variables (one pass over 100k-tensor states); splitting it into calls per value would cost more
 # than writing the value.
@@ -346,20 +363,7 @@ def _fast_dumps(
         storage, offset, size, stride, flag, state = args[:6]
         f = memo.get(id(func))
         od = memo.get(id(OrderedDict))
-        if (
-            f is None
-            or od is None
-            or type(storage) not in hooked
-            or isinstance(storage, (GlobalRef, DType, Size, Inert))
-            or id(storage) in memo
-            or type(offset) is not int
-            or not 0 <= offset <= 0xFF
-            or flag is not False
-            or type(state) is not OrderedDict
-            or state
-            or id(state) in memo
-            or vars(state)
-        ):
+        if f is None or od is None or not _plain_rebuild_args(storage, offset, flag, state, memo, hooked):
             return False
         dtype_ref = None
         if n == 7:

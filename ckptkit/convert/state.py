@@ -16,8 +16,6 @@ listed in `unmapped` (with what it is), which convert refuses to drop unless ask
 
 from __future__ import annotations
 
-import fnmatch
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,14 +23,10 @@ from typing import Any
 from ..context import RunContext
 from ..errors import UnsupportedError, UsageError, name_of, quote
 from ..formats.registry import Opened, capabilities_of
-from ..index import geometry
-from ..index.dtypes import is_floating, itemsize
-from ..index.layouts import is_sharded
-from ..index.types import Box, CheckpointIndex, TensorEntry
+from ..index.types import CheckpointIndex, TensorEntry
 from ..lazy_torch import is_tensor
 from ..optim_state import PARTITIONED, kind_of, refuse_unmappable
 from ..runner.fetch import Fetcher
-from ..runner.stream import find_aliases
 from ..index.flatten import key_of
 from .keys import (
     LOW_PRECISION_CONTAINERS,
@@ -46,6 +40,7 @@ from .keys import (
 from ..torch_types import SmallTensor
 from .hf_ties import config_ties, source_config
 from .hyper import DsOptimizer, ds_optimizer, source_is_ds_own, step_number
+from .model_roles import classify_untracked
 from .names import KeyRules
 
 # DeepSpeed's values that mean something outside DeepSpeed's own optimizer objects
@@ -335,7 +330,7 @@ def _from_torch_layout(
     group_list, group_params = _named_groups(entries.groups, rules)
     trainable = {n for ps in group_params for n in ps} & set(model)
     config_tied = {rules.apply(a): rules.apply(o) for a, o in config.ties.items()}
-    frozen, buffers, ties = _classify(
+    frozen, buffers, ties = classify_untracked(
         opened,
         {n: e for n, e in model.items() if n not in config_tied},
         trainable,
@@ -502,71 +497,6 @@ def _nest(root: dict, path: tuple, value: Any) -> None:
 
 def _empty(value: Any) -> bool:
     return value is None or (isinstance(value, (dict, list, tuple)) and not value)
-
-
-def _classify(
-    opened: Opened,
-    model: dict[str, TensorEntry],
-    trainable: set[str],
-    frozen_patterns: tuple[str, ...],
-    fetcher: Fetcher,
-    slab_bytes: int,
-    *,
-    weights_only: bool = False,
-) -> tuple[list[str], list[str], dict[str, str]]:
-    """Sort the model tensors outside the param groups into frozen params, buffers and ties.
-    `weights_only`: the source has no optimizer (a safetensors file, a plain state dict), so no
-    tensor is known to be a buffer: a floating N-d one is a parameter (FSDP2 shards it), and only
-    what cannot be a parameter (an integer or bool tensor, a 0-d value) is a buffer."""
-    aliases = find_aliases(model)
-    multi_rank = (opened.index.world_size or 1) > 1
-    frozen, buffers, ties = [], [], {}
-    by_shape: dict[tuple, list[str]] = {}
-    for t in (n for n in model if n in trainable):
-        by_shape.setdefault((model[t].shape, model[t].dtype), []).append(t)
-    for name, e in model.items():
-        if name in trainable:
-            continue
-        if name in aliases and aliases[name] in trainable:
-            ties[name] = aliases[name]
-            continue
-        owner = next(
-            (
-                t
-                for t in by_shape.get((e.shape, e.dtype), [])
-                if e.numel > 0 and _bit_identical(fetcher, e, model[t], slab_bytes)
-            ),
-            None,
-        )
-        if owner is not None:
-            ties[name] = owner
-        elif any(fnmatch.fnmatchcase(name, p) for p in frozen_patterns):
-            frozen.append(name)
-        elif is_floating(e.dtype) and e.shape and multi_rank and is_sharded(e):
-            frozen.append(name)  # FSDP shards parameters; buffers stay whole on every rank
-        elif is_floating(e.dtype) and e.shape and weights_only and not multi_rank:
-            frozen.append(name)  # nothing says it is a buffer: laid out as the parameter it most likely is
-        else:
-            buffers.append(name)
-    return frozen, buffers, ties
-
-
-def _bit_identical(fetcher: Fetcher, a: TensorEntry, b: TensorEntry, slab_bytes: int) -> bool:
-    """Same bytes, read slab by slab and stopping at the first difference (a few elements first,
-    so a frozen layer shaped like a trainable one costs almost nothing). Two slabs are held at
-    once: `slab_bytes` is each one's share of the run's budget (RunContext.slab_bytes_for(2))."""
-    head = Box((0,) * len(a.shape), tuple([1] * (len(a.shape) - 1) + [min(a.shape[-1], 64)])) if a.shape else None
-    boxes = itertools.chain(
-        [head] if head is not None else [],  # slabs made as they are compared
-        geometry.split_rowmajor(Box.whole(a.shape), max(1, slab_bytes // max(1, itemsize(a.dtype)))),
-    )
-    import torch
-
-    for box in boxes:
-        x, y = fetcher.fetch(a, box), fetcher.fetch(b, box)
-        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-            return False
-    return True
 
 
 def _check_partners(state: TrainingState) -> None:

@@ -10,7 +10,7 @@ from ..index import geometry, problems as P
 from ..index.dtypes import itemsize
 from ..index.problems import Problem
 from ..index.strides import strided_span
-from ..index.types import Box, CheckpointIndex, Encoding, FlatRange
+from ..index.types import Box, CheckpointIndex, Encoding, FlatRange, TensorEntry
 from .opened import Opened
 
 # Top-level keys that hold a model's state dict: Lightning's `state_dict`, DeepSpeed's `module`,
@@ -75,36 +75,43 @@ def structural_findings(opened: Opened, skip: set[str] | frozenset[str] = frozen
         if t.attrs.get("alias_of") or key in skip:
             continue
         where = source.label(t.pieces[0].location.file) if t.pieces else opened.path
-        cov = geometry.coverage(t.shape, [p.region for p in t.pieces])
-        if cov.out_of_bounds:
-            problems.append(
-                Problem(
-                    P.OUT_OF_BOUNDS,
-                    f"tensor {key} {list(t.shape)}: {len(cov.out_of_bounds)} "
-                    f"piece(s) lie outside the tensor, e.g. {_region_text(cov.out_of_bounds[0])}",
-                    where,
-                    key,
-                )
+        problems += _coverage_findings(key, t, where)
+    return problems
+
+
+def _coverage_findings(key: str, t: TensorEntry, where: str) -> list[Problem]:
+    """The tensor's pieces against its shape: outside it, elements in no piece, elements twice."""
+    problems: list[Problem] = []
+    cov = geometry.coverage(t.shape, [p.region for p in t.pieces])
+    if cov.out_of_bounds:
+        problems.append(
+            Problem(
+                P.OUT_OF_BOUNDS,
+                f"tensor {key} {list(t.shape)}: {len(cov.out_of_bounds)} "
+                f"piece(s) lie outside the tensor, e.g. {_region_text(cov.out_of_bounds[0])}",
+                where,
+                key,
             )
-        if cov.missing:
-            problems.append(
-                Problem(
-                    P.COVERAGE_GAP,
-                    f"tensor {key} {list(t.shape)}: {cov.missing_elements} "
-                    f"element(s) are in no piece, e.g. {_region_text(cov.missing[0])}",
-                    where,
-                    key,
-                )
+        )
+    if cov.missing:
+        problems.append(
+            Problem(
+                P.COVERAGE_GAP,
+                f"tensor {key} {list(t.shape)}: {cov.missing_elements} "
+                f"element(s) are in no piece, e.g. {_region_text(cov.missing[0])}",
+                where,
+                key,
             )
-        if cov.doubled:
-            problems.append(
-                Problem(
-                    P.COVERAGE_OVERLAP,
-                    f"tensor {key} {list(t.shape)}: elements are stored twice, e.g. {_region_text(cov.doubled[0])}",
-                    where,
-                    key,
-                )
+        )
+    if cov.doubled:
+        problems.append(
+            Problem(
+                P.COVERAGE_OVERLAP,
+                f"tensor {key} {list(t.shape)}: elements are stored twice, e.g. {_region_text(cov.doubled[0])}",
+                where,
+                key,
             )
+        )
     return problems
 
 

@@ -144,18 +144,18 @@ def test_every_buffer_is_a_share_of_the_budget():
 
 
 def test_convert_bit_identity_check_reads_within_the_budget(tmp_path, monkeypatch):
-    """The tied-weight check (convert/state.py) holds two slabs at once, each the context's share."""
-    import ckptkit.convert.state as state
+    """The tied-weight check (convert/model_roles.py) holds two slabs at once, each the context's share."""
+    import ckptkit.convert.model_roles as model_roles
     from ckptkit.ops.convert import convert
 
     slabs: list[int] = []
-    real = state._bit_identical
+    real = model_roles.bit_identical
 
     def spy(fetcher, a, b, slab_bytes):
         slabs.append(slab_bytes)
         return real(fetcher, a, b, slab_bytes)
 
-    monkeypatch.setattr(state, "_bit_identical", spy)
+    monkeypatch.setattr(model_roles, "bit_identical", spy)
     ctx = RunContext(memory_budget=4 << 20, workers=2)
     res = convert(str(DATA / "fsdp2_w2"), str(tmp_path / "o.pt"), "torch", ctx=ctx)
     assert slabs and all(2 * s * ctx.workers <= ctx.memory_budget for s in slabs)
