@@ -233,8 +233,18 @@ def metadata_pickle(
 def _metadata(
     index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None, save_id: str, version: str
 ) -> bytes | None:
-    # what the stand-ins hold, in their dicts' order: per state-dict key, its tensor entry (None
-    # for a bytes item) and chunks; per storage item, its key, chunk number, box and place
+    gathered = _gathered(index, written, key_order)
+    if gathered is None:
+        return None
+    return _MetadataWriter().write(*gathered, save_id, version)
+
+
+def _gathered(
+    index: CheckpointIndex, written: Sequence[Any], key_order: list[str] | None
+) -> tuple[dict[str, tuple[Any, list[Any]]], dict[str, Any], list[tuple[Any, ...]]] | None:
+    """What the stand-ins hold, in their dicts' order: per state-dict key, its tensor entry (None
+    for a bytes item) and chunks; per storage item, its key, chunk number, box and place; None
+    where the stand-ins' keys would merge."""
     sd: dict[str, tuple[Any, list[Any]]] = {}
     planner: dict[str, Any] = {}
     storage: list[tuple[Any, ...]] = []
@@ -262,17 +272,62 @@ def _metadata(
     if key_order is not None:
         position = {k: i for i, k in enumerate(key_order)}
         planner = {k: planner[k] for k in sorted(planner, key=lambda k: position.get(k, len(position)))}
+    return sd, planner, storage
 
-    e = _Emitter()
-    out, memo = e.out, e.memo
-    e.new_with_state(_MD, "Metadata")
-    e.str_("state_dict_metadata")
-    out += pickle.EMPTY_DICT
-    e.put()
 
-    fast: dict[str, bytes] = {}  # GETs of what every chunk names, once all are memoized
+class _MetadataWriter:
+    """One `.metadata` written as opcodes: the emitter, and the GETs of what every chunk and
+    storage item names once all are memoized (`fast`), which the common items are joined from."""
 
-    def chunk(box: Any) -> None:
+    def __init__(self) -> None:
+        self.e = _Emitter()
+        self.out, self.memo = self.e.out, self.e.memo
+        self.fast: dict[str, bytes] = {}
+
+    def write(
+        self,
+        sd: dict[str, tuple[Any, list[Any]]],
+        planner: dict[str, Any],
+        storage: list[tuple[Any, ...]],
+        save_id: str,
+        version: str,
+    ) -> bytes:
+        """The whole `.metadata`: Metadata's state dict, its three mappings, storage_meta, version."""
+        e, out = self.e, self.out
+        e.new_with_state(_MD, "Metadata")
+        e.str_("state_dict_metadata")
+        out += pickle.EMPTY_DICT
+        e.put()
+        e.batches(list(sd.items()), self.sd_item, pickle.SETITEMS, pickle.SETITEM)
+        e.str_("planner_data")
+        out += pickle.EMPTY_DICT
+        e.put()
+        e.batches(list(planner.items()), self.planner_item, pickle.SETITEMS, pickle.SETITEM)
+        e.str_("storage_data")
+        out += pickle.EMPTY_DICT
+        e.put()
+        e.batches(storage, self.storage_item, pickle.SETITEMS, pickle.SETITEM)
+        e.str_("storage_meta")
+        e.new_with_state(_MD, "StorageMeta")
+        e.str_("checkpoint_id")
+        out += pickle.NONE
+        e.str_("save_id")
+        e.str_(save_id)
+        e.str_("load_id")
+        out += pickle.NONE
+        e.str_("modules")
+        out += pickle.EMPTY_LIST
+        e.put()
+        out += _END_STATE
+        e.str_("version")
+        e.str_(version)
+        out += _END_STATE + pickle.STOP
+        return bytes(out)
+
+    def chunk(self, box: Any) -> None:
+        """A chunk's ChunkStorageMetadata: joined from `fast` in the common case, else written whole
+        (and `fast` learnt once all it names is memoized)."""
+        e, out, memo, fast = self.e, self.out, self.memo, self.fast
         got = fast.get("chunk")
         n = e.n
         if got is not None and n >= 256:  # the common case, as one join: GETs and LONG_BINPUTs
@@ -296,27 +351,32 @@ def _metadata(
             )
             e.n = n + 2 + used + used2
             return
-        _chunk(box)
+        self.chunk_whole(box)
         names = [memo.get(k) for k in (_CHUNK, id("offsets"), _TORCH_SIZE, id("sizes"))]
         if None not in names:
             fast["chunk"] = names[0] + _NEW
             fast["offsets"] = names[1] + names[2]
             fast["sizes"] = names[3] + names[2]
 
-    def _new_with(cls: tuple[str, str], names: tuple[str, ...]) -> None:
-        """A new object of `cls` with its state dict opened and `names` written."""
-        e.new_with_state(*cls)
-        for name in names:
-            e.str_(name)
-
-    def _chunk(box: Any) -> None:
-        _new_with(_CHUNK, ("offsets",))
+    def chunk_whole(self, box: Any) -> None:
+        """A ChunkStorageMetadata written opcode by opcode."""
+        e, out = self.e, self.out
+        self.new_with(_CHUNK, ("offsets",))
         e.size(box.offsets)
         e.str_("sizes")
         e.size(box.sizes)
         out.extend(_END_STATE)
 
-    def sd_item(item: tuple[str, tuple[Any, list[Any]]]) -> None:
+    def new_with(self, cls: tuple[str, str], names: tuple[str, ...]) -> None:
+        """A new object of `cls` with its state dict opened and `names` written."""
+        e = self.e
+        e.new_with_state(*cls)
+        for name in names:
+            e.str_(name)
+
+    def sd_item(self, item: tuple[str, tuple[Any, list[Any]]]) -> None:
+        """One state_dict_metadata entry: a bytes item's stand-in, or a tensor's with its chunks."""
+        e, out = self.e, self.out
         key, (entry, chunks) = item
         e.str_(key)
         if entry is None:
@@ -330,26 +390,19 @@ def _metadata(
         e.str_("chunks")
         out.extend(pickle.EMPTY_LIST)
         e.put()
-        e.batches(chunks, chunk, pickle.APPENDS, pickle.APPEND)
+        e.batches(chunks, self.chunk, pickle.APPENDS, pickle.APPEND)
         out.extend(_END_STATE)
 
-    e.batches(list(sd.items()), sd_item, pickle.SETITEMS, pickle.SETITEM)
-
-    e.str_("planner_data")
-    out += pickle.EMPTY_DICT
-    e.put()
-
-    def planner_item(item: tuple[str, Any]) -> None:
+    def planner_item(self, item: tuple[str, Any]) -> None:
+        """One planner_data entry: a key and its path."""
+        e = self.e
         e.str_(item[0])
         e.value(item[1])
 
-    e.batches(list(planner.items()), planner_item, pickle.SETITEMS, pickle.SETITEM)
-
-    e.str_("storage_data")
-    out += pickle.EMPTY_DICT
-    e.put()
-
-    def storage_item(item: tuple[Any, ...]) -> None:
+    def storage_item(self, item: tuple[Any, ...]) -> None:
+        """One storage_data entry (MetadataIndex: _StorageInfo): joined from `fast` in the common
+        case, else written whole (and `fast` learnt)."""
+        e, out, memo, fast = self.e, self.out, self.memo, self.fast
         key, number, box, file, offset, length, transforms = item
         got = fast.get("index")
         n = e.n
@@ -390,7 +443,7 @@ def _metadata(
                 )
                 e.n = m + 2
                 return
-        _storage_item(item)
+        self.storage_item_whole(item)
         names = [
             memo.get(k)
             for k in (
@@ -411,9 +464,11 @@ def _metadata(
             fast["info"] = names[5] + _NEW
             fast["relative_path"], fast["offset_name"], fast["length"] = names[6], names[3], names[7]
 
-    def _storage_item(item: tuple[Any, ...]) -> None:
+    def storage_item_whole(self, item: tuple[Any, ...]) -> None:
+        """A storage_data entry written opcode by opcode."""
+        e, out = self.e, self.out
         key, number, box, file, offset, length, transforms = item
-        _new_with(_INDEX, ("fqn", key, "index"))
+        self.new_with(_INDEX, ("fqn", key, "index"))
         if number is None:
             out.extend(pickle.NONE)
         else:
@@ -421,7 +476,7 @@ def _metadata(
             e.str_("offset")
             e.size(box.offsets)
         out.extend(_END_STATE)
-        _new_with(_INFO, ("relative_path", file, "offset"))
+        self.new_with(_INFO, ("relative_path", file, "offset"))
         out.extend(_int(offset))
         e.str_("length")
         out.extend(_int(length))
@@ -431,25 +486,6 @@ def _metadata(
             e.put()
             e.batches(list(transforms), e.str_, pickle.APPENDS, pickle.APPEND)
         out.extend(_END_STATE)
-
-    e.batches(storage, storage_item, pickle.SETITEMS, pickle.SETITEM)
-
-    e.str_("storage_meta")
-    e.new_with_state(_MD, "StorageMeta")
-    e.str_("checkpoint_id")
-    out += pickle.NONE
-    e.str_("save_id")
-    e.str_(save_id)
-    e.str_("load_id")
-    out += pickle.NONE
-    e.str_("modules")
-    out += pickle.EMPTY_LIST
-    e.put()
-    out += _END_STATE
-    e.str_("version")
-    e.str_(version)
-    out += _END_STATE + pickle.STOP
-    return bytes(out)
 
 
 def _tensor_properties(e: _Emitter, dtype: str) -> None:
