@@ -12,6 +12,7 @@ from ..protocols import ANY_WORLD, ZERO_PARTITIONS, Capabilities, ZeroTarget, Ze
 from . import files as ds_files
 from . import pipeline as ds_pipeline
 from . import reader as ds_reader
+from .layout import DeepSpeedLayout
 from .resharding import write_at_world_size, write_resharded
 from .writer import write_zero_files
 
@@ -80,4 +81,11 @@ class DeepSpeedFormat:
 
 DEEPSPEED = DeepSpeedFormat()
 
-__all__ = ["DEEPSPEED", "DeepSpeedFormat"]
+
+def detect_layout(source: Source, tag: str | None = None) -> DeepSpeedLayout:
+    """The layout of the checkpoint in `source` (tag `tag`, else `latest`'s), read from its files:
+    the tag folder's names and the records the readers take the sizes from."""
+    return DeepSpeedLayout.of(DEEPSPEED.read_index(source, tag=tag, optimizer=False))
+
+
+__all__ = ["DEEPSPEED", "DeepSpeedFormat", "detect_layout"]

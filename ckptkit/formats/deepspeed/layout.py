@@ -1,10 +1,10 @@
 """One typed model of a DeepSpeed checkpoint's layout: its parallel sizes and naming variants.
 
 DeepSpeed lays a checkpoint out over four parallel dimensions (tp, pp, ep, dp) and a ZeRO stage,
-with naming variants that depend on how it was trained: pipeline stages as `layer_XX` files
+with naming variants that depend on how it was trained: pipeline stages as layer files
 (PipelineModule) or as model-parallel ranks (a MoE PipelineModule), experts sliced over the tp
 ranks or saved whole by one of them, the `bf16_` prefix of BF16_Optimizer's files, Megatron's
-`layer_XX-model_TT`. `DeepSpeedLayout` holds them as data, so a writer is chosen by what the
+`layer_file(XX, TT)`. `DeepSpeedLayout` holds them as data, so a writer is chosen by what the
 checkpoint is (`family`), not by the order of type tests, and every refusal of new sizes lives in
 one table (`RESIZE_RULES`, applied by `resized`).
 """
@@ -43,8 +43,8 @@ class DeepSpeedLayout:
     zero_stage: int = 1  # 0: no ZeRO partitioning (BF16_Optimizer in a pipeline)
     stages: str = NO_STAGES
     experts: str = NO_EXPERTS
-    bf16_prefix: bool = False  # optim-states files named `bf16_zero_pp_rank_...`
-    megatron_layer_names: bool = False  # layer files named `layer_XX-model_TT-model_states.pt`
+    bf16_prefix: bool = False  # optim-states files named with the bf16 prefix (names.optim_file)
+    megatron_layer_names: bool = False  # layer files named `layer_file(XX, TT)`
     num_experts: tuple[tuple[str, int], ...] = ()  # MoE layer (module prefix) -> its experts, in order
 
     @classmethod
@@ -56,7 +56,7 @@ class DeepSpeedLayout:
     @property
     def family(self) -> str:
         """Which combination of parallel dimensions this is; the writer that lays it out at new
-        sizes is chosen by it (formats/adapters.py)."""
+        sizes is chosen by it (resharding.py)."""
         if self.stages == LAYER_FILES:
             return "pipeline_tp" if self.tp > 1 else "pipeline"
         if self.stages == MP_RANK_STAGES:
@@ -249,7 +249,7 @@ def _stage_sizes(layout: DeepSpeedLayout, to: int | ParallelSizes, sizes: Parall
 def _whole_sizes(layout: DeepSpeedLayout, to: int | ParallelSizes, sizes: ParallelSizes) -> None:
     """Whole experts: ep divides the tp x dp ranks and every layer's expert count, and tp divides
     ep (else DeepSpeed cannot load the experts: at tp 4, ep 2 rank 2 reads
-    layer_0_expert_0_mp_rank_02, which rank 0 never saves)."""
+    expert_file(0, 0, 2), which rank 0 never saves)."""
     ranks = sizes.tp * sizes.dp
     if ranks % sizes.ep:
         raise UsageError(
@@ -304,8 +304,8 @@ def _layout_of(index: CheckpointIndex) -> DeepSpeedLayout:
     moe = moe if isinstance(moe, dict) else None
     experts = NO_EXPERTS if moe is None else WHOLE_EXPERTS if moe.get("experts") == "whole" else SLICED_EXPERTS
     layer_names = [n.rsplit("/", 1)[-1] for n in getattr(native, "layer_files", {}).values()]
-    for pipeline in getattr(native, "pipelines", {}).values():
-        layer_names += [n.rsplit("/", 1)[-1] for n in pipeline.layer_files.values()]
+    for lane in getattr(native, "pipelines", {}).values():
+        layer_names += [n.rsplit("/", 1)[-1] for n in lane.layer_files.values()]
     stages = NO_STAGES
     if hasattr(native, "layer_files") or hasattr(native, "pipelines"):
         stages = LAYER_FILES

@@ -1,6 +1,6 @@
 """Full tensors of a tensor-parallel DeepSpeed checkpoint, from one ZeRO checkpoint per mp rank.
 
-A TP checkpoint is `tp` ordinary ZeRO checkpoints side by side (`mp_rank_XX` model files, optim
+A TP checkpoint is `tp` ordinary ZeRO checkpoints side by side (`model_file(XX)`, optim
 files per (dp, mp) rank); the reader indexes each (`read_one`) and this module joins them: every
 parameter's master, optimizer state and module weight becomes one tensor of the full model's
 shape whose pieces point straight into the rank files (no hidden per-rank entries).

@@ -4,13 +4,13 @@ and the expert param groups, under each expert's global id.
 What DeepSpeed 0.19 writes for E-way expert parallelism over W ranks (engine._save_moe_checkpoint,
 _save_zero_checkpoint; rank r is expert-parallel rank r % E and expert-data-parallel rank r // E,
 groups._create_expert_and_data_parallel):
-  mp_rank_00_model_states.pt        the dense module (expert weights removed), `num_experts` per
+  model_file(0)                     the dense module (expert weights removed), `num_experts` per
                                     MoE layer and rank 0's `param_shapes`, which name rank 0's LOCAL
                                     experts (`<moe>.deepspeed_moe.experts.deepspeed_experts.<local>.*`)
-  layer_<L>_expert_<G>_mp_rank_00_model_states.pt
+  expert_file(L, G, 0)
                                     MoE layer L's expert G (global id): its module weights, named
                                     `<moe>.deepspeed_moe.experts.deepspeed_experts.<G>.<param>`
-  [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
+  optim_file(r, bf16, mp=0)
                                     rank r's dense groups, partitioned over all W ranks, and its
                                     expert groups (param groups with `moe: True`, named
                                     `ep_size_<E>`), partitioned over the W/E ranks of its
@@ -117,7 +117,7 @@ def read_experts(
             f"{source.label(files.prefix + files.expert_files[0])}: mixture-of-experts "
             f"checkpoints at ZeRO stage 3 are not supported yet"
         )
-    expert_ids = [g.index for g in groups if _is_expert_group(groups_meta[g.param_group])]
+    expert_ids = [g.index for g in groups if is_expert_group(groups_meta[g.param_group])]
     if not expert_ids:
         raise FormatError(
             f"{source.label(files.prefix + files.expert_files[0])}: is a mixture-of-experts expert "
@@ -125,18 +125,18 @@ def read_experts(
             f"{source.label(files.prefix + files.optim_files[min(files.optim_files)])} is an expert "
             f"group (moe: true)"
         )
-    layout = _layout(source, files, ranks, groups_meta, [groups[i] for i in expert_ids], m0, label)
-    expert_files = _expert_files(source, index, files, ranks.archives, layout, [groups[i] for i in expert_ids])
+    layout = expert_layout(source, files, ranks, groups_meta, [groups[i] for i in expert_ids], m0, label)
+    expert_files = open_expert_files(source, index, files, ranks.archives, layout, [groups[i] for i in expert_ids])
     listed: list[ZeroGroup] = []
     for ep_rank in range(layout.ep):
         renamed = [
             replace(groups[i], params=tuple((layout.global_name(n, ep_rank), s) for n, s in groups[i].params))
             for i in expert_ids
         ]
-        read_flat_groups(index, stage, _ep_view(ranks, layout, ep_rank), renamed, stage_names(stage))
-        _mark(index, renamed, ep_rank, layout.ep)
+        read_flat_groups(index, stage, ep_view(ranks, layout, ep_rank), renamed, stage_names(stage))
+        mark_expert_owners(index, renamed, ep_rank, layout.ep)
         listed += renamed
-    _module_weights(index, expert_files, layout)
+    add_expert_module_weights(index, expert_files, layout)
     index.metadata["parallel"] = {"ep": layout.ep, "dp": layout.world}
     index.metadata["deepspeed_moe"] = {
         "ep_size": layout.ep,
@@ -147,11 +147,11 @@ def read_experts(
     return dense, sorted(dense + listed, key=lambda g: g.index)
 
 
-def _is_expert_group(meta: Any) -> bool:
+def is_expert_group(meta: Any) -> bool:
     return isinstance(meta, dict) and bool(meta.get("moe"))
 
 
-def _layout(
+def expert_layout(
     source: Source,
     files: ZeroFiles,
     ranks: RankFiles,
@@ -223,7 +223,7 @@ class _ExpertFile:
     tensors: dict[str, TensorRef]
 
 
-def _expert_files(
+def open_expert_files(
     source: Source,
     index: CheckpointIndex,
     files: ZeroFiles,
@@ -318,7 +318,7 @@ def _check_expert(found: _ExpertFile, want: dict[str, tuple[int, ...]]) -> None:
             )
 
 
-def _ep_view(ranks: RankFiles, layout: ExpertLayout, ep_rank: int) -> RankFiles:
+def ep_view(ranks: RankFiles, layout: ExpertLayout, ep_rank: int) -> RankFiles:
     """The optim-states files of one expert-parallel rank's expert-data-parallel group, numbered
     0..W/E-1 as the expert groups' partitions are."""
     members = {d: layout.rank(ep_rank, d) for d in range(layout.edp)}
@@ -334,7 +334,7 @@ def _ep_view(ranks: RankFiles, layout: ExpertLayout, ep_rank: int) -> RankFiles:
     )
 
 
-def _mark(index: CheckpointIndex, groups: list[ZeroGroup], ep_rank: int, ep: int) -> None:
+def mark_expert_owners(index: CheckpointIndex, groups: list[ZeroGroup], ep_rank: int, ep: int) -> None:
     """The expert tensors' owner: attrs["parallel"]["ep"]."""
     names = {n for g in groups for n in g.names}
     for key, entry in index.tensors.items():
@@ -351,7 +351,7 @@ def _param_of(key: str) -> str | None:
     return None
 
 
-def _module_weights(index: CheckpointIndex, expert_files: list[_ExpertFile], layout: ExpertLayout) -> None:
+def add_expert_module_weights(index: CheckpointIndex, expert_files: list[_ExpertFile], layout: ExpertLayout) -> None:
     """Each expert's low-precision module weights as `ds_module.<global name>`."""
     for found in expert_files:
         prefix = list(layout.layers)[found.layer]

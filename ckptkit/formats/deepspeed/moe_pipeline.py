@@ -1,13 +1,13 @@
 """A mixture-of-experts model inside a DeepSpeed PipelineModule (ZeRO 1/2), read as one model.
 
 DeepSpeed 0.19 saves such a pipeline the MoE way, not the pipeline way (the engine's
-_save_moe_checkpoint; fixtures/generate_ds_pp_moe.py): no `layer_XX-model_states.pt` files, but
+_save_moe_checkpoint; fixtures/generate_ds_pp_moe.py): no `layer_file(XX)` files, but
 per stage s an ordinary MoE checkpoint under model-parallel rank s:
-  mp_rank_<s>_model_states.pt         stage s's module (PipelineModule names `<layer>.<param>`),
+  model_file(s)                       stage s's module (PipelineModule names `<layer>.<param>`),
                                       checkpoint_parallel_dimensions {pp_degree P, tp_degree 1}
-  layer_<L>_expert_<G>_mp_rank_<s>_model_states.pt
+  expert_file(L, G, s)
                                       stage s's MoE layer L (counted per stage), expert G
-  zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt
+  optim_file(d, mp=s)
 So each stage is read as a MoE checkpoint (moe.py) and the stages are joined by name: their
 parameter names are disjoint (the global layer index leads each), every tensor gets
 attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". moe_pipeline_writer.py writes one at a

@@ -12,7 +12,7 @@ Which layers a new stage holds: PipelineModule's partition_method, ported in pip
 (`--partition-method`, `--layer-types`). "parameters" counts each layer's trainable parameters as
 PipelineModule._count_layer_params does, on the layer built at the TARGET ep (a MoE layer builds
 num_experts / ep local experts); the method must give the source's own stages at the source's ep.
-Expert files keep their contents (global names) and are renamed: `layer_<L>_expert_<G>_mp_rank_<s>`
+Expert files keep their contents (global names) and are renamed: `expert_file(L, G, s)`
 counts L per stage (the stage's MoE layers in module order), so L and s are those of the new stage.
 A new stage without a MoE layer is refused: DeepSpeed 0.19.8's first train_batch hangs then
 (fixtures/generate_ds_pp_moe.py).
@@ -33,7 +33,7 @@ from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from .layout import DeepSpeedLayout
-from .names import EXPERT_FILE, expert_file, model_file, optim_file
+from .names import EXPERT_FILE, expert_file, model_file, optim_file, parse_optim_file
 from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
@@ -242,7 +242,7 @@ def write_pipeline_moe_zero(
             if base == model_file(0):
                 files[f"{tag}/{model_file(stage)}"] = (structure, fetcher)
             else:
-                d = int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])
+                d = parse_optim_file(base)[1]
                 files[f"{tag}/{optim_file(d, z0.files.bf16_prefix, mp=stage)}"] = (structure, fetcher)
         new_id = {prefix: n for n, prefix in enumerate(counts)}
         for (src_stage, _), (rel, expert, prefix) in sorted(layer_id.items()):

@@ -5,12 +5,12 @@ tp=T,ep=E,dp=W` (`--to N` keeps tp and ep).
 DeepSpeed 0.19 lays such a checkpoint out as T MoE checkpoints side by side, one per mp rank t
 (groups._create_expert_data_and_model_parallel: inside each tp lane, dp rank d is expert-parallel
 rank d % E and expert-data-parallel rank d // E):
-  mp_rank_<t>_model_states.pt                     rank t's dense module slices, param_shapes
+  model_file(t)                                   rank t's dense module slices, param_shapes
                                                   (ep rank 0's local experts), mp_world_size T,
                                                   dp_world_size W
-  layer_<L>_expert_<G>_mp_rank_<t>_model_states.pt
+  expert_file(L, G, t)
                                                   rank t's slice of expert G's weights
-  [bf16_]zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
+  optim_file(d, bf16, mp=t)
                                                   dp rank d's partition of rank t's dense groups
                                                   and of its expert groups (moe_writer.py's layout)
 So each new mp rank t is written as moe_writer.py writes a MoE checkpoint, from a *rank index*
@@ -34,7 +34,7 @@ from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
 from .layout import DeepSpeedLayout
-from .names import expert_file, model_file, optim_file
+from .names import expert_file, model_file, optim_file, parse_optim_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
@@ -109,7 +109,7 @@ def by_rank(files: dict[str, Any]) -> dict[Any, Any]:
         if base == model_file(0):
             out["model"] = structure
         else:
-            out[int(base.split("zero_pp_rank_", 1)[1].split("_", 1)[0])] = structure
+            out[parse_optim_file(base)[1]] = structure  # by its dp rank
     return out
 
 
@@ -151,7 +151,7 @@ def module_slices(model: dict, rank_index: CheckpointIndex) -> dict:
 
 
 def _expert_files(rank_index: CheckpointIndex, counts: dict[str, int], t: int) -> dict[str, Any]:
-    """layer_<L>_expert_<G>_mp_rank_<t>: expert G's weight slices under their global names."""
+    """expert_file(L, G, t): expert G's weight slices under their global names."""
     out: dict[str, Any] = {}
     for layer, (prefix, count) in enumerate(counts.items()):
         for expert in range(count):

@@ -6,15 +6,15 @@ groups._create_expert_and_data_parallel(E) without the mpu's sizes, its legacy p
 groups of E consecutive global ranks, expert-data-parallel groups of the ranks r, r+E, r+2E, ...
 With a Megatron mpu (tp ranks consecutive: global rank r is tp rank r % T, dp rank r // T):
   rank r                     expert-parallel rank r % E, expert-data-parallel rank r // E of W/E
-  layer_<L>_expert_<G>_mp_rank_<t>_model_states.pt
+  expert_file(L, G, t)
                              expert G whole, saved by global rank e = G // (experts per ep rank)
                              (expert-dp rank 0), so t = e % T: mp ranks >= E save none
-  [bf16_]zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
+  optim_file(d, bf16, mp=t)
                              rank r = t + T*d: its dense groups (partition d of its tp lane, as
                              any TP checkpoint) and its expert groups, partition r // E of W/E,
                              holding ep rank r % E's local experts: one expert group spans files of
                              every mp rank
-  mp_rank_<t>_model_states.pt the dense module slices; param_shapes names local experts
+  model_file(t) the dense module slices; param_shapes names local experts
 So the dense groups are read per mp rank and joined over tp (model_parallel.py); the expert groups
 are read here across all W optim files as one MoE checkpoint of W ranks (moe.py's reading), and
 the expert files from the mp rank that saved each. Expert tensors carry attrs["parallel"]["ep"]
@@ -33,11 +33,12 @@ from . import moe
 from .files import ZeroFiles
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, ZeroInfo, stage_names
+from .layout import WHOLE_EXPERTS, DeepSpeedLayout
 
 
 def dense_groups(groups_meta: list, groups: list[ZeroGroup]) -> list[ZeroGroup]:
     """The groups one mp rank's files hold whole among its tp lane (the expert groups are not)."""
-    return [g for g in groups if not moe._is_expert_group(groups_meta[g.param_group])]
+    return [g for g in groups if not moe.is_expert_group(groups_meta[g.param_group])]
 
 
 def global_ranks(files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> RankFiles:
@@ -50,13 +51,14 @@ def global_ranks(files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> RankFile
             f"{files.prefix or '.'}: the model-parallel ranks have different numbers of optim-states files ({dps})"
         )
     dp = dps[0]
+    grid = DeepSpeedLayout(tp=tp, dp=dp, experts=WHOLE_EXPERTS)
     optim_files, optim, archives = {}, {}, {}
     for t, info in infos.items():
         archives.update(info.archives)
         for d, name in info.files.optim_files.items():
-            optim_files[t + tp * d] = name
+            optim_files[grid.global_rank(t, d)] = name
             if d in info.optim_states:
-                optim[t + tp * d] = info.optim_states[d]
+                optim[grid.global_rank(t, d)] = info.optim_states[d]
     every = [n for f in files.model_parallel.values() for n in f.expert_files]
     gfiles = replace(files.model_parallel[0], optim_files=optim_files, expert_files=sorted(every))
     return RankFiles(files=gfiles, archives=archives, optim=optim, world_size=tp * dp)
@@ -66,6 +68,7 @@ def read_experts(source: Source, files: ZeroFiles, index: CheckpointIndex, subs:
     """The experts into the joined (dense) index: masters, optimizer state and module weights under
     their global names, the param groups' `params` renamed likewise, the sizes in metadata."""
     tp = len(subs)
+    saver = DeepSpeedLayout(tp=tp, experts=WHOLE_EXPERTS)  # mp rank ep_rank % tp saves its experts
     info0: ZeroInfo = subs[0].native
     ranks = global_ranks(files, subs)
     o0 = ranks.optim[min(ranks.optim)]
@@ -77,10 +80,10 @@ def read_experts(source: Source, files: ZeroFiles, index: CheckpointIndex, subs:
             f"{label}: a mixture-of-experts checkpoint at ZeRO stage 3 (DeepSpeed does not save "
             f"one with tensor parallelism)"
         )
-    expert_groups = [g for g in info0.groups if moe._is_expert_group(groups_meta[g.param_group])]
-    layout = moe._layout(source, ranks.files, ranks, groups_meta, expert_groups, m0, label)
-    expert_files = moe._expert_files(
-        source, index, ranks.files, ranks.archives, layout, expert_groups, mp_of=lambda ep_rank: ep_rank % tp
+    expert_groups = [g for g in info0.groups if moe.is_expert_group(groups_meta[g.param_group])]
+    layout = moe.expert_layout(source, ranks.files, ranks, groups_meta, expert_groups, m0, label)
+    expert_files = moe.open_expert_files(
+        source, index, ranks.files, ranks.archives, layout, expert_groups, mp_of=saver.expert_saver
     )
     for f in expert_files:
         index.files.setdefault(f.rel, source.size(f.rel))
@@ -89,11 +92,11 @@ def read_experts(source: Source, files: ZeroFiles, index: CheckpointIndex, subs:
         renamed = [
             replace(g, params=tuple((layout.global_name(n, ep_rank), s) for n, s in g.params)) for g in expert_groups
         ]
-        read_flat_groups(index, info0.stage, moe._ep_view(ranks, layout, ep_rank), renamed, stage_names(info0.stage))
-        moe._mark(index, renamed, ep_rank, layout.ep)
+        read_flat_groups(index, info0.stage, moe.ep_view(ranks, layout, ep_rank), renamed, stage_names(info0.stage))
+        moe.mark_expert_owners(index, renamed, ep_rank, layout.ep)
         for g in renamed:
             listed.setdefault(g.param_group, []).extend(g.names)
-    moe._module_weights(index, expert_files, layout)
+    moe.add_expert_module_weights(index, expert_files, layout)
     for g, names in listed.items():
         index.add_object(ObjectEntry(param_group_key(g, "params"), names, path=param_group_path(g, "params")))
     dp = index.metadata["parallel"]["dp"]

@@ -3,10 +3,10 @@ enable_expert_tensor_parallelism=False)` under an mpu, moe_whole.py's layout) at
 `reshard --to tp=T,ep=E,dp=W` (`--to N` keeps tp and ep).
 
 Target rank r = t + T*d (tp rank t, dp rank d, W dp ranks, T*W ranks in all) writes
-  zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
+  optim_file(d, mp=t)
       its dense groups: partition d of W of tp lane t's slices (as tp_writer / moe_tp_writer);
       its expert groups: partition r // E of T*W/E of ep rank r % E's local experts, whole
-and dp rank 0 of lane t writes mp_rank_<t>_model_states.pt (lane t's module slices, param_shapes
+and dp rank 0 of lane t writes model_file(t) (lane t's module slices, param_shapes
 naming E's local experts, mp_world_size T, dp_world_size W). Expert G (ep rank e) is saved by
 global rank e, mp rank e % T: its file, the same bytes at any size, is copied under that name.
 
@@ -50,7 +50,7 @@ PER_GROUP = (
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
     """(T, E, W) from `--to`: E must divide the T*W ranks (DeepSpeed's expert groups are consecutive
     global ranks) and every MoE layer's expert count, and T must divide E (else DeepSpeed cannot load
-    the experts: at tp 4, ep 2 rank 2 reads layer_0_expert_0_mp_rank_02, which rank 0 never saves)."""
+    the experts: at tp 4, ep 2 rank 2 reads expert_file(0, 0, 2), which rank 0 never saves)."""
     return DeepSpeedLayout.of(index).resized(to, index.root)
 
 

@@ -4,13 +4,13 @@ new expert-parallel size E' and data-parallel world size W' (`reshard --to ep=E'
 What DeepSpeed 0.19 loads (engine._load_checkpoint, load_moe_state_dict, _load_zero_checkpoint,
 stage_1_and_2._load_legacy_checkpoint). Global rank r is expert-parallel rank r % E' and
 expert-data-parallel rank r // E' (DeepSpeed's default E + D order, as moe.py reads it):
-  mp_rank_00_model_states.pt   the dense module and num_experts as saved; dp_world_size W' (the
+  model_file(0)                the dense module and num_experts as saved; dp_world_size W' (the
                                loader reads that many optim files); param_shapes naming ep rank
                                0's local experts at E'
-  layer_<L>_expert_<G>_mp_rank_00_model_states.pt
+  expert_file(L, G, 0)
                                expert G under its global name: the same at every E', copied byte
                                for byte (each rank loads its local experts' files and renames them)
-  [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
+  optim_file(r, bf16, mp=0)
                                read by rank r alone: partition r of W' of each dense group, and of
                                each expert group partition r // E' of W'/E', holding ep rank
                                r % E''s experts under their LOCAL ids (param_slice_mappings),

@@ -11,6 +11,9 @@ Megatron's `-model_TT`, expert files with or without `layer_L_`) is taught once.
   [layer_L_]expert_G_mp_rank_XX_model_states.pt  MoE expert G (of MoE layer L) on mp rank XX
   layer_LL[-model_TT]-model_states.pt            a PipelineModule layer (on tp rank TT)
   zero_to_fp32.py, zero_to_torch.py              the recovery scripts DeepSpeed copies beside a save
+
+The other modules' docstrings draw layouts with the builders below (`model_file(t)`,
+`optim_file(d, bf16, mp=t)`, `expert_file(L, G, t)`, `layer_file(XX, TT)`), not the spelled names.
 """
 
 from __future__ import annotations

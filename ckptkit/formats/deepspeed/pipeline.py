@@ -1,19 +1,19 @@
 """Index a DeepSpeed pipeline-parallel checkpoint (a `deepspeed.pipe.PipelineModule` engine).
 
 What DeepSpeed writes in the tag folder (ZeRO stage 0/1 only: PipelineEngine refuses 2 and 3):
-  layer_XX-model_states.pt                      one per layer holding a state_dict (XX the global
+  layer_file(XX)                                one per layer holding a state_dict (XX the global
                                                 layer index; local names, e.g. `fc_in.weight`),
                                                 written by data-parallel rank 0 of its stage; a
                                                 tied layer with a forward_fn (a functools.partial)
                                                 has none. A topology with a `model` axis (tensor
-                                                parallelism, Megatron-DeepSpeed's) adds `-model_YY`,
+                                                parallelism, Megatron-DeepSpeed's) adds `tp_suffix(YY)`,
                                                 YY the tp rank (pipeline_tp.py joins tp > 1).
-  mp_rank_SS_model_states.pt                    one per stage S (`module` is None; buffer_names,
+  model_file(SS)                                one per stage S (`module` is None; buffer_names,
                                                 param_shapes with the stage's global names)
-  [bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   one per (data-parallel rank D, stage S): each
+  optim_file(D, bf16, mp=SS)                    one per (data-parallel rank D, stage S): each
                                                 stage is one ordinary ZeRO checkpoint over its own
                                                 parameters
-The numbers: `mp_rank` is the grid's model-parallel rank (stage * tp + tp rank), `zero_pp_rank`
+The numbers: the mp rank is the grid's model-parallel rank (stage * tp + tp rank), the zero_pp rank
 the rank within the stage's data-parallel group.
 
 Each stage is read with the ZeRO reader's own parts (the optim files' flat groups), and the
@@ -53,6 +53,7 @@ from .names import (
 from .names import tp_suffix
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
+from .layout import DeepSpeedLayout
 
 NOT_RESHARDABLE = (
     "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it "
@@ -83,7 +84,7 @@ class PipelineInfo:
 
 def layer_files(files: ZeroFiles, model_rank: int = 0) -> dict[int, str]:
     """layer index -> file name, of the tag folder's names the ZeRO file scan left over: tp rank
-    `model_rank`'s (`-model_YY`, which a topology with a `model` axis always writes,
+    `model_rank`'s (`tp_suffix(YY)`, which a topology with a `model` axis always writes,
     Megatron-DeepSpeed's among them; no suffix without one)."""
     return {
         int(m.group(1)): name
@@ -93,7 +94,7 @@ def layer_files(files: ZeroFiles, model_rank: int = 0) -> dict[int, str]:
 
 
 def tp_size(files: ZeroFiles) -> int:
-    """The tensor-parallel size the layer files show: the highest `-model_YY` + 1."""
+    """The tensor-parallel size the layer files show: the highest `tp_suffix(YY)` + 1."""
     return 1 + max((int(m.group(2) or 0) for n in files.extra if (m := LAYER_FILE.match(n))), default=0)
 
 
@@ -146,7 +147,7 @@ def read_pipeline(
     source: Source, files: ZeroFiles, per_stage: dict[int, ZeroFiles], model_rank: int
 ) -> CheckpointIndex:
     """One index for the pipeline of tp rank `model_rank`: stage s's ZeRO files are per_stage[s]
-    (mp rank s * tp + model_rank), its layer files those ending `-model_<model_rank>`."""
+    (mp rank s * tp + model_rank), its layer files those ending `tp_suffix(model_rank)`."""
     opened = _open_layers(source, files, model_rank)
     stages = {s: _read_stage(source, sub, opened, s) for s, sub in sorted(per_stage.items())}
     _check_stage_count(source, files, stages)
@@ -187,7 +188,7 @@ def read_pipeline(
 
 
 def _read_3d(source: Source, files: ZeroFiles, tp: int, tp_rules: Any) -> CheckpointIndex:
-    """tp rank t's files are a pipeline (stage s: mp rank s * tp + t, layer files `-model_<t>`);
+    """tp rank t's files are a pipeline (stage s: mp rank s * tp + t, layer files `tp_suffix(t)`);
     pipeline_tp.join makes the full model of the tp pipelines."""
     ranks = sorted(files.model_parallel) if files.model_parallel else [0]
     label = source.label(files.prefix + (files.model_files[min(files.model_files)] if files.model_files else ""))
@@ -197,9 +198,10 @@ def _read_3d(source: Source, files: ZeroFiles, tp: int, tp_rules: Any) -> Checkp
             f"but there are {len(ranks)} model-parallel ranks ({mp_rank('XX')}), not a multiple of {tp}"
         )
     _check_tp_layer_files(source, files, tp)
-    pp = len(ranks) // tp
+    grid = DeepSpeedLayout(tp=tp, pp=len(ranks) // tp)
     subs = {
-        t: read_pipeline(source, files, {s: files.model_parallel[s * tp + t] for s in range(pp)}, t) for t in range(tp)
+        t: read_pipeline(source, files, {s: files.model_parallel[grid.mp_rank(s, t)] for s in range(grid.pp)}, t)
+        for t in range(tp)
     }
     return pipeline_tp.join(source, subs, label, tp_rules)
 
@@ -252,7 +254,7 @@ class _Stage:
 
 @dataclass(frozen=True, kw_only=True)
 class _LayerFile:
-    """One opened `layer_XX-model_states.pt`: the layer's state dict (local names), lazily loaded."""
+    """One opened `layer_file(XX)`: the layer's state dict (local names), lazily loaded."""
 
     rel: str
     archive: Archive
@@ -274,8 +276,8 @@ def _open_layers(source: Source, files: ZeroFiles, model_rank: int = 0) -> dict[
 def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile], stage_id: int) -> _Stage:
     """The ZeRO reader's steps for one stage, without `module` (None: the layer files hold it)."""
     archives: dict[str, Archive] = {}
-    optim = zero._load_ranks(source, files, files.optim_files, archives)
-    model = zero._load_ranks(source, files, files.model_files, archives)
+    optim = zero.load_ranks(source, files, files.optim_files, archives)
+    model = zero.load_ranks(source, files, files.model_files, archives)
     if not optim or not model:
         raise FormatError(
             f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file of "
@@ -284,25 +286,25 @@ def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile],
     first_optim = source.label(files.prefix + files.optim_files[min(optim)])
     osd0 = entry(optim[min(optim)], "optimizer_state_dict", first_optim)
     bf16_optimizer = _is_bf16_optimizer(osd0)
-    stage = 1 if bf16_optimizer else zero._stage(osd0, first_optim)
+    stage = 1 if bf16_optimizer else zero.read_zero_stage(osd0, first_optim)
     world = max(files.optim_files) + 1
     m0_name = files.prefix + files.model_files[min(model)]
     m0 = model[min(model)]
     label = source.label(m0_name)
-    zero._check_world(source, files, stage, world, m0, label)
+    zero.check_world(source, files, stage, world, m0, label)
     if stage != 1:
         raise UnsupportedError(
             f"{first_optim}: a pipeline checkpoint at ZeRO stage {stage} (DeepSpeed's "
             f"PipelineEngine runs stage 0 or 1 only)"
         )
-    index = zero._new_index(source, archives, world)
+    index = zero.new_index(source, archives, world)
     buffers = list(entry(m0, "buffer_names", label))
     param_shapes = entry(m0, "param_shapes", label)
     if param_shapes is None and bf16_optimizer:  # not saved without ZeRO: the optim files' slice maps say it
         param_shapes = _bf16_param_shapes(files, optim, layers, first_optim)
     if not isinstance(param_shapes, list):
         raise FormatError(f"{label}: param_shapes must be a list of per-group shape maps")
-    groups_meta, groups = zero._stage12_groups(osd0, param_shapes, first_optim)
+    groups_meta, groups = zero.stage12_groups(osd0, param_shapes, first_optim)
     read_flat_groups(
         index,
         stage,
@@ -310,8 +312,8 @@ def _read_stage(source: Source, files: ZeroFiles, layers: dict[int, _LayerFile],
         groups,
         stage_names(stage),
     )
-    zero._param_groups(index, groups_meta, groups)
-    zero._objects(index, 0 if bf16_optimizer else stage, archives[m0_name], m0, optim[min(optim)])
+    zero.add_param_groups(index, groups_meta, groups)
+    zero.add_objects(index, 0 if bf16_optimizer else stage, archives[m0_name], m0, optim[min(optim)])
     steps = index.objects.get("ds.global_steps")
     index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
     index.metadata["deepspeed"] = {

@@ -1,8 +1,8 @@
 """Index a 3-D DeepSpeed checkpoint: a PipelineModule whose layers are tensor-parallel
 (Megatron-DeepSpeed's PipeModelDataParallelTopology with num_mp > 1).
 
-What DeepSpeed writes (tp T, pp P, dp D): `layer_XX-model_YY-model_states.pt` per (layer, tp rank
-YY), `mp_rank_SS_model_states.pt` and `zero_pp_rank_D_mp_rank_SS_optim_states.pt` with
+What DeepSpeed writes (tp T, pp P, dp D): `layer_file(XX, YY)` per (layer, tp rank
+YY), `model_file(SS)` and `optim_file(D, mp=SS)` with
 SS = stage * T + tp rank (the grid's model-parallel rank). So tp rank t's files are an ordinary
 pipeline checkpoint (pipeline.read_pipeline reads it; pipeline.py calls `join` here), and the T pipelines are joined
 tensor by

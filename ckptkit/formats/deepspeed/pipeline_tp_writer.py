@@ -7,10 +7,10 @@ tensors over the full ones), and pipeline_writer lays rank t's slices out as a p
 stages (the layers assigned by --partition-method, computed on rank t's local parameter counts as
 PipelineModule does on that rank), each stage one ZeRO-1 checkpoint over W data-parallel ranks.
 Files, as DeepSpeed 0.19's PipelineEngine on PipeModelDataParallelTopology names them:
-  layer_XX-model_TT-model_states.pt     layer XX's state dict on tp rank TT (its slices)
-  mp_rank_SS_model_states.pt            SS = stage * T + tp rank; mp_world_size P * T,
+  layer_file(XX, TT)                    layer XX's state dict on tp rank TT (its slices)
+  model_file(SS)                        SS = stage * T + tp rank; mp_world_size P * T,
                                         checkpoint_parallel_dimensions {pp_degree P, tp_degree T}
-  zero_pp_rank_D_mp_rank_SS_optim_states.pt   partition D of W of that (stage, tp rank)'s groups
+  optim_file(D, mp=SS)   partition D of W of that (stage, tp rank)'s groups
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ layers are assigned to P new stages as PipelineModule does it (pipeline_partitio
 `--partition-method` the model uses), and each new stage is one ZeRO-1 checkpoint over its own
 parameters, laid out by the ZeRO writer's group plans over W ranks (bytes streamed from the
 source). Files, as DeepSpeed 0.19's PipelineEngine names and loads them:
-  layer_XX[-model_00]-model_states.pt   copied byte for byte (a layer's own state, local names:
+  layer_file(XX[, 0])                   copied byte for byte (a layer's own state, local names:
                                         it does not depend on the stage holding the layer)
-  mp_rank_SS_model_states.pt            stage S's: module None, buffer_names and param_shapes
+  model_file(SS)                        stage S's: module None, buffer_names and param_shapes
                                         of its layers, mp_world_size P, dp_world_size W,
                                         checkpoint_parallel_dimensions; the rest as the source's
-  [bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   partition D of W of stage S's flat groups
+  optim_file(D, bf16, mp=SS)   partition D of W of stage S's flat groups
 A tied module is on every stage that builds one of its layers, its optimizer state with each.
 
 The checkpoint does not record the layers that have no state (functions, a tied layer with a

@@ -95,21 +95,21 @@ def read_index(
 def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> CheckpointIndex:
     """One ZeRO checkpoint: the files of one model-parallel rank (`optimizer`: as read_index's)."""
     archives: dict[str, Archive] = {}
-    optim = _load_ranks(source, files, files.optim_files, archives)
-    model = _load_ranks(source, files, files.model_files, archives)
+    optim = load_ranks(source, files, files.optim_files, archives)
+    model = load_ranks(source, files, files.model_files, archives)
     if not optim or not model:
         raise FormatError(
             f"{source.label(files.prefix)}: no {'optim' if not optim else 'model'}-states file of the tag could be read"
         )
     first_optim = source.label(files.prefix + files.optim_files[min(optim)])
     osd0 = entry(optim[min(optim)], "optimizer_state_dict", first_optim)
-    stage = _stage(osd0, first_optim)
+    stage = read_zero_stage(osd0, first_optim)
     world = max(files.optim_files) + 1  # ranks short of it were missing (verify listed them)
     m0_name = files.prefix + files.model_files[min(model)]
     m0 = model[min(model)]
     label = source.label(m0_name)
-    _check_world(source, files, stage, world, m0, label)
-    index = _new_index(source, archives, world)
+    check_world(source, files, stage, world, m0, label)
+    index = new_index(source, archives, world)
     buffers = list(entry(m0, "buffer_names", label))
     shared = dict(m0.get("shared_params") or {})
     param_shapes = entry(m0, "param_shapes", label)
@@ -117,7 +117,7 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
         raise FormatError(f"{label}: param_shapes must be a list of per-group shape maps")
     dtype = _module_and_buffers(index, stage, buffers, archives[m0_name], m0, label)
     frozen = _frozen(index, stage, world, files, archives, model, label)
-    groups_meta, groups = (_stage12_groups if stage < 3 else _stage3_groups)(osd0, param_shapes, first_optim)
+    groups_meta, groups = (stage12_groups if stage < 3 else _stage3_groups)(osd0, param_shapes, first_optim)
     ranks = RankFiles(files=files, archives=archives, optim=optim, world_size=world)
     _check_partitions(ranks, stage, len(groups), plain=not files.whole_experts and not files.expert_files)
     flat_groups = groups
@@ -129,9 +129,9 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
     read_flat_groups(index, stage, ranks, flat_groups, stage_names(stage), optimizer=optimizer or not plain)
     if stage == 1:  # frozen params live only in `module`
         frozen = {**frozen, **_stage1_frozen(index, groups, buffers, shared)}
-    _param_groups(index, groups_meta, groups)
+    add_param_groups(index, groups_meta, groups)
     _aliases(index, shared, label)
-    _objects(index, stage, archives[m0_name], m0, optim[min(optim)])
+    add_objects(index, stage, archives[m0_name], m0, optim[min(optim)])
     steps = index.objects.get("ds.global_steps")
     index.step = steps.data if steps is not None and isinstance(steps.data, int) else None
     index.metadata["deepspeed"] = {
@@ -159,7 +159,7 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
     return index
 
 
-def _new_index(source: Source, archives: dict[str, Archive], world: int) -> CheckpointIndex:
+def new_index(source: Source, archives: dict[str, Archive], world: int) -> CheckpointIndex:
     """An index listing the files read and their integrity checks."""
     index = CheckpointIndex(format=FORMAT, root=source.root, world_size=world)
     for rel, arch in archives.items():
@@ -168,7 +168,7 @@ def _new_index(source: Source, archives: dict[str, Archive], world: int) -> Chec
     return index
 
 
-def _load_ranks(source: Source, files: ZeroFiles, names: dict[int, str], archives: dict[str, Archive]) -> dict:
+def load_ranks(source: Source, files: ZeroFiles, names: dict[int, str], archives: dict[str, Archive]) -> dict:
     """rank -> lazily loaded structure of each file named; the archives opened kept in `archives`.
     Under verify, an unreadable file is listed and left out, and the other ranks still read."""
     loaded = {}
@@ -195,7 +195,7 @@ def _load_ranks(source: Source, files: ZeroFiles, names: dict[int, str], archive
     return loaded
 
 
-def _stage(osd0: Any, label: str) -> int:
+def read_zero_stage(osd0: Any, label: str) -> int:
     """The ZeRO stage of the optimizer state, refusing the layouts not read yet."""
     if "zero_stage" not in osd0:
         raise UnsupportedError(
@@ -212,7 +212,7 @@ def _stage(osd0: Any, label: str) -> int:
     return stage
 
 
-def _check_world(source: Source, files: ZeroFiles, stage: int, world: int, m0: Any, label: str) -> None:
+def check_world(source: Source, files: ZeroFiles, stage: int, world: int, m0: Any, label: str) -> None:
     """One model-states file per rank at stage 3; dp_world_size, when saved, agrees with the files."""
     if stage == 3 and len(files.model_files) != world and not _tolerate_missing_models(source, files, world):
         raise FormatError(
@@ -237,9 +237,9 @@ def _check_partitions(ranks: RankFiles, stage: int, groups: int, *, plain: bool)
     for rank in sorted(ranks.optim):
         arch = ranks.archive(rank)
         osd = entry(ranks.optim[rank], "optimizer_state_dict", arch.label)
-        if isinstance(osd, dict) and _stage(osd, arch.label) != stage:  # (one checkpoint, one layout)
+        if isinstance(osd, dict) and read_zero_stage(osd, arch.label) != stage:  # (one checkpoint, one layout)
             raise FormatError(
-                f"{arch.label}: says ZeRO stage {_stage(osd, arch.label)}, the first rank's file "
+                f"{arch.label}: says ZeRO stage {read_zero_stage(osd, arch.label)}, the first rank's file "
                 f"stage {stage}; refusing to pick one"
             )
         masters = entry(osd, names.masters, arch.label)
@@ -368,7 +368,7 @@ def _stage3_fragments(
     return dtype, pieces
 
 
-def _stage12_groups(osd0: dict, param_shapes: list, label: str) -> tuple[list, list[ZeroGroup]]:
+def stage12_groups(osd0: dict, param_shapes: list, label: str) -> tuple[list, list[ZeroGroup]]:
     """(torch param groups, ZeRO groups): at stage 1/2 one flat group per param group."""
     paddings = osd0.get("param_alignment_paddings")
     groups_meta = entry(entry(osd0, "base_optimizer_state", label), "param_groups", label)
@@ -476,7 +476,7 @@ def _truncated_zip(source: Source, rel: str) -> bool:
         return False
 
 
-def _param_groups(index: CheckpointIndex, groups_meta: list, groups: list[ZeroGroup]) -> None:
+def add_param_groups(index: CheckpointIndex, groups_meta: list, groups: list[ZeroGroup]) -> None:
     """Each torch param group's hyperparameters; `params` lists its parameters by name."""
     names: list[list[str]] = [[] for _ in groups_meta]
     for group in groups:
@@ -488,7 +488,7 @@ def _param_groups(index: CheckpointIndex, groups_meta: list, groups: list[ZeroGr
             index.add_object(ObjectEntry(param_group_key(g, key), value, path=param_group_path(g, key)))
 
 
-def _objects(index: CheckpointIndex, stage: int, archive: Archive, m0: dict, o0: dict) -> None:
+def add_objects(index: CheckpointIndex, stage: int, archive: Archive, m0: dict, o0: dict) -> None:
     items = [(key, value) for key, value in m0.items() if key not in STRUCTURAL_KEYS]
     values = materialize([value for _, value in items], archive)  # one shared read per storage for them all
     for (key, _), value in zip(items, values):

@@ -10,14 +10,14 @@ are flat REF ranges of the full one (replicated tensors: the full entry).
 With that index the ZeRO writer's group plans (group_plan.py) partition rank t's params over W
 data-parallel ranks exactly as they re-partition a plain ZeRO checkpoint, bytes streamed from
 the source. Files, as DeepSpeed 0.19 names and loads them (engine._load_checkpoint reads
-mp_rank_<t>; _load_zero_checkpoint reads every zero_pp_rank_<d>_mp_rank_<t> file):
-  mp_rank_<t>_model_states.pt   rank t's module weights (sliced), param_shapes of its slices,
+mp rank t; _load_zero_checkpoint reads every optim_file(d, mp=t) file):
+  model_file(t)                 rank t's module weights (sliced), param_shapes of its slices,
                                 mp_world_size T, dp_world_size W, checkpoint_parallel_dimensions,
                                 universal_checkpoint_info (AutoTP's affine_map redone for T)
-  zero_pp_rank_<d>_mp_rank_<t>_model_states.pt
+  zero_model_file(d, t)
                                 ZeRO 3 instead: one per (d, t), param_shapes of rank t's sub-groups
                                 at W ranks (the ZeRO writer's stage-3 file), the sizes as above
-  [bf16_]zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt
+  optim_file(d, bf16, mp=t)
                                 partition d of W of rank t's flat groups (masters and states)
 """
 

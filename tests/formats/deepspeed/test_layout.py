@@ -11,10 +11,12 @@ import pytest
 
 from ckptkit.errors import UnsupportedError, UsageError
 from ckptkit.formats.deepspeed import names
+from ckptkit.formats.deepspeed.format import detect_layout
 from ckptkit.formats.deepspeed.layout import RESIZE_RULES, DeepSpeedLayout
 from ckptkit.formats.deepspeed.resharding import WRITERS
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.index.parallel_spec import ParallelSizes, parse_parallel
+from ckptkit.storage.source import LocalSource
 from conftest import DATA
 
 FAMILY_OF_FOLDER = {  # fixture folder -> the layout family its checkpoints are
@@ -122,6 +124,12 @@ def test_whole_experts_are_saved_by_the_mp_rank_the_rule_names():
             others = [t for t in range(layout.tp) if t != saver]
             assert not any(names.expert_file(0, expert, t) in on_disk for t in others)
     assert layout.expert_partitions() == layout.tp * layout.dp // layout.ep
+
+
+@pytest.mark.skipif(not FIXTURES, reason="no DeepSpeed fixtures in fixtures/data (fixtures/generate_*.py)")
+@pytest.mark.parametrize("fixture", [f for f in FIXTURES if f.endswith(("_w2", "_w4", "_fp32"))][::3])
+def test_detect_reads_the_same_layout_from_the_files(fixture):
+    assert detect_layout(LocalSource(str(DATA / fixture))) == DeepSpeedLayout.of(_index(fixture))
 
 
 def test_every_family_has_one_writer_and_one_resize_rule():
