@@ -69,14 +69,21 @@ def relaunch(nproc: int, out: str | None = None) -> int:
             env[QUIET_ENV] = "1"  # this launcher reports an interrupt, once
             procs.append(subprocess.Popen([sys.executable, "-m", "ckptkit", *args], env=env))
         codes, killed = _wait(procs, interrupts.cancelled)
-    if (killed or interrupts.cancelled.is_set() or any(codes)) and out and "://" not in out:
+    if len(procs) == nproc and not any(codes):
+        # every process succeeded: the output is committed, so a Ctrl-C that came after rank 0's
+        # commit changes nothing. It must not be reported either: the command's wrapper turns a
+        # pending Ctrl-C into exit 130 ("no output"), so the launcher, like an output that
+        # commits, marks the work done and forgets it (a later Ctrl-C is then ignored too)
+        interrupts.committed.set()
+        interrupts.cancelled.clear()
+        return 0
+    if out and "://" not in out:
         from ckptkit.storage.rename_output import recover
 
-        # every process has ended: what one left next to OUT (killed, or stopped by Ctrl-C between
-        # taking the lock and arming its cleanup) is a dead run's, swept under OUT's lock
+        # every process has ended and the job failed: what one left next to OUT (killed, or
+        # stopped between taking the lock and arming its cleanup) is a dead run's, swept under
+        # OUT's lock
         recover(out)
-    if len(procs) == nproc and not any(codes):  # every process succeeded: the output is committed, and
-        return 0  # a Ctrl-C that came after that changes nothing (exit 0)
     if interrupts.cancelled.is_set() or INTERRUPTED in codes:
         raise interrupts.Cancelled()
     return next((c for c in codes if c), 0)

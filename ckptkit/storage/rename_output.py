@@ -85,9 +85,21 @@ class RenameOutput:
         self._files_lock = threading.Lock()  # a file closes only when no writeback is starting
 
     def __enter__(self) -> RenameOutput:
+        try:
+            self._enter_every_rank()
+        except BaseException:
+            # no `with` block runs, so no __exit__ removes what rank 0 made: a peer that failed (or
+            # was stopped by Ctrl-C) in a collective after rank 0 took the lock and created the
+            # temporary folder would leave both next to OUT
+            if self.group.is_root:
+                self.abort()
+            raise
+        return self
+
+    def _enter_every_rank(self) -> None:
         on_root(self.group, self._enter)
         if not self.group.distributed:
-            return self
+            return
         self.tmp = self.group.share(self.tmp)
         seen = os.path.isdir(self.tmp)
         self.group.check(
@@ -98,7 +110,6 @@ class RenameOutput:
                 f"distributed run needs OUT on a filesystem every rank shares"
             )
         )
-        return self
 
     def _enter(self) -> RenameOutput:
         check_apart(self.sources, self.path)  # before anything is written
