@@ -4,9 +4,7 @@ folders are written by transformers' save_pretrained and read back by transforme
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from click.testing import CliRunner
 
 from ckptkit.convert import hf_ties
 from ckptkit_cli.main import cli
-from conftest import ROOT as REPO, subprocess_env, torchrun_cmd
 from hf_folders import edit_config, gpt2_folder, llama_folder
 from helpers.hostile import Scene, check_refused, run_ckptkit
 
@@ -184,35 +181,6 @@ def test_table_is_from_the_pinned_transformers():
     assert hf_ties.table()["transformers"] == transformers.__version__, (
         "transformers changed: regenerate ckptkit/convert/hf_ties.json with scripts/generate_hf_ties.py"
     )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_job_loads_the_tied_folder(tied_llama, tmp_path, world):
-    """The user's run: convert SNAPSHOT --to dcp, then an FSDP2 job's dcp.load + set_state_dict."""
-    code, out = _convert(tied_llama, tmp_path / "d", "--to", "dcp", "--world-size", str(world))
-    assert code == 0, out
-    result = tmp_path / "result.json"
-    run = subprocess.run(
-        [
-            *torchrun_cmd(world),
-            str(REPO / "tests" / "dist" / "hf_fsdp2_load_job.py"),
-            "--model",
-            str(tied_llama),
-            "--ckpt",
-            str(tmp_path / "d"),
-            "--result",
-            str(result),
-        ],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=300,
-    )
-    assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    verdict = json.loads(result.read_text())
-    assert verdict["ok"], verdict
-    assert "lm_head.weight" in verdict["keys"] and verdict["compared"] == 21
 
 
 def test_storage_reader_and_load_fill_the_tied_name(tied_llama):

@@ -1,13 +1,11 @@
 """convert --to dcp from a weights-only source (a safetensors file, a plain state dict) lays the
 output out like FSDP2 at --world-size: every floating N-d tensor, which nothing marks as a buffer,
 is a parameter cut on dim 0 with torch.chunk, so every rank's file holds its own rows; what cannot
-be a parameter (an integer tensor, a 0-d value) stays whole. Read back with torch's own DCP reader,
-and loaded by a real FSDP2 job at 2 and 3 ranks."""
+be a parameter (an integer tensor, a 0-d value) stays whole. Read back with torch's own DCP reader;
+a real FSDP2 job at 2 and 3 ranks loads it in test_fsdp2_loads_converted_folders.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 
 import pytest
 import torch
@@ -15,8 +13,6 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from ckptkit_cli.main import cli
-from conftest import ROOT, subprocess_env, torchrun_cmd
-from hf_folders import llama_folder
 
 
 def _convert(*args) -> str:
@@ -112,33 +108,3 @@ def test_a_sharded_source_still_tells_buffers_apart(tmp_path):
 
     out = _convert(DATA / "fsdp2_w2", tmp_path / "d", "--to", "dcp", "--world-size", "3", "--model-only")
     assert "3 buffers" in out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_job_loads_a_weights_only_file(tmp_path, world):
-    """The user's run: convert MODEL.safetensors --to dcp, every rank's file non-empty, then FSDP2's load."""
-    pytest.importorskip("transformers", reason="the model is written by transformers' save_pretrained")
-    folder = llama_folder(tmp_path / "llama", tie=False)
-    _convert(folder / "model.safetensors", tmp_path / "d", "--to", "dcp", "--world-size", world)
-    assert all((tmp_path / "d" / f"__{r}_0.distcp").stat().st_size > 0 for r in range(world))
-    result = tmp_path / "result.json"
-    run = subprocess.run(
-        [
-            *torchrun_cmd(world),
-            str(ROOT / "tests" / "dist" / "hf_fsdp2_load_job.py"),
-            "--model",
-            str(folder),
-            "--ckpt",
-            str(tmp_path / "d"),
-            "--result",
-            str(result),
-        ],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=300,
-    )
-    assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    verdict = json.loads(result.read_text())
-    assert verdict["ok"], verdict
