@@ -32,6 +32,10 @@ FSDP2_SHARDS = "fsdp2 shard(0)"  # torch.chunk on dim 0 per rank, replicated ten
 ZERO_PARTITIONS = "zero1/2/3 flat partitions"  # DeepSpeed's flat groups cut into equal rank ranges
 WHOLE_TENSORS = "whole tensors"  # every tensor in one piece
 
+# what `reshard --to` can name besides a world size, where a format's writer lays it out
+TO_MESH = "device mesh"  # mesh=dp_shard:4,tp:2 (the writer's `reshard_mesh`)
+TO_PARALLEL_SIZES = "parallel sizes"  # tp=2,pp=2,ep=2,dp=4 (the writer's `reshard_parallel`)
+
 # index.metadata key: {"tensors": n, "values": m}, the optimizer's per-parameter state entries a
 # reader opened with optimizer=False (registry.open_checkpoint; consolidate writing the weights
 # alone) counted and left out of the index, so that what is not written can still be said
@@ -52,12 +56,19 @@ class Capabilities:
     tags: bool = False  # its reader takes --tag (a DeepSpeed tag); --tag on any other format is refused
     # file names its reader is handed when no format recognised a file's content, to say precisely why
     suffixes: tuple[str, ...] = ()
+    reshard_targets: tuple[str, ...] = ()  # TO_MESH, TO_PARALLEL_SIZES: what else `reshard` lays out
+    # top-level keys the format's own loader writes and hands back (DeepSpeed's client state is the rest)
+    own_keys: frozenset[str] = frozenset()
 
     def writes(self, layout: str) -> bool:
         return layout in self.layouts
 
     def writes_world(self, world_size: int) -> bool:
         return world_size >= 1 and (self.world_sizes == ANY_WORLD or world_size == 1)
+
+    def reshards_to(self, target: str) -> bool:
+        """`reshard` lays this format out for `target` (TO_MESH, TO_PARALLEL_SIZES) in its own format."""
+        return self.reshards and target in self.reshard_targets
 
 
 class CannotReshard:
@@ -67,6 +78,9 @@ class CannotReshard:
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
         raise NotImplementedError(f"{self.name} is not laid out by world size (capabilities.reshards is False)")
+
+    def refuse_relayout(self, where: str, index: "CheckpointIndex") -> None:
+        """One whole copy: any layout can be made from it."""
 
 
 @runtime_checkable
@@ -91,6 +105,10 @@ class Reader(Protocol):
         """The canonical index of `source` (`name`: its one file; `tag`: a DeepSpeed tag; `optimizer`
         False: the optimizer's per-parameter state may be counted instead of indexed)."""
 
+    def refuse_relayout(self, where: str, index: "CheckpointIndex") -> None:
+        """Raise one sentence when `index` cannot be laid out afresh from its training state (convert
+        to ZeRO templates): a layout only this format's own reshard rewrites. Else nothing."""
+
 
 @runtime_checkable
 class Writer(Protocol):
@@ -104,7 +122,9 @@ class Writer(Protocol):
 
     def reshard(self, opened: Any, out: Any, world_size: int, ctx: "RunContext") -> list[str]:
         """`opened` (a registry.Opened of this format) laid out for `world_size` ranks (only where
-        capabilities.reshards)."""
+        capabilities.reshards). A writer whose capabilities.reshard_targets name TO_MESH also has
+        `reshard_mesh(opened, out, mesh, ctx, *, source_mesh, tp_dim_for) -> (files, note)`; one
+        naming TO_PARALLEL_SIZES, `reshard_parallel(opened, out, sizes, ctx) -> files`."""
 
 
 # ---- what each writer is given ----------------------------------------------------------------------
@@ -183,6 +203,8 @@ __all__ = [
     "SafetensorsTarget",
     "OutTensor",
     "ANY_WORLD",
+    "TO_MESH",
+    "TO_PARALLEL_SIZES",
     "ONE_WORLD",
     "FSDP2_SHARDS",
     "ZERO_PARTITIONS",

@@ -159,10 +159,11 @@ def load_engine(engine: Any, folder: str, step: int) -> tuple[dict, dict]:
     loaded, client = engine_io.load(engine, folder, step)
     if loaded is None:
         raise CkptkitError(f"{folder}: DeepSpeed's load_checkpoint loaded nothing")
-    from ..formats.deepspeed.reader import DS_KEYS, STRUCTURAL_KEYS
+    from ..formats.registry import format_named
 
     # DeepSpeed hands back every entry it does not know as client state; keep the user's
-    extra = {k: v for k, v in dict(client or {}).items() if k not in DS_KEYS and k not in STRUCTURAL_KEYS}
+    own = format_named("deepspeed").capabilities.own_keys
+    extra = {k: v for k, v in dict(client or {}).items() if k not in own}
     saved = extra.pop(ENGINE_STATES, None) or {}
     return extra, saved
 

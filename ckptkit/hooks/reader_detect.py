@@ -10,11 +10,8 @@ from __future__ import annotations
 import os
 
 from ..errors import CkptkitError
-from ..formats import accelerate, run_folder
-from ..formats.safetensors.format import looks_like_safetensors
 from ..formats.registry import detect
-from ..runner.torch_archive import ZIP_MAGIC
-from ..storage.source import Source, local_path, open_source
+from ..storage.source import local_path, open_source
 
 
 def readable(checkpoint_id: object) -> bool:
@@ -29,20 +26,9 @@ def readable(checkpoint_id: object) -> bool:
         return False
     try:
         source = open_source(path)
-        if source.isdir(""):
-            return _folder(source)
+        if source.isdir(""):  # the registry's own loop, the kinds that wrap another passed over unasked
+            return bool(detect(source))
         parent, name = os.path.split(path.rstrip("/"))
-        return _file(open_source(parent or ".", only=name), name)
+        return bool(detect(open_source(parent or ".", only=name), name))
     except (CkptkitError, OSError, ValueError):
         return False
-
-
-def _folder(source: Source) -> bool:
-    return bool(detect(source)) or bool(accelerate.parts(source)) or run_folder.detect(source) is not None
-
-
-def _file(source: Source, name: str) -> bool:
-    head = source.read(name, 0, min(8, source.size(name)))
-    if head[:4] == ZIP_MAGIC:
-        return True
-    return looks_like_safetensors(source, name)

@@ -222,6 +222,13 @@ class ObjectEntry:
         return self._value
 
 
+class Replica(NamedTuple):
+    """Another copy of a tensor that must hold the same bytes: what it is (one phrase) and its entry."""
+
+    what: str  # e.g. "model-parallel rank 1's copy"
+    entry: TensorEntry
+
+
 class IntegrityCheck(NamedTuple):
     """A byte range with a checksum the container carries (a zip member's CRC32). A NamedTuple:
     a DCP checkpoint of 100k small items has 700k of them (a frozen dataclass is 4x dearer to make)."""
@@ -372,6 +379,9 @@ class CheckpointIndex:
     metadata: dict[str, Any] = field(default_factory=dict)
     # format-specific parsed structures a writer of the same format needs (never serialised)
     native: Any = None
+    # key -> the other copies a reader found that must hold the same bytes (a tensor-parallel
+    # checkpoint's replicated tensors, saved by every tp rank): verify --deep compares them
+    replicas: dict[str, list[Replica]] = field(default_factory=dict)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "checks" and type(value) is not CheckTable:

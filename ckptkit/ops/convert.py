@@ -41,8 +41,7 @@ from ..index.parallel_spec import (
     parse_parallel,
 )
 from ..formats.protocols import DcpTarget, OutTensor, SafetensorsTarget, TorchSaveTarget
-from ..formats.registry import Opened, format_named, open_checkpoint
-from ..formats.deepspeed.pipeline import refuse_pipeline_reshard
+from ..formats.registry import Opened, format_named, format_of, open_checkpoint
 from ..runner.stream import find_aliases
 from ..storage.commit import Output
 from ..storage.output import open_output
@@ -224,7 +223,7 @@ def _open_source(
     if target.startswith("zero"):
         check_deepspeed_ranks(world, f"--world-size {world}")
     if target in ZERO_TARGETS:  # a pipeline source has no ZeRO layout yet
-        refuse_pipeline_reshard(src, opened.index)
+        format_of(opened.index).refuse_relayout(src, opened.index)
     return opened, world
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..errors import UnsupportedError, UsageError
 from ..index.parallel_spec import MeshSpec, ParallelSizes, check_deepspeed_ranks, check_mesh_ranks, parse_parallel
-from ..formats.protocols import ZERO_PARTITIONS
+from ..formats.protocols import TO_MESH, TO_PARALLEL_SIZES, ZERO_PARTITIONS
 from ..formats.registry import capabilities_of, format_of, open_checkpoint
 from ..runner.heap import frozen_heap
 from ..runner.readahead import ReadAhead
@@ -108,7 +108,7 @@ def _reshard_parallel(
     index = opened.index
     fmt = _writer_with(
         opened,
-        "reshard_parallel",
+        TO_PARALLEL_SIZES,
         f"--to {sizes}: model-parallel sizes are not supported yet for "
         "{what} (reshard takes a world size, or mesh=... for DCP)",
     )
@@ -143,7 +143,7 @@ def _reshard_mesh(
     index = opened.index
     fmt = _writer_with(
         opened,
-        "reshard_mesh",
+        TO_MESH,
         f"--to {mesh}: not supported yet for {{what}} (a device mesh is written for a DCP folder)",
     )
     if isinstance(expect_from, int) and index.world_size != expect_from:
@@ -192,13 +192,14 @@ def tp_dims_from_rules(path: str | None = None) -> Callable[[str, tuple[int, ...
     return dim_for
 
 
-def _writer_with(opened, method: str, refusal: str):
-    """The source's format when it is a plain checkpoint whose writer has `method`; else the
-    UnsupportedError `refusal` with {what} naming what the source is (folders are resharded whole)."""
+def _writer_with(opened, target: str, refusal: str):
+    """The source's format when it is a plain checkpoint whose capabilities say it reshards to
+    `target` (TO_MESH, TO_PARALLEL_SIZES); else the UnsupportedError `refusal` with {what} naming
+    what the source is (folders are resharded whole)."""
     from .lightning_folder import is_folder
 
     fmt = format_of(opened.index)
-    if opened.trainer is not None or is_folder(opened) or not hasattr(fmt, method):
+    if opened.trainer is not None or is_folder(opened) or not fmt.capabilities.reshards_to(target):
         what = (
             "an HF Trainer folder"
             if opened.trainer is not None

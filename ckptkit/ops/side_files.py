@@ -68,7 +68,7 @@ class SideFiles:
     files: list[SideFile] = field(default_factory=list)
     looked_in: list[str] = field(default_factory=list)
     explicit: bool = False  # from --config DIR
-    _sources: dict[str, Source] = field(default_factory=dict, repr=False)
+    sources: dict[str, Source] = field(default_factory=dict, repr=False)
 
     @property
     def has_config(self) -> bool:
@@ -82,11 +82,11 @@ class SideFiles:
         return [f"{f.folder.rstrip('/')}/{f.name}" for f in self.files]
 
     def close(self) -> None:
-        for source in self._sources.values():
+        for source in self.sources.values():
             closer = getattr(source, "close", None)
             if closer is not None:
                 closer()
-        self._sources.clear()
+        self.sources.clear()
 
 
 def _parent(path: str) -> str:
@@ -148,7 +148,7 @@ def find(checkpoint: str, follow_links: bool | None = None) -> SideFiles:
         taken = set(found.names())
         new = [n for n in names if n not in taken]
         if new:
-            found._sources[folder] = source
+            found.sources[folder] = source
             found.files += [SideFile(n, folder) for n in new]
     _check(found)
     return found
@@ -190,9 +190,9 @@ def _check(found: SideFiles) -> None:
     from ..convert.hf_ties import model_config
 
     for f in found.files:
-        found._sources[f.folder].size(f.name)  # missing, a FIFO, a link leading out: one sentence
+        found.sources[f.folder].size(f.name)  # missing, a FIFO, a link leading out: one sentence
         if f.name == CONFIG:
-            model_config(found._sources[f.folder])
+            model_config(found.sources[f.folder])
 
 
 def copy(found: SideFiles, target) -> list[str]:
@@ -200,7 +200,7 @@ def copy(found: SideFiles, target) -> list[str]:
     in a distributed job rank 0 alone writes. Returns the names written."""
     if getattr(getattr(target, "group", None), "is_root", True):
         for f in found.files:
-            source = found._sources[f.folder]
+            source = found.sources[f.folder]
             size = source.size(f.name)
             with target.open(f.name) as out:
                 done = 0

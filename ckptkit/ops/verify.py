@@ -186,13 +186,13 @@ def _tensor_problems(opened: Opened, tensors: list, ctx: RunContext) -> list[Pro
 
 def _replica_problems(opened: Opened, ctx: RunContext, skip: set[str] | frozenset[str]) -> list[Problem]:
     """Copies a reader says must equal a tensor (a tensor-parallel checkpoint's replicated
-    tensors, saved by every tp rank: `index.native.replica_entries()`), compared slab by slab."""
-    replicas = getattr(opened.index.native, "replica_entries", None)
-    if replicas is None:
+    tensors, saved by every tp rank: `index.replicas`), compared slab by slab."""
+    replicas = opened.index.replicas
+    if not replicas:
         return []
     problems: list[Problem] = []
     fetcher = Fetcher(opened.source, index=opened.index, memory_budget=ctx.memory_budget)
-    for key, copies in replicas().items():
+    for key, copies in replicas.items():
         t = opened.index.tensors.get(key)
         if t is None or key in skip or not t.numel:
             continue

@@ -11,7 +11,7 @@ from ...index.layouts import fsdp2_layout
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
 from ...storage.source import Source
-from ..protocols import ANY_WORLD, FSDP2_SHARDS, WHOLE_TENSORS, Capabilities, DcpTarget
+from ..protocols import ANY_WORLD, FSDP2_SHARDS, TO_MESH, WHOLE_TENSORS, Capabilities, DcpTarget
 from . import reader as dcp_reader
 from .writer import write_dcp
 
@@ -28,6 +28,7 @@ class DcpFormat:
         optimizer_state=True,
         reshards=True,
         recipe_keys=True,
+        reshard_targets=(TO_MESH,),
     )
 
     def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
@@ -43,6 +44,9 @@ class DcpFormat:
         optimizer: bool = True,
     ) -> CheckpointIndex:
         return dcp_reader.read_index(source)
+
+    def refuse_relayout(self, where: str, index: CheckpointIndex) -> None:
+        """Torch's chunks: the training state reads them whole, any layout can be made."""
 
     def write(self, target: DcpTarget, out: object, ctx: "RunContext") -> list[str]:
         return write_dcp(out, target.index, target.fetcher, target.layout, source=target.source, ctx=ctx)

@@ -25,7 +25,7 @@ __all__ = ["metadata_pickle"]
 
 _MD = "torch.distributed.checkpoint.metadata"
 _STRIDED_NAME = "torch.strided"  # (a constant of its own: never the same object as a key read from a file)
-_BATCH = pickle._Pickler._BATCHSIZE  # type: ignore[attr-defined]
+_BATCH = 1000  # pickle's batch of items per APPENDS/SETITEMS (its Pickler's _BATCHSIZE): the same bytes
 _I = struct.Struct("<I").pack
 _i = struct.Struct("<i").pack
 _H = struct.Struct("<H").pack

@@ -6,19 +6,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...index.types import CheckpointIndex
+from ...index.types import CheckpointIndex, Replica
 from ...storage.source import Source
-from ..protocols import ANY_WORLD, ZERO_PARTITIONS, Capabilities, ZeroTarget, ZeroTemplatesTarget
+from ..protocols import ANY_WORLD, TO_PARALLEL_SIZES, ZERO_PARTITIONS, Capabilities, ZeroTarget, ZeroTemplatesTarget
 from . import files as ds_files
 from . import pipeline as ds_pipeline
 from . import reader as ds_reader
 from .layout import DeepSpeedLayout
+from .model_parallel import ModelParallelInfo
+from .pipeline import PipelineInfo
+from .pipeline_tp import PipelineTpInfo
 from .resharding import write_at_world_size, write_resharded
 from .writer import write_zero_files
 
 if TYPE_CHECKING:
     from ...context import RunContext
     from ...index.parallel_spec import ParallelSizes
+
+
+def replicas_of(native: Any) -> dict[str, list[Replica]]:
+    """The copies the model-parallel layouts save of one tensor (tp ranks' replicated tensors,
+    pipeline stages' tied modules), that verify --deep compares; none for the others."""
+    if not isinstance(native, (ModelParallelInfo, PipelineInfo, PipelineTpInfo)):
+        return {}
+    return {key: [Replica(what, e) for what, e in copies] for key, copies in native.replica_entries().items()}
 
 
 class DeepSpeedFormat:
@@ -30,6 +41,8 @@ class DeepSpeedFormat:
         reshards=True,
         flat_partitions=True,
         tags=True,
+        reshard_targets=(TO_PARALLEL_SIZES,),
+        own_keys=frozenset(ds_reader.DS_KEYS | ds_reader.STRUCTURAL_KEYS),
     )
 
     def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
@@ -50,8 +63,15 @@ class DeepSpeedFormat:
     ) -> CheckpointIndex:
         """`optimizer` False: the optimizer's per-parameter state may be counted, not indexed (reader.read_index)."""
         if ds_pipeline.detect(source, tag):  # PipelineModule's per-layer files: one ZeRO checkpoint per stage
-            return ds_pipeline.read_index(source, tag)
-        return ds_reader.read_index(source, tag, optimizer=optimizer)
+            index = ds_pipeline.read_index(source, tag)
+        else:
+            index = ds_reader.read_index(source, tag, optimizer=optimizer)
+        index.replicas = replicas_of(index.native)
+        return index
+
+    def refuse_relayout(self, where: str, index: CheckpointIndex) -> None:
+        """A pipeline source (alone or with tp) is rewritten by `reshard --to pp=...,dp=...` only."""
+        ds_pipeline.refuse_pipeline_reshard(where, index)
 
     def write(self, target: ZeroTarget | ZeroTemplatesTarget, out: object, ctx: "RunContext") -> list[str]:
         """ZeroTarget: a ZeRO checkpoint's own files for a new world size (with its helper scripts);
@@ -88,4 +108,4 @@ def detect_layout(source: Source, tag: str | None = None) -> DeepSpeedLayout:
     return DeepSpeedLayout.of(DEEPSPEED.read_index(source, tag=tag, optimizer=False))
 
 
-__all__ = ["DEEPSPEED", "DeepSpeedFormat", "detect_layout"]
+__all__ = ["DEEPSPEED", "DeepSpeedFormat", "detect_layout", "replicas_of"]
