@@ -136,10 +136,13 @@ class AccelerateKind:
     name, format, takes_tag, wraps, finishes = "accelerate folder", "dcp", False, False, False
 
     def detect(self, spot: Spot) -> bool:
-        return spot.folder and bool(accelerate.parts(spot.source))
+        if not spot.folder:
+            return False
+        spot.found[self.name] = accelerate.parts(spot.source)
+        return bool(spot.found[self.name])
 
     def open(self, spot: Spot, rest: Callable[[], Opened]) -> Opened:
-        return Opened(spot.source, accelerate.read_index(spot.source, accelerate.parts(spot.source)), spot.path)
+        return Opened(spot.source, accelerate.read_index(spot.source, spot.found[self.name]), spot.path)
 
 
 class FormatKind:
