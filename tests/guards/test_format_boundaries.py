@@ -34,16 +34,7 @@ STDLIB_PRIVATE = {
 }
 # private names still shared, each with what removes it; an entry no longer found fails
 # test_known_private_uses_still_exist: remove it then
-KNOWN_PRIVATE = {
-    # the split of runner/torch_archive.py (zip directory, structure memo, values) makes these public
-    ("ckptkit/formats/dcp/reader.py", "_Layout"),
-    ("ckptkit/formats/dcp/reader.py", "_new_tuple"),
-    ("ckptkit/formats/dcp/reader.py", "_plain_directory"),
-    ("ckptkit/formats/torch_save/archive_writer.py", "_plain_directory"),
-    # the DCP reader's item files move to a module of their own, with a public lookup
-    ("ckptkit/formats/dcp/reader.py", "_paths"),
-    ("ckptkit/formats/dcp/reader.py", "_sizes"),
-}
+KNOWN_PRIVATE: set[tuple[str, str]] = set()
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
 
 
@@ -167,7 +158,7 @@ def test_no_module_uses_another_modules_private_names():
     assert not wrong, "a name another module needs is public (rename it without the underscore):\n" + "\n".join(wrong)
 
 
-def test_known_private_uses_still_exist():
+def test_known_private_uses_still_exist():  # (none now: kept for the next one)
     found = {(_rel(p), name) for p in _sources(PRIVATE_SCOPE, PRIVATE_EXCLUDED) for _, name in _private_uses(p)}
     gone = sorted(KNOWN_PRIVATE - found)
     assert not gone, f"fixed: remove from KNOWN_PRIVATE {gone}"

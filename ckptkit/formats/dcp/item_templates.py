@@ -63,6 +63,12 @@ class ItemFiles:
                 self._paths[path] = rel
         return rel
 
+    def known(self, path: Any) -> tuple[str | None, int | None]:
+        """(relative path, size) of the data file `path` names, each where a record naming it
+        already passed; else None (nothing is checked or read here)."""
+        rel = self._paths.get(path) if type(path) is str else None
+        return rel, self._sizes.get(rel) if rel is not None else None
+
     def size(self, rel: str, what: str) -> int:
         size = self._sizes.get(rel)
         if size is None:
@@ -132,8 +138,7 @@ class ItemTemplates:
             return None
         path, offset = fields.get("relative_path"), fields.get("offset")
         transforms = fields.get("transform_descriptors")
-        rel = self.files._paths.get(path) if type(path) is str else None
-        size = self.files._sizes.get(rel) if rel is not None else None
+        rel, size = self.files.known(path)
         if (
             size is None
             or type(offset) is not int
