@@ -12,14 +12,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "fixtures" / "data"
-TESTS = Path(__file__).resolve().parent
-
-# A few test files import shared pieces from another test file by its module name (`from test_mesh
-# import ...`), the name pytest's rootdir import mode gives it: every folder holding test files is on
-# sys.path from the start, so such an import does not depend on which folder pytest collected first.
-for _folder in sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS}):
-    if str(_folder) not in sys.path:
-        sys.path.append(str(_folder))
 
 DCP_FIXTURES = ["fsdp2_w2", "fsdp2_w3", "fsdp1_sharded_w2", "dcp_rank_local_w2", "dcp_zstd_w2"]
 

@@ -402,7 +402,7 @@ def test_every_format_loads_as_ckptkit_load_fills_it(path):
 def test_a_hub_snapshot_loads_without_follow_links(tmp_path):
     """huggingface_hub's cache layout (snapshot files linking into blobs/): read as the snapshot's
     safetensors, equal to safetensors' own loader, and validate_checkpoint_id says so."""
-    from test_trust_paths import hf_cache
+    from helpers.hf_hub_cache import hf_cache
 
     snap, tensors = hf_cache(tmp_path)
     assert ckptkit.StorageReader.validate_checkpoint_id(snap)

@@ -20,7 +20,7 @@ from ckptkit.index import mesh as meshes
 from ckptkit.index.parallel_spec import parse_parallel
 from ckptkit.ops.convert import convert
 from conftest import DATA, ROOT, assert_tensor_equal, subprocess_env, torchrun_cmd
-from test_mesh import _dcp_items
+from helpers.dcp_items import dcp_items
 
 TP = DATA / "ds_tp"
 PP = DATA / "ds_pp"
@@ -29,7 +29,7 @@ MESH = "mesh=dp_shard:2,tp:2"
 
 def _full_tensors(path) -> tuple[dict, dict, dict]:
     """(each tensor assembled whole from its chunks as torch reads them, the values, the chunk lists)."""
-    _, chunks, values = _dcp_items(path)
+    _, chunks, values = dcp_items(path)
     full, objects = {}, {}
     for key, listed in chunks.items():
         if listed[0][0] is None:
@@ -128,8 +128,8 @@ def test_dcp_saved_with_tp_converts_onto_a_mesh_as_torch_saves_it(tmp_path):
     included: their order is taken from the source's save) and bits."""
     mesh_data = DATA / "mesh"
     convert(str(mesh_data / "fsdp_tp_d2t2"), str(tmp_path / "o"), "fsdp2", world_size="mesh=dp_shard:4,tp:2")
-    got_order, got_chunks, got_values = _dcp_items(tmp_path / "o")
-    ref_order, ref_chunks, ref_values = _dcp_items(mesh_data / "ref_fsdp_tp_d4t2")
+    got_order, got_chunks, got_values = dcp_items(tmp_path / "o")
+    ref_order, ref_chunks, ref_values = dcp_items(mesh_data / "ref_fsdp_tp_d4t2")
     assert got_order == ref_order and got_chunks == ref_chunks
     assert sum(cs[0][0] is not None for cs in ref_chunks.values()) >= 50
     for item, expected in ref_values.items():
@@ -209,8 +209,8 @@ def test_torch_jobs_load_the_converted_checkpoints_and_save_the_same_layout(tmp_
         doc["tp"]["compared"] == 48 and doc["pp"]["compared"] == 55
     )  # 12 params x (w, 2 moments, step); 13 x 4 + frozen + 2 buffers
     for ours, theirs in (("tp", "tp"), ("pp_mesh", "pp")):
-        got_order, got_chunks, got_values = _dcp_items(tmp_path / ours)
-        ref_order, ref_chunks, ref_values = _dcp_items(tmp_path / "resaved" / theirs)
+        got_order, got_chunks, got_values = dcp_items(tmp_path / ours)
+        ref_order, ref_chunks, ref_values = dcp_items(tmp_path / "resaved" / theirs)
         # ckptkit also keeps DeepSpeed's own values (ds.*) and client state, which the job has no place for
         extra = set(got_chunks) - set(ref_chunks)
         assert extra and not any(k.startswith(("model.", "optim.")) for k in extra), extra

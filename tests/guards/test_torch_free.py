@@ -10,15 +10,13 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-import subprocess
-import sys
 import zipfile
 from collections import OrderedDict
 
 import pytest
 import torch
 
-from conftest import DATA as FIXTURES, ROOT, subprocess_env
+from conftest import DATA as FIXTURES
 from ckptkit.formats.dcp.writer import _Written, build_metadata
 from ckptkit.runner.torch_archive import load_bytes_archive
 from ckptkit.formats.torch_save.archive_writer import write_archive_to
@@ -28,26 +26,9 @@ from ckptkit.runner.fetch import Fetcher
 from ckptkit.safeload import restricted_loads
 from ckptkit.safeload import realize
 from ckptkit.torch_types import DType, Size, SmallTensor
+from helpers.torch_import_probe import torch_imported
 
 DS = FIXTURES / "deepspeed"
-
-_PROBE = """
-import sys
-from cli.main import cli
-try:
-    cli(sys.argv[1:], prog_name="ckptkit")
-finally:
-    print("TORCH_IMPORTED=" + str("torch" in sys.modules))
-"""
-
-
-def _torch_imported(args: list[str]) -> bool:
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, env=subprocess_env(), cwd=str(ROOT)
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    line = [s for s in proc.stdout.splitlines() if s.startswith("TORCH_IMPORTED=")][-1]
-    return line.endswith("True")
 
 
 @pytest.mark.parametrize(
@@ -69,12 +50,12 @@ def _torch_imported(args: list[str]) -> bool:
 )
 def test_light_commands_do_not_import_torch(args, tmp_path):
     args = [a.format(ds=DS, fx=FIXTURES, out=tmp_path / "out") for a in args]
-    assert not _torch_imported(args)
+    assert not torch_imported(args)
 
 
 def test_a_cast_imports_torch(tmp_path):
     """The probe can fail: consolidating bf16 to fp16 needs torch to convert the values."""
-    assert _torch_imported(["consolidate", str(FIXTURES / "fsdp2_w2"), str(tmp_path / "out"), "--dtype", "fp16"])
+    assert torch_imported(["consolidate", str(FIXTURES / "fsdp2_w2"), str(tmp_path / "out"), "--dtype", "fp16"])
 
 
 def _metadata_inputs():

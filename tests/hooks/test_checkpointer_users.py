@@ -291,12 +291,12 @@ def test_no_warning_in_one_process(tmp_path):
 
 
 def test_deepspeed_engines_keep_states_in_client_state(tmp_path):
-    from test_trust_checkpointer import DS_FIXTURE, FakeEngine as TrustEngine
+    from helpers.deepspeed_engine import DS_FIXTURE, FakeEngine
 
     if not DS_FIXTURE.exists():
         pytest.skip("no DeepSpeed fixtures")
 
-    class Engine(TrustEngine):
+    class Engine(FakeEngine):
         def save_checkpoint(self, save_dir, tag=None, client_state=None):
             self.client = client_state
             return super().save_checkpoint(save_dir, tag, client_state)

@@ -32,7 +32,7 @@ from ckptkit.runner.plan import Planner
 from ckptkit.storage import kernel_copy, range_table
 from ckptkit.storage.range_table import RangeTable
 from ckptkit.storage.source import LocalSource
-from test_flat_plan import _boxed, _merged, _outcome, _stored
+from helpers.flat_layouts import boxed_ranges, merged_ranges, outcome, stored_tensor
 
 
 def _random_table(rng: random.Random, index: CheckpointIndex, dtype: str) -> TableEntry:
@@ -64,15 +64,15 @@ def test_a_table_names_the_bytes_its_pieces_name(seed: int) -> None:
     index = CheckpointIndex("test", "/nowhere")
     for i in range(rng.randint(1, 6)):
         other = dtype if rng.random() < 0.9 else ("bfloat16" if dtype == "float32" else "float32")
-        entry = _stored(rng, f"t{i}", other, broken=rng.random() < 0.05)
+        entry = stored_tensor(rng, f"t{i}", other, broken=rng.random() < 0.05)
         index.tensors[entry.key] = entry
     planner = Planner(index)
     for _ in range(4):
         table = _random_table(rng, index, dtype)
         pieces = flat_concat(table.key, dtype, table.table.parts())  # what the table stands for
         assert table.pieces == pieces.pieces and table.shape == pieces.shape
-        want = _outcome(lambda: _merged(_boxed(index, pieces, 0, None)))
-        assert _outcome(lambda: Planner(index).byte_ranges(_random_copy(table))) == want, seed
+        want = outcome(lambda: merged_ranges(boxed_ranges(index, pieces, 0, None)))
+        assert outcome(lambda: Planner(index).byte_ranges(_random_copy(table))) == want, seed
         arrays = planner.range_table(table)
         if arrays is not None:
             assert ("ok", arrays.as_list()) == want, seed

@@ -3,7 +3,7 @@
 The fast road must give exactly what ckptkit's own pickle machine (safeload.vm) gives, or decline
 (None: the machine then reads the file and words any refusal). Proven on every DCP `.metadata`
 that torch wrote for the fixtures, on ckptkit's own writer's output (protocol 2, LONG_BINPUT),
-on opcode-level mutations (test_pickle_fuzz's strategy) and byte-level ones of a real file, and
+on opcode-level mutations (helpers/pickle_mutations) and byte-level ones of a real file, and
 on the attacks the C unpickler alone would fall for: a memo index that allocates gigabytes,
 BUILD on an interned dtype or on a grammar callable (state left behind for the next reader),
 tuple keys crafted from wide integers, shared containers that expand, foreign globals, deep
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import random
 import struct
-import time
-import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptkit.safeload import dcp as safeload_dcp, fence as safeload_fence
-from ckptkit.errors import CkptkitError, UnsafePickleError
+from ckptkit.errors import UnsafePickleError
 from ckptkit.formats.dcp.metadata_pickle import metadata_pickle
 from ckptkit.formats.dcp.writer import DCP_VERSION
 from ckptkit.repickle import dumps
@@ -31,8 +29,9 @@ from ckptkit.safeload import restricted_loads, restricted_loads_dcp_metadata
 from ckptkit.safeload.inert import inert_class
 from ckptkit.torch_types import DType, Size
 from conftest import DATA, ROOT
-from test_dcp_metadata_pickle import SAVE_ID, _many
-from test_pickle_fuzz import FUZZ, mutated
+from helpers.dcp_metadata_inputs import SAVE_ID, many_written
+from helpers.fast_road import declined_quickly, same_or_declined
+from helpers.pickle_mutations import FUZZ, mutated
 
 FIXTURES = sorted((ROOT / "fixtures").rglob("*.metadata")) + sorted((ROOT / "fixtures").rglob("__*.metadata"))
 FIXTURES = sorted(set(FIXTURES))
@@ -63,26 +62,12 @@ def test_torch_written_metadata_takes_the_fast_road_and_equals_the_machine(path:
 def test_ckptkit_written_metadata_takes_the_fast_road(n, chunks):
     """ckptkit's DCP writer pickles with protocol 2: GLOBAL lines, BINPUT, and LONG_BINPUT past
     2**16 entries at 3000 tensors of 2 chunks."""
-    index, written = _many(n, chunks)
+    index, written = many_written(n, chunks)
     data = metadata_pickle(index, written, None, SAVE_ID, DCP_VERSION)
     assert data[:2] == b"\x80\x02"
     fast = safeload_dcp.load(data)
     assert fast is not None
     assert fast == machine(data)
-
-
-def same_or_declined(road, machine_load, data: bytes) -> bool:
-    """The fast road declines, or returns what the machine builds (which then must not refuse).
-    (test_safeload_torchsave's too.)"""
-    fast = road(data)
-    if fast is None:
-        return False
-    try:
-        want = machine_load(data)
-    except CkptkitError as exc:  # pragma: no cover - the failure this test exists for
-        pytest.fail(f"the fast road accepted a pickle the machine refuses: {exc}")
-    assert fast == want
-    return True
 
 
 def _same_or_declined(data: bytes) -> bool:
@@ -116,20 +101,6 @@ def test_byte_mutations_are_declined_or_equal():
 
 
 # ---- the attacks the C unpickler alone falls for ---------------------------------------------
-
-
-def declined_quickly(road, data: bytes, max_bytes: int, seconds: float = 5.0) -> None:
-    """The road declines `data` within `seconds`, allocating less than `max_bytes` (tracemalloc).
-    (test_safeload_torchsave's too.)"""
-    tracemalloc.start()
-    start = time.process_time()  # CPU time: the bound is the road's work, not the machine's load
-    try:
-        assert road(data) is None
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert time.process_time() - start < seconds
-    assert peak < max_bytes
 
 
 def _declined_quickly(data: bytes, max_bytes: int = 16 << 20) -> None:

@@ -4,7 +4,7 @@ The fast road (lazy loads) must give exactly what ckptkit's own pickle machine g
 (None: the machine then reads the pickle and words any refusal). Proven on every torch.save
 archive of the fixtures (DeepSpeed model and optimizer states of every stage, FSDP full state
 dicts, trainer and Lightning checkpoints), on opcode-level mutations of real pickles
-(test_pickle_fuzz's strategy), and on the attacks the C unpickler alone falls for: BUILD on a
+(helpers/pickle_mutations), and on the attacks the C unpickler alone falls for: BUILD on a
 TensorRef, on a storage type or on an OrderedDict's own attributes, values that contain
 themselves or expand when walked, deep nesting, a memo index that allocates gigabytes, and
 globals outside the road.
@@ -28,8 +28,8 @@ from ckptkit.safeload import StorageRef, restricted_loads, storage_pid, typed_st
 from ckptkit.safeload.refs import TensorRef
 from ckptkit.torch_types import DType
 from conftest import ROOT
-from test_pickle_fuzz import FUZZ, SEEDS, mutated
-from test_safeload_dcp import declined_quickly, same_or_declined
+from helpers.fast_road import declined_quickly, same_or_declined
+from helpers.pickle_mutations import FUZZ, SEEDS, mutated
 
 
 def _lazy(pid):

@@ -21,7 +21,7 @@ from ckptkit.formats.dcp.item_templates import ItemTemplates
 from ckptkit.index.types import Box, IntegrityCheck, Location, Piece, TensorEntry
 from ckptkit.storage.source import LocalSource
 from conftest import dataclass_fields as _fields, save_random_dcp
-from test_archive_layouts import _repacked
+from helpers.zip_rewrites import repacked
 
 DATA_FILE = "__0_0.distcp"
 
@@ -51,7 +51,7 @@ def _folder(tmp_path, count: int, repack: bool = False) -> tuple[_Patched, list]
     jobs = reader._item_jobs(index, merged, "x")
     if not repack:
         return _Patched(str(tmp_path / "saved")), jobs
-    items = [_repacked(source.read(info.relative_path, info.offset, info.length)) for _, _, info in jobs]
+    items = [repacked(source.read(info.relative_path, info.offset, info.length)) for _, _, info in jobs]
     (tmp_path / "repacked").mkdir()
     (tmp_path / "repacked" / DATA_FILE).write_bytes(b"".join(items))
     starts = [sum(len(i) for i in items[:k]) for k in range(len(items))]

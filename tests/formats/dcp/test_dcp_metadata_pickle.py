@@ -13,8 +13,7 @@ from ckptkit.formats.dcp.metadata_pickle import metadata_pickle
 from ckptkit.formats.dcp.writer import DCP_VERSION, _Written, build_metadata, metadata_stand_ins
 from ckptkit.index.types import Box, CheckpointIndex, ObjectEntry, TensorEntry
 from ckptkit.repickle import FaithfulPickler, dumps
-
-SAVE_ID = "0123456789abcdef0123456789abcdef"
+from helpers.dcp_metadata_inputs import SAVE_ID, many_written
 
 
 def _faithful(obj) -> bytes:
@@ -34,29 +33,16 @@ def _check(index, written, key_order=None, faithful: bool = True) -> bytes:
     return ours
 
 
-def _many(n_tensors: int, chunks: int, shape=(8, 4), dtype="float32", **kw):
-    index = CheckpointIndex(format="dcp", root="x")
-    written = []
-    for t in range(n_tensors):
-        key = f"model.layers.{t}.w"
-        index.add_tensor(TensorEntry(key, dtype, shape, [], path=tuple(key.split(".")), **kw))
-        rows = shape[0] // chunks if shape else 0
-        for c in range(chunks):
-            box = Box((c * rows,) + (0,) * (len(shape) - 1), (rows,) + tuple(shape[1:])) if shape else Box((), ())
-            written.append(_Written(key, box, f"__{c}_0.distcp", t * 1000 + c, 900))
-    return index, written
-
-
 @pytest.mark.parametrize("n,chunks", [(1, 1), (2, 2), (300, 1), (1001, 1), (999, 2), (1500, 2)])
 def test_many_tensors_byte_for_byte(n, chunks):
     """Memo indexes past 255 (LONG_BINPUT), dicts and lists across pickle's batches of 1000
     (and a last batch of one item: SETITEM without MARK)."""
-    index, written = _many(n, chunks)
+    index, written = many_written(n, chunks)
     _check(index, written, faithful=n <= 300)
 
 
 def test_one_tensor_of_1001_chunks():
-    index, written = _many(1, 1001, shape=(1001, 2))
+    index, written = many_written(1, 1001, shape=(1001, 2))
     _check(index, written)
 
 
@@ -65,12 +51,12 @@ def test_one_tensor_of_1001_chunks():
 def test_shapes(shape, n):
     """0-dim (the empty tuple, never memoized), empty, more than 3 dims (MARK ... TUPLE), sizes
     past one and two bytes."""
-    index, written = _many(n, 1 if not shape or shape[0] < 2 else 2, shape=shape)
+    index, written = many_written(n, 1 if not shape or shape[0] < 2 else 2, shape=shape)
     _check(index, written)
 
 
 def test_offsets_past_32_bits_after_memo_255():
-    index, written = _many(200, 2)
+    index, written = many_written(200, 2)
     written = [_Written(w.key, w.box, w.file, w.offset << 33, w.length << 31) for w in written]
     _check(index, written)
 

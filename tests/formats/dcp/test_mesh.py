@@ -8,7 +8,6 @@ and REFERENCES `ref_*`: the same state loaded by torch at a target mesh and save
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from ckptkit.index.parallel_spec import MeshSpec, ParallelSizes, parse_parallel
 from ckptkit.ops.consolidate import consolidate
 from ckptkit.ops.reshard import reshard
 from conftest import DATA, ROOT, assert_tensor_equal, subprocess_env, torchrun_cmd
+from helpers.dcp_items import dcp_items
 
 MESH = DATA / "mesh"
 SOURCES = {"fsdp_tp_d2t2": "mesh=dp_shard:2,tp:2", "hsdp_r2s2": "mesh=dp_replicate:2,dp_shard:2"}
@@ -31,36 +31,6 @@ REFERENCES = json.loads((MESH / "VERSIONS.json").read_text())["references"]
 
 def _truth(name: str) -> dict:
     return torch.load(MESH / f"{name}.truth.pt", weights_only=True)
-
-
-def _dcp_items(path) -> tuple[list[str], dict[str, list], dict]:
-    """What torch reads from a DCP folder: the metadata's key order, each tensor's chunk list
-    [(offsets, sizes, file)] in order, and every item's value by (key, offsets), read from its file
-    with torch.load."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    md = FileSystemReader(str(path)).read_metadata()
-    chunks: dict[str, list] = {}
-    values: dict = {}
-
-    def load(info):
-        with open(path / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            return torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
-
-    for key, meta in md.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata):
-            chunks[key] = []
-            for i, c in enumerate(meta.chunks):
-                info = md.storage_data[MetadataIndex(key, c.offsets, i)]
-                chunks[key].append((tuple(c.offsets), tuple(c.sizes), info.relative_path))
-                values[(key, tuple(c.offsets))] = load(info)
-        else:
-            info = md.storage_data[MetadataIndex(key)]
-            chunks[key] = [(None, None, info.relative_path)]
-            values[(key, None)] = load(info)
-    return list(md.state_dict_metadata), chunks, values
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +48,8 @@ def test_reshard_to_mesh_is_what_torch_writes(resharded, name):
     """Item by item against torch's own dcp.save at that mesh: the same keys in the same order,
     the same chunk list per tensor (offsets, sizes), each chunk in the same rank's file, and the
     same value in it (dtype, shape, bits; values with ==)."""
-    got_order, got_chunks, got_values = _dcp_items(resharded[name])
-    ref_order, ref_chunks, ref_values = _dcp_items(MESH / name)
+    got_order, got_chunks, got_values = dcp_items(resharded[name])
+    ref_order, ref_chunks, ref_values = dcp_items(MESH / name)
     assert got_order == ref_order
     assert got_chunks == ref_chunks
     assert set(got_values) == set(ref_values)
@@ -104,7 +74,7 @@ def test_reshard_of_a_mesh_reshard_is_still_torchs_layout(resharded, tmp_path):
     """ckptkit's own output is a source like torch's: its mesh is inferred again and the state
     dict's order is kept (planner_data), so a second reshard matches torch's save at that mesh."""
     reshard(str(resharded["ref_fsdp_tp_d4t2"]), str(tmp_path / "again"), "mesh=dp_shard:1,tp:4")
-    got, want = _dcp_items(tmp_path / "again"), _dcp_items(MESH / "ref_fsdp_tp_d1t4")
+    got, want = dcp_items(tmp_path / "again"), dcp_items(MESH / "ref_fsdp_tp_d1t4")
     assert got[0] == want[0] and got[1] == want[1]
     for item, expected in want[2].items():
         if isinstance(expected, torch.Tensor):
@@ -126,7 +96,7 @@ def test_source_mesh_is_inferred_from_the_chunks(name):
 
 def test_reshard_with_the_source_mesh_given_is_the_same(resharded, tmp_path):
     reshard(str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "mesh=dp_shard:4,tp:2", expect_from="mesh=dp_shard:2,tp:2")
-    assert _dcp_items(tmp_path / "o")[1] == _dcp_items(resharded["ref_fsdp_tp_d4t2"])[1]
+    assert dcp_items(tmp_path / "o")[1] == dcp_items(resharded["ref_fsdp_tp_d4t2"])[1]
     with pytest.raises(UnsupportedError, match="not what FSDP2/HSDP/TP on mesh=dp_shard:4 writes"):
         reshard(str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o2"), "mesh=dp_shard:2,tp:2", expect_from="mesh=dp_shard:4")
 
@@ -196,7 +166,7 @@ def test_to_world_size_stays_fsdp2_dp_only(tmp_path):
     assert parse_parallel("16") == 16 and parse_parallel(3) == 3
     res = reshard(str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "3")
     assert res.to_world_size == 3 and sorted(res.files)[-1] == "__2_0.distcp"
-    chunks = _dcp_items(tmp_path / "o")[1]["model.layers.0.attn.wo.weight"]
+    chunks = dcp_items(tmp_path / "o")[1]["model.layers.0.attn.wo.weight"]
     assert [c[:2] for c in chunks] == [((0, 0), (6, 16)), ((6, 0), (6, 16)), ((12, 0), (4, 16))]
     consolidate(str(tmp_path / "o"), str(tmp_path / "full"), include_optimizer=True)
     full = {
@@ -269,8 +239,8 @@ def test_mesh_with_tp_over_a_source_without_tp_needs_a_rule(tmp_path):
     )
     reshard(str(MESH / "hsdp_r2s2"), str(tmp_path / "o2"), "mesh=dp_shard:2,tp:2", tp_rules=str(rules))
     # the layout is torch's FSDP2+TP layout at (2, 2): the same chunks as the fsdp_tp_d2t2 fixture
-    got = _dcp_items(tmp_path / "o2")[1]
-    want = _dcp_items(MESH / "fsdp_tp_d2t2")[1]
+    got = dcp_items(tmp_path / "o2")[1]
+    want = dcp_items(MESH / "fsdp_tp_d2t2")[1]
     assert got == want
 
 
@@ -355,7 +325,7 @@ def test_source_whose_chunks_fit_no_mesh_is_laid_out_by_role(tmp_path):
         meshes.infer_source_mesh(open_checkpoint(str(tmp_path / "odd")).index)
     res = reshard(str(tmp_path / "odd"), str(tmp_path / "r1s4"), "mesh=dp_replicate:1,dp_shard:4")
     assert "fit no mesh" in res.notes[0]
-    got, want = _dcp_items(tmp_path / "r1s4"), _dcp_items(MESH / "ref_hsdp_r1s4")
+    got, want = dcp_items(tmp_path / "r1s4"), dcp_items(MESH / "ref_hsdp_r1s4")
     # every chunk torch's; each sharded chunk in torch's rank file. The file of an item every rank
     # holds (steps, values) follows the state-dict order in planner_data, which ckptkit's writer of
     # this odd source recorded in its own order, so those may sit in other (valid) files
@@ -369,9 +339,9 @@ def test_source_whose_chunks_fit_no_mesh_is_laid_out_by_role(tmp_path):
 def test_mesh_reshard_needs_no_torch(tmp_path):
     """Reading a 2-D folder and writing a mesh (TP's Shard(1) chunks included, streamed as runs
     of rows) import no torch, as the other light commands."""
-    from test_torch_free import _torch_imported
+    from helpers.torch_import_probe import torch_imported
 
-    assert not _torch_imported(
+    assert not torch_imported(
         ["reshard", str(MESH / "fsdp_tp_d2t2"), str(tmp_path / "o"), "--to", "mesh=dp_replicate:2,dp_shard:2,tp:2"]
     )
     assert (tmp_path / "o" / ".metadata").exists()

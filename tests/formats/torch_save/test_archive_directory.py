@@ -20,7 +20,7 @@ from ckptkit.errors import FormatError
 from ckptkit.runner import torch_archive as ta
 from ckptkit.runner import zip_directory
 from ckptkit.storage.source import BytesSource
-from test_small_archives import _central_damaged, _cut, _prefixed, _two_disks, _with_comment  # the same damages
+from helpers.zip_rewrites import central_damaged, cut, prefixed, two_disks, with_comment
 
 FIELDS = (
     "filename",
@@ -105,13 +105,13 @@ def _corrupt_extra(data: bytes) -> bytes:
     return bytes(out)
 
 
-@pytest.mark.parametrize("damage", [_with_comment, _prefixed, _two_disks, _cut, _central_damaged, _corrupt_extra])
+@pytest.mark.parametrize("damage", [with_comment, prefixed, two_disks, cut, central_damaged, _corrupt_extra])
 def test_anything_unusual_is_left_to_zipfile(damage):
     data = damage(_big())
     assert zip_directory.tail_directory(BytesSource(data, "big.pt"), "", 0, len(data)) is None
 
 
-@pytest.mark.parametrize("damage", [_two_disks, _cut, _central_damaged, _corrupt_extra])
+@pytest.mark.parametrize("damage", [two_disks, cut, central_damaged, _corrupt_extra])
 def test_damaged_directories_keep_their_message(damage, monkeypatch):
     data = damage(_big())
     with pytest.raises(FormatError) as fast:

@@ -9,8 +9,6 @@ gives without one (the same refusal, or the same members)."""
 
 from __future__ import annotations
 
-import io
-import zipfile
 
 import pytest
 
@@ -20,6 +18,7 @@ from ckptkit.formats.dcp.item_templates import ReadWindow
 from ckptkit.runner import torch_archive as ta
 from ckptkit.storage.source import BytesSource, LocalSource
 from conftest import save_random_dcp
+from helpers.zip_rewrites import repacked
 
 
 def _dcp_items(tmp_path, count: int = 6) -> tuple[LocalSource, list]:
@@ -39,17 +38,6 @@ def _opened(data: bytes, memo: ta.StructureMemo | None, offset: int = 0):
     except CkptkitError as exc:
         return type(exc).__name__, str(exc)
     return archive.prefix, archive.members, archive.checks()
-
-
-def _repacked(data: bytes) -> bytes:
-    """The same members written by Python's zipfile: local headers carrying their CRCs (no data
-    descriptors), so the local header's CRC is compared with the directory's."""
-    src = zipfile.ZipFile(io.BytesIO(data))
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
-        for info in src.infolist():
-            zf.writestr(info.filename, src.read(info))
-    return out.getvalue()
 
 
 def test_dcp_items_reuse_the_first_ones_layout_with_their_own_crcs(tmp_path):
@@ -86,7 +74,7 @@ def test_every_single_byte_change_gets_what_the_full_checks_give(tmp_path, kind)
     source, jobs = _dcp_items(tmp_path, 2)
     first, second = (source.read(i.relative_path, i.offset, i.length) for _, _, i in jobs)
     if kind.startswith("zipfile"):
-        first, second = _repacked(first), _repacked(second)
+        first, second = repacked(first), repacked(second)
     memo = ta.StructureMemo()
     assert _opened(first, memo)[0] == "archive"
     assert memo.layout_of(second, 0) is not None  # remembered: the changes below meet a primed memo
@@ -104,7 +92,7 @@ def test_every_single_byte_change_gets_what_the_full_checks_give(tmp_path, kind)
 
 def test_a_local_crc_that_disagrees_is_refused_on_a_memo_hit(tmp_path):
     source, jobs = _dcp_items(tmp_path, 2)
-    first, second = (_repacked(source.read(i.relative_path, i.offset, i.length)) for _, _, i in jobs)
+    first, second = (repacked(source.read(i.relative_path, i.offset, i.length)) for _, _, i in jobs)
     memo = ta.StructureMemo()
     _opened(first, memo)
     bad = bytearray(second)

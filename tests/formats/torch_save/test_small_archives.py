@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import pathlib
-import struct
 import zipfile
 
 import pytest
@@ -20,6 +19,7 @@ from ckptkit.errors import FormatError
 from ckptkit.runner import torch_archive as ta
 from ckptkit.runner.zip_directory import plain_directory
 from ckptkit.storage.source import BytesSource
+from helpers.zip_rewrites import central_damaged, cut, prefixed, two_disks, with_comment
 
 FIELDS = (
     "filename",
@@ -61,40 +61,13 @@ def test_plain_directory_reads_what_zipfile_reads(name):
         assert {f: getattr(mine, f) for f in FIELDS} == {f: getattr(theirs, f) for f in FIELDS}
 
 
-def _end(data: bytes) -> int:
-    return data.rindex(b"PK\x05\x06")
-
-
-def _with_comment(data: bytes) -> bytes:
-    end = _end(data)
-    return data[: end + 20] + struct.pack("<H", 3) + b"abc"
-
-
-def _prefixed(data: bytes) -> bytes:
-    return b"\0" * 16 + data  # bytes before the archive (zipfile's "concat")
-
-
-def _two_disks(data: bytes) -> bytes:
-    locator = data.rindex(b"PK\x06\x07")
-    return data[: locator + 16] + struct.pack("<I", 2) + data[locator + 20 :]
-
-
-def _cut(data: bytes) -> bytes:
-    return data[:-5]
-
-
-def _central_damaged(data: bytes) -> bytes:
-    at = data.index(b"PK\x01\x02")
-    return data[:at] + b"XX\x01\x02" + data[at + 4 :]
-
-
-@pytest.mark.parametrize("damage", [_with_comment, _prefixed, _two_disks, _cut, _central_damaged])
+@pytest.mark.parametrize("damage", [with_comment, prefixed, two_disks, cut, central_damaged])
 def test_anything_unusual_is_left_to_zipfile(damage):
     data = damage(ARCHIVES["small tensor"]())
     assert plain_directory(data) is None
 
 
-@pytest.mark.parametrize("damage", [_two_disks, _cut, _central_damaged])
+@pytest.mark.parametrize("damage", [two_disks, cut, central_damaged])
 def test_damaged_directories_keep_their_message(damage):
     data = damage(ARCHIVES["small tensor"]())
     with pytest.raises(FormatError, match="damaged torch.save archive|not a torch.save archive|too short"):

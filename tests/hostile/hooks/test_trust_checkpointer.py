@@ -24,7 +24,8 @@ from ckptkit.errors import CkptkitError, OutputError, UsageError
 from ckptkit.hooks import steps as step_folders
 from ckptkit.hooks.checkpointer import SkippedStepsWarning
 from ckptkit.hooks.steps import MARKER, DuplicateStepError
-from conftest import DATA, ROOT, assert_tensor_equal
+from conftest import ROOT, assert_tensor_equal
+from helpers.deepspeed_engine import DS_FIXTURE, FakeEngine
 from helpers.hostile import snapshot
 
 sys.path.insert(0, str(ROOT / "fixtures"))
@@ -390,29 +391,6 @@ def test_restore_puts_back_a_step_a_kill_left_aside_while_replacing_it(tmp_path)
 
 
 # ---- DeepSpeed engines: marker after DeepSpeed's own save; a stand-in engine, no deepspeed -------
-
-DS_FIXTURE = DATA / "deepspeed" / "z1_fp32_w2"
-
-
-class FakeEngine:
-    """What the Checkpointer uses of a DeepSpeed engine; save_checkpoint writes a real ZeRO
-    checkpoint (a fixture's files) the way DeepSpeed lays it out."""
-
-    def __init__(self) -> None:
-        self.module = torch.nn.Linear(2, 2)
-        self.global_steps = 0
-        self.dp_world_size = 2
-        self.loaded: list[tuple[str, str]] = []
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None):
-        src_tag = (DS_FIXTURE / "latest").read_text().strip()
-        shutil.copytree(DS_FIXTURE / src_tag, Path(save_dir) / tag)
-        (Path(save_dir) / "latest").write_text(tag)
-        return True
-
-    def load_checkpoint(self, load_dir, tag=None, **kw):
-        self.loaded.append((load_dir, tag))
-        return load_dir, {"epoch": 7}
 
 
 @pytest.mark.skipif(not DS_FIXTURE.exists(), reason="no DeepSpeed fixtures")
