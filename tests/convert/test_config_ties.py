@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from ckptkit.convert import hf_ties
 from ckptkit_cli.main import cli
-from hf_folders import edit_config, gpt2_folder, llama_folder
+from helpers.hf_folders import edit_config, gpt2_folder, llama_folder
 from helpers.hostile import Scene, check_refused, run_ckptkit
 
 transformers = pytest.importorskip("transformers", reason="the HF folders are written by transformers")

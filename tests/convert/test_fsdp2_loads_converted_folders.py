@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from ckptkit_cli.main import cli
 from conftest import ROOT, subprocess_env, torchrun_cmd
-from hf_folders import llama_folder
+from helpers.hf_folders import llama_folder
 
 pytest.importorskip("transformers", reason="the models are written by transformers' save_pretrained")
 
