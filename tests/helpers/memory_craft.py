@@ -1,4 +1,4 @@
-"""Crafting hostile checkpoints for tests/hostile/memory/test_trust_memory.py, as an attacker would.
+"""Crafting hostile checkpoints for tests/hostile/memory/test_memory_bounds.py, as an attacker would.
 
 torch.save archives are written from scratch (our own pickle of torch's rebuild calls, so any
 view, storage size or offset can be declared) or through torch.save with a view object whose

@@ -14,7 +14,7 @@ subclass that says where its files live; the tests themselves are written once:
   and `MarkerOutput` on `memory://` and on S3 (moto, slow).
 
 Scenarios that belong to one implementation stay with it: locks, sweeps, symlinks and swaps in
-test_trust_outputs.py, SIGKILL in test_crash.py, whole commands against S3 in test_remote.py.
+test_output_paths_and_locks.py, SIGKILL in test_crash.py, whole commands against S3 in test_remote.py.
 """
 
 from __future__ import annotations

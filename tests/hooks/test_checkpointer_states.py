@@ -1,7 +1,7 @@
 """The Checkpointer as a user expects it: `states` (a scheduler, a stateful object),
 per-rank RNG state, tensors in `extra`, the pointer file `latest`, no warning in one process, and
 `ckptkit inspect DIR`. One process with a real model + AdamW + StepLR, each promise bit for bit;
-then one short 2-rank job (tests/dist/checkpointer_users_job.py) checking the same per rank."""
+then one short 2-rank job (tests/dist/checkpointer_states_job.py) checking the same per rank."""
 
 from __future__ import annotations
 
@@ -372,7 +372,7 @@ def test_inspect_lists_the_steps_of_a_checkpointer_directory(tmp_path):
 
 
 class _Position42:
-    """What tests/dist/checkpointer_users_job.py's Position saves, at value 42."""
+    """What tests/dist/checkpointer_states_job.py's Position saves, at value 42."""
 
     def state_dict(self) -> dict:
         return {"value": 42, "seen": torch.tensor([42, 43])}
@@ -383,7 +383,7 @@ class _Position42:
 
 @pytest.mark.slow
 def test_two_ranks_states_rng_extra_tensors_and_pointer(tmp_path):
-    job = ROOT / "tests" / "dist" / "checkpointer_users_job.py"
+    job = ROOT / "tests" / "dist" / "checkpointer_states_job.py"
     result = tmp_path / "result.json"
     model = models.make_model(models.MODEL_SEED)
     optim = models.make_optimizer(model)

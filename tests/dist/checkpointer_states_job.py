@@ -1,7 +1,7 @@
 """The Checkpointer's user-facing promises in a real 2-rank job (launched by
-tests/test_checkpointer_users.py):
+tests/hooks/test_checkpointer_states.py):
 
-    torchrun --nproc_per_node 2 tests/dist/checkpointer_users_job.py --dir DIR --result R.json
+    torchrun --nproc_per_node 2 tests/dist/checkpointer_states_job.py --dir DIR --result R.json
 
 FSDP2 ToyModel + AdamW + StepLR + a per-rank stateful object (each rank's own position), each
 rank seeded apart. Save at step 3 with `states` and `extra` holding tensors; note each rank's
