@@ -42,7 +42,7 @@ from .moe import MARK
 from .moe_writer import MoeTarget, moe_files
 from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .tp_geometry import TpSlicer
-from .tp_writer import TpTarget, local_group, record_tp_sizes
+from .tp_writer import TpTarget, local_group, module_slices, record_tp_sizes
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
@@ -137,17 +137,6 @@ def _shape_like(saved: Any, shape: tuple[int, ...]) -> Any:
     if tuple(saved) == tuple(shape):
         return saved
     return tuple(shape) if type(saved) is tuple else Size(shape)
-
-
-def module_slices(model: dict, rank_index: CheckpointIndex) -> dict:
-    """The model file's dense module weights: the rank's slices (the same bytes at the source's tp)."""
-    module = model.get("module")
-    if isinstance(module, dict):
-        model["module"] = type(module)(
-            (k, LazyTensor(rank_index.tensors[f"ds_module.{k}"]) if f"ds_module.{k}" in rank_index.tensors else v)
-            for k, v in module.items()
-        )
-    return model
 
 
 def _expert_files(rank_index: CheckpointIndex, counts: dict[str, int], t: int) -> dict[str, Any]:

@@ -32,10 +32,10 @@ from .names import EXPERT_ID, expert_file, model_file, optim_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
-from .moe_tp_writer import by_rank, module_slices, tp_lanes
+from .moe_tp_writer import by_rank, tp_lanes
 from .moe_writer import MoeTarget, moe_files
 from .tag_writer import tag_name, write_tag, zero_config
-from .tp_writer import TpTarget, record_tp_sizes
+from .tp_writer import TpTarget, module_slices, record_tp_sizes
 
 # the per-group entries of a stage 1/2 optimizer_state_dict, one item per group
 PER_GROUP = (

@@ -7,10 +7,11 @@ mp rank t gets a *rank index* (tp_geometry.TpSlicer, from the geometry the reade
 the full tensors under hidden keys, and under the usual keys (model.<name>,
 optim.state.<name>.<key>, ds_module.<name>) rank t's slice of each, a virtual tensor whose pieces
 are flat REF ranges of the full one (replicated tensors: the full entry).
-With that index the ZeRO writer's group plans (group_plan.py) partition rank t's params over W
-data-parallel ranks exactly as they re-partition a plain ZeRO checkpoint, bytes streamed from
-the source. Files, as DeepSpeed 0.19 names and loads them (engine._load_checkpoint reads
-mp rank t; _load_zero_checkpoint reads every optim_file(d, mp=t) file):
+With that index the ZeRO writer's cell (writer.cell_files: group_plan.py's partitions) lays rank
+t's params out over W data-parallel ranks exactly as it re-partitions a plain ZeRO checkpoint,
+bytes streamed from the source; the cell only names its mp rank and puts rank t's slices and
+sizes in its model files. Files, as DeepSpeed 0.19 names and loads them (engine._load_checkpoint
+reads mp rank t; _load_zero_checkpoint reads every optim_file(d, mp=t) file):
   model_file(t)                 rank t's module weights (sliced), param_shapes of its slices,
                                 mp_world_size T, dp_world_size W, checkpoint_parallel_dimensions,
                                 universal_checkpoint_info (AutoTP's affine_map redone for T)
@@ -38,14 +39,13 @@ from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
 from .layout import DeepSpeedLayout
-from .names import model_file, optim_file, zero_model_file
-from .group_plan import StatePlanner, plan_group, state_templates, target_groups
+from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .tp_geometry import TpSlicer
-from .writer import DEFAULT_SUB_GROUP_SIZE, stage12_optim, stage3_model, stage3_optim
+from .writer import DEFAULT_SUB_GROUP_SIZE, Cell, cell_files
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,38 +75,33 @@ def write_tp_zero(
     for t in range(target.tp):
         rank_index = slicer.rank_index(t, target.dp)
         fetcher = Fetcher(source, index=rank_index)
-        states = StatePlanner(rank_index, fetcher)
-        groups = [local_group(g, rank_index, align) for g in zinfo.groups]
-        m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
-        o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
-        osd_t = o0["optimizer_state_dict"]
-        if zinfo.stage == 3:  # sub-groups of the slices at W ranks, one model-states file per (dp, mp) rank
-            local = dataclasses.replace(zinfo, groups=groups)
-            groups = target_groups(local, target.dp, _sub_group_size(zero_cfg))
-            templates = state_templates(3, osd_t["optimizer_state_dict"]["state"], groups)
-        else:
-            state = osd_t["base_optimizer_state"]["state"]
-            templates = [state.get(g.index) if isinstance(state, dict) else None for g in groups]
-        plans = [
-            plan_group(rank_index, states, zinfo.stage, g, tmpl, oarchive, f"group {g.index} of mp rank {t}", target.dp)
-            for g, tmpl in zip(groups, templates)
-        ]
-        if zinfo.stage < 3:
-            files[f"{tag}/{model_file(t)}"] = (
-                _model(m0, marchive, rank_index, groups, target),
-                fetcher,
-            )
-        for d in range(target.dp):
-            if zinfo.stage == 3:
-                model = record_tp_sizes(stage3_model(rank_index, local, groups, target.dp, d), target)
-                files[f"{tag}/{zero_model_file(d, t)}"] = (model, fetcher)
-                osd = stage3_optim(osd_t, oarchive, plans, d, target.dp)
-            else:
-                osd = stage12_optim(osd_t, oarchive, plans, d, target.dp)
-            top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-            name = optim_file(d, zinfo.files.bf16_prefix, mp=t)
-            files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
+        local = dataclasses.replace(zinfo, groups=[local_group(g, rank_index, align) for g in zinfo.groups])
+        structures = cell_files(
+            rank_index,
+            local,
+            target.dp,
+            tag,
+            _sub_group_size(zero_cfg),
+            StatePlanner(rank_index, fetcher),
+            _lane_cell(t, zinfo, rank_index, target),
+        )
+        files.update((name, (structure, fetcher)) for name, structure in structures.items())
     return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
+
+
+def _lane_cell(t: int, zinfo: ZeroInfo, rank_index: CheckpointIndex, target: TpTarget) -> Cell:
+    """Tp rank t's ZeRO cell: its module slices, param_shapes and sizes in the model files."""
+
+    def stage12_model(info: ZeroInfo, groups: list[ZeroGroup], world: int) -> dict:
+        m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
+        return _model(m0, marchive, rank_index, groups, target)
+
+    return Cell(
+        mp=t,
+        stage12_model=stage12_model,
+        stage3_model=lambda model: record_tp_sizes(model, target),
+        label=lambda g: f"group {g.index} of mp rank {t}",
+    )
 
 
 def local_group(group: ZeroGroup, rank_index: CheckpointIndex, align: int) -> ZeroGroup:
@@ -125,16 +120,21 @@ def _sub_group_size(zero_cfg: Any) -> int | None:
 
 def _model(m0: dict, marchive: Any, rank_index: CheckpointIndex, groups: list[ZeroGroup], target: TpTarget) -> dict:
     """Rank t's model-states file: the source rank 0's, with rank t's module slices and the new sizes."""
-    model = lazify(m0, marchive, {})
+    model = module_slices(lazify(m0, marchive, {}), rank_index)
+    if isinstance(model.get("param_shapes"), list):
+        model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in groups]
+    return record_tp_sizes(model, target)
+
+
+def module_slices(model: dict, rank_index: CheckpointIndex) -> dict:
+    """The model file's dense module weights: the rank's slices (the same bytes at the source's tp)."""
     module = model.get("module")
     if isinstance(module, dict):
         model["module"] = type(module)(
             (k, LazyTensor(rank_index.tensors[f"ds_module.{k}"]) if f"ds_module.{k}" in rank_index.tensors else v)
             for k, v in module.items()
         )
-    if isinstance(model.get("param_shapes"), list):
-        model["param_shapes"] = [OrderedDict((n, Size(s)) for n, s in g.params) for g in groups]
-    return record_tp_sizes(model, target)
+    return model
 
 
 def record_tp_sizes(model: dict, target: TpTarget) -> dict:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ...context import RunContext
 from ...errors import FormatError, UnsupportedError
@@ -81,39 +82,63 @@ def write_zero_files(
     (a source checkpoint's own structures, or ones convert built from a DeepSpeed config);
     `scripts`: also copy the source's DeepSpeed helper scripts."""
     fetcher = Fetcher(source, index=index)
-    files = _files(index, info, world_size, tag, sub_group_size, StatePlanner(index, fetcher))
+    files = cell_files(index, info, world_size, tag, sub_group_size, StatePlanner(index, fetcher))
     return write_tag(out, source, tag, {n: (s, fetcher) for n, s in files.items()}, ctx, scripts=scripts)
 
 
-def _files(
-    index: CheckpointIndex, info: ZeroInfo, world: int, tag: str, sub_group_size: int | None, states: StatePlanner
+@dataclass(frozen=True)
+class Cell:
+    """Where one ZeRO checkpoint sits in a parallel layout: its model-parallel rank `mp`, how its
+    model-states files differ from a plain checkpoint's, and what messages call its groups. The
+    default is a plain checkpoint (mp rank 0, the source's model file at the new dp size)."""
+
+    mp: int = 0
+    stage12_model: Callable[[ZeroInfo, list[ZeroGroup], int], dict] | None = None  # (info, groups, world)
+    stage3_model: Callable[[dict], dict] | None = None  # what the cell changes in each rank's file
+    label: Callable[[ZeroGroup], str] | None = None  # a group in messages (default: "group 3")
+
+
+PLAIN = Cell()
+
+
+def cell_files(
+    index: CheckpointIndex,
+    info: ZeroInfo,
+    world: int,
+    tag: str,
+    sub_group_size: int | None,
+    states: StatePlanner,
+    cell: Cell = PLAIN,
 ) -> dict[str, Any]:
-    """relative name -> structure of every model and optim-states file, in DeepSpeed's order."""
+    """relative name -> structure of every model and optim-states file of one cell, in DeepSpeed's order."""
     names = stage_names(info.stage)
     groups = target_groups(info, world, sub_group_size)
     files: dict[str, Any] = {}
     if info.stage < 3:
-        files[f"{tag}/{model_file(0)}"] = _stage12_model(info, world)
+        make = cell.stage12_model or _stage12_model
+        files[f"{tag}/{model_file(cell.mp)}"] = make(info, groups, world)
     o0, oarchive = template_of(info, "optim", 0)
     osd_t = o0["optimizer_state_dict"]
     if info.stage == 3 and "ds_zero_partition_groups" in osd_t:
         raise UnsupportedError("ZeRO-3 checkpoints with expert partition groups are not supported yet")
     templates = state_templates(info.stage, osd_t[names.optimizer]["state"], groups)
+    label = cell.label or (lambda group: f"{names.group} {group.index}")
     plans = [
-        plan_group(index, states, info.stage, group, template, oarchive, f"{names.group} {group.index}", world)
+        plan_group(index, states, info.stage, group, template, oarchive, label(group), world)
         for group, template in zip(groups, templates)
     ]
     shared: dict = {}  # the ranks' model-states files share their template's lazy tensors and param_shapes
     for rank in range(world):
         if info.stage == 3:
-            files[f"{tag}/{zero_model_file(rank, 0)}"] = stage3_model(index, info, groups, world, rank, shared)
+            model = stage3_model(index, info, groups, world, rank, shared)
+            files[f"{tag}/{zero_model_file(rank, cell.mp)}"] = cell.stage3_model(model) if cell.stage3_model else model
         osd = (stage12_optim if info.stage < 3 else stage3_optim)(osd_t, oarchive, plans, rank, world)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-        files[f"{tag}/{optim_file(rank, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
+        files[f"{tag}/{optim_file(rank, info.files.bf16_prefix, mp=cell.mp)}"] = {"optimizer_state_dict": osd, **top}
     return files
 
 
-def _stage12_model(info: ZeroInfo, world: int) -> dict:
+def _stage12_model(info: ZeroInfo, groups: list[ZeroGroup], world: int) -> dict:
     """Stage 1/2's one model-states file: the source's, with the new world size."""
     m0, marchive = template_of(info, "model", min(info.files.model_files))
     model = lazify(m0, marchive, {})
