@@ -29,15 +29,15 @@ from ...storage.source import Source
 from ..torch_save.archive_writer import LazyTensor
 from . import pipeline_writer as ppw
 from .layout import DeepSpeedLayout
-from .names import layer_file, model_file, optim_file
-from .group_plan import StatePlanner, plan_group
+from .names import layer_file
+from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .pipeline_partition import chosen_layer_types, chosen_partition_method
 from .pipeline_tp import PipelineTpInfo
-from .templates import lazify, template_of
+from .templates import template_of
 from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .tp_geometry import TpSlicer
-from .writer import stage12_optim
+from .writer import cell_files
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,9 +77,6 @@ def write_3d_zero(
     slicer = TpSlicer(index, info.splits, target.tp)
     tag = tag_name(zinfo.files.tag, index)
     m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
-    o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
-    osd_t = o0["optimizer_state_dict"]
-    templates = osd_t["base_optimizer_state"]["state"]
     files: dict[str, tuple[Any, Fetcher]] = {}
     for t in range(target.tp):
         rank_index = slicer.rank_index(t, target.dp)
@@ -95,48 +92,35 @@ def write_3d_zero(
         fetcher = Fetcher(source, index=rank_index)
         states = StatePlanner(rank_index, fetcher)
         for plan in plans:
-            if not any(g.params for g in plan.groups):
-                raise UnsupportedError(
-                    f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) "
-                    f"would have no trainable parameters, which DeepSpeed's ZeRO optimizer "
-                    f"cannot hold"
-                )
-            mp_rank = plan.stage * target.tp + t
-            gplans = [
-                plan_group(
-                    rank_index,
-                    states,
-                    1,
-                    g,
-                    templates.get(g.index) if isinstance(templates, dict) else None,
-                    oarchive,
-                    f"group {g.index} of stage {plan.stage}, tp rank {t}",
-                    target.dp,
-                )
-                for g in plan.groups
-            ]
-            model = ppw.stage_model(m0, marchive, plan, ppw.PpTarget(pp=target.pp, dp=target.dp))
-            model["mp_world_size"] = target.pp * target.tp
-            if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
-                model["checkpoint_parallel_dimensions"] = {
-                    **model["checkpoint_parallel_dimensions"],
-                    "pp_degree": target.pp,
-                    "tp_degree": target.tp,
-                }
-            files[f"{tag}/{model_file(mp_rank)}"] = (model, fetcher)
-            for d in range(target.dp):
-                osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
-                if "param_alignment_paddings" in osd:
-                    osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
-                top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-                name = optim_file(d, zinfo.files.bf16_prefix, mp=mp_rank)
-                files[f"{tag}/{name}"] = ({"optimizer_state_dict": osd, **top}, fetcher)
+            ppw.check_trainable(plan, target.pp)
+            cell = ppw.stage_cell(
+                zinfo,
+                plan,
+                plan.stage * target.tp + t,
+                lambda plan=plan: _stage_model(m0, marchive, plan, target),
+                lambda g, stage=plan.stage, t=t: f"group {g.index} of stage {stage}, tp rank {t}",
+            )
+            structures = cell_files(rank_index, ppw.stage_info(zinfo, plan), target.dp, tag, None, states, cell)
+            files.update((name, (structure, fetcher)) for name, structure in structures.items())
         for layer, rel in sorted(pinfo.layer_files.items()):
             files[f"{tag}/{layer_file(layer, t)}"] = (
                 _layer_state(index, pinfo, rank_index, layer),
                 fetcher,
             )
     return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
+
+
+def _stage_model(m0: dict, marchive: Any, plan: Any, target: Target3d) -> dict:
+    """A (stage, tp rank)'s model-states file: the pipeline writer's, with the 3-D sizes."""
+    model = ppw.stage_model(m0, marchive, plan, ppw.PpTarget(pp=target.pp, dp=target.dp))
+    model["mp_world_size"] = target.pp * target.tp
+    if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+        model["checkpoint_parallel_dimensions"] = {
+            **model["checkpoint_parallel_dimensions"],
+            "pp_degree": target.pp,
+            "tp_degree": target.tp,
+        }
+    return model
 
 
 def _local_pipeline(pinfo: Any, rank_index: CheckpointIndex) -> Any:

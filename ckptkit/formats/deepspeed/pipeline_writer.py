@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ...context import RunContext
 from ...errors import UnsupportedError, UsageError
@@ -40,14 +40,13 @@ from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
 from .layout import DeepSpeedLayout
-from .names import model_file, optim_file
-from .group_plan import GroupPlan, StatePlanner, plan_group, virtual
+from .group_plan import GroupPlan, StatePlanner, virtual
 from .info import ZeroGroup, ZeroInfo
 from .pipeline import PipelineInfo
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
-from .writer import stage12_optim
+from .writer import Cell, cell_files
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -293,41 +292,17 @@ def write_pp_zero(
     fetcher = Fetcher(source, index=index)
     states = StatePlanner(index, fetcher)
     m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
-    o0, oarchive = template_of(zinfo, "optim", min(zinfo.files.optim_files))
-    osd_t = o0["optimizer_state_dict"]
-    templates = osd_t["base_optimizer_state"]["state"]
     files: dict[str, Any] = {}
     for plan in plans:
-        if not any(g.params for g in plan.groups):
-            raise UnsupportedError(
-                f"--to pp={target.pp}: new stage {plan.stage} (layers {list(plan.layers)}) would "
-                f"have no trainable parameters, which DeepSpeed's ZeRO optimizer cannot hold"
-            )
-        gplans = [
-            plan_group(
-                index,
-                states,
-                1,
-                g,
-                templates.get(g.index) if isinstance(templates, dict) else None,
-                oarchive,
-                f"group {g.index} of pipeline stage {plan.stage}",
-                target.dp,
-            )
-            for g in plan.groups
-        ]
-        model = files[f"{tag}/{model_file(plan.stage)}"] = stage_model(m0, marchive, plan, target)
-        for d in range(target.dp):
-            osd = stage12_optim(osd_t, oarchive, gplans, d, target.dp)
-            if "param_alignment_paddings" in osd:
-                osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
-            if "zero_stage" not in osd_t:  # BF16_Optimizer keeps the end padding in its fp32 partitions
-                osd["single_partition_of_fp32_groups"] = [_padded_masters(gp, d) for gp in gplans]
-            if d == 0 and isinstance(model.get("optimizer"), dict):  # BF16_Optimizer: dp rank 0's state here too
-                model["optimizer"] = osd
-            top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-            name = optim_file(d, zinfo.files.bf16_prefix, mp=plan.stage)
-            files[f"{tag}/{name}"] = {"optimizer_state_dict": osd, **top}
+        check_trainable(plan, target.pp)
+        cell = stage_cell(
+            zinfo,
+            plan,
+            plan.stage,
+            lambda plan=plan: stage_model(m0, marchive, plan, target),
+            lambda g, stage=plan.stage: f"group {g.index} of pipeline stage {stage}",
+        )
+        files.update(cell_files(index, stage_info(zinfo, plan), target.dp, tag, None, states, cell))
     copied = [(rel, f"{tag}/{rel.rpartition('/')[2]}") for _, rel in sorted(info.layer_files.items())]
     return write_tag(
         out,
@@ -338,6 +313,45 @@ def write_pp_zero(
         copied=copied,
         scripts=zinfo.files.tag is not None,
     )
+
+
+def check_trainable(plan: StagePlan, pp: int) -> None:
+    """A new stage must hold trainable parameters: DeepSpeed's ZeRO optimizer cannot hold none."""
+    if not any(g.params for g in plan.groups):
+        raise UnsupportedError(
+            f"--to pp={pp}: new stage {plan.stage} (layers {list(plan.layers)}) would "
+            f"have no trainable parameters, which DeepSpeed's ZeRO optimizer cannot hold"
+        )
+
+
+def stage_info(zinfo: ZeroInfo, plan: StagePlan) -> ZeroInfo:
+    """A new stage as one ZeRO-1 checkpoint: its groups, the source stage's templates."""
+    return dataclasses.replace(zinfo, groups=list(plan.groups), stage=1)
+
+
+def stage_cell(
+    zinfo: ZeroInfo,
+    plan: StagePlan,
+    mp: int,
+    model_of: Callable[[], dict],
+    label: Callable[[ZeroGroup], str],
+) -> Cell:
+    """A new stage's ZeRO-1 cell under model-parallel rank `mp`: `model_of()` its model-states file;
+    each optim file records the stage's alignment paddings, BF16_Optimizer's masters with their
+    end padding, and BF16_Optimizer's dp rank 0 state in the model file too."""
+    o0, _ = template_of(zinfo, "optim", min(zinfo.files.optim_files))
+    bf16_optimizer = "zero_stage" not in o0["optimizer_state_dict"]
+
+    def finish_optim(osd: dict, rank: int, plans: list[GroupPlan], model: dict) -> dict:
+        if "param_alignment_paddings" in osd:
+            osd["param_alignment_paddings"] = [list(g.paddings or (0,) * len(g.params)) for g in plan.groups]
+        if bf16_optimizer:  # BF16_Optimizer keeps the end padding in its fp32 partitions
+            osd["single_partition_of_fp32_groups"] = [_padded_masters(gp, rank) for gp in plans]
+        if rank == 0 and isinstance(model.get("optimizer"), dict):  # BF16_Optimizer: dp rank 0's state here too
+            model["optimizer"] = osd
+        return osd
+
+    return Cell(mp=mp, stage12_model=lambda info, groups, world: model_of(), label=label, finish_optim=finish_optim)
 
 
 def _padded_masters(plan: GroupPlan, rank: int) -> LazyTensor:

@@ -8,6 +8,10 @@ param_shapes, partition_count, param_slice_mappings, group_paddings, dp_world_si
 else (scheduler, loss scaler, client state, config) is carried over unchanged, the DeepSpeed
 classes re-emitted as themselves; optimizer state kept whole (an int step, torch's 0-d step
 tensor) is each group's one value, of the same type and dtype.
+
+`cell_files` writes one such checkpoint; the parallel writers write each of their cells (a tp
+lane, a pipeline stage, a (stage, tp rank)) with it, a `Cell` naming its model-parallel rank and
+what its model and optim files add.
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ class Cell:
     stage12_model: Callable[[ZeroInfo, list[ZeroGroup], int], dict] | None = None  # (info, groups, world)
     stage3_model: Callable[[dict], dict] | None = None  # what the cell changes in each rank's file
     label: Callable[[ZeroGroup], str] | None = None  # a group in messages (default: "group 3")
+    # stage 1/2: what the cell adds to rank r's optimizer_state_dict (osd, r, plans, the model file)
+    finish_optim: Callable[[dict, int, list[GroupPlan], dict], dict] | None = None
 
 
 PLAIN = Cell()
@@ -114,9 +120,9 @@ def cell_files(
     names = stage_names(info.stage)
     groups = target_groups(info, world, sub_group_size)
     files: dict[str, Any] = {}
+    model12: dict = {}
     if info.stage < 3:
-        make = cell.stage12_model or _stage12_model
-        files[f"{tag}/{model_file(cell.mp)}"] = make(info, groups, world)
+        model12 = files[f"{tag}/{model_file(cell.mp)}"] = (cell.stage12_model or _stage12_model)(info, groups, world)
     o0, oarchive = template_of(info, "optim", 0)
     osd_t = o0["optimizer_state_dict"]
     if info.stage == 3 and "ds_zero_partition_groups" in osd_t:
@@ -133,6 +139,8 @@ def cell_files(
             model = stage3_model(index, info, groups, world, rank, shared)
             files[f"{tag}/{zero_model_file(rank, cell.mp)}"] = cell.stage3_model(model) if cell.stage3_model else model
         osd = (stage12_optim if info.stage < 3 else stage3_optim)(osd_t, oarchive, plans, rank, world)
+        if cell.finish_optim is not None:
+            osd = cell.finish_optim(osd, rank, plans, model12)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
         files[f"{tag}/{optim_file(rank, info.files.bf16_prefix, mp=cell.mp)}"] = {"optimizer_state_dict": osd, **top}
     return files
