@@ -19,7 +19,7 @@ import struct
 from collections import OrderedDict
 from typing import Any, Callable
 
-from .safeload import Inert, inert_class
+from .safeload import Inert, inert_class, public_state_of, qualname_of
 from .torch_types import DType, GlobalRef, Size
 
 __all__ = ["FaithfulPickler", "GlobalRef", "dumps", "fast_dumps", "stand_in", "stand_in_call"]
@@ -85,7 +85,7 @@ class FaithfulPickler(pickle._Pickler):  # the pure-Python pickler lets us write
         if x is not None:
             self.write(self.get(x[0]))
             return
-        module, _, name = obj._qualname.rpartition(".")
+        module, _, name = qualname_of(obj).rpartition(".")
         self._save_global_ref(GlobalRef(module, name))
         if "_args" in obj.__dict__:  # built by calling the class (REDUCE), e.g. an Enum member
             self.save(tuple(obj.__dict__["_args"]))
@@ -94,7 +94,7 @@ class FaithfulPickler(pickle._Pickler):  # the pure-Python pickler lets us write
             self.save(())
             self.write(pickle.NEWOBJ)
         self.memoize(obj)
-        state = obj.__dict__.get("_state", obj._public_state())
+        state = obj.__dict__.get("_state", public_state_of(obj))
         if state or "_state" in obj.__dict__:
             self.save(state)
             self.write(pickle.BUILD)
@@ -464,10 +464,11 @@ def _fast_dumps(
         if x is not None:
             write(get(x))
             return
-        ref = class_refs.get(o._qualname)
+        qualname = qualname_of(o)
+        ref = class_refs.get(qualname)
         if ref is None:
-            module, _, name = o._qualname.rpartition(".")
-            ref = class_refs[o._qualname] = GlobalRef(module, name)
+            module, _, name = qualname.rpartition(".")
+            ref = class_refs[qualname] = GlobalRef(module, name)
         save_global_ref(ref)
         if "_args" in o.__dict__:
             save(tuple(o.__dict__["_args"]))
@@ -475,7 +476,7 @@ def _fast_dumps(
         else:
             write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)  # save(()): the empty tuple is never memoized
         memoize(o)
-        state = o.__dict__.get("_state", o._public_state())
+        state = o.__dict__.get("_state", public_state_of(o))
         if state or "_state" in o.__dict__:
             save(state)
             write(pickle.BUILD)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from ..errors import CkptkitError, FormatError, InternalError, quote
 from . import dcp, torchsave
 from .grammar import RestrictedGrammar, table
-from .inert import Inert, inert_class
+from .inert import Inert, inert_class, public_state_of, qualname_of
 from .realize import realize
 from .refs import RawStorage, StorageRef, TensorRef, storage_pid, typed_storage
 from .rules import extra_allowed, register_allowed
@@ -35,6 +35,8 @@ __all__ = [
     "allowlist",
     "extra_allowed",
     "inert_class",
+    "public_state_of",
+    "qualname_of",
     "fenced_torch_save_loads",
     "register_allowed",
     "realize",

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from .. import knobs
 from ..errors import FormatError, UnsafePickleError, UnsupportedError, quote
 from ..index.dtypes import LEGACY_STORAGE, TORCH_DTYPE_ATTRS
-from .inert import Inert, plain_attrs, apply_inert_state, inert_class
+from .inert import Inert, apply_inert_state, inert_class, plain_attrs, qualname_of
 from .refs import StorageType
 from .rules import Refused, Rule, extra_allowed
 from .tensor_rules import checked_ints, rebuild_parameter, rebuild_tensor, rebuild_tensor_v2, rebuild_tensor_v3
@@ -407,7 +407,7 @@ class RestrictedGrammar:
             raise Refused("takes a rebuild function, a tensor class, its arguments and a state")
         func, new_type, inner, _state = args
         if func not in REBUILDERS or not (
-            isinstance(new_type, type) and issubclass(new_type, Inert) and new_type._qualname in TENSOR_TYPES
+            isinstance(new_type, type) and issubclass(new_type, Inert) and qualname_of(new_type) in TENSOR_TYPES
         ):
             raise UnsafePickleError(
                 "a tensor subclass was rebuilt through a function outside the allowlist "
@@ -425,7 +425,7 @@ class RestrictedGrammar:
             self._stand_ins[id(cls)] = cls
             if kwargs and not all(type(k) is str for k in kwargs):
                 raise UnsafePickleError(
-                    f"refusing to create {quote(cls._qualname)} with keyword arguments that are not names"
+                    f"refusing to create {quote(qualname_of(cls))} with keyword arguments that are not names"
                 )
             return cls.__new__(cls)
         if cls is complex:

@@ -97,6 +97,17 @@ class Inert:
         return hash(tuple(parts))
 
 
+def qualname_of(obj: Inert | type[Inert]) -> str:
+    """The dotted name of the foreign class a stand-in (or a stand-in class) was rebuilt for; the
+    attribute itself stays private: it is in the set of names a pickle may never set."""
+    return obj._qualname
+
+
+def public_state_of(obj: Inert) -> dict:
+    """The pickled state a stand-in holds, without ckptkit's own bookkeeping."""
+    return obj._public_state()
+
+
 _INERT_ATTRS = frozenset(dir(Inert)) | {"_qualname"}
 _PLAIN = frozenset({str, int, float, bool, type(None), bytes})
 _CONTAINERS = (tuple, list, dict, set, frozenset, Inert)

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..index.dtypes import torch_dtype
 from ..torch_types import DType, GlobalRef, Size, SmallTensor
-from .inert import Inert
+from .inert import Inert, qualname_of
 
 
 def realize(value: Any) -> Any:
@@ -43,7 +43,7 @@ def realize(value: Any) -> Any:
 def _realize_inert(value: Any) -> Any:
     """torch.device and layouts become torch's objects; other stand-ins keep their class with
     realized state (a DeepSpeed loss scaler holding a dtype, ...)."""
-    qualname = value._qualname
+    qualname = qualname_of(value)
     args = value.__dict__.get("_args", ())
     if qualname == "torch.device":
         import torch
