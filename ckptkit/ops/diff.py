@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from ..formats.registry import Opened, open_checkpoint
@@ -173,11 +174,37 @@ def _norm_optim(name: str) -> str:
     return name
 
 
+class ArrayValue:
+    """A numpy array inside a value (an RNG state, client state), compared as data: the same dtype,
+    shape and bits (NaNs included), as tensors are; numpy's own `==` is elementwise and has no
+    single truth value. Shown as numpy shows it."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: numpy.ndarray) -> None:
+        self.array = array
+
+    def _key(self) -> tuple:
+        return (self.array.dtype.str, self.array.shape, numpy.ascontiguousarray(self.array).tobytes())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ArrayValue) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return repr(self.array)
+
+
 def _plain(value: Any) -> Any:
     """A value as plain data, so two backends' forms of it compare equal (tensors as numbers or
-    lists, tuples as lists, stand-in objects as their type and fields)."""
+    lists, tuples as lists, numpy arrays by dtype, shape and bits, stand-in objects as their type
+    and fields)."""
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, numpy.ndarray):
+        return ArrayValue(value)
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
