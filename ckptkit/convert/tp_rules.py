@@ -57,6 +57,7 @@ class TpSplit:
     parts: tuple[int, ...] | None = None
     rule: str = ""
     count: int | None = None
+    sizes: tuple[int, ...] | None = None  # a rules file's explicit cut: each rank's length along dim
 
     @property
     def blocks(self) -> int:
@@ -157,7 +158,7 @@ def _rule(item: Any, where: str) -> TpRule:
         check_regex(pattern[3:], where)
     elif len(pattern) > MAX_PATTERN:
         raise FormatError(f"{where}: pattern of {len(pattern)} characters, more than the {MAX_PATTERN} ckptkit accepts")
-    unknown = sorted(set(item) - {"pattern", "split", "fused", "dim", "note"})
+    unknown = sorted(set(item) - {"pattern", "split", "fused", "dim", "note", "sizes"})
     if unknown:
         raise FormatError(f"{where}: unknown field(s) {unknown}; a rule has pattern, split or fused (+ dim)")
     if ("split" in item) == ("fused" in item):
@@ -170,10 +171,12 @@ def _rule(item: Any, where: str) -> TpRule:
         if value == "replicated":
             return TpRule(pattern, TpSplit("replicated", None, rule=pattern), where)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return TpRule(pattern, TpSplit("split", value, rule=pattern), where)
+            return TpRule(pattern, TpSplit("split", value, rule=pattern, sizes=_sizes(item, where)), where)
         raise FormatError(
             f'{where} ({quote(pattern)}): split must be a dimension (0, 1, ...) or "replicated", not {value!r:.40}'
         )
+    if "sizes" in item:
+        raise FormatError(f'{where} ({quote(pattern)}): "sizes" goes with "split" (a dimension), not "fused"')
     fused, dim = item["fused"], item.get("dim", 0)
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
         raise FormatError(f"{where} ({quote(pattern)}): dim must be a dimension (0, 1, ...)")
@@ -190,6 +193,25 @@ def _rule(item: Any, where: str) -> TpRule:
     )
 
 
+def _sizes(item: dict, where: str) -> tuple[int, ...] | None:
+    """A split rule's "sizes": each tp rank's length along the split dimension, in rank order, for
+    writing at tp = their count (a cut the loading job makes unevenly)."""
+    if "sizes" not in item:
+        return None
+    sizes = item["sizes"]
+    if not (
+        isinstance(sizes, list)
+        and 0 < len(sizes) <= MAX_SIZES
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+    ):
+        raise FormatError(
+            f"{where} ({quote(item['pattern'])}): sizes must be a list of each tp rank's length along "
+            f"the split dimension (at most {MAX_SIZES} of them, none negative)"
+        )
+    return tuple(sizes)
+
+
+MAX_SIZES = 65_536  # tp ranks a rule's "sizes" names
 MAX_RULES = 100_000  # rules of one file, patterns of one recorded list
 MAX_NAME = 1024  # characters of a parameter name matched against the rules (a 3-repeat pattern: ~0.1 s)
 

@@ -34,7 +34,7 @@ from ...storage import kernel_copy
 from ...storage.source import Source
 from .files import ZeroFiles
 from .names import mp_rank
-from .tp_geometry import for_slices, param_name
+from .tp_geometry import for_slices, for_uneven_slices, param_name
 
 COMPARE_ELEMENTS_BYTES = 16 << 20  # bytes of each copy compared at a time (user-declared replicas)
 
@@ -182,12 +182,6 @@ def full_entry(
     if split.kind == "replicated":
         _check_replica_shapes(entries, split, label)
         return _with_tp(e0, list(e0.pieces), e0.shape, None, tp)
-    shapes = {tuple(e.shape) for e in entries}
-    if len(shapes) != 1:
-        raise UnsupportedError(
-            f"{e0.key}: its tensor-parallel slices differ in shape ({[list(e.shape) for e in entries]}); "
-            f"uneven tensor-parallel splits are not supported yet"
-        )
     local = tuple(e0.shape)
     dim = split.dim if split.dim is not None else 0
     if dim >= len(local):
@@ -195,8 +189,12 @@ def full_entry(
             f"tensor-parallel rule {quote(split.rule)} splits dimension {dim} of {quote(name)}, "
             f"whose slices have shape {list(local)}; {HOW_TO}"
         )
-    geometry = for_slices(split, local, dim, tp, e0.key)
-    return _with_tp(e0, geometry.join(entries), geometry.full_shape(local), dim, tp, split)
+    shapes = [tuple(e.shape) for e in entries]
+    if len(set(shapes)) != 1:  # uneven: joined in rank order, each slice's length as on disk
+        geometry = for_uneven_slices(split, shapes, dim, tp, e0.key, label)
+    else:
+        geometry = for_slices(split, local, dim, tp, e0.key)
+    return _with_tp(e0, geometry.join(entries), geometry.full_shape(local), dim, tp, split, geometry.shares)
 
 
 def _check_replica_shapes(entries: list[TensorEntry], split: TpSplit, label: str) -> None:
@@ -279,11 +277,19 @@ def _decide(rules: TpRules, name: str, shapes: list[tuple[int, ...]], label: str
 
 
 def _with_tp(
-    e0: TensorEntry, pieces: list[Piece], shape: tuple[int, ...], dim: int | None, tp: int, split: TpSplit | None = None
+    e0: TensorEntry,
+    pieces: list[Piece],
+    shape: tuple[int, ...],
+    dim: int | None,
+    tp: int,
+    split: TpSplit | None = None,
+    shares: tuple[tuple[int, ...], ...] | None = None,
 ) -> TensorEntry:
     tp_attr: dict[str, Any] = {"dim": dim, "size": tp}
     if split is not None and split.kind == "fused":
         tp_attr["fused"] = split.blocks
+    if shares is not None:  # an uneven split: each rank's length along dim
+        tp_attr["sizes"] = list(shares[0])
     return TensorEntry(
         e0.key,
         e0.dtype,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ...convert.tp_rules import TpSplit
 from ...errors import UnsupportedError, UsageError, quote
@@ -43,34 +44,45 @@ class TpBlock:
 
 @dataclass(frozen=True)
 class TpGeometry:
-    """A parameter split over `tp` ranks along `dim` in blocks of `parts` (full-tensor sizes,
-    each a multiple of tp); `dim` None: replicated."""
+    """A parameter split over `tp` ranks along `dim` in blocks of `parts` (full-tensor sizes);
+    `dim` None: replicated. Each rank holds `part // tp` of every block, or, where `shares` is
+    given (one tuple per block, each rank's size in it), its own share: uneven splits, as
+    DeepSpeed's AutoTP cuts a size tp does not divide."""
 
     tp: int
     dim: int | None
     parts: tuple[int, ...] = ()
+    shares: tuple[tuple[int, ...], ...] | None = None
+
+    def share(self, block: int, rank: int) -> int:
+        """Rank `rank`'s size in block `block`."""
+        if self.shares is not None:
+            return self.shares[block][rank]
+        return self.parts[block] // self.tp
 
     def blocks(self, rank: int) -> list[TpBlock]:
         """Rank `rank`'s share of every block, in the order its slice holds them."""
         out, local_start, full_start = [], 0, 0
-        for part in self.parts:
-            size = part // self.tp
-            out.append(TpBlock(local_start, size, full_start + rank * size))
+        for i, part in enumerate(self.parts):
+            size = self.share(i, rank)
+            before = sum(self.share(i, r) for r in range(rank))
+            out.append(TpBlock(local_start, size, full_start + before))
             local_start += size
             full_start += part
         return out
 
-    def local_shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
-        """A rank's slice shape for the full shape `full`."""
+    def local_shape(self, full: tuple[int, ...], rank: int = 0) -> tuple[int, ...]:
+        """Rank `rank`'s slice shape for the full shape `full`."""
         if self.dim is None:
             return tuple(full)
-        return tuple(full[: self.dim]) + (full[self.dim] // self.tp,) + tuple(full[self.dim + 1 :])
+        local = sum(self.share(i, rank) for i in range(len(self.parts)))
+        return tuple(full[: self.dim]) + (local,) + tuple(full[self.dim + 1 :])
 
     def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
-        """The full shape for a rank's slice shape `local`."""
+        """The full shape for a rank's slice shape `local` (its other dimensions)."""
         if self.dim is None:
             return tuple(local)
-        return tuple(local[: self.dim]) + (local[self.dim] * self.tp,) + tuple(local[self.dim + 1 :])
+        return tuple(local[: self.dim]) + (sum(self.parts),) + tuple(local[self.dim + 1 :])
 
     def split(self, ref: str, full: tuple[int, ...], rank: int) -> list[Part]:
         """Rank `rank`'s slice of the full tensor `ref` (shape `full`): its row-major flat runs,
@@ -94,11 +106,10 @@ class TpGeometry:
         rank's share lies; replicated: rank 0's)."""
         if self.dim is None:
             return list(entries[0].pieces)
-        local = tuple(entries[0].shape)
-        full = self.full_shape(local)
+        full = self.full_shape(tuple(entries[0].shape))
         pieces: list[Piece] = []
         for rank, entry in enumerate(entries):
-            pieces.extend(place(entry, local, full, self.dim, self.blocks(rank)))
+            pieces.extend(place(entry, tuple(entry.shape), full, self.dim, self.blocks(rank)))
         return pieces
 
 
@@ -122,12 +133,48 @@ def for_slices(split: TpSplit, local: tuple[int, ...], dim: int, tp: int, key: s
     return TpGeometry(tp, dim, (local[dim] // count * tp,) * count)
 
 
-def for_full(split: TpSplit | None, full: tuple[int, ...], dim: int | None, tp: int, key: str) -> TpGeometry:
+def for_uneven_slices(
+    split: TpSplit, shapes: list[tuple[int, ...]], dim: int, tp: int, key: str, label: str
+) -> TpGeometry:
+    """The geometry of a parameter whose `tp` slices (shapes `shapes`, in rank order) differ in
+    length along the split dimension `dim` only: joined in rank order, each rank's length its own.
+    Slices that differ elsewhere, or a fused tensor's (whose blocks' shares the slices do not
+    say), are refused."""
+    first = shapes[0]
+    others_equal = all(s[:dim] + s[dim + 1 :] == first[:dim] + first[dim + 1 :] for s in shapes)
+    listed = [list(s) for s in shapes]
+    if not others_equal:
+        raise UnsupportedError(
+            f"{label}: {key}: its tensor-parallel slices differ in shape ({listed}) along more than "
+            f"the dimension {dim} rule {quote(split.rule)} splits, so they are not slices of one tensor"
+        )
+    if split.kind == "fused":
+        raise UnsupportedError(
+            f"{label}: {key}: its tensor-parallel slices differ in shape ({listed}), and rule "
+            f"{quote(split.rule)} fuses blocks along dim {dim}, whose share on each rank the slices "
+            f"do not say; an uneven split of fused blocks is not supported"
+        )
+    sizes = tuple(s[dim] for s in shapes)
+    return TpGeometry(tp, dim, (sum(sizes),), (sizes,))
+
+
+def for_full(
+    split: TpSplit | None,
+    full: tuple[int, ...],
+    dim: int | None,
+    tp: int,
+    key: str,
+    shares: tuple[int, ...] | None = None,
+    reason: str = "",
+) -> TpGeometry:
     """The geometry of the full tensor `key` (shape `full`, split along `dim`, None when whole) cut
-    for `tp` ranks; UsageError when they cannot share it equally."""
+    for `tp` ranks: equally, or each rank its size of `shares` (a plain split's uneven cut);
+    UsageError when they cannot share it equally (`reason`, when given, ends the sentence)."""
     if dim is None:
         return TpGeometry(tp, None)
     length = full[dim]
+    if shares is not None and not (split is not None and split.kind == "fused"):
+        return TpGeometry(tp, dim, (length,), (tuple(shares),))
     if split is not None and split.kind == "fused":
         count = split.count or 1
         parts = list(split.parts) if split.parts is not None else [length // count] * count
@@ -137,7 +184,7 @@ def for_full(split: TpSplit | None, full: tuple[int, ...], dim: int | None, tp: 
         what = f"its fused parts {parts}" if len(parts) > 1 else f"its size {length}"
         raise UsageError(
             f"--to tp={tp}: {quote(key)} is split along dim {dim} with {what}, which "
-            f"{tp} tensor-parallel ranks cannot share equally"
+            f"{tp} tensor-parallel ranks cannot share equally{reason}"
         )
     return TpGeometry(tp, dim, tuple(parts))
 
@@ -157,14 +204,31 @@ class TpSlicer:
     one. `splits` (name -> TpSplit) are the ones the reader decided; a tensor's split dimension is
     its attrs["parallel"]["tp"]["dim"]."""
 
-    def __init__(self, index: CheckpointIndex, splits: dict[str, TpSplit], tp: int) -> None:
-        self.index, self.splits, self.tp = index, splits, tp
+    def __init__(self, index: CheckpointIndex, splits: dict[str, TpSplit], tp: int, cut: Any = None) -> None:
+        self.index, self.splits, self.tp, self.cut = index, splits, tp, cut
 
     def geometry(self, entry: TensorEntry) -> TpGeometry:
+        """The cut of one tensor: `cut` (autotp_cut.TpCut) gives uneven sizes where AutoTP makes
+        them, and the words that end a refusal; without it, equal parts."""
         dim = ((entry.attrs.get("parallel") or {}).get("tp") or {}).get("dim")
         name = param_name(entry)
         split = self.splits.get(name) if name is not None else None
-        return for_full(split, tuple(entry.shape), dim, self.tp, entry.key)
+        if self.cut is None:
+            return for_full(split, tuple(entry.shape), dim, self.tp, entry.key)
+        shares = self.cut.shares(entry, name, dim)
+        return for_full(split, tuple(entry.shape), dim, self.tp, entry.key, shares, self.cut.reason)
+
+    def uneven_shares(self) -> dict[str, tuple[int, ...]]:
+        """parameter name -> each new rank's size along its split dimension, for the parameters
+        cut unevenly (AutoTP's affine_map records them)."""
+        out = {}
+        for entry in self.index.tensors.values():
+            name = param_name(entry)
+            if entry.path and entry.path[0] == "model" and name is not None:
+                geometry = self.geometry(entry)
+                if geometry.shares is not None and len(geometry.shares) == 1:
+                    out[name] = geometry.shares[0]
+        return out
 
     def rank_index(self, t: int, dp: int) -> CheckpointIndex:
         """An index of rank t's slices under the usual keys, the full tensors under hidden ones."""
@@ -184,7 +248,7 @@ class TpSlicer:
                 TensorEntry(
                     key,
                     entry.dtype,
-                    geometry.local_shape(full),
+                    geometry.local_shape(full, t),
                     flat.pieces,
                     path=entry.path,
                     attrs={**entry.attrs, "virtual": True},
