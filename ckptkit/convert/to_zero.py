@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedError, UsageError
-from ..formats.deepspeed import moe
+from ..formats.deepspeed.refusals import refuse_experts
 from ..formats.deepspeed.files import ZeroFiles
 from ..formats.deepspeed.info import ZeroGroup, ZeroInfo
 from ..formats.deepspeed.names import step_tag
@@ -111,7 +111,7 @@ class _Target:
 def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cfg: dict) -> ZeroTemplatesTarget:
     """The ZeRO checkpoint of `state` at `stage` for `world_size` ranks, laid out by the DeepSpeed
     config `cfg`: templates the DeepSpeed writer (formats/deepspeed/format.py) turns into files."""
-    moe.refuse_rewrite(state.source.index)  # a MoE source's experts need expert groups: not laid out yet
+    refuse_experts(state.source.index)  # a MoE source's experts need expert groups: not laid out yet
     target = _target(state, stage, world_size, cfg)
     group_keys = _group_state_keys(state, target.optimizer)
     index, resolver = _state_tensors(state, group_keys, target.precision)

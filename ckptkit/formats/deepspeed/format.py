@@ -12,10 +12,8 @@ from ..protocols import ANY_WORLD, TO_PARALLEL_SIZES, ZERO_PARTITIONS, Capabilit
 from . import files as ds_files
 from . import pipeline as ds_pipeline
 from . import reader as ds_reader
-from .layout import DeepSpeedLayout
-from .model_parallel import ModelParallelInfo
-from .pipeline import PipelineInfo
-from .pipeline_tp import PipelineTpInfo
+from .layout import LAYER_FILES, DeepSpeedLayout
+from .refusals import refuse_pipeline_reshard
 from .resharding import write_at_world_size, write_resharded
 from .writer import write_zero_files
 
@@ -24,12 +22,13 @@ if TYPE_CHECKING:
     from ...index.parallel_spec import ParallelSizes
 
 
-def replicas_of(native: Any) -> dict[str, list[Replica]]:
+def replicas_of(index: CheckpointIndex) -> dict[str, list[Replica]]:
     """The copies the model-parallel layouts save of one tensor (tp ranks' replicated tensors,
     pipeline stages' tied modules), that verify --deep compares; none for the others."""
-    if not isinstance(native, (ModelParallelInfo, PipelineInfo, PipelineTpInfo)):
+    layout = DeepSpeedLayout.of(index)
+    if layout.tp == 1 and layout.stages != LAYER_FILES:
         return {}
-    return {key: [Replica(what, e) for what, e in copies] for key, copies in native.replica_entries().items()}
+    return {key: [Replica(what, e) for what, e in copies] for key, copies in index.native.replica_entries().items()}
 
 
 class DeepSpeedFormat:
@@ -66,12 +65,12 @@ class DeepSpeedFormat:
             index = ds_pipeline.read_index(source, tag)
         else:
             index = ds_reader.read_index(source, tag, optimizer=optimizer)
-        index.replicas = replicas_of(index.native)
+        index.replicas = replicas_of(index)
         return index
 
     def refuse_relayout(self, where: str, index: CheckpointIndex) -> None:
         """A pipeline source (alone or with tp) is rewritten by `reshard --to pp=...,dp=...` only."""
-        ds_pipeline.refuse_pipeline_reshard(where, index)
+        refuse_pipeline_reshard(where, index)
 
     def write(self, target: ZeroTarget | ZeroTemplatesTarget, out: object, ctx: "RunContext") -> list[str]:
         """ZeroTarget: a ZeRO checkpoint's own files for a new world size (with its helper scripts);

@@ -38,11 +38,6 @@ from .tp_geometry import for_slices, for_uneven_slices, param_name
 
 COMPARE_ELEMENTS_BYTES = 16 << 20  # bytes of each copy compared at a time (user-declared replicas)
 
-NOT_RESHARDABLE = (
-    "converting a tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
-    "--to tp=...,dp=... lays it out at new sizes)"
-)
-
 
 @dataclass(frozen=True, kw_only=True)
 class ModelParallelInfo:

@@ -38,10 +38,6 @@ from .names import EXPERT_FILE, expert_file
 
 MARK = ".deepspeed_moe.experts.deepspeed_experts."
 GROUP_NAME = re.compile(r"^ep_size_(\d+)$")
-NOT_RESHARDABLE = (
-    "converting a mixture-of-experts DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
-    "--to ep=...,dp=... rewrites it at new sizes)"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,17 +76,6 @@ def split_expert_name(name: str, where: str = "param_shapes") -> tuple[str, int,
             f"(the names deepspeed.moe.layer.MoE gives its experts)"
         )
     return prefix, int(expert), rest
-
-
-def refuse_rewrite(index: CheckpointIndex) -> None:
-    """convert --to zero* calls this: expert groups from a canonical state are not laid out yet
-    (reshard writes them from the source's own files: moe_writer.py)."""
-    if "deepspeed_moe" in index.metadata:  # any index: convert asks of every source
-        ep = index.metadata["deepspeed_moe"]["ep_size"]
-        raise UnsupportedError(
-            f"{index.root}: {NOT_RESHARDABLE} (expert-parallel size {ep}); consolidate it or "
-            f"convert it to torch, safetensors or DCP instead"
-        )
 
 
 def read_experts(

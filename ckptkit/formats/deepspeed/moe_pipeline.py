@@ -26,8 +26,6 @@ from ...storage.source import Source
 from .files import ZeroFiles
 from .names import layer_file, mp_rank
 
-NOT_RESHARDABLE = "resharding a mixture-of-experts PipelineModule checkpoint is not supported yet"
-
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineMoeInfo:
@@ -121,11 +119,3 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
 
 def _stage_of(index: CheckpointIndex, key: str) -> int:
     return index.tensors[key].attrs["parallel"]["pp"]["stage"]
-
-
-def refuse_reshard(index: CheckpointIndex) -> None:
-    if isinstance(index.native, PipelineMoeInfo):
-        raise UnsupportedError(
-            f"{index.root}: {NOT_RESHARDABLE} ({index.native.pp} pipeline stages); consolidate "
-            f"it or convert it to torch, safetensors or DCP instead"
-        )

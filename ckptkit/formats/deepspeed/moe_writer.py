@@ -45,7 +45,7 @@ from .names import model_file, optim_file
 from .group_plan import GroupPlan, StatePlanner, plan_group
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK, split_expert_name
-from .moe_pipeline import refuse_reshard
+from .refusals import refuse_pipeline_moe
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .templates import lazify, ordered_like, template_of
 
@@ -119,7 +119,7 @@ def write_moe_zero(
     out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
 ) -> list[str]:
     """Reshard a MoE ZeRO-1/2 checkpoint to E' expert-parallel ranks among W' ranks (module docstring)."""
-    refuse_reshard(index)  # a MoE PipelineModule: its stages are not laid out yet
+    refuse_pipeline_moe(index)  # a MoE PipelineModule: its stages are not laid out yet
     info: ZeroInfo = index.native
     target = target_sizes(index, to)
     zero_cfg = zero_config(index)

@@ -55,11 +55,6 @@ from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
 from .layout import DeepSpeedLayout
 
-NOT_RESHARDABLE = (
-    "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it "
-    "with --to pp=...,dp=... (pipeline_writer.py), or convert it --to torch, dcp or fsdp2"
-)
-
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineInfo:
@@ -567,10 +562,3 @@ def _merge_group_value(index: CheckpointIndex, key: str, obj: ObjectEntry, stage
             f"{quote(repr(have.data))} on stage 0; stages with different hyperparameters "
             f"cannot be joined into one optimizer"
         )
-
-
-def refuse_pipeline_reshard(where: str, index: CheckpointIndex) -> None:
-    """convert --to zero*: a pipeline source is written by reshard --to pp=...,dp=... only (one sentence)."""
-    if isinstance(index.native, PipelineInfo):
-        raise UnsupportedError(f"{where}: {NOT_RESHARDABLE} (pipeline size {index.native.pp})")
-    pipeline_tp.refuse_reshard(where, index)  # pipeline x tensor parallel

@@ -18,16 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...convert.tp_rules import TpRules, TpSplit, chosen_rules_file, load_rules, recorded_rules
-from ...errors import FormatError, UnsupportedError
+from ...errors import FormatError
 from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
 from . import model_parallel as mp
 from .tp_geometry import param_name
-
-NOT_RESHARDABLE = (
-    "converting a pipeline x tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet; "
-    "reshard it with --to tp=...,pp=...,dp=... (pipeline_tp_writer.py)"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,9 +109,3 @@ def _same_entry(subs: dict[int, CheckpointIndex], t: int, key: str, e0: TensorEn
             f"tensor-parallel rank {t} but stage {e0.attrs['parallel']['pp']['stage']} for rank 0"
         )
     return entry
-
-
-def refuse_reshard(where: str, index: CheckpointIndex) -> None:
-    """convert --to zero* of a 3-D source: reshard writes one (one sentence)."""
-    if isinstance(index.native, PipelineTpInfo):
-        raise UnsupportedError(f"{where}: {NOT_RESHARDABLE} (pp {index.native.pp}, tp {index.native.tp})")

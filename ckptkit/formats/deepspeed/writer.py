@@ -33,11 +33,12 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
 from ...runner.torch_archive import Archive
-from . import moe, partition, standins
+from . import partition, standins
 from .names import model_file, optim_file, zero_model_file
 from .group_plan import GroupPlan, StatePlanner, plan_group, state_templates, target_groups, virtual
 from .info import ZeroGroup, ZeroInfo, stage_names
-from .model_parallel import NOT_RESHARDABLE, ModelParallelInfo
+from .layout import DeepSpeedLayout
+from .refusals import refuse_experts, refuse_tensor_parallel
 from .tag_writer import tag_name, write_tag, zero_config
 from .templates import lazify, ordered_like, template_of
 
@@ -46,15 +47,13 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 
 def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: int, *, ctx: RunContext) -> list[str]:
     """Reshard: the source's own files, recomputed for `world_size` ranks."""
-    moe.refuse_rewrite(index)  # expert groups partitioned over expert-data-parallel ranks: not laid out yet
-    info: ZeroInfo = index.native
-    if isinstance(info, ModelParallelInfo):  # per-mp-rank layouts: no writer lays one out yet
-        raise UnsupportedError(
-            f"{index.root}: {NOT_RESHARDABLE} (tensor-parallel size {info.tp}); consolidate or "
-            f"convert it to torch, safetensors or DCP instead"
-        )
-    if not isinstance(info, ZeroInfo):
+    refuse_experts(index)  # expert groups partitioned over expert-data-parallel ranks: not laid out yet
+    if index.native is None:
         raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
+    refuse_tensor_parallel(index)  # per-mp-rank layouts: reshard --to tp=... lays them out
+    if DeepSpeedLayout.of(index).family != "zero":
+        raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
+    info: ZeroInfo = index.native
     zero_cfg = zero_config(index)
     sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     return write_zero_files(
