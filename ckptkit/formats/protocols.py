@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from ..index.dtypes import itemsize
 from ..index.types import TensorEntry
@@ -43,6 +43,15 @@ UNINDEXED_OPTIMIZER = "unindexed_optimizer"
 
 
 @dataclass(frozen=True)
+class StepFolders:
+    """How a format names the folder of one training step's save by default (DeepSpeed's tag), in
+    both directions, so a training hook and the run-folder scans ask the format, not a spelling."""
+
+    name: "Callable[[int], str]"  # step -> folder name
+    step_of: "Callable[[str], int | None]"  # folder name -> step, None when it is not one
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a format's writer produces and what its reader's index means, declared once."""
 
@@ -59,6 +68,7 @@ class Capabilities:
     reshard_targets: tuple[str, ...] = ()  # TO_MESH, TO_PARALLEL_SIZES: what else `reshard` lays out
     # top-level keys the format's own loader writes and hands back (DeepSpeed's client state is the rest)
     own_keys: frozenset[str] = frozenset()
+    step_folders: StepFolders | None = None  # its saves' default folder names, where it has them
 
     def writes(self, layout: str) -> bool:
         return layout in self.layouts
@@ -199,6 +209,7 @@ __all__ = [
     "DcpTarget",
     "ZeroTarget",
     "ZeroTemplatesTarget",
+    "StepFolders",
     "TorchSaveTarget",
     "SafetensorsTarget",
     "OutTensor",

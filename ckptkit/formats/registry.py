@@ -67,6 +67,23 @@ def format_of(index: CheckpointIndex) -> "Reader | Writer":
     return format_named(index.format)
 
 
+def step_folder_name(name: str, step: int) -> str:
+    """The folder format `name` saves training step `step` in by default (DeepSpeed: its tag)."""
+    folders = format_named(name).capabilities.step_folders
+    if folders is None:
+        raise UnsupportedError(f"the format {name!r} names no step folders")
+    return folders.name(step)
+
+
+def is_step_folder(name: str) -> bool:
+    """Whether `name` is the default folder of one training step's save in any registered format
+    (DeepSpeed's tag in its save folder)."""
+    return any(
+        f.capabilities.step_folders is not None and f.capabilities.step_folders.step_of(name) is not None
+        for f in FORMATS
+    )
+
+
 def capabilities_of(index: CheckpointIndex) -> Capabilities:
     """What the format of `index` can do (its writer's layouts, world sizes, optimizer state...)."""
     return format_of(index).capabilities

@@ -220,15 +220,16 @@ def tag_for_step(path: str, source: Source, step: int) -> str:
     """--step N: the name of the entry of step N (passed on as --tag). Also a DeepSpeed checkpoint's
     `global_stepN` tag."""
     from .deepspeed import files as ds_files
+    from .deepspeed.names import step_tag
 
     found = detect(source)
     if found is None:
         if source.isdir("") and ds_files.detect(source):
-            if source.isdir(f"global_step{step}"):
-                return f"global_step{step}"
+            if source.isdir(step_tag(step)):
+                return step_tag(step)
             tags = [n for n in _safe_listdir(source, "") if TRAILING_NUMBER.search(n) and _is_dir(source, n)]
             raise UsageError(
-                f"{path}: no tag global_step{step} in this DeepSpeed checkpoint (tags: "
+                f"{path}: no tag {step_tag(step)} in this DeepSpeed checkpoint (tags: "
                 f"{_list(name_of(n) for n in tags) or 'none'})"
             )
         raise UsageError(

@@ -15,8 +15,10 @@ from ..framework_errors import framework_cause
 
 def save(engine: Any, folder: str, step: int, client: dict) -> None:
     """engine.save_checkpoint of `step` into `folder` (the output's temporary)."""
+    from ..formats.registry import step_folder_name
+
     try:
-        engine.save_checkpoint(folder, tag=f"global_step{step}", client_state=client)
+        engine.save_checkpoint(folder, tag=step_folder_name("deepspeed", step), client_state=client)
     except Exception as exc:
         cause = framework_cause(exc)
         if cause is exc:
@@ -27,9 +29,11 @@ def save(engine: Any, folder: str, step: int, client: dict) -> None:
 def load(engine: Any, path: str, step: int) -> tuple[Any, Any]:
     """engine.load_checkpoint of `step`, optimizer and scheduler included; a system error it met
     is one sentence naming the checkpoint."""
+    from ..formats.registry import step_folder_name
+
     try:
         return engine.load_checkpoint(
-            path, tag=f"global_step{step}", load_optimizer_states=True, load_lr_scheduler_states=True
+            path, tag=step_folder_name("deepspeed", step), load_optimizer_states=True, load_lr_scheduler_states=True
         )
     except Exception as exc:
         cause = framework_cause(exc)

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CkptkitError, UsageError
+from ..formats.registry import is_step_folder
 from ..storage.paths import kind_of
 from ..storage.source import Source, is_url, open_source
 
@@ -47,12 +48,12 @@ PATTERNS = ("configuration_*.py", "modeling_*.py", "tokenization_*.py")  # trust
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers 4.5x+: extra templates as *.jinja
 CHUNK = 4 << 20
 
-# A checkpoint that is a part of a trainer's folder: its parent is that folder (DeepSpeed tag,
-# accelerate's FSDP sub-folders).
-TRAINER_PARTS = re.compile(r"^(global_step\d+|pytorch_model_fsdp_\d+|optimizer_\d+)$")
+# A checkpoint that is a part of a trainer's folder: its parent is that folder (a DeepSpeed tag,
+# registry.is_step_folder; accelerate's FSDP sub-folders).
+TRAINER_PARTS = re.compile(r"^(pytorch_model_fsdp_\d+|optimizer_\d+)$")
 # A checkpoint that is one entry of a run folder: its parent is the run folder (HF output_dir,
-# Checkpointer directory, DeepSpeed save folder, Lightning checkpoints/).
-RUN_ENTRIES = re.compile(r"^(checkpoint-\d+|step_\d+|global_step\d+|.*step=\d+.*\.ckpt)$")
+# Checkpointer directory, DeepSpeed save folder: a step folder, Lightning checkpoints/).
+RUN_ENTRIES = re.compile(r"^(checkpoint-\d+|step_\d+|.*step=\d+.*\.ckpt)$")
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,10 @@ def homes(checkpoint: str, follow_links: bool | None = None) -> list[str]:
     is_dir = open_source(checkpoint, follow_links).isdir("") if is_url(checkpoint) else os.path.isdir(checkpoint)
     here = checkpoint.rstrip("/") if is_dir else _parent(checkpoint)
     found = [here]
-    if TRAINER_PARTS.match(_base(here)):
+    if TRAINER_PARTS.match(_base(here)) or is_step_folder(_base(here)):
         here = _parent(here)
         found.append(here)
-    if RUN_ENTRIES.match(_base(here)):
+    if RUN_ENTRIES.match(_base(here)) or is_step_folder(_base(here)):
         found.append(_parent(here))
     return [f for i, f in enumerate(found) if f and f not in found[:i]]
 

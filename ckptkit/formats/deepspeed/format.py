@@ -8,11 +8,20 @@ from typing import TYPE_CHECKING, Any
 
 from ...index.types import CheckpointIndex, Replica
 from ...storage.source import Source
-from ..protocols import ANY_WORLD, TO_PARALLEL_SIZES, ZERO_PARTITIONS, Capabilities, ZeroTarget, ZeroTemplatesTarget
+from ..protocols import (
+    ANY_WORLD,
+    TO_PARALLEL_SIZES,
+    ZERO_PARTITIONS,
+    Capabilities,
+    StepFolders,
+    ZeroTarget,
+    ZeroTemplatesTarget,
+)
 from . import files as ds_files
 from . import pipeline as ds_pipeline
 from . import reader as ds_reader
 from .layout import LAYER_FILES, DeepSpeedLayout
+from .names import parse_step_tag, step_tag
 from .refusals import refuse_pipeline_reshard
 from .resharding import write_at_world_size, write_resharded
 from .writer import write_zero_files
@@ -42,6 +51,7 @@ class DeepSpeedFormat:
         tags=True,
         reshard_targets=(TO_PARALLEL_SIZES,),
         own_keys=frozenset(ds_reader.DS_KEYS | ds_reader.STRUCTURAL_KEYS),
+        step_folders=StepFolders(name=step_tag, step_of=parse_step_tag),  # global_stepN
     )
 
     def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:

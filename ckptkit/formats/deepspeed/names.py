@@ -33,12 +33,19 @@ OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_stat
 EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_(\d+)_model_states\.pt$")  # (mp rank)
 EXPERT_ID = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_\d+_model_states\.pt$")  # (layer, expert)
 EXPERT_FILE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")  # (layer, expert, mp)
+STEP_TAG = re.compile(r"^global_step(\d+)$")  # (step)
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")  # (layer, tp rank)
 
 
 def step_tag(step: int) -> str:
     """`global_stepN`, the tag engine.save_checkpoint gives a save by default."""
     return f"global_step{step}"
+
+
+def parse_step_tag(name: str) -> int | None:
+    """The step of a `global_stepN` tag (engine.save_checkpoint's default), else None."""
+    m = STEP_TAG.match(name)
+    return int(m.group(1)) if m else None
 
 
 def mp_rank(mp: int | str) -> str:
