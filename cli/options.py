@@ -126,6 +126,42 @@ def partition_method_option(fn: Callable) -> Callable:
     )(fn)
 
 
+def autotp_options(fn: Callable) -> Callable:
+    """--kv-heads and --tp-grain-size: the model values DeepSpeed's AutoTP cuts by, for a tp
+    target written of a checkpoint AutoTP wrote (else config.json beside it, the saved config)."""
+
+    def remember(click_ctx: click.Context, param: Any, value: int | None) -> None:
+        from ckptkit.formats.deepspeed.autotp_cut import use_autotp_values
+
+        chosen = click_ctx.meta.setdefault("ckptkit.autotp_values", {})
+        chosen[param.name] = value
+        use_autotp_values(chosen.get("kv_heads"), chosen.get("tp_grain_size"))
+        click_ctx.call_on_close(lambda: use_autotp_values(None, None))  # this command's only
+
+    fn = click.option(
+        "--tp-grain-size",
+        "tp_grain_size",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        expose_value=False,
+        callback=remember,
+        help="DeepSpeed AutoTP: the tp_grain_size the loading job uses (default: the saved "
+        "config's tensor_parallel.tp.tp_grain_size, else 1).",
+    )(fn)
+    return click.option(
+        "--kv-heads",
+        "kv_heads",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        expose_value=False,
+        callback=remember,
+        help="DeepSpeed AutoTP: the model's key/value head count, by which AutoTP cuts attention "
+        "projections (default: config.json in the checkpoint's folder).",
+    )(fn)
+
+
 def memory_budget_option(fn: Callable) -> Callable:
     return click.option(
         "--memory-budget",

@@ -6,7 +6,7 @@ import click
 
 from ..context import Context, RunFlags, relaunch_if_asked
 from ..failure import handle_errors
-from ..options import TAG_HELP, examples, grouped, partition_method_option, run_options, step_option
+from ..options import TAG_HELP, autotp_options, examples, grouped, partition_method_option, run_options, step_option
 
 
 @click.command(
@@ -36,6 +36,7 @@ from ..options import TAG_HELP, examples, grouped, partition_method_option, run_
 )
 @click.option("--tag", default=None, help=TAG_HELP)
 @partition_method_option
+@autotp_options
 @run_options
 @click.pass_obj
 @handle_errors

@@ -41,6 +41,7 @@ from .model_parallel import ModelParallelInfo
 from .moe import MARK
 from .moe_writer import MoeTarget, moe_files
 from .tag_writer import alignment, tag_name, write_tag, zero_config
+from .autotp_cut import TpCut
 from .tp_geometry import TpSlicer
 from .tp_writer import TpTarget, local_group, module_slices, record_tp_sizes
 
@@ -93,7 +94,7 @@ def tp_lanes(
     info: ModelParallelInfo = index.native
     zinfo0: ZeroInfo = info.ranks[0]
     align = alignment(zero_config(index), zinfo0.dtype)
-    slicer = TpSlicer(index, info.splits, sizes.tp)
+    slicer = TpSlicer(index, info.splits, sizes.tp, TpCut(index, source, sizes.tp))
     for t in range(sizes.tp):
         rank_index = slicer.rank_index(t, sizes.dp)
         rank_index.metadata["deepspeed_moe"] = index.metadata["deepspeed_moe"]

@@ -36,6 +36,7 @@ from .pipeline_partition import chosen_layer_types, chosen_partition_method
 from .pipeline_tp import PipelineTpInfo
 from .templates import template_of
 from .tag_writer import alignment, tag_name, write_tag, zero_config
+from .autotp_cut import TpCut
 from .tp_geometry import TpSlicer
 from .writer import cell_files
 
@@ -74,7 +75,7 @@ def write_3d_zero(
             f"sizes yet (ZeRO stage 1 is)"
         )
     align = alignment(zero_config(index), zinfo.dtype)
-    slicer = TpSlicer(index, info.splits, target.tp)
+    slicer = TpSlicer(index, info.splits, target.tp, TpCut(index, source, target.tp))
     tag = tag_name(zinfo.files.tag, index)
     m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
     files: dict[str, tuple[Any, Fetcher]] = {}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -44,6 +45,7 @@ from .info import ZeroGroup, ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
+from .autotp_cut import TpCut
 from .tp_geometry import TpSlicer
 from .writer import DEFAULT_SUB_GROUP_SIZE, Cell, cell_files
 
@@ -52,6 +54,7 @@ from .writer import DEFAULT_SUB_GROUP_SIZE, Cell, cell_files
 class TpTarget:
     tp: int
     dp: int
+    shares: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # uneven cuts, by name
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> TpTarget:
@@ -69,7 +72,8 @@ def write_tp_zero(
     zinfo: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
     align = alignment(zero_cfg, zinfo.dtype)
-    slicer = TpSlicer(index, info.splits, target.tp)
+    slicer = TpSlicer(index, info.splits, target.tp, TpCut(index, source, target.tp))
+    target = dataclasses.replace(target, shares=slicer.uneven_shares())
     tag = tag_name(zinfo.files.tag, index)
     files: dict[str, tuple[Any, Fetcher]] = {}
     for t in range(target.tp):
@@ -145,13 +149,14 @@ def record_tp_sizes(model: dict, target: TpTarget) -> dict:
         model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "tp_degree": target.tp}
     uc = model.get("universal_checkpoint_info")
     if isinstance(uc, dict) and isinstance(uc.get("affine_map"), dict):
-        model["universal_checkpoint_info"] = _affine_for(uc, target.tp)
+        model["universal_checkpoint_info"] = _affine_for(uc, target.tp, target.shares)
     return model
 
 
-def _affine_for(uc: dict, tp: int) -> dict:
+def _affine_for(uc: dict, tp: int, shares: dict[str, tuple[int, ...]] | None = None) -> dict:
     """AutoTP's affine_map redone for `tp` ranks: each parameter's shard shape and where it starts in
-    the logical tensor (replicated ones: the whole tensor on every rank); others left as recorded."""
+    the logical tensor (replicated ones: the whole tensor on every rank; `shares`: the sizes of a
+    parameter cut unevenly, by name); others left as recorded."""
     uc = copy.deepcopy(uc)
     params = uc["affine_map"].get("params", {})
     for pattern, rec in params.items():
@@ -182,20 +187,19 @@ def _affine_for(uc: dict, tp: int) -> dict:
         if len(diff) != 1 or len(old.get("pieces", [])) != 1:
             continue
         dim = diff[0]
-        local = logical[:dim] + [logical[dim] // tp] + logical[dim + 1 :]
-        lstrides = [math.prod(local[i + 1 :]) for i in range(len(local))]
-        rec["ranks"] = {
-            r: {
-                "shard_shape": list(local),
-                "pieces": [
-                    {
-                        "shape": list(local),
-                        "source": [r * local[dim] * strides[dim], strides],
-                        "dest": [0, lstrides],
-                        "locations": [r],
-                    }
-                ],
-            }
-            for r in range(tp)
-        }
+        sizes = (shares or {}).get(_unescaped(pattern)) or (logical[dim] // tp,) * tp
+        rec["ranks"] = {r: _shard_record(logical, strides, dim, sizes, r) for r in range(tp)}
     return uc
+
+
+def _shard_record(logical: list[int], strides: list[int], dim: int, sizes: tuple[int, ...], r: int) -> dict:
+    """One rank's entry of an affine_map record: its shard, `sizes[r]` long along `dim`."""
+    local = logical[:dim] + [sizes[r]] + logical[dim + 1 :]
+    lstrides = [math.prod(local[i + 1 :]) for i in range(len(local))]
+    piece = {"shape": list(local), "source": [sum(sizes[:r]) * strides[dim], strides], "dest": [0, lstrides]}
+    return {"shard_shape": list(local), "pieces": [{**piece, "locations": [r]}]}
+
+
+def _unescaped(pattern: str) -> str:
+    """The parameter name of AutoTP's pattern `^escaped\\.name$`."""
+    return re.sub(r"\\(.)", r"\1", pattern.removeprefix("^").removesuffix("$"))
