@@ -635,7 +635,7 @@ CASES: list[Case] = [
         "Try 'ckptkit convert --help' for help.\n"
         "\n"
         "Error: Invalid value for '--to': 'banana' is not one of 'dcp', 'fsdp', 'fsdp2', 'deepspeed', "
-        "'zero1', 'zero2', 'zero3', 'torch', 'safetensors', 'hf'.\n",
+        "'zero1', 'zero2', 'zero3', 'torch', 'safetensors', 'hf', 'ds-universal'.\n",
     ),
     Case(
         "convert_wrong_from", _convert_wrong_from, 2, "error: <tmp>/ckpt: is a dcp checkpoint, not deepspeed (--from)\n"

@@ -16,6 +16,7 @@ TARGET_OF = {
     "torch": "torch",
     "safetensors": "safetensors",
     "hf": "safetensors",  # a safetensors folder from_pretrained loads
+    "ds-universal": "ds_universal",  # DeepSpeed's universal checkpoint (ds_to_universal's layout)
 }
 # name -> (the index format a source of that name has, the ZeRO stage it must record or None)
 SOURCE_OF = {
@@ -29,6 +30,7 @@ SOURCE_OF = {
     "torch": ("torch_save", None),
     "safetensors": ("safetensors", None),
     "hf": ("safetensors", None),
+    "ds-universal": ("ds_universal", None),
 }
 NAMES = tuple(TARGET_OF)
 TARGETS = NAMES  # what --to accepts

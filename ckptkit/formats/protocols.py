@@ -192,6 +192,21 @@ class OutTensor:
 
 
 @dataclass(frozen=True)
+class UniversalTarget:
+    """A DeepSpeed universal checkpoint (what ds_to_universal writes) under `tag`: for each trainable
+    parameter its states (`"fp32"`: the master, read as float32; `"exp_avg"`...: tensors shaped
+    like it; `"step"`: a number), the model-states file's index (`module.<name>` tensors and
+    DeepSpeed's and the client's values) and zero/optimizer_state.pt's values; all read through
+    `fetcher`."""
+
+    fetcher: "Fetcher"
+    params: dict[str, dict[str, Any]]
+    model_states: "CheckpointIndex"
+    optimizer_state: dict[str, Any]
+    tag: str
+
+
+@dataclass(frozen=True)
 class SafetensorsTarget:
     fetcher: "Fetcher"
     tensors: list[OutTensor]
@@ -212,6 +227,7 @@ __all__ = [
     "StepFolders",
     "TorchSaveTarget",
     "SafetensorsTarget",
+    "UniversalTarget",
     "OutTensor",
     "ANY_WORLD",
     "TO_MESH",

@@ -26,6 +26,7 @@ from ..storage.source import Source, is_url, local_path, open_source
 from . import accelerate, lightning, run_folder
 from .dcp.format import DCP
 from .deepspeed.format import DEEPSPEED
+from .ds_universal.format import DS_UNIVERSAL
 from .kinds import AccelerateKind, FormatKind, Kind, LightningKind, RunFolderKind, Spot, TrainerKind, read_as
 from .opened import Opened
 from .protocols import Capabilities, Reader, Writer
@@ -34,7 +35,7 @@ from .structure import check_listed_state_dicts
 from .torch_save.format import TORCH_SAVE, TORCH_SUFFIXES, torch_files
 
 # each a Reader and a Writer, in precedence order; the folder kinds resolve to them
-FORMATS: tuple = (DEEPSPEED, DCP, SAFETENSORS, TORCH_SAVE)
+FORMATS: tuple = (DEEPSPEED, DS_UNIVERSAL, DCP, SAFETENSORS, TORCH_SAVE)
 
 # the one ordered list a path is tried against: folder kinds first, then every format
 ORDER: list[Kind] = [RunFolderKind(), TrainerKind(), LightningKind(DCP), AccelerateKind()]

@@ -10,6 +10,8 @@ Source (any format ckptkit reads) -> canonical training state (convert/state.py)
                      ends in .pt or .bin, else OUT/checkpoint.pt
   safetensors hf     the model weights (Hugging Face layout): OUT itself when it ends in
                      .safetensors, else a folder
+  ds-universal       DeepSpeed's universal checkpoint (ds_to_universal's layout): OUT/latest_universal
+                     and OUT/<tag>/zero/<param>/*.pt, loaded with "load_universal" at any dp
 An option that does not apply to the target is refused before anything is read.
 
 Nothing read is left out unless asked for: `model_only` (--model-only) writes the model alone,
@@ -54,6 +56,7 @@ from .reshard import tp_dims_from_rules
 TORCH_FILE = "checkpoint.pt"
 MAX_CONFIG_BYTES = 16 << 20  # a DeepSpeed config is a few KB
 ZERO_TARGETS = ("zero", "zero1", "zero2", "zero3")
+UNIVERSAL = "ds_universal"  # DeepSpeed's universal checkpoint: whole tensors, any dp and tp cuts them
 
 
 @dataclass
@@ -117,7 +120,12 @@ def check_applies(
             f"--model-only does not apply to --to {to}: a ZeRO checkpoint is an optimizer "
             f"checkpoint (write dcp, torch or safetensors for the model alone)"
         )
-    if world_size is not None and target in ("torch", "safetensors"):
+    if model_only and target == UNIVERSAL:
+        raise UsageError(
+            f"--model-only does not apply to --to {to}: a universal checkpoint is the fp32 masters "
+            f"with their optimizer state (write dcp, torch or safetensors for the model alone)"
+        )
+    if world_size is not None and target in ("torch", "safetensors", UNIVERSAL):
         raise UsageError(f"--world-size does not apply to --to {to}: its output is not laid out per rank")
     if ds_config is not None and target not in ZERO_TARGETS:
         raise UsageError(
@@ -203,7 +211,7 @@ def convert(
         out,
         opened.index.format,
         target,
-        world if target not in ("torch", "safetensors") else None,
+        world if target not in ("torch", "safetensors", UNIVERSAL) else None,
         _summary(state, target, safetensors),
         files,
         notes,
@@ -413,6 +421,10 @@ def _write_into(
         from ..convert.to_zero import zero_target_from_state
 
         return format_named("deepspeed").write(zero_target_from_state(state, int(target[-1]), world, cfg), dest, ctx)
+    if target == UNIVERSAL:
+        from ..convert.to_universal import universal_target_from_state
+
+        return format_named(UNIVERSAL).write(universal_target_from_state(state), dest, ctx)
     if target == "torch":
         name = dest.name if single else TORCH_FILE
         index, resolver = torch_recipe_index(state, "torch")
