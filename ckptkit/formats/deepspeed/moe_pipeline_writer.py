@@ -3,9 +3,9 @@ parallel and data-parallel sizes: `reshard --to pp=P,ep=E,dp=W` (`--to N` keeps 
 
 DeepSpeed 0.19 saves each stage s as a MoE checkpoint under model-parallel rank s, and its MoE
 groups are built inside each stage (groups._create_expert_and_data_parallel with the pipeline's
-stride): in stage s, dp rank d is expert-parallel rank d % E. So each new stage is written as
-moe_writer.py writes a MoE checkpoint (its dense groups over W ranks, its expert groups over W/E),
-the files named with mp rank s, from a template joined from the source stages that held its layers
+stride): in stage s, dp rank d is expert-parallel rank d % E. So each new stage is one ZeRO cell
+(writer.cell_files) with moe_writer.moe_cell's expert split (its dense groups over W ranks, its
+expert groups over W/E), under mp rank s, from a template joined from the source stages that held its layers
 (their modules, param_shapes and optimizer groups, in layer order).
 
 Which layers a new stage holds: PipelineModule's partition_method, ported in pipeline_partition.py
@@ -33,15 +33,16 @@ from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from .layout import DeepSpeedLayout
-from .names import EXPERT_FILE, expert_file, model_file, optim_file, parse_optim_file
+from .names import EXPERT_FILE, expert_file
 from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
 from .moe_pipeline import PipelineMoeInfo
-from .moe_writer import MoeTarget, moe_files
+from .moe_writer import moe_cell
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .templates import lazify, template_of
+from .writer import cell_files
 
 __all__ = ["write_pipeline_moe_zero"]
 
@@ -230,20 +231,11 @@ def write_pipeline_moe_zero(
         zinfo, counts = _stage_template(index, range(parts[stage], parts[stage + 1]), stage, sizes.pp, align)
         moe = {**index.metadata["deepspeed_moe"], "num_experts": counts}
         stage_index = dataclasses.replace(index, metadata={**index.metadata, "deepspeed_moe": moe})
-        for name, structure in moe_files(
-            stage_index,
-            zinfo,
-            MoeTarget(ep=sizes.ep, world=sizes.dp),
-            tag,
-            zero_cfg,
-            StatePlanner(stage_index, fetcher),
+        cell = moe_cell(stage_index, zinfo, zero_cfg, ep=sizes.ep, world=sizes.dp, mp=stage)
+        for name, structure in cell_files(
+            stage_index, zinfo, sizes.dp, tag, None, StatePlanner(stage_index, fetcher), cell
         ).items():
-            base = name.rsplit("/", 1)[1]
-            if base == model_file(0):
-                files[f"{tag}/{model_file(stage)}"] = (structure, fetcher)
-            else:
-                d = parse_optim_file(base)[1]
-                files[f"{tag}/{optim_file(d, z0.files.bf16_prefix, mp=stage)}"] = (structure, fetcher)
+            files[name] = (structure, fetcher)
         new_id = {prefix: n for n, prefix in enumerate(counts)}
         for (src_stage, _), (rel, expert, prefix) in sorted(layer_id.items()):
             if prefix in new_id:

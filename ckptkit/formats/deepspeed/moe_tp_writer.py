@@ -12,18 +12,19 @@ rank d % E and expert-data-parallel rank d // E):
                                                   rank t's slice of expert G's weights
   optim_file(d, bf16, mp=t)
                                                   dp rank d's partition of rank t's dense groups
-                                                  and of its expert groups (moe_writer.py's layout)
-So each new mp rank t is written as moe_writer.py writes a MoE checkpoint, from a *rank index*
-(tp_geometry.TpSlicer: rank t's slice of every full tensor, as REF ranges of it) and templates with
-rank t's slice shapes. At the source's tp the expert files are copied byte for byte (they do not
-change with ep or dp); at a new tp each is written from rank t's slices.
+                                                  and of its expert groups (moe_writer.py's cell)
+So each new mp rank t is one ZeRO cell (writer.cell_files) with moe_writer.moe_cell's expert
+split, from a *rank index* (tp_geometry.TpSlicer: rank t's slice of every full tensor, as REF
+ranges of it) and templates with rank t's slice shapes. At the source's tp the expert files are
+copied byte for byte (they do not change with ep or dp); at a new tp each is written from rank t's
+slices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ...context import RunContext
 from ...index.parallel_spec import ParallelSizes
@@ -34,16 +35,17 @@ from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
 from .layout import DeepSpeedLayout
-from .names import expert_file, model_file, optim_file, parse_optim_file
+from .names import expert_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
 from .moe import MARK
-from .moe_writer import MoeTarget, moe_files
+from .moe_writer import moe_cell
 from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .autotp_cut import TpCut
 from .tp_geometry import TpSlicer
 from .tp_writer import TpTarget, local_group, module_slices, record_tp_sizes
+from .writer import cell_files
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
@@ -64,20 +66,13 @@ def write_moe_tp_zero(
     files: dict[str, tuple[Any, Fetcher]] = {}
     copied: list[tuple[str, str]] = []
     for t, rank_index, fetcher, zinfo in tp_lanes(index, source, sizes):
-        laid_out = by_rank(
-            moe_files(
-                rank_index,
-                zinfo,
-                MoeTarget(ep=sizes.ep, world=sizes.dp),
-                tag,
-                zero_cfg,
-                StatePlanner(rank_index, fetcher),
-            )
+        cell = moe_cell(
+            rank_index, zinfo, zero_cfg, ep=sizes.ep, world=sizes.dp, mp=t, finish_model=lane_model(rank_index, sizes)
         )
-        model = module_slices(laid_out.pop("model"), rank_index)
-        files[f"{tag}/{model_file(t)}"] = (record_tp_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
-        for d, structure in laid_out.items():
-            files[f"{tag}/{optim_file(d, zinfo.files.bf16_prefix, mp=t)}"] = (structure, fetcher)
+        for name, structure in cell_files(
+            rank_index, zinfo, sizes.dp, tag, None, StatePlanner(rank_index, fetcher), cell
+        ).items():
+            files[name] = (structure, fetcher)
         if sizes.tp == info.tp:
             copied += [(zinfo.files.prefix + n, f"{tag}/{n}") for n in sorted(zinfo.files.expert_files)]
         else:
@@ -90,7 +85,7 @@ def tp_lanes(
     index: CheckpointIndex, source: Source, sizes: ParallelSizes
 ) -> Iterator[tuple[int, CheckpointIndex, Fetcher, ZeroInfo]]:
     """Each new mp rank t of a MoE + TP checkpoint: (t, its rank index, a fetcher over it, its
-    templates with its slice shapes), as both MoE + TP writers lay a lane out with moe_writer."""
+    templates with its slice shapes), as both MoE + TP writers lay a lane out with moe_writer.moe_cell."""
     info: ModelParallelInfo = index.native
     zinfo0: ZeroInfo = info.ranks[0]
     align = alignment(zero_config(index), zinfo0.dtype)
@@ -102,16 +97,9 @@ def tp_lanes(
         yield t, rank_index, Fetcher(source, index=rank_index), zinfo
 
 
-def by_rank(files: dict[str, Any]) -> dict[Any, Any]:
-    """moe_writer's files by dp rank ("model" for the model-states file)."""
-    out: dict[Any, Any] = {}
-    for name, structure in files.items():
-        base = name.rsplit("/", 1)[1]
-        if base == model_file(0):
-            out["model"] = structure
-        else:
-            out[parse_optim_file(base)[1]] = structure  # by its dp rank
-    return out
+def lane_model(rank_index: CheckpointIndex, sizes: ParallelSizes) -> Callable[[dict], dict]:
+    """What a tp lane's model-states file changes: its module slices and the new sizes."""
+    return lambda model: record_tp_sizes(module_slices(model, rank_index), TpTarget(tp=sizes.tp, dp=sizes.dp))
 
 
 def _rank_templates(zinfo: ZeroInfo, rank_index: CheckpointIndex, align: int) -> ZeroInfo:

@@ -10,15 +10,13 @@ and dp rank 0 of lane t writes model_file(t) (lane t's module slices, param_shap
 naming E's local experts, mp_world_size T, dp_world_size W). Expert G (ep rank e) is saved by
 global rank e, mp rank e % T: its file, the same bytes at any size, is copied under that name.
 
-Both partitions come from moe_writer's layout of one tp lane's slice index (moe_tp_writer's
-tp_lanes: tp_geometry's slices and the lane's templates): once over the W dp ranks (the dense
-groups) and once over all T*W ranks as ep E (the expert groups and the model file), each file
-taking its groups from the layout they belong to.
+Each tp lane is one ZeRO cell (writer.cell_files) of the lane's slice index (moe_tp_writer's
+tp_lanes: tp_geometry's slices and the lane's templates), with moe_writer.moe_cell's expert split
+over all T*W ranks: lane t's dp rank d is global rank t + T*d (ExpertSplit's lane and stride).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ...context import RunContext
@@ -28,23 +26,14 @@ from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from .layout import DeepSpeedLayout
-from .names import EXPERT_ID, expert_file, model_file, optim_file
+from .names import EXPERT_ID, expert_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .model_parallel import ModelParallelInfo
-from .moe_tp_writer import by_rank, tp_lanes
-from .moe_writer import MoeTarget, moe_files
+from .moe_tp_writer import lane_model, tp_lanes
+from .moe_writer import moe_cell
 from .tag_writer import tag_name, write_tag, zero_config
-from .tp_writer import TpTarget, module_slices, record_tp_sizes
-
-# the per-group entries of a stage 1/2 optimizer_state_dict, one item per group
-PER_GROUP = (
-    "single_partition_of_fp32_groups",
-    "group_paddings",
-    "partition_count",
-    "param_slice_mappings",
-    "param_alignment_paddings",
-)
+from .writer import cell_files
 
 
 def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
@@ -63,47 +52,25 @@ def write_whole_experts(
     zinfo0: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
     tag = tag_name(zinfo0.files.tag, index)
-    ranks = sizes.tp * sizes.dp
     files: dict[str, tuple[Any, Fetcher]] = {}
     for t, rank_index, fetcher, zinfo in tp_lanes(index, source, sizes):
-        lane_ep = math.gcd(sizes.ep, sizes.dp)  # any ep that divides W: its expert groups are not used
-        dense = by_rank(
-            moe_files(
-                rank_index,
-                zinfo,
-                MoeTarget(ep=lane_ep, world=sizes.dp),
-                tag,
-                zero_cfg,
-                StatePlanner(rank_index, fetcher),
-            )
+        cell = moe_cell(
+            rank_index,
+            zinfo,
+            zero_cfg,
+            ep=sizes.ep,
+            world=sizes.dp,
+            mp=t,
+            lane=t,
+            stride=sizes.tp,
+            finish_model=lane_model(rank_index, sizes),
         )
-        experts = by_rank(
-            moe_files(
-                rank_index, zinfo, MoeTarget(ep=sizes.ep, world=ranks), tag, zero_cfg, StatePlanner(rank_index, fetcher)
-            )
-        )
-        model = module_slices(experts["model"], rank_index)
-        files[f"{tag}/{model_file(t)}"] = (record_tp_sizes(model, TpTarget(tp=sizes.tp, dp=sizes.dp)), fetcher)
-        for d in range(sizes.dp):
-            merged = _merge(dense[d], experts[t + sizes.tp * d])
-            files[f"{tag}/{optim_file(d, zinfo.files.bf16_prefix, mp=t)}"] = (merged, fetcher)
+        for name, structure in cell_files(
+            rank_index, zinfo, sizes.dp, tag, None, StatePlanner(rank_index, fetcher), cell
+        ).items():
+            files[name] = (structure, fetcher)
     copied = _expert_copies(index, info, tag, sizes)
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo0.files.tag is not None)
-
-
-def _merge(dense: dict, experts: dict) -> dict:
-    """One rank's optim-states file: the dense layout's, its expert groups taken from the expert layout."""
-    osd_d, osd_e = dense["optimizer_state_dict"], experts["optimizer_state_dict"]
-    groups = osd_e["base_optimizer_state"]["param_groups"]
-    expert_ids = [i for i, g in enumerate(groups) if isinstance(g, dict) and g.get("moe")]
-    osd = dict(osd_d)
-    for key in PER_GROUP:
-        if key in osd_d:
-            osd[key] = [osd_e[key][i] if i in expert_ids else v for i, v in enumerate(osd_d[key])]
-    state = {i: v for i, v in osd_d["base_optimizer_state"]["state"].items() if i not in expert_ids}
-    state.update({i: v for i, v in osd_e["base_optimizer_state"]["state"].items() if i in expert_ids})
-    osd["base_optimizer_state"] = {"state": dict(sorted(state.items())), "param_groups": groups}
-    return {**dense, "optimizer_state_dict": osd}
 
 
 def _expert_copies(

@@ -23,31 +23,28 @@ fp32 masters and every optimizer state sliced lazily, whole values (the step) ke
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ...context import RunContext
 from ...errors import UnsupportedError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
-from ...repickle import stand_in
 from ...runner.fetch import Fetcher
 from ...storage.commit import Output
 from ...storage.source import Source
 from ...torch_types import Size
-from . import standins
 from .entries import shape_of
 from .layout import DeepSpeedLayout
-from .names import model_file, optim_file
-from .group_plan import GroupPlan, StatePlanner, plan_group
+from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK, split_expert_name
 from .refusals import refuse_pipeline_moe
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
-from .templates import lazify, ordered_like, template_of
+from .templates import lazify, template_of
+from .writer import Cell, ExpertSplit, cell_files
 
 # split_params_into_different_moe_groups_for_optimizer's default: a larger expert group is split
 MAX_GROUP_SIZE = 178956971
@@ -122,10 +119,10 @@ def write_moe_zero(
     refuse_pipeline_moe(index)  # a MoE PipelineModule: its stages are not laid out yet
     info: ZeroInfo = index.native
     target = target_sizes(index, to)
-    zero_cfg = zero_config(index)
     tag = tag_name(info.files.tag, index)
     fetcher = Fetcher(source, index=index)
-    files = moe_files(index, info, target, tag, zero_cfg, StatePlanner(index, fetcher))
+    cell = moe_cell(index, info, zero_config(index), ep=target.ep, world=target.world)
+    files = cell_files(index, info, target.world, tag, None, StatePlanner(index, fetcher), cell)
     copied = [(info.files.prefix + name, f"{tag}/{name}") for name in sorted(info.files.expert_files)]
     return write_tag(
         out,
@@ -138,29 +135,32 @@ def write_moe_zero(
     )
 
 
-@dataclass(frozen=True, kw_only=True)
-class _RankGroup:
-    """What rank r writes of one group: the plan, its part of it, and DeepSpeed's bookkeeping."""
-
-    plan: GroupPlan
-    part: int  # the partition index within the group's data-parallel ranks
-    count: int  # partition_count
-    local: dict[str, str]  # index (global) name -> the rank's param name
-
-
-def moe_files(
-    index: CheckpointIndex, info: ZeroInfo, target: MoeTarget, tag: str, zero_cfg: dict, states: StatePlanner
-) -> dict[str, Any]:
+def moe_cell(
+    index: CheckpointIndex,
+    info: ZeroInfo,
+    zero_cfg: dict,
+    *,
+    ep: int,
+    world: int,
+    mp: int = 0,
+    lane: int = 0,
+    stride: int = 1,
+    finish_model: Callable[[dict], dict] | None = None,
+) -> Cell:
+    """The ZeRO cell of a MoE checkpoint (writer.cell_files) at `ep` expert-parallel ranks among
+    `world` ranks, under model-parallel rank `mp`: dense groups over the `world` ranks, each expert
+    group over the ranks of one ep rank (ExpertSplit: cell rank d is global rank lane + stride * d
+    of stride * world), its params named with that rank's local expert ids; the model file names ep
+    rank 0's local experts (then `finish_model`)."""
     meta = index.metadata["deepspeed_moe"]
     ep_src, counts = int(meta["ep_size"]), dict(meta["num_experts"])
     src_locals = {p: n // ep_src for p, n in counts.items()}
-    new_locals = {p: n // target.ep for p, n in counts.items()}
+    new_locals = {p: n // ep for p, n in counts.items()}
     m0, marchive = template_of(info, "model", min(info.files.model_files))
-    o0, oarchive = template_of(info, "optim", min(info.files.optim_files))
+    o0, _ = template_of(info, "optim", min(info.files.optim_files))
     osd_t = o0["optimizer_state_dict"]
     groups_meta = osd_t["base_optimizer_state"]["param_groups"]
     m_label = f"{index.root}: {info.files.prefix}{info.files.model_files[min(info.files.model_files)]}"
-    dense = {g.index: g for g in info.groups if not _is_expert(groups_meta, g.param_group)}
     expert_ids = [i for i in range(len(groups_meta)) if _is_expert(groups_meta, i)]
     shapes = [
         [(n, shape_of(s, f"{m_label}: param_shapes[{g}][{n}]")) for n, s in ps.items()]
@@ -179,51 +179,44 @@ def moe_files(
                 f"{m_label}: the alignment paddings of expert group {i} are not the ones "
                 f"DeepSpeed computes; resharding it is not supported"
             )
-    templates = osd_t["base_optimizer_state"]["state"]
-    plans: dict[int, list[_RankGroup]] = {}  # group -> one per target rank
-    for i, group in sorted(dense.items()):
-        plan = plan_group(index, states, info.stage, group, templates.get(i), oarchive, f"group {i}", target.world)
-        plans[i] = [_RankGroup(plan=plan, part=r, count=target.world, local={}) for r in range(target.world)]
-    new_paddings: dict[int, list[int]] = {}
-    for i in expert_ids:
-        per_ep = []
-        for e in range(target.ep):
+    groups, paddings = _expert_groups(layouts, new_locals, ep, align, m_label)
+    split = ExpertSplit(
+        ep=ep, groups=groups, paddings=paddings, partitions=stride * world // ep, lane=lane, stride=stride
+    )
+
+    def model(info: ZeroInfo, zero_groups: list[ZeroGroup], world: int) -> dict:
+        made = _model(m0, marchive, shapes, layouts, new_locals, world)
+        return finish_model(made) if finish_model is not None else made
+
+    return Cell(mp=mp, stage12_model=model, experts=split)
+
+
+def _expert_groups(
+    layouts: dict[int, ExpertGroupShape], new_locals: dict[str, int], ep: int, align: int, m_label: str
+) -> tuple[dict[int, list[tuple[ZeroGroup, dict[str, str]]]], dict[int, list[int]]]:
+    """Each expert group per ep rank at `ep` (its params under their global names, their local
+    names on that rank) and its alignment paddings; a group DeepSpeed would split, refused."""
+    groups: dict[int, list[tuple[ZeroGroup, dict[str, str]]]] = {}
+    paddings: dict[int, list[int]] = {}
+    for i in layouts:
+        groups[i] = []
+        for e in range(ep):
             glob = layouts[i].params(new_locals, e, local_names=False)
             local = layouts[i].params(new_locals, e, local_names=True)
             numel = sum(math.prod(s) for _, s in glob)
             if numel > MAX_GROUP_SIZE:
                 raise UnsupportedError(
                     f"{m_label}: expert group {i} would hold {numel} elements per rank at "
-                    f"ep={target.ep}, more than DeepSpeed's max_group_size {MAX_GROUP_SIZE}, which splits it into "
+                    f"ep={ep}, more than DeepSpeed's max_group_size {MAX_GROUP_SIZE}, which splits it into "
                     f"several groups; resharding to fewer expert-parallel ranks than that is not "
                     f"supported yet"
                 )
-            new_paddings[i] = alignment_paddings([s for _, s in glob], align)
+            paddings[i] = alignment_paddings([s for _, s in glob], align)
             group = ZeroGroup(
-                index=i,
-                param_group=i,
-                params=tuple(glob),
-                paddings=tuple(new_paddings[i]) if any(new_paddings[i]) else None,
+                index=i, param_group=i, params=tuple(glob), paddings=tuple(paddings[i]) if any(paddings[i]) else None
             )
-            per_ep.append(
-                (
-                    plan_group(index, states, info.stage, group, templates.get(i), oarchive, f"group {i}", target.edp),
-                    {g: n for (g, _), (n, _) in zip(glob, local)},
-                )
-            )
-        plans[i] = [
-            _RankGroup(
-                plan=per_ep[r % target.ep][0], part=r // target.ep, count=target.edp, local=per_ep[r % target.ep][1]
-            )
-            for r in range(target.world)
-        ]
-    files: dict[str, Any] = {f"{tag}/{model_file(0)}": _model(m0, marchive, shapes, layouts, new_locals, target)}
-    order = sorted(plans)
-    for r in range(target.world):
-        osd = _optim(osd_t, oarchive, [plans[i][r] for i in order], groups_meta, expert_ids, new_paddings, target)
-        top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
-        files[f"{tag}/{optim_file(r, info.files.bf16_prefix)}"] = {"optimizer_state_dict": osd, **top}
-    return files
+            groups[i].append((group, {g: n for (g, _), (n, _) in zip(glob, local)}))
+    return groups, paddings
 
 
 def _is_expert(groups_meta: list, i: int) -> bool:
@@ -236,11 +229,11 @@ def _model(
     shapes: list,
     layouts: dict[int, ExpertGroupShape],
     new_locals: dict[str, int],
-    target: MoeTarget,
+    world: int,
 ) -> dict:
-    """The one model-states file: the source's, with W' and ep rank 0's local experts at E'."""
+    """The one model-states file: the source's, with `world` and ep rank 0's local experts at the new ep."""
     model = lazify(m0, marchive, {})
-    model["dp_world_size"] = target.world
+    model["dp_world_size"] = world
     param_shapes = list(model["param_shapes"])
     for i, layout in layouts.items():
         saved = {split_expert_name(n)[::2]: v for n, v in param_shapes[i].items()}  # keep the saved shape type
@@ -250,57 +243,3 @@ def _model(
         )
     model["param_shapes"] = param_shapes
     return model
-
-
-def _optim(
-    osd_t: dict,
-    oarchive: Any,
-    groups: list[_RankGroup],
-    groups_meta: list,
-    expert_ids: list[int],
-    new_paddings: dict[int, list[int]],
-    target: MoeTarget,
-) -> dict:
-    """One rank's optimizer_state_dict: each group's partition with DeepSpeed's bookkeeping."""
-    osd: dict = {}
-    for key, value in osd_t.items():
-        if key in (
-            "base_optimizer_state",
-            "single_partition_of_fp32_groups",
-            "group_paddings",
-            "partition_count",
-            "param_slice_mappings",
-            "param_alignment_paddings",
-        ):
-            continue
-        osd[key] = lazify(value, oarchive, {})
-    state, fp32, paddings, mappings = {}, [], [], []
-    for item in groups:
-        share = item.plan.shares[item.part]
-        fp32.append(item.plan.masters(item.part))
-        if item.plan.has_state:
-            state[item.plan.group.index] = item.plan.state(item.part)
-        paddings.append(share.end_padding)
-        mappings.append(
-            OrderedDict(
-                (
-                    item.local.get(slot.name, slot.name),
-                    stand_in(standins.FRAGMENT_ADDRESS, numel=slot.length, start=slot.position),
-                )
-                for slot in share.slots
-            )
-        )
-    param_groups = copy.deepcopy(groups_meta)
-    for i in expert_ids:
-        param_groups[i]["name"] = f"ep_size_{target.ep}"  # the engine's expert group names it so
-    osd["base_optimizer_state"] = {"state": state, "param_groups": param_groups}
-    osd["single_partition_of_fp32_groups"] = fp32
-    osd["group_paddings"] = paddings
-    osd["partition_count"] = [item.count for item in groups]
-    osd["param_slice_mappings"] = mappings
-    if "param_alignment_paddings" in osd_t:
-        osd["param_alignment_paddings"] = [
-            list(new_paddings[i]) if i in new_paddings else copy.deepcopy(osd_t["param_alignment_paddings"][i])
-            for i in range(len(groups))
-        ]
-    return ordered_like(osd_t, osd)

@@ -11,7 +11,8 @@ tensor) is each group's one value, of the same type and dtype.
 
 `cell_files` writes one such checkpoint; the parallel writers write each of their cells (a tp
 lane, a pipeline stage, a (stage, tp rank)) with it, a `Cell` naming its model-parallel rank and
-what its model and optim files add.
+what its model and optim files add. A cell of a mixture-of-experts model also says how its expert
+groups are split (`ExpertSplit`): each over the ranks of one expert-parallel rank, not over all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...context import RunContext
@@ -90,6 +91,39 @@ def write_zero_files(
 
 
 @dataclass(frozen=True)
+class ExpertSplit:
+    """How a cell's expert groups are partitioned (DeepSpeed's expert-data-parallel groups). Cell
+    rank d is global rank lane + stride * d (stride: the tp size when whole experts span the tp x
+    dp ranks, else 1), expert-parallel rank g % ep and partition g // ep of `partitions`, holding
+    that ep rank's experts."""
+
+    ep: int
+    # group index -> per expert-parallel rank: the group's params (index names) and their names
+    # on that rank (its local expert ids)
+    groups: dict[int, list[tuple[ZeroGroup, dict[str, str]]]]
+    paddings: dict[int, list[int]]  # group index -> its param_alignment_paddings at `ep`
+    partitions: int
+    lane: int = 0
+    stride: int = 1
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(expert-parallel rank, partition) of cell rank `rank`."""
+        g = self.lane + self.stride * rank
+        return g % self.ep, g // self.ep
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one rank writes of one group: the plan, which of its partitions, of how many, and the
+    names its param_slice_mappings give (index name -> the rank's own; missing: the same)."""
+
+    plan: GroupPlan
+    part: int
+    count: int
+    local: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Cell:
     """Where one ZeRO checkpoint sits in a parallel layout: its model-parallel rank `mp`, how its
     model-states files differ from a plain checkpoint's, and what messages call its groups. The
@@ -101,6 +135,7 @@ class Cell:
     label: Callable[[ZeroGroup], str] | None = None  # a group in messages (default: "group 3")
     # stage 1/2: what the cell adds to rank r's optimizer_state_dict (osd, r, plans, the model file)
     finish_optim: Callable[[dict, int, list[GroupPlan], dict], dict] | None = None
+    experts: ExpertSplit | None = None  # stage 1/2: the expert groups, each split over its ep rank's ranks
 
 
 PLAIN = Cell()
@@ -128,21 +163,68 @@ def cell_files(
         raise UnsupportedError("ZeRO-3 checkpoints with expert partition groups are not supported yet")
     templates = state_templates(info.stage, osd_t[names.optimizer]["state"], groups)
     label = cell.label or (lambda group: f"{names.group} {group.index}")
+    split = cell.experts
     plans = [
         plan_group(index, states, info.stage, group, template, oarchive, label(group), world)
         for group, template in zip(groups, templates)
+        if split is None or group.index not in split.groups
     ]
+    expert_plans = _expert_plans(index, states, info.stage, split, osd_t[names.optimizer]["state"], oarchive, label)
     shared: dict = {}  # the ranks' model-states files share their template's lazy tensors and param_shapes
     for rank in range(world):
         if info.stage == 3:
             model = stage3_model(index, info, groups, world, rank, shared)
             files[f"{tag}/{zero_model_file(rank, cell.mp)}"] = cell.stage3_model(model) if cell.stage3_model else model
-        osd = (stage12_optim if info.stage < 3 else stage3_optim)(osd_t, oarchive, plans, rank, world)
+        if info.stage < 3:
+            osd = stage12_optim(osd_t, oarchive, _rank_parts(plans, expert_plans, split, rank, world), world, split)
+        else:
+            osd = stage3_optim(osd_t, oarchive, plans, rank, world)
         if cell.finish_optim is not None:
             osd = cell.finish_optim(osd, rank, plans, model12)
         top = {k: lazify(v, oarchive, {}) for k, v in o0.items() if k != "optimizer_state_dict"}
         files[f"{tag}/{optim_file(rank, info.files.bf16_prefix, mp=cell.mp)}"] = {"optimizer_state_dict": osd, **top}
     return files
+
+
+def _expert_plans(
+    index: CheckpointIndex,
+    states: StatePlanner,
+    stage: int,
+    split: ExpertSplit | None,
+    template_state: Any,
+    oarchive: Archive | None,
+    label: Callable[[ZeroGroup], str],
+) -> dict[int, list[tuple[GroupPlan, dict[str, str]]]]:
+    """group index -> per expert-parallel rank: its plan over `split.partitions` ranks (from the
+    group's state in the template), its local names."""
+    if split is None:
+        return {}
+    templates = template_state if isinstance(template_state, dict) else {}
+    return {
+        i: [
+            (plan_group(index, states, stage, group, templates.get(i), oarchive, label(group), split.partitions), local)
+            for group, local in lanes
+        ]
+        for i, lanes in split.groups.items()
+    }
+
+
+def _rank_parts(
+    plans: list[GroupPlan],
+    expert_plans: dict[int, list[tuple[GroupPlan, dict[str, str]]]],
+    split: ExpertSplit | None,
+    rank: int,
+    world: int,
+) -> list[RankPart]:
+    """Rank `rank`'s part of every group, in group order: partition `rank` of `world` of a dense
+    group; of an expert group, its ep rank's plan and partition (ExpertSplit.place)."""
+    parts = {plan.group.index: RankPart(plan, rank, world) for plan in plans}
+    if split is not None:
+        ep_rank, part = split.place(rank)
+        for i, lanes in expert_plans.items():
+            plan, local = lanes[ep_rank]
+            parts[i] = RankPart(plan, part, split.partitions, local)
+    return [parts[i] for i in sorted(parts)]
 
 
 def _stage12_model(info: ZeroInfo, groups: list[ZeroGroup], world: int) -> dict:
@@ -191,41 +273,51 @@ def stage3_model(
     return model
 
 
-def stage12_optim(osd_t: dict, oarchive: Archive | None, plans: list[GroupPlan], rank: int, world: int) -> dict:
-    """Stage 1/2's optimizer_state_dict of `rank`, with DeepSpeed's bookkeeping for the new size."""
-    osd: dict = {}
-    for key, value in osd_t.items():
-        if key in (
-            "base_optimizer_state",
-            "single_partition_of_fp32_groups",
-            "group_paddings",
-            "partition_count",
-            "param_slice_mappings",
-        ):
-            continue
-        osd[key] = lazify(value, oarchive, {})
+# the entries of a stage 1/2 optimizer_state_dict rebuilt for the new size (one item per group)
+REBUILT12 = ("base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings", "partition_count")
+
+
+def stage12_optim(
+    osd_t: dict, oarchive: Archive | None, parts: list[RankPart], world: int, split: ExpertSplit | None = None
+) -> dict:
+    """Stage 1/2's optimizer_state_dict of one rank (its `parts`, one per group), with DeepSpeed's
+    bookkeeping for the new size; with expert groups (`split`), their partition counts, names
+    (`ep_size_<ep>`, as the engine names its expert groups) and alignment paddings too."""
+    rebuilt = REBUILT12 + ("param_slice_mappings",) + (("param_alignment_paddings",) if split is not None else ())
+    osd: dict = {key: lazify(value, oarchive, {}) for key, value in osd_t.items() if key not in rebuilt}
     state, fp32, paddings, mappings = {}, [], [], []
-    for plan in plans:
-        share = plan.shares[rank]
-        fp32.append(plan.masters(rank))
-        if plan.has_state:
-            state[plan.group.index] = plan.state(rank)
+    for item in parts:
+        share = item.plan.shares[item.part]
+        fp32.append(item.plan.masters(item.part))
+        if item.plan.has_state:
+            state[item.plan.group.index] = item.plan.state(item.part)
         paddings.append(share.end_padding)  # DeepSpeed's own bookkeeping of the end padding
         mappings.append(
             OrderedDict(
-                (slot.name, stand_in(standins.FRAGMENT_ADDRESS, numel=slot.length, start=slot.position))
+                (
+                    item.local.get(slot.name, slot.name),
+                    stand_in(standins.FRAGMENT_ADDRESS, numel=slot.length, start=slot.position),
+                )
                 for slot in share.slots
             )
         )
-    osd["base_optimizer_state"] = {
-        "state": state,
-        "param_groups": copy.deepcopy(osd_t["base_optimizer_state"]["param_groups"]),
-    }
+    param_groups = copy.deepcopy(osd_t["base_optimizer_state"]["param_groups"])
+    for i in split.groups if split is not None else ():
+        param_groups[i]["name"] = f"ep_size_{split.ep}"  # the engine's expert group names it so
+    osd["base_optimizer_state"] = {"state": state, "param_groups": param_groups}
     osd["single_partition_of_fp32_groups"] = fp32
     osd["group_paddings"] = paddings
     pc = osd_t.get("partition_count")
-    osd["partition_count"] = [world] * len(pc) if isinstance(pc, list) else world
+    if split is not None:
+        osd["partition_count"] = [item.count for item in parts]
+    else:
+        osd["partition_count"] = [world] * len(pc) if isinstance(pc, list) else world
     osd["param_slice_mappings"] = mappings
+    if split is not None and "param_alignment_paddings" in osd_t:
+        osd["param_alignment_paddings"] = [
+            list(split.paddings[i]) if i in split.paddings else copy.deepcopy(osd_t["param_alignment_paddings"][i])
+            for i in range(len(parts))
+        ]
     return ordered_like(osd_t, osd)
 
 
