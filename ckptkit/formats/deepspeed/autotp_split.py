@@ -13,9 +13,9 @@ The rule is DeepSpeed 0.19.8's `deepspeed/module_inject/tp_shard.py` (`get_shard
   (one more when r < `grains % tp`), the last rank also the tail `size % tp_grain_size`;
 - shorter than a grain: near-even, the first `size % tp` ranks one longer.
 
-`layer_name` gives the name AutoTP passes for a parameter (the one its shard-size calls see, as
-recorded in fixtures/data/ds_tp_uneven/*/fixture.json: the module's parent and own name,
-"self_attn.q_proj"; a module at the top, "lm_head", keeps a leading dot, ".lm_head").
+`layer_name` gives the name AutoTP's training path passes for a parameter (the one its
+shard-size calls see, as recorded in fixtures/data/ds_tp_uneven/*/fixture.json: the module's full
+name, "model.layers.0.self_attn.q_proj", "lm_head").
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ class AutoTpValues:
 
 
 def layer_name(param: str) -> str:
-    """The layer name AutoTP passes to its shard-size rule for parameter `param`
-    ("model.layers.0.mlp.up_proj.weight" -> "mlp.up_proj", "lm_head.weight" -> ".lm_head")."""
-    module = param.rsplit(".", 1)[0] if "." in param else ""
-    parts = module.split(".") if module else [param]
-    return ".".join(parts[-2:]) if len(parts) > 1 else "." + parts[0]
+    """The layer name AutoTP's training path passes to its shard-size rule for parameter `param`:
+    the module's full name ("model.layers.0.mlp.up_proj.weight" -> "model.layers.0.mlp.up_proj",
+    "lm_head.weight" -> "lm_head")."""
+    return param.rsplit(".", 1)[0] if "." in param else param
 
 
 def cut_by_heads(name: str, size: int, kv_heads: int | None) -> bool:

@@ -324,6 +324,8 @@ def _flat_extent(entry: TensorEntry, piece: Piece, local: tuple[int, ...]) -> tu
         raise UnsupportedError(f"{entry.key}: a {loc.encoding} piece cannot be placed in a tensor-parallel tensor yet")
     if isinstance(piece.region, FlatRange):
         return piece.region.start, piece.region.length
+    if math.prod(local) == 0:  # an empty slice (AutoTP gives a rank beyond the head count none)
+        return 0, 0
     if piece.region == Box.whole(local) and loc.stride is None:
         return 0, math.prod(local)
     raise UnsupportedError(f"{entry.key}: a strided or partial piece cannot be placed in a tensor-parallel tensor yet")
