@@ -3,8 +3,8 @@
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node T*W tests/dist/ds_tp_load_check.py \
         --ckpt DIR --fixture NAME --tp T --result OUT.json
 
-NAME is a fixture of fixtures/generate_ds_tp.py (truth: fixtures/data/ds_tp/NAME.truth.pt, full
-tensors and each parameter's split). Every rank builds the fixture's model at tp T (the mpu model
+NAME is a fixture of fixtures/generate_ds_tp.py (truth: fixtures/data/ds_tp/NAME.truth.pt, or
+ds_tp_uneven/ for its UNEVEN_FIXTURES: full tensors and each parameter's split). Every rank builds the fixture's model at tp T (the mpu model
 of fixtures/ds_tp_models.py with MPU(T); an AutoTP fixture: LlamaForCausalLM, sharded by
 DeepSpeed's AutoTP with autotp_size T when T > 1), its weights then overwritten from another seed (nothing passes by accident),
 the fixture's DeepSpeed config with the batch re-derived for W = world / T, then:
@@ -12,7 +12,8 @@ the fixture's DeepSpeed config with the batch re-derived for W = world / T, then
 1. ``engine.load_checkpoint(DIR)`` with optimizer and scheduler states;
 2. on every rank, for every parameter: ``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``
    (exp_avg, exp_avg_sq) and the module weight compared bit for bit (dtype, shape, torch.equal)
-   with the truth's full tensor cut for this tp rank (ds_tp_models.slice_of); global_steps too;
+   with the truth's full tensor cut for this tp rank (ds_tp_models.slice_of; a parameter AutoTP cut
+   unevenly: along its split at the sizes DeepSpeed's layer recorded, its partition_sizes); global_steps too;
 3. one more training step (finite loss, global_steps advances).
 
 Rank 0 writes {"ok", "world_size", "tp", "compared", "mismatches", "trained_step", "error"}.
@@ -55,18 +56,19 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = args.tp
     dp = world // tp
-    kind, stage, dtype = gen.FIXTURES[args.fixture]
+    kind, stage, dtype = gen.ALL_FIXTURES[args.fixture]
+    autotp = kind.startswith("autotp")
     result: dict = {"ok": False, "world_size": world, "tp": tp, "compared": 0, "mismatches": [],
                     "trained_step": False, "error": None}
     mismatches: list[str] = []
     compared = 0
     try:
-        truth = torch.load(REPO / "fixtures" / "data" / "ds_tp" / f"{args.fixture}.truth.pt", weights_only=False)
+        truth = torch.load(gen.data_dir(args.fixture) / f"{args.fixture}.truth.pt", weights_only=False)
         cfg = gen.ds_config(kind, stage, dtype)
         # the batch DeepSpeed 0.19.8 checks: the mpu's dp; AutoTP at ZeRO 1/2 checks it against the whole world
-        cfg["train_batch_size"] = m.MICRO_BATCH * (world if kind == "autotp" and tp > 1 else dp)
-        if kind == "autotp" and tp > 1:
-            cfg["tensor_parallel"] = {"autotp_size": tp}
+        cfg["train_batch_size"] = m.MICRO_BATCH * (world if autotp and tp > 1 else dp)
+        if autotp and tp > 1:
+            cfg["tensor_parallel"]["autotp_size"] = tp
         else:
             cfg.pop("tensor_parallel", None)
         if kind == "mpu":
@@ -80,7 +82,7 @@ def main() -> None:
             from transformers import LlamaConfig, LlamaForCausalLM
             mpu, tp_rank = None, 0
             torch.manual_seed(m.MODEL_SEED)
-            model = LlamaForCausalLM(LlamaConfig(**gen.LLAMA))
+            model = LlamaForCausalLM(LlamaConfig(**gen.llama_config(kind)))
             groups = model.parameters()
         g = torch.Generator().manual_seed(999)
         with torch.no_grad():
@@ -88,7 +90,7 @@ def main() -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg,
                                           mpu=mpu if tp > 1 else None)
-        if kind == "autotp" and tp > 1:
+        if autotp and tp > 1:
             from deepspeed.utils import groups as ds_groups
             tp_rank = ds_groups.get_tensor_model_parallel_rank()
         path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -110,8 +112,13 @@ def main() -> None:
                                   f"{list(want.shape)}")
 
         named = list(engine.module.named_parameters())
-        cuts = {pname: (lambda full, split=tuple(truth[f"split.{pname}"]): m.slice_of(full, split, tp_rank, tp))
-                for pname, _ in named}
+        def cut(pname, p):
+            split, sizes = tuple(truth[f"split.{pname}"]), gen.partition_sizes(p) if tp > 1 else None
+            if sizes and split[0] == "split":  # AutoTP's own sizes for this tp (uneven ones too)
+                return lambda full: full.split(sizes, dim=split[1])[tp_rank].clone()
+            return lambda full: m.slice_of(full, split, tp_rank, tp)
+
+        cuts = {pname: cut(pname, p) for pname, p in named}
         for pname, p in named:
             check(f"fp32.{pname}", safe_get_full_fp32_param(p), cuts[pname](truth[f"fp32.{pname}"]))
             for key in ("exp_avg", "exp_avg_sq"):
@@ -129,7 +136,7 @@ def main() -> None:
             import torch.nn.functional as F
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         else:
-            tokens, targets = m.make_batch(vocab=gen.LLAMA["vocab_size"])
+            tokens, targets = m.make_batch(vocab=gen.llama_config(kind)["vocab_size"])
             loss = engine(input_ids=tokens, labels=targets).loss
         engine.backward(loss)
         engine.step()
