@@ -229,3 +229,49 @@ def test_deepspeed_loads_the_uneven_reshard_bit_for_bit(tmp_path, case):
     got = json.loads(result.read_text())
     assert got["ok"], {k: got.get(k) for k in ("error", "mismatches")}
     assert got["tp"] == tp and got["trained_step"] and got["compared"] == 4 * 12 * world
+
+
+def test_rules_file_sizes_cut_before_autotps_rule(tmp_path):
+    rules = tmp_path / "rules.json"
+    rules.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {"pattern": "*.mlp.up_proj.weight", "split": 0, "sizes": [12, 12, 13]},
+                    {"pattern": "*.mlp.down_proj.weight", "split": 0, "sizes": [12, 12, 13]},
+                ]
+            }
+        )
+    )
+    name = "autotp_odd_z1_fp32"
+    if name not in FIXTURES:
+        pytest.skip(f"fixture {name} not generated")
+    out = tmp_path / "out"
+    r = _cli("reshard", DATA / name, out, "--to", "tp=3,dp=1", "--tp-rules", rules)
+    assert r.exit_code == 2, r.output  # down_proj is split along dim 1, not 0
+    assert "'model.layers.0.mlp.down_proj.weight' into [12, 12, 13] along dim 0" in r.output
+    rules.write_text(
+        json.dumps({"rules": [{"pattern": "re:.*\\.mlp\\.(up|down)_proj\\.weight", "split": 1, "sizes": [12, 12, 13]}]})
+    )
+    r = _cli("reshard", DATA / name, out, "--to", "tp=3,dp=1", "--tp-rules", rules)
+    assert r.exit_code == 2, r.output  # up_proj is split along dim 0
+    rules.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {"pattern": "*.mlp.up_proj.weight", "split": 0, "sizes": [12, 12, 13]},
+                    {"pattern": "*.mlp.down_proj.weight", "split": 1, "sizes": [12, 12, 13]},
+                ]
+            }
+        )
+    )
+    r = _cli("reshard", DATA / name, out, "--to", "tp=3,dp=1", "--tp-rules", rules)
+    assert r.exit_code == 0, r.output
+    truth = _truth(name)
+    for t, rows in enumerate((12, 12, 13)):
+        module = torch.load(out / "global_step2" / f"mp_rank_{t:02d}_model_states.pt", weights_only=False)["module"]
+        up, down = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"
+        assert torch.equal(module[up], truth[f"module.{up}"].split([12, 12, 13], dim=0)[t])
+        assert torch.equal(module[down], truth[f"module.{down}"].split([12, 12, 13], dim=1)[t]), rows
+        gate = "model.layers.0.mlp.gate_proj.weight"  # no sizes rule: AutoTP's near-even cut
+        assert module[gate].shape[0] == (13, 12, 12)[t]
