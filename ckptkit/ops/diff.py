@@ -184,14 +184,14 @@ class ArrayValue:
     def __init__(self, array: numpy.ndarray) -> None:
         self.array = array
 
-    def _key(self) -> tuple:
+    def identity(self) -> tuple:
         return (self.array.dtype.str, self.array.shape, numpy.ascontiguousarray(self.array).tobytes())
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ArrayValue) and self._key() == other._key()
+        return isinstance(other, ArrayValue) and self.identity() == other.identity()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self.identity())
 
     def __repr__(self) -> str:
         return repr(self.array)
