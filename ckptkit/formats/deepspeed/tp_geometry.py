@@ -10,6 +10,10 @@ Megatron's fused QKV: three, rank r holding [q_r; k_r; v_r]). Rank r's share of 
 is the run at the block's start + r * p/tp, of size p/tp, placed after its shares of the blocks
 before it.
 
+The same geometry gives DeepSpeed's own record of a split, the `affine_map` AutoTP saves in
+`universal_checkpoint_info` (`affine_ranks`, `affine_map_for`): each rank's shard shape and the
+piece of the logical tensor it holds.
+
 The split rule of a parameter (convert/tp_rules.py) says what it is; `for_slices` builds its
 geometry from the ranks' slice shape (reading) and `for_full` from the full tensor's (writing),
 each refusing, in its own words, sizes the ranks cannot share equally.
@@ -17,7 +21,9 @@ each refusing, in its own words, sizes the ranks cannot share equally.
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +106,40 @@ class TpGeometry:
                 else:
                     parts.append(Part(ref, begin, b.local_size * inner))
         return parts
+
+    def affine_ranks(self, logical: tuple[int, ...]) -> dict[int, dict]:
+        """Each rank's record in AutoTP's `affine_map` for the full (logical) shape: its shard shape
+        and the pieces of the logical tensor it holds, as offsets and row-major strides (replicated:
+        the whole tensor, at every rank's location). One block only, as AutoTP splits, evenly or by
+        `shares`; the logical tensor's stride list is shared between the records."""
+        strides = _strides(logical)
+        if self.dim is None:
+            return {
+                r: {
+                    "shard_shape": list(logical),
+                    "pieces": [
+                        {
+                            "shape": list(logical),
+                            "source": [0, strides],
+                            "dest": [0, strides],
+                            "locations": list(range(self.tp)),
+                        }
+                    ],
+                }
+                for r in range(self.tp)
+            }
+        out = {}
+        for r in range(self.tp):
+            (block,) = self.blocks(r)
+            local = self.local_shape(logical, r)
+            piece = {
+                "shape": list(local),
+                "source": [block.full_start * strides[self.dim], strides],
+                "dest": [0, _strides(local)],
+                "locations": [r],
+            }
+            out[r] = {"shard_shape": list(local), "pieces": [piece]}
+        return out
 
     def join(self, entries: list[TensorEntry]) -> list[Piece]:
         """The full tensor's pieces from every rank's slice entry (their pieces placed where the
@@ -187,6 +227,38 @@ def for_full(
             f"{tp} tensor-parallel ranks cannot share equally{reason}"
         )
     return TpGeometry(tp, dim, tuple(parts))
+
+
+def affine_map_for(uc: dict, tp: int, shares: dict[str, tuple[int, ...]] | None = None) -> dict:
+    """`universal_checkpoint_info` with AutoTP's affine_map redone for `tp` ranks: each parameter
+    split along the one dimension its recorded shard differs in (one piece: evenly, or by its
+    `shares`, the sizes of a parameter cut unevenly, by name), or replicated where none differs;
+    records of other shapes are left as they are."""
+    uc = copy.deepcopy(uc)
+    for pattern, rec in uc["affine_map"].get("params", {}).items():
+        try:
+            logical = tuple(int(x) for x in rec["logical_shape"])
+            old = rec["ranks"][0]
+            shard = [int(x) for x in old["shard_shape"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            continue
+        diff = [i for i, (a, b) in enumerate(zip(logical, shard)) if a != b]
+        if not diff:
+            rec["ranks"] = TpGeometry(tp, None).affine_ranks(logical)
+        elif len(diff) == 1 and len(old.get("pieces", [])) == 1:
+            dim, sizes = diff[0], (shares or {}).get(_unescaped(pattern))
+            rec["ranks"] = TpGeometry(tp, dim, (logical[dim],), (sizes,) if sizes else None).affine_ranks(logical)
+    return uc
+
+
+def _unescaped(pattern: str) -> str:
+    """The parameter name of AutoTP's pattern `^escaped\\.name$`."""
+    return re.sub(r"\\(.)", r"\1", pattern.removeprefix("^").removesuffix("$"))
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    """Row-major strides as DeepSpeed's affine map records them (a zero size gives zeros)."""
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
 
 
 def param_name(e: TensorEntry) -> str | None:

@@ -24,10 +24,7 @@ reads mp rank t; _load_zero_checkpoint reads every optim_file(d, mp=t) file):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
-import re
 from collections import OrderedDict
 from typing import Any
 
@@ -46,7 +43,7 @@ from .model_parallel import ModelParallelInfo
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .autotp_cut import TpCut
-from .tp_geometry import TpSlicer
+from .tp_geometry import TpSlicer, affine_map_for
 from .writer import DEFAULT_SUB_GROUP_SIZE, Cell, cell_files
 
 
@@ -149,57 +146,5 @@ def record_tp_sizes(model: dict, target: TpTarget) -> dict:
         model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "tp_degree": target.tp}
     uc = model.get("universal_checkpoint_info")
     if isinstance(uc, dict) and isinstance(uc.get("affine_map"), dict):
-        model["universal_checkpoint_info"] = _affine_for(uc, target.tp, target.shares)
+        model["universal_checkpoint_info"] = affine_map_for(uc, target.tp, target.shares)
     return model
-
-
-def _affine_for(uc: dict, tp: int, shares: dict[str, tuple[int, ...]] | None = None) -> dict:
-    """AutoTP's affine_map redone for `tp` ranks: each parameter's shard shape and where it starts in
-    the logical tensor (replicated ones: the whole tensor on every rank; `shares`: the sizes of a
-    parameter cut unevenly, by name); others left as recorded."""
-    uc = copy.deepcopy(uc)
-    params = uc["affine_map"].get("params", {})
-    for pattern, rec in params.items():
-        try:
-            logical = [int(x) for x in rec["logical_shape"]]
-            old = rec["ranks"][0]
-            shard = [int(x) for x in old["shard_shape"]]
-        except (KeyError, TypeError, ValueError, IndexError):
-            continue
-        strides = [math.prod(logical[i + 1 :]) for i in range(len(logical))]
-        diff = [i for i, (a, b) in enumerate(zip(logical, shard)) if a != b]
-        if not diff:
-            rec["ranks"] = {
-                r: {
-                    "shard_shape": list(logical),
-                    "pieces": [
-                        {
-                            "shape": list(logical),
-                            "source": [0, strides],
-                            "dest": [0, strides],
-                            "locations": list(range(tp)),
-                        }
-                    ],
-                }
-                for r in range(tp)
-            }
-            continue
-        if len(diff) != 1 or len(old.get("pieces", [])) != 1:
-            continue
-        dim = diff[0]
-        sizes = (shares or {}).get(_unescaped(pattern)) or (logical[dim] // tp,) * tp
-        rec["ranks"] = {r: _shard_record(logical, strides, dim, sizes, r) for r in range(tp)}
-    return uc
-
-
-def _shard_record(logical: list[int], strides: list[int], dim: int, sizes: tuple[int, ...], r: int) -> dict:
-    """One rank's entry of an affine_map record: its shard, `sizes[r]` long along `dim`."""
-    local = logical[:dim] + [sizes[r]] + logical[dim + 1 :]
-    lstrides = [math.prod(local[i + 1 :]) for i in range(len(local))]
-    piece = {"shape": list(local), "source": [sum(sizes[:r]) * strides[dim], strides], "dest": [0, lstrides]}
-    return {"shard_shape": list(local), "pieces": [{**piece, "locations": [r]}]}
-
-
-def _unescaped(pattern: str) -> str:
-    """The parameter name of AutoTP's pattern `^escaped\\.name$`."""
-    return re.sub(r"\\(.)", r"\1", pattern.removeprefix("^").removesuffix("$"))

@@ -9,7 +9,8 @@ safe_get_full_fp32_param gave them on that rank):
 * `join` of the ranks' slices, stored as a ZeRO flat range or as a whole module tensor, reads back
   as the full tensor; split then join is the identity at the fixture's tp and at other sizes;
 * both agree with DeepSpeed's own geometry (deepspeed/checkpoint/affine.py: `extract` and
-  `rebuild` of the map for the same split).
+  `rebuild` of the map for the same split), and `affine_ranks` is that map's own record
+  (`to_dict`), the one AutoTP saves in universal_checkpoint_info.
 """
 
 from __future__ import annotations
@@ -197,3 +198,18 @@ def test_a_replicated_tensor_is_whole_on_every_rank():
     geometry = for_full(None, (3, 5), None, 4, "ln")
     assert geometry.split("ln", (3, 5), 3) == [Part("ln", 0, 15)]
     assert geometry.local_shape((3, 5)) == (3, 5) and math.prod(geometry.local_shape((3, 5))) == 15
+
+
+@pytest.mark.parametrize(
+    "geometry,shape",
+    [
+        (TpGeometry(2, 0, (8,)), (8, 6)),
+        (TpGeometry(3, 1, (6,)), (4, 6)),
+        (TpGeometry(2, 2, (4,)), (2, 3, 4)),
+        (TpGeometry(4, None), (8, 6)),
+    ],
+    ids=["rows", "columns", "last-of-three", "replicated"],
+)
+def test_affine_ranks_are_deepspeeds_own_affine_map(geometry, shape):
+    want = _deepspeed_map(geometry, shape).to_dict()
+    assert want == {"logical_shape": list(shape), "ranks": geometry.affine_ranks(shape)}
