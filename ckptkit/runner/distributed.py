@@ -46,7 +46,8 @@ class Group:
 
     # ---- collectives (no-ops in one process) -------------------------------------------------
 
-    def _collective(self, fn: Any) -> Any:
+    def collective(self, fn: Any) -> Any:
+        """Run the collective `fn`; a peer that stopped answering is one sentence (PeerError), kept in `failed`."""
         try:
             return fn()
         except RuntimeError as exc:  # gloo timeout or a peer that went away
@@ -60,7 +61,7 @@ class Group:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
-        self._collective(lambda: dist.all_gather_object(out, obj, group=self.pg))
+        self.collective(lambda: dist.all_gather_object(out, obj, group=self.pg))
         return out
 
     def share(self, obj: Any) -> Any:
@@ -70,7 +71,7 @@ class Group:
         import torch.distributed as dist
 
         box = [obj if self.is_root else None]
-        self._collective(lambda: dist.broadcast_object_list(box, src=0, group=self.pg))
+        self.collective(lambda: dist.broadcast_object_list(box, src=0, group=self.pg))
         return box[0]
 
     def gather_all(self, obj: Any) -> list[Any]:
@@ -213,7 +214,7 @@ def finish(group: Group, code: int) -> None:
         import torch.distributed as dist
 
         try:
-            group._collective(lambda: dist.barrier(group=group.pg))
+            group.collective(lambda: dist.barrier(group=group.pg))
         except CkptkitError:
             code = code or 1
     sys.stdout.flush()

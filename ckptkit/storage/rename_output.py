@@ -21,7 +21,7 @@ import stat
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from .. import interrupts
 from ..errors import OutputError
@@ -197,6 +197,18 @@ class RenameOutput:
         overlaps the writing of the others instead of queueing up at commit."""
         full = self.file_path(rel)
         return _SyncedFile(open(full, "wb"), self)
+
+    def track_open(self, f: _SyncedFile) -> None:
+        """Count `f` among the open files `start_writeback` flushes."""
+        with self._files_lock:
+            self._open_files.add(f)
+
+    def close_tracked(self, f: _SyncedFile, close: Callable[[], None]) -> None:
+        """Take `f` out of the open files and `close` it, never while a writeback is starting (its
+        descriptor would be flushed after it closed, and is reused)."""
+        with self._files_lock:
+            self._open_files.discard(f)
+            close()
 
     def start_writeback(self) -> None:
         """Start writing what the open files hold to disk, without waiting for it (their fsync at
@@ -388,8 +400,7 @@ class _SyncedFile(FinishingFile):
     def __init__(self, f: BinaryIO, output: RenameOutput) -> None:
         super().__init__(f)
         self._output = output
-        with output._files_lock:
-            output._open_files.add(self)
+        output.track_open(self)
 
     def _finish(self, ok: bool) -> None:
         try:
@@ -397,9 +408,7 @@ class _SyncedFile(FinishingFile):
                 self._f.flush()
                 os.fsync(self._f.fileno())
         finally:
-            with self._output._files_lock:  # its descriptor is never flushed after it closes (and is reused)
-                self._output._open_files.discard(self)
-                self._f.close()
+            self._output.close_tracked(self, self._f.close)
 
 
 def _fsync_dir(path: str) -> None:
