@@ -25,12 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedError, UsageError
-from ..formats.deepspeed.refusals import refuse_experts
-from ..formats.deepspeed.files import ZeroFiles
-from ..formats.deepspeed.info import ZeroGroup, ZeroInfo
-from ..formats.deepspeed.names import step_tag
-from ..formats.deepspeed.writer import DEFAULT_SUB_GROUP_SIZE
-from ..formats.protocols import ZeroTemplatesTarget
+from ..formats.protocols import FlatGroup, ZeroStateTarget
 from ..index.dtypes import itemsize
 from ..index.state_keys import model_key, model_path, state_key, state_path
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
@@ -108,10 +103,9 @@ class _Target:
     optimizer: DsOptimizer  # the optimizer the config makes
 
 
-def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cfg: dict) -> ZeroTemplatesTarget:
+def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cfg: dict) -> ZeroStateTarget:
     """The ZeRO checkpoint of `state` at `stage` for `world_size` ranks, laid out by the DeepSpeed
-    config `cfg`: templates the DeepSpeed writer (formats/deepspeed/format.py) turns into files."""
-    refuse_experts(state.source.index)  # a MoE source's experts need expert groups: not laid out yet
+    config `cfg`: templates the DeepSpeed format (its format.py) names and turns into files."""
     target = _target(state, stage, world_size, cfg)
     group_keys = _group_state_keys(state, target.optimizer)
     index, resolver = _state_tensors(state, group_keys, target.precision)
@@ -120,38 +114,21 @@ def zero_target_from_state(state: TrainingState, stage: int, world_size: int, cf
     module = _module(state, target, index, resolver)
     index.tensors.update(resolver)
     groups = _zero_groups(state, target)
-    model_t = _model_template(state, target, module, groups, index)
-    optim_t = _optim_template(target, hypers, group_whole, group_keys, groups)
-    tag = step_tag(target.step)
-    files = ZeroFiles(
-        tag=tag,
-        prefix=f"{tag}/",
-        model_files={0: "model"},
-        optim_files={0: "optim"},
-        bf16_prefix=target.precision == "bfloat16",
-    )
-    info = ZeroInfo(
-        stage=stage,
-        world_size=world_size,
-        files=files,
-        groups=groups,
-        frozen={n: tuple(state.model[n].shape) for n in state.frozen},
-        buffers=list(state.buffers),
-        shared=dict(state.ties),
-        model_states={0: model_t},
-        optim_states={0: optim_t},
-        archives={},
-        param_group_count=len(hypers),
-        dtype=target.precision,
-    )
-    sub_group_size = target.zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
-    return ZeroTemplatesTarget(
+    return ZeroStateTarget(
         index=index,
         source=state.source.source,
-        info=info,
+        source_index=state.source.index,
+        stage=stage,
         world_size=world_size,
-        tag=tag,
-        sub_group_size=int(sub_group_size) if sub_group_size is not None else None,
+        step=target.step,
+        precision=target.precision,
+        groups=tuple(groups),
+        model_template=_model_template(state, target, module, groups, index),
+        optim_template=_optim_template(target, hypers, group_whole, group_keys, groups),
+        frozen={n: tuple(state.model[n].shape) for n in state.frozen},
+        buffers=tuple(state.buffers),
+        shared=dict(state.ties),
+        zero_config=target.zero_cfg,
     )
 
 
@@ -244,7 +221,7 @@ def _module(
     return module
 
 
-def _zero_groups(state: TrainingState, target: _Target) -> list[ZeroGroup]:
+def _zero_groups(state: TrainingState, target: _Target) -> list[FlatGroup]:
     """One ZeRO group per param group, with stage 1/2's alignment paddings."""
     groups = []
     for g, names in enumerate(state.group_params):
@@ -252,9 +229,7 @@ def _zero_groups(state: TrainingState, target: _Target) -> list[ZeroGroup]:
         pads = None
         if target.stage < 3:
             pads = _alignment_paddings([(n, math.prod(s)) for n, s in shaped], target.zero_cfg, target.precision)
-        groups.append(
-            ZeroGroup(index=g, param_group=g, params=shaped, paddings=tuple(pads) if pads and any(pads) else None)
-        )
+        groups.append(FlatGroup(params=shaped, paddings=tuple(pads) if pads and any(pads) else None))
     return groups
 
 
@@ -262,7 +237,7 @@ def _model_template(
     state: TrainingState,
     target: _Target,
     module: OrderedDict[str, Any],
-    groups: list[ZeroGroup],
+    groups: list[FlatGroup],
     index: CheckpointIndex,
 ) -> OrderedDict[str, Any]:
     """The model-states file as DeepSpeed saves it, in its key order; extras (client state) last."""
@@ -320,7 +295,7 @@ def _optim_template(
     hypers: list[dict],
     group_whole: list[OrderedDict[str, Any]],
     group_keys: list[tuple[list[str], list[str]]],
-    groups: list[ZeroGroup],
+    groups: list[FlatGroup],
 ) -> OrderedDict[str, Any]:
     """The optim-states file as the stage saves it. The optimizer's state per group as its
     state_dict orders it: whole values (step) first, then the partitioned states (None here: the

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from ..index.types import CheckpointIndex
     from ..runner.fetch import Fetcher
     from ..storage.source import Source
-    from .deepspeed.info import ZeroInfo
 
 ANY_WORLD = "any M >= 1"  # a writer that lays its output out for any number of ranks
 ONE_WORLD = "1"  # a writer whose output is one whole copy, read by any number of ranks
@@ -156,16 +155,36 @@ class ZeroTarget:
 
 
 @dataclass(frozen=True)
-class ZeroTemplatesTarget:
-    """A ZeRO checkpoint from templates built elsewhere (convert's, from a training state and a
-    DeepSpeed config): `info` lays out `index`'s tensors, read from `source`, under `tag`."""
+class FlatGroup:
+    """One param group of a ZeRO checkpoint built from a training state: its (name, shape) params
+    in flat-buffer order and, at stage 1/2, the alignment padding after each (None: none)."""
+
+    params: tuple[tuple[str, tuple[int, ...]], ...]
+    paddings: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ZeroStateTarget:
+    """A ZeRO checkpoint of a training state (convert --to zeroN), laid out by convert from a
+    DeepSpeed config: `index`'s tensors (read from `source`), the model- and optim-states files'
+    templates, and each param group's layout. The DeepSpeed format names the files (the tag of
+    `step`) and writes them for `world_size` ranks; `source_index` is what the state was read from
+    (a layout DeepSpeed's writer cannot rebuild from a state is refused)."""
 
     index: "CheckpointIndex"
     source: "Source"
-    info: "ZeroInfo"
+    source_index: "CheckpointIndex"
+    stage: int
     world_size: int
-    tag: str
-    sub_group_size: int | None
+    step: int
+    precision: str  # the module weights' dtype (bfloat16: the files' bf16_ prefix)
+    groups: tuple[FlatGroup, ...]
+    model_template: dict
+    optim_template: dict
+    frozen: dict[str, tuple[int, ...]]  # frozen params and their shapes
+    buffers: tuple[str, ...]
+    shared: dict[str, str]  # tied params: name -> the name it shares
+    zero_config: dict  # the config's zero_optimization section (sub_group_size)
 
 
 @dataclass(frozen=True)
@@ -223,7 +242,8 @@ __all__ = [
     "Writer",
     "DcpTarget",
     "ZeroTarget",
-    "ZeroTemplatesTarget",
+    "ZeroStateTarget",
+    "FlatGroup",
     "StepFolders",
     "TorchSaveTarget",
     "SafetensorsTarget",

@@ -14,8 +14,8 @@ from ..protocols import (
     ZERO_PARTITIONS,
     Capabilities,
     StepFolders,
+    ZeroStateTarget,
     ZeroTarget,
-    ZeroTemplatesTarget,
 )
 from . import files as ds_files
 from . import pipeline as ds_pipeline
@@ -24,7 +24,7 @@ from .layout import LAYER_FILES, DeepSpeedLayout
 from .names import parse_step_tag, step_tag
 from .refusals import refuse_pipeline_reshard
 from .resharding import write_at_world_size, write_resharded
-from .writer import write_zero_files
+from .state_target import write_state
 
 if TYPE_CHECKING:
     from ...context import RunContext
@@ -82,20 +82,12 @@ class DeepSpeedFormat:
         """A pipeline source (alone or with tp) is rewritten by `reshard --to pp=...,dp=...` only."""
         refuse_pipeline_reshard(where, index)
 
-    def write(self, target: ZeroTarget | ZeroTemplatesTarget, out: object, ctx: "RunContext") -> list[str]:
+    def write(self, target: ZeroTarget | ZeroStateTarget, out: object, ctx: "RunContext") -> list[str]:
         """ZeroTarget: a ZeRO checkpoint's own files for a new world size (with its helper scripts);
-        ZeroTemplatesTarget: the files of templates built from a training state and a config."""
-        if isinstance(target, ZeroTemplatesTarget):
-            return write_zero_files(
-                out,
-                target.index,
-                target.source,
-                target.info,
-                target.world_size,
-                target.tag,
-                target.sub_group_size,
-                ctx=ctx,
-            )
+        ZeroStateTarget: convert's target, a training state laid out by a DeepSpeed config
+        (state_target.py names and writes its files)."""
+        if isinstance(target, ZeroStateTarget):
+            return write_state(target, out, ctx)
         return write_at_world_size(out, target.index, target.source, target.world_size, ctx=ctx)
 
     def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
