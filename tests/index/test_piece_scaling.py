@@ -10,6 +10,11 @@ chunks cycle through `PERIOD` distinct archives (neighbours always differ, so a 
 shows). That the files are what torch reads is checked by dcp.load on the same builder at a few
 hundred chunks (a 100k-chunk dcp.load takes minutes); the guard is a timeout, never a benchmark
 (docs/performance.md has the measurement).
+
+Each 100k layout is written once per module (`layouts_100k`). A broken variant of it copies its
+chunk archives into a folder of its own and pickles its own `.metadata` (`write_derived`): for a
+moved or a doubled chunk these are the bytes `write_chunked` writes for the same boxes; after a
+gap, each chunk keeps the value class it had in the layout (neighbours still differ).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import itertools
 import pickle
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -47,6 +53,59 @@ def write_chunked(folder: Path, shape: tuple[int, ...], boxes: list, extra: list
     """A one-tensor DCP checkpoint ('w', float32) stored as `boxes` (plus `extra` boxes, for
     overlaps), laid out as torch's FileSystemWriter does; returns the tensor it holds (the last
     chunk written wins where chunks overlap)."""
+    return write_chunks(folder, shape, boxes, extra)[0]
+
+
+def write_chunks(folder: Path, shape: tuple[int, ...], boxes: list, extra: list = ()) -> tuple[torch.Tensor, list]:
+    """`write_chunked`, also returning its pieces: (offsets, sizes, position, length) of each chunk
+    in the data file, in order."""
+    folder.mkdir(parents=True)
+    expected = torch.zeros(shape, dtype=torch.float32)
+    archives: dict[tuple, tuple[bytes, torch.Tensor]] = {}
+    pieces, pos = [], 0
+    with open(folder / "__0_0.distcp", "wb") as f:
+        for k, (offs, sizes) in enumerate(list(boxes) + list(extra)):
+            key = (sizes, k % PERIOD)
+            if key not in archives:
+                archives[key] = (_archive(_value(sizes, k)), _value(sizes, k))
+            data, value = archives[key]
+            expected[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = value
+            f.write(data)
+            pieces.append((offs, sizes, pos, len(data)))
+            pos += len(data)
+    _write_metadata(folder, shape, pieces)
+    return expected, pieces
+
+
+def write_derived(base: Path, folder: Path, shape: tuple[int, ...], kept: list, extra: list = ()) -> None:
+    """Like `write_chunked(folder, shape, kept, extra)`, but `kept` are pieces of the checkpoint
+    `base` ((offsets, sizes, position, length), as `write_chunks` returns them, some perhaps moved or
+    left out): their archives are copied from base's data file, in order, instead of written again."""
+    folder.mkdir(parents=True)
+    source = memoryview((base / "__0_0.distcp").read_bytes())
+    pieces, pos = [], 0
+    with open(folder / "__0_0.distcp", "wb") as f:
+        for offs, sizes, start, length in kept:
+            f.write(source[start : start + length])
+            pieces.append((offs, sizes, pos, length))
+            pos += length
+        for k, (offs, sizes) in enumerate(extra, start=len(kept)):
+            data = _archive(_value(sizes, k))
+            f.write(data)
+            pieces.append((offs, sizes, pos, len(data)))
+            pos += len(data)
+    _write_metadata(folder, shape, pieces)
+
+
+def _archive(value: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _write_metadata(folder: Path, shape: tuple[int, ...], pieces: list) -> None:
+    """`.metadata` as FileSystemWriter pickles it: piece k (offsets, sizes, position, length) is
+    the k-th chunk of 'w', stored in `__0_0.distcp`."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
@@ -57,25 +116,10 @@ def write_chunked(folder: Path, shape: tuple[int, ...], boxes: list, extra: list
         TensorStorageMetadata,
     )
 
-    folder.mkdir(parents=True)
-    expected = torch.zeros(shape, dtype=torch.float32)
-    archives: dict[tuple, bytes] = {}
     chunks, storage = [], {}
-    pos = 0
-    with open(folder / "__0_0.distcp", "wb") as f:
-        for k, (offs, sizes) in enumerate(list(boxes) + list(extra)):
-            key = (sizes, k % PERIOD)
-            value = _value(sizes, k)
-            if key not in archives:
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                archives[key] = buf.getvalue()
-            data = archives[key]
-            expected[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = value
-            f.write(data)
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
-            storage[MetadataIndex("w", torch.Size(offs), k)] = _StorageInfo("__0_0.distcp", pos, len(data))
-            pos += len(data)
+    for k, (offs, sizes, pos, length) in enumerate(pieces):
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
+        storage[MetadataIndex("w", torch.Size(offs), k)] = _StorageInfo("__0_0.distcp", pos, length)
     meta = Metadata(
         state_dict_metadata={
             "w": TensorStorageMetadata(
@@ -88,7 +132,6 @@ def write_chunked(folder: Path, shape: tuple[int, ...], boxes: list, extra: list
     )
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(meta, f)
-    return expected
 
 
 def _value(sizes: tuple[int, ...], k: int) -> torch.Tensor:
@@ -142,14 +185,28 @@ def test_the_builder_writes_what_torch_reads_and_ckptkit_reads_the_same(tmp_path
     assert run.code == 0, run.detail()
 
 
+@pytest.fixture(scope="module")
+def layouts_100k(tmp_path_factory) -> Callable[[str], tuple[Path, list]]:
+    """A 100k layout's checkpoint and its pieces, written the first time a test asks for it and
+    shared by the module's tests (none writes into it: each broken variant is a folder of its own)."""
+    built: dict[str, tuple[Path, list]] = {}
+
+    def get(layout: str) -> tuple[Path, list]:
+        if layout not in built:
+            shape, boxes = LAYOUTS_100K[layout]
+            src = tmp_path_factory.mktemp(f"layout_{layout}") / "ckpt"
+            built[layout] = (src, write_chunks(src, shape, boxes())[1])
+        return built[layout]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["rows", "columns", "blocks"])  # (3-D blocks and bands: at hundreds above)
-def test_many_chunks_in_any_layout_are_checked_in_seconds(tmp_path, layout):
+def test_many_chunks_in_any_layout_are_checked_in_seconds(layouts_100k, layout):
     """100k chunks: every check over the pieces (coverage, overlap, the read plan's lookup) runs
     in `verify`; reading every chunk's bytes is linear work, shown once below."""
-    shape, boxes = LAYOUTS_100K[layout]
-    src = tmp_path / "ckpt"
-    write_chunked(src, shape, boxes())
+    src, _ = layouts_100k(layout)
     run = run_ckptkit("verify", src, timeout=GUARD_S)
     assert run.code == 0 and not run.timed_out, run.detail()
 
@@ -167,11 +224,11 @@ def test_one_tensor_of_16k_side_by_side_chunks_verifies_and_consolidates(tmp_pat
 def _moved(boxes: list, shape: tuple[int, ...]) -> tuple[list, list]:
     """A middle chunk shifted by one along its last dimension that has room: an overlap and a gap."""
     k = len(boxes) // 2
-    offs, sizes = boxes[k]
+    offs, sizes = boxes[k][:2]
     d = max(i for i in range(len(shape)) if offs[i] > 0 or offs[i] + sizes[i] < shape[i])
     delta = -1 if offs[d] > 0 else 1
     moved = list(boxes)
-    moved[k] = (offs[:d] + (offs[d] + delta,) + offs[d + 1 :], sizes)
+    moved[k] = (offs[:d] + (offs[d] + delta,) + offs[d + 1 :], *boxes[k][1:])
     return moved, []
 
 
@@ -179,7 +236,7 @@ def _doubled(boxes: list, shape: tuple[int, ...]) -> tuple[list, list]:
     """One more chunk inside one a third of the way in, from its second element along a dimension
     (DCP keys a chunk by its offsets: a second chunk at the same offsets is another question)."""
     k = next(i for i in range(len(boxes) // 3, len(boxes)) if max(boxes[i][1]) > 1)
-    offs, sizes = boxes[k]
+    offs, sizes = boxes[k][:2]
     d = sizes.index(max(sizes))
     return list(boxes), [(offs[:d] + (offs[d] + 1,) + offs[d + 1 :], sizes[:d] + (sizes[d] - 1,) + sizes[d + 1 :])]
 
@@ -195,11 +252,8 @@ BROKEN = {
 }
 
 
-def _refused(tmp_path: Path, shape: tuple[int, ...], boxes: list, breaking: str) -> None:
-    make, words = BROKEN[breaking]
-    kept, extra = make(boxes, shape)
-    src = tmp_path / "ckpt"
-    write_chunked(src, shape, kept, extra)
+def _refused(src: Path, tmp_path: Path, breaking: str) -> None:
+    _, words = BROKEN[breaking]
     out = tmp_path / "out" / "model.safetensors"
     out.parent.mkdir()
     scene = Scene(src, out)
@@ -212,11 +266,16 @@ def _refused(tmp_path: Path, shape: tuple[int, ...], boxes: list, breaking: str)
 @pytest.mark.parametrize("layout", ["columns", "blocks_3d", "bands"])
 def test_a_broken_tiling_of_hundreds_of_chunks_is_one_sentence(tmp_path, layout, breaking):
     shape, boxes = LAYOUTS_SMALL[layout]
-    _refused(tmp_path, shape, boxes(), breaking)
+    kept, extra = BROKEN[breaking][0](boxes(), shape)
+    write_chunked(tmp_path / "ckpt", shape, kept, extra)
+    _refused(tmp_path / "ckpt", tmp_path, breaking)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,breaking", [("rows", "gapped"), ("columns", "moved"), ("blocks", "doubled")])
-def test_a_broken_tiling_of_100k_chunks_is_one_sentence_in_seconds(tmp_path, layout, breaking):
-    shape, boxes = LAYOUTS_100K[layout]
-    _refused(tmp_path, shape, boxes(), breaking)
+def test_a_broken_tiling_of_100k_chunks_is_one_sentence_in_seconds(layouts_100k, tmp_path, layout, breaking):
+    shape, _ = LAYOUTS_100K[layout]
+    base, pieces = layouts_100k(layout)
+    kept, extra = BROKEN[breaking][0](pieces, shape)
+    write_derived(base, tmp_path / "ckpt", shape, kept, extra)
+    _refused(tmp_path / "ckpt", tmp_path, breaking)
