@@ -119,7 +119,14 @@ class TpCut:
                 f"neither --kv-heads nor a config.json in the checkpoint's folder gives their count"
             )
         self._check_source(entry, name, tp_attr)
-        return shard_sizes(size, self.tp, layer, v.kv_heads, v.grain)
+        sizes = shard_sizes(size, self.tp, layer, v.kv_heads, v.grain)
+        if 0 in sizes:
+            raise UsageError(
+                f"--to tp={self.tp}: AutoTP cuts {quote(name)} into {list(sizes)} along dim {dim} "
+                f"({v.kv_heads} key/value heads over {self.tp} ranks), and DeepSpeed keeps an empty "
+                f"slice as a frozen parameter, a layout ckptkit does not write yet"
+            )
+        return sizes
 
     def _explicit(self, entry: TensorEntry, name: str, dim: int) -> tuple[int, ...] | None:
         """The "sizes" a rule of --tp-rules FILE gives `name` for this tp, checked to add up."""
