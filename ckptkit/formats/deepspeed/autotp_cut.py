@@ -25,7 +25,7 @@ from ...errors import FormatError, UsageError, quote
 from ...index.types import CheckpointIndex, TensorEntry
 from ...safe_json import loads
 from ...storage.source import Source
-from .autotp_split import AutoTpValues, cut_by_heads, kv_heads_of, layer_name, shard_sizes
+from .autotp_split import AutoTpValues, cut_by_heads, is_count, kv_heads_entry, layer_name, shard_sizes
 from .tag_writer import saved_config
 
 CONFIG = "config.json"
@@ -74,9 +74,13 @@ def _config_kv_heads(source: Source) -> int | None:
     config = loads(source.read(CONFIG, 0, size), label, "config.json", max_bytes=CONFIG_MAX_BYTES)
     if not isinstance(config, dict):
         raise FormatError(f"{label}: config.json is not a JSON object")
-    kv = kv_heads_of(config)
-    if kv is not None and kv <= 0:
-        raise FormatError(f"{label}: the key/value head count must be positive, not {kv}")
+    found = kv_heads_entry(config)
+    if found is None:
+        return None
+    key, kv = found
+    if not is_count(kv):
+        raise FormatError(f"{label}: {key}, the key/value head count, must be a positive integer, not {kv!r:.40}")
+    assert isinstance(kv, int)
     return kv
 
 

@@ -71,14 +71,24 @@ def shard_sizes(size: int, tp: int, name: str, kv_heads: int | None, grain: int 
 def kv_heads_of(config: dict) -> int | None:
     """The key/value head count of a Hugging Face config.json, probed as AutoTPMeta does (its
     text_config first when it has one; num_attention_heads and the like last: kv == q heads)."""
+    found = kv_heads_entry(config)
+    return found[1] if found is not None and is_count(found[1]) else None
+
+
+def kv_heads_entry(config: dict) -> tuple[str, object] | None:
+    """(key, value) of the first head-count key config.json sets, as AutoTPMeta probes them."""
     text = config.get("text_config")
     if isinstance(text, dict):
         config = text
     for key in KV_HEAD_KEYS:
-        value = config.get(key)
-        if value is not None:
-            return value if isinstance(value, int) and not isinstance(value, bool) else None
+        if config.get(key) is not None:
+            return key, config[key]
     return None
+
+
+def is_count(value: object) -> bool:
+    """A positive whole number (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 KV_HEAD_KEYS = (
