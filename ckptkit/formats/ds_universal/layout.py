@@ -29,9 +29,11 @@ def join(*parts: str) -> str:
 
 
 def model_state_files(source: Source, folder: str) -> list[str]:
-    """The model-states files of a tag folder, in DeepSpeed's order (rank 0's first)."""
+    """The model-states files of a tag folder: ZeRO 1/2's mp_rank file(s) when there are any
+    (ckptkit writes both names), else ZeRO 3's one per dp rank, in rank order."""
     names = [n for n in source.listdir(folder) if MODEL_STATES.match(n)] if source.isdir(folder) else []
-    return sorted(names, key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
+    plain = [n for n in names if n.startswith("mp_rank_")]
+    return sorted(plain or names, key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
 
 
 def is_tag_folder(source: Source, folder: str) -> bool:

@@ -7,7 +7,8 @@ checkpoint/universal_checkpoint.py `load_hp_checkpoint_state`; ZeRO 3: stage3.py
 
     latest_universal                          the tag
     <tag>/mp_rank_00_model_states.pt          read for global_steps, skipped_steps, dp/mp world
-                                              sizes, lr_scheduler and the client state
+                                              sizes, lr_scheduler and the client state (ZeRO 1/2)
+    <tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   the same, under the name ZeRO 3 looks for
     <tag>/zero/optimizer_state.pt             ds_version and param_groups (ZeRO 1/2, bf16);
                                               optimizer_state_dict.{state[0].step, param_groups} (ZeRO 3)
     <tag>/zero/<param>/fp32.pt, exp_avg.pt... {"param": tensor}: the whole tensor, any dp/tp cuts it
@@ -33,7 +34,9 @@ if TYPE_CHECKING:
     from ...context import RunContext
     from ...storage.commit import Output
 
-MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+# the engine globs <tag>/mp_rank_*_model_states.pt at ZeRO 1/2 and <tag>/zero_pp_rank_0_mp_rank_*
+# at ZeRO 3: both are written, so the folder loads at any stage
+MODEL_STATES_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def write_universal(target: UniversalTarget, out: "Output", ctx: "RunContext") -> list[str]:
@@ -49,9 +52,10 @@ def write_universal(target: UniversalTarget, out: "Output", ctx: "RunContext") -
     rel = join(target.tag, ZERO, OPTIMIZER_STATE)
     write_archive(out, rel, target.optimizer_state, target.fetcher, slab_bytes=ctx.slab_bytes)
     files.append(rel)
-    rel = join(target.tag, MODEL_STATES_FILE)
-    write_torch_save(out, rel, target.model_states, target.fetcher, ctx=ctx)
-    files.append(rel)
+    for name in MODEL_STATES_FILES:
+        rel = join(target.tag, name)
+        write_torch_save(out, rel, target.model_states, target.fetcher, ctx=ctx)
+        files.append(rel)
     out.write_bytes(LATEST_UNIVERSAL, target.tag.encode())
     files.append(LATEST_UNIVERSAL)
     return files
