@@ -40,3 +40,28 @@ def test_deepspeed_loads_converted_universal_checkpoint_at_a_new_dp(tmp_path, na
     r = json.loads(result.read_text())
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
     assert r["world_size"] == 3 and r["compared"] >= 40 and r["trained_step"]
+
+
+def test_deepspeed_loads_universal_of_an_autotp_source_at_a_new_dp(tmp_path):
+    """An AutoTP checkpoint saved at tp 2 x dp 2, converted to a universal checkpoint, loads on
+    2 ranks at tp 2 x dp 1, AutoTP's layers cutting each whole tensor again (at tp 1 x dp 2 too,
+    run by hand); every fp32 master, moment and module weight bit-equal to the saving job's truth."""
+    tp = 2
+    out = tmp_path / "uc"
+    conv = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "convert", str(DATA / "ds_tp" / "autotp_z1_bf16"), str(out),
+         "--to", "ds-universal"],
+        capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    result = tmp_path / "result.json"
+    cmd = torchrun_cmd(2) + [
+        str(ROOT / "tests" / "dist" / "ds_tp_universal_load_check.py"),
+        *("--ckpt", str(out), "--fixture", "autotp_z1_bf16", "--tp", str(tp), "--result", str(result)),
+    ]
+    proc = subprocess.run(cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
+    assert r["world_size"] == 2 and r["tp"] == tp and r["compared"] >= 90
