@@ -7,7 +7,9 @@ the DCP stand-ins, torch.Size, dtypes, layouts, memory formats and paths), and t
 two more on the result, else `load` hands back None and the restricted machine reads the file:
 
 - the result's shape: torch's DCP Metadata field for field (`_Shape`), every field of the
-   type torch writes, so that nothing else (no deep nesting, no foreign value) comes through;
+   type torch writes, so that nothing else (no deep nesting, no foreign value) comes through
+   (Megatron-Core's `all_local_plans` too: torch's SavePlan, WriteItem, WriteItemType and
+   TensorWriteData, whose chunks and properties are the tensors' own, shared as pickled);
 - nothing of unbounded size shared: each chunk list, planner path, transform list and top
    mapping is reached once, so a walk of the result costs what it holds (the small fixed-size
    objects, which torch never shares either, add a bounded amount each time they are reached),
@@ -31,6 +33,7 @@ from ..torch_types import DType, GlobalRef, Size
 __all__ = ["load"]
 
 _META = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 _STORAGE_INFO = "torch.distributed.checkpoint.filesystem._StorageInfo"
 
 _GLOBALS: dict[tuple[str, str], Any] | None = None
@@ -43,7 +46,7 @@ def _globals() -> dict[tuple[str, str], Any]:
         values, calls = table()
         found: dict[tuple[str, str], Any] = {}
         for (module, name), value in values.items():
-            if module in (_META, "torch.distributed.checkpoint.filesystem") and isinstance(value, type):
+            if module in (_META, _PLANNER, "torch.distributed.checkpoint.filesystem") and isinstance(value, type):
                 found[(module, name)] = value  # stand-ins: NEWOBJ, REDUCE (Inert.__init__) and BUILD
             elif module == "torch" and (isinstance(value, (DType, GlobalRef)) or value is Size):
                 entry = calls.get(id(value))
@@ -78,6 +81,10 @@ def _classes() -> dict[str, type]:
             _STORAGE_INFO,
             LAYOUT,
             f"{_META}._MEM_FORMAT_ENCODING",
+            f"{_PLANNER}.SavePlan",
+            f"{_PLANNER}.WriteItem",
+            f"{_PLANNER}.WriteItemType",
+            f"{_PLANNER}.TensorWriteData",
         )
     }
 
@@ -141,7 +148,83 @@ class _Shape:
         self.storage_data(got.get("storage_data"))
         self.planner_data(got.get("planner_data"))
         self.storage_meta(got.get("storage_meta"))
+        self.local_plans(got.get("all_local_plans"))
         self.all_once()
+
+    def local_plans(self, plans: Any) -> None:
+        """Megatron-Core's `all_local_plans`: each rank's SavePlan, its WriteItems naming a chunk
+        (or a bytes item) as torch's planner made them. Their small fixed-size parts (chunks,
+        properties, indexes) are the very objects the tensors' metadata holds: shared, as pickled."""
+        if plans is None:
+            return
+        if type(plans) is not list:
+            raise Decline
+        self.once(plans)
+        for plan in plans:
+            got = self.fields(plan, f"{_PLANNER}.SavePlan", _PLAN_FIELDS)
+            if got.get("storage_data") is not None or type(got.get("usable", True)) is not bool:
+                raise Decline
+            self.planner_data(got.get("planner_data"))
+            items = got.get("items")
+            if type(items) is not list:
+                raise Decline
+            self.once(items)
+            for item in items:
+                self.write_item(item)
+
+    def write_item(self, item: Any) -> None:
+        got = self.fields(item, f"{_PLANNER}.WriteItem", _WRITE_ITEM_FIELDS)
+        if got.get("bytes_io_data") is not None:
+            raise Decline
+        self.metadata_index(got.get("index"))
+        kind = got.get("type")  # an Enum member, WriteItemType(n): one int argument; shared, as pickled
+        if id(kind) not in self.leaves:
+            if type(kind) is not self.classes[f"{_PLANNER}.WriteItemType"]:
+                raise Decline
+            args = kind.__dict__.get("_args")
+            if len(kind.__dict__) != 1 or type(args) is not tuple or len(args) != 1 or type(args[0]) is not int:
+                raise Decline
+            self.leaves.add(id(kind))
+            self.seen.add(id(args))
+        data = got.get("tensor_data")
+        if data is None:
+            return
+        fields = self.fields(data, f"{_PLANNER}.TensorWriteData", _TENSOR_WRITE_FIELDS)
+        if len(fields) != 3 or type(fields["size"]) is not Size:
+            raise Decline
+        self.chunk(fields["chunk"])
+        self.properties(fields["properties"])
+
+    def metadata_index(self, index: Any) -> None:
+        if type(index) is not self.classes[f"{_META}.MetadataIndex"]:
+            raise Decline
+        key = index.__dict__
+        offset, number = key.get("offset"), key.get("index")
+        if not key.keys() <= _INDEX_FIELDS or type(key.get("fqn")) is not str:
+            raise Decline
+        if (number is not None and type(number) is not int) or (offset is not None and type(offset) is not Size):
+            raise Decline
+
+    def chunk(self, chunk: Any) -> None:
+        fields = chunk.__dict__
+        if type(chunk) is not self.classes[f"{_META}.ChunkStorageMetadata"] or len(fields) != 2:
+            raise Decline
+        if type(fields.get("offsets")) is not Size or type(fields.get("sizes")) is not Size:
+            raise Decline
+
+    def properties(self, props: Any) -> None:
+        state = props.__dict__.get("_state")
+        if type(props) is not self.classes[f"{_META}.TensorProperties"] or len(props.__dict__) != 1:
+            raise Decline
+        if type(state) is not tuple or len(state) != 5:
+            raise Decline
+        dtype, layout, requires_grad, memory_format, pin_memory = state
+        if type(dtype) is not DType or type(requires_grad) is not bool or type(pin_memory) is not bool:
+            raise Decline
+        if id(layout) not in self.leaves:
+            self.leaf(layout, LAYOUT)
+        if id(memory_format) not in self.leaves:
+            self.leaf(memory_format, f"{_META}._MEM_FORMAT_ENCODING")
 
     def tensors(self, sd: dict) -> None:
         """(A torch.Size is made only by the grammar's rule, which checked its ints.)"""
@@ -257,7 +340,12 @@ class _Shape:
 
 
 _STR_OR_INT = {str, int}
-_METADATA_FIELDS = frozenset({"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"})
+_METADATA_FIELDS = frozenset(
+    {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version", "all_local_plans"}
+)
+_PLAN_FIELDS = frozenset({"items", "storage_data", "planner_data", "usable"})
+_WRITE_ITEM_FIELDS = frozenset({"index", "type", "tensor_data", "bytes_io_data"})
+_TENSOR_WRITE_FIELDS = frozenset({"chunk", "properties", "size"})
 _TENSOR_FIELDS = frozenset({"properties", "size", "chunks"})
 _INDEX_FIELDS = frozenset({"fqn", "offset", "index"})
 _STORAGE_INFO_FIELDS = frozenset({"relative_path", "offset", "length", "transform_descriptors"})

@@ -286,6 +286,10 @@ def build_table() -> tuple[dict[tuple[str, str], Any], dict[int, tuple[Any, Rule
         "_MEM_FORMAT_ENCODING",
     ):
         add("torch.distributed.checkpoint.metadata", cls, inert_class(f"torch.distributed.checkpoint.metadata.{cls}"))
+    # the save plans Megatron-Core's torch_dist backend keeps in `Metadata.all_local_plans`: plain
+    # dataclasses (and one Enum) of names, offsets and sizes, rebuilt as data like the classes above
+    for cls in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"):
+        add("torch.distributed.checkpoint.planner", cls, inert_class(f"torch.distributed.checkpoint.planner.{cls}"))
     add(
         "torch.distributed.checkpoint.filesystem",
         "_StorageInfo",
