@@ -258,7 +258,7 @@ def step_option(fn: Callable) -> Callable:
     def wrapper(*args: Any, step: int | None = None, **kwargs: Any) -> Any:
         if step is not None:
             from ckptkit.errors import UsageError
-            from ckptkit.formats.run_folder import tag_for_step
+            from ckptkit.formats.registry import tag_for_step
             from ckptkit.storage.source import open_source
 
             if kwargs.get("tag") is not None:
@@ -273,5 +273,5 @@ def step_option(fn: Callable) -> Callable:
         default=None,
         metavar="N",
         help="Run folders: read the checkpoint of step N instead of the newest complete one "
-        "(DeepSpeed: tag global_stepN).",
+        "(DeepSpeed: tag global_stepN; Megatron: iter_000000N).",
     )(wrapper)

@@ -287,6 +287,17 @@ def _ds_bad_latest(tmp: Path) -> list[str]:
     return ["inspect", str(d)]
 
 
+def _mcore_legacy_rank_file(tmp: Path) -> list[str]:
+    d = copy_fixture("mcore/legacy_tp2", tmp, "legacy")
+    return ["inspect", str(d / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")]
+
+
+def _mcore_latest_missing(tmp: Path) -> list[str]:
+    d = copy_fixture("mcore/pp2_tied", tmp, "save")
+    (d / "latest_checkpointed_iteration.txt").write_text("7")
+    return ["inspect", str(d)]
+
+
 def _ds_missing_optim_file(tmp: Path) -> list[str]:
     d = deepspeed(tmp)
     (d / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
@@ -565,6 +576,23 @@ CASES: list[Case] = [
         _ds_bad_latest,
         2,
         "error: <tmp>/ds: tag folder is missing ('global_step9', named by `latest` or --tag)\n",
+    ),
+    Case(
+        "mcore_legacy_rank_file",
+        _mcore_legacy_rank_file,
+        2,
+        "error: <tmp>/legacy/iter_0000002/mp_rank_00/model_optim_rng.pt: is one rank's part of a Megatron-LM "
+        "checkpoint saved at tp 2 x pp 1 x ep 1 x dp 1 (its args say tensor_model_parallel_size=2, "
+        "pipeline_model_parallel_size=1), not the whole model; ckptkit does not join a legacy Megatron-LM "
+        "checkpoint's rank files yet; have Megatron-LM load it and save it as torch_dist "
+        "(--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and read that\n",
+    ),
+    Case(
+        "mcore_latest_missing",
+        _mcore_latest_missing,
+        2,
+        "error: <tmp>/save/iter_0000007: the iteration latest_checkpointed_iteration.txt names is not there "
+        "(iterations: iter_0000002)\n",
     ),
     Case(
         "ds_missing_optim_file",

@@ -27,6 +27,7 @@ from . import accelerate, lightning, run_folder
 from .dcp.format import DCP
 from .deepspeed.format import DEEPSPEED
 from .ds_universal.format import DS_UNIVERSAL
+from .mcore.format import MCORE
 from .kinds import AccelerateKind, FormatKind, Kind, LightningKind, RunFolderKind, Spot, TrainerKind, read_as
 from .opened import Opened
 from .protocols import Capabilities, Reader, Writer
@@ -34,8 +35,9 @@ from .safetensors.format import SAFETENSORS
 from .structure import check_listed_state_dicts
 from .torch_save.format import TORCH_SAVE, TORCH_SUFFIXES, torch_files
 
-# each a Reader and a Writer, in precedence order; the folder kinds resolve to them
-FORMATS: tuple = (DEEPSPEED, DS_UNIVERSAL, DCP, SAFETENSORS, TORCH_SAVE)
+# each a Reader and a Writer, in precedence order; the folder kinds resolve to them (Megatron-Core
+# before DCP: its iteration folder is a DCP folder with metadata.json and common.pt beside it)
+FORMATS: tuple = (DEEPSPEED, DS_UNIVERSAL, MCORE, DCP, SAFETENSORS, TORCH_SAVE)
 
 # the one ordered list a path is tried against: folder kinds first, then every format
 ORDER: list[Kind] = [RunFolderKind(), TrainerKind(), LightningKind(DCP), AccelerateKind()]
@@ -51,6 +53,19 @@ def register(fmt: "Reader | Writer") -> "Reader | Writer":
     FORMATS = (*FORMATS, fmt)
     ORDER.append(FormatKind(fmt))
     return fmt
+
+
+def tag_for_step(path: str, source: Source, step: int) -> str:
+    """--step N: the --tag naming the checkpoint of step N. A format whose reader takes tags and
+    names them by step (its adapter's `tag_for_step`: Megatron's iter_%07d) answers for a folder
+    it detects; else the run folder's entry (or a DeepSpeed tag global_stepN)."""
+    for fmt in FORMATS:
+        named = getattr(fmt, "tag_for_step", None)
+        if named is not None and fmt.capabilities.tags and fmt.detect(source):
+            tag = named(path, source, step)
+            if tag is not None:
+                return tag
+    return run_folder.tag_for_step(path, source, step)
 
 
 def format_named(name: str) -> "Reader | Writer":

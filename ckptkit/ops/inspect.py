@@ -95,7 +95,8 @@ def _sizes(tensors: list[TensorEntry]) -> list[int]:
 
 
 def _notes(index, split) -> list[str]:
-    """Lightning's layout and model prefix, optimizer state left numbered, files not read."""
+    """Lightning's layout and model prefix, optimizer state left numbered, files not read, and
+    what the reader noted (index.metadata["notes"])."""
     notes = []
     info = index.metadata.get("lightning")
     if info is not None:
@@ -115,6 +116,7 @@ def _notes(index, split) -> list[str]:
         )
     notes += [f"{why}: kept by number" for why in split.numbered.values()]
     notes += [f"not read: {why}" for why in index.metadata.get("unread", {}).values()]
+    notes += index.metadata.get("notes", [])  # what a reader says its checkpoint holds
     return notes
 
 

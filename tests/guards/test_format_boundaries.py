@@ -77,7 +77,7 @@ def _sources(prefixes: tuple[str, ...], excluded: tuple[str, ...] = ()) -> list[
 
 
 def test_the_format_packages_are_found():
-    assert FORMAT_PACKAGES == ["dcp", "deepspeed", "ds_universal", "safetensors", "torch_save"]
+    assert FORMAT_PACKAGES == ["dcp", "deepspeed", "ds_universal", "mcore", "safetensors", "torch_save"]
 
 
 def test_ops_api_and_hooks_import_nothing_inside_a_format_package():

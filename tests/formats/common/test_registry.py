@@ -61,7 +61,7 @@ def test_safetensors_file_and_folder_are_detected_by_exactly_one_reader(tmp_path
 
 def test_every_registered_format_is_a_reader_and_a_writer():
     names = [f.name for f in registry.FORMATS]
-    assert sorted(names) == ["dcp", "deepspeed", "ds_universal", "safetensors", "torch_save"]
+    assert sorted(names) == ["dcp", "deepspeed", "ds_universal", "mcore", "safetensors", "torch_save"]
     for fmt in registry.FORMATS:
         assert isinstance(fmt, Reader) and isinstance(fmt, Writer), fmt.name
         assert format_named(fmt.name) is fmt
@@ -93,7 +93,8 @@ def test_an_unknown_format_is_refused_in_one_sentence(tmp_path):
     with pytest.raises(UnsupportedError) as exc:
         format_named("orbax")
     assert str(exc.value) == (
-        "no reader or writer for the format 'orbax' (ckptkit has deepspeed, ds_universal, dcp, safetensors, torch_save)"
+        "no reader or writer for the format 'orbax' "
+        "(ckptkit has deepspeed, ds_universal, mcore, dcp, safetensors, torch_save)"
     )
     (tmp_path / "notes.txt").write_text("hello")
     assert _detected(tmp_path) == []

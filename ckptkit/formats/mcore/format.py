@@ -1,0 +1,83 @@
+"""The Megatron-Core format's adapter: `dist_checkpointing` (torch_dist) iteration folders and
+Megatron-LM's save root, read through the DCP reader; legacy rank files refused (formats/protocols.py).
+
+It comes before DCP in the registry's order: an iteration folder is a DCP folder too, and what
+tells it apart (metadata.json, common.pt, its keys) is only read here. Writing MCore checkpoints
+(reshard, convert --to mcore) is not built yet: consolidate writes safetensors and convert writes
+other formats from what is read here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...errors import UnsupportedError, UsageError
+from ...index.types import CheckpointIndex
+from ...storage.source import Source
+from ..protocols import ANY_WORLD, Capabilities, CannotReshard
+from . import legacy
+from . import reader as mcore_reader
+
+if TYPE_CHECKING:
+    from ...context import RunContext
+
+
+class McoreFormat(CannotReshard):
+    name = "mcore"
+    capabilities = Capabilities(
+        layouts=(),
+        world_sizes=ANY_WORLD,
+        optimizer_state=True,
+        reshards=False,
+        tags=True,  # an iteration folder of a save root: --tag iter_0000002
+    )
+
+    def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
+        """An iteration folder (metadata.json: torch_dist), a save root (latest_checkpointed_iteration.txt),
+        or a legacy checkpoint split over ranks (its rank folders, or one rank's file saying so in its args)."""
+        if name is not None:
+            return legacy.split_file(source, name) is not None
+        if not source.isdir(""):
+            return False
+        if mcore_reader.is_iteration(source) or source.exists(mcore_reader.LATEST):
+            return True
+        if len(legacy.rank_folders(source)) > 1:
+            return True
+        files = [n for n in source.listdir("") if n == legacy.RANK_FILE]
+        return len(files) == 1 and legacy.split_file(source, files[0]) is not None
+
+    def read_index(
+        self,
+        source: Source,
+        ctx: "RunContext | None" = None,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        optimizer: bool = True,
+    ) -> CheckpointIndex:
+        rank_file = name if name is not None else legacy.RANK_FILE if source.exists(legacy.RANK_FILE) else None
+        if rank_file is not None:
+            args = legacy.split_file(source, rank_file)
+            if args is not None:
+                raise legacy.refuse_rank_file(source.label(rank_file), args)
+        return mcore_reader.read_index(source, tag)
+
+    def tag_for_step(self, path: str, source: Source, step: int) -> str | None:
+        """--step N in a save root: its iteration folder iter_%07d (None: not a save root)."""
+        held = mcore_reader.iterations(source)
+        if not held and not source.exists(mcore_reader.LATEST):
+            return None
+        name = f"iter_{step:07d}"
+        if name in held:
+            return name
+        raise UsageError(
+            f"{path}: no iteration {step} in this Megatron save folder (iterations: {', '.join(held) or 'none'})"
+        )
+
+    def write(self, target: Any, out: object, ctx: "RunContext") -> list[str]:
+        raise UnsupportedError("writing Megatron-Core checkpoints is not supported yet")
+
+
+MCORE = McoreFormat()
+
+__all__ = ["MCORE", "McoreFormat"]

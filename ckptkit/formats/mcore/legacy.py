@@ -1,0 +1,85 @@
+"""Megatron-LM's legacy checkpoints (`--ckpt-format torch`): `iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt`,
+one torch.save file per tensor and pipeline rank, each holding that rank's slice of the model.
+
+Such a file alone is not the model: read as a plain torch.save file it would show half-size
+`linear_qkv` / `linear_fc1` tensors as if they were whole, and consolidating it would write half
+a model. Joining the ranks' files (Megatron's split rules, SwiGLU and GQA included) is not built
+yet, so a file whose `args` say it was saved split over tensor or pipeline ranks, and a folder of
+such rank files, are refused in one sentence that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import re
+from ...errors import CkptkitError, UnsupportedError
+from ...runner.torch_archive import ZIP_MAGIC, load_structure, open_archive
+from ...storage.source import Source
+from .args import MegatronArgs, megatron_args
+
+RANK_FILE = "model_optim_rng.pt"
+RANK_DIR = re.compile(r"mp_rank_[0-9]{2}(?:_[0-9]{3}){0,2}")  # mp_rank_TT, mp_rank_TT_PPP, mp_rank_TT_PPP_EEE
+MAX_SNIFFED_PICKLE = 256 << 20  # a data.pkl larger than this is not looked into for Megatron's args
+WHAT_TO_DO = (
+    "ckptkit does not join a legacy Megatron-LM checkpoint's rank files yet; have Megatron-LM load it and save "
+    "it as torch_dist (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and read that"
+)
+
+
+def file_args(source: Source, name: str) -> MegatronArgs | None:
+    """The Megatron `args` a torch.save file holds at its top level (with `checkpoint_version` and
+    a model state dict beside them), or None. Only a data.pkl that names argparse's Namespace is unpickled
+    (restricted, lazily: no tensor bytes are read)."""
+    if source.size(name) < 22 or source.read(name, 0, 4) != ZIP_MAGIC:
+        return None
+    archive = open_archive(source, name)
+    pickle = archive.members.get(f"{archive.prefix}/data.pkl")
+    if pickle is None or pickle.compressed or pickle.size > MAX_SNIFFED_PICKLE:
+        return None
+    data = archive.read(pickle.data_offset, pickle.size)
+    if b"argparse" not in data or b"Namespace" not in data or b"checkpoint_version" not in data:
+        return None
+    structure = load_structure(archive)
+    if not isinstance(structure, dict) or "args" not in structure or not _holds_model(structure):
+        return None
+    return megatron_args(structure["args"])
+
+
+def _holds_model(structure: dict) -> bool:
+    """A rank's model state dict is there (`model`, or `model0`, `model1`... per virtual pipeline
+    stage): not a torch_dist save's common.pt, whose model is all in the sharded files."""
+    return any(isinstance(k, str) and re.fullmatch(r"model[0-9]*", k) for k in structure)
+
+
+def split_file(source: Source, name: str) -> MegatronArgs | None:
+    """A legacy rank file saved split over tensor or pipeline ranks (its args say so), else None."""
+    try:
+        args = file_args(source, name)
+    except (CkptkitError, RecursionError):  # not for this check to word: the torch.save reader says it
+        return None
+    return args if args is not None and args.model_parallel else None
+
+
+def rank_folders(source: Source, rel: str = "") -> list[str]:
+    """The `mp_rank_*` folders holding a model_optim_rng.pt in the folder `rel` (an iteration folder)."""
+    found = []
+    for n in source.listdir(rel):
+        sub = f"{rel}/{n}" if rel else n
+        if RANK_DIR.fullmatch(n) and source.isdir(sub) and source.exists(f"{sub}/{RANK_FILE}"):
+            found.append(n)
+    return sorted(found)
+
+
+def refuse_rank_file(label: str, args: MegatronArgs) -> UnsupportedError:
+    return UnsupportedError(
+        f"{label}: is one rank's part of a Megatron-LM checkpoint saved at {args.layout()} (its args say "
+        f"tensor_model_parallel_size={args.tp}, pipeline_model_parallel_size={args.pp}), not the whole model; "
+        f"{WHAT_TO_DO}"
+    )
+
+
+def refuse_rank_folders(label: str, folders: list[str]) -> UnsupportedError:
+    shown = ", ".join(folders[:4]) + (f" and {len(folders) - 4} more" if len(folders) > 4 else "")
+    return UnsupportedError(
+        f"{label}: is a legacy Megatron-LM checkpoint of {len(folders)} rank folder(s) ({shown}), each "
+        f"holding one rank's part of the model; {WHAT_TO_DO}"
+    )

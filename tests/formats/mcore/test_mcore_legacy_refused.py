@@ -1,0 +1,61 @@
+"""A legacy Megatron-LM checkpoint (`iter_N/mp_rank_TT/model_optim_rng.pt`, one file per tensor
+rank) is never presented as the whole model: one rank's file, its rank folder, the iteration
+folder and the save root are refused in one sentence that names the file, what its args say and
+what to do. (Written from megatron-core's own module state dicts in Megatron-LM's container:
+fixtures/make_mcore_fixtures.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptkit.errors import UnsupportedError
+from ckptkit.formats.registry import open_checkpoint
+from conftest import DATA
+from helpers.hostile import Scene, check_refused, run_ckptkit
+
+LEGACY = DATA / "mcore" / "legacy_tp2"
+ITER = LEGACY / "iter_0000002"
+RANK0 = ITER / "mp_rank_00" / "model_optim_rng.pt"
+
+
+def test_the_rank_file_holds_half_of_a_tensor_parallel_model():
+    """What makes it wrong to read alone: the fused QKV and SwiGLU fc1 are split over the ranks."""
+    whole = torch.load(RANK0, weights_only=False)  # (trusted fixture: the module's own state dict)
+    assert whole["args"].tensor_model_parallel_size == 2
+    truth = torch.load(DATA / "mcore" / "legacy_tp2.rank0.truth.pt", weights_only=True)
+    assert truth["decoder.layers.0.mlp.linear_fc1.weight"].shape[0] == 32  # 2 x ffn 32 / tp 2
+
+
+@pytest.mark.parametrize("path", [RANK0, RANK0.parent, ITER, LEGACY], ids=["file", "rank folder", "iteration", "root"])
+def test_every_way_in_is_refused_in_one_sentence(path):
+    with pytest.raises(UnsupportedError) as err:
+        open_checkpoint(str(path))
+    text = str(err.value)
+    assert "legacy Megatron-LM" in text or "Megatron-LM checkpoint" in text
+    assert "not the whole model" in text or "one rank's part" in text
+    assert "--ckpt-convert-format torch_dist" in text
+
+
+def test_the_rank_file_refusal_names_the_file_and_what_its_args_say():
+    with pytest.raises(UnsupportedError) as err:
+        open_checkpoint(str(RANK0))
+    text = str(err.value)
+    assert str(RANK0) in text
+    assert "tensor_model_parallel_size=2, pipeline_model_parallel_size=1" in text
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["consolidate"], ["convert", "--to", "dcp"]])
+def test_no_command_writes_half_a_model(tmp_path, command):
+    out = tmp_path / "out"
+    writes = command != ["inspect"]
+    scene = Scene(ITER, out if writes else None)
+    run = run_ckptkit(command[0], RANK0, *([out] if writes else []), *command[1:])
+    check_refused(run, str(RANK0), "tensor_model_parallel_size=2", scene=scene)
+    assert not out.exists()
+
+
+def test_verify_reports_the_rank_file_as_a_problem():
+    run = run_ckptkit("verify", "--deep", RANK0)
+    assert run.code == 1 and "Traceback" not in run.output
+    assert "1 problem(s) found" in run.stderr and "not the whole model" in run.stderr
