@@ -11,6 +11,7 @@ such rank files, are refused in one sentence that says what to do instead.
 from __future__ import annotations
 
 import re
+import struct
 from ...errors import CkptkitError, UnsupportedError
 from ...runner.torch_archive import ZIP_MAGIC, load_structure, open_archive
 from ...storage.source import Source
@@ -18,7 +19,7 @@ from .args import MegatronArgs, megatron_args
 
 RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"mp_rank_[0-9]{2}(?:_[0-9]{3}){0,2}")  # mp_rank_TT, mp_rank_TT_PPP, mp_rank_TT_PPP_EEE
-MAX_SNIFFED_PICKLE = 256 << 20  # a data.pkl larger than this is not looked into for Megatron's args
+SNIFFED_HEAD = 1 << 20  # the bytes of data.pkl looked at for Megatron's args
 WHAT_TO_DO = (
     "ckptkit does not join a legacy Megatron-LM checkpoint's rank files yet; have Megatron-LM load it and save "
     "it as torch_dist (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and read that"
@@ -29,19 +30,32 @@ def file_args(source: Source, name: str) -> MegatronArgs | None:
     """The Megatron `args` a torch.save file holds at its top level (with `checkpoint_version` and
     a model state dict beside them), or None. Only a data.pkl that names argparse's Namespace is unpickled
     (restricted, lazily: no tensor bytes are read)."""
-    if source.size(name) < 22 or source.read(name, 0, 4) != ZIP_MAGIC:
+    data = _pickle_head(source, name)
+    if data is None or b"argparse" not in data or b"Namespace" not in data or b"checkpoint_version" not in data:
         return None
-    archive = open_archive(source, name)
-    pickle = archive.members.get(f"{archive.prefix}/data.pkl")
-    if pickle is None or pickle.compressed or pickle.size > MAX_SNIFFED_PICKLE:
-        return None
-    data = archive.read(pickle.data_offset, pickle.size)
-    if b"argparse" not in data or b"Namespace" not in data or b"checkpoint_version" not in data:
-        return None
-    structure = load_structure(archive)
+    structure = load_structure(open_archive(source, name))
     if not isinstance(structure, dict) or "args" not in structure or not _holds_model(structure):
         return None
     return megatron_args(structure["args"])
+
+
+def _pickle_head(source: Source, name: str) -> bytes | None:
+    """The first bytes of `<folder>/data.pkl` when it is the archive's first member, stored (as
+    torch.save writes it), else None: a look that costs one small read, not the archive's whole
+    directory (a torch.save file of 20k tensors has 20k members). Megatron-LM pickles `args` and
+    `checkpoint_version` first, so they are within this head."""
+    size = source.size(name)
+    if size < 30:
+        return None
+    head = source.read(name, 0, 30)
+    if head[:4] != ZIP_MAGIC:
+        return None
+    _, _, method, _, _, _, _, _, name_len, extra_len = struct.unpack("<HHHHHIIIHH", head[4:30])
+    member = source.read(name, 30, name_len)
+    if method != 0 or not member.endswith(b"/data.pkl") or member.count(b"/") != 1:
+        return None
+    start = 30 + name_len + extra_len
+    return source.read(name, start, max(0, min(SNIFFED_HEAD, size - start)))
 
 
 def _holds_model(structure: dict) -> bool:

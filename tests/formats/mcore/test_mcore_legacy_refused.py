@@ -59,3 +59,20 @@ def test_verify_reports_the_rank_file_as_a_problem():
     run = run_ckptkit("verify", "--deep", RANK0)
     assert run.code == 1 and "Traceback" not in run.output
     assert "1 problem(s) found" in run.stderr and "not the whole model" in run.stderr
+
+
+def test_telling_an_ordinary_torch_save_file_apart_reads_only_its_pickle_head(monkeypatch):
+    """Every torch.save file passes the Megatron check first: it must not parse the archive's
+    directory (20k members for 20k tensors) unless the pickle's head names Megatron's args."""
+    from ckptkit.formats.mcore import legacy
+    from ckptkit.formats.mcore.format import MCORE
+    from ckptkit.storage.source import open_source
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the archive was opened")
+
+    monkeypatch.setattr(legacy, "open_archive", refuse)
+    assert not MCORE.detect(open_source(str(DATA)), "plain_state_dict.pt")
+    assert not MCORE.detect(open_source(str(DATA)), "fsdp1_full_state_dict.pt")
+    with pytest.raises(AssertionError, match="the archive was opened"):
+        MCORE.detect(open_source(str(RANK0.parent)), RANK0.name)
