@@ -335,9 +335,9 @@ def test_frozen_glob_for_one_process_sources(tmp_path):
     convert(str(CV / "fsdp2ds_w3"), str(tmp_path / "t"), "torch")
     src = str(tmp_path / "t" / TORCH_FILE)
     convert(src, str(tmp_path / "guess"), "zero3", world_size=2, ds_config=cfg)
-    assert "frozen.weight" in open_checkpoint(str(tmp_path / "guess")).index.native.buffers
+    assert "frozen.weight" in open_checkpoint(str(tmp_path / "guess")).index.native.cell().buffers
     convert(src, str(tmp_path / "z"), "zero3", world_size=2, ds_config=cfg, frozen=("frozen.*",))
-    info = open_checkpoint(str(tmp_path / "z")).index.native
+    info = open_checkpoint(str(tmp_path / "z")).index.native.cell()
     assert set(info.frozen) == {"frozen.weight", "frozen.bias"} and info.buffers == ["positions", "temperature"]
     convert(str(CV / "fsdp2ds_w3"), str(tmp_path / "direct"), "zero3", world_size=2, ds_config=cfg)
     assert diff(str(tmp_path / "direct"), str(tmp_path / "z")).equal
@@ -350,8 +350,8 @@ def test_dcp_to_zero3_with_small_sub_groups(tmp_path):
     convert(str(CV / "fsdp2ds_w2"), str(tmp_path / "z"), "zero3", world_size=3, ds_config=str(cfg))
     opened = open_checkpoint(str(tmp_path / "z"))
     theirs = open_checkpoint(str(DS_DATA / "z3_fp32_w3_subgroups"))
-    assert [[n for n, _ in g.params] for g in opened.index.native.groups] == [
-        [n for n, _ in g.params] for g in theirs.index.native.groups
+    assert [[n for n, _ in g.params] for g in opened.index.native.cell().groups] == [
+        [n for n, _ in g.params] for g in theirs.index.native.cell().groups
     ]  # same sub-groups at the same size
-    assert len(opened.index.native.groups) > 2
+    assert len(opened.index.native.cell().groups) > 2
     assert diff(str(CV / "fsdp2ds_w2"), str(tmp_path / "z")).equal

@@ -234,7 +234,7 @@ def test_lazify_locates_empty_placeholders_as_tensor_location_does(name: str) ->
     from ckptkit.runner.archive_values import empty_view, locate_view
     from ckptkit.safeload import TensorRef
 
-    info = open_checkpoint(str(Path(__file__).parents[2] / "fixtures/data/deepspeed" / name)).index.native
+    info = open_checkpoint(str(Path(__file__).parents[2] / "fixtures/data/deepspeed" / name)).index.native.cell()
     model, archive = template_of(info, "model", 0)
     refs = []
 

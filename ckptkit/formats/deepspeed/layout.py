@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import UnsupportedError, UsageError, quote
+from ...errors import FormatError, UnsupportedError, UsageError, quote
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
-from .names import expert_file, model_file, optim_file, parse_layer_file, zero_model_file
+from .names import expert_file, model_file, optim_file, zero_model_file
 
 # pipeline stages: none, as per-layer files beside one ZeRO checkpoint per stage (PipelineModule),
 # or as model-parallel ranks each holding a whole MoE checkpoint (a MoE PipelineModule)
@@ -49,9 +49,12 @@ class DeepSpeedLayout:
 
     @classmethod
     def of(cls, index: CheckpointIndex) -> "DeepSpeedLayout":
-        """The layout of an index the DeepSpeed reader built (its native record and metadata,
-        themselves read from the tag folder's files)."""
-        return _layout_of(index)
+        """The layout of an index the DeepSpeed reader built: its native record's (native.py),
+        read from the tag folder's files."""
+        layout = getattr(index.native, "layout", None)
+        if not isinstance(layout, cls):
+            raise FormatError(f"{index.root}: is not a DeepSpeed checkpoint read by ckptkit")
+        return layout
 
     @property
     def family(self) -> str:
@@ -286,41 +289,3 @@ RESIZE_RULES: dict[str, ResizeRule] = {
     "moe_whole_tp": ResizeRule(("tp", "ep"), "mixture-of-experts tensor-parallel", (_whole_sizes,), _whole_world),
     "pipeline_moe": ResizeRule(("pp", "ep"), "mixture-of-experts PipelineModule", (_stage_sizes,)),
 }
-
-
-def _cells(native: Any) -> list[Any]:
-    """The ZeroInfo of each (stage, tp rank) cell a native record holds, in mp-rank order."""
-    for attr in ("stages", "ranks", "pipelines"):
-        cells = getattr(native, attr, None)
-        if isinstance(cells, dict) and cells:
-            return [c for _, cell in sorted(cells.items()) for c in _cells(cell)]
-    return [native]
-
-
-def _layout_of(index: CheckpointIndex) -> DeepSpeedLayout:
-    native = index.native
-    cells = _cells(native)
-    moe: Any = index.metadata.get("deepspeed_moe")
-    moe = moe if isinstance(moe, dict) else None
-    experts = NO_EXPERTS if moe is None else WHOLE_EXPERTS if moe.get("experts") == "whole" else SLICED_EXPERTS
-    layer_names = [n.rsplit("/", 1)[-1] for n in getattr(native, "layer_files", {}).values()]
-    for lane in getattr(native, "pipelines", {}).values():
-        layer_names += [n.rsplit("/", 1)[-1] for n in lane.layer_files.values()]
-    stages = NO_STAGES
-    if hasattr(native, "layer_files") or hasattr(native, "pipelines"):
-        stages = LAYER_FILES
-    elif hasattr(native, "num_experts"):
-        stages = MP_RANK_STAGES
-    meta = index.metadata.get("deepspeed", {})
-    return DeepSpeedLayout(
-        tp=int(getattr(native, "tp", 1)),
-        pp=int(getattr(native, "pp", 1)),
-        ep=int(moe["ep_size"]) if moe is not None else 1,
-        dp=int(getattr(native, "dp", 0) or cells[0].world_size),
-        zero_stage=int(meta.get("stage", cells[0].stage)) if isinstance(meta, dict) else cells[0].stage,
-        stages=stages,
-        experts=experts,
-        bf16_prefix=bool(cells[0].files.bf16_prefix),
-        megatron_layer_names=any((parse_layer_file(n) or (0, None))[1] is not None for n in layer_names),
-        num_experts=tuple(dict(moe["num_experts"]).items()) if moe is not None else (),
-    )

@@ -8,7 +8,7 @@ shape whose pieces point straight into the rank files (no hidden per-rank entrie
 Where each rank's slice lies in the full tensor (split along a dimension, fused blocks such as
 Megatron's QKV, or replicated: rank 0's pieces) is tp_geometry.py's `TpGeometry`, the one
 description the writers split with too. The other ranks' copies of a replicated tensor must be the
-same bytes, which `verify --deep` checks (`ModelParallelInfo.replica_entries`). Copies of another
+same bytes, which `verify --deep` checks (`DeepSpeedNative.replica_entries`). Copies of another
 shape are refused; so are copies of other bytes where a `--tp-rules` rule of the user declared the
 tensor replicated (a rule naming a split tensor would give rank 0's slice as the whole): those
 copies are read and compared here, the only tensor payload this reader reads.
@@ -22,7 +22,6 @@ decides is refused by name. Each assembled tensor carries attrs["parallel"]["tp"
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...convert.tp_rules import HOW_TO, TpRules, TpSplit, recorded_rules
@@ -34,28 +33,10 @@ from ...storage import kernel_copy
 from ...storage.source import Source
 from .files import ZeroFiles
 from .names import mp_rank
+from .native import DeepSpeedNative, layout_read
 from .tp_geometry import for_slices, for_uneven_slices, param_name
 
 COMPARE_ELEMENTS_BYTES = 16 << 20  # bytes of each copy compared at a time (user-declared replicas)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelParallelInfo:
-    """index.native of a TP checkpoint: each mp rank's own ZeroInfo (tp_writer.py lays one out at new sizes)."""
-
-    tp: int
-    dp: int
-    ranks: dict[int, Any] = field(default_factory=dict)  # mp rank -> ZeroInfo
-    splits: dict[str, TpSplit] = field(default_factory=dict)
-    # key of a replicated tensor -> (mp rank, that rank's copy) for ranks 1.. (the index reads rank 0's)
-    replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
-
-    def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
-        """key -> [(what, entry)]: other copies that must hold the same bytes (verify --deep)."""
-        return {
-            key: [(f"model-parallel rank {rank}'s copy", e) for rank, e in copies]
-            for key, copies in self.replicas.items()
-        }
 
 
 def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex], rules: TpRules) -> CheckpointIndex:
@@ -114,9 +95,8 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
         **({"ep": first.metadata["parallel"]["ep"]} if "ep" in first.metadata.get("parallel", {}) else {}),
         "dp": dp,
     }
-    index.native = ModelParallelInfo(
-        tp=tp, dp=dp, ranks={r: s.native for r, s in subs.items()}, splits=splits, replicas=replicas
-    )
+    cells = {(0, r): s.native for r, s in subs.items()}
+    index.native = DeepSpeedNative(layout=layout_read(index, cells), cells=cells, splits=splits, tp_copies=replicas)
     return index
 
 

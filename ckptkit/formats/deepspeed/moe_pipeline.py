@@ -17,24 +17,12 @@ renumbered).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from ...errors import FormatError, UnsupportedError, quote
 from ...index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ...storage.source import Source
 from .files import ZeroFiles
 from .names import layer_file, mp_rank
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineMoeInfo:
-    """index.native of a MoE pipeline: each stage's own ZeroInfo."""
-
-    pp: int
-    dp: int
-    ranks: dict[int, Any] = field(default_factory=dict)  # stage -> ZeroInfo
-    num_experts: dict[int, dict[str, int]] = field(default_factory=dict)  # stage -> its MoE layers' counts
+from .native import DeepSpeedNative, layout_read
 
 
 def recorded_pp(sub: CheckpointIndex) -> tuple[int, int] | None:
@@ -108,11 +96,11 @@ def join(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> 
     moe = first.metadata["deepspeed_moe"]
     index.metadata["deepspeed_moe"] = {**moe, "num_experts": counts}
     index.metadata["parallel"] = {"pp": pp, "ep": moe["ep_size"], "dp": dp}
-    index.native = PipelineMoeInfo(
-        pp=pp,
-        dp=dp,
-        ranks={s: sub.native for s, sub in subs.items()},
-        num_experts={s: dict(sub.metadata["deepspeed_moe"]["num_experts"]) for s, sub in subs.items()},
+    cells = {(s, 0): sub.native for s, sub in subs.items()}
+    index.native = DeepSpeedNative(
+        layout=layout_read(index, cells, mp_rank_stages=True),
+        cells=cells,
+        stage_experts={s: dict(sub.metadata["deepspeed_moe"]["num_experts"]) for s, sub in subs.items()},
     )
     return index
 

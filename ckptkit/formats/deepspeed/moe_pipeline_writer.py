@@ -37,7 +37,7 @@ from .names import EXPERT_FILE, expert_file
 from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
-from .moe_pipeline import PipelineMoeInfo
+from .native import DeepSpeedNative
 from .moe_writer import moe_cell
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
@@ -81,7 +81,7 @@ def _layer_weights(index: CheckpointIndex, ep: int, count: int) -> list[int]:
 def new_parts(index: CheckpointIndex, pp: int, ep: int) -> list[int]:
     """The new stages' boundaries (the source's at its own pp), by the partition method checked to
     give the source's stages at the source's sizes."""
-    info: PipelineMoeInfo = index.native
+    info: DeepSpeedNative = index.native
     method, types = chosen_partition_method(), chosen_layer_types()
     stage_of: dict[int, int] = {}
     for key, entry in index.tensors.items():
@@ -139,7 +139,7 @@ def new_parts(index: CheckpointIndex, pp: int, ep: int) -> list[int]:
 def _stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, align: int) -> tuple[ZeroInfo, dict]:
     """A ZeroInfo whose templates are those of a MoE checkpoint of the layers `held`, joined from
     the source stages (modules, param_shapes, groups in layer order), and its MoE layers' counts."""
-    info: PipelineMoeInfo = index.native
+    info: DeepSpeedNative = index.native
     z0: ZeroInfo = info.ranks[0]
     m0, marchive = template_of(z0, "model", min(z0.files.model_files))
     o0, _ = template_of(z0, "optim", min(z0.files.optim_files))
@@ -211,7 +211,7 @@ def write_pipeline_moe_zero(
     out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
 ) -> list[str]:
     """Each new stage laid out by the MoE writer at E and W, under its mp rank (module docstring)."""
-    info: PipelineMoeInfo = index.native
+    info: DeepSpeedNative = index.native
     sizes = target_sizes(index, to)
     if sizes.tp != 1:
         raise UnsupportedError(
@@ -247,7 +247,7 @@ def write_pipeline_moe_zero(
 def _source_layer_ids(index: CheckpointIndex) -> dict[tuple[int, str], tuple[str, int, str]]:
     """Each source expert file (stage, name) -> (its path, expert id, MoE prefix): its L-th MoE
     layer is the stage's L-th in module order."""
-    info: PipelineMoeInfo = index.native
+    info: DeepSpeedNative = index.native
     out: dict[tuple[int, str], tuple[str, int, str]] = {}
     for stage, zinfo in info.ranks.items():
         prefixes = sorted(info.num_experts[stage], key=lambda p: _layer_of(p) or 0)

@@ -38,7 +38,7 @@ from .layout import DeepSpeedLayout
 from .names import expert_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
-from .model_parallel import ModelParallelInfo
+from .native import DeepSpeedNative
 from .moe import MARK
 from .moe_writer import moe_cell
 from .tag_writer import alignment, tag_name, write_tag, zero_config
@@ -57,7 +57,7 @@ def write_moe_tp_zero(
     out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
 ) -> list[str]:
     """Reshard a MoE + TP ZeRO-1/2 checkpoint to T mp ranks of W dp ranks, E expert-parallel (module docstring)."""
-    info: ModelParallelInfo = index.native
+    info: DeepSpeedNative = index.native
     sizes = target_sizes(index, to)
     meta = index.metadata["deepspeed_moe"]
     zinfo0: ZeroInfo = info.ranks[0]
@@ -86,7 +86,7 @@ def tp_lanes(
 ) -> Iterator[tuple[int, CheckpointIndex, Fetcher, ZeroInfo]]:
     """Each new mp rank t of a MoE + TP checkpoint: (t, its rank index, a fetcher over it, its
     templates with its slice shapes), as both MoE + TP writers lay a lane out with moe_writer.moe_cell."""
-    info: ModelParallelInfo = index.native
+    info: DeepSpeedNative = index.native
     zinfo0: ZeroInfo = info.ranks[0]
     align = alignment(zero_config(index), zinfo0.dtype)
     slicer = TpSlicer(index, info.splits, sizes.tp, TpCut(index, source, sizes.tp))

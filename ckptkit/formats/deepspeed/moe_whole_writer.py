@@ -29,7 +29,7 @@ from .layout import DeepSpeedLayout
 from .names import EXPERT_ID, expert_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
-from .model_parallel import ModelParallelInfo
+from .native import DeepSpeedNative
 from .moe_tp_writer import lane_model, tp_lanes
 from .moe_writer import moe_cell
 from .tag_writer import tag_name, write_tag, zero_config
@@ -47,7 +47,7 @@ def write_whole_experts(
     out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
 ) -> list[str]:
     """Reshard a whole-expert MoE + TP ZeRO-1/2 checkpoint (module docstring)."""
-    info: ModelParallelInfo = index.native
+    info: DeepSpeedNative = index.native
     sizes = target_sizes(index, to)
     zinfo0: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)
@@ -74,7 +74,7 @@ def write_whole_experts(
 
 
 def _expert_copies(
-    index: CheckpointIndex, info: ModelParallelInfo, tag: str, sizes: ParallelSizes
+    index: CheckpointIndex, info: DeepSpeedNative, tag: str, sizes: ParallelSizes
 ) -> list[tuple[str, str]]:
     """(source file, output name) of every expert file: expert G of ep rank e under mp rank e % T."""
     counts = dict(index.metadata["deepspeed_moe"]["num_experts"])

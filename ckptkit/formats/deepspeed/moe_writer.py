@@ -42,6 +42,7 @@ from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK, split_expert_name
 from .refusals import refuse_pipeline_moe
+from .native import native_of
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .templates import lazify, template_of
 from .writer import Cell, ExpertSplit, cell_files
@@ -117,7 +118,7 @@ def write_moe_zero(
 ) -> list[str]:
     """Reshard a MoE ZeRO-1/2 checkpoint to E' expert-parallel ranks among W' ranks (module docstring)."""
     refuse_pipeline_moe(index)  # a MoE PipelineModule: its stages are not laid out yet
-    info: ZeroInfo = index.native
+    info = native_of(index).cell()
     target = target_sizes(index, to)
     tag = tag_name(info.files.tag, index)
     fetcher = Fetcher(source, index=index)

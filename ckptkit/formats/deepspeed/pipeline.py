@@ -27,7 +27,7 @@ copies agree); it appears once, from the lowest stage. The layer files give `ds_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CkptkitError, FormatError, UnsupportedError, quote
@@ -54,27 +54,7 @@ from .names import tp_suffix
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
 from .layout import DeepSpeedLayout
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineInfo:
-    """index.native of a pipeline checkpoint: each stage's own ZeroInfo and which layer files
-    were read for it (pipeline_writer.py lays one out at new sizes)."""
-
-    pp: int
-    dp: int
-    stages: dict[int, ZeroInfo] = field(default_factory=dict)
-    layers: dict[int, int] = field(default_factory=dict)  # layer index -> stage
-    # key -> (stage, entry) of a tied module's copies on later stages (left out of the index)
-    replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
-    layer_files: dict[int, str] = field(default_factory=dict)  # layer index -> its file (source-relative)
-    tied_layers: dict[int, str] = field(default_factory=dict)  # layer index -> tied key its file holds
-
-    def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
-        """key -> [(what, entry)]: the copies that must hold the same bytes (verify --deep)."""
-        return {
-            key: [(f"pipeline stage {stage}'s copy", e) for stage, e in copies] for key, copies in self.replicas.items()
-        }
+from .native import DeepSpeedNative, PipelineLane, layout_read
 
 
 def layer_files(files: ZeroFiles, model_rank: int = 0) -> dict[int, str]:
@@ -170,15 +150,16 @@ def read_pipeline(
         },
     }
     index.metadata["parallel"] = {"pp": pp, "dp": dp}
-    index.native = PipelineInfo(
-        pp=pp,
-        dp=dp,
-        stages={s: st.info for s, st in stages.items()},
-        layers=layers,
-        replicas=replicas,
-        layer_files={k: f.rel for k, f in opened.items()},
-        tied_layers=tied_layers,
-    )
+    cells = {(s, 0): st.info for s, st in stages.items()}
+    lanes = {
+        0: PipelineLane(
+            layers=layers,
+            layer_files={k: f.rel for k, f in opened.items()},
+            tied_layers=tied_layers,
+            tied_copies=replicas,
+        )
+    }
+    index.native = DeepSpeedNative(layout=layout_read(index, cells, lanes), cells=cells, lanes=lanes)
     return index
 
 

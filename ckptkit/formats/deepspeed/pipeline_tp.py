@@ -14,40 +14,13 @@ at new sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from ...convert.tp_rules import TpRules, TpSplit, chosen_rules_file, load_rules, recorded_rules
 from ...errors import FormatError
 from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
 from . import model_parallel as mp
+from .native import DeepSpeedNative, layout_read
 from .tp_geometry import param_name
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineTpInfo:
-    """index.native of a 3-D checkpoint: tp rank t's pipeline (PipelineInfo) and the splits used."""
-
-    pp: int
-    tp: int
-    dp: int
-    pipelines: dict[int, Any] = field(default_factory=dict)  # tp rank -> its pipeline.PipelineInfo
-    splits: dict[str, TpSplit] = field(default_factory=dict)
-    # key of a tp-replicated tensor -> (tp rank, its copy) for ranks 1..
-    replicas: dict[str, list[tuple[int, TensorEntry]]] = field(default_factory=dict)
-
-    def replica_entries(self) -> dict[str, list[tuple[str, TensorEntry]]]:
-        """key -> [(what, entry)]: copies that must hold the same bytes (verify --deep): the
-        tp ranks' copies of replicated tensors and each tp rank's tied-module copies."""
-        out = {
-            key: [(f"tensor-parallel rank {rank}'s copy", e) for rank, e in copies]
-            for key, copies in self.replicas.items()
-        }
-        if 0 in self.pipelines:  # tied modules: tp rank 0's later-stage copies (full-size entries only there)
-            for key, copies in self.pipelines[0].replica_entries().items():
-                out.setdefault(key, []).extend(copies)
-        return out
 
 
 def join(
@@ -88,8 +61,10 @@ def join(
         "pipeline": {**ds.get("pipeline", {}), "tensor_parallel": tp},
     }
     index.metadata["parallel"] = {"pp": pp, "tp": tp, "dp": dp}
-    index.native = PipelineTpInfo(
-        pp=pp, tp=tp, dp=dp, pipelines={t: s.native for t, s in subs.items()}, splits=splits, replicas=replicas
+    cells = {(s, t): z for t, sub in subs.items() for (s, _), z in sub.native.cells.items()}
+    lanes = {t: sub.native.lanes[0] for t, sub in subs.items()}
+    index.native = DeepSpeedNative(
+        layout=layout_read(index, cells, lanes), cells=cells, lanes=lanes, splits=splits, tp_copies=replicas
     )
     return index
 

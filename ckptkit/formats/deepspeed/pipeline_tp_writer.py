@@ -33,7 +33,7 @@ from .names import layer_file
 from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .pipeline_partition import chosen_layer_types, chosen_partition_method
-from .pipeline_tp import PipelineTpInfo
+from .native import DeepSpeedNative
 from .templates import template_of
 from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .autotp_cut import TpCut
@@ -64,7 +64,7 @@ def write_3d_zero(
     partition_method: str | None = None,
 ) -> list[str]:
     """Reshard a 3-D ZeRO-1 checkpoint to T x P x W ranks (module docstring)."""
-    info: PipelineTpInfo = index.native
+    info: DeepSpeedNative = index.native
     target = target_sizes(index, to)
     method = partition_method or chosen_partition_method()
     pinfo = info.pipelines[0]
@@ -125,7 +125,7 @@ def _stage_model(m0: dict, marchive: Any, plan: Any, target: Target3d) -> dict:
 
 
 def _local_pipeline(pinfo: Any, rank_index: CheckpointIndex) -> Any:
-    """tp rank 0's PipelineInfo with each stage's groups at the new rank's slice shapes."""
+    """tp rank 0's pipeline (DeepSpeedNative.lane) with each stage's groups at the new rank's slice shapes."""
 
     def local(z: ZeroInfo) -> ZeroInfo:
         groups = [
@@ -136,7 +136,7 @@ def _local_pipeline(pinfo: Any, rank_index: CheckpointIndex) -> Any:
         ]
         return dataclasses.replace(z, groups=groups)
 
-    return dataclasses.replace(pinfo, stages={s: local(z) for s, z in pinfo.stages.items()})
+    return dataclasses.replace(pinfo, cells={c: local(z) for c, z in pinfo.cells.items()})
 
 
 def _layer_state(index: CheckpointIndex, pinfo: Any, rank_index: CheckpointIndex, layer: int) -> OrderedDict:

@@ -42,7 +42,7 @@ from ..torch_save.archive_writer import LazyTensor
 from .layout import DeepSpeedLayout
 from .group_plan import GroupPlan, StatePlanner, virtual
 from .info import ZeroGroup, ZeroInfo
-from .pipeline import PipelineInfo
+from .native import DeepSpeedNative
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
@@ -83,7 +83,7 @@ def _tied_key(name: str) -> str | None:
 def layer_table(index: CheckpointIndex) -> tuple[list[Layer], dict[int, int]]:
     """PipelineModule's layer list as far as the checkpoint shows it (module docstring), and the
     source stage of each layer it places (layer index -> stage)."""
-    info: PipelineInfo = index.native
+    info: DeepSpeedNative = index.native
     trainable: dict[str, int] = {}
     tied_on: dict[int, set[str]] = {}
     for s, z in info.stages.items():
@@ -156,7 +156,7 @@ def new_stages(
     after the last one the checkpoint shows are unseen: every count of them (up to as many again)
     under which `method` gives the source's own stages is tried, and the stages of the layers with
     state must not depend on it (else refused as undetermined); the fewest such layers are written."""
-    info: PipelineInfo = index.native
+    info: DeepSpeedNative = index.native
     if layer_types is None and is_type_method(method):
         raise UsageError(
             f"--partition-method {method}: {index.root} does not record its layers' class names, which "
@@ -222,7 +222,7 @@ class StagePlan:
 def stage_plans(index: CheckpointIndex, layers: list[Layer], parts: list[int], align: int) -> list[StagePlan]:
     """Each new stage's parameters in PipelineModule's order: tied modules first (the ModuleDict is
     registered before the layers), in the order the stage builds them, then layer by layer."""
-    info: PipelineInfo = index.native
+    info: DeepSpeedNative = index.native
     src0 = info.stages[min(info.stages)]
     source_groups: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(len(src0.groups))]
     pads_seen = any(g.paddings is not None for z in info.stages.values() for g in z.groups)
@@ -273,7 +273,7 @@ def write_pp_zero(
     partition_method: str | None = None,
 ) -> list[str]:
     """Reshard a pipeline ZeRO-1 (or BF16_Optimizer) checkpoint to P stages of W ranks (module docstring)."""
-    info: PipelineInfo = index.native
+    info: DeepSpeedNative = index.native
     target = target_sizes(index, to)
     method = partition_method or chosen_partition_method()
     layers, stage_of = layer_table(index)

@@ -20,6 +20,7 @@ in flat_groups.py), then `ZeroInfo` is built once from them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -38,6 +39,7 @@ from .files import ZeroFiles, locate
 from .names import optim_file, zero_model_file
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, ZeroInfo, stage_names
+from .native import DeepSpeedNative, layout_read
 
 FORMAT = "deepspeed"
 STRUCTURAL_KEYS = {
@@ -88,8 +90,13 @@ def read_index(
         index = model_parallel.assemble(source, files, subs, rules)
         if files.whole_experts:  # each expert whole on one mp rank: read across them (moe_whole.py)
             moe_whole.read_experts(source, files, index, subs)
+        native: DeepSpeedNative = index.native
+        index.native = dataclasses.replace(native, layout=layout_read(index, native.cells))
         return index
-    return _read_one(source, files, optimizer=optimizer)
+    index = _read_one(source, files, optimizer=optimizer)
+    cells = {(0, 0): index.native}
+    index.native = DeepSpeedNative(layout=layout_read(index, cells), cells=cells)
+    return index
 
 
 def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> CheckpointIndex:

@@ -2,7 +2,7 @@
 (`reshard --to tp=T,dp=W`; `--to N` keeps the source's tp).
 
 The reader (model_parallel.py) joins the source's mp ranks into full tensors and records each
-parameter's split (`ModelParallelInfo.splits`: split dim, replicated, fused blocks). Here each new
+parameter's split (`DeepSpeedNative.splits`: split dim, replicated, fused blocks). Here each new
 mp rank t gets a *rank index* (tp_geometry.TpSlicer, from the geometry the reader joined with):
 the full tensors under hidden keys, and under the usual keys (model.<name>,
 optim.state.<name>.<key>, ds_module.<name>) rank t's slice of each, a virtual tensor whose pieces
@@ -39,7 +39,7 @@ from ..torch_save.archive_writer import LazyTensor
 from .layout import DeepSpeedLayout
 from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
-from .model_parallel import ModelParallelInfo
+from .native import DeepSpeedNative
 from .templates import lazify, template_of
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .autotp_cut import TpCut
@@ -64,7 +64,7 @@ def write_tp_zero(
     out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
 ) -> list[str]:
     """Reshard a tensor-parallel ZeRO checkpoint to T mp ranks of W dp ranks (module docstring)."""
-    info: ModelParallelInfo = index.native
+    info: DeepSpeedNative = index.native
     target = target_sizes(index, to)
     zinfo: ZeroInfo = info.ranks[0]
     zero_cfg = zero_config(index)

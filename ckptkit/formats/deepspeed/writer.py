@@ -39,6 +39,7 @@ from .names import model_file, optim_file, zero_model_file
 from .group_plan import GroupPlan, StatePlanner, plan_group, state_templates, target_groups, virtual
 from .info import ZeroGroup, ZeroInfo, stage_names
 from .layout import DeepSpeedLayout
+from .native import native_of
 from .refusals import refuse_experts, refuse_tensor_parallel
 from .tag_writer import tag_name, write_tag, zero_config
 from .templates import lazify, ordered_like, template_of
@@ -54,7 +55,7 @@ def write_zero(out: Output, index: CheckpointIndex, source: Source, world_size: 
     refuse_tensor_parallel(index)  # per-mp-rank layouts: reshard --to tp=... lays them out
     if DeepSpeedLayout.of(index).family != "zero":
         raise FormatError("write_zero needs a DeepSpeed checkpoint read by ckptkit")
-    info: ZeroInfo = index.native
+    info = native_of(index).cell()
     zero_cfg = zero_config(index)
     sub_group_size = zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     return write_zero_files(

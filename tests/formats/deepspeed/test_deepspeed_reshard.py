@@ -61,7 +61,7 @@ def test_stage12_bookkeeping_matches_deepspeed_rules(outputs, name, m):
     """partition_count, group_paddings and param_slice_mappings are what DeepSpeed computes at M."""
     from ckptkit.formats.registry import open_checkpoint
 
-    native = open_checkpoint(str(outputs[(name, m)])).index.native
+    native = open_checkpoint(str(outputs[(name, m)])).index.native.cell()
     for rank in range(m):
         osd = native.optim_states[rank]["optimizer_state_dict"]
         assert osd["partition_count"] == [m] * len(native.groups)

@@ -48,7 +48,7 @@ def _model_states():
     """Rank 0's model-states structure of a real ZeRO-3 checkpoint (buffers: tensors with bytes),
     lazified as the writer does, and the fetcher its tensors read through."""
     opened = open_checkpoint(str(SOURCE))
-    info = opened.index.native
+    info = opened.index.native.cell()
     rel = info.files.prefix + info.files.model_files[0]
     return lazify(info.model_states[0], info.archives[rel], {}), Fetcher(opened.source), opened
 
