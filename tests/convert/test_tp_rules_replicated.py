@@ -38,7 +38,7 @@ def _user_replicated(pattern: str):
 def test_replicated_slices_of_different_shapes_are_refused_by_name():
     """Rank 0 [8], rank 1 [4]: a tensor whole on every rank cannot have two shapes; the rule is wrong."""
     from ckptkit.errors import CkptkitError
-    from ckptkit.formats.deepspeed.model_parallel import full_entry
+    from ckptkit.formats.deepspeed.join_tp import full_entry
     from ckptkit.index.types import CheckpointIndex, FlatRange, Location, Piece, TensorEntry
 
     def entry(n: int) -> TensorEntry:
@@ -65,7 +65,7 @@ def test_a_user_rule_replicating_a_split_tensor_is_refused(tmp_path):
     calling it replicated would silently give rank 0's half as the whole tensor."""
     from ckptkit.convert.tp_rules import load_rules
     from ckptkit.errors import CkptkitError
-    from ckptkit.formats.deepspeed.reader import read_index
+    from ckptkit.formats.deepspeed.read import read_index
     from ckptkit.storage.source import open_source
 
     rules = load_rules(str(_rules_file(tmp_path, [{"pattern": "*dense_h_to_4h.weight", "split": "replicated"}])))
@@ -88,7 +88,7 @@ def test_the_refusal_reaches_the_cli_as_one_sentence(tmp_path):
 def test_a_user_rule_replicating_equal_copies_reads_as_before(tmp_path):
     """Layernorms are the same on every rank: the user's rule agrees with the built-in one."""
     from ckptkit.convert.tp_rules import load_rules
-    from ckptkit.formats.deepspeed.reader import read_index
+    from ckptkit.formats.deepspeed.read import read_index
     from ckptkit.storage.source import open_source
 
     rules = load_rules(str(_rules_file(tmp_path, [{"pattern": "*layernorm.*", "split": "replicated"}])))
@@ -105,7 +105,7 @@ def test_a_user_rule_replicating_a_differing_copy_is_refused(tmp_path):
     --deep reports it), a user's rule is checked when the checkpoint is read."""
     from ckptkit.convert.tp_rules import load_rules
     from ckptkit.errors import CkptkitError
-    from ckptkit.formats.deepspeed.reader import read_index
+    from ckptkit.formats.deepspeed.read import read_index
     from ckptkit.storage.source import open_source
 
     name = next(

@@ -28,7 +28,7 @@ class ZeroFiles:
     model_parallel: dict[int, "ZeroFiles"] = field(default_factory=dict)
     expert_files: list[str] = field(default_factory=list)  # MoE layer_L_expert_G_* files (moe.py reads them)
     # MoE(enable_expert_tensor_parallelism=False) under an mpu: each expert whole, on one mp rank
-    # (moe_whole.py reads them across the mp ranks); False when every mp rank holds every expert
+    # (join_ep.py reads them across the mp ranks); False when every mp rank holds every expert
     whole_experts: bool = False
 
 
@@ -136,7 +136,7 @@ def _rank_files(source: Source, tag: str | None, prefix: str) -> ZeroFiles:
     lacking = [mp for mp in per_mp if not per_mp[mp].expert_files] if experts and len(per_mp) > 1 else []
     if lacking and not whole:
         # every expert on some mp ranks, none on the others: whole experts at ep 1 (all on mp rank 0),
-        # or sliced ones with files lost; the expert groups' partition count tells (moe_whole.py)
+        # or sliced ones with files lost; the expert groups' partition count tells (join_ep.py)
         if lacking != list(range(1, len(per_mp))) or not moe_whole_at_ep1(
             source, prefix, optim_files.get(0, {}), len(per_mp)
         ):

@@ -18,11 +18,11 @@ from ..protocols import (
     ZeroTarget,
 )
 from . import files as ds_files
-from . import pipeline as ds_pipeline
 from . import reader as ds_reader
 from .layout import LAYER_FILES, DeepSpeedLayout
 from .names import parse_step_tag, step_tag
 from .refusals import refuse_pipeline_reshard
+from .read import read_index
 from .resharding import write_at_world_size, write_resharded
 from .state_target import write_state
 
@@ -70,11 +70,8 @@ class DeepSpeedFormat:
         tag: str | None = None,
         optimizer: bool = True,
     ) -> CheckpointIndex:
-        """`optimizer` False: the optimizer's per-parameter state may be counted, not indexed (reader.read_index)."""
-        if ds_pipeline.detect(source, tag):  # PipelineModule's per-layer files: one ZeRO checkpoint per stage
-            index = ds_pipeline.read_index(source, tag)
-        else:
-            index = ds_reader.read_index(source, tag, optimizer=optimizer)
+        """`optimizer` False: the optimizer's per-parameter state may be counted, not indexed (read.read_index)."""
+        index = read_index(source, tag, optimizer=optimizer)  # every layout: cells joined over ep, pp, tp
         index.replicas = replicas_of(index)
         return index
 

@@ -220,7 +220,7 @@ def open_expert_files(
     """Every expert file there must be (one per layer and global expert), opened and checked:
     its tensors are the expert's parameters, shaped as the optimizer's param_shapes say.
     `mp_of(ep rank)`: the mp rank whose files hold that ep rank's experts (default: files.mp_rank;
-    moe_whole.py: the one DeepSpeed saves them from)."""
+    join_ep.py: the one DeepSpeed saves them from)."""
     mp_of = mp_of or (lambda ep_rank: files.mp_rank)
     found: dict[tuple[int, int], str] = {}
     for name in files.expert_files:

@@ -1,4 +1,4 @@
-"""Write a mixture-of-experts PipelineModule checkpoint (moe_pipeline.py) at new pipeline, expert-
+"""Write a mixture-of-experts PipelineModule checkpoint (join_pp.py) at new pipeline, expert-
 parallel and data-parallel sizes: `reshard --to pp=P,ep=E,dp=W` (`--to N` keeps pp and ep, dp = N / P).
 
 DeepSpeed 0.19 saves each stage s as a MoE checkpoint under model-parallel rank s, and its MoE

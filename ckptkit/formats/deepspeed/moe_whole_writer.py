@@ -1,5 +1,5 @@
 """Write a DeepSpeed MoE + TP checkpoint whose experts are whole (`MoE(...,
-enable_expert_tensor_parallelism=False)` under an mpu, moe_whole.py's layout) at new sizes:
+enable_expert_tensor_parallelism=False)` under an mpu, join_ep.py's layout) at new sizes:
 `reshard --to tp=T,ep=E,dp=W` (`--to N` keeps tp and ep).
 
 Target rank r = t + T*d (tp rank t, dp rank d, W dp ranks, T*W ranks in all) writes

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...convert.tp_rules import TpSplit
 from ...errors import FormatError
 from ...index.types import CheckpointIndex, TensorEntry
 from .info import ZeroInfo
@@ -39,7 +40,7 @@ class DeepSpeedNative:
 
     layout: DeepSpeedLayout
     cells: dict[tuple[int, int], ZeroInfo]  # (stage, tp rank) -> that cell's ZeRO record
-    splits: dict[str, Any] = field(default_factory=dict)  # parameter -> its TpSplit (the tp join)
+    splits: dict[str, TpSplit] = field(default_factory=dict)  # parameter -> its split (the tp join)
     tp_copies: Copies = field(default_factory=dict)  # a tp-replicated tensor's copies on tp ranks 1..
     lanes: dict[int, PipelineLane] = field(default_factory=dict)  # tp rank -> its pipeline's layer files
     stage_experts: dict[int, dict[str, int]] = field(default_factory=dict)  # mp-rank stage -> its MoE layers

@@ -7,7 +7,7 @@ What DeepSpeed writes in the tag folder (ZeRO stage 0/1 only: PipelineEngine ref
                                                 tied layer with a forward_fn (a functools.partial)
                                                 has none. A topology with a `model` axis (tensor
                                                 parallelism, Megatron-DeepSpeed's) adds `tp_suffix(YY)`,
-                                                YY the tp rank (pipeline_tp.py joins tp > 1).
+                                                YY the tp rank (join_tp.py joins tp > 1).
   model_file(SS)                                one per stage S (`module` is None; buffer_names,
                                                 param_shapes with the stage's global names)
   optim_file(D, bf16, mp=SS)                    one per (data-parallel rank D, stage S): each
@@ -30,16 +30,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import CkptkitError, FormatError, UnsupportedError, quote
+from ...errors import CkptkitError, FormatError, UnsupportedError
 from ...index.state_keys import model_key, model_path
-from ...index.types import Box, CheckpointIndex, ObjectEntry, Piece, TensorEntry
+from ...index.types import Box, CheckpointIndex, Piece, TensorEntry
 from ...runner.torch_archive import Archive, load_structure, open_archive
 from ...safeload import TensorRef
 from ...storage.source import Source
-from . import pipeline_tp
+from . import join_pp
 from . import reader as zero
 from .entries import entry, tensor_of
-from .files import ZeroFiles, locate, read_latest
+from .files import ZeroFiles, read_latest
 from .names import (
     LATEST,
     LAYER_FILE,
@@ -53,8 +53,8 @@ from .names import (
 from .names import tp_suffix
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroInfo, stage_names
-from .layout import DeepSpeedLayout
-from .native import DeepSpeedNative, PipelineLane, layout_read
+from .layout import LAYER_FILES, DeepSpeedLayout
+from .native import Copies, PipelineLane
 
 
 def layer_files(files: ZeroFiles, model_rank: int = 0) -> dict[int, str]:
@@ -98,8 +98,8 @@ def detect(source: Source, tag: str | None = None) -> bool:
     return listing is not None and any(LAYER_FILE.match(name) for name in listing[1])
 
 
-def read_index(source: Source, tag: str | None = None, tp_rules: Any = None) -> CheckpointIndex:
-    """One index for the whole pipeline: every stage's ZeRO state under global names."""
+def check_tag(source: Source, tag: str | None = None) -> None:
+    """A PipelineModule's tag folder holds ZeRO optim-states files (stage 0 in fp32 or fp16 has none)."""
     listing = _tag_listing(source, tag)
     if (
         listing is not None
@@ -111,18 +111,34 @@ def read_index(source: Source, tag: str | None = None, tp_rules: Any = None) -> 
             f"(ZeRO stage 0 in fp32 or fp16 keeps the optimizer's state in the "
             f"{model_file('XX')} files) is not supported yet"
         )
-    files = locate(source, tag)
-    if tp_size(files) > 1:  # pipeline x tensor parallel
-        return _read_3d(source, files, tp_size(files), tp_rules)
-    per_stage = getattr(files, "model_parallel", None) or {0: files}  # mp rank = stage (tp 1)
-    return read_pipeline(source, files, dict(sorted(per_stage.items())), 0)
 
 
-def read_pipeline(
-    source: Source, files: ZeroFiles, per_stage: dict[int, ZeroFiles], model_rank: int
-) -> CheckpointIndex:
-    """One index for the pipeline of tp rank `model_rank`: stage s's ZeRO files are per_stage[s]
-    (mp rank s * tp + model_rank), its layer files those ending `tp_suffix(model_rank)`."""
+def lane_grid(source: Source, files: ZeroFiles, label: str) -> DeepSpeedLayout:
+    """The stages x tp ranks a PipelineModule's files show: tp from the layer files' `tp_suffix(YY)`,
+    the stages the mp ranks per tp rank (every layer's file there for each tp rank)."""
+    tp = tp_size(files)
+    ranks = sorted(files.model_parallel) if files.model_parallel else [0]
+    if tp == 1:
+        return DeepSpeedLayout(tp=1, pp=len(ranks), stages=LAYER_FILES)
+    if len(ranks) % tp:
+        raise FormatError(
+            f"{label}: layer files name {tp} tensor-parallel ranks ({tp_suffix(0)}..{tp_suffix(tp - 1)}), "
+            f"but there are {len(ranks)} model-parallel ranks ({mp_rank('XX')}), not a multiple of {tp}"
+        )
+    _check_tp_layer_files(source, files, tp)
+    return DeepSpeedLayout(tp=tp, pp=len(ranks) // tp, stages=LAYER_FILES)
+
+
+def read_lane(
+    source: Source, files: ZeroFiles, grid: DeepSpeedLayout, model_rank: int
+) -> tuple[CheckpointIndex, dict[int, ZeroInfo], PipelineLane]:
+    """The pipeline of tp rank `model_rank`: each stage s (mp rank s * tp + model_rank) read as a
+    ZeRO checkpoint with its layer files (those ending `tp_suffix(model_rank)`), then joined over pp
+    (join_pp.merge_stage). Returns its index, each stage's ZeroInfo and its layer files' facts."""
+    if grid.tp == 1:  # mp rank = stage; a missing stage is named by _check_stage_count
+        per_stage = dict(sorted((files.model_parallel or {0: files}).items()))
+    else:
+        per_stage = {s: files.model_parallel[grid.mp_rank(s, model_rank)] for s in range(grid.pp)}
     opened = _open_layers(source, files, model_rank)
     stages = {s: _read_stage(source, sub, opened, s) for s, sub in sorted(per_stage.items())}
     _check_stage_count(source, files, stages)
@@ -130,13 +146,13 @@ def read_pipeline(
     pp, dp = len(stages), stages[0].info.world_size
     index = CheckpointIndex(format=zero.FORMAT, root=source.root, world_size=pp * dp)
     owner: dict[str, int] = {}
-    replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
+    replicas: Copies = {}
     tied_layers: dict[int, str] = {}
     for s, stage in stages.items():
         tied_layers.update(
             _add_layer_files(source, stage, [(layer, opened[layer]) for layer, at in layers.items() if at == s])
         )
-        _merge(index, stage.index, s, pp, owner, replicas)
+        join_pp.merge_stage(index, stage.index, s, pp, owner, replicas)
     first = stages[0].index
     index.step = first.step
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
@@ -150,36 +166,13 @@ def read_pipeline(
         },
     }
     index.metadata["parallel"] = {"pp": pp, "dp": dp}
-    cells = {(s, 0): st.info for s, st in stages.items()}
-    lanes = {
-        0: PipelineLane(
-            layers=layers,
-            layer_files={k: f.rel for k, f in opened.items()},
-            tied_layers=tied_layers,
-            tied_copies=replicas,
-        )
-    }
-    index.native = DeepSpeedNative(layout=layout_read(index, cells, lanes), cells=cells, lanes=lanes)
-    return index
-
-
-def _read_3d(source: Source, files: ZeroFiles, tp: int, tp_rules: Any) -> CheckpointIndex:
-    """tp rank t's files are a pipeline (stage s: mp rank s * tp + t, layer files `tp_suffix(t)`);
-    pipeline_tp.join makes the full model of the tp pipelines."""
-    ranks = sorted(files.model_parallel) if files.model_parallel else [0]
-    label = source.label(files.prefix + (files.model_files[min(files.model_files)] if files.model_files else ""))
-    if len(ranks) % tp:
-        raise FormatError(
-            f"{label}: layer files name {tp} tensor-parallel ranks ({tp_suffix(0)}..{tp_suffix(tp - 1)}), "
-            f"but there are {len(ranks)} model-parallel ranks ({mp_rank('XX')}), not a multiple of {tp}"
-        )
-    _check_tp_layer_files(source, files, tp)
-    grid = DeepSpeedLayout(tp=tp, pp=len(ranks) // tp)
-    subs = {
-        t: read_pipeline(source, files, {s: files.model_parallel[grid.mp_rank(s, t)] for s in range(grid.pp)}, t)
-        for t in range(tp)
-    }
-    return pipeline_tp.join(source, subs, label, tp_rules)
+    lane = PipelineLane(
+        layers=layers,
+        layer_files={k: f.rel for k, f in opened.items()},
+        tied_layers=tied_layers,
+        tied_copies=replicas,
+    )
+    return index, {s: st.info for s, st in stages.items()}, lane
 
 
 def _check_tp_layer_files(source: Source, files: ZeroFiles, tp: int) -> None:
@@ -473,73 +466,3 @@ def _global_prefix(label: str, layer: int, local: list[str], stage: _Stage) -> s
             f"{label}: layer {layer}'s names match tied modules {matches}; which one it holds cannot be told"
         )
     return f"tied_modules.{matches[0]}." if matches else f"{layer}."
-
-
-def _merge(
-    index: CheckpointIndex,
-    part: CheckpointIndex,
-    stage: int,
-    pp: int,
-    owner: dict[str, int],
-    replicas: dict[str, list[tuple[int, TensorEntry]]],
-) -> None:
-    """A stage's entries into the pipeline's index, each marked with its stage; a tied module's
-    (already given by a lower stage) kept aside as a replica, param groups joined by position."""
-    index.files.update(part.files)
-    index.checks.extend(part.checks)
-    for key, e in part.tensors.items():
-        name = _param_name(key)
-        if key in index.tensors:
-            if name is not None and owner.get(name, stage) != stage:
-                if index.tensors[key].shape == e.shape and index.tensors[key].dtype == e.dtype:
-                    replicas.setdefault(key, []).append((stage, e))  # a tied module's copy: verify --deep
-                    continue
-                raise FormatError(
-                    f"{key} is {e.dtype} {list(e.shape)} on pipeline stage {stage} but "
-                    f"{index.tensors[key].dtype} {list(index.tensors[key].shape)} on stage "
-                    f"{owner[name]}; the copies of a tied module must agree"
-                )
-            raise FormatError(f"{key} appears in pipeline stages {owner.get(name or key)} and {stage}")
-        if name is not None:
-            owner.setdefault(name, stage)
-        e.attrs = {**e.attrs, "parallel": {"pp": {"stage": stage, "size": pp}}}
-        index.add_tensor(e)
-    for key, obj in part.objects.items():
-        if key.startswith("optim.param_groups."):
-            _merge_group_value(index, key, obj, stage)
-        elif key.startswith("optim.state."):
-            name = _state_param(key)
-            if key in index.objects and owner.get(name, stage) != stage:
-                continue
-            index.add_object(obj)
-        elif key not in index.objects:  # ds.*, client.*: the stages' copies of one engine's values
-            index.add_object(obj)
-
-
-def _param_name(key: str) -> str | None:
-    for prefix in ("model.", "ds_module."):
-        if key.startswith(prefix):
-            return key[len(prefix) :]
-    return _state_param(key) if key.startswith("optim.state.") else None
-
-
-def _state_param(key: str) -> str:
-    """The parameter of `optim.state.<name>.<key>` (the state key is the last part)."""
-    return key[len("optim.state.") :].rpartition(".")[0]
-
-
-def _merge_group_value(index: CheckpointIndex, key: str, obj: ObjectEntry, stage: int) -> None:
-    """Param group g of every stage is one group of the full model: `params` lists them all in
-    stage order (a tied name once); every other hyperparameter must agree."""
-    if key not in index.objects:
-        index.add_object(ObjectEntry(key, list(obj.data) if key.endswith(".params") else obj.data, path=obj.path))
-        return
-    have = index.objects[key]
-    if key.endswith(".params"):
-        have.data = list(have.data) + [n for n in obj.data if n not in have.data]
-    elif have.data != obj.data:
-        raise UnsupportedError(
-            f"{key} is {quote(repr(obj.data))} on pipeline stage {stage} but "
-            f"{quote(repr(have.data))} on stage 0; stages with different hyperparameters "
-            f"cannot be joined into one optimizer"
-        )

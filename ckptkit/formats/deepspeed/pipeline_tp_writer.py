@@ -1,7 +1,7 @@
 """Write a native 3-D DeepSpeed checkpoint (pipeline x tensor x data parallel) for new sizes
 (`reshard --to tp=T,pp=P,dp=W`; `--to N` keeps the source's tp and pp).
 
-The reader (pipeline_tp.py) joins the source into full tensors with each parameter's tp split.
+The reader (read.py, join_tp.py) joins the source into full tensors with each parameter's tp split.
 Here tp_geometry's TpSlicer gives new tp rank t's slice of every tensor (a rank index of virtual
 tensors over the full ones), and pipeline_writer lays rank t's slices out as a pipeline of P
 stages (the layers assigned by --partition-method, computed on rank t's local parameter counts as

@@ -1,4 +1,5 @@
-"""Index a DeepSpeed ZeRO checkpoint (stages 1-3, fp32/fp16/bf16) without importing deepspeed.
+"""Index one DeepSpeed ZeRO checkpoint (stages 1-3, fp32/fp16/bf16) without importing deepspeed:
+a (stage, tp rank) cell, which read.py joins with the others over ep, pp and tp.
 
 Keys follow torch's recipe so every other operation treats it like any checkpoint:
   model.<name>                    fp32 master weights (flat-range pieces of the rank partitions),
@@ -20,7 +21,6 @@ in flat_groups.py), then `ZeroInfo` is built once from them.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -32,14 +32,12 @@ from ...safeload import TensorRef
 from ...storage.source import Source
 from ...runner.torch_archive import Archive, LastStructure, empty_view, load_structure, open_archive
 from ..torch_save.reader import materialize
-from ...convert.tp_rules import TpRules, chosen_rules_file, load_rules
-from . import model_parallel, moe, moe_pipeline, moe_whole, partition, standins
+from . import join_ep, moe, partition, standins
 from .entries import entry, plain_shape, shape_of, tensor_of
-from .files import ZeroFiles, locate
+from .files import ZeroFiles
 from .names import optim_file, zero_model_file
 from .flat_groups import RankFiles, read_flat_groups
 from .info import ZeroGroup, ZeroInfo, stage_names
-from .native import DeepSpeedNative, layout_read
 
 FORMAT = "deepspeed"
 STRUCTURAL_KEYS = {
@@ -72,35 +70,11 @@ DS_KEYS = {
 }  # the last two: MoE checkpoints (moe.py)
 
 
-def read_index(
-    source: Source, tag: str | None = None, tp_rules: TpRules | None = None, *, optimizer: bool = True
-) -> CheckpointIndex:
-    """The checkpoint's index; a tensor-parallel one (several mp ranks) is read one ZeRO checkpoint
-    per mp rank and joined into full tensors (model_parallel.py), their splits decided by what the
-    checkpoint records, then `tp_rules` (default: the --tp-rules file, then the built-in rules).
-    `optimizer` False (the weights alone are wanted): a plain ZeRO checkpoint's optimizer state is
-    read and checked but its per-parameter entries only counted (flat_groups.UNINDEXED_OPTIMIZER);
-    tensor-parallel and expert checkpoints are indexed whole regardless."""
-    files = locate(source, tag)
-    if files.model_parallel:
-        subs = {mp: _read_one(source, mp_files) for mp, mp_files in sorted(files.model_parallel.items())}
-        if moe_pipeline.recorded_pp(subs[0]) is not None:  # MoE in a PipelineModule: mp rank = stage
-            return moe_pipeline.join(source, files, subs)
-        rules = tp_rules if tp_rules is not None else load_rules(chosen_rules_file())
-        index = model_parallel.assemble(source, files, subs, rules)
-        if files.whole_experts:  # each expert whole on one mp rank: read across them (moe_whole.py)
-            moe_whole.read_experts(source, files, index, subs)
-        native: DeepSpeedNative = index.native
-        index.native = dataclasses.replace(native, layout=layout_read(index, native.cells))
-        return index
-    index = _read_one(source, files, optimizer=optimizer)
-    cells = {(0, 0): index.native}
-    index.native = DeepSpeedNative(layout=layout_read(index, cells), cells=cells)
-    return index
-
-
-def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> CheckpointIndex:
-    """One ZeRO checkpoint: the files of one model-parallel rank (`optimizer`: as read_index's)."""
+def read_zero(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> tuple[CheckpointIndex, ZeroInfo]:
+    """One ZeRO checkpoint, a (stage, tp rank) cell: the files of one model-parallel rank, with its
+    experts joined over ep when they are sliced (moe.py). `optimizer` False (the weights alone are
+    wanted): a plain checkpoint's optimizer state is read and checked but its per-parameter entries
+    only counted (flat_groups.UNINDEXED_OPTIMIZER); expert checkpoints are indexed whole regardless."""
     archives: dict[str, Archive] = {}
     optim = load_ranks(source, files, files.optim_files, archives)
     model = load_ranks(source, files, files.model_files, archives)
@@ -128,8 +102,8 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
     ranks = RankFiles(files=files, archives=archives, optim=optim, world_size=world)
     _check_partitions(ranks, stage, len(groups), plain=not files.whole_experts and not files.expert_files)
     flat_groups = groups
-    if files.whole_experts:  # the expert groups span the mp ranks: moe_whole.py reads them after the join
-        flat_groups = moe_whole.dense_groups(groups_meta, groups)
+    if files.whole_experts:  # the expert groups span the mp ranks: join_ep.py reads them after the tp join
+        flat_groups = join_ep.dense_groups(groups_meta, groups)
     elif files.expert_files:  # mixture of experts: moe.py reads the expert files and expert groups
         flat_groups, groups = moe.read_experts(source, index, stage, ranks, groups_meta, groups, m0, label)
     plain = not files.whole_experts and not files.expert_files
@@ -149,7 +123,7 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
         "dtype": dtype,
     }
     index.metadata["consolidate_dtype"] = "float32"  # zero_to_fp32 upcasts frozen params and buffers
-    index.native = ZeroInfo(
+    return index, ZeroInfo(
         stage=stage,
         world_size=world,
         files=files,
@@ -163,7 +137,6 @@ def _read_one(source: Source, files: ZeroFiles, *, optimizer: bool = True) -> Ch
         param_group_count=len(groups_meta),
         dtype=dtype,
     )
-    return index
 
 
 def new_index(source: Source, archives: dict[str, Archive], world: int) -> CheckpointIndex:

@@ -1,7 +1,7 @@
 """Write a native tensor-parallel DeepSpeed ZeRO-1/2/3 checkpoint for a new tp and dp
 (`reshard --to tp=T,dp=W`; `--to N` keeps the source's tp).
 
-The reader (model_parallel.py) joins the source's mp ranks into full tensors and records each
+The reader (join_tp.py) joins the source's mp ranks into full tensors and records each
 parameter's split (`DeepSpeedNative.splits`: split dim, replicated, fused blocks). Here each new
 mp rank t gets a *rank index* (tp_geometry.TpSlicer, from the geometry the reader joined with):
 the full tensors under hidden keys, and under the usual keys (model.<name>,

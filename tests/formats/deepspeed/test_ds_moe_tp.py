@@ -4,14 +4,14 @@ with enable_expert_tensor_parallelism, tp=2 ep=2: world 4 at ZeRO 2 fp32 and ZeR
 fixtures/generate_ds_moe_tp.py, truth from safe_get_full_fp32_param / safe_get_full_optimizer_state
 on every rank, assembled over tp.
 
-Read (moe.py per mp rank, joined by model_parallel.py) and consolidated bit for bit; `inspect` shows
+Read (moe.py per mp rank, joined by join_tp.py) and consolidated bit for bit; `inspect` shows
 each tensor's tp and ep split; reshard (moe_tp_writer.py) to new tp, ep and dp reads back equal,
 and at the same sizes is DeepSpeed's own files object for object (both in test_layout_matrix.py). One
 DeepSpeed launch
 (tests/dist/ds_moe_tp_load_check.py) loads a reshard at tp=4,ep=1,dp=1, compares every master,
 moment and module weight with the truth cut for its rank, and trains a step.
 
-Whole experts (enable_expert_tensor_parallelism=False, fixture moetp_noexptp_*: moe_whole.py,
+Whole experts (enable_expert_tensor_parallelism=False, fixture moetp_noexptp_*: join_ep.py,
 moe_whole_writer.py): read and consolidated bit for bit, resharded to new tp/ep/dp (read back equal,
 same sizes = DeepSpeed's files: test_layout_matrix.py), one DeepSpeed launch loading tp=4,ep=4,dp=1.
 """
@@ -196,7 +196,7 @@ def test_whole_experts_layout_as_deepspeed_grouped_it():
     """enable_expert_tensor_parallelism=False under an mpu: DeepSpeed 0.19.8 builds the expert groups
     from consecutive global ranks (rank r: ep rank r % E, expert-dp rank r // E), so with E = T the tp
     ranks are the ep ranks, and the ep rank's expert-dp rank 0 (global rank e, mp rank e % T) saves
-    its experts whole (what moe_whole.py assumes)."""
+    its experts whole (what join_ep.py assumes)."""
     info = _info(NO_EXPERT_TP)
     for rank, seen in info["ranks"].items():
         r = int(rank)

@@ -1,6 +1,6 @@
 """A DeepSpeed MoE model inside a PipelineModule (pp=2 x dp=2, ep=2, ZeRO 1, fp32):
 fixtures/generate_ds_pp_moe.py. DeepSpeed 0.19.8 saves it as one MoE checkpoint per stage under
-mp_rank_<stage> (no layer files); moe_pipeline.py joins the stages. Read and consolidated bit for
+mp_rank_<stage> (no layer files); join_pp.py joins the stages. Read and consolidated bit for
 bit against the truth of safe_get_full_fp32_param / safe_get_full_optimizer_state; `inspect` shows
 pp and ep. reshard at a new ep and dp, the stages kept (moe_pipeline_writer.py), reads back equal,
 is DeepSpeed's own files at the same sizes (both in test_layout_matrix.py, as are the new-pp reads),

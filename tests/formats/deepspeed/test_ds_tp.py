@@ -174,7 +174,7 @@ def test_no_rule_names_the_tensor_and_its_slices(tmp_path):
 
     from ckptkit.convert.tp_rules import TpRules
     from ckptkit.errors import UnsupportedError
-    from ckptkit.formats.deepspeed.reader import read_index
+    from ckptkit.formats.deepspeed.read import read_index
     from ckptkit.storage.source import open_source
 
     src = DATA / MPU[0]
@@ -196,7 +196,7 @@ def test_a_rules_file_comes_before_the_builtin_rules(tmp_path):
     """A rule of the file wins over the built-in one (here: the fused QKV read as a plain dim-0
     split, which interleaves differently), and TOML and regex patterns work."""
     from ckptkit.convert.tp_rules import load_rules
-    from ckptkit.formats.deepspeed.reader import read_index
+    from ckptkit.formats.deepspeed.read import read_index
     from ckptkit.index.types import Box
     from ckptkit.runner.fetch import Fetcher
     from ckptkit.storage.source import open_source
@@ -302,7 +302,7 @@ def test_convert_to_fsdp2_loads_in_torch_dcp(name, tmp_path):
 
 def _fetch_with(rules_text: str, tmp_path: Path, key: str) -> torch.Tensor:
     from ckptkit.convert.tp_rules import load_rules
-    from ckptkit.formats.deepspeed.reader import read_index
+    from ckptkit.formats.deepspeed.read import read_index
     from ckptkit.index.types import Box
     from ckptkit.runner.fetch import Fetcher
     from ckptkit.storage.source import open_source

@@ -1,5 +1,9 @@
-"""DeepSpeed MoE with tensor parallelism and `MoE(..., enable_expert_tensor_parallelism=False)`
-(Megatron-DeepSpeed's default): the experts whole, each saved by one mp rank.
+"""The join over ep where it spans the tp ranks: whole experts (read.py's join after tp).
+
+Experts sliced over the tp ranks (or at tp 1) are joined over ep inside each (stage, tp rank)
+cell as it is read (moe.py's `read_experts`). This module joins them when DeepSpeed MoE runs with
+tensor parallelism and `MoE(..., enable_expert_tensor_parallelism=False)` (Megatron-DeepSpeed's
+default): the experts whole, each saved by one mp rank.
 
 What DeepSpeed 0.19.8 does (moe/layer.py _create_process_groups: with the option False it calls
 groups._create_expert_and_data_parallel(E) without the mpu's sizes, its legacy path): expert-parallel
@@ -15,7 +19,7 @@ With a Megatron mpu (tp ranks consecutive: global rank r is tp rank r % T, dp ra
                              holding ep rank r % E's local experts: one expert group spans files of
                              every mp rank
   model_file(t) the dense module slices; param_shapes names local experts
-So the dense groups are read per mp rank and joined over tp (model_parallel.py); the expert groups
+So the dense groups are read per mp rank and joined over tp (join_tp.py); the expert groups
 are read here across all W optim files as one MoE checkpoint of W ranks (moe.py's reading), and
 the expert files from the mp rank that saved each. Expert tensors carry attrs["parallel"]["ep"]
 only (no tp: they are not split).
@@ -41,10 +45,9 @@ def dense_groups(groups_meta: list, groups: list[ZeroGroup]) -> list[ZeroGroup]:
     return [g for g in groups if not moe.is_expert_group(groups_meta[g.param_group])]
 
 
-def global_ranks(files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> RankFiles:
+def global_ranks(files: ZeroFiles, infos: dict[int, ZeroInfo]) -> RankFiles:
     """All optim-states files as the W ranks of one job: rank t + T*d is file (dp d, mp t)."""
-    tp = len(subs)
-    infos: dict[int, ZeroInfo] = {t: sub.native for t, sub in subs.items()}
+    tp = len(infos)
     dps = {t: info.world_size for t, info in infos.items()}
     if len(set(dps.values())) != 1:
         raise FormatError(
@@ -64,13 +67,14 @@ def global_ranks(files: ZeroFiles, subs: dict[int, CheckpointIndex]) -> RankFile
     return RankFiles(files=gfiles, archives=archives, optim=optim, world_size=tp * dp)
 
 
-def read_experts(source: Source, files: ZeroFiles, index: CheckpointIndex, subs: dict[int, CheckpointIndex]) -> None:
-    """The experts into the joined (dense) index: masters, optimizer state and module weights under
-    their global names, the param groups' `params` renamed likewise, the sizes in metadata."""
-    tp = len(subs)
+def join(source: Source, files: ZeroFiles, index: CheckpointIndex, infos: dict[int, ZeroInfo]) -> None:
+    """The experts into the index joined over tp from the cells `infos` (tp rank -> ZeroInfo):
+    masters, optimizer state and module weights under their global names, the param groups'
+    `params` renamed likewise, the sizes in metadata."""
+    tp = len(infos)
     saver = DeepSpeedLayout(tp=tp, experts=WHOLE_EXPERTS)  # mp rank ep_rank % tp saves its experts
-    info0: ZeroInfo = subs[0].native
-    ranks = global_ranks(files, subs)
+    info0 = infos[0]
+    ranks = global_ranks(files, infos)
     o0 = ranks.optim[min(ranks.optim)]
     groups_meta = o0["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
     m0 = info0.model_states[min(info0.model_states)]

@@ -1,8 +1,10 @@
-"""Full tensors of a tensor-parallel DeepSpeed checkpoint, from one ZeRO checkpoint per mp rank.
+"""The join over tp: full tensors from the tp ranks' lanes (read.py's last join).
 
 A TP checkpoint is `tp` ordinary ZeRO checkpoints side by side (`model_file(XX)`, optim
-files per (dp, mp) rank); the reader indexes each (`read_one`) and this module joins them: every
-parameter's master, optimizer state and module weight becomes one tensor of the full model's
+files per (dp, mp) rank); a 3-D one (Megatron-DeepSpeed's PipeModelDataParallelTopology) is `tp`
+pipelines side by side, tp rank t's files (stage s: mp rank s * tp + t, layer files
+`tp_suffix(t)`) read and joined over pp first. The reader reads each lane and `join` joins them:
+every parameter's master, optimizer state and module weight becomes one tensor of the full model's
 shape whose pieces point straight into the rank files (no hidden per-rank entries).
 
 Where each rank's slice lies in the full tensor (split along a dimension, fused blocks such as
@@ -32,37 +34,52 @@ from ...runner.fetch import Fetcher
 from ...storage import kernel_copy
 from ...storage.source import Source
 from .files import ZeroFiles
+from .info import ZeroInfo
+from .layout import LAYER_FILES, DeepSpeedLayout
 from .names import mp_rank
-from .native import DeepSpeedNative, layout_read
+from .native import Copies
 from .tp_geometry import for_slices, for_uneven_slices, param_name
 
 COMPARE_ELEMENTS_BYTES = 16 << 20  # bytes of each copy compared at a time (user-declared replicas)
 
 
-def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex], rules: TpRules) -> CheckpointIndex:
-    """The full-model index of a TP checkpoint from its per-mp-rank indexes."""
-    tp = len(subs)
-    first = subs[0]
-    dp = int(first.metadata.get("deepspeed", {}).get("world_size") or first.world_size or 1)
-    label = source.label(files.prefix + files.model_files[min(files.model_files)])
-    _check_recorded_tp(first, tp, label)
+def join(
+    source: Source,
+    files: ZeroFiles,
+    layout: DeepSpeedLayout,
+    lanes: dict[int, CheckpointIndex],
+    cell0: ZeroInfo,
+    rules: TpRules,
+    label: str,
+) -> tuple[CheckpointIndex, dict[str, TpSplit], Copies]:
+    """The full model's index from tp rank t's lane lanes[t] (one ZeRO cell, or a pipeline of
+    them when the stages are layer files), with the splits it decided and the tp ranks' copies of
+    replicated tensors. `cell0`: the (0, 0) cell, whose model-states file records the tp size."""
+    tp = len(lanes)
+    first = lanes[0]
+    pipelined = layout.stages == LAYER_FILES
+    if not pipelined:
+        _check_recorded_tp(cell0, tp, label)
     uc = first.objects.get("ds.universal_checkpoint_info")
     recorded = recorded_rules(uc.data if uc is not None else None, label)
     chain = recorded.then(rules) if recorded is not None else rules
-    index = CheckpointIndex(format=first.format, root=first.root, world_size=tp * dp)
-    for sub in subs.values():
+    index = CheckpointIndex(format=first.format, root=first.root, world_size=tp * first.world_size)
+    for sub in lanes.values():
         index.files.update(sub.files)
         index.checks.extend(sub.checks)
     splits: dict[str, TpSplit] = {}
-    replicas: dict[str, list[tuple[int, TensorEntry]]] = {}
+    replicas: Copies = {}
     aliases = []
-    declared = _user_replicated(rules)
+    declared = set() if pipelined else _user_replicated(rules)
     to_compare: list[tuple[str, TpSplit]] = []
     for key, e0 in first.tensors.items():
         if "alias_of" in e0.attrs:
             aliases.append(e0)
             continue
-        entries = [_same_entry(subs, r, key, e0, files, source) for r in range(tp)]
+        if pipelined:
+            entries = [_same_lane_entry(lanes, t, key, e0, label) for t in range(tp)]
+        else:
+            entries = [_same_entry(lanes, r, key, e0, files, source) for r in range(tp)]
         name = param_name(e0)
         full = full_entry(entries, name, first, chain, splits, tp, label)
         index.add_tensor(full)
@@ -72,6 +89,16 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
             if split is not None and id(split) in declared:
                 to_compare.append((key, split))
     _check_declared_replicas(source, index, to_compare, replicas, label)
+    _add_aliases(index, aliases)
+    for key, obj in first.objects.items():
+        index.add_object(obj)
+    index.step = first.step
+    (_pipeline_metadata if pipelined else _metadata)(index, first, tp)
+    return index, splits, replicas
+
+
+def _add_aliases(index: CheckpointIndex, aliases: list[TensorEntry]) -> None:
+    """Tied parameters (shared_params) as aliases of their owner's full tensor."""
     for e0 in aliases:
         owner = index.tensors.get(e0.attrs["alias_of"])
         if owner is not None:
@@ -85,9 +112,11 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
                     attrs={**e0.attrs, "parallel": owner.attrs.get("parallel")},
                 )
             )
-    for key, obj in first.objects.items():
-        index.add_object(obj)
-    index.step = first.step
+
+
+def _metadata(index: CheckpointIndex, first: CheckpointIndex, tp: int) -> None:
+    """tp ZeRO cells: the mp world size, and the sizes (tp, the cells' ep, dp)."""
+    dp = int(first.metadata.get("deepspeed", {}).get("world_size") or first.world_size or 1)
     index.metadata.update({k: v for k, v in first.metadata.items() if k != "deepspeed"})
     index.metadata["deepspeed"] = {**first.metadata.get("deepspeed", {}), "mp_world_size": tp}
     index.metadata["parallel"] = {
@@ -95,16 +124,45 @@ def assemble(source: Source, files: ZeroFiles, subs: dict[int, CheckpointIndex],
         **({"ep": first.metadata["parallel"]["ep"]} if "ep" in first.metadata.get("parallel", {}) else {}),
         "dp": dp,
     }
-    cells = {(0, r): s.native for r, s in subs.items()}
-    index.native = DeepSpeedNative(layout=layout_read(index, cells), cells=cells, splits=splits, tp_copies=replicas)
-    return index
 
 
-def _check_recorded_tp(first: CheckpointIndex, tp: int, label: str) -> None:
+def _pipeline_metadata(index: CheckpointIndex, first: CheckpointIndex, tp: int) -> None:
+    """tp pipelines: the world and mp world sizes over pp x tp, the pipeline's tensor-parallel size."""
+    pp, dp = first.metadata["parallel"]["pp"], first.metadata["parallel"]["dp"]
+    index.metadata.update({k: v for k, v in first.metadata.items() if k not in ("deepspeed", "parallel")})
+    ds = dict(first.metadata.get("deepspeed", {}))
+    index.metadata["deepspeed"] = {
+        **ds,
+        "world_size": pp * tp * dp,
+        "mp_world_size": pp * tp,
+        "pipeline": {**ds.get("pipeline", {}), "tensor_parallel": tp},
+    }
+    index.metadata["parallel"] = {"pp": pp, "tp": tp, "dp": dp}
+
+
+def _same_lane_entry(lanes: dict[int, CheckpointIndex], t: int, key: str, e0: TensorEntry, label: str) -> TensorEntry:
+    """tp rank t's pipeline holds `key` as rank 0's does: dtype, rank and pipeline stage."""
+    entry = lanes[t].tensors.get(key)
+    if entry is None:
+        raise FormatError(f"{label}: tensor-parallel rank {t}'s pipeline has no {key} (rank 0's has it)")
+    if entry.dtype != e0.dtype or len(entry.shape) != len(e0.shape):
+        raise FormatError(
+            f"{label}: {key} is {entry.dtype} {list(entry.shape)} on tensor-parallel rank {t}, "
+            f"{e0.dtype} {list(e0.shape)} on rank 0"
+        )
+    if e0.attrs.get("parallel", {}).get("pp") != entry.attrs.get("parallel", {}).get("pp"):
+        raise FormatError(
+            f"{label}: {key} is on pipeline stage {entry.attrs['parallel']['pp']['stage']} for "
+            f"tensor-parallel rank {t} but stage {e0.attrs['parallel']['pp']['stage']} for rank 0"
+        )
+    return entry
+
+
+def _check_recorded_tp(cell0: ZeroInfo, tp: int, label: str) -> None:
     """The tensor-parallel size the model-states file records must be the number of mp rank files:
     with ranks lost (a 4-way checkpoint copied with 2 of them) the slices would join into tensors of
     the wrong shape without a word."""
-    states = getattr(first.native, "model_states", None) or {}
+    states = cell0.model_states
     m0 = states.get(min(states)) if states else None
     if not isinstance(m0, dict):
         return
