@@ -59,7 +59,8 @@ def read_index(
         grid = pipeline.lane_grid(source, files, label)
         lanes = {t: _layer_file_lane(source, files, grid, t) for t in range(grid.tp)}
     else:
-        grid, lanes = _zero_lanes(source, files, optimizer)
+        grid, cells = _zero_cells(source, files, optimizer)
+        lanes = {t: _rank_stage_lane(source, files, grid, cells, t) for t in range(grid.tp)}
     if grid.tp > 1:
         rules = tp_rules if tp_rules is not None else load_rules(chosen_rules_file())
         index, splits, copies = join_tp.join(source, files, grid, _indexes(lanes), lanes[0].cells[0], rules, label)
@@ -77,19 +78,36 @@ def _layer_file_lane(source: Source, files: ZeroFiles, grid: DeepSpeedLayout, tp
     return Lane(index=index, cells=cells, pipeline=layer_files)
 
 
-def _zero_lanes(source: Source, files: ZeroFiles, optimizer: bool) -> tuple[DeepSpeedLayout, dict[int, Lane]]:
-    """The grid of mp-rank cells, each read as a ZeRO checkpoint, and each tp rank's lane: the
-    mp ranks are a MoE PipelineModule's stages when the first records a pipeline, else tp ranks."""
+def _zero_cells(
+    source: Source, files: ZeroFiles, optimizer: bool
+) -> tuple[DeepSpeedLayout, dict[tuple[int, int], tuple[CheckpointIndex, ZeroInfo]]]:
+    """Each mp rank's files read as a ZeRO checkpoint, placed in the grid: the mp ranks are a MoE
+    PipelineModule's stages when the first cell records a pipeline, else tp ranks."""
     if not files.model_parallel:
-        index, info = reader.read_zero(source, files, optimizer=optimizer)
-        return DeepSpeedLayout(), {0: Lane(index=index, cells={0: info})}
-    cells = {mp: reader.read_zero(source, mp_files) for mp, mp_files in sorted(files.model_parallel.items())}
-    if join_pp.recorded_pp(cells[0][0]) is None:
-        grid = DeepSpeedLayout(tp=len(cells))
-        return grid, {t: Lane(index=index, cells={0: info}) for t, (index, info) in cells.items()}
-    grid = DeepSpeedLayout(pp=len(cells), stages=MP_RANK_STAGES)
-    index, experts = join_pp.join_rank_stages(source, files, {s: index for s, (index, _) in cells.items()})
-    return grid, {0: Lane(index=index, cells={s: info for s, (_, info) in cells.items()}, stage_experts=experts)}
+        return DeepSpeedLayout(), {(0, 0): reader.read_zero(source, files, optimizer=optimizer)}
+    read = {mp: reader.read_zero(source, mp_files) for mp, mp_files in sorted(files.model_parallel.items())}
+    if join_pp.recorded_pp(read[0][0]) is None:
+        grid = DeepSpeedLayout(tp=len(read))
+    else:
+        grid = DeepSpeedLayout(pp=len(read), stages=MP_RANK_STAGES)
+    return grid, {grid.cell(mp): cell for mp, cell in read.items()}
+
+
+def _rank_stage_lane(
+    source: Source,
+    files: ZeroFiles,
+    grid: DeepSpeedLayout,
+    cells: dict[tuple[int, int], tuple[CheckpointIndex, ZeroInfo]],
+    tp_rank: int,
+) -> Lane:
+    """tp rank `tp_rank`'s cells joined over pp: the identity at pp 1, else a MoE PipelineModule's
+    mp-rank stages joined by name (join_pp.join_rank_stages)."""
+    stages = {s: cells[(s, tp_rank)] for s in range(grid.pp)}
+    if grid.pp == 1:
+        index, info = stages[0]
+        return Lane(index=index, cells={0: info})
+    index, experts = join_pp.join_rank_stages(source, files, {s: index for s, (index, _) in stages.items()})
+    return Lane(index=index, cells={s: info for s, (_, info) in stages.items()}, stage_experts=experts)
 
 
 def _indexes(lanes: dict[int, Lane]) -> dict[int, CheckpointIndex]:
