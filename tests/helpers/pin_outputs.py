@@ -140,6 +140,10 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("ds_pp_moe.moe4.reshard_ep4", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4_moe4", ["reshard", "--to", "pp=2,ep=4,dp=4"]),
     ("ds_pp_moe.consolidate", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["consolidate"]),
     ("ds_pp_moe.inspect", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["inspect"]),
+    ("z2_bf16_w2.to_ds_universal", "deepspeed/z2_bf16_w2", ["convert", "--to", "ds-universal"]),
+    ("z3_fp32_w2.to_ds_universal", "deepspeed/z3_fp32_w2", ["convert", "--to", "ds-universal"]),
+    ("ds_universal.z2_bf16_w2.to_torch", "ds_universal/z2_bf16_w2", ["convert", "--to", "torch"]),
+    ("ds_universal.z3_fp32_w2.inspect", "ds_universal/z3_fp32_w2", ["inspect"]),
 ]
 
 
