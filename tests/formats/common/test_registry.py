@@ -160,6 +160,7 @@ def test_operations_write_through_the_registry_not_writer_modules():
         ("zero2", "deepspeed", "ZeroTemplatesTarget"),
         ("torch", "torch_save", "TorchSaveTarget"),
         ("hf", "safetensors", "SafetensorsTarget"),
+        ("ds-universal", "ds_universal", "UniversalTarget"),
     ],
 )
 def test_convert_writes_a_typed_target_through_the_registry_writer(tmp_path, monkeypatch, to, fmt, target):
