@@ -113,18 +113,36 @@ def iterations(source: Source) -> list[str]:
 def read_iteration(source: Source) -> CheckpointIndex:
     index = dcp_reader.read_index(source)
     index.format = "mcore"
-    counts = {"model": 0, "optimizer": 0, "flat_buffer": 0}
     for entry in index.tensors.values():  # (the sharded items: common.pt's keep their own nesting)
-        role = role_of(entry.key)
-        entry.path = role.path
-        counts[role.kind] += 1
+        entry.path = role_of(entry.key).path
     for entry in index.objects.values():
         role = role_of(entry.key)
         if role.kind != "model":
             entry.path = role.path
     args = _add_common(index, source)
-    _describe(index, args, counts)
+    _describe(index, args, tensor_counts(index))
     return index
+
+
+def tensor_counts(index: CheckpointIndex) -> dict[str, int]:
+    """Every tensor counted once, by the head of its path, as inspect's summary counts them (common.pt's
+    included): "model", "optimizer" (all of it), and within it "per_param" (a parameter's state),
+    "flat_buffer" (the distributed optimizer's buffers) and "shared" (held for all parameters alike,
+    such as Adam's `optimizer.state.common_step`)."""
+    counts = {"model": 0, "optimizer": 0, "per_param": 0, "flat_buffer": 0, "shared": 0}
+    for entry in index.tensors.values():
+        path = tuple(entry.path or (entry.key,))
+        if path[0] != "optimizer":
+            counts["model"] += 1
+            continue
+        counts["optimizer"] += 1
+        if len(path) == 4 and path[1] == "state":
+            counts["per_param"] += 1
+        elif len(path) == 3 and path[1] == "distributed":
+            counts["flat_buffer"] += 1
+        else:
+            counts["shared"] += 1
+    return counts
 
 
 def _add_common(index: CheckpointIndex, source: Source) -> MegatronArgs | None:
@@ -156,8 +174,8 @@ def _describe(index: CheckpointIndex, args: MegatronArgs | None, counts: dict[st
         if args.world_size:
             index.world_size = args.world_size
     notes.append(
-        f"Megatron-Core torch_dist checkpoint: {counts['model']} model tensors, "
-        f"{counts['optimizer'] + counts['flat_buffer']} optimizer"
+        f"Megatron-Core torch_dist checkpoint: {counts['model']} model tensors, {counts['optimizer']} optimizer "
+        f"({_optimizer_parts(counts)})"
         + (f"; layers {args.num_layers}, output layer tied to the embedding: {_yes(args.tied)}" if args else "")
     )
     if counts["flat_buffer"]:
@@ -166,6 +184,19 @@ def _describe(index: CheckpointIndex, args: MegatronArgs | None, counts: dict[st
             f"(dp_reshardable: MCore's grad-buffer layout, not mapped to parameters); save with "
             f"--dist-ckpt-optim-fully-reshardable to have them per parameter"
         )
+
+
+def _optimizer_parts(counts: dict[str, int]) -> str:
+    parts = [
+        f"{counts[kind]} {what}"
+        for kind, what in (
+            ("per_param", "per-parameter state"),
+            ("flat_buffer", "flat buffers"),
+            ("shared", "shared by all parameters"),
+        )
+        if counts[kind]
+    ]
+    return ", ".join(parts) or "none"
 
 
 def _yes(value: bool | None) -> str:

@@ -62,9 +62,25 @@ def test_inspect_shows_model_and_optimizer_apart_and_the_layout():
     # 16 model tensors; exp_avg and exp_avg_sq of each, and Adam's step kept once in common.pt
     assert any(ln.startswith("tensors     49 ") and ln.endswith(": 16 model, 33 optimizer, 0 other") for ln in lines)
     assert (
-        "note        Megatron-Core torch_dist checkpoint: 16 model tensors, 32 optimizer; layers 2, "
-        "output layer tied to the embedding: no" in lines
+        "note        Megatron-Core torch_dist checkpoint: 16 model tensors, 33 optimizer (32 per-parameter "
+        "state, 1 shared by all parameters); layers 2, output layer tied to the embedding: no" in lines
     )
+
+
+@pytest.mark.parametrize("name", DIST)
+def test_the_note_counts_what_the_summary_counts(name):
+    run = CliRunner().invoke(cli, ["inspect", "--json", str(MCORE / name)])
+    assert run.exit_code == 0, run.output
+    doc = json.loads(run.output)
+    roles = doc["summary"]["roles"]
+    note = next(n for n in doc["summary"]["notes"] if n.startswith("Megatron-Core torch_dist checkpoint:"))
+    assert f": {roles['model']} model tensors, {roles['optimizer']} optimizer (" in note
+    keys = [t["key"] for t in doc["tensors"]]
+    per_param = sum(".optimizer.state." in f".{k}" and k.split(".")[-1] != "common_step" for k in keys)
+    flat = sum(".optimizer.distributed." in f".{k}" for k in keys)
+    shared = roles["optimizer"] - per_param - flat
+    parts = [(per_param, "per-parameter state"), (flat, "flat buffers"), (shared, "shared by all parameters")]
+    assert "(" + ", ".join(f"{n} {what}" for n, what in parts if n) + ")" in note
 
 
 def test_the_tie_and_the_pipeline_size_come_from_args():
