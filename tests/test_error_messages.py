@@ -292,6 +292,11 @@ def _mcore_legacy_rank_file(tmp: Path) -> list[str]:
     return ["inspect", str(d / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")]
 
 
+def _mcore_convert(tmp: Path) -> list[str]:
+    d = copy_fixture("mcore/tp2_swiglu_gqa", tmp, "save")
+    return ["convert", str(d), str(tmp / "out"), "--to", "dcp"]
+
+
 def _mcore_latest_missing(tmp: Path) -> list[str]:
     d = copy_fixture("mcore/pp2_tied", tmp, "save")
     (d / "latest_checkpointed_iteration.txt").write_text("7")
@@ -586,6 +591,14 @@ CASES: list[Case] = [
         "pipeline_model_parallel_size=1), not the whole model; ckptkit does not join a legacy Megatron-LM "
         "checkpoint's rank files yet; have Megatron-LM load it and save it as torch_dist "
         "(--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and read that\n",
+    ),
+    Case(
+        "mcore_convert",
+        _mcore_convert,
+        2,
+        "error: <tmp>/save: converting a Megatron-Core checkpoint is not supported yet (its param groups do not "
+        "list their parameters, so trainable parameters and their optimizer state cannot be filed as such); "
+        "consolidate writes its model to safetensors\n",
     ),
     Case(
         "mcore_latest_missing",

@@ -68,6 +68,8 @@ class Capabilities:
     # top-level keys the format's own loader writes and hands back (DeepSpeed's client state is the rest)
     own_keys: frozenset[str] = frozenset()
     step_folders: StepFolders | None = None  # its saves' default folder names, where it has them
+    # why `convert` cannot read a training state from it yet (one clause; empty: it can)
+    convert_refusal: str = ""
 
     def writes(self, layout: str) -> bool:
         return layout in self.layouts

@@ -224,6 +224,9 @@ def _open_source(
     """SRC opened and checked against --from, and the world size the target is laid out for; a
     world size or a source the target cannot take refused before anything is read."""
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links)
+    refusal = format_of(opened.index).capabilities.convert_refusal
+    if refusal:
+        raise UnsupportedError(f"{src}: {refusal}")
     if expect_from is not None:
         stage = (opened.index.metadata.get("deepspeed") or {}).get("stage")
         check_source(src, opened.index.format, stage, expect_from)

@@ -3,8 +3,8 @@ Megatron-LM's save root, read through the DCP reader; legacy rank files refused 
 
 It comes before DCP in the registry's order: an iteration folder is a DCP folder too, and what
 tells it apart (metadata.json, common.pt, its keys) is only read here. Writing MCore checkpoints
-(reshard, convert --to mcore) is not built yet: consolidate writes safetensors and convert writes
-other formats from what is read here.
+(reshard, convert --to mcore) is not built yet, nor is convert from MCore (its capabilities say
+why): consolidate writes safetensors from what is read here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ if TYPE_CHECKING:
     from ...context import RunContext
 
 
+# MCore's param groups list no parameters: which tensors are trainable, and in which group, is not
+# recorded, so convert would file every model tensor as a frozen parameter (consolidate needs no roles)
+CONVERT_REFUSAL = (
+    "converting a Megatron-Core checkpoint is not supported yet (its param groups do not list their "
+    "parameters, so trainable parameters and their optimizer state cannot be filed as such); "
+    "consolidate writes its model to safetensors"
+)
+
+
 class McoreFormat(CannotReshard):
     name = "mcore"
     capabilities = Capabilities(
@@ -30,6 +39,7 @@ class McoreFormat(CannotReshard):
         optimizer_state=True,
         reshards=False,
         tags=True,  # an iteration folder of a save root: --tag iter_0000002
+        convert_refusal=CONVERT_REFUSAL,
     )
 
     def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
