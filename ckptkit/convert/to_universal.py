@@ -47,11 +47,7 @@ DS_OWN = (
 
 def universal_target_from_state(state: TrainingState, tag: str | None = None) -> UniversalTarget:
     """`state` laid out as ds_to_universal lays a ZeRO checkpoint out (module docstring)."""
-    if not state.has_optimizer or state.optimizer_dropped:
-        raise UnsupportedError(
-            "a DeepSpeed universal checkpoint is the parameters' fp32 masters and their optimizer "
-            "state, grouped by param group; this source has no optimizer state to write one from"
-        )
+    _refuse_without_groups(state)
     resolver: dict[str, TensorEntry] = {}
     params = {name: _param_states(state, name, resolver) for name in state.trainable}
     tag = tag or f"global_step{state.global_step or 0}_universal"
@@ -59,6 +55,23 @@ def universal_target_from_state(state: TrainingState, tag: str | None = None) ->
     optimizer_state = _optimizer_state(state, params)
     resolver.update(models.tensors)
     return UniversalTarget(fetcher_for(state, resolver), params, models, optimizer_state, tag)
+
+
+def _refuse_without_groups(state: TrainingState) -> None:
+    """A universal checkpoint is the masters with their optimizer state, by param group: DeepSpeed
+    loads each group's parameters while walking its own groups, so none may be guessed."""
+    where = str(state.source.path)
+    if state.optimizer_dropped or not (state.has_optimizer or state.param_states or state.whole_states):
+        raise UnsupportedError(
+            f"{where}: has no optimizer state; a DeepSpeed universal checkpoint is the parameters' fp32 "
+            f"masters with their optimizer state, grouped by param group"
+        )
+    if not state.has_optimizer:
+        raise UnsupportedError(
+            f"{where}: its optimizer state has no param groups (which parameters each group holds, with "
+            f"its hyperparameters), which DeepSpeed's universal loader walks to load every parameter; "
+            f"convert a checkpoint that keeps them (DCP, torch.save or DeepSpeed)"
+        )
 
 
 def _param_states(state: TrainingState, name: str, resolver: dict[str, TensorEntry]) -> dict[str, Any]:

@@ -89,3 +89,11 @@ def test_fsdp2_source_converted_reads_as_torch_truth(tmp_path):
             assert_tensor_equal(tensors[key], truth[key], key)
         step = objects.get(f"optim.state.{name}.step")
         assert float(step) == float(truth[f"optim.state.{name}.step"]), name
+
+
+def test_a_source_without_optimizer_state_is_refused(tmp_path):
+    from helpers.hostile import Scene, check_refused, run_ckptkit
+
+    src, out = DATA / "plain_state_dict.pt", tmp_path / "uc"
+    run = run_ckptkit("convert", src, out, "--to", "ds-universal")
+    check_refused(run, str(src), "has no optimizer state", scene=Scene(src, out))
