@@ -157,7 +157,7 @@ def test_operations_write_through_the_registry_not_writer_modules():
     "to,fmt,target",
     [
         ("dcp", "dcp", "DcpTarget"),
-        ("zero2", "deepspeed", "ZeroTemplatesTarget"),
+        ("zero2", "deepspeed", "ZeroStateTarget"),
         ("torch", "torch_save", "TorchSaveTarget"),
         ("hf", "safetensors", "SafetensorsTarget"),
         ("ds-universal", "ds_universal", "UniversalTarget"),
