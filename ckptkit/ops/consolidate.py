@@ -9,11 +9,12 @@ checkpoint.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass, field
 
 from .. import knobs
 from ..convert.names import KeyRules
-from ..errors import UsageError
+from ..errors import UnsupportedError, UsageError
 from ..formats.protocols import UNINDEXED_OPTIMIZER, OutTensor, SafetensorsTarget
 from ..formats.registry import format_named, open_checkpoint
 from ..index.dtypes import is_floating
@@ -72,9 +73,10 @@ def consolidate(
                 f"{src}: found no model tensors to consolidate "
                 f"({len(index.tensors)} tensors, none under a model container)"
             )
+        tensors, view_notes = _model_view(index, split, include_optimizer)
         names = _rename(split, index, key_rules(index, rules), src)
         max_bytes = knobs.parse_size(max_shard_size, "--max-shard-size")
-        model, aliases = _model_tensors(index, split, dtype)
+        model, aliases = _model_tensors(index, tensors, split, dtype)
         optim = (
             [OutTensor(name, index.tensors[key], index.tensors[key].dtype) for name, key in split.optim.items()]
             if include_optimizer
@@ -103,22 +105,36 @@ def consolidate(
                 finally:
                     sides.close()
         ctx.progress.close()
-        return _result(out, index, split, model, aliases, optim, files, sides, rules, include_optimizer)
+        result = _result(out, index, split, model, aliases, optim, files, sides, rules, include_optimizer)
+        result.notes += view_notes
+        return result
 
 
-def _model_tensors(index, split, dtype: str | None) -> tuple[list[OutTensor], dict[str, str]]:
+def _model_view(index, split, include_optimizer: bool) -> tuple[dict, list[str]]:
+    """The tensors by key, with those a format's own model view adds: a format that stores its model
+    otherwise than its state_dict() names it (MCore's stacked layers) has `consolidated_model`,
+    which renames split.model and gives the entries of the new keys; and notes on what it did."""
+    try:
+        view = getattr(format_named(index.format), "consolidated_model", None)
+    except UnsupportedError:  # an index of a format ckptkit writes but does not register as read
+        view = None
+    if view is None:
+        return index.tensors, []
+    split.model, made, notes = view(index, split.model, include_optimizer)
+    return ChainMap(made, index.tensors), notes
+
+
+def _model_tensors(index, tensors, split, dtype: str | None) -> tuple[list[OutTensor], dict[str, str]]:
     """The model tensors to write (a tied one once) in their output dtype, and the tied names."""
     # DeepSpeed: fp32 masters, with frozen params and buffers upcast as zero_to_fp32 does
     default = dtype or index.metadata.get("consolidate_dtype")
 
     def out_dtype(key: str) -> str:
-        src_dtype = index.tensors[key].dtype
+        src_dtype = tensors[key].dtype
         return default if default and is_floating(src_dtype) else src_dtype
 
-    aliases = find_aliases({name: index.tensors[key] for name, key in split.model.items()})
-    model = [
-        OutTensor(name, index.tensors[key], out_dtype(key)) for name, key in split.model.items() if name not in aliases
-    ]
+    aliases = find_aliases({name: tensors[key] for name, key in split.model.items()})
+    model = [OutTensor(name, tensors[key], out_dtype(key)) for name, key in split.model.items() if name not in aliases]
     return model, aliases
 
 
@@ -173,6 +189,11 @@ def _result(
             f"from_pretrained needs a folder (consolidate into a folder to get one)"
         ]
     return result
+
+
+# Set by a format that cannot write its optimizer state beside the model: what to say instead of
+# "add --include-optimizer" where the optimizer state left out is counted.
+OPTIMIZER_HINT = "consolidate_optimizer_hint"
 
 
 # The reader's own default name rules, used when the user gives none: a list of prefixes a format
@@ -252,9 +273,8 @@ def _not_written(index, split, include_optimizer: bool) -> list[str]:
     tensors = len(split.optim) + unindexed.get("tensors", 0)
     values = len(split.optim_objects) + unindexed.get("values", 0)
     if not include_optimizer and (tensors or values):
-        notes.append(
-            f"not written: {tensors} optimizer tensors and {values} optimizer values (add --include-optimizer)"
-        )
+        how = index.metadata.get(OPTIMIZER_HINT, "add --include-optimizer")
+        notes.append(f"not written: {tensors} optimizer tensors and {values} optimizer values ({how})")
     optim_keys = set(split.optim_objects.values())
     other = [k for k in index.objects if k not in optim_keys]
     if other:

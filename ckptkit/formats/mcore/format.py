@@ -4,7 +4,8 @@ Megatron-LM's save root, read through the DCP reader; legacy rank files refused 
 It comes before DCP in the registry's order: an iteration folder is a DCP folder too, and what
 tells it apart (metadata.json, common.pt, its keys) is only read here. Writing MCore checkpoints
 (reshard, convert --to mcore) is not built yet, nor is convert from MCore (its capabilities say
-why): consolidate writes safetensors from what is read here.
+why): consolidate writes safetensors from what is read here, one tensor per layer
+(`consolidated_model`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ...errors import UnsupportedError, UsageError
-from ...index.types import CheckpointIndex
+from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
 from ..protocols import ANY_WORLD, Capabilities, CannotReshard
 from . import legacy
 from . import reader as mcore_reader
+from . import unstack
 
 if TYPE_CHECKING:
     from ...context import RunContext
@@ -83,6 +85,12 @@ class McoreFormat(CannotReshard):
         raise UsageError(
             f"{path}: no iteration {step} in this Megatron save folder (iterations: {', '.join(held) or 'none'})"
         )
+
+    def consolidated_model(
+        self, index: CheckpointIndex, model: dict[str, str], include_optimizer: bool
+    ) -> tuple[dict[str, str], dict[str, TensorEntry], list[str]]:
+        """consolidate's model: one tensor per layer and expert in state_dict() names (unstack.py)."""
+        return unstack.consolidated_model(index, model, include_optimizer)
 
     def write(self, target: Any, out: object, ctx: "RunContext") -> list[str]:
         raise UnsupportedError("writing Megatron-Core checkpoints is not supported yet")
