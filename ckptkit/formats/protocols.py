@@ -96,7 +96,11 @@ class CannotReshard:
 
 @runtime_checkable
 class Reader(Protocol):
-    """Finds its format in a source and indexes it (never decides what happens to the data)."""
+    """Finds its format in a source and indexes it (never decides what happens to the data).
+
+    Optional: `consolidated_model(index, model, include_optimizer) -> (model, entries, notes)`, for a
+    format that stores its model otherwise than its state_dict() names it (MCore's stacked layers):
+    consolidate's output names mapped to keys, the entries of keys it made, and notes."""
 
     name: str
 
