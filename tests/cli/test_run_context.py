@@ -88,7 +88,7 @@ def test_reshard_builds_one_context_and_hands_it_to_the_writer(tmp_path, made, m
     "to,module,name",
     [
         ("torch", "ckptkit.formats.torch_save.format", "write_torch_save"),
-        ("zero2", "ckptkit.formats.deepspeed.format", "write_zero_files"),
+        ("zero2", "ckptkit.formats.deepspeed.state_target", "write_zero_files"),
         ("hf", "ckptkit.formats.safetensors.format", "write_safetensors"),
     ],
 )

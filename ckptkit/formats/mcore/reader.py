@@ -15,9 +15,9 @@ the way every other format's are.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
+from ... import safe_json
 from ...errors import FormatError, NotACheckpointError, UsageError, name_of
 from ...index.types import CheckpointIndex, CheckTable
 from ...storage.source import Source
@@ -53,8 +53,8 @@ def is_iteration(source: Source) -> bool:
     if text is None:
         return False
     try:
-        meta = json.loads(text)
-    except ValueError:
+        meta = safe_json.loads(text, METADATA_JSON)
+    except FormatError:
         return False
     return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" and dcp_reader.detect(source)
 
