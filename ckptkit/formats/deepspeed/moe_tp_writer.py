@@ -44,7 +44,7 @@ from .moe_writer import moe_cell
 from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .autotp_cut import TpCut
 from .tp_geometry import TpSlicer
-from .tp_writer import TpTarget, local_group, module_slices, record_tp_sizes
+from .split_tp import TpTarget, local_group, module_slices, record_tp_sizes
 from .writer import cell_files
 
 

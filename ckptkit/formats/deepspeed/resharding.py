@@ -6,35 +6,31 @@ checkpoint and none depends on the order it is asked in.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from ...context import RunContext
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
 from ...storage.commit import Output
 from ...storage.source import Source
+from ...runner.fetch import Fetcher
+from . import split_ep, split_pp, split_tp
+from .group_plan import StatePlanner
 from .layout import DeepSpeedLayout
+from .native import native_of
+from .tag_writer import tag_name, write_tag, zero_config
 from .moe_pipeline_writer import write_pipeline_moe_zero
 from .moe_tp_writer import write_moe_tp_zero
 from .moe_whole_writer import write_whole_experts
 from .moe_writer import write_moe_zero
 from .pipeline_tp_writer import write_3d_zero
 from .pipeline_writer import write_pp_zero
-from .tp_writer import write_tp_zero
-from .writer import write_zero
+from .writer import DEFAULT_SUB_GROUP_SIZE, cell_files, write_zero
 
 Writer = Callable[..., list[str]]
 
 
-def _write_zero(out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext):
-    """A plain ZeRO checkpoint: a world size (or dp=N alone), refused otherwise (layout.resized)."""
-    sizes = DeepSpeedLayout.of(index).resized(to, index.root)
-    return write_zero(out, index, source, sizes.dp, ctx=ctx)
-
-
 WRITERS: dict[str, Writer] = {
-    "zero": _write_zero,
-    "tensor_parallel": write_tp_zero,  # --to N keeps the source's tp; tp=T,dp=W
     "pipeline": write_pp_zero,  # --to N keeps the source's pp; pp=P,dp=W
     "pipeline_tp": write_3d_zero,  # --to N keeps tp and pp; tp=T,pp=P,dp=W
     "moe": write_moe_zero,  # --to N keeps ep where it divides; ep=E,dp=W
@@ -48,7 +44,32 @@ def write_resharded(
     out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
 ) -> list[str]:
     """`reshard --to N` or `--to tp=..,pp=..,ep=..,dp=..`: the writer of the source's family lays it out."""
-    return WRITERS[DeepSpeedLayout.of(index).family](out, index, source, to, ctx=ctx)
+    layout = DeepSpeedLayout.of(index)
+    if layout.family in ONE_WRITER:
+        return write_layout(out, index, source, layout.resized(to, index.root), ctx=ctx)
+    return WRITERS[layout.family](out, index, source, to, ctx=ctx)
+
+
+ONE_WRITER = ("zero", "tensor_parallel")
+
+
+def write_layout(
+    out: Output, index: CheckpointIndex, source: Source, sizes: ParallelSizes, *, ctx: RunContext
+) -> list[str]:
+    """The source at `sizes`: split over tp, then pp, then ep, each (stage, tp rank) cell written
+    as a ZeRO checkpoint (module docstring)."""
+    zinfo = native_of(index).cell()
+    tag = tag_name(zinfo.files.tag, index)
+    sub_group_size = zero_config(index).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    files: dict[str, tuple[Any, Fetcher]] = {}
+    for lane in split_tp.lanes(index, source, sizes):
+        for stage in split_pp.stages(index, lane, sizes):
+            cell = split_ep.cell(lane, stage, sizes)
+            states = StatePlanner(stage.index, lane.fetcher)
+            group_size = int(sub_group_size) if sub_group_size is not None else None
+            structures = cell_files(stage.index, stage.info, sizes.dp, tag, group_size, states, cell)
+            files.update((name, (structure, lane.fetcher)) for name, structure in structures.items())
+    return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
 
 
 def write_at_world_size(

@@ -157,7 +157,7 @@ def cell_files(
     files: dict[str, Any] = {}
     model12: dict = {}
     if info.stage < 3:
-        model12 = files[f"{tag}/{model_file(cell.mp)}"] = (cell.stage12_model or _stage12_model)(info, groups, world)
+        model12 = files[f"{tag}/{model_file(cell.mp)}"] = (cell.stage12_model or stage12_model)(info, groups, world)
     o0, oarchive = template_of(info, "optim", 0)
     osd_t = o0["optimizer_state_dict"]
     if info.stage == 3 and "ds_zero_partition_groups" in osd_t:
@@ -228,7 +228,7 @@ def _rank_parts(
     return [parts[i] for i in sorted(parts)]
 
 
-def _stage12_model(info: ZeroInfo, groups: list[ZeroGroup], world: int) -> dict:
+def stage12_model(info: ZeroInfo, groups: list[ZeroGroup], world: int) -> dict:
     """Stage 1/2's one model-states file: the source's, with the new world size."""
     m0, marchive = template_of(info, "model", min(info.files.model_files))
     model = lazify(m0, marchive, {})

@@ -1,5 +1,5 @@
 """reshard of tensor-parallel DeepSpeed checkpoints (Megatron-style mpu and AutoTP, ZeRO 1/2/3) to a new
-tp and dp: `reshard --to tp=T,dp=W` (formats/deepspeed/tp_writer.py).
+tp and dp: `reshard --to tp=T,dp=W` (formats/deepspeed/resharding.py, split_tp.py).
 
 Outputs read back equal at new sizes, and a rewrite at the same sizes being DeepSpeed's own files,
 are checked in test_layout_matrix.py with the other layouts; here: a rewrite of a rewrite, a world
