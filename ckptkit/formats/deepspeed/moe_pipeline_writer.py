@@ -38,7 +38,7 @@ from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
 from .native import DeepSpeedNative
-from .moe_writer import moe_cell
+from .split_ep import moe_cell
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
 from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
 from .templates import lazify, template_of

@@ -40,7 +40,7 @@ from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .native import DeepSpeedNative
 from .moe import MARK
-from .moe_writer import moe_cell
+from .split_ep import moe_cell
 from .tag_writer import alignment, tag_name, write_tag, zero_config
 from .autotp_cut import TpCut
 from .tp_geometry import TpSlicer

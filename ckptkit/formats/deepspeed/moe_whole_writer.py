@@ -31,7 +31,7 @@ from .group_plan import StatePlanner
 from .info import ZeroInfo
 from .native import DeepSpeedNative
 from .moe_tp_writer import lane_model, tp_lanes
-from .moe_writer import moe_cell
+from .split_ep import moe_cell
 from .tag_writer import tag_name, write_tag, zero_config
 from .writer import cell_files
 

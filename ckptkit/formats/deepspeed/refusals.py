@@ -62,7 +62,7 @@ def refuse_pipeline_moe(index: CheckpointIndex) -> None:
 
 def refuse_experts(index: CheckpointIndex) -> None:
     """convert --to zero* (asked of every source, of any format): expert groups from a canonical
-    state are not laid out yet (reshard writes them from the source's own files: moe_writer.py)."""
+    state are not laid out yet (reshard writes them from the source's own files: split_ep.py)."""
     if "deepspeed_moe" in index.metadata:
         ep = index.metadata["deepspeed_moe"]["ep_size"]
         raise UnsupportedError(

@@ -22,7 +22,7 @@ from .tag_writer import tag_name, write_tag, zero_config
 from .moe_pipeline_writer import write_pipeline_moe_zero
 from .moe_tp_writer import write_moe_tp_zero
 from .moe_whole_writer import write_whole_experts
-from .moe_writer import write_moe_zero
+from .refusals import refuse_pipeline_moe
 from .pipeline_tp_writer import write_3d_zero
 from .pipeline_writer import write_pp_zero
 from .writer import DEFAULT_SUB_GROUP_SIZE, cell_files, write_zero
@@ -33,7 +33,6 @@ Writer = Callable[..., list[str]]
 WRITERS: dict[str, Writer] = {
     "pipeline": write_pp_zero,  # --to N keeps the source's pp; pp=P,dp=W
     "pipeline_tp": write_3d_zero,  # --to N keeps tp and pp; tp=T,pp=P,dp=W
-    "moe": write_moe_zero,  # --to N keeps ep where it divides; ep=E,dp=W
     "moe_tp": write_moe_tp_zero,  # experts sliced over tp: --to N keeps tp and ep; tp=T,ep=E,dp=W
     "moe_whole_tp": write_whole_experts,  # whole experts: --to N keeps tp and ep; tp=T,ep=E,dp=W
     "pipeline_moe": write_pipeline_moe_zero,  # MoE in a PipelineModule: keeps pp; pp=P,ep=E,dp=W
@@ -50,7 +49,7 @@ def write_resharded(
     return WRITERS[layout.family](out, index, source, to, ctx=ctx)
 
 
-ONE_WRITER = ("zero", "tensor_parallel")
+ONE_WRITER = ("zero", "tensor_parallel", "moe")
 
 
 def write_layout(
@@ -62,22 +61,28 @@ def write_layout(
     tag = tag_name(zinfo.files.tag, index)
     sub_group_size = zero_config(index).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     files: dict[str, tuple[Any, Fetcher]] = {}
+    copied: list[tuple[str, str]] = []
     for lane in split_tp.lanes(index, source, sizes):
         for stage in split_pp.stages(index, lane, sizes):
-            cell = split_ep.cell(lane, stage, sizes)
+            cell = split_ep.cell(index, lane, stage, sizes)
             states = StatePlanner(stage.index, lane.fetcher)
             group_size = int(sub_group_size) if sub_group_size is not None else None
             structures = cell_files(stage.index, stage.info, sizes.dp, tag, group_size, states, cell)
             files.update((name, (structure, lane.fetcher)) for name, structure in structures.items())
-    return write_tag(out, source, tag, files, ctx, scripts=zinfo.files.tag is not None)
+        written, copies = split_ep.lane_experts(index, lane, sizes, tag)
+        files.update((name, (structure, lane.fetcher)) for name, structure in written.items())
+        copied += copies
+    copied += split_ep.whole_expert_copies(index, tag, sizes)
+    return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo.files.tag is not None)
 
 
 def write_at_world_size(
     out: Output, index: CheckpointIndex, source: Source, world_size: int, *, ctx: RunContext
 ) -> list[str]:
     """A DeepSpeed checkpoint's own files for a new world size, without a model-parallel writer:
-    experts keep the source's ep size (moe_writer.py); anything else is rewritten as one ZeRO
+    experts keep the source's ep size (split_ep.py); anything else is rewritten as one ZeRO
     checkpoint (writer.py refuses the model-parallel layouts it cannot lay out)."""
     if DeepSpeedLayout.of(index).has_experts:
-        return write_moe_zero(out, index, source, world_size, ctx=ctx)
+        refuse_pipeline_moe(index)  # a MoE PipelineModule: its stages are laid out by reshard --to pp=...
+        return write_resharded(out, index, source, world_size, ctx=ctx)
     return write_zero(out, index, source, world_size, ctx=ctx)

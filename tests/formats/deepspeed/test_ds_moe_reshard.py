@@ -1,5 +1,5 @@
 """reshard of DeepSpeed mixture-of-experts checkpoints (deepspeed.moe.layer.MoE, ZeRO 1/2) to a new
-expert-parallel size and data-parallel world size: `reshard --to ep=E,dp=W` (moe_writer.py).
+expert-parallel size and data-parallel world size: `reshard --to ep=E,dp=W` (resharding.py, split_ep.py).
 
 Outputs read back equal at new sizes (under each expert's global id), and a rewrite at the same
 sizes being DeepSpeed's own files, are checked in test_layout_matrix.py with the other layouts;
