@@ -20,8 +20,6 @@ from .layout import DeepSpeedLayout
 from .native import native_of
 from .tag_writer import tag_name, write_tag, zero_config
 from .moe_pipeline_writer import write_pipeline_moe_zero
-from .moe_tp_writer import write_moe_tp_zero
-from .moe_whole_writer import write_whole_experts
 from .refusals import refuse_pipeline_moe
 from .pipeline_tp_writer import write_3d_zero
 from .pipeline_writer import write_pp_zero
@@ -33,8 +31,6 @@ Writer = Callable[..., list[str]]
 WRITERS: dict[str, Writer] = {
     "pipeline": write_pp_zero,  # --to N keeps the source's pp; pp=P,dp=W
     "pipeline_tp": write_3d_zero,  # --to N keeps tp and pp; tp=T,pp=P,dp=W
-    "moe_tp": write_moe_tp_zero,  # experts sliced over tp: --to N keeps tp and ep; tp=T,ep=E,dp=W
-    "moe_whole_tp": write_whole_experts,  # whole experts: --to N keeps tp and ep; tp=T,ep=E,dp=W
     "pipeline_moe": write_pipeline_moe_zero,  # MoE in a PipelineModule: keeps pp; pp=P,ep=E,dp=W
 }
 
@@ -49,7 +45,7 @@ def write_resharded(
     return WRITERS[layout.family](out, index, source, to, ctx=ctx)
 
 
-ONE_WRITER = ("zero", "tensor_parallel", "moe")
+ONE_WRITER = ("zero", "tensor_parallel", "moe", "moe_tp", "moe_whole_tp")
 
 
 def write_layout(

@@ -5,14 +5,14 @@ fixtures/generate_ds_moe_tp.py, truth from safe_get_full_fp32_param / safe_get_f
 on every rank, assembled over tp.
 
 Read (moe.py per mp rank, joined by join_tp.py) and consolidated bit for bit; `inspect` shows
-each tensor's tp and ep split; reshard (moe_tp_writer.py) to new tp, ep and dp reads back equal,
+each tensor's tp and ep split; reshard (resharding.py) to new tp, ep and dp reads back equal,
 and at the same sizes is DeepSpeed's own files object for object (both in test_layout_matrix.py). One
 DeepSpeed launch
 (tests/dist/ds_moe_tp_load_check.py) loads a reshard at tp=4,ep=1,dp=1, compares every master,
 moment and module weight with the truth cut for its rank, and trains a step.
 
 Whole experts (enable_expert_tensor_parallelism=False, fixture moetp_noexptp_*: join_ep.py,
-moe_whole_writer.py): read and consolidated bit for bit, resharded to new tp/ep/dp (read back equal,
+split_ep.py): read and consolidated bit for bit, resharded to new tp/ep/dp (read back equal,
 same sizes = DeepSpeed's files: test_layout_matrix.py), one DeepSpeed launch loading tp=4,ep=4,dp=1.
 """
 
