@@ -21,16 +21,12 @@ from .native import native_of
 from .tag_writer import tag_name, write_tag, zero_config
 from .moe_pipeline_writer import write_pipeline_moe_zero
 from .refusals import refuse_pipeline_moe
-from .pipeline_tp_writer import write_3d_zero
-from .pipeline_writer import write_pp_zero
 from .writer import DEFAULT_SUB_GROUP_SIZE, cell_files, write_zero
 
 Writer = Callable[..., list[str]]
 
 
 WRITERS: dict[str, Writer] = {
-    "pipeline": write_pp_zero,  # --to N keeps the source's pp; pp=P,dp=W
-    "pipeline_tp": write_3d_zero,  # --to N keeps tp and pp; tp=T,pp=P,dp=W
     "pipeline_moe": write_pipeline_moe_zero,  # MoE in a PipelineModule: keeps pp; pp=P,ep=E,dp=W
 }
 
@@ -45,7 +41,7 @@ def write_resharded(
     return WRITERS[layout.family](out, index, source, to, ctx=ctx)
 
 
-ONE_WRITER = ("zero", "tensor_parallel", "moe", "moe_tp", "moe_whole_tp")
+ONE_WRITER = ("zero", "tensor_parallel", "moe", "moe_tp", "moe_whole_tp", "pipeline", "pipeline_tp")
 
 
 def write_layout(
@@ -65,9 +61,9 @@ def write_layout(
             group_size = int(sub_group_size) if sub_group_size is not None else None
             structures = cell_files(stage.index, stage.info, sizes.dp, tag, group_size, states, cell)
             files.update((name, (structure, lane.fetcher)) for name, structure in structures.items())
-        written, copies = split_ep.lane_experts(index, lane, sizes, tag)
-        files.update((name, (structure, lane.fetcher)) for name, structure in written.items())
-        copied += copies
+        for written, copies in (split_pp.lane_files(index, lane, tag), split_ep.lane_experts(index, lane, sizes, tag)):
+            files.update((name, (structure, lane.fetcher)) for name, structure in written.items())
+            copied += copies
     copied += split_ep.whole_expert_copies(index, tag, sizes)
     return write_tag(out, source, tag, files, ctx, copied=copied, scripts=zinfo.files.tag is not None)
 

@@ -1,5 +1,5 @@
 """reshard of DeepSpeed pipeline checkpoints to a new pp and dp: `reshard --to pp=P,dp=W`
-(formats/deepspeed/pipeline_writer.py; layers to stages by --partition-method, pipeline_partition.py).
+(formats/deepspeed/split_pp.py, pipeline_stages.py; layers to stages by --partition-method, pipeline_partition.py).
 
 Outputs read back equal at new sizes (with DeepSpeed's file set and stage boundaries), and a
 rewrite at the same sizes being DeepSpeed's own files, are checked in test_layout_matrix.py with the
@@ -135,34 +135,34 @@ def test_stages_the_checkpoint_does_not_determine_are_refused():
     """new_stages' checks can fire: a source whose layer stages the method cannot give, and one that
     says nothing of its stages (so unseen trailing state-less layers would move the boundaries)."""
     from ckptkit.errors import UnsupportedError
-    from ckptkit.formats.deepspeed import pipeline_writer
+    from ckptkit.formats.deepspeed import pipeline_stages
     from ckptkit.formats.registry import open_checkpoint
 
     index = open_checkpoint(str(PP_DATA / "pp2_dp2_z1_fp32")).index
-    layers, stage_of = pipeline_writer.layer_table(index)
+    layers, stage_of = pipeline_stages.layer_table(index)
     assert [x.kind for x in layers] == ["tied", "layer", "layer", "layer", "layer", "tied"]
     assert stage_of == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
-    _, parts = pipeline_writer.new_stages(index, layers, stage_of, "uniform", 4)
+    _, parts = pipeline_stages.new_stages(index, layers, stage_of, "uniform", 4)
     assert parts == [0, 2, 4, 5, 6]
     with pytest.raises(UnsupportedError, match=r"do not split into its 2 stages with --partition-method uniform"):
-        pipeline_writer.new_stages(index, layers, {0: 1}, "uniform", 4)
+        pipeline_stages.new_stages(index, layers, {0: 1}, "uniform", 4)
     with pytest.raises(UnsupportedError, match=r"depends on how many state-less layers follow layer 5"):
-        pipeline_writer.new_stages(index, layers, {}, "uniform", 4)
+        pipeline_stages.new_stages(index, layers, {}, "uniform", 4)
 
 
 def test_layer_types_fix_the_layer_count():
     """Unseen trailing state-less layers: refused without --layer-types, placed with them."""
-    from ckptkit.formats.deepspeed import pipeline_writer
+    from ckptkit.formats.deepspeed import pipeline_stages
     from ckptkit.formats.registry import open_checkpoint
 
     index = open_checkpoint(str(PP_DATA / "pp2_dp2_z1_fp32")).index
-    layers, _ = pipeline_writer.layer_table(index)
+    layers, _ = pipeline_stages.layer_table(index)
     with pytest.raises(UsageError, match=r"does not record its layers' class names"):
-        pipeline_writer.new_stages(index, layers, {}, "type:block", 4)
+        pipeline_stages.new_stages(index, layers, {}, "type:block", 4)
     types = pipeline_partition.parse_layer_types(LAYER_TYPES + ",head*2")
-    cand, parts = pipeline_writer.new_stages(index, layers, {}, "uniform", 4, types)
+    cand, parts = pipeline_stages.new_stages(index, layers, {}, "uniform", 4, types)
     assert len(cand) == 8 and parts == [0, 2, 4, 6, 8]  # partition_uniform(8, 4)
-    cand, parts = pipeline_writer.new_stages(index, layers, {}, "type:block|head", 4, types)
+    cand, parts = pipeline_stages.new_stages(index, layers, {}, "type:block|head", 4, types)
     assert len(cand) == 8 and parts == pipeline_partition.partition_balanced([0, 1, 1, 1, 0, 0, 1, 1], 4)
 
 

@@ -1,5 +1,5 @@
-"""Write a native DeepSpeed pipeline checkpoint for a new pipeline and data-parallel size
-(`reshard --to pp=P,dp=W`; `--to N` keeps the source's pp).
+"""A PipelineModule's new layer-file stages for a new pipeline and data-parallel size
+(`reshard --to pp=P,dp=W`; `--to N` keeps the source's pp), what split_pp.py cuts a lane into.
 
 The pipeline reader (pipeline.py) joins the stages under PipelineModule's global names. Here the
 layers are assigned to P new stages as PipelineModule does it (pipeline_partition.py, by the
@@ -28,25 +28,18 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
-from ...context import RunContext
 from ...errors import UnsupportedError, UsageError
-from ...index.parallel_spec import ParallelSizes
 from ...index.state_keys import model_key
 from ...index.types import CheckpointIndex
 from ...index.virtual import Part
-from ...runner.fetch import Fetcher
-from ...storage.commit import Output
-from ...storage.source import Source
 from ...torch_types import Size
 from ..torch_save.archive_writer import LazyTensor
-from .layout import DeepSpeedLayout
-from .group_plan import GroupPlan, StatePlanner, virtual
+from .group_plan import GroupPlan, virtual
 from .info import ZeroGroup, ZeroInfo
 from .native import DeepSpeedNative
-from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
+from .pipeline_partition import is_type_method, partition, type_weights
+from .tag_writer import alignment_paddings
 from .templates import lazify, template_of
-from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
-from .writer import Cell, cell_files
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,12 +55,6 @@ class Layer:
     kind: str  # "layer" (its own parameters), "tied" (a TiedLayerSpec), "none" (no state)
     weight: int  # trainable parameters (what partition_method="parameters" balances)
     key: str | None = None
-
-
-def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> PpTarget:
-    """(P, W) from `--to`: pp=P,dp=W (tp and ep 1), or a world size N that keeps the source's pp."""
-    sizes = DeepSpeedLayout.of(index).resized(to, index.root)
-    return PpTarget(pp=sizes.pp, dp=sizes.dp)
 
 
 def _layer_of(name: str) -> int | None:
@@ -263,58 +250,6 @@ def stage_plans(index: CheckpointIndex, layers: list[Layer], parts: list[int], a
     return plans
 
 
-def write_pp_zero(
-    out: Output,
-    index: CheckpointIndex,
-    source: Source,
-    to: int | ParallelSizes,
-    *,
-    ctx: RunContext,
-    partition_method: str | None = None,
-) -> list[str]:
-    """Reshard a pipeline ZeRO-1 (or BF16_Optimizer) checkpoint to P stages of W ranks (module docstring)."""
-    info: DeepSpeedNative = index.native
-    target = target_sizes(index, to)
-    method = partition_method or chosen_partition_method()
-    layers, stage_of = layer_table(index)
-    types = chosen_layer_types()
-    if target.pp > max(len(layers), len(types or ())):
-        raise UsageError(
-            f"--to pp={target.pp}: {index.root} has {len(layers)} layers, fewer than the {target.pp} "
-            f"pipeline stages asked for"
-        )
-    zinfo: ZeroInfo = info.stages[min(info.stages)]
-    zero_cfg = zero_config(index)
-    align = alignment(zero_cfg, zinfo.dtype)
-    layers, parts = new_stages(index, layers, stage_of, method, target.pp, types)
-    plans = stage_plans(index, layers, parts, align)
-    tag = tag_name(zinfo.files.tag, index)
-    fetcher = Fetcher(source, index=index)
-    states = StatePlanner(index, fetcher)
-    m0, marchive = template_of(zinfo, "model", min(zinfo.files.model_files))
-    files: dict[str, Any] = {}
-    for plan in plans:
-        check_trainable(plan, target.pp)
-        cell = stage_cell(
-            zinfo,
-            plan,
-            plan.stage,
-            lambda plan=plan: stage_model(m0, marchive, plan, target),
-            lambda g, stage=plan.stage: f"group {g.index} of pipeline stage {stage}",
-        )
-        files.update(cell_files(index, stage_info(zinfo, plan), target.dp, tag, None, states, cell))
-    copied = [(rel, f"{tag}/{rel.rpartition('/')[2]}") for _, rel in sorted(info.layer_files.items())]
-    return write_tag(
-        out,
-        source,
-        tag,
-        {n: (s, fetcher) for n, s in files.items()},
-        ctx,
-        copied=copied,
-        scripts=zinfo.files.tag is not None,
-    )
-
-
 def check_trainable(plan: StagePlan, pp: int) -> None:
     """A new stage must hold trainable parameters: DeepSpeed's ZeRO optimizer cannot hold none."""
     if not any(g.params for g in plan.groups):
@@ -329,16 +264,10 @@ def stage_info(zinfo: ZeroInfo, plan: StagePlan) -> ZeroInfo:
     return dataclasses.replace(zinfo, groups=list(plan.groups), stage=1)
 
 
-def stage_cell(
-    zinfo: ZeroInfo,
-    plan: StagePlan,
-    mp: int,
-    model_of: Callable[[], dict],
-    label: Callable[[ZeroGroup], str],
-) -> Cell:
-    """A new stage's ZeRO-1 cell under model-parallel rank `mp`: `model_of()` its model-states file;
-    each optim file records the stage's alignment paddings, BF16_Optimizer's masters with their
-    end padding, and BF16_Optimizer's dp rank 0 state in the model file too."""
+def stage_optim(zinfo: ZeroInfo, plan: StagePlan) -> Callable[[dict, int, list[GroupPlan], dict], dict]:
+    """What a new stage's ZeRO-1 cell adds to each optim file (writer.Cell.finish_optim): the
+    stage's alignment paddings, BF16_Optimizer's masters with their end padding, and
+    BF16_Optimizer's dp rank 0 state in the model file too."""
     o0, _ = template_of(zinfo, "optim", min(zinfo.files.optim_files))
     bf16_optimizer = "zero_stage" not in o0["optimizer_state_dict"]
 
@@ -351,7 +280,7 @@ def stage_cell(
             model["optimizer"] = osd
         return osd
 
-    return Cell(mp=mp, stage12_model=lambda info, groups, world: model_of(), label=label, finish_optim=finish_optim)
+    return finish_optim
 
 
 def _padded_masters(plan: GroupPlan, rank: int) -> LazyTensor:
