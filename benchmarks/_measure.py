@@ -103,3 +103,29 @@ def median_of(runs: int, measure, prepare=None) -> tuple[float, float]:
         walls.append(wall)
         rss.append(peak)
     return statistics.median(walls), max(rss)
+
+
+def parse_bench_args(doc: str, sizes: dict, default: str, work: str):
+    """The options every one-format benchmark takes: --params (a key of `sizes`), --work, --keep,
+    --repeat; returns (args, the folder for this size)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", choices=sorted(sizes), default=default)
+    ap.add_argument("--work", default=work)
+    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for reruns")
+    ap.add_argument("--repeat", type=int, default=3, help="cold runs per command; the median wall is reported")
+    args = ap.parse_args()
+    folder = os.path.join(args.work, args.params)
+    os.makedirs(folder, exist_ok=True)
+    return args, folder
+
+
+def finish(args, work: str, agree: bool) -> None:
+    """Remove the work folder unless --keep; fail the run when the tools' outputs differ."""
+    import shutil
+
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    if not agree:
+        raise SystemExit("outputs differ")

@@ -12,14 +12,15 @@
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import drop_caches, du, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
+from _measure import (  # noqa: E402
+    drop_caches, du, finish, machine_line, median_of, parse_bench_args, print_table, run_python, run_shell,
+)
 
 SIZES = {"100M": (24, 2048), "400M": (24, 4096)}  # (layers, width): layers * width^2 params
 
@@ -58,16 +59,9 @@ save_file({k: v.contiguous() for k, v in sd["model"].items()}, out, metadata={"f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", choices=sorted(SIZES), default="100M")
-    ap.add_argument("--work", default="/tmp/ckptkit-bench")
-    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for reruns")
-    ap.add_argument("--repeat", type=int, default=3, help="cold runs per command; the median wall is reported")
-    args = ap.parse_args()
+    args, work = parse_bench_args(__doc__, SIZES, "100M", "/tmp/ckptkit-bench")
     layers, width = SIZES[args.params]
-    work = os.path.join(args.work, args.params)
     src = os.path.join(work, "dcp_w2")
-    os.makedirs(work, exist_ok=True)
     if not os.path.exists(os.path.join(src, ".metadata")):
         print(f"writing a real FSDP2 DCP checkpoint ({args.params} params, 2 ranks) ...", flush=True)
         script = os.path.join(work, "writer.py")
@@ -117,10 +111,7 @@ def main() -> None:
     print(f"\nconsolidate: ckptkit/torch wall {c[2] / t[2]:.2f}x, RSS {c[3] / t[3]:.2f}x; "
           f"reshard/cp -r wall {r[2] / cp[2]:.2f}x (vs cp -r && sync {r[2] / cps[2]:.2f}x); "
           f"outputs agree bit for bit: {agree}")
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    if not agree:
-        raise SystemExit("outputs differ")
+    finish(args, work, agree)
 
 
 if __name__ == "__main__":

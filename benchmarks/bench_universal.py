@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -25,29 +24,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import drop_caches, du, machine_line, median_of, print_table, run_python  # noqa: E402
+from _deepspeed_writer import write_zero_checkpoint  # noqa: E402
+from _measure import (  # noqa: E402
+    drop_caches, du, finish, machine_line, median_of, parse_bench_args, print_table, run_python,
+)
 
 SIZES = {"25M": (24, 1024), "100M": (24, 2048)}
 TAG = "global_step1"
-
-WRITER = r"""
-import os, sys, torch, deepspeed
-layers, width, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-deepspeed.init_distributed(dist_backend="gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "train_batch_size": 2 * int(os.environ["WORLD_SIZE"]),
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": False}},
-          "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
-engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-x = torch.randn(2, width, dtype=torch.bfloat16)
-engine.backward(engine(x).float().square().mean())
-engine.step()
-engine.save_checkpoint(out, tag="global_step1")
-torch.distributed.barrier()
-os._exit(0)
-"""
 
 
 def run_tree(cmd: list[str], env: dict) -> tuple[float, float]:
@@ -95,23 +78,13 @@ def same_values(ours: str, theirs: str) -> tuple[bool, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", choices=sorted(SIZES), default="25M")
-    ap.add_argument("--work", default="/tmp/ckptkit-bench-universal")
-    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for reruns")
-    ap.add_argument("--repeat", type=int, default=3, help="cold runs per command; the median wall is reported")
-    args = ap.parse_args()
+    args, work = parse_bench_args(__doc__, SIZES, "25M", "/tmp/ckptkit-bench-universal")
     layers, width = SIZES[args.params]
-    work = os.path.join(args.work, args.params)
     src = os.path.join(work, "zero2_w2")
-    os.makedirs(work, exist_ok=True)
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     if not os.path.exists(os.path.join(src, "latest")):
         print(f"writing a real DeepSpeed ZeRO-2 bf16 checkpoint ({args.params} params, 2 ranks) ...", flush=True)
-        script = os.path.join(work, "writer.py")
-        open(script, "w").write(WRITER)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-                        str(layers), str(width), src], check=True, env={**os.environ, **env})  # fmt: skip
+        write_zero_checkpoint(src, work, 2, layers, width, env)
     size = du(src)
     cold = drop_caches()
     ck, ds = os.path.join(work, "ck_uc"), os.path.join(work, "ds_uc")
@@ -142,10 +115,7 @@ def main() -> None:
         f"\nckptkit/ds_to_universal wall {c[2] / d[2]:.2f}x (1 worker: {c[2] / one[2]:.2f}x), peak RSS "
         f"{c[3] / d[3]:.2f}x (1 worker: {c[3] / one[3]:.2f}x); {compared} state files equal: {agree}"
     )
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    if not agree:
-        raise SystemExit("outputs differ")
+    finish(args, work, agree)
 
 
 if __name__ == "__main__":

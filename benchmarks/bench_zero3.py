@@ -12,59 +12,32 @@
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import drop_caches, du, machine_line, median_of, print_table, run_python, run_shell  # noqa: E402
+from _deepspeed_writer import write_zero_checkpoint, writer_script  # noqa: E402
+from _measure import (  # noqa: E402
+    drop_caches, du, finish, machine_line, median_of, parse_bench_args, print_table, run_python, run_shell,
+)
 
 SIZES = {"100M": (24, 2048), "400M": (24, 4096)}
 
-WRITER = r"""
-import json, os, sys, torch, deepspeed
-layers, width, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-deepspeed.init_distributed(dist_backend="gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "train_batch_size": 2 * int(os.environ["WORLD_SIZE"]),
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": False}},
-          "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
-engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-x = torch.randn(2, width, dtype=torch.bfloat16)
-engine.backward(engine(x).float().square().mean())
-engine.step()
-engine.save_checkpoint(out, tag="global_step1")
-torch.distributed.barrier()
-os._exit(0)
-"""
+WRITER = writer_script(3)  # run.py writes the same source
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", choices=sorted(SIZES), default="100M")
-    ap.add_argument("--work", default="/tmp/ckptkit-bench-zero3")
-    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for reruns")
-    ap.add_argument("--repeat", type=int, default=3, help="cold runs per command; the median wall is reported")
-    args = ap.parse_args()
+    args, work = parse_bench_args(__doc__, SIZES, "100M", "/tmp/ckptkit-bench-zero3")
     try:
         import huggingface_hub  # noqa: F401  (zero_to_fp32.py needs it)
     except ImportError:
         raise SystemExit("zero_to_fp32.py needs huggingface_hub: pip install huggingface_hub")
     layers, width = SIZES[args.params]
-    work = os.path.join(args.work, args.params)
     src = os.path.join(work, "zero3_w2")
-    os.makedirs(work, exist_ok=True)
     if not os.path.exists(os.path.join(src, "latest")):
         print(f"writing a real DeepSpeed ZeRO-3 bf16 checkpoint ({args.params} params, 2 ranks) ...", flush=True)
-        script = os.path.join(work, "writer.py")
-        open(script, "w").write(WRITER)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-                        str(layers), str(width), src], check=True, env=env)
+        write_zero_checkpoint(src, work, 3, layers, width, {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     size = du(src)
     env = {"DS_ACCELERATOR": "cpu"}
     cold = drop_caches()
@@ -101,10 +74,7 @@ def main() -> None:
     print(f"\nconsolidate: ckptkit/zero_to_fp32 wall {c[2] / z[2]:.2f}x, RSS {c[3] / z[3]:.2f}x; "
           f"reshard/cp -r wall {r[2] / cp[2]:.2f}x (vs cp -r && sync {r[2] / cps[2]:.2f}x); "
           f"outputs agree bit for bit: {agree}")
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    if not agree:
-        raise SystemExit("outputs differ")
+    finish(args, work, agree)
 
 
 if __name__ == "__main__":
