@@ -292,8 +292,8 @@ def _mcore_legacy_rank_file(tmp: Path) -> list[str]:
     return ["inspect", str(d / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")]
 
 
-def _mcore_convert(tmp: Path) -> list[str]:
-    d = copy_fixture("mcore/tp2_swiglu_gqa", tmp, "save")
+def _mcore_convert_flat_buffers(tmp: Path) -> list[str]:
+    d = copy_fixture("mcore/tp2dp2_distopt", tmp, "save")
     return ["convert", str(d), str(tmp / "out"), "--to", "dcp"]
 
 
@@ -593,12 +593,13 @@ CASES: list[Case] = [
         "(--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and read that\n",
     ),
     Case(
-        "mcore_convert",
-        _mcore_convert,
+        "mcore_convert_flat_buffers",
+        _mcore_convert_flat_buffers,
         2,
-        "error: <tmp>/save: converting a Megatron-Core checkpoint is not supported yet (its param groups do not "
-        "list their parameters, so trainable parameters and their optimizer state cannot be filed as such); "
-        "consolidate writes its model to safetensors\n",
+        "error: <tmp>/save: its optimizer state is the distributed optimizer's dp_reshardable flat buffers "
+        "(6 tensors), laid out by MCore's grad buffers, which the checkpoint does not record per parameter, so "
+        "it cannot be mapped to parameters; resave it with --dist-ckpt-optim-fully-reshardable, or convert the "
+        "model alone (--model-only)\n",
     ),
     Case(
         "mcore_latest_missing",

@@ -23,6 +23,7 @@ holds weights only: like consolidate, it writes the model and lists what it did 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -177,8 +178,10 @@ def convert(
             f"give --to {to} a world size"
         )
     opened, world = _open_source(src, tag, ctx, expect_from, target, world_size)
+    opened, view_notes = _training_view(opened, src, target, model_only)
     single = file_output(out, target)
     rules, notes = _output_rules(opened, target, rules)
+    notes = view_notes + notes
     state = read_state(opened, rules, frozen, ctx)
     notes = notes + state.notes  # what config.json says that could not be honoured
     reshaped = bool(rules and (rules.strip or rules.renames or rules.add) or frozen or model_only or drop)
@@ -236,6 +239,18 @@ def _open_source(
     if target in ZERO_TARGETS:  # a pipeline source has no ZeRO layout yet
         format_of(opened.index).refuse_relayout(src, opened.index)
     return opened, world
+
+
+def _training_view(opened: Opened, src: str, target: str, model_only: bool) -> tuple[Opened, list[str]]:
+    """SRC as its format's training-state view, where it stores its training state otherwise than
+    torch names it (MCore: stacked layers, param groups without members), and the view's notes.
+    The optimizer is left out where it would not be written (--model-only, a safetensors target)."""
+    view = getattr(format_of(opened.index), "training_index", None)
+    if view is None:
+        return opened, []
+    optimizer = not model_only and target != "safetensors"
+    index, notes = view(opened.index, optimizer, "convert the model alone (--model-only)")
+    return dataclasses.replace(opened, index=index), notes
 
 
 def _refuse_folder_on_a_mesh(src: str, opened: Opened, mesh: MeshSpec) -> None:

@@ -3,9 +3,9 @@ Megatron-LM's save root, read through the DCP reader; legacy rank files refused 
 
 It comes before DCP in the registry's order: an iteration folder is a DCP folder too, and what
 tells it apart (metadata.json, common.pt, its keys) is only read here. Writing MCore checkpoints
-(reshard, convert --to mcore) is not built yet, nor is convert from MCore (its capabilities say
-why): consolidate writes safetensors from what is read here, one tensor per layer
-(`consolidated_model`).
+(reshard, convert --to mcore) is not built yet. consolidate writes safetensors from what is read
+here, one tensor per layer (`consolidated_model`); convert and consolidate --include-optimizer read
+it as a training state in torch's terms (`training_index`, training.py).
 """
 
 from __future__ import annotations
@@ -18,19 +18,10 @@ from ...storage.source import Source
 from ..protocols import ANY_WORLD, Capabilities, CannotReshard
 from . import legacy
 from . import reader as mcore_reader
-from . import unstack
+from . import training, unstack
 
 if TYPE_CHECKING:
     from ...context import RunContext
-
-
-# MCore's param groups list no parameters: which tensors are trainable, and in which group, is not
-# recorded, so convert would file every model tensor as a frozen parameter (consolidate needs no roles)
-CONVERT_REFUSAL = (
-    "converting a Megatron-Core checkpoint is not supported yet (its param groups do not list their "
-    "parameters, so trainable parameters and their optimizer state cannot be filed as such); "
-    "consolidate writes its model to safetensors"
-)
 
 
 class McoreFormat(CannotReshard):
@@ -41,7 +32,6 @@ class McoreFormat(CannotReshard):
         optimizer_state=True,
         reshards=False,
         tags=True,  # an iteration folder of a save root: --tag iter_0000002
-        convert_refusal=CONVERT_REFUSAL,
     )
 
     def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
@@ -91,6 +81,13 @@ class McoreFormat(CannotReshard):
     ) -> tuple[dict[str, str], dict[str, TensorEntry], list[str]]:
         """consolidate's model: one tensor per layer and expert in state_dict() names (unstack.py)."""
         return unstack.consolidated_model(index, model, include_optimizer)
+
+    def training_index(
+        self, index: CheckpointIndex, optimizer: bool = True, model_only_hint: str = ""
+    ) -> tuple[CheckpointIndex, list[str]]:
+        """convert's (and consolidate --include-optimizer's) view: torch's training-state names
+        per layer, the param groups given their members (training.py)."""
+        return training.training_index(index, optimizer, model_only_hint or training.MODEL_ONLY_HINT)
 
     def write(self, target: Any, out: object, ctx: "RunContext") -> list[str]:
         raise UnsupportedError("writing Megatron-Core checkpoints is not supported yet")
