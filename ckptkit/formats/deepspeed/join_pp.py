@@ -13,7 +13,7 @@ the pipeline way (the engine's _save_moe_checkpoint; fixtures/generate_ds_pp_moe
   optim_file(d, mp=s)
 So each stage is read as a MoE checkpoint (moe.py) and the stages are joined by name: their
 parameter names are disjoint (the global layer index leads each), every tensor gets
-attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". moe_pipeline_writer.py writes one at a
+attrs["parallel"]["pp"] = {"stage", "size"} beside its "ep". moe_stages.py (the writer's pp split) writes one at a
 new pp, ep and dp (at a new pp the layers move and the expert files' per-stage MoE layer ids are
 renumbered).
 """

@@ -4,9 +4,9 @@ DeepSpeed lays a checkpoint out over four parallel dimensions (tp, pp, ep, dp) a
 with naming variants that depend on how it was trained: pipeline stages as layer files
 (PipelineModule) or as model-parallel ranks (a MoE PipelineModule), experts sliced over the tp
 ranks or saved whole by one of them, the `bf16_` prefix of BF16_Optimizer's files, Megatron's
-`layer_file(XX, TT)`. `DeepSpeedLayout` holds them as data, so a writer is chosen by what the
-checkpoint is (`family`), not by the order of type tests, and every refusal of new sizes lives in
-one table (`RESIZE_RULES`, applied by `resized`).
+`layer_file(XX, TT)`. `DeepSpeedLayout` holds them as data, so the one writer (resharding.py) splits
+a checkpoint by what it is, not by the order of type tests, and every refusal of new sizes lives in
+one table (`RESIZE_RULES`, keyed by the `family` and applied by `resized`).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class DeepSpeedLayout:
 
     @property
     def family(self) -> str:
-        """Which combination of parallel dimensions this is; the writer that lays it out at new
-        sizes is chosen by it (resharding.py)."""
+        """Which combination of parallel dimensions this is: what RESIZE_RULES keys the sizes a
+        reshard may ask for by, and what messages call the checkpoint."""
         if self.stages == LAYER_FILES:
             return "pipeline_tp" if self.tp > 1 else "pipeline"
         if self.stages == MP_RANK_STAGES:

@@ -17,13 +17,14 @@ from typing import Any, Callable, Iterator
 from ...errors import UnsupportedError, UsageError
 from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
+from . import moe_stages
 from . import pipeline_stages as ps
 from .info import ZeroGroup, ZeroInfo
 from .layout import LAYER_FILES, NO_STAGES, DeepSpeedLayout
 from .native import native_of
 from .pipeline_partition import chosen_layer_types, chosen_partition_method
 from .split_tp import Lane, layer_states
-from .tag_writer import alignment, zero_config
+from .tag_writer import alignment, tag_name, zero_config
 from .templates import template_of
 
 
@@ -38,6 +39,7 @@ class Stage:
     label: Callable[[ZeroGroup], str] | None = None  # a group in messages
     model: Callable[[], dict] | None = None  # a pipeline stage's stage 1/2 model-states file
     finish_optim: Callable | None = None  # what a pipeline stage adds to each optim file (writer.Cell)
+    copied: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (source, output) files it copies
 
 
 def stages(index: CheckpointIndex, lane: Lane, sizes: ParallelSizes) -> Iterator[Stage]:
@@ -50,7 +52,7 @@ def stages(index: CheckpointIndex, lane: Lane, sizes: ParallelSizes) -> Iterator
     elif layout.stages == LAYER_FILES:
         yield from lane_stages(index, lane, sizes)
     else:
-        raise NotImplementedError(layout.stages)
+        yield from moe_lane_stages(index, lane, sizes)
 
 
 def lane_stages(index: CheckpointIndex, lane: Lane, sizes: ParallelSizes) -> Iterator[Stage]:
@@ -89,6 +91,25 @@ def lane_stages(index: CheckpointIndex, lane: Lane, sizes: ParallelSizes) -> Ite
             model=lambda plan=plan: ps.stage_model(m0, marchive, plan, target),
             finish_optim=ps.stage_optim(zinfo, plan),
         )
+
+
+def moe_lane_stages(index: CheckpointIndex, lane: Lane, sizes: ParallelSizes) -> Iterator[Stage]:
+    """A MoE PipelineModule's new mp-rank stages (moe_stages.py): each a MoE checkpoint of the
+    layers it holds, its template joined from the source stages, its expert files renamed."""
+    if lane.target is not None:
+        raise UnsupportedError(
+            f"--to {sizes}: adding tensor parallelism to the mixture-of-experts PipelineModule "
+            f"checkpoint {index.root} is not supported yet"
+        )
+    parts = moe_stages.new_parts(index, sizes.pp, sizes.ep)
+    align = alignment(zero_config(index), native_of(index).cell().dtype)
+    layer_ids = moe_stages.source_layer_ids(index)  # (source stage, L) -> MoE prefix
+    tag = tag_name(native_of(index).cell().files.tag, index)
+    for s in range(sizes.pp):
+        zinfo, counts = moe_stages.stage_template(index, range(parts[s], parts[s + 1]), s, sizes.pp, align)
+        moe = {**index.metadata["deepspeed_moe"], "num_experts": counts}
+        stage_index = dataclasses.replace(index, metadata={**index.metadata, "deepspeed_moe": moe})
+        yield Stage(mp=s, index=stage_index, info=zinfo, copied=moe_stages.stage_copies(layer_ids, s, counts, tag))
 
 
 def lane_files(index: CheckpointIndex, lane: Lane, tag: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:

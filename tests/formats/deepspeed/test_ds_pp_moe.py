@@ -2,7 +2,7 @@
 fixtures/generate_ds_pp_moe.py. DeepSpeed 0.19.8 saves it as one MoE checkpoint per stage under
 mp_rank_<stage> (no layer files); join_pp.py joins the stages. Read and consolidated bit for
 bit against the truth of safe_get_full_fp32_param / safe_get_full_optimizer_state; `inspect` shows
-pp and ep. reshard at a new ep and dp, the stages kept (moe_pipeline_writer.py), reads back equal,
+pp and ep. reshard at a new ep and dp, the stages kept (split_pp.py, moe_stages.py), reads back equal,
 is DeepSpeed's own files at the same sizes (both in test_layout_matrix.py, as are the new-pp reads),
 and DeepSpeed loads pp=2,ep=1,dp=2 (one launch,
 tests/dist/ds_pp_moe_load_check.py: every master, moment and module weight bit for bit, a

@@ -13,7 +13,6 @@ from ckptkit.errors import UnsupportedError, UsageError
 from ckptkit.formats.deepspeed import names
 from ckptkit.formats.deepspeed.format import detect_layout
 from ckptkit.formats.deepspeed.layout import RESIZE_RULES, DeepSpeedLayout
-from ckptkit.formats.deepspeed.resharding import ONE_WRITER, WRITERS
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.index.parallel_spec import ParallelSizes, parse_parallel
 from ckptkit.storage.source import LocalSource
@@ -132,8 +131,8 @@ def test_detect_reads_the_same_layout_from_the_files(fixture):
     assert detect_layout(LocalSource(str(DATA / fixture))) == DeepSpeedLayout.of(_index(fixture))
 
 
-def test_every_family_has_one_writer_and_one_resize_rule():
-    assert set(WRITERS) | set(ONE_WRITER) == set(RESIZE_RULES)
+def test_every_fixture_family_has_one_resize_rule():
+    assert set(FAMILY_OF_FOLDER.values()) | {"moe_whole_tp"} == set(RESIZE_RULES)
 
 
 KEPT = [  # (fixture, --to N, the sizes a world size keeps)

@@ -1,10 +1,11 @@
-"""Write a mixture-of-experts PipelineModule checkpoint (join_pp.py) at new pipeline, expert-
-parallel and data-parallel sizes: `reshard --to pp=P,ep=E,dp=W` (`--to N` keeps pp and ep, dp = N / P).
+"""A mixture-of-experts PipelineModule's new stages (join_pp.py's mp-rank stages) at new pipeline,
+expert-parallel and data-parallel sizes: `reshard --to pp=P,ep=E,dp=W` (`--to N` keeps pp and ep,
+dp = N / P), what split_pp.py cuts such a checkpoint into.
 
 DeepSpeed 0.19 saves each stage s as a MoE checkpoint under model-parallel rank s, and its MoE
 groups are built inside each stage (groups._create_expert_and_data_parallel with the pipeline's
 stride): in stage s, dp rank d is expert-parallel rank d % E. So each new stage is one ZeRO cell
-(writer.cell_files) with moe_writer.moe_cell's expert split (its dense groups over W ranks, its
+(writer.cell_files) with split_ep.moe_cell's expert split (its dense groups over W ranks, its
 expert groups over W/E), under mp rank s, from a template joined from the source stages that held its layers
 (their modules, param_shapes and optimizer groups, in layer order).
 
@@ -23,38 +24,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from typing import Any
 
-from ...context import RunContext
 from ...errors import UnsupportedError, UsageError, quote
-from ...index.parallel_spec import ParallelSizes
 from ...index.types import CheckpointIndex
-from ...runner.fetch import Fetcher
-from ...storage.commit import Output
-from ...storage.source import Source
-from .layout import DeepSpeedLayout
-from .names import EXPERT_FILE, expert_file
-from .group_plan import StatePlanner
 from .info import ZeroGroup, ZeroInfo
 from .moe import MARK
+from .names import EXPERT_FILE, expert_file
 from .native import DeepSpeedNative
-from .split_ep import moe_cell
 from .pipeline_partition import chosen_layer_types, chosen_partition_method, is_type_method, partition, type_weights
-from .tag_writer import alignment, alignment_paddings, tag_name, write_tag, zero_config
+from .tag_writer import alignment_paddings
 from .templates import lazify, template_of
-from .writer import cell_files
-
-__all__ = ["write_pipeline_moe_zero"]
 
 NO_MOE_STAGE = (
     "DeepSpeed 0.19.8 cannot train a MoE PipelineModule with a stage that holds no MoE layer (its first "
     "train_batch hangs)"
 )
-
-
-def target_sizes(index: CheckpointIndex, to: int | ParallelSizes) -> ParallelSizes:
-    """(P, E, W) from `--to`: E must divide W and every layer's expert count."""
-    return DeepSpeedLayout.of(index).resized(to, index.root)
 
 
 def _layer_of(name: str) -> int | None:
@@ -136,7 +120,7 @@ def new_parts(index: CheckpointIndex, pp: int, ep: int) -> list[int]:
     return partition(method, weights(ep), pp)
 
 
-def _stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, align: int) -> tuple[ZeroInfo, dict]:
+def stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, align: int) -> tuple[ZeroInfo, dict]:
     """A ZeroInfo whose templates are those of a MoE checkpoint of the layers `held`, joined from
     the source stages (modules, param_shapes, groups in layer order), and its MoE layers' counts."""
     info: DeepSpeedNative = index.native
@@ -207,44 +191,20 @@ def _stage_template(index: CheckpointIndex, held: range, stage: int, pp: int, al
     return zinfo, counts
 
 
-def write_pipeline_moe_zero(
-    out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
-) -> list[str]:
-    """Each new stage laid out by the MoE writer at E and W, under its mp rank (module docstring)."""
-    info: DeepSpeedNative = index.native
-    sizes = target_sizes(index, to)
-    if sizes.tp != 1:
-        raise UnsupportedError(
-            f"--to {sizes}: adding tensor parallelism to the mixture-of-experts PipelineModule "
-            f"checkpoint {index.root} is not supported yet"
-        )
-    z0: ZeroInfo = info.ranks[0]
-    zero_cfg = zero_config(index)
-    parts = new_parts(index, sizes.pp, sizes.ep)
-    align = alignment(zero_cfg, z0.dtype)
-    tag = tag_name(z0.files.tag, index)
-    fetcher = Fetcher(source, index=index)
-    layer_id = _source_layer_ids(index)  # (source stage, L) -> MoE prefix
-    files: dict[str, tuple[Any, Fetcher]] = {}
-    copied: list[tuple[str, str]] = []
-    for stage in range(sizes.pp):
-        zinfo, counts = _stage_template(index, range(parts[stage], parts[stage + 1]), stage, sizes.pp, align)
-        moe = {**index.metadata["deepspeed_moe"], "num_experts": counts}
-        stage_index = dataclasses.replace(index, metadata={**index.metadata, "deepspeed_moe": moe})
-        cell = moe_cell(stage_index, zinfo, zero_cfg, ep=sizes.ep, world=sizes.dp, mp=stage)
-        for name, structure in cell_files(
-            stage_index, zinfo, sizes.dp, tag, None, StatePlanner(stage_index, fetcher), cell
-        ).items():
-            files[name] = (structure, fetcher)
-        new_id = {prefix: n for n, prefix in enumerate(counts)}
-        for (src_stage, _), (rel, expert, prefix) in sorted(layer_id.items()):
-            if prefix in new_id:
-                copied.append((rel, f"{tag}/{expert_file(new_id[prefix], expert, stage)}"))
-    copied.sort(key=lambda c: c[1])
-    return write_tag(out, source, tag, files, ctx, copied=copied, scripts=z0.files.tag is not None)
+def stage_copies(
+    layer_ids: dict[tuple[int, str], tuple[str, int, str]], stage: int, counts: dict[str, int], tag: str
+) -> list[tuple[str, str]]:
+    """New stage `stage`'s expert files: each source expert file (`layer_ids`: source_layer_ids) of
+    one of its MoE layers (`counts`, in module order), copied under the stage's own layer id and mp rank."""
+    new_id = {prefix: n for n, prefix in enumerate(counts)}
+    return [
+        (rel, f"{tag}/{expert_file(new_id[prefix], expert, stage)}")
+        for _, (rel, expert, prefix) in sorted(layer_ids.items())
+        if prefix in new_id
+    ]
 
 
-def _source_layer_ids(index: CheckpointIndex) -> dict[tuple[int, str], tuple[str, int, str]]:
+def source_layer_ids(index: CheckpointIndex) -> dict[tuple[int, str], tuple[str, int, str]]:
     """Each source expert file (stage, name) -> (its path, expert id, MoE prefix): its L-th MoE
     layer is the stage's L-th in module order."""
     info: DeepSpeedNative = index.native
