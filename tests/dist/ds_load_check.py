@@ -77,7 +77,7 @@ ALL_STATES_KEYS = COMPARED_KEYS + ("state_keys",)
 ALL_STATES_REQUIRED = ("fp32.", "state.", "frozen.", "buffer.", "lr.")
 
 
-def _parse() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", help="DeepSpeed save dir (contains <tag>/)")
     ap.add_argument("--fixture", help="fixture name, e.g. z2_bf16_w2")
@@ -92,7 +92,7 @@ def _parse() -> argparse.Namespace:
                     help="seed for the model before loading (default differs from the fixtures')")  # fmt: skip
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process group timeout, seconds")
     ap.add_argument("--deadline", type=float, default=600.0, help="kill this process after so many seconds")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def _in_scope(k: str, all_states: bool = False) -> bool:
@@ -207,8 +207,18 @@ def run(args: argparse.Namespace, rank: int, world: int, info: dict) -> dict:
     }
 
 
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): this script's options."""
+    import deepspeed
+
+    args = parse_args(argv)
+    info = {"fixture": args.fixture, "ckpt": str(args.ckpt), "truth": str(args.truth), "deepspeed": deepspeed.__version__}
+    result = run(args, rank, world, info)
+    return {**info, **result}
+
+
 def main() -> None:
-    args = _parse()
+    args = parse_args()
     start_watchdog(args.deadline)
 
     import deepspeed

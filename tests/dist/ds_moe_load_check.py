@@ -50,7 +50,7 @@ COMPARED = ("fp32.", "exp_avg.", "exp_avg_sq.", "step.", "module.", "lr.", "clie
 REQUIRED = ("fp32.", "exp_avg.", "exp_avg_sq.", "step.", "module.", "lr.")
 
 
-def _parse() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt")
     ap.add_argument("--fixture")
@@ -59,7 +59,7 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--result", required=True)
     ap.add_argument("--pg-timeout", type=float, default=120.0)
     ap.add_argument("--deadline", type=float, default=600.0)
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def compare(got: dict, truth: dict) -> tuple[int, list[str]]:
@@ -151,8 +151,14 @@ def _failure(rank: int, world: int, exc: BaseException) -> dict:
     return out
 
 
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): this script's options."""
+    args = parse_args(argv)
+    return {**run(args, rank, world), "fixture": args.fixture, "ckpt": args.ckpt}
+
+
 def main() -> None:
-    args = _parse()
+    args = parse_args()
     start_watchdog(args.deadline)
     import deepspeed
 

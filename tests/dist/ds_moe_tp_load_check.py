@@ -18,17 +18,16 @@ accident), the fixture's DeepSpeed config with the batch for W = world / T, then
 3. one more training step (finite loss, global_steps advances).
 
 Rank 0 writes {"ok", "world_size", "tp", "ep", "compared", "mismatches", "trained_step", "error"}.
-Never hangs: process-group timeout, os._exit.
+Never hangs: process-group timeout, os._exit. tests/dist/ds_engine_cases.py runs it as one case of
+a launch of several (check_case).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -36,8 +35,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 
+from _checks import run_and_leave  # noqa: E402  (tests/dist, next to this script)
 
-def main() -> None:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--fixture", required=True)
@@ -46,8 +47,12 @@ def main() -> None:
     ap.add_argument("--result", required=True)
     ap.add_argument("--whole-experts", action="store_true",
                     help="MoE(enable_expert_tensor_parallelism=False): experts whole, ep rank = global rank % E")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def run(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """Load, compare and train one step (every rank); the result, complete on rank 0. Raises what
+    fails (DeepSpeed refusing the checkpoint, a rank's error)."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -57,70 +62,61 @@ def main() -> None:
     import ds_moe_tp_models as m
     import generate_ds_moe_tp as gen
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
     tp, ep = args.tp, args.ep
     stage, dtype = gen.FIXTURES[args.fixture][:2]
     result: dict = {"ok": False, "world_size": world, "tp": tp, "ep": ep, "compared": 0, "mismatches": [],
                     "trained_step": False, "error": None}
     mismatches: list[str] = []
     compared = 0
-    try:
-        truth = torch.load(REPO / "fixtures" / "data" / "ds_moe_tp" / f"{args.fixture}.truth.pt", weights_only=False)
-        mpu = m.MPU(tp)
-        expert_tp = not args.whole_experts
-        model = m.make_model(tp, ep, mpu, expert_tp)
-        tp_rank, dp_rank = mpu.get_model_parallel_rank(), mpu.get_data_parallel_rank()
-        ep_rank = m.expert_parallel_rank(tp, ep, mpu, expert_tp)
-        g = torch.Generator().manual_seed(999)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g))
-        cfg = gen.ds_config(stage, dtype, world // tp)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=m.param_groups(model), config=cfg, mpu=mpu)
-        if ep_rank != groups._get_expert_parallel_rank(model.layers[0].mlp.expert_group_name):
-            raise RuntimeError(f"rank {rank}: DeepSpeed's expert-parallel rank is not {ep_rank}")
-        path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
-        opt = engine.optimizer
-        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-            opt._hp_optimizer_states_linked = False
-            opt._lazy_init_hp_params_optimizer_state()
+    truth = torch.load(REPO / "fixtures" / "data" / "ds_moe_tp" / f"{args.fixture}.truth.pt", weights_only=False)
+    mpu = m.MPU(tp)
+    expert_tp = not args.whole_experts
+    model = m.make_model(tp, ep, mpu, expert_tp)
+    tp_rank, dp_rank = mpu.get_model_parallel_rank(), mpu.get_data_parallel_rank()
+    ep_rank = m.expert_parallel_rank(tp, ep, mpu, expert_tp)
+    g = torch.Generator().manual_seed(999)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    cfg = gen.ds_config(stage, dtype, world // tp)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=m.param_groups(model), config=cfg, mpu=mpu)
+    if ep_rank != groups._get_expert_parallel_rank(model.layers[0].mlp.expert_group_name):
+        raise RuntimeError(f"rank {rank}: DeepSpeed's expert-parallel rank is not {ep_rank}")
+    path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
 
-        def check(what: str, got, want) -> None:
-            nonlocal compared
-            compared += 1
-            got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
-            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape \
-                    or not torch.equal(got, want):
-                desc = f"{got.dtype} {list(got.shape)}" if isinstance(got, torch.Tensor) else repr(got)
-                mismatches.append(f"rank {rank} (tp {tp_rank}, ep {ep_rank}): {what}: got {desc}, want "
-                                  f"{want.dtype} {list(want.shape)}")
+    def check(what: str, got, want) -> None:
+        nonlocal compared
+        compared += 1
+        got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape \
+                or not torch.equal(got, want):
+            desc = f"{got.dtype} {list(got.shape)}" if isinstance(got, torch.Tensor) else repr(got)
+            mismatches.append(f"rank {rank} (tp {tp_rank}, ep {ep_rank}): {what}: got {desc}, want "
+                              f"{want.dtype} {list(want.shape)}")
 
-        for pname, p in engine.module.named_parameters():
-            gname = m.global_name(pname, ep_rank, m.NUM_EXPERTS // ep) if is_moe_param(p) else pname
+    for pname, p in engine.module.named_parameters():
+        gname = m.global_name(pname, ep_rank, m.NUM_EXPERTS // ep) if is_moe_param(p) else pname
 
-            def cut(full):
-                return m.slice_of(full, m.split_of(pname, expert_tp), tp_rank, tp)
-            check(f"fp32.{gname}", safe_get_full_fp32_param(p), cut(truth[f"fp32.{gname}"]))
-            for key in ("exp_avg", "exp_avg_sq"):
-                check(f"{key}.{gname}", safe_get_full_optimizer_state(p, key), cut(truth[f"{key}.{gname}"]))
-            check(f"module.{gname}", p.data.clone(), cut(truth[f"module.{gname}"]))
-        if int(engine.global_steps) != int(truth["global_steps"]):
-            mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
-        before = int(engine.global_steps)
-        loss = m.loss_of(engine, m.make_batch(dp_rank))
-        engine.backward(loss)
-        engine.step()
-        trained = math.isfinite(float(loss.detach())) and int(engine.global_steps) == before + 1
-        mine = (compared, mismatches, trained)
-    except Exception as exc:
-        result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        print(result["error"], file=sys.stderr)
-        Path(args.result).write_text(json.dumps(result, indent=1))
-        sys.stdout.flush()
-        os._exit(3)
+        def cut(full):
+            return m.slice_of(full, m.split_of(pname, expert_tp), tp_rank, tp)
+        check(f"fp32.{gname}", safe_get_full_fp32_param(p), cut(truth[f"fp32.{gname}"]))
+        for key in ("exp_avg", "exp_avg_sq"):
+            check(f"{key}.{gname}", safe_get_full_optimizer_state(p, key), cut(truth[f"{key}.{gname}"]))
+        check(f"module.{gname}", p.data.clone(), cut(truth[f"module.{gname}"]))
+    if int(engine.global_steps) != int(truth["global_steps"]):
+        mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
+    before = int(engine.global_steps)
+    loss = m.loss_of(engine, m.make_batch(dp_rank))
+    engine.backward(loss)
+    engine.step()
+    trained = math.isfinite(float(loss.detach())) and int(engine.global_steps) == before + 1
+    mine = (compared, mismatches, trained)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -128,10 +124,23 @@ def main() -> None:
         result["mismatches"] = [x for _, ms, _ in gathered for x in ms][:50]
         result["trained_step"] = all(t for _, _, t in gathered)
         result["ok"] = not result["mismatches"] and result["trained_step"] and result["compared"] > 0
-        Path(args.result).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    return result
+
+
+
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): this script's options."""
+    return run(parse_args(argv), rank, world)
+
+
+def main() -> None:
+    args = parse_args()
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_and_leave(rank, args.result, lambda: run(args, rank, world))
 
 
 if __name__ == "__main__":

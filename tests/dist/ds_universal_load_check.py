@@ -47,5 +47,5 @@ def universal_config(args) -> None:
 if __name__ == "__main__":
     base.compare = compare
     base.REQUIRED_PREFIXES = tuple(p for p in base.REQUIRED_PREFIXES if p not in NOT_RESTORED)
-    universal_config(base._parse())
+    universal_config(base.parse_args())
     base.main()

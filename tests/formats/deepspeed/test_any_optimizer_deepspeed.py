@@ -6,16 +6,15 @@ torch.optim.AdamW as the HF Trainer passes it), SGD with momentum, Adagrad and R
 optimizers). Their truth holds every key of the optimizer's state, taken through DeepSpeed's own
 safe_get_full_optimizer_state (and the group's own value for a 0-d step).
 
-Fast tests read, inspect, consolidate --include-optimizer, reshard and diff them; the slow one
-has DeepSpeed load each 2 -> 3 reshard at 3 ranks with the same optimizer and compare every
-state bit for bit.
+These tests read, inspect, consolidate --include-optimizer, reshard and diff them;
+test_ds_engine_matrix.py has DeepSpeed load each 2 -> 3 reshard at 3 ranks with the same optimizer
+and compare every state bit for bit.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
 import torch
@@ -27,8 +26,7 @@ from ckptkit.ops.consolidate import consolidate
 from ckptkit.ops.diff import diff
 from ckptkit.convert.keys import split_roles
 from ckptkit.ops.reshard import reshard
-from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
-from helpers.ds_fixtures import needs_deepspeed
+from conftest import DATA, assert_tensor_equal, read_all
 
 OPT_DATA = DATA / "deepspeed_optimizers"
 FIXTURES = sorted(p.name for p in OPT_DATA.iterdir() if p.is_dir()) if OPT_DATA.exists() else []
@@ -234,31 +232,3 @@ def test_whole_state_that_differs_between_ranks_is_refused(monkeypatch):
     monkeypatch.setattr(group_state, "materialize", rank1_ahead)
     with pytest.raises(UnsupportedError, match=r"optimizer state 'step' of group 0 is .* on rank 0"):
         open_checkpoint(str(OPT_DATA / name))
-
-
-# ---- DeepSpeed loads the reshards (slow: one 3-rank DeepSpeed launch for them all) ----------------------
-
-
-@pytest.mark.slow
-@needs_deepspeed
-def test_deepspeed_loads_every_reshard_with_its_optimizer(resharded, tmp_path):
-    batch = [{"ckpt": str(resharded[n]), "fixture": n, "truth": str(OPT_DATA / f"{n}.truth.pt")} for n in FIXTURES]
-    (tmp_path / "batch.json").write_text(json.dumps(batch))
-    result = tmp_path / "result.json"
-    cmd = torchrun_cmd(3) + [
-        str(ROOT / "tests" / "dist" / "ds_load_check.py"),
-        "--batch",
-        str(tmp_path / "batch.json"),
-        "--result",
-        str(result),
-    ]
-    env = {**subprocess_env(), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(result.read_text())["results"]
-    assert [r["fixture"] for r in results] == FIXTURES
-    for r in results:
-        assert r["ok"], {k: r.get(k) for k in ("fixture", "error", "mismatches")}
-        truth = _truth(r["fixture"])
-        # every state key of every parameter compared, besides masters, frozen, buffers, counters
-        assert r["world_size"] == 3 and r["compared"] >= len(_states(truth)) + 9 and r["trained_step"]

@@ -1,6 +1,6 @@
 """ZeRO reshard: every fixture rewritten for other world sizes reads back equal to DeepSpeed's
 truth, carries DeepSpeed's bookkeeping for the new size, and DeepSpeed's own zero_to_fp32 reads
-it. Real DeepSpeed engines loading the output are in test_deepspeed_engine.py."""
+it. Real DeepSpeed engines loading the output are in test_ds_engine_matrix.py."""
 
 from __future__ import annotations
 

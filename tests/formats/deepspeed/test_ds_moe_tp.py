@@ -6,20 +6,19 @@ on every rank, assembled over tp.
 
 Read (moe.py per mp rank, joined by join_tp.py) and consolidated bit for bit; `inspect` shows
 each tensor's tp and ep split; reshard (resharding.py) to new tp, ep and dp reads back equal,
-and at the same sizes is DeepSpeed's own files object for object (both in test_layout_matrix.py). One
-DeepSpeed launch
-(tests/dist/ds_moe_tp_load_check.py) loads a reshard at tp=4,ep=1,dp=1, compares every master,
-moment and module weight with the truth cut for its rank, and trains a step.
+and at the same sizes is DeepSpeed's own files object for object (both in test_layout_matrix.py).
+DeepSpeed loads a reshard at tp=4,ep=1,dp=1, every master, moment and module weight equal to the
+truth cut for its rank, and trains a step (test_ds_engine_matrix.py).
 
 Whole experts (enable_expert_tensor_parallelism=False, fixture moetp_noexptp_*: join_ep.py,
 split_ep.py): read and consolidated bit for bit, resharded to new tp/ep/dp (read back equal,
-same sizes = DeepSpeed's files: test_layout_matrix.py), one DeepSpeed launch loading tp=4,ep=4,dp=1.
+same sizes = DeepSpeed's files: test_layout_matrix.py), DeepSpeed loading tp=4,ep=4,dp=1
+(test_ds_engine_matrix.py; by hand also tp=2,ep=4,dp=2; --to 6; tp=1,ep=2,dp=2 and the same sizes).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -28,8 +27,8 @@ from safetensors.torch import load_file
 
 from ckptkit.ops.consolidate import consolidate
 from ckptkit.ops.reshard import reshard
-from conftest import DATA, ROOT, assert_tensor_equal, read_all, subprocess_env, torchrun_cmd
-from helpers.ds_fixtures import assert_same_pickled, needs_deepspeed
+from conftest import DATA, assert_tensor_equal, read_all
+from helpers.ds_fixtures import assert_same_pickled
 
 MT_DATA = DATA / "ds_moe_tp"
 FIXTURES = (
@@ -161,37 +160,6 @@ def test_sizes_that_cannot_be_written_are_refused_in_one_sentence(tmp_path, to, 
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
-@needs_deepspeed
-def test_deepspeed_loads_the_resharded_moe_tp_checkpoint_and_trains(tmp_path):
-    """tp 2 -> 4 and ep 2 -> 1 (dp 1): DeepSpeed's mpu model at tp 4 loads it, equal bit for bit, and trains."""
-    name = "moetp_z2_fp32_tp2_ep2_w4"
-    out = tmp_path / "out"
-    reshard(str(MT_DATA / name), str(out), "tp=4,ep=1,dp=1")
-    result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [
-        str(ROOT / "tests" / "dist" / "ds_moe_tp_load_check.py"),
-        "--ckpt",
-        str(out),
-        "--fixture",
-        name,
-        "--tp",
-        "4",
-        "--ep",
-        "1",
-        "--result",
-        str(result),
-    ]
-    proc = subprocess.run(
-        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
-    )
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(result.read_text())
-    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
-    # 28 parameters (all 4 experts local at ep 1), each master, 2 moments, module weight, on 4 ranks
-    assert r["world_size"] == 4 and r["tp"] == 4 and r["trained_step"] and r["compared"] == 4 * 28 * 4
-
-
 def test_whole_experts_layout_as_deepspeed_grouped_it():
     """enable_expert_tensor_parallelism=False under an mpu: DeepSpeed 0.19.8 builds the expert groups
     from consecutive global ranks (rank r: ep rank r % E, expert-dp rank r // E), so with E = T the tp
@@ -268,39 +236,6 @@ def test_whole_experts_sizes_that_cannot_be_written_are_refused_in_one_sentence(
     for n in needles:
         assert n in res.output, res.output
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow
-@needs_deepspeed
-def test_deepspeed_loads_whole_experts_resharded_to_new_tp_and_ep_and_trains(tmp_path):
-    """tp 2 -> 4, ep 2 -> 4, dp 2 -> 1: DeepSpeed's mpu model with enable_expert_tensor_parallelism=False
-    at tp 4, ep 4 loads it, equal bit for bit, and trains (by hand also tp=2,ep=4,dp=2; --to 6;
-    tp=1,ep=2,dp=2 and the same sizes)."""
-    out = tmp_path / "out"
-    reshard(str(MT_DATA / NO_EXPERT_TP), str(out), "tp=4,ep=4,dp=1")
-    result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [
-        str(ROOT / "tests" / "dist" / "ds_moe_tp_load_check.py"),
-        "--ckpt",
-        str(out),
-        "--fixture",
-        NO_EXPERT_TP,
-        "--tp",
-        "4",
-        "--ep",
-        "4",
-        "--whole-experts",
-        "--result",
-        str(result),
-    ]
-    proc = subprocess.run(
-        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
-    )
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(result.read_text())
-    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
-    # per rank 12 dense parameters and 1 local expert of 4; master, 2 moments, module weight; 4 ranks
-    assert r["world_size"] == 4 and r["tp"] == 4 and r["trained_step"] and r["compared"] == 4 * 16 * 4
 
 
 def test_whole_experts_at_ep_1_with_tp_2_deepspeed_loses_a_model_file_and_we_say_so(tmp_path):

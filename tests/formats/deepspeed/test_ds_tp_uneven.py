@@ -4,20 +4,19 @@ whose sizes tp=2 does not divide: fixtures/data/ds_tp_uneven/, written by
 own (safe_get_full_fp32_param / safe_get_full_optimizer_state per tp rank, joined in rank order);
 every command works on them; reshard cuts a new tp as AutoTP does (autotp_split.py), the values
 of its rule from config.json, the saved config or --kv-heads / --tp-grain-size, and refuses in one
-sentence what it cannot decide. DeepSpeed loading the outputs: the slow tests at the end."""
+sentence what it cannot decide. DeepSpeed loading the outputs: test_ds_engine_matrix.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from conftest import ROOT, subprocess_env, torchrun_cmd
-from helpers.ds_fixtures import assert_same_pickled, needs_deepspeed
+from conftest import ROOT
+from helpers.ds_fixtures import assert_same_pickled
 
 torch = pytest.importorskip("torch")
 
@@ -200,45 +199,6 @@ def test_megatron_style_tp_refuses_a_size_tp_does_not_divide_with_the_reason(tmp
     assert r.exit_code == 2, r.output
     assert "cannot share equally (Megatron-style tensor parallelism" in r.output
     assert "so tp must divide it" in r.output
-
-
-# --------------------------------------------------------------------------- DeepSpeed loads them
-
-ENGINE_PLAN = {  # fixture, --to, tp, world size
-    "odd_tp3": ("autotp_odd_z1_fp32", "tp=3,dp=1", 3, 3),
-    "grain_tp1": ("autotp_grain_z1_fp32", "tp=1,dp=2", 1, 2),
-}
-
-
-@pytest.mark.slow
-@needs_deepspeed
-@pytest.mark.parametrize("case", sorted(ENGINE_PLAN))
-def test_deepspeed_loads_the_uneven_reshard_bit_for_bit(tmp_path, case):
-    name, to, tp, world = ENGINE_PLAN[case]
-    if name not in FIXTURES:
-        pytest.skip(f"fixture {name} not generated")
-    out = tmp_path / "out"
-    r = _cli("reshard", DATA / name, out, "--to", to)
-    assert r.exit_code == 0, r.output
-    result = tmp_path / "result.json"
-    cmd = torchrun_cmd(world) + [
-        str(ROOT / "tests" / "dist" / "ds_tp_load_check.py"),
-        "--ckpt",
-        str(out),
-        "--fixture",
-        name,
-        "--tp",
-        str(tp),
-        "--result",
-        str(result),
-    ]
-    proc = subprocess.run(
-        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
-    )
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(result.read_text())
-    assert got["ok"], {k: got.get(k) for k in ("error", "mismatches")}
-    assert got["tp"] == tp and got["trained_step"] and got["compared"] == 4 * 12 * world
 
 
 def test_rules_file_sizes_cut_before_autotps_rule(tmp_path):

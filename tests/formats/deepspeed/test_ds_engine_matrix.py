@@ -1,0 +1,163 @@
+"""DeepSpeed's own engine loads what reshard writes: one matrix of fixture x target sizes over the
+layouts (ZeRO 1/2/3 at a new world size, with DeepSpeed's Adam or another optimizer; tensor
+parallel, Megatron-style and AutoTP cut unevenly, at a new tp and dp; mixture of experts at a new
+ep and dp; experts under tensor parallelism, sliced or whole, at a new tp, ep and dp).
+
+For each case ckptkit reshards the fixture to the target; DeepSpeed builds the model at the target
+sizes (its weights scrambled first, so nothing passes by accident), engine.load_checkpoint()s the
+output, and every master weight, Adam moment, module weight (and the layout's steps, buffers,
+frozen and client state) read back through DeepSpeed's own safe_get_full_* APIs must equal the
+fixture's truth bit for bit (for another optimizer: every key of its state); then the engine
+trains a step. The checks are tests/dist's ds_load_check.py (ZeRO), ds_tp_load_check.py,
+ds_moe_load_check.py and ds_moe_tp_load_check.py.
+
+DeepSpeed's start-up on CPU costs most of a check, so the cases of one target world size run in one
+launch (tests/dist/ds_engine_cases.py), in the order of the matrix: the tensor-parallel cases last,
+as DeepSpeed keeps a model-parallel unit given to an engine for the engines after it. Each test
+asserts its own case's result.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ckptkit.ops.reshard import reshard
+from conftest import DATA
+from helpers.ds_engine_jobs import run_engine_cases
+from helpers.ds_fixtures import DS_DATA, needs_deepspeed
+
+pytestmark = [pytest.mark.slow, needs_deepspeed]
+
+OPT_DATA = DATA / "deepspeed_optimizers"
+OPT_FIXTURES = sorted(p.name for p in OPT_DATA.iterdir() if p.is_dir()) if OPT_DATA.is_dir() else []
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    layout: str  # a key of LAYOUTS
+    fixture: str
+    to: str  # reshard --to
+    world: int  # the launch's world size
+    size: int = 1  # tp (tensor parallel) or ep (mixture of experts) the model is built at
+    ep: int = 1  # experts under tensor parallelism: the ep (size is the tp)
+
+    @property
+    def id(self) -> str:
+        return f"{self.layout}-{self.fixture}-to-{self.to}"
+
+    @property
+    def source(self) -> Path:
+        return LAYOUTS[self.layout][0] / self.fixture
+
+    def argv(self, out: Path) -> list[str]:
+        """The check script's options (tests/dist/<check>.py) for the reshard in `out`."""
+        base = ["--ckpt", str(out), "--fixture", self.fixture]
+        if self.layout in ("zero", "zero_optim"):
+            return [*base, "--truth", str(self.source.parent / f"{self.fixture}.truth.pt")]
+        if self.layout == "moe_tp":
+            whole = ["--whole-experts"] if "noexptp" in self.fixture else []
+            return [*base, "--tp", str(self.size), "--ep", str(self.ep), *whole]
+        return [*base, "--ep" if self.layout == "moe" else "--tp", str(self.size)]
+
+
+# layout -> (its fixtures' folder, the check of tests/dist that loads it)
+LAYOUTS = {
+    "zero": (DS_DATA, "ds_load_check"),
+    "zero_optim": (OPT_DATA, "ds_load_check"),
+    "moe": (DATA / "ds_moe", "ds_moe_load_check"),
+    "tp": (DATA / "ds_tp", "ds_tp_load_check"),
+    "tp_uneven": (DATA / "ds_tp_uneven", "ds_tp_load_check"),
+    "moe_tp": (DATA / "ds_moe_tp", "ds_moe_tp_load_check"),
+}
+
+MATRIX = [
+    # ZeRO 1/2/3 in fp16, bf16 and fp32 (sub-groups too), grown and shrunk
+    *(EngineCase("zero", name, "3", 3) for name in ("z1_fp16_w2", "z3_bf16_w2", "z2_fp32_w2")),
+    *(EngineCase("zero", name, "2", 2) for name in ("z2_bf16_w4", "z3_fp32_w3_subgroups", "z1_fp16_w3")),
+    *(EngineCase("zero", name, "4", 4) for name in ("z3_fp16_w2", "z1_bf16_w2")),
+    # torch's AdamW, SGD, Adagrad, RMSprop (fixtures/data/deepspeed_optimizers): each 2 -> 3
+    *(EngineCase("zero_optim", name, "3", 3) for name in OPT_FIXTURES),
+    # experts: spread over more ranks, gathered onto fewer, a second MoE layer, top-2 gating in bf16
+    EngineCase("moe", "moe_z2_fp32_w4_k1", "ep=2,dp=2", 2, size=2),
+    EngineCase("moe", "moe2_z2_fp32_w2_k1", "ep=1,dp=2", 2, size=1),
+    EngineCase("moe", "moe_z1_fp32_w2_k1", "ep=4,dp=4", 4, size=4),
+    EngineCase("moe", "moe_z2_bf16_w2_k2", "ep=4,dp=4", 4, size=4),
+    # Megatron-style tp joined into one rank and split over four (ZeRO 3)
+    EngineCase("tp", "mpu_z1_bf16", "tp=1,dp=2", 2, size=1),
+    EngineCase("tp", "mpu_z3_fp32", "tp=4,dp=1", 4, size=4),
+    # experts sliced over tp: tp 2 -> 4, ep 2 -> 1; whole experts: tp 2 -> 4, ep 2 -> 4 (dp 2 -> 1)
+    EngineCase("moe_tp", "moetp_z2_fp32_tp2_ep2_w4", "tp=4,ep=1,dp=1", 4, size=4, ep=1),
+    EngineCase("moe_tp", "moetp_noexptp_z2_fp32_tp2_ep2_w4", "tp=4,ep=4,dp=1", 4, size=4, ep=4),
+    # AutoTP's uneven cut at tp 3, and a grain-size cut joined into one rank
+    EngineCase("tp_uneven", "autotp_odd_z1_fp32", "tp=3,dp=1", 3, size=3),
+    EngineCase("tp_uneven", "autotp_grain_z1_fp32", "tp=1,dp=2", 2, size=1),
+]
+
+
+def _experts(name: str) -> int:
+    info = json.loads((LAYOUTS["moe"][0] / name / "fixture.json").read_text())
+    return info["num_experts"] + (info.get("second_moe_experts") or 0)
+
+
+def _least_compared(case: EngineCase) -> int:
+    """How many values the check must have compared for the case to count (all ranks together)."""
+    if case.layout == "zero_optim":  # every state key of every parameter, masters, frozen, buffers, counters
+        import torch
+
+        truth = torch.load(case.source.parent / f"{case.fixture}.truth.pt", weights_only=True)
+        return sum(1 for k in truth if k.startswith("state.")) + 9
+    if case.layout == "moe_tp":  # master, 2 moments and module weight of each parameter on every rank:
+        per_rank = 16 if "noexptp" in case.fixture else 28  # 12 dense + 1 local expert of 4, or all 28
+        return 4 * per_rank * case.world
+    if case.layout == "tp":  # 15 parameters: master, 2 moments and module weight on every rank
+        return 4 * 15 * case.world
+    if case.layout == "tp_uneven":  # 12 parameters, the same 4 values each on every rank
+        return 4 * 12 * case.world
+    if case.layout == "moe":  # 4 per expert: master, 2 moments, step and module weight, plus the dense ones
+        return 5 * 4 * _experts(case.fixture)
+    return 50
+
+
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory):
+    """world size -> {case id: result}: the reshards of that size's cases (fixtures present),
+    checked in one launch the first time a test asks."""
+    done: dict[int, dict[str, dict]] = {}
+
+    def results(world: int) -> dict[str, dict]:
+        if world not in done:
+            folder = tmp_path_factory.mktemp(f"engine_w{world}")
+            cases, refused = [], {}
+            for case in (c for c in MATRIX if c.world == world and c.source.is_dir()):
+                out = folder / case.id
+                try:
+                    reshard(str(case.source), str(out), case.to)
+                except Exception as exc:  # this case's test fails with it; the others still run
+                    refused[case.id] = {"ok": False, "error": f"reshard --to {case.to}: {exc}"}
+                    continue
+                cases.append({"id": case.id, "check": LAYOUTS[case.layout][1], "argv": case.argv(out)})
+            done[world] = {**run_engine_cases(world, cases, folder), **refused}
+        return done[world]
+
+    return results
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=[c.id for c in MATRIX])
+def test_deepspeed_loads_the_reshard_bit_for_bit_and_trains(engine_results, case):
+    if not case.source.is_dir():
+        pytest.skip(f"fixture {case.source} not generated (fixtures/generate_*.py)")
+    r = engine_results(case.world)[case.id]
+    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches", "traceback")}
+    assert r["world_size"] == case.world and r["trained_step"], r
+    if case.layout in ("tp", "tp_uneven", "moe_tp"):
+        assert r["tp"] == case.size and r["compared"] == _least_compared(case), r
+    else:
+        assert r["compared"] >= _least_compared(case), r
+    if case.layout in ("zero", "zero_optim", "moe"):
+        assert r["fixture"] == case.fixture, r
+    if case.layout == "moe":
+        assert r["ep"] == case.size, r
