@@ -21,6 +21,7 @@ from ..index.mesh import PLAIN, Placement, mesh_layout
 from ..index.state_keys import model_key, model_path, param_group_key, param_group_path, state_key, state_path
 from ..index.types import Box, CheckpointIndex, FlatRange, Location, ObjectEntry, Piece, TensorEntry
 from ..index.virtual import REF, inline_tensor
+from ..formats.registry import capabilities_of
 from ..runner.fetch import Fetcher
 from ..lazy_torch import is_tensor
 from ..torch_types import SmallTensor
@@ -221,7 +222,7 @@ def torch_state_order(index: CheckpointIndex, state: TrainingState) -> list[str]
         )
     seen = set(order)
     rest = [k for k in list(index.tensors) + list(index.objects) if k not in seen]
-    source_order = _dcp_source_order(state)
+    source_order = _saved_source_order(state)
     if source_order:  # a DCP source: its param groups' values in the order its own save walked them
         rest.sort(
             key=lambda k: (
@@ -231,13 +232,13 @@ def torch_state_order(index: CheckpointIndex, state: TrainingState) -> list[str]
     return order + rest
 
 
-def _dcp_source_order(state: TrainingState) -> dict[str, int]:
-    """A DCP source's flat keys by position in its saved state dict ({} for another source)."""
-    if state.source.index.format != "dcp" or state.source.trainer is not None:
+def _saved_source_order(state: TrainingState) -> dict[str, int]:
+    """The source's flat keys by position in its saved state dict, where its format records that
+    order (Capabilities.saved_key_order: DCP's planner data); {} for any other source."""
+    saved_order = capabilities_of(state.source.index).saved_key_order
+    if saved_order is None or state.source.trainer is not None:
         return {}
-    from ..formats.dcp.reader import state_dict_order
-
     try:
-        return {k: i for i, k in enumerate(state_dict_order(state.source.source))}
+        return {k: i for i, k in enumerate(saved_order(state.source.source))}
     except CkptkitError:  # only an ordering hint: the index itself was read already
         return {}

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import UnsupportedError, UsageError
 from ..formats.protocols import FlatGroup, ZeroStateTarget
 from ..index.dtypes import itemsize
+from ..index.lazy import LazyTensor
 from ..index.state_keys import model_key, model_path, state_key, state_path
 from ..index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ..index.virtual import inline_tensor
@@ -375,8 +376,6 @@ def _target_groups(state: TrainingState, target: Any) -> list[dict]:
 
 
 def _lazy(entry: TensorEntry, index: CheckpointIndex) -> Any:
-    from ..formats.torch_save.archive_writer import LazyTensor
-
     if entry.key not in index.tensors:
         index.tensors[entry.key] = entry  # so views over it resolve
     return LazyTensor(entry)

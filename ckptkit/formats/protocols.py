@@ -70,6 +70,9 @@ class Capabilities:
     step_folders: StepFolders | None = None  # its saves' default folder names, where it has them
     # why `convert` cannot read a training state from it yet (one clause; empty: it can)
     convert_refusal: str = ""
+    # the flat keys in the order the framework's own save walked its state dict, where the files
+    # record it (DCP's planner data): convert lays a param group's values out in that order
+    saved_key_order: Callable[[Source], list[str]] | None = None
 
     def writes(self, layout: str) -> bool:
         return layout in self.layouts

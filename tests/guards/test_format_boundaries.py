@@ -5,8 +5,9 @@
   one loop over one ordered list (no hand-ordered chain of its own);
 - a format's adapter asks nothing of another format (a detect is positive: precedence is the
   registry's order), and the folder kinds import no format package;
-- ops/, api.py and hooks/ import nothing inside a format package: they ask the registry and the
-  protocol (capabilities such as `reshard_targets` and `own_keys`, the index's typed `replicas`);
+- ops/, api.py, hooks/ and convert/ import nothing inside a format package: they ask the registry
+  and the protocol (capabilities such as `reshard_targets`, `own_keys` and `saved_key_order`, the
+  index's typed `replicas`; the neutral types they build layouts of live in index/ or storage/);
 - no module of formats/ (DeepSpeed's package aside, whose layout model is its own), ops/, api.py
   or hooks/ uses another module's private (`_name`) names, nor an object's private attribute
   other than its own class's through `self`/`cls`.
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "ckptkit"
 FORMATS = PKG / "formats"
 FORMAT_PACKAGES = sorted(p.name for p in FORMATS.iterdir() if (p / "format.py").is_file())
-ABOVE_FORMATS = ("ckptkit/ops/", "ckptkit/hooks/", "ckptkit/api.py")
+ABOVE_FORMATS = ("ckptkit/ops/", "ckptkit/hooks/", "ckptkit/api.py", "ckptkit/convert/")
 PRIVATE_SCOPE = ("ckptkit/formats/", "ckptkit/ops/", "ckptkit/hooks/", "ckptkit/api.py")
 PRIVATE_EXCLUDED = ("ckptkit/formats/deepspeed/",)
 
@@ -80,7 +81,7 @@ def test_the_format_packages_are_found():
     assert FORMAT_PACKAGES == ["dcp", "deepspeed", "ds_universal", "mcore", "safetensors", "torch_save"]
 
 
-def test_ops_api_and_hooks_import_nothing_inside_a_format_package():
+def test_ops_api_hooks_and_convert_import_nothing_inside_a_format_package():
     wrong = [
         f"{_rel(p)}:{line}: imports {name}"
         for p in _sources(ABOVE_FORMATS)

@@ -29,6 +29,7 @@ class DcpFormat:
         reshards=True,
         recipe_keys=True,
         reshard_targets=(TO_MESH,),
+        saved_key_order=dcp_reader.state_dict_order,
     )
 
     def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:

@@ -16,10 +16,10 @@ import struct
 import zipfile
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...index.dtypes import STORAGE_OF, dtype_name, itemsize
+from ...index.lazy import LazyTensor
 from ...index.types import TensorEntry
 from ...lazy_torch import is_tensor
 from ...progress import NullProgress, Progress
@@ -44,13 +44,6 @@ _REBUILD_V2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
 _UNTYPED = GlobalRef("torch", "UntypedStorage")
 _LEGACY_STORAGE = {dtype: GlobalRef("torch", legacy) for dtype, legacy in STORAGE_OF.items()}  # (one object per name)
-
-
-@dataclass(eq=False)
-class LazyTensor:
-    """A tensor written from `entry`'s pieces at archive time (contiguous, `entry.shape`)."""
-
-    entry: TensorEntry
 
 
 class _Slot:
