@@ -85,6 +85,36 @@ class Capabilities:
         return self.reshards and target in self.reshard_targets
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """What a caller asks of a read (the Reader protocol's keywords, as one record): `name`, the
+    one file to read; `tag`, a DeepSpeed tag; `optimizer` False, the optimizer's per-parameter
+    state may be counted instead of indexed."""
+
+    name: str | None = None
+    tag: str | None = None
+    optimizer: bool = True
+
+
+class IndexReader:
+    """The Reader protocol's `read_index`, written once for every adapter: each says only how it
+    reads (`read`, given the options as one record)."""
+
+    def read_index(
+        self,
+        source: "Source",
+        ctx: "RunContext | None" = None,
+        *,
+        name: str | None = None,
+        tag: str | None = None,
+        optimizer: bool = True,
+    ) -> "CheckpointIndex":
+        return self.read(source, ReadOptions(name=name, tag=tag, optimizer=optimizer))
+
+    def read(self, source: "Source", options: ReadOptions) -> "CheckpointIndex":
+        raise NotImplementedError(f"{type(self).__name__} reads no index")
+
+
 class CannotReshard:
     """A format whose output is one whole copy: there is nothing laid out per rank to redo."""
 

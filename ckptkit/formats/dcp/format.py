@@ -11,7 +11,16 @@ from ...index.layouts import fsdp2_layout
 from ...index.types import CheckpointIndex
 from ...runner.fetch import Fetcher
 from ...storage.source import Source
-from ..protocols import ANY_WORLD, FSDP2_SHARDS, TO_MESH, WHOLE_TENSORS, Capabilities, DcpTarget
+from ..protocols import (
+    ANY_WORLD,
+    FSDP2_SHARDS,
+    TO_MESH,
+    WHOLE_TENSORS,
+    Capabilities,
+    DcpTarget,
+    IndexReader,
+    ReadOptions,
+)
 from . import reader as dcp_reader
 from .writer import write_dcp
 
@@ -20,7 +29,7 @@ if TYPE_CHECKING:
     from ...index.parallel_spec import MeshSpec
 
 
-class DcpFormat:
+class DcpFormat(IndexReader):
     name = "dcp"
     capabilities = Capabilities(
         layouts=(FSDP2_SHARDS, WHOLE_TENSORS),
@@ -35,15 +44,7 @@ class DcpFormat:
     def detect(self, source: Source, name: str | None = None, *, tag: str | None = None) -> bool:
         return name is None and dcp_reader.detect(source)
 
-    def read_index(
-        self,
-        source: Source,
-        ctx: "RunContext | None" = None,
-        *,
-        name: str | None = None,
-        tag: str | None = None,
-        optimizer: bool = True,
-    ) -> CheckpointIndex:
+    def read(self, source: Source, options: ReadOptions) -> CheckpointIndex:
         return dcp_reader.read_index(source)
 
     def refuse_relayout(self, where: str, index: CheckpointIndex) -> None:

@@ -16,6 +16,8 @@ from ..protocols import (
     StepFolders,
     ZeroStateTarget,
     ZeroTarget,
+    IndexReader,
+    ReadOptions,
 )
 from . import files as ds_files
 from . import reader as ds_reader
@@ -40,7 +42,7 @@ def replicas_of(index: CheckpointIndex) -> dict[str, list[Replica]]:
     return {key: [Replica(what, e) for what, e in copies] for key, copies in index.native.replica_entries().items()}
 
 
-class DeepSpeedFormat:
+class DeepSpeedFormat(IndexReader):
     name = "deepspeed"
     capabilities = Capabilities(
         layouts=(ZERO_PARTITIONS,),
@@ -61,17 +63,11 @@ class DeepSpeedFormat:
         tag_folder = tag is not None and source.isdir(tag) and ds_files.looks_like_tag_folder(source.listdir(tag))
         return ds_files.detect(source) or tag_folder
 
-    def read_index(
-        self,
-        source: Source,
-        ctx: "RunContext | None" = None,
-        *,
-        name: str | None = None,
-        tag: str | None = None,
-        optimizer: bool = True,
-    ) -> CheckpointIndex:
+    def read(self, source: Source, options: ReadOptions) -> CheckpointIndex:
         """`optimizer` False: the optimizer's per-parameter state may be counted, not indexed (read.read_index)."""
-        index = read_index(source, tag, optimizer=optimizer)  # every layout: cells joined over ep, pp, tp
+        index = read_index(
+            source, options.tag, optimizer=options.optimizer
+        )  # every layout: cells joined over ep, pp, tp
         index.replicas = replicas_of(index)
         return index
 

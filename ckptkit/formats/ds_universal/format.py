@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ...index.types import CheckpointIndex
 from ...storage.source import Source
-from ..protocols import ONE_WORLD, WHOLE_TENSORS, Capabilities, CannotReshard
+from ..protocols import ONE_WORLD, WHOLE_TENSORS, Capabilities, CannotReshard, IndexReader, ReadOptions
 from . import reader as uc_reader
 from .layout import LATEST_UNIVERSAL, is_tag_folder
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .writer import UniversalTarget
 
 
-class DsUniversalFormat(CannotReshard):
+class DsUniversalFormat(IndexReader, CannotReshard):
     name = "ds_universal"
     # flat_partitions: the training state comes from DeepSpeed's own records (roles, param groups,
     # its Adam's int steps), as a ZeRO checkpoint's does; its tensors are whole
@@ -42,16 +42,8 @@ class DsUniversalFormat(CannotReshard):
         names = source.listdir("")
         return is_tag_folder(source, "") or (LATEST_UNIVERSAL in names and not source.isdir(LATEST_UNIVERSAL))
 
-    def read_index(
-        self,
-        source: Source,
-        ctx: "RunContext | None" = None,
-        *,
-        name: str | None = None,
-        tag: str | None = None,
-        optimizer: bool = True,
-    ) -> CheckpointIndex:
-        return uc_reader.read_index(source, tag)
+    def read(self, source: Source, options: ReadOptions) -> CheckpointIndex:
+        return uc_reader.read_index(source, options.tag)
 
     def write(self, target: "UniversalTarget", out: object, ctx: "RunContext") -> list[str]:
         from .writer import write_universal

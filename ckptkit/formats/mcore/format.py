@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import UnsupportedError, UsageError
 from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
-from ..protocols import ANY_WORLD, Capabilities, CannotReshard
+from ..protocols import ANY_WORLD, Capabilities, CannotReshard, IndexReader, ReadOptions
 from . import legacy
 from . import reader as mcore_reader
 from . import training, unstack
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ...context import RunContext
 
 
-class McoreFormat(CannotReshard):
+class McoreFormat(IndexReader, CannotReshard):
     name = "mcore"
     capabilities = Capabilities(
         layouts=(),
@@ -48,21 +48,14 @@ class McoreFormat(CannotReshard):
         files = [n for n in source.listdir("") if n == legacy.RANK_FILE]
         return len(files) == 1 and legacy.split_file(source, files[0]) is not None
 
-    def read_index(
-        self,
-        source: Source,
-        ctx: "RunContext | None" = None,
-        *,
-        name: str | None = None,
-        tag: str | None = None,
-        optimizer: bool = True,
-    ) -> CheckpointIndex:
+    def read(self, source: Source, options: ReadOptions) -> CheckpointIndex:
+        name = options.name
         rank_file = name if name is not None else legacy.RANK_FILE if source.exists(legacy.RANK_FILE) else None
         if rank_file is not None:
             args = legacy.split_file(source, rank_file)
             if args is not None:
                 raise legacy.refuse_rank_file(source.label(rank_file), args)
-        return mcore_reader.read_index(source, tag)
+        return mcore_reader.read_index(source, options.tag)
 
     def tag_for_step(self, path: str, source: Source, step: int) -> str | None:
         """--step N in a save root: its iteration folder iter_%07d (None: not a save root)."""

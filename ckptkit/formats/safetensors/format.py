@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING
 from ...index.types import CheckpointIndex
 from ...runner.torch_archive import ZIP_MAGIC
 from ...storage.source import Source
-from ..protocols import ONE_WORLD, WHOLE_TENSORS, Capabilities, CannotReshard, OutTensor, SafetensorsTarget
+from ..protocols import (
+    ONE_WORLD,
+    WHOLE_TENSORS,
+    Capabilities,
+    CannotReshard,
+    OutTensor,
+    SafetensorsTarget,
+    IndexReader,
+    ReadOptions,
+)
 from . import reader as st_reader
 from .writer import plan_shards, write_safetensors
 
@@ -16,7 +25,7 @@ if TYPE_CHECKING:
     from ...context import RunContext
 
 
-class SafetensorsFormat(CannotReshard):
+class SafetensorsFormat(IndexReader, CannotReshard):
     name = "safetensors"
     capabilities = Capabilities(
         layouts=(WHOLE_TENSORS,),
@@ -33,15 +42,8 @@ class SafetensorsFormat(CannotReshard):
             return source.read(name, 0, min(4, source.size(name))) != ZIP_MAGIC and looks_like_safetensors(source, name)
         return bool(st_reader.safetensors_files(source))
 
-    def read_index(
-        self,
-        source: Source,
-        ctx: "RunContext | None" = None,
-        *,
-        name: str | None = None,
-        tag: str | None = None,
-        optimizer: bool = True,
-    ) -> CheckpointIndex:
+    def read(self, source: Source, options: ReadOptions) -> CheckpointIndex:
+        name = options.name
         return st_reader.read_index(source, [name] if name is not None else st_reader.safetensors_files(source))
 
     def write(self, target: SafetensorsTarget, out: object, ctx: "RunContext") -> list[str]:

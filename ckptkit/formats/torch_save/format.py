@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from ...index.types import CheckpointIndex
 from ...runner.torch_archive import ZIP_MAGIC
 from ...storage.source import Source
-from ..protocols import ONE_WORLD, WHOLE_TENSORS, Capabilities, CannotReshard, TorchSaveTarget
+from ..protocols import ONE_WORLD, WHOLE_TENSORS, Capabilities, CannotReshard, TorchSaveTarget, IndexReader, ReadOptions
 from . import reader as ts_reader
 from .writer import write_torch_save
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
 
-class TorchSaveFormat(CannotReshard):
+class TorchSaveFormat(IndexReader, CannotReshard):
     name = "torch_save"
     capabilities = Capabilities(
         layouts=(WHOLE_TENSORS,), world_sizes=ONE_WORLD, optimizer_state=True, reshards=False, suffixes=TORCH_SUFFIXES
@@ -30,15 +30,8 @@ class TorchSaveFormat(CannotReshard):
             return source.read(name, 0, min(4, source.size(name))) == ZIP_MAGIC
         return len(torch_files(source)) == 1
 
-    def read_index(
-        self,
-        source: Source,
-        ctx: "RunContext | None" = None,
-        *,
-        name: str | None = None,
-        tag: str | None = None,
-        optimizer: bool = True,
-    ) -> CheckpointIndex:
+    def read(self, source: Source, options: ReadOptions) -> CheckpointIndex:
+        name = options.name
         return ts_reader.read_index(source, name if name is not None else torch_files(source)[0])
 
     def write(self, target: TorchSaveTarget, out: object, ctx: "RunContext") -> list[str]:
