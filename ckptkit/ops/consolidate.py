@@ -9,6 +9,8 @@ checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import ChainMap
 from dataclasses import dataclass, field
 
@@ -63,6 +65,7 @@ def consolidate(
     ctx = context_of(ctx, options)
     # without --include-optimizer no optimizer state is written: a ZeRO reader then only counts its entries
     opened = open_checkpoint(src, tag=tag, follow_links=ctx.follow_links, optimizer=include_optimizer)
+    opened, training_notes = _training_view(opened, include_optimizer)
     # the index out of the collector's sight from here to the end of the write (runner/heap): naming,
     # planning and writing make many objects, and a full collection would traverse the index each time
     with frozen_heap():
@@ -106,8 +109,23 @@ def consolidate(
                     sides.close()
         ctx.progress.close()
         result = _result(out, index, split, model, aliases, optim, files, sides, rules, include_optimizer)
-        result.notes += view_notes
+        result.notes += training_notes + view_notes
         return result
+
+
+def _training_view(opened, include_optimizer: bool):
+    """With --include-optimizer, the format's training-state view where it has one (MCore: its
+    optimizer state named per layer, as its model is), and the view's notes."""
+    if not include_optimizer:
+        return opened, []
+    try:
+        view = getattr(format_named(opened.index.format), "training_index", None)
+    except UnsupportedError:  # an index of a format ckptkit writes but does not register as read
+        view = None
+    if view is None:
+        return opened, []
+    index, notes = view(opened.index, True, "consolidate without --include-optimizer (the model alone)")
+    return dataclasses.replace(opened, index=index), notes
 
 
 def _model_view(index, split, include_optimizer: bool) -> tuple[dict, list[str]]:

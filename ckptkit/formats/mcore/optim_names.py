@@ -66,9 +66,9 @@ def common_step_chain(key: str) -> int | None | bool:
 def layer_names(key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
     """(per-layer name, leading indices into the stacked tensor) of each layer, and of each expert
     of each layer, of the tensor `key` of `shape`; [(key, ())] for a tensor that is not stacked."""
-    if not key.startswith(STACKED) or not shape:
-        return [(key, ())]
     rest = key[len(STACKED) :]
+    if not key.startswith(STACKED) or not shape or re.match(r"[0-9]+\.", rest):  # (a layer's own name)
+        return [(key, ())]
     if rest.startswith(EXPERTS) and len(shape) >= 2:
         tail = rest[len(EXPERTS) :]
         return [(f"{STACKED}{i}.{LOCAL_EXPERTS}{e}.{tail}", (i, e)) for i in range(shape[0]) for e in range(shape[1])]

@@ -28,9 +28,9 @@ from ...index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ...torch_types import SmallTensor
 from . import optim_names
 from .names import FLAT_BUFFER
-from .unstack import EXTRA_STATE, OUTPUT_LAYER, layer_view
+from .unstack import EXTRA_STATE, OUTPUT_LAYER, TRAINING_VIEW, layer_view
 
-VIEW_KEY = "mcore_view"  # index.metadata: "training" on a view made here (consolidate does not unstack it again)
+VIEW_KEY = TRAINING_VIEW  # index.metadata: "training" on a view made here (consolidate does not unstack it again)
 FLAT_BUFFER_REFUSAL = (
     "its optimizer state is the distributed optimizer's dp_reshardable flat buffers ({n} tensors), laid "
     "out by MCore's grad buffers, which the checkpoint does not record per parameter, so it cannot be "

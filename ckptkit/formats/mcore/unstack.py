@@ -17,18 +17,17 @@ import math
 from ...errors import FormatError, UsageError
 from ...index.dtypes import itemsize
 from ...index.types import CheckpointIndex, Encoding, Piece, TensorEntry, unchecked_box, unchecked_location
+from .names import FLAT_BUFFER
+from .optim_names import EXPERTS, LOCAL_EXPERTS, STACKED, layer_names  # noqa: F401 (names of the layout)
 
-STACKED = "decoder.layers."
-EXPERTS = "mlp.experts.experts."
-LOCAL_EXPERTS = "mlp.experts.local_experts."
 EXTRA_STATE = "_extra_state"
 OUTPUT_LAYER = "output_layer.weight"
 
 OPTIMIZER_HINT = "consolidate_optimizer_hint"  # (read by ops/consolidate.py, which names it so too)
+TRAINING_VIEW = "mcore_view"  # index.metadata: "training" on training.py's view (named per layer already)
 OPTIMIZER_REFUSAL = (
-    "--include-optimizer is not supported for a Megatron-Core checkpoint yet (its optimizer state is "
-    "stacked over layers, or held in the distributed optimizer's flat buffers, and is not named per "
-    "layer like the model); consolidate without it writes the model"
+    "--include-optimizer reads a Megatron-Core checkpoint through its training view (per layer), "
+    "which this index is not"
 )
 
 
@@ -37,9 +36,12 @@ def consolidated_model(
 ) -> tuple[dict[str, str], dict[str, TensorEntry], list[str]]:
     """`model` (output name -> index key) with each stacked tensor replaced by its layers (and
     experts); the entries made for them by name; and notes on what was renamed or left out."""
-    if include_optimizer:
-        raise UsageError(f"{index.root}: {OPTIMIZER_REFUSAL}")
-    index.metadata[OPTIMIZER_HINT] = "--include-optimizer is not supported for Megatron-Core yet"
+    if include_optimizer:  # consolidate reads the training view then (training.py): already per layer
+        if index.metadata.get(TRAINING_VIEW) != "training":
+            raise UsageError(f"{index.root}: {OPTIMIZER_REFUSAL}")
+        return dict(model), {}, []
+    if any(FLAT_BUFFER.fullmatch(k) for k in index.tensors):
+        index.metadata[OPTIMIZER_HINT] = "dp_reshardable flat buffers: not mappable to parameters"
     tied = (index.metadata.get("megatron_args") or {}).get("tied")
     names: dict[str, str] = {}
     made: dict[str, TensorEntry] = {}
@@ -49,7 +51,7 @@ def consolidated_model(
             left_out += 1
             continue
         entry = index.tensors[key]
-        if not name.startswith(STACKED) or not entry.shape:
+        if len(_slices(name, entry)[0][1]) == 0:  # not stacked (a layer's own tensor: a legacy folder's)
             names[name] = key
             continue
         stacked += 1
@@ -61,15 +63,7 @@ def consolidated_model(
 
 def _slices(name: str, entry: TensorEntry):
     """(output name, leading indices) of each layer, and of each expert of each layer."""
-    rest = name[len(STACKED) :]
-    if rest.startswith(EXPERTS) and len(entry.shape) >= 2:
-        tail = rest[len(EXPERTS) :]
-        for i in range(entry.shape[0]):
-            for e in range(entry.shape[1]):
-                yield f"{STACKED}{i}.{LOCAL_EXPERTS}{e}.{tail}", (i, e)
-        return
-    for i in range(entry.shape[0]):
-        yield f"{STACKED}{i}.{rest}", (i,)
+    return layer_names(name, tuple(entry.shape))
 
 
 def layer_view(entry: TensorEntry, at: tuple[int, ...], name: str) -> TensorEntry:

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from helpers import hostile
-from ckptkit.formats.mcore.unstack import OPTIMIZER_REFUSAL, consolidated_model, layer_view
+from ckptkit.formats.mcore.unstack import consolidated_model, layer_view
 from ckptkit.formats.registry import open_checkpoint
 from ckptkit.index.types import Box, Location, Piece, TensorEntry
 from ckptkit.runner.fetch import Fetcher
@@ -70,15 +70,46 @@ def test_the_note_says_how_the_layers_were_named(tmp_path):
     run = CliRunner().invoke(cli, ["consolidate", str(MCORE / "pp2_tied"), str(tmp_path / "m.safetensors")])
     assert run.exit_code == 0, run.output
     assert "names: 12 stacked tensors (decoder.layers.X [L, ...]) written as 24 tensors, one per layer" in run.output
-    assert "(--include-optimizer is not supported for Megatron-Core yet)" in run.output
+    assert "optimizer values (add --include-optimizer)" in run.output
 
 
-def test_include_optimizer_is_refused_in_one_sentence(tmp_path):
-    source, out = MCORE / "tp2dp2_distopt_full", tmp_path / "out"
+# the plain optimizer keeps its step as a tensor (common_step), the distributed one in its groups (a value)
+@pytest.mark.parametrize("name, step_tensors", [("tp2_swiglu_gqa", True), ("tp2dp2_distopt_full", False)])
+def test_include_optimizer_writes_each_layers_state_equal_to_mcores_own_load(name, step_tensors, tmp_path):
+    truth = torch.load(MCORE / f"{name}.optim_truth.pt", weights_only=True)
+    out = tmp_path / "out"
+    run = CliRunner().invoke(cli, ["consolidate", str(MCORE / name), str(out), "--include-optimizer"])
+    assert run.exit_code == 0, run.output
+    got = load_file(out / "optimizer.safetensors")
+    expected = {
+        f"state.{param}.{key}": value
+        for param, states in truth["state"].items()
+        for key, value in states.items()
+        if key != "param" and (key != "step" or step_tensors)  # (the main copy is the model's own values)
+    }
+    assert set(got) == set(expected)
+    for key, tensor in got.items():
+        want = expected[key].contiguous()
+        assert tensor.dtype == want.dtype and tensor.shape == want.shape, key
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), key
+    model = load_file(out / "model.safetensors")
+    assert set(model) == {p for p in truth["state"]}  # every trainable parameter, per layer
+
+
+def test_include_optimizer_with_flat_buffers_is_refused_in_one_sentence(tmp_path):
+    source, out = MCORE / "tp2dp2_distopt", tmp_path / "out"
     scene = hostile.Scene(source, out)
     run = hostile.run_ckptkit("consolidate", source, out, "--include-optimizer")
-    hostile.check_refused(run, str(source), OPTIMIZER_REFUSAL, scene=scene)
+    hostile.check_refused(
+        run, str(source), "dp_reshardable flat buffers", "consolidate without --include-optimizer", scene=scene
+    )
     assert not out.exists()
+
+
+def test_without_include_optimizer_flat_buffers_are_said_not_mappable(tmp_path):
+    run = CliRunner().invoke(cli, ["consolidate", str(MCORE / "tp2dp2_distopt"), str(tmp_path / "m.safetensors")])
+    assert run.exit_code == 0, run.output
+    assert "(dp_reshardable flat buffers: not mappable to parameters)" in run.output
 
 
 def _stacked(tmp_path, data: torch.Tensor, stride: tuple[int, ...] | None) -> tuple[TensorEntry, Fetcher]:
