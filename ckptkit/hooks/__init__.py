@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Checkpointer", "SkippedStepsWarning", "DuplicateStepError", "RngNotRestoredWarning"]
+__all__ = [
+    "Checkpointer",
+    "SkippedStepsWarning",
+    "DuplicateStepError",
+    "RngNotRestoredWarning",
+    "StateChangedError",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from .steps import DuplicateStepError
 
         return DuplicateStepError
+    if name == "StateChangedError":
+        from .staging import StateChangedError
+
+        return StateChangedError
     if name == "RngNotRestoredWarning":
         from .rng import RngNotRestoredWarning
 

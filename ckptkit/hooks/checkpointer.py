@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any, Callable
 
 from ..errors import CkptkitError, FormatError, OutputError, UsageError
 from ..runner.distributed import Group, PeerError, group_of
 from ..storage.output import open_output
 from ..storage.source import is_url, path_text
-from . import backends, pointer, policy, rng
+from . import backends, pointer, policy, rng, step_guard
 from . import steps as step_folders
 from .backends import check_model, is_engine
 from .rng import RngNotRestoredWarning  # noqa: F401  (re-exported: restore warns with it)
 from .saved import STATES, rank_key
-from .staging import BackgroundSave, stage
+from .staging import BackgroundSave, prepare
 from .steps import Folder
 from .states import check_states, state_dicts, validate as validate_states
 
@@ -67,6 +68,7 @@ class Checkpointer:
         self.rng = rng
         self.extra: dict[str, Any] | None = None
         self._background = BackgroundSave()
+        self._guarded: weakref.WeakSet = weakref.WeakSet()  # optimizers whose step waits for a save's copy
         self._bg_pg: Any = None
         self._group = group_of()
         if self._group.is_root:
@@ -136,7 +138,9 @@ class Checkpointer:
         states: dict[str, Any] | None = None,
         overwrite: bool = False,
     ) -> None:
-        """Collective. Save `step`; with async_save return once a CPU copy is staged. `states`
+        """Collective. Save `step`. With async_save return at once: the optimizer's tensors are
+        copied to CPU on a background thread (optimizer.step() waits for that copy), the rest
+        before returning, and the copy is written in the background (docs/hooks.md). `states`
         maps names to objects with state_dict()/load_state_dict() (a scheduler, a dataloader),
         each rank's saved apart. Anything already at `step` (a checkpoint or a stray) is
         replaced only with `overwrite`."""
@@ -165,11 +169,21 @@ class Checkpointer:
         if not self.async_save:
             self._write(step, name, overwrite, state, rng_doc, self._group, None)
             return
-        staged, self._background.buffers = stage(state, self._background.buffers)
+        step_guard.guard(optimizer, self._background, self._guarded)
+        staging = prepare(state, step_guard.owned_storages(optimizer), self._background.buffers)
+        self._background.buffers = staging.buffers
         group = group_of(self._bg_pg) if self._bg_pg is not None else self._group
-        self._background.start(
-            f"ckptkit-save-{step}", self._write, step, name, overwrite, staged, rng_doc, group, self._bg_pg
-        )
+
+        def write(staged: dict, failure: BaseException | None) -> None:
+            group.check(failure)  # a copy that failed on any rank: no rank writes anything
+            self._write(step, name, overwrite, staged, rng_doc, group, self._bg_pg)
+
+        self._background.start(f"ckptkit-save-{step}", staging.finish, write)
+
+    def wait_staged(self) -> None:
+        """Return once the async save in flight has made its CPU copy: from then on the saved
+        tensors may change in any way (optimizer.step() waits for this by itself)."""
+        self._background.wait_staged()
 
     def wait(self) -> None:
         """Join a background save (its failure is raised here, or by the next call)."""

@@ -33,6 +33,12 @@ STDLIB_PRIVATE = {
     ("ckptkit/formats/torch_save/archive_writer.py", "_file_size"),
     ("ckptkit/formats/torch_save/archive_writer.py", "_compress_size"),
 }
+# torch's own private attributes, used where it offers no public way
+TORCH_PRIVATE = {
+    # a tensor's version counter, which every in-place change moves (autograd's own check):
+    # an async save's deferred copy refuses a tensor changed before the copy was made
+    ("ckptkit/hooks/staging.py", "_version"),
+}
 # private names still shared, each with what removes it; an entry no longer found fails
 # test_known_private_uses_still_exist: remove it then
 KNOWN_PRIVATE: set[tuple[str, str]] = set()
@@ -154,7 +160,7 @@ def test_no_module_uses_another_modules_private_names():
     wrong = []
     for p in _sources(PRIVATE_SCOPE, PRIVATE_EXCLUDED):
         for line, name in sorted(_private_uses(p)):
-            if (_rel(p), name) not in STDLIB_PRIVATE | KNOWN_PRIVATE:
+            if (_rel(p), name) not in STDLIB_PRIVATE | TORCH_PRIVATE | KNOWN_PRIVATE:
                 wrong.append(f"{_rel(p)}:{line}: {name}")
     assert not wrong, "a name another module needs is public (rename it without the underscore):\n" + "\n".join(wrong)
 
