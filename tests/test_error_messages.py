@@ -410,6 +410,18 @@ def _diff_different_models(tmp: Path) -> list[str]:
     ]
 
 
+def _grow_tp_without_rules(tmp: Path) -> list[str]:
+    src = copy_fixture("ds_grow_tp/moe/moetp_z2_fp32_tp1_ep2_w2", tmp, "moe")
+    return ["reshard", str(src), str(tmp / "OUT"), "--to", "tp=2,ep=2,dp=2"]
+
+
+def _grow_tp_rule_names_a_missing_parameter(tmp: Path) -> list[str]:
+    src = copy_fixture("ds_grow_tp/pp/pp2_tp1_dp2_z1_fp32", tmp, "pp")
+    rules = tmp / "rules.json"
+    rules.write_text('{"rules": [{"pattern": "module.0.word_embeddings.weight", "split": 0}]}')
+    return ["reshard", str(src), str(tmp / "OUT"), "--to", "tp=2,pp=2,dp=1", "--tp-rules", str(rules)]
+
+
 # how every "not a checkpoint ckptkit recognises" message ends
 RECOGNISED = (
     "a DCP checkpoint (.metadata), a DeepSpeed save (`latest` or ZeRO rank files), *.safetensors, "
@@ -705,6 +717,23 @@ CASES: list[Case] = [
         "cannot be mapped: Adafactor's factored second moment (row and column factors of a 2-D "
         "parameter), which is not elementwise with the parameter: no shard or flat partition of the "
         "parameter says which part of the factors goes with it\n",
+    ),
+    # adding tensor parallelism to a DeepSpeed checkpoint saved without it
+    Case(
+        "grow_tp_without_rules",
+        _grow_tp_without_rules,
+        2,
+        "error: --to tp=2,ep=2,dp=2: adding tensor parallelism to the mixture-of-experts checkpoint "
+        "<tmp>/moe is not supported yet (give ep=...,dp=... with tp=1,pp=1); to add it, give --tp-rules "
+        "FILE saying how the model built at that tp splits each parameter (the checkpoint, saved without "
+        "tp, cannot say; see docs/tp_rules.md)\n",
+    ),
+    Case(
+        "grow_tp_rule_names_a_missing_parameter",
+        _grow_tp_rule_names_a_missing_parameter,
+        2,
+        "error: --tp-rules '<tmp>/rules.json': rule 'module.0.word_embeddings.weight' names a parameter "
+        "<tmp>/pp does not have (its parameters are named like '0.word_embeddings.weight')\n",
     ),
     # the output cannot be written (OutputError)
     Case(

@@ -8,8 +8,9 @@ DeepSpeed: a native ZeRO checkpoint for M data-parallel ranks (formats/deepspeed
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import UnsupportedError, UsageError
 from ..index.parallel_spec import MeshSpec, ParallelSizes, check_deepspeed_ranks, check_mesh_ranks, parse_parallel
@@ -46,8 +47,8 @@ def reshard(
 ) -> ReshardResult:
     """`to`: a world size, or (parsed by index/parallel_spec.py) a device mesh `mesh=dp_shard:4,tp:2`
     or DeepSpeed's sizes `tp=2,pp=2,dp=4`. `ctx`: the run's context (`options=` is its older name).
-    `tp_rules`: the split rules file for a mesh with tp over a source saved without tp (None: the
-    command line's --tp-rules, then the built-in rules)."""
+    `tp_rules`: the split rules file for a mesh with tp, or DeepSpeed sizes with tp, over a source
+    saved without tp (None: the command line's --tp-rules, then, for a mesh, the built-in rules)."""
     ctx = context_of(ctx, options)
     to = parse_parallel(to, "--to") if not isinstance(to, (MeshSpec, ParallelSizes)) else to
     if expect_from is not None and not isinstance(expect_from, MeshSpec):
@@ -59,7 +60,7 @@ def reshard(
     if capabilities_of(index).writes(ZERO_PARTITIONS) and isinstance(to, (int, ParallelSizes)):
         check_deepspeed_ranks(to if isinstance(to, int) else to.world_size, f"--to {to}")
     if isinstance(to, ParallelSizes):
-        return _reshard_parallel(opened, src, out, to, expect_from, ctx)
+        return _reshard_parallel(opened, src, out, to, expect_from, ctx, tp_rules)
     if isinstance(to, MeshSpec):
         return _reshard_mesh(opened, src, out, to, expect_from, ctx, tp_rules)
     if isinstance(expect_from, MeshSpec):
@@ -101,7 +102,13 @@ def reshard(
 
 
 def _reshard_parallel(
-    opened, src: str, out: str, sizes: ParallelSizes, expect_from: "int | MeshSpec | None", ctx: RunContext
+    opened,
+    src: str,
+    out: str,
+    sizes: ParallelSizes,
+    expect_from: "int | MeshSpec | None",
+    ctx: RunContext,
+    tp_rules: str | None = None,
 ) -> ReshardResult:
     """DeepSpeed's parallel sizes (`tp=2,dp=4`, `ep=4,dp=8`): the format's `reshard_parallel`
     picks the writer of the source's kind (mixture of experts, tensor parallel)."""
@@ -115,7 +122,11 @@ def _reshard_parallel(
     if expect_from is not None and not isinstance(expect_from, MeshSpec) and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{sizes}")
-    with frozen_heap(), open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target:
+    with (
+        rules_file(tp_rules),
+        frozen_heap(),
+        open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target,
+    ):
         files = fmt.reshard_parallel(opened, target, sizes, ctx)
     ctx.progress.close()
     return ReshardResult(
@@ -190,6 +201,23 @@ def tp_dims_from_rules(path: str | None = None) -> Callable[[str, tuple[int, ...
         return None if split.kind == "replicated" else split.dim  # fused blocks: torch's Shard(dim) all the same
 
     return dim_for
+
+
+@contextmanager
+def rules_file(path: str | None) -> Iterator[None]:
+    """The split rules file `path` for the DeepSpeed writers while they run (a library caller's
+    tp_rules=); None: the command line's --tp-rules, as it stands."""
+    if path is None:
+        yield
+        return
+    from ..convert.tp_rules import chosen_rules_file, use_rules_file
+
+    before = chosen_rules_file()
+    use_rules_file(path)
+    try:
+        yield
+    finally:
+        use_rules_file(before)
 
 
 def _writer_with(opened, target: str, refusal: str):

@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--truth", default=None, help="the truth file (default fixtures/data/ds_3d/NAME.truth.pt)")
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -54,7 +55,8 @@ def main() -> None:
     result: dict = {"rank": rank, "coord": [coord.pipe, coord.data, coord.model], "mismatches": [], "compared": 0}
     try:
         engine.load_checkpoint(args.ckpt, tag="global_step2")
-        truth = torch.load(ROOT / "fixtures" / "data" / "ds_3d" / f"{args.fixture}.truth.pt", weights_only=True)
+        truth_path = args.truth or ROOT / "fixtures" / "data" / "ds_3d" / f"{args.fixture}.truth.pt"
+        truth = torch.load(truth_path, weights_only=True)
         mine = gen.rank_truth(engine)
         result["names"] = sorted(mine)
         for name, values in mine.items():

@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--result", required=True)
     ap.add_argument("--whole-experts", action="store_true",
                     help="MoE(enable_expert_tensor_parallelism=False): experts whole, ep rank = global rank % E")
+    ap.add_argument("--truth", default=None, help="the truth file (default fixtures/data/ds_moe_tp/NAME.truth.pt)")
     return ap.parse_args(argv)
 
 
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
                     "trained_step": False, "error": None}
     mismatches: list[str] = []
     compared = 0
-    truth = torch.load(REPO / "fixtures" / "data" / "ds_moe_tp" / f"{args.fixture}.truth.pt", weights_only=False)
+    truth_path = args.truth or REPO / "fixtures" / "data" / "ds_moe_tp" / f"{args.fixture}.truth.pt"
+    truth = torch.load(truth_path, weights_only=False)
     mpu = m.MPU(tp)
     expert_tp = not args.whole_experts
     model = m.make_model(tp, ep, mpu, expert_tp)

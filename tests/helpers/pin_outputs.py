@@ -140,6 +140,17 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("ds_pp_moe.moe4.reshard_ep4", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4_moe4", ["reshard", "--to", "pp=2,ep=4,dp=4"]),
     ("ds_pp_moe.consolidate", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["consolidate"]),
     ("ds_pp_moe.inspect", "ds_pp_moe/ppmoe_z1_fp32_pp2_ep2_w4", ["inspect"]),
+    # tp added with --tp-rules to DeepSpeed checkpoints saved without it (grow_tp.py)
+    (
+        "ds_grow_tp.moe.reshard_tp2",
+        "ds_grow_tp/moe/moetp_z2_fp32_tp1_ep2_w2",
+        ["reshard", "--to", "tp=2,ep=2,dp=2", "--tp-rules", "docs/tp_rules.grow.json"],
+    ),
+    (
+        "ds_grow_tp.pp.reshard_tp2",
+        "ds_grow_tp/pp/pp2_tp1_dp2_z1_fp32",
+        ["reshard", "--to", "tp=2,pp=2,dp=1", "--tp-rules", "docs/tp_rules.grow.json", "--partition-method", "uniform"],
+    ),
     ("z2_bf16_w2.to_ds_universal", "deepspeed/z2_bf16_w2", ["convert", "--to", "ds-universal"]),
     ("z3_fp32_w2.to_ds_universal", "deepspeed/z3_fp32_w2", ["convert", "--to", "ds-universal"]),
     ("ds_universal.z2_bf16_w2.to_torch", "ds_universal/z2_bf16_w2", ["convert", "--to", "torch"]),
@@ -148,11 +159,14 @@ CASES: list[tuple[str, str, list[str]]] = [
 
 
 def _args(case_args: list[str]) -> list[str]:
-    """Resolve fixture-relative --ds-config paths so the command works from any directory."""
+    """Resolve fixture-relative --ds-config and repository-relative --tp-rules paths so the command
+    works from any directory."""
     out = list(case_args)
     for i, a in enumerate(out):
         if i and out[i - 1] == "--ds-config":
             out[i] = str(DATA / a)
+        elif i and out[i - 1] == "--tp-rules":
+            out[i] = str(ROOT / a)
     return out
 
 

@@ -26,6 +26,7 @@ from ...index.types import CheckpointIndex, TensorEntry
 from ...safe_json import loads
 from ...storage.source import Source
 from .autotp_split import AutoTpValues, cut_by_heads, is_count, kv_heads_entry, layer_name, shard_sizes
+from .layout import DeepSpeedLayout
 from .tag_writer import saved_config
 
 CONFIG = "config.json"
@@ -33,6 +34,10 @@ CONFIG_MAX_BYTES = 16 << 20
 MEGATRON_REASON = (
     " (Megatron-style tensor parallelism, which this checkpoint was written with, cuts every split "
     "dimension in equal parts, so tp must divide it)"
+)
+RULES_REASON = (
+    " (the checkpoint was saved without tp, and --tp-rules FILE cuts a split dimension in equal parts, "
+    'as Megatron-style tensor parallelism does, unless a rule gives its "sizes" for this tp)'
 )
 
 _chosen: dict[str, int | None] = {"kv_heads": None, "grain": None}
@@ -99,7 +104,7 @@ class TpCut:
         self.tp = tp
         self.autotp = is_autotp(index)
         self.values = autotp_values(index, source) if self.autotp else AutoTpValues()
-        self.reason = "" if self.autotp else MEGATRON_REASON
+        self.reason = "" if self.autotp else RULES_REASON if DeepSpeedLayout.of(index).grows_tp else MEGATRON_REASON
         chosen = chosen_rules_file()
         self.user_rules = load_rules(chosen) if chosen is not None else None
 

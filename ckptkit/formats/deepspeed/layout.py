@@ -30,6 +30,10 @@ NO_EXPERTS, SLICED_EXPERTS, WHOLE_EXPERTS = "none", "sliced", "whole"
 MODEL_PARALLEL = ("tp", "pp", "ep")
 LONG_NAMES = {"tp": "tensor-parallel size", "pp": "pipeline size", "ep": "expert-parallel size"}
 ADDING = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
+TP_RULES_HINT = (
+    "; to add it, give --tp-rules FILE saying how the model built at that tp splits each parameter "
+    "(the checkpoint, saved without tp, cannot say; see docs/tp_rules.md)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,7 @@ class DeepSpeedLayout:
     bf16_prefix: bool = False  # optim-states files named with the bf16 prefix (names.optim_file)
     megatron_layer_names: bool = False  # layer files named `layer_file(XX, TT)`
     num_experts: tuple[tuple[str, int], ...] = ()  # MoE layer (module prefix) -> its experts, in order
+    grows_tp: bool = False  # saved without tp, its splits given by --tp-rules FILE (grow_tp.py)
 
     @classmethod
     def of(cls, index: CheckpointIndex) -> "DeepSpeedLayout":
@@ -61,10 +66,10 @@ class DeepSpeedLayout:
         """Which combination of parallel dimensions this is: what RESIZE_RULES keys the sizes a
         reshard may ask for by, and what messages call the checkpoint."""
         if self.stages == LAYER_FILES:
-            return "pipeline_tp" if self.tp > 1 else "pipeline"
+            return "pipeline_tp" if self.tp > 1 or self.grows_tp else "pipeline"
         if self.stages == MP_RANK_STAGES:
             return "pipeline_moe"
-        if self.tp > 1:
+        if self.tp > 1 or (self.grows_tp and self.experts == SLICED_EXPERTS):
             return {NO_EXPERTS: "tensor_parallel", SLICED_EXPERTS: "moe_tp", WHOLE_EXPERTS: "moe_whole_tp"}[
                 self.experts
             ]
@@ -133,15 +138,25 @@ class ResizeRule:
     kind: str
     checks: tuple[Any, ...] = ()
     keep_world: Any = None  # how a world size keeps the source's sizes (None: keep_parallel_sizes)
+    grows_tp: bool = False  # --tp-rules FILE adds tp to it (grow_tp.py)
 
     def keep(self, layout: DeepSpeedLayout, to: int | ParallelSizes, root: str) -> ParallelSizes:
         if isinstance(to, ParallelSizes) or self.keep_world is None:
-            return keep_parallel_sizes(root, to, layout.sizes, resizable=self.resizable, kind=self.kind)
+            hint = self.grows_tp and layout.tp == 1
+            return keep_parallel_sizes(
+                root, to, layout.sizes, resizable=self.resizable, kind=self.kind, tp_rules_hint=hint
+            )
         return self.keep_world(layout, int(to))
 
 
 def keep_parallel_sizes(
-    root: str, to: int | ParallelSizes, source: ParallelSizes, *, resizable: tuple[str, ...], kind: str
+    root: str,
+    to: int | ParallelSizes,
+    source: ParallelSizes,
+    *,
+    resizable: tuple[str, ...],
+    kind: str,
+    tp_rules_hint: bool = False,
 ) -> ParallelSizes:
     """The target sizes of a reshard from `--to`, for a writer that lays out new `resizable`
     model-parallel sizes (and dp) of a `kind` checkpoint whose own sizes are `source`.
@@ -149,7 +164,8 @@ def keep_parallel_sizes(
     ParallelSizes: taken as given, refusing a model-parallel size the writer cannot change (one the
     source has not, such as pipeline parallelism for a tensor-parallel checkpoint). A world size N
     keeps the source's model-parallel sizes: dp = N / (tp * pp), refused when they do not divide N
-    (ep is carved out of dp, as DeepSpeed's MoE groups are: it must divide dp)."""
+    (ep is carved out of dp, as DeepSpeed's MoE groups are: it must divide dp). `tp_rules_hint`:
+    the refusal of adding tp names --tp-rules FILE, which adds it (grow_tp.py)."""
     if isinstance(to, ParallelSizes):
         for dim in MODEL_PARALLEL:
             if dim in resizable or getattr(to, dim) == getattr(source, dim):
@@ -162,9 +178,10 @@ def keep_parallel_sizes(
                 if d not in resizable and not (d == "ep" and source.ep == 1)
             )
             verb = "adding" if getattr(source, dim) == 1 else "changing the source's"
+            rules = TP_RULES_HINT if dim == "tp" and tp_rules_hint else ""
             raise UnsupportedError(
                 f"--to {to}: {verb} {ADDING[dim]} to the {kind} checkpoint {root} is not "
-                f"supported yet (give {','.join(f'{d}=...' for d in resizable)},dp=... with {fixed})"
+                f"supported yet (give {','.join(f'{d}=...' for d in resizable)},dp=... with {fixed}){rules}"
             )
         return to
     world = int(to)
@@ -282,9 +299,9 @@ class _ZeroRule(ResizeRule):
 RESIZE_RULES: dict[str, ResizeRule] = {
     "zero": _ZeroRule((), "ZeRO"),
     "tensor_parallel": ResizeRule(("tp",), "tensor-parallel"),
-    "pipeline": ResizeRule(("pp",), "pipeline"),
+    "pipeline": ResizeRule(("pp",), "pipeline", grows_tp=True),
     "pipeline_tp": ResizeRule(("tp", "pp"), "3-D (pipeline x tensor-parallel)"),
-    "moe": ResizeRule(("ep",), "mixture-of-experts", (_moe_sizes,)),
+    "moe": ResizeRule(("ep",), "mixture-of-experts", (_moe_sizes,), grows_tp=True),
     "moe_tp": ResizeRule(("tp", "ep"), "mixture-of-experts tensor-parallel", (_lane_sizes,)),
     "moe_whole_tp": ResizeRule(("tp", "ep"), "mixture-of-experts tensor-parallel", (_whole_sizes,), _whole_world),
     "pipeline_moe": ResizeRule(("pp", "ep"), "mixture-of-experts PipelineModule", (_stage_sizes,)),

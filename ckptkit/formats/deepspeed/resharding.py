@@ -29,6 +29,7 @@ from ...storage.commit import Output
 from ...storage.source import Source
 from . import split_ep, split_pp, split_tp
 from .group_plan import StatePlanner
+from .grow_tp import with_tp_rules
 from .layout import DeepSpeedLayout
 from .native import native_of
 from .refusals import refuse_pipeline_moe
@@ -40,7 +41,9 @@ def write_resharded(
     out: Output, index: CheckpointIndex, source: Source, to: int | ParallelSizes, *, ctx: RunContext
 ) -> list[str]:
     """`reshard --to N` or `--to tp=..,pp=..,ep=..,dp=..`: the source split over tp, pp and ep at
-    the sizes its layout allows (module docstring)."""
+    the sizes its layout allows (module docstring); adding tp with --tp-rules FILE, the sizes of the
+    same model saved with tp (grow_tp.py)."""
+    index = with_tp_rules(index, to)
     sizes = DeepSpeedLayout.of(index).resized(to, index.root)
     zinfo = native_of(index).cell()
     tag = tag_name(zinfo.files.tag, index)

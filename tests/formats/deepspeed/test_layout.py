@@ -191,7 +191,9 @@ REFUSED = [  # (fixture, --to, error, sentence with {root} for the checkpoint's 
         "tp=2,pp=2,dp=1",
         UnsupportedError,
         "--to tp=2,pp=2: adding tensor parallelism to the pipeline checkpoint {root} is not supported yet "
-        "(give pp=...,dp=... with tp=1)",
+        "(give pp=...,dp=... with tp=1)"
+        "; to add it, give --tp-rules FILE saying how the model built at that tp splits each parameter "
+        "(the checkpoint, saved without tp, cannot say; see docs/tp_rules.md)",
     ),
     (
         "ds_3d/pp2_tp2_dp2_z1_fp32",
@@ -218,7 +220,9 @@ REFUSED = [  # (fixture, --to, error, sentence with {root} for the checkpoint's 
         "tp=2,ep=2,dp=2",
         UnsupportedError,
         "--to tp=2,ep=2,dp=2: adding tensor parallelism to the mixture-of-experts checkpoint {root} is not "
-        "supported yet (give ep=...,dp=... with tp=1,pp=1)",
+        "supported yet (give ep=...,dp=... with tp=1,pp=1)"
+        "; to add it, give --tp-rules FILE saying how the model built at that tp splits each parameter "
+        "(the checkpoint, saved without tp, cannot say; see docs/tp_rules.md)",
     ),
     (
         "ds_moe_tp/moetp_z2_fp32_tp2_ep2_w4",
