@@ -8,10 +8,11 @@ dimension, whole on every rank, or fused blocks). Here the source's index is giv
 as the tp join (join_tp.py) gives them to a checkpoint read at tp > 1: each entry of a parameter
 (model.<name>, optim.state.<name>.<key>, ds_module.<name>) carries attrs["parallel"]["tp"], and
 `DeepSpeedNative.splits` the rule's split. The layout is marked `grows_tp`, so its family is the
-one of the same model saved with tp (moe -> moe_tp, pipeline -> pipeline_tp) and that family's
-writer cuts each tensor through tp_geometry.TpSlicer: in equal parts (Megatron-style: tp must
-divide the dimension) unless a rule gives "sizes" for the target tp; whole tensors stay whole on
-every rank, as DeepSpeed's mp_rank files hold replicated parameters.
+one of the same model saved with tp (moe -> moe_tp, pipeline -> pipeline_tp: the sizes it may
+take) and the writer's tp split (split_tp.py) cuts each tensor through tp_geometry.TpSlicer: in
+equal parts (Megatron-style: tp must divide the dimension) unless a rule gives "sizes" for the
+target tp; whole tensors stay whole on every rank, as DeepSpeed's mp_rank files hold replicated
+parameters.
 
 Refused in one sentence before anything is written: a rule of the file naming (no glob, no
 regular expression) a parameter the checkpoint does not have, a parameter no rule decides, a rule
