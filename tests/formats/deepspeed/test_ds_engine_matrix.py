@@ -1,7 +1,8 @@
 """DeepSpeed's own engine loads what reshard writes: one matrix of fixture x target sizes over the
 layouts (ZeRO 1/2/3 at a new world size, with DeepSpeed's Adam or another optimizer; tensor
 parallel, Megatron-style and AutoTP cut unevenly, at a new tp and dp; mixture of experts at a new
-ep and dp; experts under tensor parallelism, sliced or whole, at a new tp, ep and dp).
+ep and dp; experts under tensor parallelism, sliced or whole, at a new tp, ep and dp; a MoE source
+saved without tp grown into tp with --tp-rules).
 
 For each case ckptkit reshards the fixture to the target; DeepSpeed builds the model at the target
 sizes (its weights scrambled first, so nothing passes by accident), engine.load_checkpoint()s the
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from ckptkit.ops.reshard import reshard
-from conftest import DATA
+from conftest import DATA, ROOT
 from helpers.ds_engine_jobs import run_engine_cases
 from helpers.ds_fixtures import DS_DATA, needs_deepspeed
 
@@ -44,6 +45,7 @@ class EngineCase:
     world: int  # the launch's world size
     size: int = 1  # tp (tensor parallel) or ep (mixture of experts) the model is built at
     ep: int = 1  # experts under tensor parallelism: the ep (size is the tp)
+    rules: str | None = None  # reshard's --tp-rules (adding tp to a source saved without it)
 
     @property
     def id(self) -> str:
@@ -58,9 +60,10 @@ class EngineCase:
         base = ["--ckpt", str(out), "--fixture", self.fixture]
         if self.layout in ("zero", "zero_optim"):
             return [*base, "--truth", str(self.source.parent / f"{self.fixture}.truth.pt")]
-        if self.layout == "moe_tp":
+        if self.layout in ("moe_tp", "moe_tp_grown"):
             whole = ["--whole-experts"] if "noexptp" in self.fixture else []
-            return [*base, "--tp", str(self.size), "--ep", str(self.ep), *whole]
+            truth = ["--truth", str(self.source.parent / f"{self.fixture}.truth.pt")]
+            return [*base, "--tp", str(self.size), "--ep", str(self.ep), *whole, *truth]
         return [*base, "--ep" if self.layout == "moe" else "--tp", str(self.size)]
 
 
@@ -72,7 +75,9 @@ LAYOUTS = {
     "tp": (DATA / "ds_tp", "ds_tp_load_check"),
     "tp_uneven": (DATA / "ds_tp_uneven", "ds_tp_load_check"),
     "moe_tp": (DATA / "ds_moe_tp", "ds_moe_tp_load_check"),
+    "moe_tp_grown": (DATA / "ds_grow_tp" / "moe", "ds_moe_tp_load_check"),
 }
+GROW_RULES = str(ROOT / "docs" / "tp_rules.grow.json")
 
 MATRIX = [
     # ZeRO 1/2/3 in fp16, bf16 and fp32 (sub-groups too), grown and shrunk
@@ -92,6 +97,8 @@ MATRIX = [
     # experts sliced over tp: tp 2 -> 4, ep 2 -> 1; whole experts: tp 2 -> 4, ep 2 -> 4 (dp 2 -> 1)
     EngineCase("moe_tp", "moetp_z2_fp32_tp2_ep2_w4", "tp=4,ep=1,dp=1", 4, size=4, ep=1),
     EngineCase("moe_tp", "moetp_noexptp_z2_fp32_tp2_ep2_w4", "tp=4,ep=4,dp=1", 4, size=4, ep=4),
+    # a MoE source saved at tp 1, ep 2 grown into tp 4 (ep 1) by docs/tp_rules.grow.json
+    EngineCase("moe_tp_grown", "moetp_z2_fp32_tp1_ep2_w2", "tp=4,ep=1,dp=1", 4, size=4, ep=1, rules=GROW_RULES),
     # AutoTP's uneven cut at tp 3, and a grain-size cut joined into one rank
     EngineCase("tp_uneven", "autotp_odd_z1_fp32", "tp=3,dp=1", 3, size=3),
     EngineCase("tp_uneven", "autotp_grain_z1_fp32", "tp=1,dp=2", 2, size=1),
@@ -110,6 +117,8 @@ def _least_compared(case: EngineCase) -> int:
 
         truth = torch.load(case.source.parent / f"{case.fixture}.truth.pt", weights_only=True)
         return sum(1 for k in truth if k.startswith("state.")) + 9
+    if case.layout == "moe_tp_grown":  # 12 dense + all 4 experts' 4 at ep 1: 4 values each on every rank
+        return 4 * 28 * case.world
     if case.layout == "moe_tp":  # master, 2 moments and module weight of each parameter on every rank:
         per_rank = 16 if "noexptp" in case.fixture else 28  # 12 dense + 1 local expert of 4, or all 28
         return 4 * per_rank * case.world
@@ -135,7 +144,7 @@ def engine_results(tmp_path_factory):
             for case in (c for c in MATRIX if c.world == world and c.source.is_dir()):
                 out = folder / case.id
                 try:
-                    reshard(str(case.source), str(out), case.to)
+                    reshard(str(case.source), str(out), case.to, tp_rules=case.rules)
                 except Exception as exc:  # this case's test fails with it; the others still run
                     refused[case.id] = {"ok": False, "error": f"reshard --to {case.to}: {exc}"}
                     continue
@@ -153,7 +162,7 @@ def test_deepspeed_loads_the_reshard_bit_for_bit_and_trains(engine_results, case
     r = engine_results(case.world)[case.id]
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches", "traceback")}
     assert r["world_size"] == case.world and r["trained_step"], r
-    if case.layout in ("tp", "tp_uneven", "moe_tp"):
+    if case.layout in ("tp", "tp_uneven", "moe_tp", "moe_tp_grown"):
         assert r["tp"] == case.size and r["compared"] == _least_compared(case), r
     else:
         assert r["compared"] >= _least_compared(case), r

@@ -5,8 +5,9 @@ fixtures/generate_ds_3d.py, saved at tp 1; their truth from DeepSpeed's own API)
 
 The output read back (with the same rules) equals the source; every rank file DeepSpeed loads
 holds that rank's slice of DeepSpeed's truth under the model's own split (the generator's
-`split.<name>`, which docs/tp_rules.grow.json restates); refusals are one sentence. Two DeepSpeed
-launches load a grown checkpoint with the model built at tp 2 (tests/dist/*_load_check.py).
+`split.<name>`, which docs/tp_rules.grow.json restates); refusals are one sentence. DeepSpeed loads
+the grown pipeline with the model built at tp 2 here (tests/dist/ds_3d_load_check.py), and the
+grown MoE at tp 4 in test_ds_engine_matrix.py's launch of 4 ranks (the "moe_tp_grown" case).
 """
 
 from __future__ import annotations
@@ -166,16 +167,6 @@ def _load(tmp_path, script, src, out, *args):
     )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(result.read_text())
-
-
-@pytest.mark.slow
-@needs_deepspeed
-def test_deepspeed_loads_a_moe_checkpoint_grown_to_tp_2_and_trains(tmp_path, grown_moe):
-    r = _load(tmp_path, "ds_moe_tp_load_check.py", MOE, grown_moe, "--tp", "2", "--ep", "2")
-    assert r["ok"], {k: r.get(k) for k in ("error", "mismatches")}
-    # 20 parameters on each rank (12 dense, 2 local experts of 4 params), each master, 2 moments and
-    # module weight, on 4 ranks
-    assert r["world_size"] == 4 and r["trained_step"] and r["compared"] == 4 * 20 * 4
 
 
 @pytest.mark.slow
