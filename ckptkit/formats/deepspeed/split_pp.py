@@ -1,4 +1,4 @@
-"""The writer's pp split: a lane's new pipeline stages, the identity at pp 1.
+"""The writer's pp split: a lane's new pipeline stages, the identity without pipeline stages.
 
 The reader joins each tp rank's stages into its pipeline (join_pp.py); the writer cuts a lane
 (split_tp.py) into its new stages, each one ZeRO cell under model-parallel rank stage x tp + tp
