@@ -600,9 +600,8 @@ CASES: list[Case] = [
         2,
         "error: <tmp>/legacy/iter_0000002/mp_rank_00/model_optim_rng.pt: is one rank's part of a Megatron-LM "
         "checkpoint saved at tp 2 x pp 1 x ep 1 x dp 1 (its args say tensor_model_parallel_size=2, "
-        "pipeline_model_parallel_size=1), not the whole model; ckptkit does not join a legacy Megatron-LM "
-        "checkpoint's rank files yet; have Megatron-LM load it and save it as torch_dist "
-        "(--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and read that\n",
+        "pipeline_model_parallel_size=1), not the whole model; give ckptkit the iteration folder holding every "
+        "rank's mp_rank_* folder (or the save folder above it), which it reads as one checkpoint\n",
     ),
     Case(
         "mcore_convert_flat_buffers",

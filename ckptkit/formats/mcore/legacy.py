@@ -3,9 +3,9 @@ one torch.save file per tensor and pipeline rank, each holding that rank's slice
 
 Such a file alone is not the model: read as a plain torch.save file it would show half-size
 `linear_qkv` / `linear_fc1` tensors as if they were whole, and consolidating it would write half
-a model. Joining the ranks' files (Megatron's split rules, SwiGLU and GQA included) is not built
-yet, so a file whose `args` say it was saved split over tensor or pipeline ranks, and a folder of
-such rank files, are refused in one sentence that says what to do instead.
+a model. The iteration folder's rank files are joined into one checkpoint (legacy_join.py); a
+file whose `args` say it was saved split over tensor or pipeline ranks, opened alone (or its
+rank folder), is refused in one sentence that says to open the iteration folder instead.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ RANK_FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"mp_rank_[0-9]{2}(?:_[0-9]{3}){0,2}")  # mp_rank_TT, mp_rank_TT_PPP, mp_rank_TT_PPP_EEE
 SNIFFED_HEAD = 1 << 20  # the bytes of data.pkl looked at for Megatron's args
 WHAT_TO_DO = (
-    "ckptkit does not join a legacy Megatron-LM checkpoint's rank files yet; have Megatron-LM load it and save "
-    "it as torch_dist (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and read that"
+    "give ckptkit the iteration folder holding every rank's mp_rank_* folder (or the save folder above it), "
+    "which it reads as one checkpoint"
 )
 
 
@@ -88,12 +88,4 @@ def refuse_rank_file(label: str, args: MegatronArgs) -> UnsupportedError:
         f"{label}: is one rank's part of a Megatron-LM checkpoint saved at {args.layout()} (its args say "
         f"tensor_model_parallel_size={args.tp}, pipeline_model_parallel_size={args.pp}), not the whole model; "
         f"{WHAT_TO_DO}"
-    )
-
-
-def refuse_rank_folders(label: str, folders: list[str]) -> UnsupportedError:
-    shown = ", ".join(folders[:4]) + (f" and {len(folders) - 4} more" if len(folders) > 4 else "")
-    return UnsupportedError(
-        f"{label}: is a legacy Megatron-LM checkpoint of {len(folders)} rank folder(s) ({shown}), each "
-        f"holding one rank's part of the model; {WHAT_TO_DO}"
     )

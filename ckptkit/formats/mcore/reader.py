@@ -24,7 +24,7 @@ from ...storage.source import Source
 from ..accelerate import SubSource
 from ..dcp import reader as dcp_reader
 from ..torch_save import reader as ts_reader
-from . import legacy
+from . import legacy, legacy_join
 from .args import MegatronArgs, megatron_args
 from .names import role_of
 
@@ -83,7 +83,7 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
         return read_iteration(source)
     folders = legacy.rank_folders(source)
     if folders:
-        raise legacy.refuse_rank_folders(source.root, folders)
+        return legacy_join.read_joined(source, folders)
     entry = tag if tag is not None else latest_entry(source)
     if entry is None or not ITERATION_DIR.fullmatch(entry):
         raise UsageError(f"{source.root}: {name_of(entry or '')} is not an iteration folder name (iter_NNNNNNN)")
@@ -98,7 +98,7 @@ def read_index(source: Source, tag: str | None = None) -> CheckpointIndex:
         return _moved(read_iteration(inner), entry, source.root)
     folders = legacy.rank_folders(inner)
     if folders:
-        raise legacy.refuse_rank_folders(inner.root, folders)
+        return _moved(legacy_join.read_joined(inner, folders), entry, source.root)
     raise NotACheckpointError(
         f"{inner.root}: holds neither a torch_dist checkpoint ({METADATA_JSON} with sharded_backend "
         f"torch_dist, .metadata) nor legacy mp_rank_* folders"

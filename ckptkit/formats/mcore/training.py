@@ -27,6 +27,7 @@ from ...errors import UnsupportedError
 from ...index.types import CheckpointIndex, ObjectEntry, TensorEntry
 from ...torch_types import SmallTensor
 from . import optim_names
+from .legacy_join import LEGACY_KEY
 from .names import FLAT_BUFFER
 from .unstack import EXTRA_STATE, OUTPUT_LAYER, TRAINING_VIEW, layer_view
 
@@ -38,10 +39,10 @@ FLAT_BUFFER_REFUSAL = (
 )
 
 
-def is_view(index: CheckpointIndex) -> bool:
-    return index.metadata.get(VIEW_KEY) == "training"
-
-
+LEGACY_REFUSAL = (
+    "its optimizer state (a legacy Megatron-LM checkpoint's, keyed by parameter number on each rank) is not "
+    "joined by ckptkit; {model_only}, or have Megatron-LM save it as torch_dist and read that"
+)
 MODEL_ONLY_HINT = "convert the model alone (--model-only)"
 
 
@@ -62,6 +63,8 @@ def training_index(
     tied = bool((index.metadata.get("megatron_args") or {}).get("tied"))
     model = _model(index, tied)
     notes = [_names_note(index, model, tied)]
+    if optimizer and index.metadata.get(LEGACY_KEY):
+        raise UnsupportedError(f"{index.root}: " + LEGACY_REFUSAL.format(model_only=model_only_hint))
     flat = [k for k in index.tensors if FLAT_BUFFER.fullmatch(k)]
     if optimizer and flat:
         raise UnsupportedError(f"{index.root}: " + FLAT_BUFFER_REFUSAL.format(n=len(flat), model_only=model_only_hint))
