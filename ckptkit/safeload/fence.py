@@ -106,17 +106,31 @@ def _run(top: int, persistent: bool, short: int = _SHORT) -> re.Pattern:
     consumers = b"R" + memo_opt + b"|b|\\x85" + memo_opt + b"R" + memo_opt + (b"|Q" + memo_opt if persistent else b"")
     wrapped = b"(?:\\x85" + memo_opt + b"R" + memo_opt + b")?"
     # an item, or the first of a tuple of items (no memo fetch among them)
-    atoms = atom + b"(?:(?:\\x85|" + atom + b"(?:\\x86|" + atom + b"\\x87))" + memo_opt + wrapped + b")?"
+    # (a lone item never just before a FRAME, or one item before it: a tuple whose items a FRAME
+    # splits is read_tuple's, from its first item, and the regex stops there)
+    framed = b"\\x95|" + item + b"\\x95"
+    atoms = (
+        atom + b"(?:(?:\\x85|" + atom + b"(?:\\x86|" + atom + b"\\x87))" + memo_opt + wrapped + b"|(?!" + framed + b"))"
+    )
     flat = b"\\((?:" + atom + b"){0,64}+t" + memo_opt + wrapped
     general = b"t" + memo_opt + b"(?:" + consumers + b")"
     # a memo fetch where no tuple of single-opcode items begins
-    get_alone = get + b"(?!\\x85|" + item + b"(?:[\\x86\\x87]|" + item + b"\\x87))"
+    get_alone = get + b"(?!\\x85|\\x95|" + item + b"(?:[\\x86\\x87\\x95]|" + item + b"\\x87))"
     # the same, seen sooner where no string follows (the lookahead above tries every string
     # length group at each item): fixed-width items only, then an opcode that cannot go on
     fixed = b"(?:K.|M..|J....|[N\\x88\\x89)]|h.|j....)" + memo_opt
     starts = b"KMJN\\x88\\x89)hjX\\x8c"
     get_fast = (
-        get + b"(?=[^" + starts + b"\\x85]|" + fixed + b"(?:[^" + starts + b"\\x86\\x87]|" + fixed + b"[^\\x87]))"
+        get
+        + b"(?=[^"
+        + starts
+        + b"\\x85\\x95]|"
+        + fixed
+        + b"(?:[^"
+        + starts
+        + b"\\x86\\x87\\x95]|"
+        + fixed
+        + b"[^\\x87]))"
     )
     values = b"[" + re.escape(_VALUES + (_BINPERSID if persistent else b"")) + b"]" + memo_opt
     others = b"[" + re.escape(_OTHERS) + b"]"  # (FRAME: the loop, which notes where it is)
@@ -232,6 +246,8 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
                     made, end, fetch = got
                     if fetch:
                         edits.call(pos, made)
+                    elif data[end] == 0x85:  # (a FRAME split the tuple: the regex left its wrapping too)
+                        end = _past_wrapping(data, end, memo_ok)
                     pos = end
                     continue
                 if op == 0x28:
@@ -251,6 +267,15 @@ def scan(data: bytes, floats: bool = False, persistent: bool = False) -> tuple[E
     ):
         raise Decline
     return edits, frames
+
+
+def _past_wrapping(data: bytes, pos: int, memo_ok: Callable[[int, int], bool]) -> int:
+    """Past a tuple's wrapping, TUPLE1 then REDUCE (each with its memo opcode), at `pos`: what the
+    regex takes after a tuple of single-opcode items without a memo fetch (`wrapped`)."""
+    pos = read_memo(data, pos + 1, memo_ok)[0]
+    if data[pos] != 0x52:
+        raise Decline
+    return read_memo(data, pos + 1, memo_ok)[0]
 
 
 def _value(data: bytes, pos: int, op: int, wide: Callable[[], None], floats: bool, blob: int) -> int:

@@ -12,6 +12,7 @@ nesting, and fields torch never writes.
 
 from __future__ import annotations
 
+import pickletools
 import random
 import struct
 from pathlib import Path
@@ -31,6 +32,7 @@ from ckptkit.torch_types import DType, Size
 from conftest import DATA, ROOT
 from helpers.dcp_metadata_inputs import SAVE_ID, many_written
 from helpers.fast_road import declined_quickly, same_or_declined
+from helpers.pickle_frames import reframed
 from helpers.pickle_mutations import FUZZ, mutated
 
 FIXTURES = sorted((ROOT / "fixtures").rglob("*.metadata")) + sorted((ROOT / "fixtures").rglob("__*.metadata"))
@@ -279,3 +281,17 @@ def test_the_fast_road_is_what_the_dcp_reader_uses(monkeypatch):
     md = reader._load_metadata(LocalSource(str(SEED.parent)), ".metadata")
     assert calls == [SEED.stat().st_size]
     assert md == machine(SEED.read_bytes())
+
+
+@pytest.mark.parametrize("path", FIXTURES[:6], ids=lambda p: str(p.relative_to(ROOT / "fixtures")))
+def test_metadata_whose_frames_split_tuples_takes_the_fast_road(path: Path):
+    """A .metadata past 64 KB has a FRAME wherever the pickler's frame filled up, between two items
+    of a torch.Size's tuple too (most 1M-tensor files have thousands): the fast road reads it, from
+    the tuple's first item, and gives what the machine gives."""
+    original = path.read_bytes()
+    data = reframed(original)
+    frames = [op for op, _, _ in pickletools.genops(data) if op.name == "FRAME"]
+    assert len(frames) > 10  # (a FRAME between the two items of every 2-d tensor's torch.Size)
+    fast = safeload_dcp.load(data)
+    assert fast is not None, f"{path}: the fast road declined a .metadata whose frames split tuples"
+    assert fast == machine(data) == machine(original)
