@@ -69,7 +69,7 @@ def check_restorable(leaves: list[tuple[Path, Any]]) -> None:
     from ..runner.torch_archive import load_bytes_archive
 
     for path, value in leaves:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or plain(value):
             continue
         name = f"{path[0]}{spell(path[2:] if path[0] == STATES else path[1:])}"  # states: not the rank
         buf = io.BytesIO()
@@ -86,6 +86,25 @@ def check_restorable(leaves: list[tuple[Path, Any]]) -> None:
                 f"{name}: a {type(value).__name__} would be saved that restore refuses "
                 f"({_first_line(exc).removeprefix(name + ': ')}); {_HOLD}"
             ) from None
+
+
+PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def plain(value: Any, depth: int = 0) -> bool:
+    """Whether `value` is made of builtins alone (exactly str, int, float, bool, None, and lists,
+    tuples and str-keyed dicts of them), which the restricted loader always gives back: an
+    optimizer's hyperparameters, a step counter. Such values skip the pickling round trip, which
+    would otherwise cost every save a torch.save and a load per value."""
+    if type(value) in PLAIN_SCALARS:
+        return True
+    if depth > 20:
+        return False
+    if type(value) in (list, tuple):
+        return all(plain(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _first_line(exc: BaseException) -> str:

@@ -199,3 +199,18 @@ def test_a_save_without_the_optimizer_copies_everything_before_returning(tmp_pat
     assert ckptkit.Checkpointer(tmp_path / "run").restore(fresh) == 1
     for k, v in fresh.state_dict().items():
         assert_tensor_equal(v, truth[f"model.{k}"], k)
+
+
+def test_values_the_restorable_check_skips_are_read_back_by_the_restricted_loader():
+    import io
+
+    from ckptkit.hooks.saved import plain
+    from ckptkit.runner.torch_archive import load_bytes_archive
+
+    values = [0, -(2**70), 1.5, float("inf"), True, None, "lr", [0.9, 0.999], (1, "a", None), {"a": [1, (2.0,)]}, []]
+    for value in values:
+        assert plain(value), value
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        assert load_bytes_archive(buf.getvalue(), "value") == value
+    assert not any(plain(v) for v in ({1: 2}, [object()], torch.tensor(1), (1, {2}), type("Int", (int,), {})(3)))
