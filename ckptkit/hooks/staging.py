@@ -58,6 +58,7 @@ class Staging:
             else:
                 for d in self.deferred:
                     d.target.copy_(d.source)
+            self.state = _wrap(self.state)
             changed = [d for d in self.deferred if d.leaf._version != d.version]
             if changed:
                 raise StateChangedError(
@@ -132,10 +133,7 @@ def prepare(obj: Any, owned: set[int], reuse: list[torch.Tensor] | None = None) 
     written. A tensor whose storage is in `owned` (step_guard.owned_storages) is copied later, by
     `Staging.finish`; every other one now. The k-th tensor goes into `reuse[k]` (a previous save's
     staging, no longer read) when that has its shape, dtype and memory kind, else into new memory."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - older torch
-        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    DTensor = _dtensor_type()
     old = list(reuse or ())
     staging = Staging(state=None, deferred=[], buffers=[])
     cuda_now: list[bool] = []
@@ -160,14 +158,9 @@ def prepare(obj: Any, owned: set[int], reuse: list[torch.Tensor] | None = None) 
 
     def visit(v: Any, path: tuple) -> Any:
         if isinstance(v, DTensor):
-            return DTensor.from_local(
-                copy_tensor(v.to_local(), v, path),
-                v.device_mesh,
-                v.placements,
-                run_check=False,
-                shape=v.shape,
-                stride=v.stride(),
-            )
+            n = len(staging.deferred)
+            shard = Shard(copy_tensor(v.to_local(), v, path), v)
+            return shard if len(staging.deferred) > n else shard.dtensor()  # wrapped by finish() once copied
         if isinstance(v, torch.Tensor):
             return copy_tensor(v, v, path)
         if isinstance(v, dict):
@@ -182,6 +175,42 @@ def prepare(obj: Any, owned: set[int], reuse: list[torch.Tensor] | None = None) 
     if cuda_now:
         torch.cuda.synchronize()
     return staging
+
+
+@dataclass
+class Shard:
+    """A DTensor's staged local shard, wrapped as a DTensor like `like` (DTensor.from_local costs
+    about a millisecond each: for a deferred copy that is paid on the background thread)."""
+
+    local: torch.Tensor
+    like: Any
+
+    def dtensor(self) -> Any:
+        v = self.like
+        return _dtensor_type().from_local(
+            self.local, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+        )
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    return DTensor
+
+
+def _wrap(v: Any) -> Any:
+    """The staged tree with every Shard made a DTensor."""
+    if isinstance(v, Shard):
+        return v.dtensor()
+    if isinstance(v, dict):
+        return {k: _wrap(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_wrap(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_wrap(x) for x in v)
+    return v
 
 
 def _buffer_for(t: torch.Tensor, prior: torch.Tensor | None) -> torch.Tensor:
@@ -222,4 +251,4 @@ def _dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-__all__ = ["BackgroundSave", "Deferred", "StateChangedError", "Staging", "prepare", "stage"]
+__all__ = ["BackgroundSave", "Deferred", "Shard", "StateChangedError", "Staging", "prepare", "stage"]
