@@ -22,8 +22,9 @@ For each size (100M params ~ 1.2 GB, 400M ~ 4.6 GB of fp32 masters + Adam moment
      and checks that the consolidated outputs agree bit for bit with the peers';
   3. at the largest size, the same reshard and convert with --nproc P for each P of --nproc;
   4. in-job saves and loads (bench_in_job.py, torchrun on 2 gloo ranks, FSDP2 + AdamW with
-     --in-job-mb MB of state; 0 skips it): Checkpointer async save (blocked, durable), restore,
-     ckptkit.save/load against dcp.async_save, dcp.load + set_state_dict, dcp.save/load;
+     --in-job-mb MB of state; 0 skips it): a training step with an async save in it (the
+     stall: save returns + optimizer.step's wait for the copy; durable), and restore, against
+     dcp.async_save and dcp.load + set_state_dict;
   5. the cost per parameter (bench_zero3_many.py): a ZeRO-3 bf16 checkpoint of --zero3-params small
      parameters (0 skips it): inspect vs zero_to_fp32's parsing, consolidate (and with
      --include-optimizer) vs zero_to_fp32.py, reshard --to 3, weights checked bit for bit;
