@@ -23,9 +23,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "fixtures"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--fixture", required=True)
@@ -33,8 +34,11 @@ def main() -> None:
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--truth", default=None, help="the truth file (default fixtures/data/ds_3d/NAME.truth.pt)")
-    args = ap.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """Load, compare and train (every rank); every rank's outcome gathered, the result whole on rank 0."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -43,12 +47,14 @@ def main() -> None:
     import generate_ds_3d as gen
 
     zstage, dtype, _, _, _ = gen.FIXTURES[args.fixture]
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
-    world, rank = dist.get_world_size(), dist.get_rank()
     tp, pp = args.tp, args.pp
     dp = world // (tp * pp)
+    init_seed = gen.INIT_SEED
     gen.INIT_SEED += 5000  # nothing may pass by accident: every value comes from the checkpoint
-    module = gen.build_pipeline(pp, tp, dp, "uniform")
+    try:
+        module = gen.build_pipeline(pp, tp, dp, "uniform")
+    finally:
+        gen.INIT_SEED = init_seed
     engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                       config=gen.ds_config(zstage, dtype, dp))
     coord = module._topo.get_coord(rank)
@@ -78,8 +84,24 @@ def main() -> None:
         result["error"] = f"{type(exc).__name__}: {exc}"
     parts: list = [None] * world
     dist.all_gather_object(parts, result)
+    return {"ranks": parts, "tp": tp, "pp": pp, "dp": dp}
+
+
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): this script's options."""
+    return run(parse_args(argv), rank, world)
+
+
+def main() -> None:
+    args = parse_args()
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    result = run(args, rank, world)
     if rank == 0:
-        Path(args.result).write_text(json.dumps({"ranks": parts, "tp": tp, "pp": pp, "dp": dp}, indent=1))
+        Path(args.result).write_text(json.dumps(result, indent=1))
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)

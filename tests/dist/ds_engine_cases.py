@@ -7,8 +7,8 @@ ops) costs most of a small check's time on CPU, so every check at one world size
 CASES is a list of {"id", "check", "argv"}: "check" a check script next to this one
 (ds_load_check, ds_tp_load_check, ds_moe_load_check), "argv" its options (without --result).
 Every rank runs the cases in order through the script's check_case(argv, rank, world), each
-building its own model and engine; a case that raises is reported with its error and the next one
-runs. Rank 0 writes {"world_size", "results": {id: the script's result}}; the exit status is 0
+building its own model and engine after DeepSpeed's module-level groups are forgotten; a case
+that raises is reported with its error and the next one runs. Rank 0 writes {"world_size", "results": {id: the script's result}}; the exit status is 0
 when every case ran (the verdicts are in the result). Never hangs:
 process-group timeout, a watchdog over the whole launch, os._exit.
 """
@@ -29,8 +29,24 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from _checks import leave, start_watchdog, write_result  # noqa: E402  (tests/dist, next to this script)
 
 
+def forget_groups() -> None:
+    """DeepSpeed keeps the groups an engine made in module globals (the expert groups by name,
+    "ep_size_E", and a model-parallel unit) and hands them to the engines after it: each case
+    starts with none, as in a process of its own."""
+    from deepspeed.utils import groups
+
+    for made in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                 groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+                 groups._ALL_TO_ALL_GROUP):  # fmt: skip
+        made.clear()
+    groups.mpu = None
+    groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
+    groups._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = groups._MPU_TENSOR_MODEL_PARALLEL_RANK = None
+
+
 def run_case(case: dict, result_path: str, rank: int, world: int) -> dict:
     """One case's result; what it raises becomes {"ok": False, "error", "traceback"}."""
+    forget_groups()
     try:
         module = importlib.import_module(case["check"])
         return module.check_case([*case["argv"], "--result", result_path], rank, world)

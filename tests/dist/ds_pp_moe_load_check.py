@@ -13,16 +13,15 @@ for bit with the truth through ``safe_get_full_fp32_param`` / ``safe_get_full_op
 the module weight; with --save, ``engine.save_checkpoint(DIR2)`` (DeepSpeed's own files at these
 sizes, for the caller to compare with ours); one ``train_batch`` (finite loss, global_steps advances).
 Rank 0 writes {"ok", "world_size", "ep", "compared", "mismatches", "trained_step", "error"}.
+tests/dist/ds_engine_cases.py runs it as one case of a launch of several (check_case).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -30,8 +29,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 
+from _checks import run_and_leave  # noqa: E402  (tests/dist, next to this script)
 
-def main() -> None:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--fixture", required=True)
@@ -40,7 +41,12 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the fixture's)")
     ap.add_argument("--partition-method", default="uniform", help="the PipelineModule's (the fixtures': uniform)")
     ap.add_argument("--save", default=None, help="after the comparison, DeepSpeed saves what it loaded here")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """Load, compare, save if asked and train one step (every rank); the result, complete on rank 0.
+    Raises what fails (DeepSpeed refusing the checkpoint, a rank's error)."""
 
     import deepspeed
     import torch
@@ -51,8 +57,6 @@ def main() -> None:
 
     import generate_ds_pp_moe as gen
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
     stage, dtype, pp, _, _, blocks = gen.FIXTURES[args.fixture]
     pp = args.pp or pp
     dp, ep = world // pp, args.ep
@@ -60,57 +64,51 @@ def main() -> None:
                     "trained_step": False, "error": None}
     mismatches: list[str] = []
     compared = 0
-    try:
-        truth = torch.load(REPO / "fixtures" / "data" / "ds_pp_moe" / f"{args.fixture}.truth.pt", weights_only=False)
-        model = gen.build_pipeline(pp, ep, blocks, args.partition_method)
-        g = torch.Generator().manual_seed(999)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g))
-        pgroups = split_params_into_different_moe_groups_for_optimizer(
-            [{"params": list(model.parameters()), "name": "all"}])
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=pgroups, config=gen.ds_config(stage, dtype, dp))
-        path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
-        opt = engine.optimizer
-        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-            opt._hp_optimizer_states_linked = False
-            opt._lazy_init_hp_params_optimizer_state()
-        moes = {n: m for n, m in engine.module.named_modules() if isinstance(m, MoE)}
-        ep_rank = groups._get_expert_parallel_rank(next(iter(moes.values())).expert_group_name)
+    truth = torch.load(REPO / "fixtures" / "data" / "ds_pp_moe" / f"{args.fixture}.truth.pt", weights_only=False)
+    model = gen.build_pipeline(pp, ep, blocks, args.partition_method)
+    g = torch.Generator().manual_seed(999)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    pgroups = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": list(model.parameters()), "name": "all"}])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=pgroups, config=gen.ds_config(stage, dtype, dp))
+    path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    moes = {n: m for n, m in engine.module.named_modules() if isinstance(m, MoE)}
+    ep_rank = groups._get_expert_parallel_rank(next(iter(moes.values())).expert_group_name)
 
-        def check(what: str, got, want) -> None:
-            nonlocal compared
-            compared += 1
-            got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
-            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape \
-                    or not torch.equal(got, want):
-                mismatches.append(f"rank {rank} (ep {ep_rank}): {what}")
+    def check(what: str, got, want) -> None:
+        nonlocal compared
+        compared += 1
+        got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape \
+                or not torch.equal(got, want):
+            mismatches.append(f"rank {rank} (ep {ep_rank}): {what}")
 
-        for pname, p in engine.module.named_parameters():
-            gname = pname
-            if is_moe_param(p):
-                head, tail = pname.split(gen.MARK, 1)
-                idx, rest = tail.split(".", 1)
-                gname = f"{head}{gen.MARK}{int(idx) + ep_rank * moes[head].num_local_experts}.{rest}"
-            check(f"fp32.{gname}", safe_get_full_fp32_param(p), truth[f"fp32.{gname}"])
-            for key in ("exp_avg", "exp_avg_sq"):
-                check(f"{key}.{gname}", safe_get_full_optimizer_state(p, key), truth[f"{key}.{gname}"])
-            check(f"module.{gname}", p.data.clone(), truth[f"module.{gname}"])
-        if int(engine.global_steps) != int(truth["global_steps"]):
-            mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
-        if args.save:  # DeepSpeed's own files at these sizes, to compare ours with object for object
-            engine.save_checkpoint(args.save, tag=gen.TAG)
-        before = int(engine.global_steps)
-        loss = engine.train_batch(data_iter=gen.data_iter())
-        trained = math.isfinite(float(loss)) and int(engine.global_steps) == before + 1
-        mine = (compared, mismatches, trained)
-    except Exception as exc:
-        result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        Path(args.result).write_text(json.dumps(result, indent=1))
-        sys.stdout.flush()
-        os._exit(3)
+    for pname, p in engine.module.named_parameters():
+        gname = pname
+        if is_moe_param(p):
+            head, tail = pname.split(gen.MARK, 1)
+            idx, rest = tail.split(".", 1)
+            gname = f"{head}{gen.MARK}{int(idx) + ep_rank * moes[head].num_local_experts}.{rest}"
+        check(f"fp32.{gname}", safe_get_full_fp32_param(p), truth[f"fp32.{gname}"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            check(f"{key}.{gname}", safe_get_full_optimizer_state(p, key), truth[f"{key}.{gname}"])
+        check(f"module.{gname}", p.data.clone(), truth[f"module.{gname}"])
+    if int(engine.global_steps) != int(truth["global_steps"]):
+        mismatches.append(f"rank {rank}: global_steps {engine.global_steps} != {truth['global_steps']}")
+    if args.save:  # DeepSpeed's own files at these sizes, to compare ours with object for object
+        engine.save_checkpoint(args.save, tag=gen.TAG)
+    before = int(engine.global_steps)
+    loss = engine.train_batch(data_iter=gen.data_iter())
+    trained = math.isfinite(float(loss)) and int(engine.global_steps) == before + 1
+    mine = (compared, mismatches, trained)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -118,10 +116,23 @@ def main() -> None:
         result["mismatches"] = [x for _, ms, _ in gathered for x in ms][:50]
         result["trained_step"] = all(t for _, _, t in gathered)
         result["ok"] = not result["mismatches"] and result["trained_step"] and result["compared"] > 0
-        Path(args.result).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    return result
+
+
+
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): this script's options."""
+    return run(parse_args(argv), rank, world)
+
+
+def main() -> None:
+    args = parse_args()
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_and_leave(rank, args.result, lambda: run(args, rank, world))
 
 
 if __name__ == "__main__":

@@ -22,17 +22,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "fixtures"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--fixture", required=True)
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--partition-method", default="uniform")
     ap.add_argument("--result", required=True)
-    args = ap.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """Load, compare and train (every rank); every rank's outcome gathered, the result whole on rank 0."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -40,8 +44,6 @@ def main() -> None:
     import generate_ds_pp as gen
 
     stage, dtype, _, _, variant = gen.FIXTURES[args.fixture]
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
-    world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // args.pp
     if dtype == "fp16":
         import deepspeed_models
@@ -49,10 +51,16 @@ def main() -> None:
         deepspeed_models.allow_fp16_on_cpu()
     from deepspeed.runtime import utils as ds_utils
 
-    seed = ds_utils.set_random_seed  # partition_balanced's numpy ints reach random.seed, which refuses them
-    ds_utils.set_random_seed = lambda value: seed(int(value))
+    if not getattr(ds_utils.set_random_seed, "takes_numpy_ints", False):
+        seed = ds_utils.set_random_seed  # partition_balanced's numpy ints reach random.seed, which refuses them
+        ds_utils.set_random_seed = lambda value: seed(int(value))
+        ds_utils.set_random_seed.takes_numpy_ints = True
+    model_seed = gen.MODEL_SEED
     gen.MODEL_SEED += 1000  # nothing may pass by accident: every value comes from the checkpoint
-    module = gen.build_pipeline(args.pp, variant, args.partition_method)
+    try:
+        module = gen.build_pipeline(args.pp, variant, args.partition_method)
+    finally:
+        gen.MODEL_SEED = model_seed
     engine, *_ = deepspeed.initialize(model=module, config=gen.ds_config(stage, dtype, dp),
                                       model_parameters=[p for p in module.parameters() if p.requires_grad])
     result: dict = {"rank": rank, "stage": engine.stage_id, "parts": [int(x) for x in module.parts], "mismatches": [],
@@ -88,12 +96,27 @@ def main() -> None:
         result["traceback"] = traceback.format_exc()[-1500:]
     parts: list = [None] * world
     dist.all_gather_object(parts, result)
+    ok = all(p.get("loaded") and not p["mismatches"] and p.get("trained_step") and p.get("lr_ok")
+             and p.get("steps_ok") and "error" not in p for p in parts)
+    return {"ok": ok, "world_size": world, "pp": args.pp, "dp": dp, "compared": sum(p["compared"] for p in parts),
+            "ranks": parts}
+
+
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): this script's options."""
+    return run(parse_args(argv), rank, world)
+
+
+def main() -> None:
+    args = parse_args()
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    result = run(args, rank, world)
     if rank == 0:
-        ok = all(p.get("loaded") and not p["mismatches"] and p.get("trained_step") and p.get("lr_ok")
-                 and p.get("steps_ok") and "error" not in p for p in parts)
-        Path(args.result).write_text(json.dumps({"ok": ok, "world_size": world, "pp": args.pp, "dp": dp,
-                                                 "compared": sum(p["compared"] for p in parts), "ranks": parts},
-                                                indent=1))
+        Path(args.result).write_text(json.dumps(result, indent=1))
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)

@@ -4,12 +4,12 @@ The fixtures (fixtures/generate_ds_3d.py) were written by DeepSpeed on CPU with 
 PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1 or 2): a PipelineModule whose layers are
 column/row-parallel (fixtures/ds_tp_models.py), ZeRO 1, AdamW, 2 steps. The truth was taken on
 every rank through DeepSpeed's API (safe_get_full_fp32_param, safe_get_full_optimizer_state, the
-stage module's weights) and joined along the split dims the layers define.
+stage module's weights) and joined along the split dims the layers define. DeepSpeed loading a
+3-D reshard: test_ds_engine_matrix.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -216,43 +216,3 @@ def test_reshard_with_a_type_partition_method(tmp_path):
     assert sorted(tensors) == sorted(want)
     for key in want:
         assert_tensor_equal(tensors[key], want[key], key)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
-def test_deepspeed_loads_the_3d_reshard_and_trains(tmp_path):
-    """pp2 x tp2 x dp2 -> tp=4,pp=1,dp=1: DeepSpeed builds the same PipelineModule at the new sizes
-    (other seeds), load_checkpoint, and every rank's masters, Adam moments, step and module weights
-    equal its tp slice of DeepSpeed's truth bit for bit; then one train_batch (one launch, 4 ranks).
-    Other targets were loaded by hand (docs/formats/deepspeed.md)."""
-    import subprocess
-
-    from conftest import ROOT, subprocess_env, torchrun_cmd
-
-    name, to, tp, pp = "pp2_tp2_dp2_z1_fp32", "tp=4,pp=1,dp=1", 4, 1
-    res = run_cli("reshard", D3 / name, tmp_path / "out", "--to", to, "--partition-method", "uniform")
-    assert res.code == 0, res.output
-    result = tmp_path / "result.json"
-    cmd = torchrun_cmd(4) + [
-        str(ROOT / "tests" / "dist" / "ds_3d_load_check.py"),
-        "--ckpt",
-        str(tmp_path / "out"),
-        "--fixture",
-        name,
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-        "--result",
-        str(result),
-    ]
-    proc = subprocess.run(
-        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
-    )
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = json.loads(result.read_text())["ranks"]
-    assert not [p.get("error") for p in ranks if p.get("error")], ranks
-    assert not [m for p in ranks for m in p["mismatches"]]
-    # every rank holds all 28 parameters (pp 1): fp32, module, exp_avg, exp_avg_sq, step each
-    assert [p["compared"] for p in ranks] == [5 * 28] * 4
-    assert {p["global_steps"] for p in ranks} == {2} and all(p["loss_finite"] for p in ranks)

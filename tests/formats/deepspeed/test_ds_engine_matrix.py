@@ -1,8 +1,10 @@
 """DeepSpeed's own engine loads what reshard writes: one matrix of fixture x target sizes over the
 layouts (ZeRO 1/2/3 at a new world size, with DeepSpeed's Adam or another optimizer; tensor
 parallel, Megatron-style and AutoTP cut unevenly, at a new tp and dp; mixture of experts at a new
-ep and dp; experts under tensor parallelism, sliced or whole, at a new tp, ep and dp; a MoE source
-saved without tp grown into tp with --tp-rules).
+ep and dp; experts under tensor parallelism, sliced or whole, at a new tp, ep and dp; pipeline
+stages at a new pp and dp, DeepSpeed's PipelineModule partitioning the layers as reshard did; a
+pipeline of experts at a new pp, ep and dp; pp x tp x dp joined into tp; a MoE source saved
+without tp grown into tp with --tp-rules).
 
 For each case ckptkit reshards the fixture to the target; DeepSpeed builds the model at the target
 sizes (its weights scrambled first, so nothing passes by accident), engine.load_checkpoint()s the
@@ -10,7 +12,9 @@ output, and every master weight, Adam moment, module weight (and the layout's st
 frozen and client state) read back through DeepSpeed's own safe_get_full_* APIs must equal the
 fixture's truth bit for bit (for another optimizer: every key of its state); then the engine
 trains a step. The checks are tests/dist's ds_load_check.py (ZeRO), ds_tp_load_check.py,
-ds_moe_load_check.py and ds_moe_tp_load_check.py.
+ds_moe_load_check.py, ds_moe_tp_load_check.py, ds_pp_reshard_check.py, ds_pp_moe_load_check.py
+and ds_3d_load_check.py. Where DeepSpeed saves what it loaded (--save), its files must equal ours
+object for object.
 
 DeepSpeed's start-up on CPU costs most of a check, so the cases of one target world size run in one
 launch (tests/dist/ds_engine_cases.py), in the order of the matrix: the tensor-parallel cases last,
@@ -26,10 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from ckptkit.formats.deepspeed import pipeline_partition
 from ckptkit.ops.reshard import reshard
 from conftest import DATA, ROOT
 from helpers.ds_engine_jobs import run_engine_cases
-from helpers.ds_fixtures import DS_DATA, needs_deepspeed
+from helpers.ds_fixtures import DS_DATA, assert_same_pickled, needs_deepspeed
 
 pytestmark = [pytest.mark.slow, needs_deepspeed]
 
@@ -46,6 +51,9 @@ class EngineCase:
     size: int = 1  # tp (tensor parallel) or ep (mixture of experts) the model is built at
     ep: int = 1  # experts under tensor parallelism: the ep (size is the tp)
     rules: str | None = None  # reshard's --tp-rules (adding tp to a source saved without it)
+    method: str = "uniform"  # pipeline stages: the --partition-method (size is the pp)
+    pp: int = 1  # a pipeline of experts or a 3-D layout: the pp (size is its ep or tp)
+    save: bool = False  # DeepSpeed saves what it loaded next to the output ("<output>-saved")
 
     @property
     def id(self) -> str:
@@ -64,7 +72,25 @@ class EngineCase:
             whole = ["--whole-experts"] if "noexptp" in self.fixture else []
             truth = ["--truth", str(self.source.parent / f"{self.fixture}.truth.pt")]
             return [*base, "--tp", str(self.size), "--ep", str(self.ep), *whole, *truth]
+        if self.layout == "pp":
+            return [*base, "--pp", str(self.size), "--partition-method", self.method]
+        if self.layout == "pp_moe":
+            save = ["--save", f"{out}-saved"] if self.save else []
+            return [*base, "--pp", str(self.pp), "--ep", str(self.size), *save]
+        if self.layout == "3d":
+            return [*base, "--tp", str(self.size), "--pp", str(self.pp)]
         return [*base, "--ep" if self.layout == "moe" else "--tp", str(self.size)]
+
+    def reshard(self, out: Path) -> None:
+        """ckptkit's reshard of the fixture to the target into `out` (pipeline stages: with the
+        case's --partition-method, and the layer types a type: method weighs)."""
+        pipeline_partition.use_partition_method(self.method if self.layout in ("pp", "3d") else None)
+        pipeline_partition.use_layer_types(LAYER_TYPES if self.method.startswith("type:") else None)
+        try:
+            reshard(str(self.source), str(out), self.to, tp_rules=self.rules)
+        finally:
+            pipeline_partition.use_partition_method(None)
+            pipeline_partition.use_layer_types(None)
 
 
 # layout -> (its fixtures' folder, the check of tests/dist that loads it)
@@ -75,9 +101,16 @@ LAYOUTS = {
     "tp": (DATA / "ds_tp", "ds_tp_load_check"),
     "tp_uneven": (DATA / "ds_tp_uneven", "ds_tp_load_check"),
     "moe_tp": (DATA / "ds_moe_tp", "ds_moe_tp_load_check"),
+    "pp": (DATA / "ds_pp", "ds_pp_reshard_check"),
+    "pp_moe": (DATA / "ds_pp_moe", "ds_pp_moe_load_check"),
+    "3d": (DATA / "ds_3d", "ds_3d_load_check"),
     "moe_tp_grown": (DATA / "ds_grow_tp" / "moe", "ds_moe_tp_load_check"),
 }
 GROW_RULES = str(ROOT / "docs" / "tp_rules.grow.json")
+# the pipeline "type" fixture's partition_method and its layers' class names (fixtures/generate_ds_pp.py
+# TYPE_METHOD, LAYER_TYPES): FrozenBlock and LayerNorm weigh 1, stages [0, 4, 6] at pp 2
+TYPE = "type:layernorm|frozen"
+LAYER_TYPES = "Embed,Block,FrozenBlock,Block,LayerNorm,Embed"
 
 MATRIX = [
     # ZeRO 1/2/3 in fp16, bf16 and fp32 (sub-groups too), grown and shrunk
@@ -91,6 +124,16 @@ MATRIX = [
     EngineCase("moe", "moe2_z2_fp32_w2_k1", "ep=1,dp=2", 2, size=1),
     EngineCase("moe", "moe_z1_fp32_w2_k1", "ep=4,dp=4", 4, size=4),
     EngineCase("moe", "moe_z2_bf16_w2_k2", "ep=4,dp=4", 4, size=4),
+    # pipeline stages: fp32 pp 2 x dp 2 -> pp 4 by parameters (layers [0, 1, 3, 5, 6]: a stage holding
+    # only the tied embedding, another only the tied head); bf16 pp 2 x dp 2 -> one stage over 2
+    # ranks (both tied layers on one stage); the fixture DeepSpeed wrote with a type: method
+    # (stages [0, 4, 6]) -> pp 3, whose PipelineModule builds [0, 4, 5, 6]
+    EngineCase("pp", "pp2_dp2_z1_fp32", "pp=4,dp=1", 4, size=4, method="parameters"),
+    EngineCase("pp", "pp2_dp2_z1_bf16", "pp=1,dp=2", 2, size=1),
+    EngineCase("pp", "pp2_dp1_z1_fp32_type", "pp=3,dp=1", 3, size=3, method=TYPE),
+    # a pipeline of experts: pp 2 -> 1 (DeepSpeed then saves it: its files equal ours), ep 2 -> 1
+    EngineCase("pp_moe", "ppmoe_z1_fp32_pp2_ep2_w4", "pp=1,ep=2,dp=2", 2, size=2, pp=1, save=True),
+    EngineCase("pp_moe", "ppmoe_z1_fp32_pp2_ep2_w4", "pp=2,ep=1,dp=2", 4, size=1, pp=2),
     # Megatron-style tp joined into one rank and split over four (ZeRO 3)
     EngineCase("tp", "mpu_z1_bf16", "tp=1,dp=2", 2, size=1),
     EngineCase("tp", "mpu_z3_fp32", "tp=4,dp=1", 4, size=4),
@@ -99,6 +142,8 @@ MATRIX = [
     EngineCase("moe_tp", "moetp_noexptp_z2_fp32_tp2_ep2_w4", "tp=4,ep=4,dp=1", 4, size=4, ep=4),
     # a MoE source saved at tp 1, ep 2 grown into tp 4 (ep 1) by docs/tp_rules.grow.json
     EngineCase("moe_tp_grown", "moetp_z2_fp32_tp1_ep2_w2", "tp=4,ep=1,dp=1", 4, size=4, ep=1, rules=GROW_RULES),
+    # pp 2 x tp 2 x dp 2 joined into tp 4 (other targets loaded by hand: docs/formats/deepspeed.md)
+    EngineCase("3d", "pp2_tp2_dp2_z1_fp32", "tp=4,pp=1,dp=1", 4, size=4, pp=1),
     # AutoTP's uneven cut at tp 3, and a grain-size cut joined into one rank
     EngineCase("tp_uneven", "autotp_odd_z1_fp32", "tp=3,dp=1", 3, size=3),
     EngineCase("tp_uneven", "autotp_grain_z1_fp32", "tp=1,dp=2", 2, size=1),
@@ -122,6 +167,10 @@ def _least_compared(case: EngineCase) -> int:
     if case.layout == "moe_tp":  # master, 2 moments and module weight of each parameter on every rank:
         per_rank = 16 if "noexptp" in case.fixture else 28  # 12 dense + 1 local expert of 4, or all 28
         return 4 * per_rank * case.world
+    if case.layout == "pp":  # per rank, 5 values of each trainable parameter of its stage, frozen, buffers
+        return 5 * 13
+    if case.layout == "pp_moe":  # every parameter of each rank's stage (how many: the stage's)
+        return 1
     if case.layout == "tp":  # 15 parameters: master, 2 moments and module weight on every rank
         return 4 * 15 * case.world
     if case.layout == "tp_uneven":  # 12 parameters, the same 4 values each on every rank
@@ -144,22 +193,53 @@ def engine_results(tmp_path_factory):
             for case in (c for c in MATRIX if c.world == world and c.source.is_dir()):
                 out = folder / case.id
                 try:
-                    reshard(str(case.source), str(out), case.to, tp_rules=case.rules)
+                    case.reshard(out)
                 except Exception as exc:  # this case's test fails with it; the others still run
                     refused[case.id] = {"ok": False, "error": f"reshard --to {case.to}: {exc}"}
                     continue
                 cases.append({"id": case.id, "check": LAYOUTS[case.layout][1], "argv": case.argv(out)})
             done[world] = {**run_engine_cases(world, cases, folder), **refused}
+            for case in cases:  # where its output is (a case whose engine saved compares the two)
+                done[world][case["id"]]["output"] = str(folder / case["id"])
         return done[world]
 
     return results
 
 
-@pytest.mark.parametrize("case", MATRIX, ids=[c.id for c in MATRIX])
-def test_deepspeed_loads_the_reshard_bit_for_bit_and_trains(engine_results, case):
-    if not case.source.is_dir():
-        pytest.skip(f"fixture {case.source} not generated (fixtures/generate_*.py)")
-    r = engine_results(case.world)[case.id]
+def _assert_pipeline(r: dict, case: EngineCase) -> None:
+    """ds_pp_reshard_check.py's result: every rank's outcome."""
+    assert r["ok"], [{k: p.get(k) for k in ("error", "mismatches")} for p in r.get("ranks", [])] or r
+    assert r["world_size"] == case.world and r["pp"] == case.size and r["compared"] >= _least_compared(case), r
+    assert all(p.get("trained_step") for p in r["ranks"]), r
+    if case.method == TYPE:  # DeepSpeed's own stages at pp 3 are the ones the output was laid out for
+        assert all(p["parts"] == [0, 4, 5, 6] for p in r["ranks"]), [p["parts"] for p in r["ranks"]]
+
+
+def _assert_3d(r: dict, case: EngineCase) -> None:
+    """ds_3d_load_check.py's result: every rank's outcome, each holding all 28 parameters at pp 1
+    (fp32, module, exp_avg, exp_avg_sq and step each)."""
+    ranks = r.get("ranks")
+    assert ranks, r
+    assert not [p.get("error") for p in ranks if p.get("error")], ranks
+    assert not [m for p in ranks for m in p["mismatches"]]
+    assert [p["compared"] for p in ranks] == [5 * 28] * case.world
+    assert {p["global_steps"] for p in ranks} == {2} and all(p["loss_finite"] for p in ranks)
+
+
+def _assert_saved_equals_ours(r: dict) -> None:
+    """What DeepSpeed saved after loading our output (its own files at these sizes) equals our output
+    object for object (DeepSpeed's own pickles: fragment_address, ZeroStageEnum)."""
+    import torch
+
+    ours = Path(r["output"]) / "global_step2"
+    theirs = Path(f"{r['output']}-saved") / "global_step2"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for f in sorted(theirs.iterdir()):
+        assert_same_pickled(torch.load(f, weights_only=False), torch.load(ours / f.name, weights_only=False), f.name)
+
+
+def _assert_engine(r: dict, case: EngineCase) -> None:
+    """The result of the other checks: the verdict, its sizes and how much it compared."""
     assert r["ok"], {k: r.get(k) for k in ("error", "mismatches", "traceback")}
     assert r["world_size"] == case.world and r["trained_step"], r
     if case.layout in ("tp", "tp_uneven", "moe_tp", "moe_tp_grown"):
@@ -168,5 +248,22 @@ def test_deepspeed_loads_the_reshard_bit_for_bit_and_trains(engine_results, case
         assert r["compared"] >= _least_compared(case), r
     if case.layout in ("zero", "zero_optim", "moe"):
         assert r["fixture"] == case.fixture, r
-    if case.layout == "moe":
+    if case.layout in ("moe", "pp_moe"):
         assert r["ep"] == case.size, r
+    if case.layout == "pp_moe":
+        assert r["pp"] == case.pp, r
+    if case.save:
+        _assert_saved_equals_ours(r)
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=[c.id for c in MATRIX])
+def test_deepspeed_loads_the_reshard_bit_for_bit_and_trains(engine_results, case):
+    if not case.source.is_dir():
+        pytest.skip(f"fixture {case.source} not generated (fixtures/generate_*.py)")
+    r = engine_results(case.world)[case.id]
+    if case.layout == "pp":
+        _assert_pipeline(r, case)
+    elif case.layout == "3d":
+        _assert_3d(r, case)
+    else:
+        _assert_engine(r, case)

@@ -3,25 +3,22 @@
 
 Outputs read back equal at new sizes (with DeepSpeed's file set and stage boundaries), and a
 rewrite at the same sizes being DeepSpeed's own files, are checked in test_layout_matrix.py with the
-other layouts; here: a rewrite of a rewrite, the refusals, the partition functions equal to
-DeepSpeed's, and two DeepSpeed launches
-(tests/dist/ds_pp_reshard_check.py) load outputs with the PipelineModule at the new sizes, compare
-every master, moment, step and module weight with the truth of fixtures/generate_ds_pp.py, and
-train a step.
+other layouts; here: a rewrite of a rewrite, the refusals and the partition functions equal to
+DeepSpeed's. DeepSpeed loading outputs with the PipelineModule at the new sizes (every master,
+moment, step and module weight equal to the truth of fixtures/generate_ds_pp.py, then a training
+step): test_ds_engine_matrix.py.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 
 import pytest
 
 from ckptkit.errors import UsageError
 from ckptkit.ops.reshard import reshard
 from ckptkit.formats.deepspeed import pipeline_partition
-from conftest import DATA, ROOT, subprocess_env, torchrun_cmd
+from conftest import DATA
 from helpers.ds_fixtures import needs_deepspeed
 from helpers.corrupt import run_cli
 
@@ -233,55 +230,3 @@ def test_partition_functions_equal_deepspeeds():
                 w = [rng.choice([0, 1, 16, 72, 88, 110, rng.randint(0, 500)]) for _ in range(n)]
                 want = [int(x) for x in partition_balanced(w, m)]
                 assert pipeline_partition.partition_balanced(w, m) == want, (w, m)
-
-
-# world -> (fixture, --to, pp, --partition-method): 4 ranks: fp32 pp 2 x dp 2 -> pp 4 (parameters,
-# layers [0, 1, 3, 5, 6], a stage holding only the tied embedding, another only the tied head);
-# 2 ranks: bf16 (ZeRO-1) pp 2 x dp 2 -> one stage over 2 ranks (both tied layers on one stage)
-# 3 ranks: the fixture DeepSpeed wrote with partition_method type:layernorm|frozen (stages [0, 4, 6])
-# -> pp 3, whose PipelineModule(partition_method=TYPE) builds [0, 4, 5, 6]
-ENGINE_PLAN = {
-    4: ("pp2_dp2_z1_fp32", "pp=4,dp=1", 4, "parameters"),
-    2: ("pp2_dp2_z1_bf16", "pp=1,dp=2", 1, "uniform"),
-    3: ("pp2_dp1_z1_fp32_type", "pp=3,dp=1", 3, TYPE),
-}
-
-
-@pytest.mark.slow
-@needs_deepspeed
-@pytest.mark.parametrize("world", sorted(ENGINE_PLAN))
-def test_deepspeed_loads_the_resharded_pipeline_and_trains(tmp_path, world):
-    name, to, pp, method = ENGINE_PLAN[world]
-    out = tmp_path / "out"
-    pipeline_partition.use_partition_method(method)
-    pipeline_partition.use_layer_types(LAYER_TYPES if method.startswith("type:") else None)
-    try:
-        reshard(str(PP_DATA / name), str(out), to)
-    finally:
-        pipeline_partition.use_partition_method(None)
-        pipeline_partition.use_layer_types(None)
-    result = tmp_path / "result.json"
-    cmd = torchrun_cmd(world) + [
-        str(ROOT / "tests" / "dist" / "ds_pp_reshard_check.py"),
-        "--ckpt",
-        str(out),
-        "--fixture",
-        name,
-        "--pp",
-        str(pp),
-        "--partition-method",
-        method,
-        "--result",
-        str(result),
-    ]
-    proc = subprocess.run(
-        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
-    )
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(result.read_text())
-    assert r["ok"], [{k: p.get(k) for k in ("error", "mismatches")} for p in r["ranks"]]
-    # per rank: each of its stage's trainable params gives fp32, exp_avg, exp_avg_sq, step, module
-    # (5 each), frozen weights 2 (module, frozen), buffers 1, plus global counters none
-    assert r["world_size"] == world and r["pp"] == pp and r["compared"] >= 5 * 13
-    if method == TYPE:  # DeepSpeed's own stages at pp 3 are the ones the output was laid out for
-        assert all(p["parts"] == [0, 4, 5, 6] for p in r["ranks"]), [p["parts"] for p in r["ranks"]]
