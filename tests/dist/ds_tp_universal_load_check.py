@@ -26,6 +26,16 @@ def universal_config(*args, **kwargs) -> dict:
     return cfg
 
 
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): ds_tp_load_check's, with the
+    generator's config put back afterwards."""
+    gen.ds_config = universal_config
+    try:
+        return base.check_case(argv, rank, world)
+    finally:
+        gen.ds_config = _config
+
+
 if __name__ == "__main__":
     gen.ds_config = universal_config
     base.main()

@@ -35,17 +35,32 @@ def compare(got: dict, truth: dict) -> tuple[int, list[str]]:
     return _compare({k: v for k, v in got.items() if not k.startswith(NOT_RESTORED)}, keep)
 
 
-def universal_config(args) -> None:
-    """--ds-config: the fixture's config with load_universal set (a temporary file)."""
+REQUIRED_PREFIXES = tuple(p for p in base.REQUIRED_PREFIXES if p not in NOT_RESTORED)
+
+
+def universal_config_file(args) -> Path:
+    """The fixture's config with load_universal set (a temporary file)."""
     cfg = json.loads(base._find_config(args).read_text())
     cfg.setdefault("checkpoint", {})["load_universal"] = True
     path = Path(tempfile.mkdtemp()) / "ds_config.json"
     path.write_text(json.dumps(cfg))
-    sys.argv += ["--ds-config", str(path)]
+    return path
+
+
+def check_case(argv: list[str], rank: int, world: int) -> dict:
+    """One case of a launch of several (tests/dist/ds_engine_cases.py): ds_load_check's, with what
+    this script changes in it put back afterwards."""
+    config = universal_config_file(base.parse_args(argv))
+    kept = base.compare, base.REQUIRED_PREFIXES
+    base.compare, base.REQUIRED_PREFIXES = compare, REQUIRED_PREFIXES
+    try:
+        return base.check_case([*argv, "--ds-config", str(config)], rank, world)
+    finally:
+        base.compare, base.REQUIRED_PREFIXES = kept
 
 
 if __name__ == "__main__":
     base.compare = compare
-    base.REQUIRED_PREFIXES = tuple(p for p in base.REQUIRED_PREFIXES if p not in NOT_RESTORED)
-    universal_config(base.parse_args())
+    base.REQUIRED_PREFIXES = REQUIRED_PREFIXES
+    sys.argv += ["--ds-config", str(universal_config_file(base.parse_args()))]
     base.main()

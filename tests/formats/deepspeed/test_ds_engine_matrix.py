@@ -4,22 +4,26 @@ parallel, Megatron-style and AutoTP cut unevenly, at a new tp and dp; mixture of
 ep and dp; experts under tensor parallelism, sliced or whole, at a new tp, ep and dp; pipeline
 stages at a new pp and dp, DeepSpeed's PipelineModule partitioning the layers as reshard did; a
 pipeline of experts at a new pp, ep and dp; pp x tp x dp joined into tp; a MoE source saved
-without tp grown into tp with --tp-rules).
+without tp grown into tp with --tp-rules), and what convert --to ds-universal writes, loaded
+with "load_universal" at a data-parallel size the source was not saved at (DeepSpeed's AutoTP
+cutting each whole tensor again for a tp source).
 
-For each case ckptkit reshards the fixture to the target; DeepSpeed builds the model at the target
-sizes (its weights scrambled first, so nothing passes by accident), engine.load_checkpoint()s the
-output, and every master weight, Adam moment, module weight (and the layout's steps, buffers,
-frozen and client state) read back through DeepSpeed's own safe_get_full_* APIs must equal the
-fixture's truth bit for bit (for another optimizer: every key of its state); then the engine
-trains a step. The checks are tests/dist's ds_load_check.py (ZeRO), ds_tp_load_check.py,
-ds_moe_load_check.py, ds_moe_tp_load_check.py, ds_pp_reshard_check.py, ds_pp_moe_load_check.py
-and ds_3d_load_check.py. Where DeepSpeed saves what it loaded (--save), its files must equal ours
-object for object.
+For each case ckptkit reshards (or converts) the fixture to the target; DeepSpeed builds the model
+at the target sizes (its weights scrambled first, so nothing passes by accident),
+engine.load_checkpoint()s the output, and every master weight, Adam moment, module weight (and the
+layout's steps, buffers, frozen and client state) read back through DeepSpeed's own safe_get_full_*
+APIs must equal the fixture's truth bit for bit (for another optimizer: every key of its state);
+then the engine trains a step. The checks are tests/dist's ds_load_check.py (ZeRO),
+ds_tp_load_check.py, ds_moe_load_check.py, ds_moe_tp_load_check.py, ds_pp_reshard_check.py,
+ds_pp_moe_load_check.py, ds_3d_load_check.py, ds_universal_load_check.py and
+ds_tp_universal_load_check.py (a universal load restores no module state: those scripts say what
+they compare). Where DeepSpeed saves what it loaded (--save), its files must equal ours object for
+object.
 
 DeepSpeed's start-up on CPU costs most of a check, so the cases of one target world size run in one
-launch (tests/dist/ds_engine_cases.py), in the order of the matrix: the tensor-parallel cases last,
-as DeepSpeed keeps a model-parallel unit given to an engine for the engines after it. Each test
-asserts its own case's result.
+launch (tests/dist/ds_engine_cases.py, which forgets the groups DeepSpeed keeps between engines), in
+the order of the matrix: the tensor-parallel cases last, as AutoTP's mode stays set for the engines
+after it. Each test asserts its own case's result.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from ckptkit.formats.deepspeed import pipeline_partition
+from ckptkit.ops.convert import convert
 from ckptkit.ops.reshard import reshard
 from conftest import DATA, ROOT
 from helpers.ds_engine_jobs import run_engine_cases
@@ -79,11 +84,18 @@ class EngineCase:
             return [*base, "--pp", str(self.pp), "--ep", str(self.size), *save]
         if self.layout == "3d":
             return [*base, "--tp", str(self.size), "--pp", str(self.pp)]
+        if self.layout == "universal":
+            truth = str(self.source.parent / f"{self.fixture}.truth.pt")
+            return [*base, "--truth", truth, "--tag", "global_step2_universal"]
         return [*base, "--ep" if self.layout == "moe" else "--tp", str(self.size)]
 
-    def reshard(self, out: Path) -> None:
+    def write(self, out: Path) -> None:
         """ckptkit's reshard of the fixture to the target into `out` (pipeline stages: with the
-        case's --partition-method, and the layer types a type: method weighs)."""
+        case's --partition-method, and the layer types a type: method weighs), or its convert
+        --to ds-universal."""
+        if self.to == "ds-universal":
+            convert(str(self.source), str(out), "ds-universal")
+            return
         pipeline_partition.use_partition_method(self.method if self.layout in ("pp", "3d") else None)
         pipeline_partition.use_layer_types(LAYER_TYPES if self.method.startswith("type:") else None)
         try:
@@ -105,6 +117,8 @@ LAYOUTS = {
     "pp_moe": (DATA / "ds_pp_moe", "ds_pp_moe_load_check"),
     "3d": (DATA / "ds_3d", "ds_3d_load_check"),
     "moe_tp_grown": (DATA / "ds_grow_tp" / "moe", "ds_moe_tp_load_check"),
+    "universal": (DS_DATA, "ds_universal_load_check"),
+    "tp_universal": (DATA / "ds_tp", "ds_tp_universal_load_check"),
 }
 GROW_RULES = str(ROOT / "docs" / "tp_rules.grow.json")
 # the pipeline "type" fixture's partition_method and its layers' class names (fixtures/generate_ds_pp.py
@@ -119,6 +133,8 @@ MATRIX = [
     *(EngineCase("zero", name, "4", 4) for name in ("z3_fp16_w2", "z1_bf16_w2")),
     # torch's AdamW, SGD, Adagrad, RMSprop (fixtures/data/deepspeed_optimizers): each 2 -> 3
     *(EngineCase("zero_optim", name, "3", 3) for name in OPT_FIXTURES),
+    # universal checkpoints of ZeRO 2 bf16 and ZeRO 3 fp32, loaded at 3 ranks (saved at 2)
+    *(EngineCase("universal", name, "ds-universal", 3) for name in ("z2_bf16_w2", "z3_fp32_w2")),
     # experts: spread over more ranks, gathered onto fewer, a second MoE layer, top-2 gating in bf16
     EngineCase("moe", "moe_z2_fp32_w4_k1", "ep=2,dp=2", 2, size=2),
     EngineCase("moe", "moe2_z2_fp32_w2_k1", "ep=1,dp=2", 2, size=1),
@@ -147,6 +163,8 @@ MATRIX = [
     # AutoTP's uneven cut at tp 3, and a grain-size cut joined into one rank
     EngineCase("tp_uneven", "autotp_odd_z1_fp32", "tp=3,dp=1", 3, size=3),
     EngineCase("tp_uneven", "autotp_grain_z1_fp32", "tp=1,dp=2", 2, size=1),
+    # AutoTP saved at tp 2 x dp 2, universal, loaded at tp 2 x dp 1 (AutoTP cutting it again)
+    EngineCase("tp_universal", "autotp_z1_bf16", "ds-universal", 2, size=2),
 ]
 
 
@@ -171,6 +189,10 @@ def _least_compared(case: EngineCase) -> int:
         return 5 * 13
     if case.layout == "pp_moe":  # every parameter of each rank's stage (how many: the stage's)
         return 1
+    if case.layout == "universal":  # what a universal load restores (ds_universal_load_check.py)
+        return 40
+    if case.layout == "tp_universal":
+        return 90
     if case.layout == "tp":  # 15 parameters: master, 2 moments and module weight on every rank
         return 4 * 15 * case.world
     if case.layout == "tp_uneven":  # 12 parameters, the same 4 values each on every rank
@@ -193,9 +215,9 @@ def engine_results(tmp_path_factory):
             for case in (c for c in MATRIX if c.world == world and c.source.is_dir()):
                 out = folder / case.id
                 try:
-                    case.reshard(out)
+                    case.write(out)
                 except Exception as exc:  # this case's test fails with it; the others still run
-                    refused[case.id] = {"ok": False, "error": f"reshard --to {case.to}: {exc}"}
+                    refused[case.id] = {"ok": False, "error": f"--to {case.to}: {exc}"}
                     continue
                 cases.append({"id": case.id, "check": LAYOUTS[case.layout][1], "argv": case.argv(out)})
             done[world] = {**run_engine_cases(world, cases, folder), **refused}
@@ -244,9 +266,11 @@ def _assert_engine(r: dict, case: EngineCase) -> None:
     assert r["world_size"] == case.world and r["trained_step"], r
     if case.layout in ("tp", "tp_uneven", "moe_tp", "moe_tp_grown"):
         assert r["tp"] == case.size and r["compared"] == _least_compared(case), r
+    elif case.layout == "tp_universal":
+        assert r["tp"] == case.size and r["compared"] >= _least_compared(case), r
     else:
         assert r["compared"] >= _least_compared(case), r
-    if case.layout in ("zero", "zero_optim", "moe"):
+    if case.layout in ("zero", "zero_optim", "moe", "universal"):
         assert r["fixture"] == case.fixture, r
     if case.layout in ("moe", "pp_moe"):
         assert r["ep"] == case.size, r
