@@ -84,3 +84,32 @@ def run_and_leave(rank: int, result_path: str, body) -> None:
     if rank == 0:
         write_result(result_path, result)
     leave(code)
+
+
+def join_verdicts(result: dict, world: int, compared: int, mismatches: list, trained: bool) -> dict:
+    """Every rank's (values compared, mismatches, trained a step) gathered; on rank 0 `result`
+    completed with the totals and the verdict (the other ranks return it as it was)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (compared, mismatches, trained))
+    if dist.get_rank() == 0:
+        result["compared"] = sum(c for c, _, _ in gathered)
+        result["mismatches"] = [x for _, ms, _ in gathered for x in ms][:50]
+        result["trained_step"] = all(t for _, _, t in gathered)
+        result["ok"] = not result["mismatches"] and result["trained_step"] and result["compared"] > 0
+    return result
+
+
+def run_check(run, parse_args, pg_timeout: float = 120.0) -> None:
+    """A check script's main(): its options, a gloo process group, `run(args, rank, world)`, the
+    result written by rank 0, then run_and_leave's exit."""
+    import datetime
+
+    import deepspeed
+    import torch.distributed as dist
+
+    args = parse_args()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_and_leave(rank, args.result, lambda: run(args, rank, world))

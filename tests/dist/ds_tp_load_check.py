@@ -23,7 +23,6 @@ a launch of several (check_case).
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import sys
@@ -34,7 +33,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 
-from _checks import run_and_leave  # noqa: E402  (tests/dist, next to this script)
+from _checks import join_verdicts, run_check  # noqa: E402  (tests/dist, next to this script)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +50,6 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
     fails (DeepSpeed refusing the checkpoint, a rank's error)."""
     import deepspeed
     import torch
-    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     import ds_tp_models as m
@@ -143,15 +141,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
     engine.backward(loss)
     engine.step()
     trained = math.isfinite(float(loss.detach())) and int(engine.global_steps) == before + 1
-    mine = (compared, mismatches, trained)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        result["compared"] = sum(c for c, _, _ in gathered)
-        result["mismatches"] = [x for _, ms, _ in gathered for x in ms][:50]
-        result["trained_step"] = all(t for _, _, t in gathered)
-        result["ok"] = not result["mismatches"] and result["trained_step"] and result["compared"] > 0
-    return result
+    return join_verdicts(result, world, compared, mismatches, trained)
 
 
 def check_case(argv: list[str], rank: int, world: int) -> dict:
@@ -160,13 +150,7 @@ def check_case(argv: list[str], rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    args = parse_args()
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run_and_leave(rank, args.result, lambda: run(args, rank, world))
+    run_check(run, parse_args)
 
 
 if __name__ == "__main__":
