@@ -31,11 +31,19 @@ def owned_storages(optimizer: Any) -> set[int]:
     return owned
 
 
-def guard(optimizer: Any, background: BackgroundSave, guarded: weakref.WeakSet) -> None:
+def guard(optimizer: Any, background: BackgroundSave, guarded: weakref.WeakSet) -> bool:
     """Make `optimizer.step()` wait for `background`'s copy in flight; once per optimizer
-    (`guarded` holds those done). The hook holds `background` weakly."""
-    if optimizer is None or optimizer in guarded or not owned_storages(optimizer):
-        return
+    (`guarded` holds those done). The hook holds `background` weakly. False when `optimizer`
+    cannot be guarded (none, no step hooks, nothing to copy, not weakly referable): its tensors
+    are then copied at the call."""
+    if optimizer is None or not owned_storages(optimizer):
+        return False
+    try:
+        if optimizer in guarded:
+            return True
+        weakref.ref(optimizer)
+    except TypeError:
+        return False
     ref = weakref.ref(background)
 
     def wait_for_copy(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -45,6 +53,7 @@ def guard(optimizer: Any, background: BackgroundSave, guarded: weakref.WeakSet) 
 
     optimizer.register_step_pre_hook(wait_for_copy)
     guarded.add(optimizer)
+    return True
 
 
 def _storage(t: torch.Tensor) -> int:
