@@ -134,7 +134,7 @@ class Reader(Protocol):
     Optional: `consolidated_model(index, model, include_optimizer) -> (model, entries, notes)`, for a
     format that stores its model otherwise than its state_dict() names it (MCore's stacked layers):
     consolidate's output names mapped to keys, the entries of keys it made, and notes.
-    Optional: `training_index(index, optimizer, model_only_hint) -> (index, notes)`, for a format that
+    Optional: `training_index(index, optimizer, model_only_hint, where) -> (index, notes)`, for a format that
     keeps its training state otherwise than torch names it (MCore: stacked layers, param groups
     without members): the same checkpoint as torch's `model.<name>`, `optim.state.<name>.<key>`,
     `optim.param_groups.<g>.<hyper>`, which convert (and consolidate --include-optimizer) read."""

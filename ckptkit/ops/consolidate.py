@@ -124,7 +124,7 @@ def _training_view(opened, include_optimizer: bool):
         view = None
     if view is None:
         return opened, []
-    index, notes = view(opened.index, True, "consolidate without --include-optimizer (the model alone)")
+    index, notes = view(opened.index, True, "consolidate without --include-optimizer (the model alone)", opened.path)
     return dataclasses.replace(opened, index=index), notes
 
 

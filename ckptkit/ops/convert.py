@@ -249,7 +249,7 @@ def _training_view(opened: Opened, src: str, target: str, model_only: bool) -> t
     if view is None:
         return opened, []
     optimizer = not model_only and target != "safetensors"
-    index, notes = view(opened.index, optimizer, "convert the model alone (--model-only)")
+    index, notes = view(opened.index, optimizer, "convert the model alone (--model-only)", src)
     return dataclasses.replace(opened, index=index), notes
 
 

@@ -76,11 +76,11 @@ class McoreFormat(IndexReader, CannotReshard):
         return unstack.consolidated_model(index, model, include_optimizer)
 
     def training_index(
-        self, index: CheckpointIndex, optimizer: bool = True, model_only_hint: str = ""
+        self, index: CheckpointIndex, optimizer: bool = True, model_only_hint: str = "", where: str = ""
     ) -> tuple[CheckpointIndex, list[str]]:
         """convert's (and consolidate --include-optimizer's) view: torch's training-state names
         per layer, the param groups given their members (training.py)."""
-        return training.training_index(index, optimizer, model_only_hint or training.MODEL_ONLY_HINT)
+        return training.training_index(index, optimizer, model_only_hint or training.MODEL_ONLY_HINT, where)
 
     def write(self, target: Any, out: object, ctx: "RunContext") -> list[str]:
         raise UnsupportedError("writing Megatron-Core checkpoints is not supported yet")

@@ -47,10 +47,12 @@ MODEL_ONLY_HINT = "convert the model alone (--model-only)"
 
 
 def training_index(
-    index: CheckpointIndex, optimizer: bool = True, model_only_hint: str = MODEL_ONLY_HINT
+    index: CheckpointIndex, optimizer: bool = True, model_only_hint: str = MODEL_ONLY_HINT, where: str = ""
 ) -> tuple[CheckpointIndex, list[str]]:
     """The training-state view of an MCore index, and notes on what it renamed or left out.
-    `optimizer` False: the model and the other values only (the optimizer is counted in a note)."""
+    `optimizer` False: the model and the other values only (the optimizer is counted in a note).
+    `where`: the checkpoint as the user named it, for a refusal (default: the index's root)."""
+    where = where or index.root
     view = CheckpointIndex(
         format=index.format,
         root=index.root,
@@ -64,13 +66,13 @@ def training_index(
     model = _model(index, tied)
     notes = [_names_note(index, model, tied)]
     if optimizer and index.metadata.get(LEGACY_KEY):
-        raise UnsupportedError(f"{index.root}: " + LEGACY_REFUSAL.format(model_only=model_only_hint))
+        raise UnsupportedError(f"{where}: " + LEGACY_REFUSAL.format(model_only=model_only_hint))
     flat = [k for k in index.tensors if FLAT_BUFFER.fullmatch(k)]
     if optimizer and flat:
-        raise UnsupportedError(f"{index.root}: " + FLAT_BUFFER_REFUSAL.format(n=len(flat), model_only=model_only_hint))
+        raise UnsupportedError(f"{where}: " + FLAT_BUFFER_REFUSAL.format(n=len(flat), model_only=model_only_hint))
     left = dict(index.objects)
     if optimizer:
-        optim = _Optimizer(index, model)
+        optim = _Optimizer(index, model, where)
         optim.read()
         notes += optim.notes
         for e in optim.tensors:
@@ -138,8 +140,8 @@ def _is_optimizer_object(key: str, o: ObjectEntry) -> bool:
 class _Optimizer:
     """MCore's optimizer entries of one index as torch's: per-parameter state, steps and groups."""
 
-    def __init__(self, index: CheckpointIndex, model: dict[str, TensorEntry]) -> None:
-        self.index, self.model = index, model
+    def __init__(self, index: CheckpointIndex, model: dict[str, TensorEntry], where: str) -> None:
+        self.index, self.model, self.where = index, model, where
         self.tensors: list[TensorEntry] = []
         self.objects: list[ObjectEntry] = []
         self.used_objects: list[str] = []
@@ -178,7 +180,7 @@ class _Optimizer:
             for name, at in optim_names.layer_names(parts.param, tuple(entry.shape)):
                 if name not in self.model:
                     raise UnsupportedError(
-                        f"{self.index.root}: optimizer state {key} is for {name}, which the model does not hold"
+                        f"{self.where}: optimizer state {key} is for {name}, which the model does not hold"
                     )
                 per_chain.setdefault(parts.chain, set()).add(name)
                 view = layer_view(entry, at, name) if at else entry
@@ -224,7 +226,7 @@ class _Optimizer:
             if why:
                 where = f"optimizer {chain}" if chain is not None else "the optimizer"
                 raise UnsupportedError(
-                    f"{self.index.root}: {where}'s param groups cannot be given their parameters: {why} "
+                    f"{self.where}: {where}'s param groups cannot be given their parameters: {why} "
                     f"(MCore saves groups without their members); convert the model alone (--model-only)"
                 )
             for group, params in zip(groups, members):
