@@ -308,56 +308,10 @@ def test_adamw_step_follows_the_target_optimizer(tmp_path, optimizer, step_type)
         assert step == int(truth["optim.state.pos.step"]) and objects["optim.param_groups.0.bias_correction"] is True
 
 
-# ---- closed by DeepSpeed: its own optimizers' fixtures through DCP and back load at a new size ---
+# ---- closed by DeepSpeed: its own optimizers' fixtures through DCP and back to ZeRO at 3 are loaded by
+# DeepSpeed's engine in tests/formats/deepspeed/test_ds_engine_matrix.py (layout "zero_via_dcp") ------
 
 DS_OPT = DATA / "deepspeed_optimizers"
-DS_OPT_FIXTURES = (
-    "z2_sgd_fp32_w2",
-    "z3_rmsprop_bf16_w2",
-    "z1_adagrad_fp32_w2",
-    "z2_clientadamw_bf16_w2",
-    "z3_torchadamw_fp32_w2",
-)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not all((DS_OPT / f).exists() for f in DS_OPT_FIXTURES),
-    reason="DeepSpeed optimizer fixtures missing (fixtures/generate_deepspeed.py)",
-)
-def test_deepspeed_loads_its_optimizers_state_converted_through_dcp_at_3(tmp_path):
-    """ZeRO (SGD, RMSprop, Adagrad, client AdamW, torch_adam AdamW) -> DCP at 2 -> ZeRO at 3 by
-    convert, loaded by DeepSpeed at 3 ranks with the fixture's own optimizer: every state key equal
-    to DeepSpeed's truth (safe_get_full_optimizer_state), then a training step. One launch."""
-    items = []
-    for name in DS_OPT_FIXTURES:
-        dcp, zero = tmp_path / f"{name}_dcp", tmp_path / f"{name}_zero"
-        cfg = DS_OPT / name / "ds_config.json"
-        res = _cli("convert", DS_OPT / name, dcp, "--to", "dcp", "--world-size", "2")
-        assert res.exit_code == 0, res.output
-        res = _cli("convert", dcp, zero, "--to", f"zero{name[1]}", "--world-size", "3", "--ds-config", cfg)
-        assert res.exit_code == 0, res.output
-        items.append(
-            {"ckpt": str(zero), "fixture": name, "truth": str(DS_OPT / f"{name}.truth.pt"), "ds_config": str(cfg)}
-        )
-    batch, result = tmp_path / "batch.json", tmp_path / "result.json"
-    batch.write_text(json.dumps(items))
-    cmd = torchrun_cmd(3) + [
-        str(ROOT / "tests" / "dist" / "ds_load_check.py"),
-        "--batch",
-        str(batch),
-        "--result",
-        str(result),
-    ]
-    proc = subprocess.run(
-        cmd, env={**subprocess_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
-    )
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(result.read_text())["results"]
-    assert [r["fixture"] for r in results] == list(DS_OPT_FIXTURES)
-    for r in results:
-        assert r["ok"], {k: r.get(k) for k in ("fixture", "error", "mismatches")}
-        assert r["compared"] >= 40 and r["trained_step"], r["fixture"]
 
 
 # ---- Lightning: numbered optimizer state gets names (keys.py's rule), or is refused ------------

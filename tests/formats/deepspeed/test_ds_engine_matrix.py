@@ -73,6 +73,9 @@ class EngineCase:
         base = ["--ckpt", str(out), "--fixture", self.fixture]
         if self.layout in ("zero", "zero_optim"):
             return [*base, "--truth", str(self.source.parent / f"{self.fixture}.truth.pt")]
+        if self.layout == "zero_via_dcp":  # loaded with the fixture's own optimizer (its ds_config)
+            truth = str(self.source.parent / f"{self.fixture}.truth.pt")
+            return [*base, "--truth", truth, "--ds-config", str(self.source / "ds_config.json")]
         if self.layout in ("moe_tp", "moe_tp_grown"):
             whole = ["--whole-experts"] if "noexptp" in self.fixture else []
             truth = ["--truth", str(self.source.parent / f"{self.fixture}.truth.pt")]
@@ -96,6 +99,12 @@ class EngineCase:
         if self.to == "ds-universal":
             convert(str(self.source), str(out), "ds-universal")
             return
+        if self.layout == "zero_via_dcp":  # ZeRO -> DCP at 2 -> ZeRO of the fixture's stage at the target
+            dcp = out.with_name(f"{out.name}-dcp")
+            convert(str(self.source), str(dcp), "dcp", world_size=2)
+            config = str(self.source / "ds_config.json")
+            convert(str(dcp), str(out), f"zero{self.fixture[1]}", world_size=int(self.to), ds_config=config)
+            return
         pipeline_partition.use_partition_method(self.method if self.layout in ("pp", "3d") else None)
         pipeline_partition.use_layer_types(LAYER_TYPES if self.method.startswith("type:") else None)
         try:
@@ -109,6 +118,7 @@ class EngineCase:
 LAYOUTS = {
     "zero": (DS_DATA, "ds_load_check"),
     "zero_optim": (OPT_DATA, "ds_load_check"),
+    "zero_via_dcp": (OPT_DATA, "ds_load_check"),
     "moe": (DATA / "ds_moe", "ds_moe_load_check"),
     "tp": (DATA / "ds_tp", "ds_tp_load_check"),
     "tp_uneven": (DATA / "ds_tp_uneven", "ds_tp_load_check"),
@@ -133,6 +143,18 @@ MATRIX = [
     *(EngineCase("zero", name, "4", 4) for name in ("z3_fp16_w2", "z1_bf16_w2")),
     # torch's AdamW, SGD, Adagrad, RMSprop (fixtures/data/deepspeed_optimizers): each 2 -> 3
     *(EngineCase("zero_optim", name, "3", 3) for name in OPT_FIXTURES),
+    # DeepSpeed's SGD, RMSprop, Adagrad, client AdamW and torch_adam AdamW converted to DCP at 2 and
+    # back to ZeRO at 3 (to: the world size), loaded with the fixture's own optimizer
+    *(
+        EngineCase("zero_via_dcp", name, "3", 3)
+        for name in (
+            "z2_sgd_fp32_w2",
+            "z3_rmsprop_bf16_w2",
+            "z1_adagrad_fp32_w2",
+            "z2_clientadamw_bf16_w2",
+            "z3_torchadamw_fp32_w2",
+        )
+    ),
     # universal checkpoints of ZeRO 2 bf16 and ZeRO 3 fp32, loaded at 3 ranks (saved at 2)
     *(EngineCase("universal", name, "ds-universal", 3) for name in ("z2_bf16_w2", "z3_fp32_w2")),
     # experts: spread over more ranks, gathered onto fewer, a second MoE layer, top-2 gating in bf16
@@ -189,6 +211,8 @@ def _least_compared(case: EngineCase) -> int:
         return 5 * 13
     if case.layout == "pp_moe":  # every parameter of each rank's stage (how many: the stage's)
         return 1
+    if case.layout == "zero_via_dcp":  # every state key of every parameter and the training state
+        return 40
     if case.layout == "universal":  # what a universal load restores (ds_universal_load_check.py)
         return 40
     if case.layout == "tp_universal":
@@ -270,7 +294,7 @@ def _assert_engine(r: dict, case: EngineCase) -> None:
         assert r["tp"] == case.size and r["compared"] >= _least_compared(case), r
     else:
         assert r["compared"] >= _least_compared(case), r
-    if case.layout in ("zero", "zero_optim", "moe", "universal"):
+    if case.layout in ("zero", "zero_optim", "zero_via_dcp", "moe", "universal"):
         assert r["fixture"] == case.fixture, r
     if case.layout in ("moe", "pp_moe"):
         assert r["ep"] == case.size, r
