@@ -73,6 +73,7 @@ class Capabilities:
     # the flat keys in the order the framework's own save walked its state dict, where the files
     # record it (DCP's planner data): convert lays a param group's values out in that order
     saved_key_order: Callable[[Source], list[str]] | None = None
+    model_only_reshard: bool = False  # its reshard_parallel can leave the optimizer out (--model-only)
 
     def writes(self, layout: str) -> bool:
         return layout in self.layouts
@@ -176,7 +177,8 @@ class Writer(Protocol):
         """`opened` (a registry.Opened of this format) laid out for `world_size` ranks (only where
         capabilities.reshards). A writer whose capabilities.reshard_targets name TO_MESH also has
         `reshard_mesh(opened, out, mesh, ctx, *, source_mesh, tp_dim_for) -> (files, note)`; one
-        naming TO_PARALLEL_SIZES, `reshard_parallel(opened, out, sizes, ctx) -> files`."""
+        naming TO_PARALLEL_SIZES, `reshard_parallel(opened, out, sizes, ctx) -> files` (or `(files,
+        notes)`; with `model_only=True` where capabilities.model_only_reshard)."""
 
 
 # ---- what each writer is given ----------------------------------------------------------------------

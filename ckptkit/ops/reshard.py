@@ -44,11 +44,13 @@ def reshard(
     *,
     ctx: RunContext | None = None,
     tp_rules: str | None = None,
+    model_only: bool = False,
 ) -> ReshardResult:
     """`to`: a world size, or (parsed by index/parallel_spec.py) a device mesh `mesh=dp_shard:4,tp:2`
     or DeepSpeed's sizes `tp=2,pp=2,dp=4`. `ctx`: the run's context (`options=` is its older name).
     `tp_rules`: the split rules file for a mesh with tp, or DeepSpeed sizes with tp, over a source
-    saved without tp (None: the command line's --tp-rules, then, for a mesh, the built-in rules)."""
+    saved without tp (None: the command line's --tp-rules, then, for a mesh, the built-in rules).
+    `model_only`: leave the optimizer out (parallel sizes, for a format whose capabilities say it can)."""
     ctx = context_of(ctx, options)
     to = parse_parallel(to, "--to") if not isinstance(to, (MeshSpec, ParallelSizes)) else to
     if expect_from is not None and not isinstance(expect_from, MeshSpec):
@@ -60,7 +62,9 @@ def reshard(
     if capabilities_of(index).writes(ZERO_PARTITIONS) and isinstance(to, (int, ParallelSizes)):
         check_deepspeed_ranks(to if isinstance(to, int) else to.world_size, f"--to {to}")
     if isinstance(to, ParallelSizes):
-        return _reshard_parallel(opened, src, out, to, expect_from, ctx, tp_rules)
+        return _reshard_parallel(opened, src, out, to, expect_from, ctx, tp_rules, model_only)
+    if model_only:
+        raise UsageError("--model-only goes with parallel sizes, --to tp=T,pp=P[,dp=D]")
     if isinstance(to, MeshSpec):
         return _reshard_mesh(opened, src, out, to, expect_from, ctx, tp_rules)
     if isinstance(expect_from, MeshSpec):
@@ -109,6 +113,7 @@ def _reshard_parallel(
     expect_from: "int | MeshSpec | None",
     ctx: RunContext,
     tp_rules: str | None = None,
+    model_only: bool = False,
 ) -> ReshardResult:
     """DeepSpeed's parallel sizes (`tp=2,dp=4`, `ep=4,dp=8`): the format's `reshard_parallel`
     picks the writer of the source's kind (mixture of experts, tensor parallel)."""
@@ -121,14 +126,18 @@ def _reshard_parallel(
     )
     if expect_from is not None and not isinstance(expect_from, MeshSpec) and index.world_size != expect_from:
         raise UsageError(f"{src}: was saved at world size {index.world_size}, not {expect_from} (--from)")
+    if model_only and not fmt.capabilities.model_only_reshard:
+        raise UsageError(f"--model-only: a {index.format} checkpoint is resharded whole")
+    extra = {"model_only": True} if model_only else {}
     ctx.progress.start(index.total_tensor_bytes, f"reshard {index.world_size}->{sizes}")
     with (
         rules_file(tp_rules),
         frozen_heap(),
         open_output(out, overwrite=ctx.overwrite, group=ctx.group, sources=(src,)) as target,
     ):
-        files = fmt.reshard_parallel(opened, target, sizes, ctx)
+        files = fmt.reshard_parallel(opened, target, sizes, ctx, **extra)
     ctx.progress.close()
+    files, notes = files if isinstance(files, tuple) else (files, [])
     return ReshardResult(
         out,
         index.format,
@@ -137,7 +146,7 @@ def _reshard_parallel(
         files,
         len(index.tensors),
         index.total_tensor_bytes,
-        [f"target {sizes}"],
+        [f"target {sizes}", *notes],
     )
 
 

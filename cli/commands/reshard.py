@@ -24,8 +24,9 @@ from ..options import TAG_HELP, autotp_options, examples, grouped, partition_met
     "--to",
     "to",
     default=None,
-    metavar="M|mesh=DIM:N,...",
-    help="Target world size M, or a device mesh for DCP: mesh=dp_shard:4,tp:2 (dims dp_replicate, dp_shard, tp).",
+    metavar="M|mesh=DIM:N,...|tp=T,pp=P,...",
+    help="Target world size M, or a device mesh for DCP: mesh=dp_shard:4,tp:2 (dims dp_replicate, dp_shard, tp), "
+    "or parallel sizes for DeepSpeed and Megatron-Core: tp=2,pp=2,dp=2.",
 )
 @click.option(
     "--from",
@@ -35,6 +36,11 @@ from ..options import TAG_HELP, autotp_options, examples, grouped, partition_met
     help="Expected source world size (checked), or the source's device mesh (else inferred).",
 )
 @click.option("--tag", default=None, help=TAG_HELP)
+@click.option(
+    "--model-only",
+    is_flag=True,
+    help="Leave the optimizer out (a Megatron-Core checkpoint at new parallel sizes).",
+)
 @partition_method_option
 @autotp_options
 @run_options
@@ -50,6 +56,7 @@ def reshard(
     to: str | None,
     from_: str | None,
     tag: str | None,
+    model_only: bool,
     flags: RunFlags,
 ) -> None:
     """Rewrite SRC for world size M (--world-size M, or --to M) in folder OUT, in SRC's format;
@@ -68,7 +75,9 @@ def reshard(
     from ckptkit.ops.inspect import human_bytes
     from ckptkit.ops.reshard import reshard as run_reshard
 
-    res = run_reshard(src, out, target, expect_from=source, tag=tag, ctx=ctx.make_run_context(flags))
+    res = run_reshard(
+        src, out, target, expect_from=source, tag=tag, ctx=ctx.make_run_context(flags), model_only=model_only
+    )
     ctx.say(
         f"resharded {res.format} from {res.from_world_size} to {res.to_world_size} rank(s): "
         f"{res.tensors} tensors ({human_bytes(res.bytes)}) into {out} ({len(res.files)} files)"

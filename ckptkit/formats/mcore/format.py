@@ -2,10 +2,11 @@
 Megatron-LM's save root, read through the DCP reader; legacy rank files refused (formats/protocols.py).
 
 It comes before DCP in the registry's order: an iteration folder is a DCP folder too, and what
-tells it apart (metadata.json, common.pt, its keys) is only read here. Writing MCore checkpoints
-(reshard, convert --to mcore) is not built yet. consolidate writes safetensors from what is read
-here, one tensor per layer (`consolidated_model`); convert and consolidate --include-optimizer read
-it as a training state in torch's terms (`training_index`, training.py).
+tells it apart (metadata.json, common.pt, its keys) is only read here. consolidate writes
+safetensors from what is read here, one tensor per layer (`consolidated_model`); convert and
+consolidate --include-optimizer read it as a training state in torch's terms (`training_index`,
+training.py); reshard --to tp=..,pp=.. writes an MCore checkpoint at the new layout
+(target_plan.py decides or refuses, writer.py writes). convert --to mcore is not built yet.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from typing import TYPE_CHECKING, Any
 from ...errors import UnsupportedError, UsageError
 from ...index.types import CheckpointIndex, TensorEntry
 from ...storage.source import Source
-from ..protocols import ANY_WORLD, Capabilities, CannotReshard, IndexReader, ReadOptions
+from ..protocols import ANY_WORLD, TO_PARALLEL_SIZES, Capabilities, CannotReshard, IndexReader, ReadOptions
 from . import legacy
 from . import reader as mcore_reader
-from . import training, unstack
+from . import target_plan, training, unstack
+from .writer import McoreTarget, write_mcore
 
 if TYPE_CHECKING:
     from ...context import RunContext
+    from ...index.parallel_spec import ParallelSizes
 
 
 class McoreFormat(IndexReader, CannotReshard):
@@ -30,7 +33,9 @@ class McoreFormat(IndexReader, CannotReshard):
         layouts=(),
         world_sizes=ANY_WORLD,
         optimizer_state=True,
-        reshards=False,
+        reshards=True,
+        reshard_targets=(TO_PARALLEL_SIZES,),
+        model_only_reshard=True,
         tags=True,  # an iteration folder of a save root: --tag iter_0000002
     )
 
@@ -83,7 +88,23 @@ class McoreFormat(IndexReader, CannotReshard):
         return training.training_index(index, optimizer, model_only_hint or training.MODEL_ONLY_HINT, where)
 
     def write(self, target: Any, out: object, ctx: "RunContext") -> list[str]:
+        if isinstance(target, McoreTarget):
+            return write_mcore(target, out, ctx)
         raise UnsupportedError("writing Megatron-Core checkpoints is not supported yet")
+
+    def reshard(self, opened: Any, out: object, world_size: int, ctx: "RunContext") -> list[str]:
+        raise UsageError(
+            f"{opened.path}: a Megatron-Core checkpoint is laid out by tensor, pipeline and data parallel "
+            f"sizes, not a world size: give them, --to tp=T,pp=P[,dp=D]"
+        )
+
+    def reshard_parallel(
+        self, opened: Any, out: object, sizes: "ParallelSizes", ctx: "RunContext", model_only: bool = False
+    ) -> tuple[list[str], list[str]]:
+        """`--to tp=..,pp=..[,ep=..][,dp=..]`: the checkpoint chunked as MCore saves it at that layout
+        (a save root or an iteration folder, as the source is), and notes on what was left out."""
+        target = target_plan.plan(opened, sizes, model_only)
+        return self.write(target, out, ctx), target_plan.notes(target, opened.index)
 
 
 MCORE = McoreFormat()
