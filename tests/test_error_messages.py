@@ -303,6 +303,16 @@ def _mcore_latest_missing(tmp: Path) -> list[str]:
     return ["inspect", str(d)]
 
 
+def _mcore_reshard_dp_reshardable(tmp: Path) -> list[str]:
+    d = copy_fixture("mcore/tp2dp2_distopt", tmp, "save")
+    return ["reshard", str(d), str(tmp / "out"), "--to", "tp=1,pp=1"]
+
+
+def _mcore_reshard_world_size(tmp: Path) -> list[str]:
+    d = copy_fixture("mcore/pp2_tied", tmp, "save")
+    return ["reshard", str(d), str(tmp / "out"), "--to", "2"]
+
+
 def _ds_missing_optim_file(tmp: Path) -> list[str]:
     d = deepspeed(tmp)
     (d / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
@@ -618,6 +628,21 @@ CASES: list[Case] = [
         2,
         "error: <tmp>/save/iter_0000007: the iteration latest_checkpointed_iteration.txt names is not there "
         "(iterations: iter_0000002)\n",
+    ),
+    Case(
+        "mcore_reshard_dp_reshardable",
+        _mcore_reshard_dp_reshardable,
+        2,
+        "error: <tmp>/save: its distributed optimizer was saved dp_reshardable (flat per-bucket buffers laid out "
+        "for tp=2,pp=1,ep=1,dp=2), which ckptkit cannot lay out for tp=1,pp=1,ep=1,dp=1; resave it with "
+        "--dist-ckpt-optim-fully-reshardable, or reshard the model alone with --model-only\n",
+    ),
+    Case(
+        "mcore_reshard_world_size",
+        _mcore_reshard_world_size,
+        2,
+        "error: <tmp>/save: a Megatron-Core checkpoint is laid out by tensor, pipeline and data parallel sizes, "
+        "not a world size: give them, --to tp=T,pp=P[,dp=D]\n",
     ),
     Case(
         "ds_missing_optim_file",
