@@ -4,8 +4,9 @@ refuse it in one sentence before anything is written.
 Refused: a `dp_reshardable` distributed optimizer asked to follow any layout change (its flat
 per-bucket buffers follow MCore's grad-buffer layout of each tp/pp rank, which changes with tp, pp
 and ep: MCore itself refuses that load; across dp only MCore regroups them itself, on load, which
-ckptkit does not redo: load the source at the new dp); a mixture of experts (its expert layout is not written yet); a
-layer count the pipeline does not split evenly (MCore's default split).
+ckptkit does not redo: load the source at the new dp); a mixture of experts (its expert layout is
+not written yet); a layer count the pipeline does not split evenly (MCore's default split); an ep
+that does not divide dp (MCore's expert-parallel ranks are data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def plan(opened: "Opened", sizes: "ParallelSizes", model_only: bool = False) -> 
     if flat and any(source[a] != target[a] for a in ("tp", "pp", "ep", "dp")):
         raise UnsupportedError(
             DP_RESHARDABLE_REFUSAL.format(root=root, source=_sizes_text(source), target=_sizes_text(target))
+        )
+    if sizes.dp % sizes.ep:
+        raise UnsupportedError(
+            f"{root}: ep={sizes.ep} does not divide dp={sizes.dp}: MCore's expert-parallel ranks are "
+            f"data-parallel ranks (give a dp that ep divides)"
         )
     experts = [k for k in index.tensors if EXPERTS in param_of(k)]
     if experts:

@@ -160,6 +160,7 @@ def test_model_only_writes_the_model_of_a_dp_reshardable_checkpoint(tmp_path):
         ("3", ("tensor, pipeline and data parallel sizes", "--to tp=T,pp=P")),
         ("tp=1,pp=3", ("2 decoder layers do not split evenly over pp=3",)),
         ("tp=3,pp=1", ("tp=3 does not split evenly",)),
+        ("tp=1,pp=1,ep=2", ("ep=2 does not divide dp=1",)),
     ],
 )
 def test_a_layout_mcore_cannot_have_is_refused(tmp_path, to, words):
