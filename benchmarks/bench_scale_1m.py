@@ -6,9 +6,10 @@
 
 The checkpoint is a genuine `dcp.save` (one process) of N tensors named `layers.{i//8}.p{i%8}.weight`,
 each 4x8 fp32: written once and cached under --cache (not in the repository; making the 1M one takes
-5-20 minutes). Each comparison runs ckptkit and torch's tool alternately in fresh subprocesses,
---repeat times (--repeat-large from --large-from tensors on), and reports the median wall time with
-its spread (min-max) and the median peak RSS (the child's own VmHWM):
+about 5 minutes on an idle machine, an hour or more on a loaded one). Each comparison runs ckptkit
+and torch's tool alternately in fresh subprocesses, --repeat times (--repeat-large from --large-from
+tensors on), and reports the median wall time and CPU time (user + system of the child) with their
+spread (min-max) and the median peak RSS (the child's own VmHWM):
 
     inspect       ckptkit inspect              vs  FileSystemReader(path).read_metadata()
     consolidate   ckptkit consolidate          vs  format_utils.dcp_to_torch_save
