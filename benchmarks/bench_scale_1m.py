@@ -302,10 +302,10 @@ def measure(n: int, cache: str, ops: list[str], repeat: int, check: bool) -> dic
 
 def report(results: list[dict]) -> None:
     print(
-        "\n| tensors | operation | ckptkit wall (s), median [min-max] | peer | peer wall (s) | wall ratio | "
-        "RSS ckptkit / peer (MB) | RSS ratio |"
+        "\n| tensors | operation | ckptkit wall (s), median [min-max] | ckptkit CPU (s) | peer | peer wall (s) | "
+        "peer CPU (s) | wall ratio | CPU ratio | RSS ckptkit / peer (MB) | RSS ratio |"
     )
-    print("|---:|---|---|---|---|---:|---|---:|")
+    print("|---:|---|---|---|---|---|---|---:|---:|---|---:|")
     for r in results:
         for op in ("metadata", "inspect", "consolidate", "reshard", "safetensors"):
             if op not in r:
