@@ -70,6 +70,26 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 dcp_to_torch_save(sys.argv[1], sys.argv[2])
 """
 
+# a `.metadata` of n entries as dcp.save describes n 4x8 fp32 tensors in one file, pickled by
+# torch's own Metadata classes (the data files not written: for a size dcp.save takes too long for)
+METADATA_WRITER = r"""
+import pickle, sys, torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+n, out = int(sys.argv[1]), sys.argv[2]
+sd, storage, planner = {}, {}, {}
+for i in range(n):
+    key = f"layers.{i // 8}.p{i % 8}.weight"
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 8]))
+    sd[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 8]), [chunk])
+    index = MetadataIndex(fqn=key, offset=torch.Size([0, 0]), index=0)
+    storage[index] = _StorageInfo(relative_path="__0_0.distcp", offset=1705 * i, length=1705)
+    planner[key] = (key,)
+with open(out, "wb") as f:
+    pickle.dump(Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage), f)
+"""
+
 # the `.metadata` alone, through ckptkit's data-only unpickling (the fast road, or the machine)
 DECODE_METADATA = r"""
 import sys
@@ -234,6 +254,17 @@ def same_output(src: str, base: str) -> bool:
     return same
 
 
+def metadata_only_fixture(cache: str, n: int) -> str:
+    """A folder holding only a `.metadata` of n entries (METADATA_WRITER), written where missing."""
+    path = os.path.join(cache, f"metadata-only-{n}")
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        os.makedirs(path, exist_ok=True)
+        tmp = os.path.join(path, ".metadata.tmp")
+        run_python([_script(cache, "writer_metadata.py", METADATA_WRITER), str(n), tmp])
+        os.rename(tmp, os.path.join(path, ".metadata"))
+    return path
+
+
 def metadata_only(src: str, n: int, repeat: int) -> dict:
     """The `.metadata` decode alone, ckptkit against read_metadata, alternately."""
     base = os.path.dirname(src)
@@ -337,13 +368,19 @@ def main() -> None:
     ap.add_argument("--cache", default=_cache_default())
     ap.add_argument("--check", action="store_true", help="compare consolidate's output with torch's once per size")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--metadata-only", help="a folder holding only a .metadata: its decode alone (op metadata)")
+    ap.add_argument(
+        "--metadata-only",
+        help="a folder holding only a .metadata, its decode alone; 'make': one written under --cache "
+        "by torch's Metadata classes for the first --tensors count",
+    )
     args = ap.parse_args()
     os.makedirs(args.cache, exist_ok=True)
     ops = args.ops.split(",")
     results = []
     if args.metadata_only:
         n = int(args.tensors.split(",")[0])
+        if args.metadata_only == "make":
+            args.metadata_only = metadata_only_fixture(args.cache, n)
         results.append(metadata_only(args.metadata_only, n, args.repeat_large if n >= args.large_from else args.repeat))
     for n in map(int, args.tensors.split(",")) if not args.metadata_only else ():
         repeat = args.repeat_large if n >= args.large_from else args.repeat
