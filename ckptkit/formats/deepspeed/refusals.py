@@ -18,11 +18,11 @@ TENSOR_PARALLEL = (
 )
 PIPELINE = (
     "converting a DeepSpeed pipeline-parallel checkpoint to ZeRO is not supported yet; reshard it "
-    "with --to pp=...,dp=... (pipeline_writer.py), or convert it --to torch, dcp or fsdp2"
+    "with --to pp=...,dp=..., or convert it --to torch, dcp or fsdp2"
 )
 PIPELINE_TP = (
     "converting a pipeline x tensor-parallel DeepSpeed checkpoint to ZeRO is not supported yet; "
-    "reshard it with --to tp=...,pp=...,dp=... (pipeline_tp_writer.py)"
+    "reshard it with --to tp=...,pp=...,dp=..."
 )
 MOE = (
     "converting a mixture-of-experts DeepSpeed checkpoint to ZeRO is not supported yet (reshard "
