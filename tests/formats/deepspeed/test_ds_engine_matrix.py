@@ -38,6 +38,7 @@ from ckptkit.formats.deepspeed import pipeline_partition
 from ckptkit.ops.convert import convert
 from ckptkit.ops.reshard import reshard
 from conftest import DATA, ROOT
+from helpers.convert_truth import dm, ds_truth_from_torch
 from helpers.ds_engine_jobs import run_engine_cases
 from helpers.ds_fixtures import DS_DATA, assert_same_pickled, needs_deepspeed
 
@@ -59,6 +60,7 @@ class EngineCase:
     method: str = "uniform"  # pipeline stages: the --partition-method (size is the pp)
     pp: int = 1  # a pipeline of experts or a 3-D layout: the pp (size is its ep or tp)
     save: bool = False  # DeepSpeed saves what it loaded next to the output ("<output>-saved")
+    model: str = ""  # an FSDP2 source: the DeepSpeed fixture whose model and ds_config the engine uses
 
     @property
     def id(self) -> str:
@@ -71,6 +73,17 @@ class EngineCase:
     def argv(self, out: Path) -> list[str]:
         """The check script's options (tests/dist/<check>.py) for the reshard in `out`."""
         base = ["--ckpt", str(out), "--fixture", self.fixture]
+        if self.layout == "from_fsdp2":  # the truth and ds_config write() put next to the output
+            return [
+                "--ckpt",
+                str(out),
+                "--fixture",
+                self.model,
+                "--truth",
+                f"{out}-truth.pt",
+                "--ds-config",
+                f"{out}.json",
+            ]
         if self.layout in ("zero", "zero_optim"):
             return [*base, "--truth", str(self.source.parent / f"{self.fixture}.truth.pt")]
         if self.layout == "zero_via_dcp":  # loaded with the fixture's own optimizer (its ds_config)
@@ -99,6 +112,9 @@ class EngineCase:
         if self.to == "ds-universal":
             convert(str(self.source), str(out), "ds-universal")
             return
+        if self.layout == "from_fsdp2":
+            self.write_from_fsdp2(out)
+            return
         if self.layout == "zero_via_dcp":  # ZeRO -> DCP at 2 -> ZeRO of the fixture's stage at the target
             dcp = out.with_name(f"{out.name}-dcp")
             convert(str(self.source), str(dcp), "dcp", world_size=2)
@@ -112,6 +128,18 @@ class EngineCase:
         finally:
             pipeline_partition.use_partition_method(None)
             pipeline_partition.use_layer_types(None)
+
+    def write_from_fsdp2(self, out: Path) -> None:
+        """convert of the FSDP2 source to ZeRO at the target world size with the model fixture's
+        ds_config at that size ("<out>.json"), and DeepSpeed's truth made from torch's ("<out>-truth.pt")."""
+        import torch
+
+        config = dm.with_world_size(json.loads((DS_DATA / self.model / "ds_config.json").read_text()), self.world)
+        Path(f"{out}.json").write_text(json.dumps(config))
+        convert(str(self.source), str(out), self.to, world_size=self.world, ds_config=f"{out}.json")
+        start = torch.load(self.source.parent / f"{self.fixture}.truth.pt", weights_only=True)
+        truth = ds_truth_from_torch(start, config, {"extra": {"epoch": 3, "note": "hello"}})
+        torch.save(truth, f"{out}-truth.pt")
 
 
 # layout -> (its fixtures' folder, the check of tests/dist that loads it)
@@ -129,6 +157,7 @@ LAYOUTS = {
     "moe_tp_grown": (DATA / "ds_grow_tp" / "moe", "ds_moe_tp_load_check"),
     "universal": (DS_DATA, "ds_universal_load_check"),
     "tp_universal": (DATA / "ds_tp", "ds_tp_universal_load_check"),
+    "from_fsdp2": (DATA / "convert", "ds_load_check"),
 }
 GROW_RULES = str(ROOT / "docs" / "tp_rules.grow.json")
 # the pipeline "type" fixture's partition_method and its layers' class names (fixtures/generate_ds_pp.py
@@ -157,6 +186,10 @@ MATRIX = [
     ),
     # universal checkpoints of ZeRO 2 bf16 and ZeRO 3 fp32, loaded at 3 ranks (saved at 2)
     *(EngineCase("universal", name, "ds-universal", 3) for name in ("z2_bf16_w2", "z3_fp32_w2")),
+    # FSDP2 runs (tests/convert/test_convert_frameworks.py) converted to ZeRO 3 bf16 at 2 ranks (saved at 3)
+    # and to ZeRO 2 fp32 at 3 (saved at 2, tied weights)
+    EngineCase("from_fsdp2", "fsdp2ds_w3", "zero3", 2, model="z3_bf16_w2"),
+    EngineCase("from_fsdp2", "fsdp2ds_w2", "zero2", 3, model="z2_fp32_w2"),
     # experts: spread over more ranks, gathered onto fewer, a second MoE layer, top-2 gating in bf16
     EngineCase("moe", "moe_z2_fp32_w4_k1", "ep=2,dp=2", 2, size=2),
     EngineCase("moe", "moe2_z2_fp32_w2_k1", "ep=1,dp=2", 2, size=1),
@@ -296,6 +329,8 @@ def _assert_engine(r: dict, case: EngineCase) -> None:
         assert r["compared"] >= _least_compared(case), r
     if case.layout in ("zero", "zero_optim", "zero_via_dcp", "moe", "universal"):
         assert r["fixture"] == case.fixture, r
+    if case.layout == "from_fsdp2":
+        assert r["fixture"] == case.model, r
     if case.layout in ("moe", "pp_moe"):
         assert r["ep"] == case.size, r
     if case.layout == "pp_moe":
