@@ -100,6 +100,9 @@ class EngineCase:
             return [*base, "--pp", str(self.pp), "--ep", str(self.size), *save]
         if self.layout == "3d":
             return [*base, "--tp", str(self.size), "--pp", str(self.pp)]
+        if self.layout == "3d_grown":
+            truth = str(self.source.parent / f"{self.fixture}.truth.pt")
+            return [*base, "--tp", str(self.size), "--pp", str(self.pp), "--truth", truth]
         if self.layout == "universal":
             truth = str(self.source.parent / f"{self.fixture}.truth.pt")
             return [*base, "--truth", truth, "--tag", "global_step2_universal"]
@@ -121,7 +124,7 @@ class EngineCase:
             config = str(self.source / "ds_config.json")
             convert(str(dcp), str(out), f"zero{self.fixture[1]}", world_size=int(self.to), ds_config=config)
             return
-        pipeline_partition.use_partition_method(self.method if self.layout in ("pp", "3d") else None)
+        pipeline_partition.use_partition_method(self.method if self.layout in ("pp", "3d", "3d_grown") else None)
         pipeline_partition.use_layer_types(LAYER_TYPES if self.method.startswith("type:") else None)
         try:
             reshard(str(self.source), str(out), self.to, tp_rules=self.rules)
@@ -158,6 +161,7 @@ LAYOUTS = {
     "universal": (DS_DATA, "ds_universal_load_check"),
     "tp_universal": (DATA / "ds_tp", "ds_tp_universal_load_check"),
     "from_fsdp2": (DATA / "convert", "ds_load_check"),
+    "3d_grown": (DATA / "ds_grow_tp" / "pp", "ds_3d_load_check"),
 }
 GROW_RULES = str(ROOT / "docs" / "tp_rules.grow.json")
 # the pipeline "type" fixture's partition_method and its layers' class names (fixtures/generate_ds_pp.py
@@ -215,6 +219,8 @@ MATRIX = [
     EngineCase("moe_tp_grown", "moetp_z2_fp32_tp1_ep2_w2", "tp=4,ep=1,dp=1", 4, size=4, ep=1, rules=GROW_RULES),
     # pp 2 x tp 2 x dp 2 joined into tp 4 (other targets loaded by hand: docs/formats/deepspeed.md)
     EngineCase("3d", "pp2_tp2_dp2_z1_fp32", "tp=4,pp=1,dp=1", 4, size=4, pp=1),
+    # a pipeline saved at tp 1 (pp 2 x dp 2) grown into tp 2 x pp 2 by docs/tp_rules.grow.json
+    EngineCase("3d_grown", "pp2_tp1_dp2_z1_fp32", "tp=2,pp=2,dp=1", 4, size=2, pp=2, rules=GROW_RULES),
     # AutoTP's uneven cut at tp 3, and a grain-size cut joined into one rank
     EngineCase("tp_uneven", "autotp_odd_z1_fp32", "tp=3,dp=1", 3, size=3),
     EngineCase("tp_uneven", "autotp_grain_z1_fp32", "tp=1,dp=2", 2, size=1),
@@ -305,6 +311,15 @@ def _assert_3d(r: dict, case: EngineCase) -> None:
     assert {p["global_steps"] for p in ranks} == {2} and all(p["loss_finite"] for p in ranks)
 
 
+def _assert_3d_grown(r: dict, case: EngineCase) -> None:
+    """ds_3d_load_check.py's result for a grown pipeline: every rank loaded, compared its slice of
+    the truth with no mismatch, and trained a finite step."""
+    ranks = r.get("ranks")
+    assert ranks and [p.get("error") for p in ranks] == [None] * case.world, ranks or r
+    assert all(not p["mismatches"] and p["compared"] > 0 and p["loss_finite"] for p in ranks), ranks
+    assert {p["global_steps"] for p in ranks} == {2}
+
+
 def _assert_saved_equals_ours(r: dict) -> None:
     """What DeepSpeed saved after loading our output (its own files at these sizes) equals our output
     object for object (DeepSpeed's own pickles: fragment_address, ZeroStageEnum)."""
@@ -348,5 +363,7 @@ def test_deepspeed_loads_the_reshard_bit_for_bit_and_trains(engine_results, case
         _assert_pipeline(r, case)
     elif case.layout == "3d":
         _assert_3d(r, case)
+    elif case.layout == "3d_grown":
+        _assert_3d_grown(r, case)
     else:
         _assert_engine(r, case)
