@@ -169,8 +169,7 @@ class Checkpointer:
         if not self.async_save:
             self._write(step, name, overwrite, state, rng_doc, self._group, None)
             return
-        guarded = step_guard.guard(optimizer, self._background, self._guarded)
-        owned = step_guard.owned_storages(optimizer) if guarded else set()  # copied later, before its step
+        owned = step_guard.guard(optimizer, self._background, self._guarded)  # copied later, before its step
         staging = prepare(state, owned, self._background.buffers)
         self._background.buffers = staging.buffers
         group = group_of(self._bg_pg) if self._bg_pg is not None else self._group

@@ -31,19 +31,21 @@ def owned_storages(optimizer: Any) -> set[int]:
     return owned
 
 
-def guard(optimizer: Any, background: BackgroundSave, guarded: weakref.WeakSet) -> bool:
+def guard(optimizer: Any, background: BackgroundSave, guarded: weakref.WeakSet) -> set[int]:
     """Make `optimizer.step()` wait for `background`'s copy in flight; once per optimizer
-    (`guarded` holds those done). The hook holds `background` weakly. False when `optimizer`
-    cannot be guarded (none, no step hooks, nothing to copy, not weakly referable): its tensors
-    are then copied at the call."""
-    if optimizer is None or not owned_storages(optimizer):
-        return False
+    (`guarded` holds those done). The hook holds `background` weakly. Returns the storages whose
+    copy may now wait (owned_storages, walked once per save); empty when `optimizer` cannot be
+    guarded (none, no step hooks, nothing to copy, not weakly referable): its tensors are then
+    copied at the call."""
+    owned = owned_storages(optimizer)
+    if not owned:
+        return set()
     try:
         if optimizer in guarded:
-            return True
+            return owned
         weakref.ref(optimizer)
     except TypeError:
-        return False
+        return set()
     ref = weakref.ref(background)
 
     def wait_for_copy(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -53,7 +55,7 @@ def guard(optimizer: Any, background: BackgroundSave, guarded: weakref.WeakSet) 
 
     optimizer.register_step_pre_hook(wait_for_copy)
     guarded.add(optimizer)
-    return True
+    return owned
 
 
 def _storage(t: torch.Tensor) -> int:
