@@ -101,6 +101,19 @@ def join_verdicts(result: dict, world: int, compared: int, mismatches: list, tra
     return result
 
 
+def load_with_states(engine, ckpt: str) -> None:
+    """`engine.load_checkpoint(ckpt)` with optimizer and scheduler states, refusing to go on when it
+    found nothing; then ZeRO's hp-param links to the optimizer state rebuilt, so that
+    `safe_get_full_optimizer_state` reads the loaded state, not what the engine held before."""
+    path, _ = engine.load_checkpoint(ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"load_checkpoint found nothing in {ckpt}")
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
 def run_check(run, parse_args, pg_timeout: float = 120.0) -> None:
     """A check script's main(): its options, a gloo process group, `run(args, rank, world)`, the
     result written by rank 0, then run_and_leave's exit."""

@@ -14,8 +14,6 @@ layer's split), then runs one train_batch. Rank 0 writes the result.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
@@ -23,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "fixtures"))
+from _checks import run_check  # noqa: E402  (tests/dist, next to this script)
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -93,18 +93,7 @@ def check_case(argv: list[str], rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    args = parse_args()
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
-    world, rank = dist.get_world_size(), dist.get_rank()
-    result = run(args, rank, world)
-    if rank == 0:
-        Path(args.result).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    run_check(run, parse_args, pg_timeout=180)
 
 
 if __name__ == "__main__":

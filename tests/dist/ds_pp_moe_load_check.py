@@ -28,7 +28,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 
-from _checks import join_verdicts, run_check  # noqa: E402  (tests/dist, next to this script)
+from _checks import join_verdicts, load_with_states, run_check  # noqa: E402  (tests/dist, next to this script)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,13 +71,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
     pgroups = split_params_into_different_moe_groups_for_optimizer(
         [{"params": list(model.parameters()), "name": "all"}])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=pgroups, config=gen.ds_config(stage, dtype, dp))
-    path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
-    opt = engine.optimizer
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
+    load_with_states(engine, args.ckpt)
     moes = {n: m for n, m in engine.module.named_modules() if isinstance(m, MoE)}
     ep_rank = groups._get_expert_parallel_rank(next(iter(moes.values())).expert_group_name)
 

@@ -33,7 +33,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "fixtures"))
 
-from _checks import join_verdicts, run_check  # noqa: E402  (tests/dist, next to this script)
+from _checks import join_verdicts, load_with_states, run_check  # noqa: E402  (tests/dist, next to this script)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,13 +93,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict:
     if autotp and tp > 1:
         from deepspeed.utils import groups as ds_groups
         tp_rank = ds_groups.get_tensor_model_parallel_rank()
-    path, _ = engine.load_checkpoint(args.ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise RuntimeError(f"load_checkpoint found nothing in {args.ckpt}")
-    opt = engine.optimizer
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
+    load_with_states(engine, args.ckpt)
 
     def check(what: str, got, want) -> None:
         nonlocal compared
